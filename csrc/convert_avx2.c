@@ -1,0 +1,23 @@
+/* AVX2 + F16C variants of the row conversions in convert.c. */
+#include <immintrin.h>
+
+#include "convert.h"
+
+void ellm_bf16_to_f32_row_avx2(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(w));
+    }
+    for (; i < n; i++) dst[i] = ellm_bf16_to_f32(src[i]);
+}
+
+void ellm_f16_to_f32_row_avx2(const uint16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    }
+    for (; i < n; i++) dst[i] = ellm_f16_to_f32(src[i]);
+}

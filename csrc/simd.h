@@ -1,0 +1,21 @@
+/* Run-time choice of SIMD kernels. One level is active process-wide; every kernel
+ * with SIMD variants asks ellm_simd_level() which to run. */
+#ifndef ELLM_SIMD_H
+#define ELLM_SIMD_H
+
+enum ellm_simd {
+    ELLM_SIMD_SCALAR = 0,
+    ELLM_SIMD_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    ELLM_SIMD_AVX512 = 2, /* AVX-512 F/BW/VL/DQ (+ the AVX2 set) */
+    ELLM_SIMD_NEON = 3,
+};
+
+/* The best level this CPU (and this build) supports. */
+int ellm_simd_best(void);
+/* The level kernels use now. */
+int ellm_simd_level(void);
+/* Forces a level; returns 0, or -1 when the CPU or build lacks it. */
+int ellm_simd_set(int level);
+const char *ellm_simd_name(int level);
+
+#endif

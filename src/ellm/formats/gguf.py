@@ -1,0 +1,228 @@
+"""GGUF files (versions 2 and 3): metadata and tensors as views into a read-only map.
+
+Every length, count and offset read from the file is checked against the file size
+before it is used, so a damaged file raises FormatError instead of reading past the map.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._native._core import MappedFile
+from .errors import FormatError
+from .ggml_types import BLOCK_LAYOUT, GGMLType
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4
+# Bounds that no real file comes near; they stop absurd counts before any allocation.
+MAX_STRING_BYTES = 1 << 30
+MAX_KV_COUNT = 1 << 20
+MAX_TENSOR_COUNT = 1 << 20
+
+# metadata value type -> (struct format, size) for the scalar types
+_SCALARS: dict[int, tuple[str, int]] = {
+    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
+    6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
+}
+_SCALAR_DTYPES: dict[int, str] = {
+    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+    10: "<u8", 11: "<i8", 12: "<f8",
+}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order: the last dimension is contiguous (GGUF's ne[0])
+    qtype: GGMLType
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class _Cursor:
+    """Reads little-endian values from the map, refusing to step past its end."""
+
+    def __init__(self, path: Path, buf: memoryview) -> None:
+        self.path, self.buf, self.pos = path, buf, 0
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise FormatError(self.path, f"truncated: {what} needs {n} bytes at offset {self.pos}, "
+                                         f"file has {len(self.buf)}")
+
+    def scalar(self, vtype: int, what: str) -> Any:
+        fmt, size = _SCALARS[vtype]
+        self.need(size, what)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def u32(self, what: str) -> int:
+        return self.scalar(4, what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar(10, what)
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"{what} length")
+        if n > MAX_STRING_BYTES:
+            raise FormatError(self.path, f"{what} claims {n} bytes")
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            # Some vocabularies hold byte tokens that are not valid UTF-8 on their own.
+            return raw.decode("utf-8", errors="surrogateescape")
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(vtype, what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            return self.array(what)
+        raise FormatError(self.path, f"{what} has unknown value type {vtype}")
+
+    def array(self, what: str) -> Any:
+        etype = self.u32(f"{what} element type")
+        count = self.u64(f"{what} element count")
+        if etype in _SCALAR_DTYPES:
+            size = _SCALARS[etype][1]
+            if count > len(self.buf):
+                raise FormatError(self.path, f"{what} claims {count} elements")
+            self.need(count * size, what)
+            arr = np.frombuffer(self.buf, dtype=_SCALAR_DTYPES[etype], count=count, offset=self.pos)
+            self.pos += count * size
+            return arr
+        if etype in (_STRING, _ARRAY):
+            # each element takes at least 8 bytes (a length or a type+count)
+            if count * 8 > len(self.buf) - self.pos:
+                raise FormatError(self.path, f"{what} claims {count} elements, more than the file holds")
+            return [self.value(etype, f"{what}[{i}]") for i in range(count)]
+        raise FormatError(self.path, f"{what} has unknown element type {etype}")
+
+
+class GGUFFile:
+    """A parsed GGUF file. `metadata` maps keys to values (arrays of numbers are numpy
+    arrays, arrays of strings are lists); `tensors` maps names to TensorInfo."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._map = MappedFile(str(self.path))
+        except OSError as e:
+            raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
+        self._buf = memoryview(self._map)
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._parse()
+
+    @property
+    def file_size(self) -> int:
+        return len(self._buf)
+
+    def _parse(self) -> None:
+        c = _Cursor(self.path, self._buf)
+        c.need(4, "magic")
+        if bytes(self._buf[:4]) != GGUF_MAGIC:
+            raise FormatError(self.path, f"not a GGUF file (magic {bytes(self._buf[:4])!r})")
+        c.pos = 4
+        self.version = c.u32("version")
+        if self.version not in (2, 3):
+            raise FormatError(self.path, f"unsupported GGUF version {self.version} (2 and 3 are)")
+        n_tensors = c.u64("tensor count")
+        n_kv = c.u64("metadata count")
+        if n_tensors > MAX_TENSOR_COUNT or n_kv > MAX_KV_COUNT:
+            raise FormatError(self.path, f"absurd counts: {n_tensors} tensors, {n_kv} metadata keys")
+        for i in range(n_kv):
+            key = c.string(f"metadata key #{i}")
+            vtype = c.u32(f"type of {key!r}")
+            self.metadata[key] = c.value(vtype, f"metadata {key!r}")
+        infos = []
+        for i in range(n_tensors):
+            name = c.string(f"tensor #{i} name")
+            n_dims = c.u32(f"tensor {name!r} rank")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise FormatError(self.path, f"tensor {name!r} has rank {n_dims}")
+            dims = [c.u64(f"tensor {name!r} dim") for _ in range(n_dims)]
+            raw_type = c.u32(f"tensor {name!r} type")
+            offset = c.u64(f"tensor {name!r} offset")
+            infos.append((name, dims, raw_type, offset))
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise FormatError(self.path, f"general.alignment {alignment!r} is not a power of two")
+        self.alignment = alignment
+        self.data_offset = -(-c.pos // alignment) * alignment
+        for name, dims, raw_type, offset in infos:
+            self.tensors[name] = self._check_tensor(name, dims, raw_type, offset)
+
+    def _check_tensor(self, name: str, dims: list[int], raw_type: int, offset: int) -> TensorInfo:
+        try:
+            qtype = GGMLType(raw_type)
+        except ValueError:
+            raise FormatError(self.path, f"tensor {name!r} has unknown type {raw_type}") from None
+        if qtype not in BLOCK_LAYOUT:
+            raise FormatError(self.path, f"tensor {name!r} has unsupported type {qtype.name}")
+        if name in self.tensors:
+            raise FormatError(self.path, f"tensor {name!r} appears twice")
+        if any(d <= 0 for d in dims):
+            raise FormatError(self.path, f"tensor {name!r} has shape {dims}")
+        n = 1
+        for d in dims:
+            n *= d
+            if n > self.file_size * 8:  # even 1-bit weights could not fit
+                raise FormatError(self.path, f"tensor {name!r} shape {dims} is larger than the file")
+        blk, bsize = BLOCK_LAYOUT[qtype]
+        if dims[0] % blk:
+            raise FormatError(self.path, f"tensor {name!r}: row of {dims[0]} is not a whole number "
+                                         f"of {qtype.name} blocks ({blk})")
+        nbytes = n // blk * bsize
+        if offset % self.alignment:
+            raise FormatError(self.path, f"tensor {name!r} offset {offset} is not aligned")
+        start = self.data_offset + offset
+        if start + nbytes > self.file_size:
+            raise FormatError(self.path, f"tensor {name!r} ends at byte {start + nbytes}, past the "
+                                         f"end of the file ({self.file_size})")
+        return TensorInfo(name, tuple(reversed(dims)), qtype, start, nbytes)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a (rows, row_bytes) uint8 view into the map."""
+        info = self.tensors[name]
+        rows = info.n_elements // info.shape[-1]
+        return np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes,
+                             offset=info.offset).reshape(rows, info.nbytes // rows)
+
+    def array(self, name: str) -> np.ndarray:
+        """A plain-dtype tensor (F32, F16, BF16 as uint16, ints) as a zero-copy view."""
+        info = self.tensors[name]
+        dtypes = {GGMLType.F32: "<f4", GGMLType.F16: "<f2", GGMLType.BF16: "<u2",
+                  GGMLType.F64: "<f8", GGMLType.I8: "<i1", GGMLType.I16: "<i2",
+                  GGMLType.I32: "<i4", GGMLType.I64: "<i8"}
+        if info.qtype not in dtypes:
+            raise TypeError(f"{name} is {info.qtype.name}: use raw() or dequantize()")
+        return np.frombuffer(self._buf, dtype=dtypes[info.qtype], count=info.n_elements,
+                             offset=info.offset).reshape(info.shape)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor as a new float32 array of its logical shape."""
+        from .dequant import dequantize
+        info = self.tensors[name]
+        return dequantize(self.raw(name), info.qtype, info.shape)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}, v{self.version}, {len(self.tensors)} tensors)"
