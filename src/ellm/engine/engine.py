@@ -1,0 +1,224 @@
+"""The engine: requests in, one batched forward per step(), text out.
+
+Engine.step() = schedule -> build one Batch for all scheduled sequences -> model.forward
+-> sample the sequences whose logits are due -> detokenize, check stops, finish. Every
+user-facing call (generate, stream, chat, the server) is a loop over step().
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..models.batch import Batch
+from ..sampling_params import SamplingParams
+from .kv_cache import BlockManager, KVCache
+from .sampler import SequenceSampler, sample_batch
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence, SeqStatus, TokenLogprob
+from .stop import StopStringMatcher
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (too long, bad ids); the message says why."""
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = 8192        # prompt + output tokens per sequence
+    max_num_seqs: int = 64           # sequences decoding at once
+    max_batch_tokens: int = 512      # tokens per forward (prefill chunk size)
+    block_size: int = 16
+    kv_cache_tokens: int = 0         # 0: max(max_model_len, 16384)
+    enable_prefix_caching: bool = True
+
+
+class Engine:
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.cfg = cfg = config or EngineConfig()
+        mc = model.config
+        cfg.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
+        total_tokens = cfg.kv_cache_tokens or max(cfg.max_model_len, 16384)
+        num_blocks = -(-total_tokens // cfg.block_size)
+        windows = {mc.layer_window(i) for i in range(mc.num_hidden_layers)} - {0}
+        sliding_blocks = None
+        if windows:  # each running sequence needs at most window + 2 blocks per sliding layer
+            per_seq = -(-max(windows) // cfg.block_size) + 2 + -(-cfg.max_batch_tokens // cfg.block_size)
+            sliding_blocks = min(num_blocks, per_seq * cfg.max_num_seqs)
+        self.kv = KVCache(mc, num_blocks, cfg.block_size, sliding_blocks)
+        self.blocks = BlockManager(self.kv, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batch_tokens)
+        self.seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    # -- requests -----------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        request_id = request_id or self.new_request_id()
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already running")
+        vocab = self.model.config.vocab_size
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise RequestError("the prompt is empty (no tokens)")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
+        limit = self.cfg.max_model_len
+        if len(prompt_ids) >= limit:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context allows "
+                               f"{limit} (prompt + output), so at most {limit - 1} prompt tokens")
+        seq = Sequence(
+            request_id=request_id, prompt_ids=prompt_ids, params=params,
+            sampler=SequenceSampler(params, prompt_ids, vocab),
+            detok=self.tokenizer.incremental(prompt_ids, skip_special_tokens=params.skip_special_tokens),
+            stopper=StopStringMatcher(params.stop or [], params.include_stop_str_in_output),
+            arrival=next(self._arrivals),
+            eos_ids=frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_ids),
+        )
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(prompt_ids)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request now and returns its blocks to the pool."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # -- the step -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan, too_big = self.scheduler.schedule()
+        outputs = [self._finish(seq, "length") for seq in too_big]
+        if not plan:
+            return outputs
+        batch, sampled = self._build_batch(plan)
+        logits = self.model.forward(batch, self.kv)          # (len(sampled), vocab)
+        self.stats["steps"] += 1
+        for seq, n in plan:
+            seq.num_computed += n
+            if seq.num_computed >= len(seq.prompt_ids):
+                self.blocks.cache_prefix(seq.request_id, seq.prompt_ids, seq.num_computed)
+        results = sample_batch([s.sampler for s in sampled], logits)
+        for seq, res in zip(sampled, results):
+            self._append(seq, res)
+            if seq.status is SeqStatus.FINISHED or seq.pending_ids:
+                outputs.append(seq.take_output())
+        return outputs
+
+    def _build_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
+        total = sum(n for _, n in plan)
+        token_ids = np.empty(total, np.int32)
+        positions = np.empty(total, np.int32)
+        seq_ids = np.empty(total, np.int32)
+        rows, sampled = [], []
+        t = 0
+        for b, (seq, n) in enumerate(plan):
+            start = seq.num_computed
+            ids = seq.all_ids
+            token_ids[t:t + n] = ids[start:start + n]
+            positions[t:t + n] = np.arange(start, start + n, dtype=np.int32)
+            seq_ids[t:t + n] = b
+            self.blocks.release_out_of_window(seq.request_id, start)
+            if start + n == seq.num_tokens:
+                rows.append(t + n - 1)
+                sampled.append(seq)
+            t += n
+        tables = {}
+        for w in self.kv.windows:
+            width = max(len(self.blocks.table(seq.request_id, w)) for seq, _ in plan)
+            arr = np.full((len(plan), width), -1, np.int32)
+            for b, (seq, _) in enumerate(plan):
+                tbl = self.blocks.table(seq.request_id, w)
+                arr[b, :len(tbl)] = tbl
+            tables[w] = arr
+        batch = Batch(token_ids, positions, seq_ids, tables, np.asarray(rows, np.int32))
+        return batch, sampled
+
+    def _append(self, seq: Sequence, res: Any) -> None:
+        tok = int(res.token_id)
+        seq.sampler.append(tok)
+        seq.output_ids.append(tok)
+        seq.pending_ids.append(tok)
+        self.stats["generation_tokens"] += 1
+        if seq.params.logprobs is not None:
+            seq.pending_logprobs.append(TokenLogprob(tok, float(res.logprob), res.top_logprobs))
+        if tok in seq.eos_ids:
+            self._emit(seq, seq.stopper.push(seq.detok.flush())[0] + seq.stopper.flush())
+            self._finish(seq, "stop")
+            return
+        piece = seq.detok.push(tok)
+        text, stopped = seq.stopper.push(piece)
+        self._emit(seq, text)
+        if stopped:
+            self._finish(seq, "stop")
+        elif (seq.params.max_tokens is not None and len(seq.output_ids) >= seq.params.max_tokens) \
+                or seq.num_tokens >= self.cfg.max_model_len:
+            self._emit(seq, seq.stopper.push(seq.detok.flush())[0] + seq.stopper.flush())
+            self._finish(seq, "length")
+
+    def _emit(self, seq: Sequence, text: str) -> None:
+        seq.text += text
+        seq.pending_text += text
+
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        return seq.take_output()
+
+    # -- direct model access ----------------------------------------------------------
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Logits at every position of ids (vocab per row), computed in prefill chunks."""
+        key = ("logits", next(self._ids))
+        n = len(ids)
+        if n == 0:
+            raise RequestError("logits() needs at least one token")
+        if n > self.cfg.max_model_len:
+            raise RequestError(f"{n} tokens exceed the context of {self.cfg.max_model_len}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        out = np.empty((n, vocab), np.float32)
+        try:
+            if not self.blocks.allocate(key, n):
+                raise RequestError(f"{n} tokens do not fit in the KV cache")
+            chunk = self.cfg.max_batch_tokens
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                self.blocks.release_out_of_window(key, s)
+                tables = {w: np.asarray([self.blocks.table(key, w)], np.int32) for w in self.kv.windows}
+                batch = Batch.single(np.asarray(ids[s:e], np.int32), s, tables, all_logits=True)
+                out[s:e] = self.model.forward(batch, self.kv)
+        finally:
+            self.blocks.free(key)
+        return out

@@ -1,0 +1,77 @@
+"""One request's state as the engine runs it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas), plus its totals so far."""
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None            # "stop" | "length" | "abort" | None
+    prompt_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: Any
+    detok: Any
+    stopper: Any
+    arrival: int
+    eos_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0        # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0   # prompt tokens served from the prefix cache
+    finish_reason: str | None = None
+    pending_text: str = ""
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+    def take_output(self) -> RequestOutput:
+        out = RequestOutput(self.request_id, self.pending_text, self.pending_ids, self.text,
+                            list(self.output_ids), self.status is SeqStatus.FINISHED,
+                            self.finish_reason, self.prompt_ids, self.pending_logprobs,
+                            self.num_cached_tokens)
+        self.pending_text, self.pending_ids, self.pending_logprobs = "", [], []
+        return out

@@ -1,0 +1,161 @@
+"""safetensors files and sharded folders, as zero-copy numpy views into read-only maps.
+
+Layout: an 8-byte little-endian header length N, N bytes of JSON naming each tensor's
+dtype, shape and [begin, end) byte range relative to the end of the header, then the data.
+Everything in the header is checked against the file size before any view is made.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .._native._core import MappedFile
+from .errors import FormatError
+
+# safetensors dtype -> (numpy dtype of the stored bits, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "F32": ("<f4", 4), "F16": ("<u2", 2), "BF16": ("<u2", 2), "F64": ("<f8", 8),
+    "I64": ("<i8", 8), "I32": ("<i4", 4), "I16": ("<i2", 2), "I8": ("<i1", 1),
+    "U8": ("<u1", 1), "BOOL": ("?", 1),
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SafeTensorInfo:
+    name: str
+    dtype: str           # safetensors dtype name: "F32", "BF16", ...
+    shape: tuple[int, ...]
+    offset: int          # absolute byte offset in the file
+    nbytes: int
+
+
+class SafetensorsFile:
+    """One .safetensors file. `tensors` maps names to SafeTensorInfo; `array(name)` is a view.
+
+    F16 and BF16 tensors are returned as uint16 bit patterns (numpy has no bf16);
+    `dtype` in the info says which.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._map = MappedFile(str(self.path))
+        except OSError as e:
+            raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
+        self._buf = memoryview(self._map)
+        self.metadata: dict[str, str] = {}
+        self.tensors: dict[str, SafeTensorInfo] = {}
+        self._parse()
+
+    def _parse(self) -> None:
+        size = len(self._buf)
+        if size < 8:
+            raise FormatError(self.path, f"truncated: {size} bytes, need at least 8 for the header length")
+        (n,) = struct.unpack_from("<Q", self._buf, 0)
+        if n > size - 8 or n > MAX_HEADER_BYTES:
+            raise FormatError(self.path, f"header length {n} exceeds the file ({size} bytes)")
+        try:
+            header = json.loads(bytes(self._buf[8:8 + n]).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FormatError(self.path, f"header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise FormatError(self.path, "header is not a JSON object")
+        data_start = 8 + n
+        data_size = size - data_start
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise FormatError(self.path, "__metadata__ is not an object")
+        self.metadata = {str(k): str(v) for k, v in meta.items()}
+        spans = []
+        for name, entry in header.items():
+            info = self._check_entry(name, entry, data_start, data_size)
+            self.tensors[name] = info
+            spans.append((info.offset, info.offset + info.nbytes, name))
+        spans.sort()
+        for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise FormatError(self.path, f"tensors {n0!r} and {n1!r} overlap")
+
+    def _check_entry(self, name: str, entry: object, data_start: int, data_size: int) -> SafeTensorInfo:
+        if not isinstance(entry, dict):
+            raise FormatError(self.path, f"tensor {name!r}: entry is not an object")
+        dtype = entry.get("dtype")
+        if dtype not in DTYPES:
+            raise FormatError(self.path, f"tensor {name!r}: unknown dtype {dtype!r}")
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise FormatError(self.path, f"tensor {name!r}: bad shape {shape!r}")
+        offsets = entry.get("data_offsets")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise FormatError(self.path, f"tensor {name!r}: bad data_offsets {offsets!r}")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size:
+            raise FormatError(self.path, f"tensor {name!r}: data_offsets {offsets} outside the data "
+                                         f"section ({data_size} bytes)")
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = DTYPES[dtype][1]
+        if count * itemsize != end - begin:
+            raise FormatError(self.path, f"tensor {name!r}: shape {shape} x {dtype} needs "
+                                         f"{count * itemsize} bytes, data_offsets span {end - begin}")
+        return SafeTensorInfo(name, dtype, tuple(shape), data_start + begin, end - begin)
+
+    def array(self, name: str) -> np.ndarray:
+        info = self.tensors[name]
+        np_dtype, itemsize = DTYPES[info.dtype]
+        return np.frombuffer(self._buf, dtype=np_dtype, count=info.nbytes // itemsize,
+                             offset=info.offset).reshape(info.shape)
+
+
+class SafetensorsFolder:
+    """All the safetensors of a model folder (one file, or shards listed by an index)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise FormatError(index, f"invalid index ({e})") from None
+            shard_names = sorted(set(weight_map.values()))
+        else:
+            shard_names = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            weight_map = None
+        if not shard_names:
+            raise FormatError(self.folder, "no .safetensors files")
+        self.files: dict[str, SafetensorsFile] = {}
+        for shard in shard_names:
+            if Path(shard).name != shard:
+                raise FormatError(index, f"shard name {shard!r} is not a plain file name")
+            self.files[shard] = SafetensorsFile(self.folder / shard)
+        self.location: dict[str, SafetensorsFile] = {}
+        for f in self.files.values():
+            for name in f.tensors:
+                if name in self.location:
+                    raise FormatError(f.path, f"tensor {name!r} also appears in {self.location[name].path.name}")
+                self.location[name] = f
+        if weight_map is not None:
+            missing = [n for n, shard in weight_map.items() if n not in self.files[shard].tensors]
+            if missing:
+                raise FormatError(index, f"index lists tensors its shards lack: {missing[:3]}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.location
+
+    def names(self) -> list[str]:
+        return list(self.location)
+
+    def info(self, name: str) -> SafeTensorInfo:
+        return self.location[name].tensors[name]
+
+    def array(self, name: str) -> np.ndarray:
+        return self.location[name].array(name)

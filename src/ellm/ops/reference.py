@@ -1,0 +1,168 @@
+"""Plain NumPy definitions of every op the models use.
+
+These are the specification: the C kernels (ops/cpu.py) and the CUDA kernels must agree
+with them, and the kernel tests compare against them. They are written for clarity, not
+speed (loops over sequences are fine here, never in the fast backends).
+
+Shapes: T tokens in the batch (all sequences' new tokens, concatenated), H hidden size,
+nh query heads, nkv key/value heads, hd head dim. The paged KV cache of one layer is a
+pair of arrays (num_blocks, block_size, nkv, hd); a sequence's block table lists the
+physical blocks holding its positions 0, block_size, 2*block_size, ...
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (..., H) f32, weight (H,) -> x / sqrt(mean(x^2) + eps) * weight, in f32."""
+    x = x.astype(np.float32)
+    var = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return (x / np.sqrt(var + np.float32(eps))) * weight.astype(np.float32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """Llama MLP activation: silu(gate) * up."""
+    return silu(gate) * up
+
+
+def geglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """Gemma MLP activation: gelu_tanh(gate) * up."""
+    return gelu_tanh(gate) * up
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap); cap <= 0 means no capping."""
+    if cap <= 0:
+        return x
+    return np.float32(cap) * np.tanh(x / np.float32(cap))
+
+
+def rope_angles(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """positions (T,), inv_freq (hd/2,) -> cos, sin (T, hd/2), computed in f32 like transformers."""
+    ang = positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+    return np.cos(ang), np.sin(ang)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
+    """Rotary embedding on x (T, n_heads, hd).
+
+    interleaved=False (transformers' rotate_half): pairs (i, i + hd/2).
+    interleaved=True (GGUF llama weights, whose Q/K rows the converter permuted): pairs (2i, 2i+1).
+    """
+    cos, sin = rope_angles(positions, inv_freq)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = b * cos + a * sin
+        return out
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def rope_attention(
+    q: np.ndarray,             # (T, nh, hd)
+    k: np.ndarray,             # (T, nkv, hd)
+    v: np.ndarray,             # (T, nkv, hd)
+    positions: np.ndarray,     # (T,) int32: each token's position in its sequence
+    seq_ids: np.ndarray,       # (T,) int32: each token's row in block_tables
+    block_tables: np.ndarray,  # (B, max_blocks) int32, -1 where unused
+    k_cache: np.ndarray,       # (num_blocks, block_size, nkv, hd), updated in place
+    v_cache: np.ndarray,       # (num_blocks, block_size, nkv, hd), updated in place
+    inv_freq: np.ndarray,      # (hd/2,) f32
+    interleaved: bool,
+    scale: float,
+    window: int = 0,           # > 0: a token at position p sees positions > p - window
+    softcap_value: float = 0.0,
+) -> np.ndarray:
+    """RoPE on q and k, k/v written to the paged cache, then causal attention. -> (T, nh, hd).
+
+    All of this step's k/v are written before any attention is computed, so a token sees
+    every earlier token of its sequence, whether cached before or new in this batch.
+    """
+    T, nh, hd = q.shape
+    nkv = k.shape[1]
+    group = nh // nkv
+    block_size = k_cache.shape[1]
+    q = rope(q, positions, inv_freq, interleaved)
+    k = rope(k, positions, inv_freq, interleaved)
+    for t in range(T):
+        blk = block_tables[seq_ids[t], positions[t] // block_size]
+        k_cache[blk, positions[t] % block_size] = k[t]
+        v_cache[blk, positions[t] % block_size] = v[t]
+    out = np.empty_like(q)
+    for t in range(T):
+        p = int(positions[t])
+        lo = max(0, p - window + 1) if window > 0 else 0
+        pos = np.arange(lo, p + 1)
+        table = block_tables[seq_ids[t]]
+        keys = k_cache[table[pos // block_size], pos % block_size]    # (L, nkv, hd)
+        vals = v_cache[table[pos // block_size], pos % block_size]
+        for h in range(nh):
+            s = keys[:, h // group, :] @ q[t, h] * np.float32(scale)  # (L,)
+            s = softcap(s, softcap_value)
+            w = np.exp(s - s.max())
+            out[t, h] = (w / w.sum()) @ vals[:, h // group, :]
+    return out
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (T, K) @ w (N, K)^T -> (T, N), w already float."""
+    return x.astype(np.float32) @ w.astype(np.float32).T
+
+
+class ReferenceOps:
+    """The model op set in plain NumPy (slow): the oracle the fast backends are tested against."""
+
+    name = "reference"
+
+    def embed(self, w: "Linear", ids: np.ndarray) -> np.ndarray:
+        from ..formats.dequant import dequantize
+        rows = w.data[np.asarray(ids, dtype=np.int64)]
+        return dequantize(np.ascontiguousarray(rows), w.qtype, (len(ids), w.in_features))
+
+    def linear(self, x: np.ndarray, w: "Linear") -> np.ndarray:
+        from ..formats.dequant import dequantize
+        return linear(x, dequantize(w.data, w.qtype, (w.out_features, w.in_features)))
+
+    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        return rmsnorm(x, weight, eps)
+
+    def add_rmsnorm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        residual += x
+        return rmsnorm(residual, weight, eps)
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        a += b
+        return a
+
+    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return swiglu(gate, up)
+
+    def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return geglu(gate, up)
+
+    def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        x[...] = softcap(x, cap)
+        return x
+
+    def scale(self, x: np.ndarray, s: float) -> np.ndarray:
+        x *= np.float32(s)
+        return x
+
+    def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
+                       inv_freq, interleaved, scale, window=0, softcap_value=0.0):
+        return rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
+                              inv_freq, interleaved, scale, window, softcap_value)
