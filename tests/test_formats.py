@@ -1,0 +1,229 @@
+"""Parsers trust nothing: malformed safetensors and GGUF files raise FormatError, never crash."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ellm.formats.errors import FormatError
+from ellm.formats.ggml_types import GGMLType
+from ellm.formats.gguf import GGUFFile
+from ellm.formats.safetensors import SafetensorsFile, SafetensorsFolder
+
+
+# -- small valid files ------------------------------------------------------------------
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]], header_extra: dict | None = None) -> None:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name, (dtype, arr) in tensors.items():
+        raw = arr.tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    header.update(header_extra or {})
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def small_safetensors(path: Path) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, 6)).astype(np.float32)
+    b = rng.standard_normal((3,)).astype(np.float32)
+    c = (rng.standard_normal((2, 5)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    write_safetensors(path, {"a": ("F32", a), "b": ("F32", b), "c": ("BF16", c)})
+    return {"a": a, "b": b, "c": c}
+
+
+def small_gguf(path: Path) -> dict[str, np.ndarray]:
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(1)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("test.u32", 7)
+    w.add_int64("test.i64", -5)
+    w.add_float32("test.f32", 0.5)
+    w.add_float64("test.f64", 0.25)
+    w.add_bool("test.bool", True)
+    w.add_string("test.str", "héllo")
+    w.add_array("test.arr_i", [1, 2, 3])
+    w.add_array("test.arr_s", ["a", "bc", ""])
+    a = rng.standard_normal((4, 32)).astype(np.float32)
+    h = rng.standard_normal((2, 64)).astype(np.float16)
+    w.add_tensor("a", a)
+    w.add_tensor("h", h)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"a": a, "h": h}
+
+
+# -- safetensors --------------------------------------------------------------------------
+
+def test_safetensors_roundtrip(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    want = small_safetensors(p)
+    f = SafetensorsFile(p)
+    assert f.metadata == {"format": "pt"}
+    for name, arr in want.items():
+        np.testing.assert_array_equal(f.array(name), arr)
+    assert not f.array("a").flags.writeable  # a view into the read-only map
+    assert f.array("a").base is not None
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda b: b[:5], "truncated"),
+    (lambda b: struct.pack("<Q", 1 << 40) + b[8:], "header length"),
+    (lambda b: b[:8] + b"{not json" + b[17:], "JSON"),
+    (lambda b: b[:-8], "outside"),
+])
+def test_safetensors_bad_files(tmp_path: Path, mutate, needle: str) -> None:
+    p = tmp_path / "m.safetensors"
+    small_safetensors(p)
+    p.write_bytes(mutate(p.read_bytes()))
+    with pytest.raises(FormatError, match=needle) as e:
+        SafetensorsFile(p)
+    assert str(p) in str(e.value)
+
+
+@pytest.mark.parametrize("entry,needle", [
+    ({"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}, "unknown dtype"),
+    ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}, "bad shape"),
+    ({"dtype": "F32", "shape": [1 << 62, 1 << 62], "data_offsets": [0, 8]}, "needs"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 1 << 50]}, "outside"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "outside"),
+    ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "needs"),
+    ({"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}, "bad shape"),
+    ("nope", "not an object"),
+])
+def test_safetensors_bad_entries(tmp_path: Path, entry, needle: str) -> None:
+    p = tmp_path / "m.safetensors"
+    h = json.dumps({"x": entry}).encode()
+    p.write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * 8)
+    with pytest.raises(FormatError, match=needle):
+        SafetensorsFile(p)
+
+
+def test_safetensors_overlap_and_sharded_index(tmp_path: Path) -> None:
+    p = tmp_path / "o.safetensors"
+    h = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                    "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}).encode()
+    p.write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * 12)
+    with pytest.raises(FormatError, match="overlap"):
+        SafetensorsFile(p)
+    p.unlink()
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    a = np.arange(6, dtype=np.float32)
+    write_safetensors(folder / "model-00001-of-00002.safetensors", {"a": ("F32", a)})
+    write_safetensors(folder / "model-00002-of-00002.safetensors", {"b": ("F32", a * 2)})
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    st = SafetensorsFolder(folder)
+    np.testing.assert_array_equal(st.array("b"), a * 2)
+    index["weight_map"]["c"] = "../../etc/passwd"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FormatError):
+        SafetensorsFolder(folder)
+
+
+# -- GGUF -----------------------------------------------------------------------------------
+
+def test_gguf_roundtrip(tmp_path: Path) -> None:
+    p = tmp_path / "m.gguf"
+    want = small_gguf(p)
+    g = GGUFFile(p)
+    m = g.metadata
+    assert m["test.u32"] == 7 and m["test.i64"] == -5 and m["test.f32"] == 0.5 and m["test.f64"] == 0.25
+    assert m["test.bool"] is True and m["test.str"] == "héllo"
+    assert list(m["test.arr_i"]) == [1, 2, 3] and m["test.arr_s"] == ["a", "bc", ""]
+    assert g.tensors["a"].qtype == GGMLType.F32 and g.tensors["a"].shape == (4, 32)
+    np.testing.assert_array_equal(g.array("a"), want["a"])
+    np.testing.assert_array_equal(g.array("h"), want["h"])
+
+
+def test_gguf_bad_headers(tmp_path: Path) -> None:
+    p = tmp_path / "m.gguf"
+    small_gguf(p)
+    good = p.read_bytes()
+    cases = {
+        b"GGUX" + good[4:]: "not a GGUF",
+        good[:4] + struct.pack("<I", 9) + good[8:]: "version",
+        good[:8] + struct.pack("<Q", 1 << 40) + good[16:]: "absurd",
+        good[:30]: "truncated",
+        good[: len(good) - 16]: "past the end",
+        b"": "truncated",
+    }
+    for data, needle in cases.items():
+        p.write_bytes(data)
+        with pytest.raises(FormatError, match=needle):
+            GGUFFile(p)
+
+
+def test_missing_file_is_a_format_error(tmp_path: Path) -> None:
+    with pytest.raises(FormatError, match="cannot open"):
+        GGUFFile(tmp_path / "nope.gguf")
+    with pytest.raises(FormatError, match="cannot open"):
+        SafetensorsFile(tmp_path)  # a directory
+
+
+EXTREMES = [0, 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1]
+
+
+def _fuzz(tmp_path: Path, good: bytes, parse, touch, n: int, seed: int) -> tuple[int, int]:
+    rng = np.random.default_rng(seed)
+    ok = failed = 0
+    p = tmp_path / "fuzz.bin"
+    for _ in range(n):
+        data = bytearray(good)
+        kind = rng.integers(4)
+        if kind == 0:  # flip random bytes
+            for i in rng.integers(0, len(data), size=rng.integers(1, 8)):
+                data[i] = int(rng.integers(256))
+        elif kind == 1:  # truncate
+            data = data[: int(rng.integers(0, len(data)))]
+        elif kind == 2:  # overwrite an 8-byte word with an extreme value
+            i = int(rng.integers(0, max(1, len(data) - 8)))
+            data[i:i + 8] = struct.pack("<Q", EXTREMES[int(rng.integers(len(EXTREMES)))])
+        else:  # splice a chunk elsewhere
+            i, j = sorted(int(x) for x in rng.integers(0, len(data), size=2))
+            data = data[:i] + data[j:] + data[i:j]
+        p.write_bytes(bytes(data))
+        try:
+            f = parse(p)
+        except FormatError:
+            failed += 1
+            continue
+        touch(f)
+        ok += 1
+    return ok, failed
+
+
+def test_fuzz_gguf(tmp_path: Path) -> None:
+    src = tmp_path / "m.gguf"
+    small_gguf(src)
+
+    def touch(g: GGUFFile) -> None:
+        for name, info in g.tensors.items():
+            if info.qtype in (GGMLType.F32, GGMLType.F16):
+                g.array(name).reshape(-1).view(np.uint8).sum()
+            g.raw(name).sum()
+
+    ok, failed = _fuzz(tmp_path, src.read_bytes(), GGUFFile, touch, 3000, seed=2)
+    assert failed > 500 and ok + failed == 3000
+
+
+def test_fuzz_safetensors(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    small_safetensors(src)
+
+    def touch(f: SafetensorsFile) -> None:
+        for name in f.tensors:
+            f.array(name).reshape(-1).view(np.uint8).sum()
+
+    ok, failed = _fuzz(tmp_path, src.read_bytes(), SafetensorsFile, touch, 3000, seed=3)
+    assert failed > 500 and ok + failed == 3000
