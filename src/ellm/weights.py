@@ -87,6 +87,9 @@ def gguf_to_hf_name(name: str, arch: str) -> str | None:
 class WeightSource:
     """Tensors by Hugging Face name, from a GGUF file or a safetensors folder."""
 
+    # llama.cpp's converter stores Gemma's RMSNorm weights with the +1 already added.
+    norm_weights_include_one = False
+
     def __init__(self, path: Path, names: dict[str, str]) -> None:
         self.path = path
         self._names = names  # HF name -> name in the file
@@ -109,6 +112,8 @@ class WeightSource:
 
 
 class GGUFWeights(WeightSource):
+    norm_weights_include_one = True
+
     def __init__(self, gguf: GGUFFile) -> None:
         arch = gguf.metadata.get("general.architecture", "")
         names = {}

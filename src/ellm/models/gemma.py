@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ModelConfig
-from ..weights import GGUFWeights, Linear, WeightSource
+from ..weights import Linear, WeightSource
 from .batch import Batch
 
 
@@ -41,8 +41,7 @@ class GemmaModel:
     def __init__(self, config: ModelConfig, weights: WeightSource, ops: Any) -> None:
         self.config, self.ops = config, ops
         c = config
-        # llama.cpp's converter stores Gemma norm weights with the +1 already added.
-        offset = np.float32(0.0 if isinstance(weights, GGUFWeights) else 1.0)
+        offset = np.float32(0.0 if weights.norm_weights_include_one else 1.0)
 
         def norm(name: str) -> np.ndarray:
             return (weights.vector(name) + offset).astype(np.float32)
