@@ -1,0 +1,221 @@
+"""ellm against llama.cpp (llama-cpp-python) and transformers, side by side on one machine.
+
+Same GGUF file, same prompt token ids, same thread count, greedy. Each engine runs in its
+own subprocess (so peak RSS is its own); rounds alternate the engines' order and the
+table reports medians and ratios ellm / peer.
+
+    python benchmarks/vs_llamacpp.py --models smollm2-135m-instruct gemma-3-270m --rounds 5
+    python benchmarks/vs_llamacpp.py --install-llamacpp   # builds llama-cpp-python in benchmarks/.venv-llamacpp
+
+transformers (torch CPU) runs on the dequantized f32 folder when --hf-python points at a
+Python with transformers and the folder exists (tests/goldens/make.py --folders makes it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LLAMACPP_VENV = HERE / ".venv-llamacpp"
+LLAMACPP_VERSION = "0.3.36"
+TASKS = ("prefill128", "prefill512", "decode128")
+
+
+# -- workers (run in a subprocess each) ------------------------------------------------
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def worker_ellm(model: str, threads: int, ids: list[int]) -> dict:
+    import ellm
+    from ellm._native import _kernels
+    from ellm.sampling_params import SamplingParams
+    _kernels.set_num_threads(threads)
+    llm = ellm.load(model, progress=False, max_model_len=2048)
+    llm.engine.blocks.enable_prefix_caching = False
+    greedy1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(ids[:16], greedy1)  # warm-up: pages in the weights
+    out = {}
+    for n in (128, 512):
+        t0 = time.perf_counter()
+        llm.generate(ids[:n], greedy1)
+        out[f"prefill{n}"] = n / (time.perf_counter() - t0)
+    params = SamplingParams(temperature=0.0, max_tokens=129, ignore_eos=True)
+    rid = llm.engine.add_request(ids[:16], params)
+    stamps = []
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            if o.request_id == rid and o.new_token_ids:
+                stamps.append(time.perf_counter())
+    out["decode128"] = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    out["rss_mb"] = _peak_rss_mb()
+    return out
+
+
+def worker_llamacpp(model: str, threads: int, ids: list[int]) -> dict:
+    from llama_cpp import Llama
+    llm = Llama(model_path=model, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
+    sampler = llm._init_sampler(top_k=1, temp=0.0)
+
+    def prefill(toks: list[int]) -> None:
+        llm.reset()
+        llm.eval(toks)
+        sampler.sample(llm._ctx, -1)
+
+    prefill(ids[:16])
+    out = {}
+    for n in (128, 512):
+        t0 = time.perf_counter()
+        prefill(ids[:n])
+        out[f"prefill{n}"] = n / (time.perf_counter() - t0)
+    prefill(ids[:16])
+    tok = sampler.sample(llm._ctx, -1)
+    t0 = time.perf_counter()
+    for _ in range(128):
+        llm.eval([tok])
+        tok = sampler.sample(llm._ctx, -1)
+    out["decode128"] = 128 / (time.perf_counter() - t0)
+    out["rss_mb"] = _peak_rss_mb()
+    return out
+
+
+def worker_transformers(folder: str, threads: int, ids: list[int]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    out = {}
+    with torch.no_grad():
+        model(torch.tensor([ids[:16]]))
+        for n in (128, 512):
+            t0 = time.perf_counter()
+            model(torch.tensor([ids[:n]]))
+            out[f"prefill{n}"] = n / (time.perf_counter() - t0)
+        res = model(torch.tensor([ids[:16]]), use_cache=True)
+        past, tok = res.past_key_values, res.logits[0, -1].argmax()
+        steps = 32  # transformers decodes ~10 tok/s here: fewer steps keep a round short
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            res = model(tok.view(1, 1), past_key_values=past, use_cache=True)
+            past, tok = res.past_key_values, res.logits[0, -1].argmax()
+        out["decode128"] = steps / (time.perf_counter() - t0)
+    out["rss_mb"] = _peak_rss_mb()
+    return out
+
+
+WORKERS = {"ellm": worker_ellm, "llama.cpp": worker_llamacpp, "transformers": worker_transformers}
+
+
+# -- driver -------------------------------------------------------------------------------
+
+def install_llamacpp() -> Path:
+    py = LLAMACPP_VENV / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(LLAMACPP_VENV)], check=True)
+    print(f"building llama-cpp-python=={LLAMACPP_VERSION} from source (about 15 minutes on 2 cores)...")
+    subprocess.run([str(py), "-m", "pip", "install", f"llama-cpp-python=={LLAMACPP_VERSION}"], check=True)
+    return py
+
+
+def run_worker(python: str, engine: str, model: str, threads: int, ids_file: Path) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
+    cmd = [python, str(Path(__file__).resolve()), "--worker", engine, "--model", model,
+           "--threads", str(threads), "--ids-file", str(ids_file)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"{engine} worker failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def bench_model(name: str, args: argparse.Namespace) -> list[str]:
+    import ellm
+    from ellm import hub
+    from ellm.bench import bench_prompt
+    resolved = hub.resolve(name)
+    llm = ellm.load(name, progress=False, max_model_len=2048)
+    ids = bench_prompt(llm, 512)
+    del llm
+    ids_file = HERE / f".ids-{name}.json"
+    ids_file.write_text(json.dumps(ids))
+    engines = {"ellm": (sys.executable, str(resolved.path))}
+    if args.llamacpp_python:
+        engines["llama.cpp"] = (args.llamacpp_python, str(resolved.path))
+    hf_folder = hub.cache_dir() / "hf" / f"{name}-f32"
+    if args.hf_python and hf_folder.exists():
+        engines["transformers"] = (args.hf_python, str(hf_folder))
+    results: dict[str, list[dict]] = {e: [] for e in engines}
+    order = list(engines)
+    for r in range(args.rounds):
+        for engine in (order if r % 2 == 0 else order[::-1]):
+            if loadavg() > args.max_load:
+                print(f"  (load average {loadavg():.1f}: results of this run may be disturbed)")
+            res = run_worker(engines[engine][0], engine, engines[engine][1], args.threads, ids_file)
+            results[engine].append(res)
+            print(f"  round {r + 1} {engine:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in res.items()),
+                  flush=True)
+    ids_file.unlink()
+    med = {e: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for e, runs in results.items()}
+    lines = [f"### {name} ({args.threads} threads, medians of {args.rounds} rounds)", "",
+             "| engine | prefill tok/s @128 | prefill tok/s @512 | decode tok/s (128 new) | peak RSS MB |",
+             "| --- | --- | --- | --- | --- |"]
+    for e, m in med.items():
+        lines.append(f"| {e} | {m['prefill128']:.1f} | {m['prefill512']:.1f} | {m['decode128']:.1f} | "
+                     f"{m['rss_mb']:.0f} |")
+    for peer in engines:
+        if peer == "ellm":
+            continue
+        m, p = med["ellm"], med[peer]
+        lines.append(f"| ellm / {peer} | {m['prefill128'] / p['prefill128']:.2f}x | "
+                     f"{m['prefill512'] / p['prefill512']:.2f}x | {m['decode128'] / p['decode128']:.2f}x | "
+                     f"{m['rss_mb'] / p['rss_mb']:.2f}x |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--llamacpp-python", default=None,
+                    help=f"a Python with llama-cpp-python (default: {LLAMACPP_VENV}/bin/python if present)")
+    ap.add_argument("--install-llamacpp", action="store_true", help="build llama-cpp-python into its own venv")
+    ap.add_argument("--hf-python", default=None, help="a Python with torch + transformers")
+    ap.add_argument("--max-load", type=float, default=0.5)
+    ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--ids-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        ids = json.loads(Path(args.ids_file).read_text())
+        print(json.dumps(WORKERS[args.worker](args.model, args.threads, ids)))
+        return 0
+    if args.install_llamacpp:
+        args.llamacpp_python = str(install_llamacpp())
+    elif args.llamacpp_python is None and (LLAMACPP_VENV / "bin" / "python").exists():
+        args.llamacpp_python = str(LLAMACPP_VENV / "bin" / "python")
+    if args.llamacpp_python is None:
+        print("llama.cpp not found: pass --llamacpp-python or --install-llamacpp; running ellm alone")
+    report = []
+    for name in args.models:
+        print(f"== {name}")
+        report += bench_model(name, args) + [""]
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
