@@ -1,14 +1,390 @@
-/* Placeholder pool: runs every chunk on the calling thread. Replaced by the real pool. */
+/* The worker pool behind ellm_parallel_for: persistent threads, dynamic chunk claiming.
+ *
+ * Why dynamic claiming: on a small shared machine another process can take a core at
+ * any moment. A static split followed by a barrier (OpenMP / llama.cpp style) then waits
+ * for the descheduled thread's whole share; here every chunk is claimed from one atomic
+ * counter, so a descheduled thread delays only the chunk it holds and the others (the
+ * caller included) take the rest.
+ *
+ * Protocol, for one job:
+ *   caller : publish job fields, set `ticket` = (job id << 32 | 0), bump `gen`, wake
+ *            sleepers; claim chunks like a worker; wait until `done` == n_chunks.
+ *   worker : wait for `gen` to change (spin for spin_us, then sleep on a futex); claim
+ *            chunk indices by CAS on `ticket` until they run out; count each in `done`.
+ * The ticket carries the job id so that a worker still holding a stale view of an
+ * earlier job can never claim a chunk of the next one: the job fields are written under
+ * a seqlock (the ticket's chunk index is CLOSED while they change), and a claim is only
+ * valid if the CAS sees exactly the ticket value the fields were read under.
+ *
+ * One job runs at a time (pool_lock); a second concurrent caller, a nested call from
+ * inside a task, and any call with a single chunk run serially on the calling thread.
+ * After fork() the child has no workers; the atfork handler resets the pool so the
+ * first call in the child starts fresh ones.
+ */
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE
+#endif
 #include "threadpool.h"
 
-static int n_threads = 1;
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+#include <unistd.h>
 
-void ellm_parallel_for(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx) {
-    if (n <= 0) return;
-    if (grain < 1) grain = 1;
-    for (int64_t b = 0; b < n; b += grain) fn(ctx, b, b + grain < n ? b + grain : n, 0);
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#define ELLM_HAVE_FUTEX 1
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+enum { MAX_THREADS = 256 };
+#define MAX_CHUNKS ((int64_t)1 << 30)
+#define CLOSED 0xffffffffu /* ticket chunk index while the job fields are being written */
+
+/* ============================== sleeping and waking ============================== */
+
+#ifdef ELLM_HAVE_FUTEX
+/* Sleeps while *w == expected (spurious returns are fine: callers loop). */
+static void word_wait(atomic_uint *w, unsigned expected) {
+    syscall(SYS_futex, (unsigned *)w, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+}
+static void word_wake(atomic_uint *w, int count) {
+    syscall(SYS_futex, (unsigned *)w, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0);
+}
+#else
+/* Portable fallback: one mutex + condvar for every word; wakes everyone. */
+static pthread_mutex_t sleep_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;
+static void word_wait(atomic_uint *w, unsigned expected) {
+    pthread_mutex_lock(&sleep_mu);
+    while (atomic_load(w) == expected) pthread_cond_wait(&sleep_cv, &sleep_mu);
+    pthread_mutex_unlock(&sleep_mu);
+}
+static void word_wake(atomic_uint *w, int count) {
+    (void)w;
+    (void)count;
+    pthread_mutex_lock(&sleep_mu);
+    pthread_cond_broadcast(&sleep_cv);
+    pthread_mutex_unlock(&sleep_mu);
+}
+#endif
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-int ellm_num_threads(void) { return n_threads; }
+/* ================================== pool state ================================== */
 
-void ellm_set_num_threads(int n) { n_threads = 1; (void)n; }
+/* Hot words on their own cache lines: the ticket and done counter are hit by every
+ * claim, gen is polled by every spinning worker. */
+static struct {
+    _Alignas(64) _Atomic uint64_t ticket; /* (job id << 32) | next chunk index */
+    _Alignas(64) atomic_uint done;        /* chunks finished in the current job */
+    atomic_int caller_sleeping;
+    _Alignas(64) atomic_uint gen;         /* bumped once per job; workers sleep on it */
+    atomic_int n_sleeping;
+    atomic_int stop;
+    _Alignas(64) _Atomic(ellm_task_fn) fn; /* job fields: written under the seqlock */
+    _Atomic(void *) ctx;
+    _Atomic int64_t n;
+    _Atomic int64_t grain;
+    atomic_uint n_chunks;
+    atomic_int max_tid;                   /* workers with id >= this sit the job out */
+} P = {.ticket = CLOSED};
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_t workers[MAX_THREADS];
+static unsigned worker_start_gen[MAX_THREADS];
+static int n_workers;      /* started workers (ids 1..n_workers); under pool_lock */
+static uint32_t job_id;    /* under pool_lock */
+static atomic_int want_threads; /* 0 = not decided yet (use the CPU count) */
+static atomic_int spin_us = 200;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static int fork_locked;
+
+static _Thread_local int tls_in_task;
+
+/* ================================== workers ================================== */
+
+/* Claims and runs chunks of the current job until none are left. */
+static void run_chunks(int tid) {
+    for (;;) {
+        uint64_t t = atomic_load_explicit(&P.ticket, memory_order_acquire);
+        uint32_t idx = (uint32_t)t;
+        if (idx == CLOSED) return;
+        ellm_task_fn fn = atomic_load_explicit(&P.fn, memory_order_relaxed);
+        void *ctx = atomic_load_explicit(&P.ctx, memory_order_relaxed);
+        int64_t n = atomic_load_explicit(&P.n, memory_order_relaxed);
+        int64_t grain = atomic_load_explicit(&P.grain, memory_order_relaxed);
+        uint32_t n_chunks = atomic_load_explicit(&P.n_chunks, memory_order_relaxed);
+        int max_tid = atomic_load_explicit(&P.max_tid, memory_order_relaxed);
+        atomic_thread_fence(memory_order_acquire);
+        if (idx >= n_chunks || tid >= max_tid) return;
+        /* Succeeds only if no new job was published since `t` was read, so the fields
+         * above belong to this ticket's job. */
+        if (!atomic_compare_exchange_weak_explicit(&P.ticket, &t, t + 1, memory_order_acq_rel,
+                                                   memory_order_relaxed))
+            continue;
+        int64_t begin = (int64_t)idx * grain;
+        int64_t end = n - begin > grain ? begin + grain : n;
+        fn(ctx, begin, end, tid);
+        unsigned d = atomic_fetch_add(&P.done, 1u) + 1u;
+        if (d == n_chunks && atomic_load(&P.caller_sleeping)) word_wake(&P.done, 1);
+    }
+}
+
+static int64_t spin_budget_ns(void) {
+    return (int64_t)atomic_load_explicit(&spin_us, memory_order_relaxed) * 1000;
+}
+
+/* Returns once gen differs from *seen (and stores the new value). */
+static void wait_for_job(unsigned *seen) {
+    unsigned s = *seen, g;
+    int64_t budget = spin_budget_ns();
+    if (budget > 0) {
+        uint64_t start = now_ns();
+        for (unsigned i = 1;; i++) {
+            g = atomic_load_explicit(&P.gen, memory_order_acquire);
+            if (g != s) {
+                *seen = g;
+                return;
+            }
+            cpu_relax();
+            if ((i & 63u) == 0 && (int64_t)(now_ns() - start) > budget) break;
+        }
+    }
+    for (;;) {
+        /* Announce the sleep before the last check: the caller bumps gen and then reads
+         * n_sleeping (both seq_cst), so one of us sees the other. */
+        atomic_fetch_add(&P.n_sleeping, 1);
+        if (atomic_load(&P.gen) == s) word_wait(&P.gen, s);
+        atomic_fetch_sub(&P.n_sleeping, 1);
+        g = atomic_load_explicit(&P.gen, memory_order_acquire);
+        if (g != s) {
+            *seen = g;
+            return;
+        }
+    }
+}
+
+static void *worker_main(void *arg) {
+    int tid = (int)(intptr_t)arg;
+    unsigned seen = worker_start_gen[tid];
+    tls_in_task = 1; /* anything a worker runs is inside a task */
+    for (;;) {
+        wait_for_job(&seen);
+        if (atomic_load_explicit(&P.stop, memory_order_acquire)) break;
+        run_chunks(tid);
+    }
+    return NULL;
+}
+
+/* ============================ starting and stopping ============================ */
+
+static void atfork_prepare(void) {
+    /* Let a running job finish so the child does not inherit a half-written one. A fork
+     * from inside a task would deadlock here, so it skips the lock. */
+    fork_locked = !tls_in_task;
+    if (fork_locked) pthread_mutex_lock(&pool_lock);
+}
+
+static void atfork_parent(void) {
+    if (fork_locked) pthread_mutex_unlock(&pool_lock);
+}
+
+static void atfork_child(void) {
+    /* The workers do not exist in the child: forget them and reset every shared word. */
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pool_lock = fresh;
+#ifndef ELLM_HAVE_FUTEX
+    pthread_mutex_t fresh_sleep = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t fresh_cv = PTHREAD_COND_INITIALIZER;
+    sleep_mu = fresh_sleep;
+    sleep_cv = fresh_cv;
+#endif
+    n_workers = 0;
+    atomic_store(&P.ticket, ((uint64_t)job_id << 32) | CLOSED);
+    atomic_store(&P.done, 0u);
+    atomic_store(&P.caller_sleeping, 0);
+    atomic_store(&P.n_sleeping, 0);
+    atomic_store(&P.stop, 0);
+}
+
+static void register_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
+
+/* Under pool_lock. */
+static void stop_workers(void) {
+    if (n_workers == 0) return;
+    atomic_store(&P.stop, 1);
+    atomic_fetch_add(&P.gen, 1u);
+    word_wake(&P.gen, INT_MAX);
+    for (int i = 1; i <= n_workers; i++) pthread_join(workers[i], NULL);
+    n_workers = 0;
+    atomic_store(&P.stop, 0);
+}
+
+/* Under pool_lock: brings the worker count to `want` (fewer if threads cannot start). */
+static void ensure_workers(int want) {
+    if (want > MAX_THREADS - 1) want = MAX_THREADS - 1;
+    if (n_workers > want) stop_workers();
+    if (n_workers == want) return;
+    pthread_once(&atfork_once, register_atfork);
+    /* Workers never take signals: Python's handlers belong to the main thread. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    unsigned g = atomic_load(&P.gen);
+    while (n_workers < want) {
+        int id = n_workers + 1;
+        worker_start_gen[id] = g;
+        if (pthread_create(&workers[id], NULL, worker_main, (void *)(intptr_t)id) != 0) break;
+        n_workers = id;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+/* ================================= public API ================================= */
+
+int ellm_cpu_count(void) {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int c = CPU_COUNT(&set);
+        if (c > 0) return c;
+    }
+#endif
+    long c = sysconf(_SC_NPROCESSORS_ONLN);
+    return c > 0 ? (int)c : 1;
+}
+
+int ellm_num_threads(void) {
+    int n = atomic_load_explicit(&want_threads, memory_order_relaxed);
+    if (n <= 0) {
+        int c = ellm_cpu_count();
+        if (c > MAX_THREADS) c = MAX_THREADS;
+        int expected = 0;
+        atomic_compare_exchange_strong(&want_threads, &expected, c);
+        n = atomic_load(&want_threads);
+    }
+    return n;
+}
+
+void ellm_set_num_threads(int n) {
+    if (n <= 0) n = ellm_cpu_count();
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    /* Takes effect at the next parallel_for, which starts or stops workers under the
+     * pool lock; so this is safe from anywhere, a task included. */
+    atomic_store(&want_threads, n);
+}
+
+int ellm_set_spin_us(int us) {
+    if (us < 0) us = 0;
+    return atomic_exchange(&spin_us, us);
+}
+
+int ellm_in_parallel_region(void) { return tls_in_task; }
+
+static void run_serial(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx, int tid) {
+    int outer = tls_in_task;
+    tls_in_task = 1;
+    for (int64_t begin = 0; begin < n;) {
+        int64_t end = n - begin > grain ? begin + grain : n;
+        fn(ctx, begin, end, tid);
+        begin = end;
+    }
+    tls_in_task = outer;
+}
+
+void ellm_parallel_for(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx) {
+    ellm_parallel_for_threads(n, grain, 0, fn, ctx);
+}
+
+void ellm_parallel_for_threads(int64_t n, int64_t grain, int max_threads, ellm_task_fn fn, void *ctx) {
+    if (n <= 0 || fn == NULL) return;
+    if (grain < 1) grain = 1;
+    int64_t n_chunks = n / grain + (n % grain != 0);
+    if (n_chunks > MAX_CHUNKS) {
+        grain = n / MAX_CHUNKS + 1;
+        n_chunks = n / grain + (n % grain != 0);
+    }
+    /* A serial run is one thread, so its id is 0 (ids are unique within a call only). */
+    if (n_chunks == 1 || tls_in_task) {
+        run_serial(n, grain, fn, ctx, 0);
+        return;
+    }
+    int threads = ellm_num_threads();
+    if (max_threads > 0 && max_threads < threads) threads = max_threads;
+    if (threads <= 1 || pthread_mutex_trylock(&pool_lock) != 0) {
+        /* Single-threaded, or another thread's job holds the pool: run it here. */
+        run_serial(n, grain, fn, ctx, 0);
+        return;
+    }
+    /* The pool keeps ellm_num_threads() - 1 workers; this job may use fewer. */
+    ensure_workers(ellm_num_threads() - 1);
+    if (n_workers == 0) {
+        pthread_mutex_unlock(&pool_lock);
+        run_serial(n, grain, fn, ctx, 0);
+        return;
+    }
+
+    /* Publish (seqlock writer): close the ticket under the new job id, write the fields,
+     * then open chunk 0. */
+    uint32_t id = ++job_id;
+    atomic_store_explicit(&P.ticket, ((uint64_t)id << 32) | CLOSED, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&P.ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&P.n, n, memory_order_relaxed);
+    atomic_store_explicit(&P.grain, grain, memory_order_relaxed);
+    atomic_store_explicit(&P.n_chunks, (uint32_t)n_chunks, memory_order_relaxed);
+    atomic_store_explicit(&P.max_tid, threads, memory_order_relaxed);
+    atomic_store_explicit(&P.done, 0u, memory_order_relaxed);
+    atomic_store_explicit(&P.ticket, (uint64_t)id << 32, memory_order_release);
+    atomic_fetch_add(&P.gen, 1u);
+    if (atomic_load(&P.n_sleeping) > 0) {
+        /* Wake as many as can help; if this job excludes some workers, wake them all, as
+         * the futex does not choose which sleepers it wakes. */
+        int64_t helpers = n_chunks - 1 < n_workers ? n_chunks - 1 : n_workers;
+        if (threads - 1 < n_workers) helpers = n_workers;
+        word_wake(&P.gen, (int)helpers);
+    }
+
+    tls_in_task = 1;
+    run_chunks(0);
+    tls_in_task = 0;
+
+    /* Wait for chunks other threads still hold: spin, then sleep on `done`. */
+    uint32_t target = (uint32_t)n_chunks;
+    if (atomic_load_explicit(&P.done, memory_order_acquire) != target) {
+        int64_t budget = spin_budget_ns();
+        uint64_t start = now_ns();
+        for (unsigned i = 1; atomic_load_explicit(&P.done, memory_order_acquire) != target; i++) {
+            cpu_relax();
+            if ((i & 63u) == 0 && (int64_t)(now_ns() - start) > budget) {
+                for (;;) {
+                    atomic_store(&P.caller_sleeping, 1);
+                    unsigned d = atomic_load(&P.done);
+                    if (d == target) break;
+                    word_wait(&P.done, d);
+                }
+                atomic_store(&P.caller_sleeping, 0);
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&pool_lock);
+}

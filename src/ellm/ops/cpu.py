@@ -52,7 +52,7 @@ class CpuOps:
         return x
 
     def scale(self, x: np.ndarray, s: float) -> np.ndarray:
-        x *= np.float32(s)
+        _kernels.scale_(x, float(s))
         return x
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,

@@ -1,0 +1,454 @@
+"""The native elementwise and RoPE + paged attention kernels against ops/reference.py.
+
+Every test runs at every SIMD level this CPU supports. Inputs are random but seeded;
+outputs are compared by max-abs error and NMSE with the NumPy reference, which is the
+specification. Run as a script for a short benchmark (see benchmarks/bench_attention.py).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ellm._native import _core
+from ellm._native import _kernels as K
+from ellm.ops import reference as ref
+
+LEVELS = _core.supported_simd_levels()
+
+
+@pytest.fixture(params=LEVELS)
+def simd(request):
+    """Sets the SIMD level in both modules (each links its own copy of csrc/)."""
+    before = K.simd_level()
+    _core.set_simd_level(request.param)
+    K.set_simd_level(request.param)
+    yield request.param
+    _core.set_simd_level(before)
+    K.set_simd_level(before)
+
+
+def nmse(got: np.ndarray, want: np.ndarray) -> float:
+    want64 = want.astype(np.float64)
+    return float(((got.astype(np.float64) - want64) ** 2).sum() / max((want64**2).sum(), 1e-30))
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, atol: float, max_nmse: float = 1e-11) -> None:
+    assert got.shape == want.shape and got.dtype == np.float32
+    err = float(np.abs(got.astype(np.float64) - want).max()) if got.size else 0.0
+    assert err <= atol, f"max abs error {err} > {atol}"
+    # NMSE says nothing when the reference is (near) zero everywhere: max-abs covers that
+    if float((want.astype(np.float64) ** 2).sum()) > 1e-6 * want.size:
+        assert nmse(got, want) <= max_nmse
+
+
+# ================================ fast exp / tanh ================================
+
+def test_exp_accuracy(simd) -> None:
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.uniform(-87, 88.7, 300_001), rng.uniform(-1, 1, 10_000),
+                        np.linspace(-1e-6, 1e-6, 101)]).astype(np.float32)
+    got = K.fast_exp(x).astype(np.float64)
+    truth = np.exp(x.astype(np.float64))
+    normal = truth > 1.1754944e-38
+    rel = np.abs(got[normal] - truth[normal]) / truth[normal]
+    assert rel.max() < 1e-6, f"exp max relative error {rel.max()}"
+    # within a few f32 ulp -- numpy's own f32 exp is about 2e-7
+    assert rel.max() < 3e-7
+
+
+def test_exp_special_values(simd) -> None:
+    x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 88.7, 89.0, 100.0, -87.0, -95.0, -103.0, -150.0],
+                 np.float32)
+    got = K.fast_exp(x)
+    with np.errstate(over="ignore", under="ignore"):
+        want = np.exp(x.astype(np.float64)).astype(np.float32)
+    assert got[0] == 1 and got[1] == 1 and got[2] == np.inf and got[3] == 0 and np.isnan(got[4])
+    assert np.isfinite(got[5]) and got[6] == np.inf and got[7] == np.inf
+    # subnormal results: right to within a relative 1e-6 or one subnormal step
+    np.testing.assert_allclose(got[8:], want[8:], rtol=1e-6, atol=2e-45)
+
+
+def test_tanh_accuracy(simd) -> None:
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.uniform(-10, 10, 300_001), rng.uniform(-0.7, 0.7, 100_000),
+                        rng.uniform(-1e-5, 1e-5, 1001), [0.625, -0.625, 0.62500006, 9.5, 20.0, 1e-30]]
+                       ).astype(np.float32)
+    got = K.fast_tanh(x).astype(np.float64)
+    truth = np.tanh(x.astype(np.float64))
+    nz = truth != 0
+    rel = np.abs(got[nz] - truth[nz]) / np.abs(truth[nz])
+    assert rel.max() < 1e-6, f"tanh max relative error {rel.max()}"
+    sp = K.fast_tanh(np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32))
+    assert sp[0] == 0 and np.signbit(sp[1]) and sp[2] == 1 and sp[3] == -1 and np.isnan(sp[4])
+
+
+# ================================== elementwise ==================================
+
+ROW_SHAPES = [(1, 576), (1, 640), (7, 33), (3, 1), (2, 1000), (300, 640), (64, 2048)]
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_rmsnorm(simd, shape) -> None:
+    rng = np.random.default_rng(hash(shape) % 2**32)
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    w = rng.standard_normal(shape[1]).astype(np.float32)
+    want = ref.rmsnorm(x, w, 1e-5)
+    assert_close(K.rmsnorm(x, w, 1e-5), want, 2e-5)
+    out = np.full_like(x, np.nan)
+    assert K.rmsnorm(x, w, 1e-5, out) is out
+    assert_close(out, want, 2e-5)
+    y = x.copy()
+    K.rmsnorm(y, w, 1e-5, y)  # in place
+    assert_close(y, want, 2e-5)
+
+
+def test_rmsnorm_strided_and_nd(simd) -> None:
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((9, 100)).astype(np.float32)
+    x = wide[:, 10:70]  # row stride 100, 60 columns
+    w = rng.standard_normal(60).astype(np.float32)
+    assert_close(K.rmsnorm(x, w, 1e-6), ref.rmsnorm(x, w, 1e-6), 2e-5)
+    x3 = rng.standard_normal((2, 5, 60)).astype(np.float32)
+    got = K.rmsnorm(x3, w, 1e-6)
+    assert got.shape == (2, 5, 60)
+    assert_close(got, ref.rmsnorm(x3, w, 1e-6), 2e-5)
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_add_rmsnorm(simd, shape) -> None:
+    rng = np.random.default_rng(4 + shape[1])
+    res = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(shape[1]).astype(np.float32)
+    total = res + x
+    want = ref.rmsnorm(total, w, 1e-6)
+    r = res.copy()
+    out = K.add_rmsnorm(r, x, w, 1e-6)
+    np.testing.assert_array_equal(r, total)  # one f32 add, exactly numpy's
+    assert_close(out, want, 2e-5)
+    r = res.copy()
+    x2 = x.copy()
+    K.add_rmsnorm(r, x2, w, 1e-6, x2)  # out may be x
+    assert_close(x2, want, 2e-5)
+    with pytest.raises(ValueError, match="residual"):
+        K.add_rmsnorm(r, x, w, 1e-6, r)
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
+def test_gated_activations(simd, shape, kind) -> None:
+    rng = np.random.default_rng(5 + shape[0])
+    R, F = shape
+    fused = (rng.standard_normal((R, 2 * F)) * 4).astype(np.float32)
+    fused[:, :3] = [-30.0, 30.0, -9.0][: min(3, F)] if F >= 3 else fused[:, :3]
+    gate, up = fused[:, :F], fused[:, F:]  # views into a fused projection, row stride 2F
+    fn, want_fn = (K.swiglu, ref.swiglu) if kind == "swiglu" else (K.geglu, ref.geglu)
+    want = want_fn(gate, up)
+    scale = float(np.abs(want).max()) + 1.0
+    got = fn(gate, up)
+    assert_close(got, want, 2e-6 * scale)
+    g2 = np.ascontiguousarray(gate)
+    fn(g2, up, g2)  # out may be gate
+    assert_close(g2, want, 2e-6 * scale)
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_add_scale_softcap(simd, shape) -> None:
+    rng = np.random.default_rng(6 + shape[1])
+    a = (rng.standard_normal(shape) * 40).astype(np.float32)
+    b = rng.standard_normal(shape).astype(np.float32)
+    want = a + b
+    got = a.copy()
+    assert K.add(got, b) is got
+    np.testing.assert_array_equal(got, want)
+    s = a.copy()
+    K.scale_(s, 0.125)
+    np.testing.assert_array_equal(s, a * np.float32(0.125))
+    for cap in (50.0, 30.0, 0.0, -1.0):
+        c = a.copy()
+        assert K.softcap_(c, cap) is c
+        assert_close(c, ref.softcap(a, cap), 2e-6 * max(cap, 1.0))
+
+
+def test_elementwise_rejects_bad_input() -> None:
+    x = np.ones((3, 8), np.float32)
+    w = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="x must be float32"):
+        K.rmsnorm(x.astype(np.float64), w, 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        K.rmsnorm(x, np.ones(7, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="out"):
+        K.rmsnorm(x, w, 1e-5, np.empty((3, 7), np.float32))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        K.rmsnorm(np.ones((8, 3), np.float32).T, w, 1e-5)
+    ro = np.ones((3, 8), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        K.rmsnorm(x, w, 1e-5, ro)
+    with pytest.raises(ValueError, match="differ in shape"):
+        K.swiglu(x, np.ones((3, 9), np.float32))
+    with pytest.raises(ValueError, match="differ in shape"):
+        K.add(x, np.ones((2, 8), np.float32))
+    with pytest.raises(ValueError, match="numpy"):
+        K.add([1.0], x)
+
+
+# ============================ RoPE + paged attention ============================
+
+BLOCK = 16
+
+
+def make_batch(nh, nkv, hd, new, before, *, block=BLOCK, seed=0, free_before=None):
+    """A paged cache holding `before[b]` earlier tokens of each sequence b, which now adds
+    `new[b]` tokens; block tables are a shuffled permutation of the physical blocks.
+    free_before[b]: blocks wholly below this position are released (-1), as a sliding-
+    window cache may do."""
+    rng = np.random.default_rng(seed)
+    B = len(new)
+    need = [(before[b] + new[b] + block - 1) // block for b in range(B)]
+    max_blocks = max(need) + 2
+    num_blocks = sum(need) + 5
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    table = np.full((B, max_blocks), -1, np.int32)
+    used = 0
+    for b in range(B):
+        table[b, : need[b]] = perm[used: used + need[b]]
+        used += need[b]
+        if free_before and free_before[b]:
+            table[b, : free_before[b] // block] = -1
+    k_cache = rng.standard_normal((num_blocks, block, nkv, hd)).astype(np.float32)
+    v_cache = rng.standard_normal((num_blocks, block, nkv, hd)).astype(np.float32)
+    positions = np.concatenate([np.arange(before[b], before[b] + new[b]) for b in range(B)]).astype(np.int32)
+    seq_ids = np.concatenate([np.full(new[b], b) for b in range(B)]).astype(np.int32)
+    T = len(positions)
+    q = (rng.standard_normal((T, nh, hd)) * 2).astype(np.float32)
+    k = (rng.standard_normal((T, nkv, hd)) * 2).astype(np.float32)
+    v = rng.standard_normal((T, nkv, hd)).astype(np.float32)
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, hd, 2, dtype=np.float64) / hd)).astype(np.float32)
+    return dict(q=q, k=k, v=v, positions=positions, seq_ids=seq_ids, block_tables=table,
+                k_cache=k_cache, v_cache=v_cache, inv_freq=inv_freq)
+
+
+def run_both(batch, interleaved, scale, window, cap):
+    """(kernel out, reference out, kernel caches, reference caches)."""
+    kb = {n: a.copy() for n, a in batch.items()}
+    rb = {n: a.copy() for n, a in batch.items()}
+    got = K.rope_attention(kb["q"], kb["k"], kb["v"], kb["positions"], kb["seq_ids"], kb["block_tables"],
+                           kb["k_cache"], kb["v_cache"], kb["inv_freq"], interleaved, scale, window, cap)
+    want = ref.rope_attention(rb["q"], rb["k"], rb["v"], rb["positions"], rb["seq_ids"], rb["block_tables"],
+                              rb["k_cache"], rb["v_cache"], rb["inv_freq"], interleaved, scale, window, cap)
+    for name in ("q", "k", "v"):
+        np.testing.assert_array_equal(kb[name], batch[name], err_msg=f"{name} was modified")
+    return got, want, (kb["k_cache"], kb["v_cache"]), (rb["k_cache"], rb["v_cache"])
+
+
+def check_attention(batch, interleaved=False, window=0, cap=0.0, scale=None):
+    hd = batch["q"].shape[2]
+    scale = hd**-0.5 if scale is None else scale
+    got, want, (kc, vc), (rkc, rvc) = run_both(batch, interleaved, scale, window, cap)
+    assert_close(got, want, 2e-5, 1e-11)
+    # the caches hold the rotated k and the raw v of every new token, nothing else changed
+    np.testing.assert_allclose(kc, rkc, rtol=0, atol=2e-6)
+    np.testing.assert_array_equal(vc, rvc)
+
+
+# the batch from the brief: one sequence prefilling 17 tokens, two decoding one token
+# each at long positions
+MIXED = dict(new=[17, 1, 1], before=[0, 700, 1234])
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256)], ids=["smollm2", "gemma3"])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("cap", [0.0, 50.0])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_attention_mixed_batch(simd, heads, window, cap, interleaved) -> None:
+    nh, nkv, hd = heads
+    batch = make_batch(nh, nkv, hd, **MIXED, seed=nh + window)
+    check_attention(batch, interleaved, window, cap)
+
+
+@pytest.mark.parametrize("hd", [2, 6, 10, 18, 40, 130])
+def test_attention_odd_head_dims(simd, hd) -> None:
+    """Every even head_dim: vector bodies plus masked tails at both widths."""
+    batch = make_batch(4, 2, hd, new=[5, 1, 3], before=[0, 77, 20], seed=hd)
+    check_attention(batch, interleaved=hd % 4 == 2, window=7 if hd > 10 else 0, cap=20.0 if hd == 40 else 0.0)
+
+
+def test_attention_large_group(simd) -> None:
+    """17 query heads per kv head: more than one pass over the keys per group."""
+    batch = make_batch(34, 2, 16, new=[3, 1], before=[0, 200], seed=7)
+    check_attention(batch)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("window", [0, 300])
+def test_attention_long_decode_splits(simd, threads, window) -> None:
+    """Single-token decode at long contexts, where the keys are split across threads
+    (the split count follows the thread count)."""
+    before = K.num_threads()
+    K.set_num_threads(threads)
+    try:
+        batch = make_batch(4, 1, 256, new=[1], before=[1500], seed=threads)
+        check_attention(batch, window=window, cap=50.0)
+        batch = make_batch(9, 3, 64, new=[1, 1], before=[900, 130], seed=threads + 1)
+        check_attention(batch, interleaved=True, window=window)
+    finally:
+        K.set_num_threads(before)
+
+
+def test_attention_long_prefill(simd) -> None:
+    batch = make_batch(9, 3, 64, new=[150, 40], before=[0, 60], seed=11)
+    check_attention(batch, interleaved=True)
+
+
+def test_attention_freed_blocks_outside_window(simd) -> None:
+    """Blocks wholly before a token's window may be released (-1): they are never read."""
+    # windows: [69, 100] for sequence 0; [39, 70] and [40, 71] for sequence 1
+    batch = make_batch(4, 1, 32, new=[1, 2], before=[100, 70], free_before=[64, 32], seed=3)
+    check_attention(batch, window=32)
+    # freeing the block of positions 32..47 as well is caught before anything runs
+    batch = make_batch(4, 1, 32, new=[1, 2], before=[100, 70], free_before=[64, 48], seed=3)
+    with pytest.raises(ValueError, match=r"block_tables\[1, 2\] = -1"):
+        check_attention(batch, window=32)
+
+
+def test_attention_qkv_views_and_scale(simd) -> None:
+    """q, k, v as views into one fused projection output (token stride > heads * hd)."""
+    nh, nkv, hd = 9, 3, 64
+    batch = make_batch(nh, nkv, hd, new=[6, 1], before=[0, 40], seed=5)
+    T = batch["q"].shape[0]
+    fused = np.concatenate([batch["q"].reshape(T, -1), batch["k"].reshape(T, -1),
+                            batch["v"].reshape(T, -1), np.zeros((T, 3), np.float32)], axis=1)
+    q = fused[:, : nh * hd].reshape(T, nh, hd)
+    k = fused[:, nh * hd: (nh + nkv) * hd].reshape(T, nkv, hd)
+    v = fused[:, (nh + nkv) * hd: (nh + 2 * nkv) * hd].reshape(T, nkv, hd)
+    assert not q.flags.c_contiguous
+    kc, vc = batch["k_cache"].copy(), batch["v_cache"].copy()
+    out = np.empty((T, nh, hd), np.float32)
+    got = K.rope_attention(q, k, v, batch["positions"], batch["seq_ids"], batch["block_tables"], kc, vc,
+                           batch["inv_freq"], False, 0.1, 0, 0.0, out)
+    assert got is out
+    want = ref.rope_attention(batch["q"], batch["k"], batch["v"], batch["positions"], batch["seq_ids"],
+                              batch["block_tables"], batch["k_cache"].copy(), batch["v_cache"].copy(),
+                              batch["inv_freq"], False, 0.1, 0, 0.0)
+    assert_close(got, want, 2e-5)
+
+
+def test_attention_empty_batch() -> None:
+    batch = make_batch(4, 2, 8, new=[1], before=[3])
+    for name in ("q", "k", "v"):
+        batch[name] = batch[name][:0]
+    batch["positions"] = batch["positions"][:0]
+    batch["seq_ids"] = batch["seq_ids"][:0]
+    out = K.rope_attention(*batch.values(), False, 1.0)
+    assert out.shape == (0, 4, 8)
+
+
+def test_attention_concurrent_callers() -> None:
+    """Two Python threads at once (the shared scratch is taken by one, the other allocates)."""
+    batches = [make_batch(9, 3, 64, new=[8, 1], before=[0, 300 + 50 * i], seed=20 + i) for i in range(4)]
+    expected = [run_both(b, False, 0.125, 0, 0.0)[1] for b in batches]
+    errors: list[str] = []
+
+    def worker(i: int) -> None:
+        for _ in range(10):
+            b = {n: a.copy() for n, a in batches[i].items()}
+            got = K.rope_attention(*b.values(), False, 0.125)
+            err = float(np.abs(got - expected[i]).max())
+            if err > 2e-5:
+                errors.append(f"batch {i}: error {err}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+# ------------------------------- validation -------------------------------
+
+def call(batch, **over):
+    b = {**batch, **over}
+    return K.rope_attention(b["q"], b["k"], b["v"], b["positions"], b["seq_ids"], b["block_tables"],
+                            b["k_cache"], b["v_cache"], b["inv_freq"], False, 0.125,
+                            over.get("window", 0), 0.0, over.get("out"))
+
+
+@pytest.fixture
+def small_batch():
+    return make_batch(4, 2, 8, new=[3, 1], before=[0, 20], seed=9)
+
+
+def test_attention_rejects_bad_block_table(small_batch) -> None:
+    kc0 = small_batch["k_cache"].copy()
+    for bad in (-1, small_batch["k_cache"].shape[0], 10**6):
+        table = small_batch["block_tables"].copy()
+        table[1, 0] = bad  # a block the decoding token at position 20 reads
+        with pytest.raises(ValueError, match=r"block_tables\[1, 0\]"):
+            call(small_batch, block_tables=table)
+    np.testing.assert_array_equal(small_batch["k_cache"], kc0)  # nothing written
+
+
+def test_attention_rejects_bad_positions_and_ids(small_batch) -> None:
+    max_pos = small_batch["block_tables"].shape[1] * BLOCK
+    for bad in (max_pos, -1, 2**31 - 1):
+        pos = small_batch["positions"].copy()
+        pos[-1] = bad
+        with pytest.raises(ValueError, match="positions"):
+            call(small_batch, positions=pos)
+    sid = small_batch["seq_ids"].copy()
+    sid[0] = 2
+    with pytest.raises(ValueError, match="seq_ids"):
+        call(small_batch, seq_ids=sid)
+    sid[0] = -1
+    with pytest.raises(ValueError, match="seq_ids"):
+        call(small_batch, seq_ids=sid)
+    # position inside the table but in a block that is not allocated (-1)
+    pos = small_batch["positions"].copy()
+    pos[-1] = (small_batch["block_tables"].shape[1] - 1) * BLOCK
+    with pytest.raises(ValueError, match="block_tables"):
+        call(small_batch, positions=pos)
+
+
+def test_attention_rejects_bad_shapes_and_dtypes(small_batch) -> None:
+    b = small_batch
+    with pytest.raises(ValueError, match="int32"):
+        call(b, positions=b["positions"].astype(np.int64))
+    with pytest.raises(ValueError, match="float32"):
+        call(b, q=b["q"].astype(np.float64))
+    with pytest.raises(ValueError, match="heads"):
+        call(b, q=np.zeros((4, 3, 8), np.float32))  # 3 heads, 2 kv heads
+    with pytest.raises(ValueError, match="tokens"):
+        call(b, k=b["k"][:2])
+    with pytest.raises(ValueError, match="inv_freq"):
+        call(b, inv_freq=b["inv_freq"][:3])
+    with pytest.raises(ValueError, match="k_cache"):
+        call(b, v_cache=b["v_cache"][:, :, :1].copy())
+    with pytest.raises(ValueError, match="out"):
+        call(b, out=np.empty((4, 4, 9), np.float32))
+    with pytest.raises(ValueError, match="overlaps"):
+        call(b, out=b["k_cache"].reshape(-1)[: 4 * 4 * 8].reshape(4, 4, 8))
+    with pytest.raises(ValueError, match="window"):
+        call(b, window=-3)
+    with pytest.raises(ValueError, match="even"):
+        odd = make_batch(2, 1, 8, new=[1], before=[0])
+        call(odd, q=odd["q"][:, :, :7], k=odd["k"][:, :, :7], v=odd["v"][:, :, :7])
+
+
+def test_attention_scratch_bytes() -> None:
+    assert K.attention_scratch_bytes(5, 9, 3, 64, threads=1) == 4 * 5 * 9 * 64
+    # small batches get room for key splits
+    assert K.attention_scratch_bytes(1, 9, 3, 64, threads=2) > 4 * 9 * 64
+
+
+if __name__ == "__main__":
+    import runpy
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+    sys.argv = [str(bench)]
+    runpy.run_path(str(bench), run_name="__main__")
