@@ -1,0 +1,121 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Thin typed shims over csrc/sample.c: top-k selection, exp-sums and inverse-CDF draws
+over one row of float32 logits. See csrc/sample.h for the exact weight definition."""
+
+from libc.stdint cimport int32_t, int64_t
+
+
+cdef extern from "simd.h":
+    int ellm_simd_level()
+    int ellm_simd_set(int level)
+    const char *ellm_simd_name(int level)
+
+
+cdef extern from "sample.h":
+    int64_t ellm_topk_f32(const float *x, int64_t n, int64_t k, int32_t *idx, float *val,
+                          int64_t cap) nogil
+    double ellm_expsum_f32(const float *x, int64_t n, float mx, float scale, float lo) nogil
+    int64_t ellm_draw_f32(const float *x, int64_t n, float mx, float scale, float lo,
+                          double target) nogil
+    void ellm_mass_hist_f32(const float *x, int64_t n, float mx, float scale, float lo,
+                            float span, int64_t nbins, double *hist) nogil
+    int64_t ellm_bin_collect_f32(const float *x, int64_t n, float mx, float scale, float lo,
+                                 float span, int64_t nbins, int64_t bin, int32_t *idx,
+                                 float *val, float *w, int64_t cap) nogil
+
+
+def topk(const float[::1] x, Py_ssize_t k, int32_t[::1] idx, float[::1] val) -> int:
+    """Writes the k largest entries of x (n,) into idx[:k] / val[:k], by value descending
+    then index ascending; NaNs skipped. Returns how many were written. The buffers are
+    scratch beyond that; at 4k or more entries the kernel can pre-filter (much faster
+    for k >= 64 on a large vocabulary)."""
+    cdef Py_ssize_t n = x.shape[0]
+    cdef Py_ssize_t cap = min(idx.shape[0], val.shape[0])
+    if k < 0:
+        raise ValueError(f"topk: k must be >= 0, got {k}")
+    if cap < k:
+        raise ValueError(f"topk: output buffers hold {cap} < k={k}")
+    if n > 2147483647:
+        raise ValueError("topk: more than 2**31-1 entries")
+    if n == 0 or k == 0:
+        return 0
+    cdef int64_t got
+    with nogil:
+        got = ellm_topk_f32(&x[0], n, k, &idx[0], &val[0], cap)
+    return got
+
+
+def expsum(const float[::1] x, float mx, float scale, float lo) -> float:
+    """Sum over x (n,) of exp((x - mx) * scale) where x >= lo (see sample.h)."""
+    cdef Py_ssize_t n = x.shape[0]
+    if n == 0:
+        return 0.0
+    cdef double s
+    with nogil:
+        s = ellm_expsum_f32(&x[0], n, mx, scale, lo)
+    return s
+
+
+def draw(const float[::1] x, float mx, float scale, float lo, double target) -> int:
+    """First index whose running weight sum exceeds target (see sample.h); -1 if all
+    weights are 0."""
+    cdef Py_ssize_t n = x.shape[0]
+    if n == 0:
+        return -1
+    cdef int64_t i
+    with nogil:
+        i = ellm_draw_f32(&x[0], n, mx, scale, lo, target)
+    return i
+
+
+def mass_hist(const float[::1] x, float mx, float scale, float lo, float span,
+              double[::1] hist) -> None:
+    """Overwrites hist (nbins,) with the weight mass of each exponent bin over (-span, 0]
+    (see sample.h)."""
+    cdef Py_ssize_t n = x.shape[0], nbins = hist.shape[0]
+    if nbins == 0:
+        raise ValueError("mass_hist: hist is empty")
+    with nogil:
+        ellm_mass_hist_f32(&x[0] if n else NULL, n, mx, scale, lo, span, nbins, &hist[0])
+
+
+def bin_collect(const float[::1] x, float mx, float scale, float lo, float span,
+                Py_ssize_t nbins, Py_ssize_t bin, int32_t[::1] idx, float[::1] val,
+                float[::1] w) -> int:
+    """Writes the entries of histogram bin `bin` (ids, logits, weights) in index order;
+    returns the count, or -1 when the buffers are too small."""
+    cdef Py_ssize_t n = x.shape[0]
+    cdef Py_ssize_t cap = min(idx.shape[0], val.shape[0], w.shape[0])
+    if not 0 <= bin < nbins:
+        raise ValueError(f"bin_collect: bin {bin} outside 0..{nbins - 1}")
+    if n > 2147483647:
+        raise ValueError("bin_collect: more than 2**31-1 entries")
+    if n == 0:
+        return 0
+    # Empty buffers still need valid pointers; with cap 0 the kernel never writes.
+    cdef int32_t no_idx = 0
+    cdef float no_val = 0, no_w = 0
+    cdef int32_t *pi = &idx[0] if cap else &no_idx
+    cdef float *pv = &val[0] if cap else &no_val
+    cdef float *pw = &w[0] if cap else &no_w
+    cdef int64_t c
+    with nogil:
+        c = ellm_bin_collect_f32(&x[0], n, mx, scale, lo, span, nbins, bin, pi, pv, pw, cap)
+    return c
+
+
+_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3}
+
+
+def simd_level() -> str:
+    """The SIMD level these kernels run at. Every extension module links csrc/ statically,
+    so this module holds its own copy of the level: _core.set_simd_level does not reach it."""
+    return ellm_simd_name(ellm_simd_level()).decode()
+
+
+def set_simd_level(name: str) -> None:
+    """Forces this module's kernel level ("scalar", "avx2", ...); for tests and benchmarks."""
+    if name not in _LEVELS:
+        raise ValueError(f"unknown SIMD level {name!r}; expected one of {sorted(_LEVELS)}")
+    if ellm_simd_set(_LEVELS[name]) != 0:
+        raise ValueError(f"SIMD level {name!r} is not supported on this CPU")
