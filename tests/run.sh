@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Test ellm from a clean clone, in one command:   bash tests/run.sh [pytest args...]
+#
+#   1. .venv      ellm built from this checkout (C rebuilt every run, incrementally)
+#                 plus the [test] extras;
+#   2. .venv-ref  the reference implementation: torch (CPU), transformers, gguf;
+#   3. the real models pulled into ellm's cache ($ELLM_HOME, default ~/.cache/ellm)
+#                 and, when missing, the Hugging Face folders made from them under
+#                 $ELLM_HOME/hf by tests/goldens/make.py (the goldens are committed);
+#   4. pytest, with any arguments given to this script.
+#
+# Every step is skipped or incremental when its work is already done, so a second
+# run costs little more than the tests. Set PYTHON to choose the interpreter.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python3}"
+VENV="$ROOT/.venv"
+REF="$ROOT/.venv-ref"
+export ELLM_HOME="${ELLM_HOME:-$HOME/.cache/ellm}"
+HF_DIR="$ELLM_HOME/hf"
+MODELS=(smollm2-135m-instruct gemma-3-270m)
+# The reference versions the committed goldens were made with; torch comes first and
+# alone so that nothing else can pull in a CUDA build of it.
+REF_TORCH="torch==2.13.0"
+# (accelerate: transformers needs it to load a GGUF; gguf does the dequantizing.)
+REF_REST=("transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "sentencepiece")
+# A build directory of our own, so this never fights another checkout's build.
+BUILD_DIR_SETTING="--config-settings=build-dir=build/tests-{wheel_tag}"
+
+step() { printf '\n== [%ss] %s\n' "$SECONDS" "$*" >&2; }
+
+# -- 1. the test venv ---------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+    step "creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+
+# Dependencies are installed again only when pyproject.toml changes.
+deps_key="$("$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())' < pyproject.toml)"
+if [ "$(cat "$VENV/.ellm-deps" 2>/dev/null || true)" != "$deps_key" ]; then
+    step "installing build tools and ellm[test] into .venv"
+    # The build-system requirements of pyproject.toml, plus cmake and ninja, so the
+    # build needs no build isolation (isolation would rebuild all C every run).
+    mapfile -t build_reqs < <("$VPY" - <<'PY'
+import re
+text = open("pyproject.toml").read()
+block = re.search(r"\[build-system\](.*?)(?:\n\[|\Z)", text, re.S).group(1)
+reqs = re.search(r"requires\s*=\s*\[(.*?)\]", block, re.S).group(1)
+for r in re.findall(r"['\"]([^'\"]+)['\"]", reqs):
+    print(r)
+PY
+)
+    "$VPY" -m pip install -q "${build_reqs[@]}" cmake ninja
+    "$VPY" -m pip install -q --no-build-isolation "$BUILD_DIR_SETTING" -e ".[test]"
+    echo "$deps_key" > "$VENV/.ellm-deps"
+else
+    step "rebuilding ellm in .venv"
+    "$VPY" -m pip install -q --no-build-isolation --no-deps "$BUILD_DIR_SETTING" -e .
+fi
+
+# -- 2. the reference venv ----------------------------------------------------
+ref_key="$REF_TORCH ${REF_REST[*]}"
+if [ "$(cat "$REF/.ellm-ref" 2>/dev/null || true)" != "$ref_key" ]; then
+    step "installing the reference ($ref_key) into .venv-ref"
+    [ -x "$REF/bin/python" ] || "$PYTHON" -m venv "$REF"
+    "$REF/bin/python" -m pip install -q "$REF_TORCH"
+    "$REF/bin/python" -m pip install -q "${REF_REST[@]}"
+    echo "$ref_key" > "$REF/.ellm-ref"
+fi
+export ELLM_REF_PYTHON="$REF/bin/python"
+
+# -- 3. models and Hugging Face folders ---------------------------------------
+step "pulling the models into $ELLM_HOME"
+"$VPY" -c 'import sys; from ellm.hub import pull; [pull(m) for m in sys.argv[1:]]' "${MODELS[@]}"
+
+need=()
+for m in "${MODELS[@]}"; do
+    for dtype in f32 bf16; do
+        if [ ! -f "$HF_DIR/$m-$dtype/config.json" ]; then
+            need+=("$m")
+            break
+        fi
+    done
+done
+if [ ${#need[@]} -gt 0 ]; then
+    step "making Hugging Face folders for ${need[*]} in $HF_DIR (a few minutes)"
+    "$REF/bin/python" tests/goldens/make.py --folders "$HF_DIR" --models "${need[@]}"
+fi
+
+# -- 4. the tests -------------------------------------------------------------
+step "running pytest $*"
+exec "$VPY" -m pytest "$@"
