@@ -1,0 +1,122 @@
+"""Kernel benchmark: ellm._native._quant.linear on SmolLM2-sized matrices.
+
+Prints, per weight type and SIMD level,
+  - decode (T=1): microseconds per call and GB/s of weight bytes streamed, and
+  - prefill (T=128): GFLOP/s (2 T N K flops per call),
+for the shapes (N x K) 576x1536 (ffn_down), 1536x576 (ffn_up/gate) and 49152x576
+(the output head; decode only, its prefill is the same kernel at 85x the size).
+K-quants need K % 256 == 0, so they run on 576x1536 only.
+
+Weights are random but valid blocks, so no model file is needed. The machine reads
+memory at ~22 GiB/s (shared/FACTS.md): decode kernels should approach that on the large
+matrix, where the weights do not fit in cache. It takes ~15 s:
+
+    python benchmarks/bench_kernels.py [--levels avx2,avx512] [--types Q4_1,Q8_0] [--threads N]
+
+On a machine others are using, wall-clock times (and any multi-thread run) measure the
+neighbours; `--threads 1 --cpu-time` times the kernels by this thread's CPU time, which
+stays steady under load.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from ellm._native import _core, _quant
+
+TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+         "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84),
+         11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+F16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,),
+              12: (0, 2), 13: (0, 2), 14: (208,)}
+SHAPES = [(576, 1536), (1536, 576), (49152, 576)]
+
+
+def make_weights(qtype: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    if qtype == 0:
+        return rng.standard_normal((n, k), dtype=np.float32)
+    if qtype in (1, 30):
+        return rng.integers(0x3000, 0x3c00, size=(n, k), dtype=np.uint16)  # small finite halves
+    blk, size = BLOCK[qtype]
+    blocks = rng.integers(0, 256, size=(n * k // blk, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        blocks[:, off:off + 2] = (rng.uniform(-1, 1, blocks.shape[0]).astype(np.float16)
+                                  * np.float16(0.02)).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def time_call(fn, budget_s: float, min_reps: int = 3, clock=time.perf_counter) -> float:
+    """Median seconds per call, repeating for about budget_s (one warm-up call first)."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < budget_s:
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+        if len(times) >= 2000:
+            break
+    return float(np.median(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--levels", default=",".join(_core.supported_simd_levels()))
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,F32,F16,BF16")
+    ap.add_argument("--prefill-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=0, help="pool threads (0: leave as is)")
+    ap.add_argument("--budget", type=float, default=0.05, help="seconds per measurement")
+    ap.add_argument("--all-scalar", action="store_true",
+                    help="also run the scalar level on the 49152-row matrix (slow)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by this thread's CPU time (with --threads 1: steadier on a "
+                         "machine others are using)")
+    args = ap.parse_args()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+
+    if args.threads:
+        _quant.set_num_threads(args.threads)
+    n_threads = _quant.num_threads()
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    print(f"# ellm kernel benchmark: threads={n_threads} loadavg={load} "
+          f"vnni={_quant.has_vnni()} clock={'thread cpu' if args.cpu_time else 'wall'}")
+    print(f"{'type':5} {'N x K':>11} {'level':>7} {'decode us':>10} {'GB/s':>7} "
+          f"{'prefill GFLOP/s':>16}")
+
+    rng = np.random.default_rng(0)
+    levels = [lv for lv in args.levels.split(",") if lv]
+    T = args.prefill_tokens
+    for tname in [t for t in args.types.split(",") if t]:
+        qtype = TYPES[tname]
+        blk = BLOCK.get(qtype, (1, 0))[0]
+        for n, k in SHAPES:
+            if k % blk:
+                continue
+            w = make_weights(qtype, n, k, rng)
+            x1 = rng.standard_normal((1, k), dtype=np.float32)
+            y1 = np.empty((1, n), np.float32)
+            xp = rng.standard_normal((T, k), dtype=np.float32)
+            yp = np.empty((T, n), np.float32)
+            for level in levels:
+                if level == "scalar" and n > 10000 and not args.all_scalar:
+                    continue  # seconds per call, and says nothing the small shapes don't
+                _core.set_simd_level(level)
+                _quant.set_simd_level(level)  # the kernels' own copy of the level
+                dec = time_call(lambda: _quant.linear(x1, w, qtype, y1), args.budget, 3, clock)
+                gbs = w.nbytes / dec / 1e9
+                pre_s = "-"
+                if n < 10000:
+                    pre = time_call(lambda: _quant.linear(xp, w, qtype, yp), args.budget, 2, clock)
+                    pre_s = f"{2 * T * n * k / pre / 1e9:.1f}"
+                print(f"{tname:5} {f'{n}x{k}':>11} {level:>7} {dec * 1e6:10.1f} {gbs:7.2f} "
+                      f"{pre_s:>16}", flush=True)
+    _core.set_simd_level(_core.simd_best())
+    _quant.set_simd_level(_core.simd_best())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+/* Internals shared by quant*.c and matmul*.c: the 8-bit activation blocks, the dot
+ * kernel signature, byte offsets inside each GGML block, and the per-level kernel
+ * tables. Not part of the public API. */
+#ifndef ELLM_QUANT_IMPL_H
+#define ELLM_QUANT_IMPL_H
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "convert.h"
+#include "quant.h"
+
+/* ------------------------------------------------------------------------------------
+ * Activation blocks: X quantized once per linear call to 8 bits, so the weight blocks
+ * can be multiplied with integer dot products.
+ *   act32  pairs with the 32-element types (Q4_0 .. Q8_0): scale d and s = d * sum(qs),
+ *          which folds the constant offset / min of Q4_0, Q4_1, Q5_0, Q5_1 into one FMA.
+ *   act256 pairs with the K-quants: one scale per 256 and the sum of every 16 values.
+ * Values are rounded to nearest in [-127, 127] (symmetric, so negating one never
+ * overflows an int8: the AVX2 sign trick relies on that).
+ * ------------------------------------------------------------------------------------ */
+typedef struct {
+    float d;        /* scale: x ~= d * qs */
+    float s;        /* d * sum(qs) */
+    int8_t qs[32];
+} ellm_act32;
+
+typedef struct {
+    float d;
+    int8_t qs[256];
+    int16_t bsums[16]; /* sum of qs[16 i .. 16 i + 15] */
+} ellm_act256;
+
+_Static_assert(sizeof(ellm_act32) == 40, "act32 layout");
+_Static_assert(sizeof(ellm_act256) == 292, "act256 layout");
+
+/* Quantizes (k,) f32 into k/32 act32 blocks or k/256 act256 blocks. */
+typedef void (*ellm_act_fn)(const float *x, int64_t k, void *out);
+
+/* One weight row of nb blocks times nt activation rows (nt in [1, ELLM_QDOT_MAX_NT]):
+ *   w:  (nb blocks) of the weight type
+ *   x:  (nt, x_stride bytes) activation rows
+ *   y:  y[t * y_stride] = dot(w, x_t) for t < nt */
+typedef void (*ellm_qdot_fn)(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride,
+                             int nt, float *y, size_t y_stride);
+#define ELLM_QDOT_MAX_NT 4
+
+/* Float weights (f32, f16 or bf16 bits, converted in registers): a tile of nr weight
+ * rows times nt f32 activation rows, each kernel blocking it in registers its own way.
+ *   w:  (nr, w_stride bytes), each row k elements
+ *   x:  (nt, x_stride floats)
+ *   y:  y[t * y_stride + r] = dot(w_r, x_t) */
+typedef void (*ellm_fmm_fn)(int64_t k, const uint8_t *w, size_t w_stride, int64_t nr,
+                            const float *x, size_t x_stride, int64_t nt, float *y,
+                            size_t y_stride);
+
+/* ------------------------------------------------------------------------------------
+ * Block byte offsets (GGML layouts). Fields are read with memcpy: rows may sit at any
+ * byte address, and a misaligned uint16_t* dereference is undefined behaviour.
+ * ------------------------------------------------------------------------------------ */
+#define QK32 32
+#define QK256 256
+#define Q4_0_BYTES 18  /* d f16 | qs[16] */
+#define Q4_1_BYTES 20  /* d f16 | m f16 | qs[16] */
+#define Q5_0_BYTES 22  /* d f16 | qh u32 | qs[16] */
+#define Q5_1_BYTES 24  /* d f16 | m f16 | qh u32 | qs[16] */
+#define Q8_0_BYTES 34  /* d f16 | qs[32] int8 */
+#define Q2_K_BYTES 84  /* scales[16] | qs[64] | d f16 | dmin f16 */
+#define Q3_K_BYTES 110 /* hmask[32] | qs[64] | scales[12] | d f16 */
+#define Q4_K_BYTES 144 /* d f16 | dmin f16 | scales[12] | qs[128] */
+#define Q5_K_BYTES 176 /* d f16 | dmin f16 | scales[12] | qh[32] | qs[128] */
+#define Q6_K_BYTES 210 /* ql[128] | qh[64] | scales[16] int8 | d f16 */
+
+static inline uint16_t ellm_rd_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+static inline uint32_t ellm_rd_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static inline float ellm_rd_f16(const uint8_t *p) { return ellm_f16_to_f32(ellm_rd_u16(p)); }
+
+/* Q4_K / Q5_K: 8 six-bit scales and 8 six-bit mins packed into 12 bytes. */
+static inline void ellm_unpack_k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+/* Q3_K: 16 six-bit signed scales (stored +32) packed into 12 bytes. */
+static inline void ellm_unpack_q3k_scales(const uint8_t *s, int8_t sc[16]) {
+    for (int i = 0; i < 16; i++) {
+        int lo = i < 8 ? (s[i] & 0x0F) : (s[i - 8] >> 4);
+        int hi = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        sc[i] = (int8_t)((lo | (hi << 4)) - 32);
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * Kernel tables. Indexing by GGML type id; NULL where a level has no variant (the
+ * caller then takes the scalar one). The *_avx2 / *_avx512 getters exist only on x86.
+ * ------------------------------------------------------------------------------------ */
+#define ELLM_NTYPES 31
+
+/* Which activation format a weight type pairs with: 32, 256, or 0 for float types. */
+int ellm_act_block(int qtype);
+/* Bytes of one activation row of k elements for qtype (0 for float types). */
+size_t ellm_act_row_bytes(int qtype, int64_t k);
+
+ellm_qdot_fn ellm_qdot_scalar(int qtype);
+ellm_fmm_fn ellm_fmm_scalar(int qtype);
+void ellm_act32_scalar(const float *x, int64_t k, void *out);
+void ellm_act256_scalar(const float *x, int64_t k, void *out);
+
+#if defined(__x86_64__) || defined(__i386__)
+#define ELLM_HAVE_X86_KERNELS 1
+ellm_qdot_fn ellm_qdot_avx2(int qtype);
+ellm_fmm_fn ellm_fmm_avx2(int qtype);
+void ellm_act32_avx2(const float *x, int64_t k, void *out);
+void ellm_act256_avx2(const float *x, int64_t k, void *out);
+ellm_qdot_fn ellm_qdot_avx512(int qtype, int vnni);
+ellm_fmm_fn ellm_fmm_avx512(int qtype);
+#endif
+/* 1 when the CPU has AVX512-VNNI (vpdpbusd), checked apart from the AVX-512 level;
+ * always 0 off x86. */
+int ellm_cpu_has_vnni(void);
+
+/* The kernels in force at the current SIMD level (falling back level by level). */
+ellm_qdot_fn ellm_qdot_select(int qtype);
+ellm_fmm_fn ellm_fmm_select(int qtype);
+ellm_act_fn ellm_act_select(int qtype);
+
+#endif

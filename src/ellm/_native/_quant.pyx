@@ -1,0 +1,324 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Thin typed shims over csrc/quant.h and csrc/matmul.h: dequantize GGML blocks, run
+linear layers on weights as they lie in the file, gather embedding rows, quantize.
+
+Every shape, dtype and byte length is checked here and turned into a ValueError before
+any pointer reaches C; the C side checks again and its status becomes an exception.
+The GIL is released around every kernel call.
+"""
+
+import threading
+
+import numpy as np
+
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
+from libc.stdlib cimport free, malloc
+
+
+cdef extern from "quant.h":
+    int64_t ellm_qtype_block_elems(int qtype) nogil
+    int64_t ellm_qtype_block_bytes(int qtype) nogil
+    int64_t ellm_row_bytes(int qtype, int64_t n) nogil
+    const char *ellm_status_str(int status) nogil
+    int ellm_dequantize(int qtype, const uint8_t *src, size_t src_bytes, float *dst, int64_t n) nogil
+    int ellm_get_rows(int qtype, const uint8_t *w, size_t w_bytes, int64_t n_rows, int64_t k,
+                      const int32_t *ids, int64_t n_ids, float *out) nogil
+    int ellm_quantize_rows(int qtype, const float *src, int64_t n_rows, int64_t k, uint8_t *dst,
+                           size_t dst_bytes) nogil
+    enum:
+        ELLM_T_F32
+        ELLM_T_F16
+        ELLM_T_Q4_0
+        ELLM_T_Q8_0
+        ELLM_T_BF16
+        ELLM_E_INDEX
+
+
+cdef extern from "matmul.h":
+    size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K) nogil
+    int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w,
+                    size_t w_bytes, int64_t N, float *y, void *scratch, size_t scratch_bytes) nogil
+
+
+cdef extern from "quant_impl.h":
+    int ellm_cpu_has_vnni() nogil
+
+
+cdef extern from "simd.h":
+    int ellm_simd_level()
+    int ellm_simd_set(int level)
+    const char *ellm_simd_name(int level)
+
+
+cdef extern from "threadpool.h":
+    int ellm_num_threads()
+    void ellm_set_num_threads(int n)
+
+
+# GGML type ids this module handles (as in ellm.formats.ggml_types.GGMLType)
+TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+              10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+
+
+cdef str _tname(int qtype):
+    return TYPE_NAMES.get(qtype, f"type {qtype}")
+
+
+cdef int _check_type(int qtype, str fn) except -1:
+    if ellm_qtype_block_elems(qtype) == 0:
+        raise ValueError(f"{fn}: unsupported GGML type id {qtype}; supported: "
+                         f"{', '.join(f'{v}={k}' for k, v in TYPE_NAMES.items())}")
+    return 0
+
+
+cdef int _raise_status(int status, str fn) except -1:
+    if status == 0:
+        return 0
+    msg = f"{fn}: {ellm_status_str(status).decode()}"
+    if status == ELLM_E_INDEX:
+        raise IndexError(msg)
+    raise ValueError(msg)
+
+
+def row_bytes(int qtype, int64_t n) -> int:
+    """Bytes of one row of n elements of qtype; ValueError when n is not whole blocks."""
+    _check_type(qtype, "row_bytes")
+    cdef int64_t rb = ellm_row_bytes(qtype, n)
+    if rb < 0:
+        raise ValueError(f"row_bytes: {_tname(qtype)} rows need a non-negative multiple of "
+                         f"{ellm_qtype_block_elems(qtype)} elements, got {n}")
+    return rb
+
+
+def has_vnni() -> bool:
+    """Whether the AVX-512 kernels may use VNNI (vpdpbusd) on this CPU."""
+    return bool(ellm_cpu_has_vnni())
+
+
+# Every extension module links its own copy of csrc/ (a static library), so the SIMD
+# level and the thread pool these kernels use are this module's, not _core's: these
+# four set them here. (Once csrc/ is one shared library they act on the same state.)
+_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3}
+
+
+def simd_level() -> str:
+    """The SIMD level this module's kernels run at."""
+    return ellm_simd_name(ellm_simd_level()).decode()
+
+
+def set_simd_level(str name) -> None:
+    """Forces this module's kernel level ("scalar", "avx2", "avx512", "neon")."""
+    if name not in _LEVELS:
+        raise ValueError(f"unknown SIMD level {name!r}; expected one of {sorted(_LEVELS)}")
+    if ellm_simd_set(_LEVELS[name]) != 0:
+        raise ValueError(f"SIMD level {name!r} is not supported on this CPU")
+
+
+def num_threads() -> int:
+    """Threads this module's kernels split work over."""
+    return ellm_num_threads()
+
+
+def set_num_threads(int n) -> None:
+    """Sets this module's pool size; n <= 0 means every CPU this process may use."""
+    ellm_set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------
+# Weights: any C-contiguous 2-D buffer (numpy array or mmap view), never copied
+# ------------------------------------------------------------------------------------
+
+cdef int _get_weights(object w, int qtype, int64_t k, str fn, Py_buffer *buf) except -1:
+    """Acquires w's buffer into *buf and checks it is a (N, row) matrix of qtype with K
+    columns. On success the caller must PyBuffer_Release(buf); on error it is released."""
+    try:
+        PyObject_GetBuffer(w, buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    except (BufferError, TypeError) as e:
+        raise ValueError(f"{fn}: w must be a C-contiguous 2-D array ({e})") from None
+    try:
+        _check_weights(buf, qtype, k, fn)
+    except BaseException:
+        PyBuffer_Release(buf)
+        raise
+    return 0
+
+
+cdef str _fmt(Py_buffer *buf):
+    return (<bytes>buf.format).decode() if buf.format != NULL else "B"
+
+
+cdef int _check_weights(Py_buffer *buf, int qtype, int64_t k, str fn) except -1:
+    if buf.ndim != 2:
+        raise ValueError(f"{fn}: w must be 2-D, got {buf.ndim} dimensions")
+    cdef int64_t rb = ellm_row_bytes(qtype, k)
+    if rb < 0:
+        raise ValueError(f"{fn}: K={k} is not a whole number of {_tname(qtype)} blocks "
+                         f"({ellm_qtype_block_elems(qtype)} elements each)")
+    # buffer-protocol format: one code, maybe after a byte-order mark that means native
+    # order ('<', '=', '@': this builds for little-endian machines only)
+    cdef const char *f = buf.format
+    if f == NULL:
+        f = "B"
+    if f[0] == b'<' or f[0] == b'=' or f[0] == b'@':
+        f += 1
+    cdef char code = f[0]
+    cdef bint one_code = f[0] != 0 and f[1] == 0
+    cdef bint ok
+    if qtype == ELLM_T_F32 or qtype == ELLM_T_F16 or qtype == ELLM_T_BF16:
+        ok = one_code and (
+            (qtype == ELLM_T_F32 and code == b'f' and buf.itemsize == 4) or
+            (qtype != ELLM_T_F32 and (code == b'H' or (qtype == ELLM_T_F16 and code == b'e'))
+             and buf.itemsize == 2))
+        if not ok:
+            dt = ("float32" if qtype == ELLM_T_F32 else "uint16 or float16" if qtype == ELLM_T_F16
+                  else "uint16 (bf16 bits)")
+            raise ValueError(f"{fn}: {_tname(qtype)} weights must be {dt}, got format "
+                             f"{_fmt(buf)!r}")
+        if buf.shape[1] != k:
+            raise ValueError(f"{fn}: w has {buf.shape[1]} columns, expected K={k}")
+    else:
+        if not (one_code and buf.itemsize == 1 and (code == b'B' or code == b'b' or code == b'c')):
+            raise ValueError(f"{fn}: {_tname(qtype)} weights must be uint8 rows of blocks, "
+                             f"got format {_fmt(buf)!r}")
+        if buf.shape[1] != rb:
+            raise ValueError(f"{fn}: w rows are {buf.shape[1]} bytes; a {_tname(qtype)} row "
+                             f"of K={k} elements is {rb} bytes")
+    return 0
+
+
+# ------------------------------------------------------------------------------------
+# Scratch for the quantized activations: one buffer per Python thread, grown only
+# when a call needs more (two threads may run kernels at once with the GIL released)
+# ------------------------------------------------------------------------------------
+
+cdef class _Scratch:
+    cdef void *raw
+    cdef uint8_t *ptr   # 64-byte aligned inside raw
+    cdef size_t cap
+
+    cdef int reserve(self, size_t nbytes) except -1:
+        if nbytes <= self.cap:
+            return 0
+        cdef size_t cap = max(nbytes, 2 * self.cap)
+        cdef void *p = malloc(cap + 64)
+        if p == NULL:
+            raise MemoryError(f"cannot allocate {cap} bytes of scratch")
+        free(self.raw)
+        self.raw = p
+        self.ptr = <uint8_t *>((<uintptr_t>p + 63) & ~(<uintptr_t>63))
+        self.cap = cap
+        return 0
+
+    def __dealloc__(self):
+        free(self.raw)
+
+
+_tls = threading.local()
+
+
+cdef _Scratch _scratch():
+    s = getattr(_tls, "scratch", None)
+    if s is None:
+        s = _Scratch()
+        _tls.scratch = s
+    return <_Scratch>s
+
+
+def scratch_bytes() -> int:
+    """Bytes of activation scratch this thread holds (for tests and diagnostics)."""
+    return _scratch().cap
+
+
+# ------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------
+
+def dequantize(const uint8_t[::1] raw not None, int qtype, float[::1] out not None) -> None:
+    """(row_bytes(qtype, n),) uint8 blocks -> out: (n,) float32."""
+    _check_type(qtype, "dequantize")
+    cdef int64_t n = out.shape[0]
+    cdef int64_t rb = ellm_row_bytes(qtype, n)
+    if rb < 0:
+        raise ValueError(f"dequantize: {n} elements is not a whole number of {_tname(qtype)} "
+                         f"blocks ({ellm_qtype_block_elems(qtype)} elements each)")
+    if raw.shape[0] != rb:
+        raise ValueError(f"dequantize: {n} {_tname(qtype)} elements take {rb} bytes, "
+                         f"got {raw.shape[0]}")
+    if n == 0:
+        return
+    cdef int st
+    with nogil:
+        st = ellm_dequantize(qtype, &raw[0], <size_t>raw.shape[0], &out[0], n)
+    _raise_status(st, "dequantize")
+
+
+def linear(const float[:, ::1] x not None, w, int qtype, float[:, ::1] out not None) -> None:
+    """out (T, N) = x (T, K) . w^T.
+
+    w: (N, row_bytes(qtype, K)) uint8 blocks for quantized types; (N, K) float32 for F32;
+    (N, K) uint16 (or float16) for F16; (N, K) uint16 bf16 bits for BF16.
+    """
+    _check_type(qtype, "linear")
+    cdef int64_t T = x.shape[0], K = x.shape[1]
+    cdef Py_buffer wb
+    _get_weights(w, qtype, K, "linear", &wb)
+    cdef int64_t N = wb.shape[0]
+    cdef size_t need
+    cdef _Scratch s
+    cdef int st
+    try:
+        if out.shape[0] != T or out.shape[1] != N:
+            raise ValueError(f"linear: out is ({out.shape[0]}, {out.shape[1]}), expected "
+                             f"(T, N) = ({T}, {N})")
+        if T == 0 or N == 0:
+            return
+        need = ellm_linear_scratch_bytes(qtype, T, K)
+        s = _scratch()
+        s.reserve(need)
+        with nogil:
+            st = ellm_linear(qtype, &x[0, 0] if K else NULL, T, K, <const uint8_t *>wb.buf,
+                             <size_t>wb.len, N, &out[0, 0], s.ptr, s.cap)
+    finally:
+        PyBuffer_Release(&wb)
+    _raise_status(st, "linear")
+
+
+def get_rows(w, int qtype, const int32_t[::1] ids not None, float[:, ::1] out not None) -> None:
+    """out (len(ids), K) = rows `ids` of w dequantized (an embedding lookup); K = out.shape[1]."""
+    _check_type(qtype, "get_rows")
+    cdef int64_t K = out.shape[1], n_ids = ids.shape[0]
+    cdef Py_buffer wb
+    _get_weights(w, qtype, K, "get_rows", &wb)
+    cdef int st
+    try:
+        if out.shape[0] != n_ids:
+            raise ValueError(f"get_rows: out has {out.shape[0]} rows for {n_ids} ids")
+        if n_ids == 0 or K == 0:
+            return
+        with nogil:
+            st = ellm_get_rows(qtype, <const uint8_t *>wb.buf, <size_t>wb.len, wb.shape[0], K,
+                               &ids[0], n_ids, &out[0, 0])
+    finally:
+        PyBuffer_Release(&wb)
+    _raise_status(st, "get_rows")
+
+
+def quantize(const float[:, ::1] x not None, int qtype):
+    """(N, K) float32 -> (N, row_bytes(qtype, K)) uint8 blocks, for Q8_0 or Q4_0."""
+    if qtype != ELLM_T_Q8_0 and qtype != ELLM_T_Q4_0:
+        raise ValueError(f"quantize: only Q8_0 (8) and Q4_0 (2) are supported, got "
+                         f"{_tname(qtype)}")
+    cdef int64_t N = x.shape[0], K = x.shape[1]
+    cdef int64_t rb = ellm_row_bytes(qtype, K)
+    if rb < 0:
+        raise ValueError(f"quantize: K={K} is not a multiple of 32")
+    res = np.empty((N, rb), dtype=np.uint8)
+    if N == 0 or K == 0:
+        return res
+    cdef uint8_t[:, ::1] dst = res
+    cdef int st
+    with nogil:
+        st = ellm_quantize_rows(qtype, &x[0, 0], N, K, &dst[0, 0], <size_t>(N * rb))
+    _raise_status(st, "quantize")
+    return res

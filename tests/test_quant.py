@@ -1,0 +1,422 @@
+"""Quantized and float weight kernels (ellm._native._quant) against independent numpy code.
+
+- dequantize: every GGML type vs the `gguf` package's numpy dequantizers, on random but
+  valid blocks and on real tensors sliced from the two model files;
+- linear: Y = X . W^T vs float64 numpy on the dequantized weights, at every SIMD level
+  this CPU runs, by NMSE (quantized) or elementwise bounds (float weights); plus a tight
+  check against numpy doing the same 8-bit activation rounding as the kernels;
+- quantize: Q8_0 / Q4_0 bytes vs gguf.quants.quantize (bit-exact);
+- bad shapes, dtypes and indices raise ValueError / IndexError, never crash.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from ellm._native import _core, _quant  # noqa: E402
+from ellm.formats.ggml_types import BLOCK_LAYOUT, GGMLType  # noqa: E402
+
+Q32 = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
+QK = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+QUANT = Q32 + QK
+FLOATS = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
+LEVELS = _core.supported_simd_levels()
+
+# byte offsets of the f16 scale fields in each block: random bytes there could be
+# inf / nan, which no real file holds
+F16_FIELDS: dict[GGMLType, tuple[int, ...]] = {
+    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,),
+    GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+}
+
+
+def use_level(level: str) -> None:
+    """Runs the kernels at `level`. _quant links its own copy of the native dispatch
+    state, so set it there too, and check it took."""
+    _core.set_simd_level(level)
+    _quant.set_simd_level(level)
+    assert _quant.simd_level() == level
+
+
+@pytest.fixture(autouse=True)
+def _restore_simd_level():
+    before = _quant.simd_level()
+    yield
+    use_level(before)
+
+
+def random_rows(qtype: GGMLType, n_rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_rows, row_bytes) uint8: random blocks with finite, model-sized f16 scales."""
+    blk, size = BLOCK_LAYOUT[qtype]
+    blocks = rng.integers(0, 256, size=(n_rows * (k // blk), size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scale = rng.uniform(-1.0, 1.0, size=blocks.shape[0]).astype(np.float16) * np.float16(0.02)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n_rows, -1)
+
+
+def gguf_dequant(raw: np.ndarray, qtype: GGMLType) -> np.ndarray:
+    """(n_rows, row_bytes) uint8 -> (n_rows, k) float32 through the gguf package."""
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(qtype))).astype(np.float32)
+
+
+def c_dequant(raw: np.ndarray, qtype: GGMLType, k: int) -> np.ndarray:
+    out = np.empty(raw.shape[0] * k, np.float32)
+    _quant.dequantize(np.ascontiguousarray(raw).reshape(-1), int(qtype), out)
+    return out.reshape(raw.shape[0], k)
+
+
+def nmse(y: np.ndarray, ref: np.ndarray) -> float:
+    ref = ref.astype(np.float64)
+    return float(np.sum((y - ref) ** 2) / max(np.sum(ref**2), 1e-30))
+
+
+def q8_act_reference(x: np.ndarray, block: int) -> np.ndarray:
+    """x after the kernels' activation rounding: per `block` values, d = amax / 127,
+    q = round-to-nearest-even(x * 127 / amax), all in float32 as the C code does."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
+    q = np.rint(xb * inv)
+    return (q * (amax / np.float32(127))).reshape(x.shape)
+
+
+# ------------------------------------------------------------------------------------
+# dequantize
+# ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", QUANT, ids=lambda t: t.name)
+def test_dequantize_random_blocks(qtype: GGMLType) -> None:
+    rng = np.random.default_rng(int(qtype))
+    k = 4 * BLOCK_LAYOUT[qtype][0]
+    raw = random_rows(qtype, 8, k, rng)
+    np.testing.assert_array_equal(c_dequant(raw, qtype, k), gguf_dequant(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", FLOATS, ids=lambda t: t.name)
+def test_dequantize_float_types(qtype: GGMLType) -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(1000).astype(np.float32)
+    if qtype == GGMLType.F32:
+        raw, ref = x.view(np.uint8), x
+    elif qtype == GGMLType.F16:
+        h = x.astype(np.float16)
+        raw, ref = h.view(np.uint8), h.astype(np.float32)
+    else:
+        bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+        raw, ref = bits.view(np.uint8), (bits.astype(np.uint32) << 16).view(np.float32)
+    out = np.empty(1000, np.float32)
+    _quant.dequantize(raw, int(qtype), out)
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.fixture(scope="module")
+def model_tensors(smollm2_gguf: Path, gemma3_gguf: Path) -> dict[GGMLType, list[tuple[str, np.ndarray]]]:
+    """Per quantized type: (name, the first rows of a real tensor) from both models
+    (the paths come from tests/conftest.py, which pulls the models through ellm.hub)."""
+    from ellm.formats.gguf import GGUFFile
+
+    found: dict[GGMLType, list[tuple[str, np.ndarray]]] = {}
+    for path in (smollm2_gguf, gemma3_gguf):
+        f = GGUFFile(path)
+        for name, info in f.tensors.items():
+            if info.qtype in QUANT and len(info.shape) == 2 and len(found.get(info.qtype, [])) < 2:
+                # copy a slice: the map stays with f, which is dropped at the end
+                found.setdefault(info.qtype, []).append((name, np.array(f.raw(name)[:48])))
+    return found
+
+
+def test_real_tensors_cover_the_model_types(model_tensors) -> None:
+    want = {GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K}
+    assert want <= set(model_tensors)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_K,
+                                   GGMLType.Q6_K], ids=lambda t: t.name)
+def test_dequantize_real_tensors(model_tensors, qtype: GGMLType) -> None:
+    for name, raw in model_tensors[qtype]:
+        blk, size = BLOCK_LAYOUT[qtype]
+        k = raw.shape[1] // size * blk
+        np.testing.assert_array_equal(c_dequant(raw, qtype, k), gguf_dequant(raw, qtype),
+                                      err_msg=name)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_K,
+                                   GGMLType.Q6_K], ids=lambda t: t.name)
+def test_linear_real_tensors(model_tensors, qtype: GGMLType, level: str) -> None:
+    use_level(level)
+    rng = np.random.default_rng(7)
+    for name, raw in model_tensors[qtype]:
+        w = gguf_dequant(raw, qtype).astype(np.float64)
+        for t in (1, 5):
+            x = rng.standard_normal((t, w.shape[1])).astype(np.float32)
+            out = np.empty((t, w.shape[0]), np.float32)
+            _quant.linear(x, raw, int(qtype), out)
+            err = nmse(out, x @ w.T)
+            assert err < 2e-4, f"{name} T={t}: nmse {err:.2e}"
+
+
+# ------------------------------------------------------------------------------------
+# linear on quantized weights
+# ------------------------------------------------------------------------------------
+
+# (T, N, K-blocks): odd T and N, T beyond one token tile, K of one and of many blocks
+SHAPES = [(1, 1, 1), (1, 37, 3), (2, 5, 2), (3, 19, 6), (7, 33, 1), (33, 20, 4), (40, 17, 3),
+          (16, 64, 8)]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", QUANT, ids=lambda t: t.name)
+def test_linear_quantized(qtype: GGMLType, level: str) -> None:
+    use_level(level)
+    rng = np.random.default_rng(100 + int(qtype))
+    blk = BLOCK_LAYOUT[qtype][0]
+    outs, refs = [], []
+    for t, n, kb in SHAPES:
+        k = kb * blk
+        raw = random_rows(qtype, n, k, rng)
+        w = gguf_dequant(raw, qtype).astype(np.float64)
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        out = np.full((t, n), np.nan, np.float32)
+        _quant.linear(x, raw, int(qtype), out)
+        # numpy with the same 8-bit rounding of x: what is left is summation order
+        xr = q8_act_reference(x, blk).astype(np.float64)
+        tight = nmse(out, xr @ w.T)
+        assert tight < 1e-10, f"T={t} N={n} K={k}: nmse vs rounded-x reference {tight:.2e}"
+        outs.append(out.reshape(-1))
+        refs.append((x.astype(np.float64) @ w.T).reshape(-1))
+    # against exact f64 math, over all ~2700 outputs (one output alone is too noisy a
+    # statistic): measured ~3e-5 with a scale per 32 and ~5e-5 with one per 256
+    err = nmse(np.concatenate(outs), np.concatenate(refs))
+    assert err < (1e-4 if blk == 32 else 2e-4), f"nmse {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_linear_levels_agree(qtype: GGMLType) -> None:
+    rng = np.random.default_rng(3)
+    k = 2 * 256
+    raw = random_rows(qtype, 50, k, rng)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    outs = {}
+    for level in LEVELS:
+        use_level(level)
+        outs[level] = np.empty((9, 50), np.float32)
+        _quant.linear(x, raw, int(qtype), outs[level])
+    for level in LEVELS:
+        assert nmse(outs[level], outs["scalar"]) < 1e-10, level
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q6_K, GGMLType.BF16],
+                         ids=lambda t: t.name)
+def test_linear_threads_agree(qtype: GGMLType) -> None:
+    """Each output is computed by one task in a fixed order: any thread count gives the
+    same bits."""
+    rng = np.random.default_rng(8)
+    k, n = 512, 300
+    if qtype in QUANT:
+        w = random_rows(qtype, n, k, rng)
+    else:
+        w = float_weights(qtype, n, k, rng)[0]
+    before = _quant.num_threads()
+    try:
+        for t in (1, 37):
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            outs = []
+            for threads in (1, 2, 3):
+                _quant.set_num_threads(threads)
+                outs.append(np.empty((t, n), np.float32))
+                _quant.linear(x, w, int(qtype), outs[-1])
+            for o in outs[1:]:
+                np.testing.assert_array_equal(o, outs[0])
+    finally:
+        _quant.set_num_threads(before)
+
+
+def test_linear_accepts_unaligned_rows() -> None:
+    """Rows of a map view start at any byte; the kernels must not assume alignment."""
+    rng = np.random.default_rng(11)
+    raw = random_rows(GGMLType.Q4_1, 6, 64, rng)
+    buf = np.zeros(raw.size + 1, np.uint8)
+    buf[1:] = raw.reshape(-1)
+    shifted = buf[1:].reshape(raw.shape)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    a, b = np.empty((2, 6), np.float32), np.empty((2, 6), np.float32)
+    _quant.linear(x, raw, int(GGMLType.Q4_1), a)
+    _quant.linear(x, shifted, int(GGMLType.Q4_1), b)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_linear_zero_activations() -> None:
+    raw = random_rows(GGMLType.Q4_K, 4, 256, np.random.default_rng(0))
+    out = np.full((3, 4), np.nan, np.float32)
+    _quant.linear(np.zeros((3, 256), np.float32), raw, int(GGMLType.Q4_K), out)
+    np.testing.assert_array_equal(out, 0.0)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K,
+                                   GGMLType.F32, GGMLType.BF16], ids=lambda t: t.name)
+def test_linear_propagates_nan_and_inf(qtype: GGMLType, level: str) -> None:
+    """A NaN or inf in a token's activations makes that token's outputs NaN (or inf),
+    as float math would; other tokens are untouched."""
+    use_level(level)
+    rng = np.random.default_rng(9)
+    k, n = 512, 7
+    w = random_rows(qtype, n, k, rng) if qtype in QUANT else float_weights(qtype, n, k, rng)[0]
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[0, 5] = np.nan
+    x[2, 300] = np.inf
+    out = np.empty((3, n), np.float32)
+    _quant.linear(x, w, int(qtype), out)
+    assert np.isnan(out[0]).all()
+    assert np.isfinite(out[1]).all()
+    assert not np.isfinite(out[2]).any()
+
+
+def test_scratch_grows_only_when_needed() -> None:
+    rng = np.random.default_rng(1)
+    raw = random_rows(GGMLType.Q8_0, 4, 64, rng)
+    out = np.empty((8, 4), np.float32)
+    _quant.linear(rng.standard_normal((8, 64)).astype(np.float32), raw, int(GGMLType.Q8_0), out)
+    cap = _quant.scratch_bytes()
+    assert cap >= 8 * 2 * 40
+    _quant.linear(rng.standard_normal((2, 64)).astype(np.float32), raw, int(GGMLType.Q8_0),
+                  out[:2])
+    assert _quant.scratch_bytes() == cap
+
+
+# ------------------------------------------------------------------------------------
+# linear on float weights
+# ------------------------------------------------------------------------------------
+
+def float_weights(qtype: GGMLType, n: int, k: int, rng: np.random.Generator):
+    """(stored array, its exact float64 values)."""
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if qtype == GGMLType.F32:
+        return w, w.astype(np.float64)
+    if qtype == GGMLType.F16:
+        h = w.astype(np.float16)
+        return h.view(np.uint16), h.astype(np.float64)
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", FLOATS, ids=lambda t: t.name)
+def test_linear_float(qtype: GGMLType, level: str) -> None:
+    use_level(level)
+    rng = np.random.default_rng(int(qtype))
+    for t, n, k in [(1, 1, 1), (1, 13, 37), (1, 40, 256), (3, 9, 100), (9, 17, 65),
+                    (37, 33, 200)]:
+        w, wf = float_weights(qtype, n, k, rng)
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        out = np.empty((t, n), np.float32)
+        _quant.linear(x, w, int(qtype), out)
+        ref = x.astype(np.float64) @ wf.T
+        # f32 accumulation: error grows with sum |x w|; 1e-5 of it is an honest bound
+        scale = np.abs(x).astype(np.float64) @ np.abs(wf).T
+        assert np.all(np.abs(out - ref) <= 1e-5 * scale + 1e-30), f"T={t} N={n} K={k}"
+
+
+def test_linear_f16_accepts_float16_dtype() -> None:
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((5, 48)).astype(np.float16)
+    x = rng.standard_normal((2, 48)).astype(np.float32)
+    a, b = np.empty((2, 5), np.float32), np.empty((2, 5), np.float32)
+    _quant.linear(x, w, int(GGMLType.F16), a)
+    _quant.linear(x, w.view(np.uint16), int(GGMLType.F16), b)
+    np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------------------------
+# get_rows, quantize, row_bytes
+# ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.F32, GGMLType.BF16],
+                         ids=lambda t: t.name)
+def test_get_rows(qtype: GGMLType) -> None:
+    rng = np.random.default_rng(4)
+    k = 256
+    if qtype in QUANT:
+        w = random_rows(qtype, 10, k, rng)
+        full = gguf_dequant(w, qtype)
+    else:
+        w, wf = float_weights(qtype, 10, k, rng)
+        full = wf.astype(np.float32)
+    ids = np.array([3, 0, 9, 3], np.int32)
+    out = np.empty((4, k), np.float32)
+    _quant.get_rows(w, int(qtype), ids, out)
+    np.testing.assert_array_equal(out, full[ids])
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_0], ids=lambda t: t.name)
+def test_quantize_matches_gguf(qtype: GGMLType) -> None:
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((700, 96)).astype(np.float32)  # rows enough for several chunks
+    x[0, :32] = 0.0  # an all-zero block
+    x[1, 40] = 1e-3 * x[1, 41]  # a tie-free tiny value next to a large one
+    ours = _quant.quantize(x, int(qtype))
+    ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType(int(qtype)))
+    np.testing.assert_array_equal(ours, ref)
+    assert ours.shape == (700, _quant.row_bytes(int(qtype), 96))
+
+
+def test_row_bytes() -> None:
+    assert _quant.row_bytes(int(GGMLType.Q4_1), 576) == 18 * 20
+    assert _quant.row_bytes(int(GGMLType.Q6_K), 512) == 2 * 210
+    assert _quant.row_bytes(int(GGMLType.BF16), 7) == 14
+    with pytest.raises(ValueError):
+        _quant.row_bytes(int(GGMLType.Q4_K), 576)
+    with pytest.raises(ValueError):
+        _quant.row_bytes(99, 32)
+
+
+# ------------------------------------------------------------------------------------
+# bad input is an exception
+# ------------------------------------------------------------------------------------
+
+def test_bad_shapes_raise() -> None:
+    q = int(GGMLType.Q4_0)
+    raw = random_rows(GGMLType.Q4_0, 4, 64, np.random.default_rng(0))  # (4, 36)
+    x = np.zeros((2, 64), np.float32)
+    out = np.empty((2, 4), np.float32)
+    bad_calls = [
+        lambda: _quant.linear(np.zeros((2, 48), np.float32), raw, q, out),      # K != w's K
+        lambda: _quant.linear(np.zeros((2, 40), np.float32), raw, q, out),      # K not blocks
+        lambda: _quant.linear(x, raw, q, np.empty((2, 5), np.float32)),         # out N
+        lambda: _quant.linear(x, raw, q, np.empty((3, 4), np.float32)),         # out T
+        lambda: _quant.linear(x.astype(np.float64), raw, q, out),               # x dtype
+        lambda: _quant.linear(np.zeros((64, 2), np.float32).T, raw, q, out),    # x strides
+        lambda: _quant.linear(x, raw.reshape(-1), q, out),                      # w 1-D
+        lambda: _quant.linear(x, raw[:, :18], q, out),                          # w not contig.
+        lambda: _quant.linear(x, raw.view(np.int16), q, out),                   # w dtype
+        lambda: _quant.linear(x, raw, 99, out),                                 # unknown type
+        lambda: _quant.linear(x, np.zeros((4, 64), np.float64), int(GGMLType.F32), out),
+        lambda: _quant.linear(x, np.zeros((4, 63), np.float32), int(GGMLType.F32), out),
+        lambda: _quant.dequantize(raw.reshape(-1)[:-1], q, np.empty(128, np.float32)),
+        lambda: _quant.dequantize(raw.reshape(-1), q, np.empty(100, np.float32)),
+        lambda: _quant.get_rows(raw, q, np.zeros(2, np.int32), np.empty((3, 64), np.float32)),
+        lambda: _quant.quantize(np.zeros((2, 40), np.float32), int(GGMLType.Q8_0)),
+        lambda: _quant.quantize(np.zeros((2, 64), np.float32), int(GGMLType.Q4_K)),
+    ]
+    for i, call in enumerate(bad_calls):
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"bad call {i} did not raise")
+    with pytest.raises(TypeError):
+        _quant.linear(None, raw, q, out)
+
+
+def test_get_rows_bad_index_raises() -> None:
+    raw = random_rows(GGMLType.Q8_0, 4, 32, np.random.default_rng(0))
+    out = np.empty((2, 32), np.float32)
+    for ids in ([0, 4], [-1, 0]):
+        with pytest.raises(IndexError):
+            _quant.get_rows(raw, int(GGMLType.Q8_0), np.array(ids, np.int32), out)
