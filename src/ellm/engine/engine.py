@@ -115,7 +115,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan, too_big = self.scheduler.schedule()
-        outputs = [self._finish(seq, "length") for seq in too_big]
+        outputs = []
+        for seq in too_big:  # cannot fit in the KV cache even alone
+            self._finish(seq, "length")
+            outputs.append(seq.take_output())
         if not plan:
             return outputs
         batch, sampled = self._build_batch(plan)
@@ -187,12 +190,11 @@ class Engine:
         seq.text += text
         seq.pending_text += text
 
-    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
-        return seq.take_output()
 
     # -- direct model access ----------------------------------------------------------
 

@@ -1,0 +1,136 @@
+"""The engine on the real SmolLM2 / Gemma 3 models: paged KV cache, batching, prefix cache,
+preemption, sliding windows, stopping."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ellm
+from ellm.engine.engine import EngineConfig, RequestError
+from ellm.models.batch import Batch
+from ellm.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return ellm.load(smollm2_gguf, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_gguf):
+    return ellm.load(gemma3_gguf, max_model_len=2048, max_num_seqs=4)
+
+
+def _prompt(llm, n: int) -> list[int]:
+    from ellm.bench import bench_prompt
+    return bench_prompt(llm, n)
+
+
+def test_cached_decode_equals_full_recompute(smollm2) -> None:
+    ids = _prompt(smollm2, 40)
+    full = smollm2.logits(ids)                                   # (40, vocab), one prefill
+    eng = smollm2.engine
+    key = "decode-check"
+    assert eng.blocks.allocate(key, len(ids))
+    try:
+        tables = {w: np.asarray([eng.blocks.table(key, w)], np.int32) for w in eng.kv.windows}
+        eng.model.forward(Batch.single(np.asarray(ids[:30]), 0, tables), eng.kv)
+        for p in range(30, 40):                                  # then one token at a time
+            got = eng.model.forward(Batch.single(np.asarray(ids[p:p + 1]), p, tables), eng.kv)[0]
+            np.testing.assert_allclose(got, full[p], atol=2e-3, rtol=0)
+    finally:
+        eng.blocks.free(key)
+
+
+def test_batched_greedy_equals_one_at_a_time(smollm2) -> None:
+    prompts = [_prompt(smollm2, n) for n in (5, 23, 61, 140)]
+    alone = [smollm2.generate(p, GREEDY).token_ids for p in prompts]
+    together = [o.token_ids for o in smollm2.generate(prompts, GREEDY)]
+    assert together == alone
+
+
+def test_prefix_cache_hit_matches_miss(smollm2) -> None:
+    eng = smollm2.engine
+    eng.blocks.clear_prefix_cache()
+    shared = _prompt(smollm2, 100)
+    a = smollm2.generate(shared + [504, 3575], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3))
+    hits_before = eng.blocks.hits
+    b = smollm2.generate(shared + [504, 3575], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3))
+    assert eng.blocks.hits - hits_before == 100 // eng.cfg.block_size
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.token_id == y.token_id
+        assert abs(x.logprob - y.logprob) < 1e-3
+
+
+def test_preemption_when_blocks_run_out(smollm2_gguf) -> None:
+    llm = ellm.load(smollm2_gguf, max_model_len=512)
+    # each prompt ends just short of a block boundary, so decoding needs new blocks at once
+    prompts = [_prompt(llm, n) for n in (14, 30, 46, 62)]
+    alone = [llm.generate(p, GREEDY).token_ids for p in prompts]
+    # 10 blocks of 16 tokens hold the four prompts (1+2+3+4) but not one more token each.
+    small = ellm.load(smollm2_gguf, max_model_len=512)
+    small.engine.__init__(small.model, small.tokenizer,
+                          EngineConfig(max_model_len=512, kv_cache_tokens=10 * 16, max_batch_tokens=64,
+                                       enable_prefix_caching=False))
+    together = [o.token_ids for o in small.generate(prompts, GREEDY)]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert together == alone
+    assert small.engine.blocks.num_used() == 0
+
+
+def test_abort_frees_blocks(smollm2) -> None:
+    eng = smollm2.engine
+    eng.blocks.clear_prefix_cache()
+    rid = eng.add_request(_prompt(smollm2, 50), SamplingParams(max_tokens=100))
+    eng.step()
+    assert eng.blocks.num_used() > 0
+    eng.abort(rid)
+    eng.blocks.clear_prefix_cache()
+    assert eng.blocks.num_used() == 0
+    assert not eng.has_unfinished()
+
+
+def test_finish_reasons_and_stop_strings(smollm2) -> None:
+    out = smollm2.generate("The capital of France is", max_tokens=5, temperature=0.0)
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    full = smollm2.generate("The capital of France is", max_tokens=20, temperature=0.0, ignore_eos=True).text
+    stop = full.strip().split()[2]
+    cut = smollm2.generate("The capital of France is", max_tokens=20, temperature=0.0, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and full.startswith(cut.text)
+    chat = smollm2.chat([{"role": "user", "content": "Say hi."}], max_tokens=64, temperature=0.0)
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in smollm2.tokenizer.eos_token_ids
+
+
+def test_bad_requests_are_refused(smollm2) -> None:
+    with pytest.raises(RequestError, match="vocabulary"):
+        smollm2.generate([1, 2, 10**9])
+    with pytest.raises(RequestError, match="2048"):
+        smollm2.generate(list(range(100, 2200)))
+    with pytest.raises(ValueError, match="empty"):
+        smollm2.generate("")
+
+
+def test_streaming_pieces_join_to_the_text(smollm2) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    pieces = list(smollm2.stream("Once upon a time", params))
+    assert len(pieces) > 3
+    assert "".join(pieces) == smollm2.generate("Once upon a time", params).text
+
+
+def test_sliding_window_bounds_local_layer_blocks(gemma3) -> None:
+    eng = gemma3.engine
+    window = gemma3.config.sliding_window
+    rid = eng.add_request(_prompt(gemma3, 700), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    held = []
+    while eng.has_unfinished():
+        eng.step()
+        if rid in eng.blocks.tables:
+            held.append(sum(b >= 0 for b in eng.blocks.table(rid, window)))
+    bs = eng.cfg.block_size
+    assert held, "the sequence never ran"
+    # what a chunk of new tokens can see: the window behind its first token, plus the chunk
+    assert max(held) <= -(-window // bs) + -(-eng.cfg.max_batch_tokens // bs) + 1
