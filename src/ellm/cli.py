@@ -49,7 +49,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.model, prompt = _split_model_prompt(args)
     llm = _load(args)
     params = _params(args, 0.0)
-    if llm.tokenizer.chat_template and not args.raw:
+    # a template the model files carry means a chat model; a built-in one may be a base model
+    if llm.tokenizer.chat_template and not llm.tokenizer.chat_template_builtin and not args.raw:
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                  add_generation_prompt=True)
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
@@ -139,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="generate from a prompt (streams)")
     r.add_argument("words", nargs="+", metavar="[MODEL] PROMPT")
-    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    r.add_argument("--raw", action="store_true",
+                   help="do not apply the chat template (models without one in their files run raw)")
     _add_sampling(r)
     r.set_defaults(func=cmd_run)
     c = sub.add_parser("chat", help="interactive chat with the model's template")

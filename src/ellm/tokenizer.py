@@ -46,7 +46,7 @@ class Tokenizer:
     def __init__(self, backend: Backend, *, bos_token: str | None = None, eos_token: str | None = None,
                  unk_token: str | None = None, pad_token: str | None = None,
                  eos_token_ids: Sequence[int] = (), chat_template: str | None = None,
-                 name: str = "") -> None:
+                 name: str = "", chat_template_builtin: bool = False) -> None:
         self.backend = backend
         self.name = name
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -54,6 +54,9 @@ class Tokenizer:
         self.bos_token_id: int | None = self._id_of(bos_token)
         self.pad_token_id: int | None = self._id_of(pad_token)
         self.chat_template: str | None = chat_template
+        # True when the model files carry no template and ellm supplied its family's
+        # standard one (Gemma GGUFs): such a model may be a base model, not a chat model.
+        self.chat_template_builtin = chat_template_builtin
         added = backend.get_added_tokens_decoder()
         special = {t.content for t in added.values() if t.special}
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
@@ -90,10 +93,11 @@ class Tokenizer:
             return backend.id_to_token(int(i)) if i is not None and 0 <= int(i) < len(tokens) else None
 
         arch = meta.get("general.architecture")
-        template = meta.get("tokenizer.chat_template") or builtin_template(arch)
+        own = meta.get("tokenizer.chat_template")
         return cls(backend, bos_token=named("bos_token_id"), eos_token=named("eos_token_id"),
                    unk_token=named("unknown_token_id"), pad_token=named("padding_token_id"),
-                   chat_template=template, name=str(gguf.path))
+                   chat_template=own or builtin_template(arch), name=str(gguf.path),
+                   chat_template_builtin=not own)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -141,8 +145,9 @@ class Tokenizer:
         # the architecture picks a built-in template; a tokenizer-only folder names its class
         arch = model_cfg.get("model_type") or (model_cfg.get("text_config") or {}).get("model_type") or \
             str(cfg.get("tokenizer_class") or "").lower()
-        template = _folder_template(folder, cfg) or builtin_template(arch)
-        return cls(backend, **names, eos_token_ids=eos_ids, chat_template=template, name=str(folder))
+        own = _folder_template(folder, cfg)
+        return cls(backend, **names, eos_token_ids=eos_ids, chat_template=own or builtin_template(arch),
+                   name=str(folder), chat_template_builtin=not own)
 
     # ---- text <-> ids ------------------------------------------------------------------
 
