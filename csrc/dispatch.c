@@ -2,6 +2,7 @@
 #include "simd.h"
 
 #include <stdatomic.h>
+#include <stdint.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define ELLM_X86 1
@@ -10,20 +11,57 @@
 #define ELLM_ARM64 1
 #endif
 
+#ifdef ELLM_X86
+#include <cpuid.h>
+
+/* CPUID leaf 7 and XGETBV read directly (not __builtin_cpu_supports, which needs a
+ * runtime symbol some toolchains lack): a feature counts only if the OS also saves the
+ * register state it needs. */
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+typedef struct {
+    int avx2, avx512, vnni;
+} x86_feature_set;
+
+static x86_feature_set x86_features(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0};
+    int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave || !avx) return (x86_feature_set){0, 0, 0};
+    uint64_t xcr0 = xgetbv0();
+    int ymm_ok = (xcr0 & 0x6) == 0x6;            /* SSE + AVX state */
+    int zmm_ok = ymm_ok && (xcr0 & 0xe0) == 0xe0; /* opmask + ZMM state */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0};
+    int avx2 = ymm_ok && ((b >> 5) & 1) && fma && f16c;
+    int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
+    int avx512 = avx2 && zmm_ok && f && dq && bw && vl;
+    int vnni = avx512 && ((c >> 11) & 1);
+    return (x86_feature_set){avx2, avx512, vnni};
+}
+#endif
+
 static int detect(void) {
 #ifdef ELLM_X86
-    __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
-    int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    if (avx512) return ELLM_SIMD_AVX512;
-    if (avx2) return ELLM_SIMD_AVX2;
+    x86_feature_set f = x86_features();
+    if (f.avx512) return ELLM_SIMD_AVX512;
+    if (f.avx2) return ELLM_SIMD_AVX2;
     return ELLM_SIMD_SCALAR;
 #elif defined(ELLM_ARM64)
     return ELLM_SIMD_NEON;  /* NEON is part of the aarch64 baseline */
 #else
     return ELLM_SIMD_SCALAR;
+#endif
+}
+
+int ellm_cpu_has_avx512_vnni(void) {
+#ifdef ELLM_X86
+    return x86_features().vnni;
+#else
+    return 0;
 #endif
 }
 

@@ -17,5 +17,7 @@ int ellm_simd_level(void);
 /* Forces a level; returns 0, or -1 when the CPU or build lacks it. */
 int ellm_simd_set(int level);
 const char *ellm_simd_name(int level);
+/* AVX-512 VNNI (vpdpbusd) usable: lets the AVX-512 integer dot kernels use it. */
+int ellm_cpu_has_avx512_vnni(void);
 
 #endif
