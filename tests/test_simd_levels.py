@@ -140,3 +140,17 @@ def test_level_logits_match_best(level: str, llm: ellm.LLM, best_logits: np.ndar
     top2 = np.sort(best_logits, axis=-1)[:, -2:]                  # (positions, 2)
     sure = (top2[:, 1] - top2[:, 0]) >= SURE_MARGIN
     np.testing.assert_array_equal(got.argmax(-1)[sure], best_logits.argmax(-1)[sure])
+
+
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "neon"])
+def test_level_logits_on_float_weights_are_exact(level: str, smollm2_hf_f32: Path,
+                                                 restore_level: None) -> None:
+    """With f32 weights nothing is quantized, so every level must agree to float rounding."""
+    if level not in _core.supported_simd_levels():
+        pytest.skip(f"this CPU cannot run {level}")
+    llm = ellm.load(str(smollm2_hf_f32), device="cpu", max_model_len=256)
+    force_level(best_level())
+    want = llm.logits(PROMPT_IDS)
+    force_level(level)
+    got = llm.logits(PROMPT_IDS)
+    np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
