@@ -45,7 +45,7 @@ def _forward(folder: Path, device: str, chunks: list[int]) -> np.ndarray:
     for n in chunks:
         blocks.release_out_of_window("s", start)
         tables = {w: np.asarray([blocks.table("s", w)], np.int32) for w in kv.windows}
-        out.append(model.forward(Batch.single(ids[start:start + n], start, tables, all_logits=True), kv))
+        out.append(model.forward(Batch.single(ids[start:start + n], start, tables, all_logits=True), kv).copy())
         start += n
     return np.concatenate(out)
 

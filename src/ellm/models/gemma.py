@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ModelConfig
+from ..ops.workspace import Workspace
 from ..weights import Linear, WeightSource
 from .batch import Batch
 
@@ -40,6 +41,7 @@ class GemmaLayer:
 class GemmaModel:
     def __init__(self, config: ModelConfig, weights: WeightSource, ops: Any) -> None:
         self.config, self.ops = config, ops
+        self.ws = Workspace()
         c = config
         offset = np.float32(0.0 if weights.norm_weights_include_one else 1.0)
 
@@ -79,35 +81,41 @@ class GemmaModel:
             ))
 
     def forward(self, batch: Batch, kv: Any) -> np.ndarray:
-        """-> logits (len(batch.logits_rows), vocab) float32."""
-        c, ops = self.config, self.ops
-        t = len(batch.token_ids)
+        """-> logits (len(batch.logits_rows), vocab) float32, a workspace view that stays
+        valid until the next forward."""
+        c, ops, ws = self.config, self.ops, self.ws
+        t, r = len(batch.token_ids), len(batch.logits_rows)
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps = c.rms_norm_eps
-        residual = ops.scale(ops.embed(self.embed, batch.token_ids), self.embed_scale)   # (T, H)
-        h = ops.rmsnorm(residual, self.layers[0].input_norm, eps)
+        H, F, eps = c.hidden_size, c.intermediate_size, c.rms_norm_eps
+        q, k, v = ws.get("q", t, nh * hd), ws.get("k", t, nkv * hd), ws.get("v", t, nkv * hd)
+        gate, up, act = ws.get("gate", t, F), ws.get("up", t, F), ws.get("act", t, F)
+        attn, proj = ws.get("attn", t, nh, hd), ws.get("proj", t, H)
+        residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
+        ops.scale(residual, self.embed_scale)
+        h = ops.rmsnorm(residual, self.layers[0].input_norm, eps, out=ws.get("h", t, H))
         for i, layer in enumerate(self.layers):
-            q = ops.linear(h, layer.q).reshape(t, nh, hd)
-            k = ops.linear(h, layer.k).reshape(t, nkv, hd)
-            v = ops.linear(h, layer.v).reshape(t, nkv, hd)
-            if layer.q_norm is not None:
-                q = ops.rmsnorm(q, layer.q_norm, eps)
-                k = ops.rmsnorm(k, layer.k_norm, eps)
+            ops.linear_multi(h, [(layer.q, q), (layer.k, k), (layer.v, v)])
+            q3, k3, v3 = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
+            if layer.q_norm is not None:   # per-head norms, in place
+                ops.rmsnorm(q3, layer.q_norm, eps, out=q3)
+                ops.rmsnorm(k3, layer.k_norm, eps, out=k3)
             k_cache, v_cache = kv.layer(i)
-            attn = ops.rope_attention(q, k, v, batch.positions, batch.seq_ids,
-                                      batch.block_tables[layer.window], k_cache, v_cache,
-                                      layer.inv_freq, c.rope_interleaved, c.attention_scale,
-                                      layer.window, c.attn_logit_softcapping or 0.0)
-            o = ops.linear(attn.reshape(t, nh * hd), layer.o)
+            ops.rope_attention(q3, k3, v3, batch.positions, batch.seq_ids,
+                               batch.block_tables[layer.window], k_cache, v_cache,
+                               layer.inv_freq, c.rope_interleaved, c.attention_scale,
+                               layer.window, c.attn_logit_softcapping or 0.0, out=attn)
+            ops.linear(attn.reshape(t, nh * hd), layer.o, out=proj)
             if layer.post_attn_norm is not None:
-                o = ops.rmsnorm(o, layer.post_attn_norm, eps)
-            h = ops.add_rmsnorm(residual, o, layer.pre_ffn_norm, eps)
-            m = ops.geglu(ops.linear(h, layer.gate), ops.linear(h, layer.up))
-            d = ops.linear(m, layer.down)
+                ops.rmsnorm(proj, layer.post_attn_norm, eps, out=proj)
+            ops.add_rmsnorm(residual, proj, layer.pre_ffn_norm, eps, out=h)
+            ops.linear_multi(h, [(layer.gate, gate), (layer.up, up)])
+            ops.geglu(gate, up, out=act)
+            ops.linear(act, layer.down, out=proj)
             if layer.post_ffn_norm is not None:
-                d = ops.rmsnorm(d, layer.post_ffn_norm, eps)
+                ops.rmsnorm(proj, layer.post_ffn_norm, eps, out=proj)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            h = ops.add_rmsnorm(residual, d, next_norm, eps)
-        rows = h if len(batch.logits_rows) == t else np.ascontiguousarray(h[batch.logits_rows])
-        logits = ops.linear(rows, self.lm_head)
+            ops.add_rmsnorm(residual, proj, next_norm, eps, out=h)
+        if r != t:
+            h = np.take(h, batch.logits_rows, axis=0, out=ws.get("rows", r, H))
+        logits = ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))
         return ops.softcap(logits, c.final_logit_softcapping or 0.0)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ModelConfig
+from ..ops.workspace import Workspace
 from ..weights import Linear, WeightSource
 from .batch import Batch
 
@@ -34,6 +35,7 @@ class LlamaLayer:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: WeightSource, ops: Any) -> None:
         self.config, self.ops = config, ops
+        self.ws = Workspace()
         c = config
         self.embed = weights.linear("model.embed_tokens.weight")
         self.norm = weights.vector("model.norm.weight")
@@ -83,26 +85,31 @@ class LlamaModel:
                              f"config says {(c.vocab_size, c.hidden_size)}")
 
     def forward(self, batch: Batch, kv: Any) -> np.ndarray:
-        """-> logits (len(batch.logits_rows), vocab) float32."""
-        c, ops = self.config, self.ops
-        t = len(batch.token_ids)
+        """-> logits (len(batch.logits_rows), vocab) float32, a workspace view that stays
+        valid until the next forward."""
+        c, ops, ws = self.config, self.ops, self.ws
+        t, r = len(batch.token_ids), len(batch.logits_rows)
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        residual = ops.embed(self.embed, batch.token_ids)                 # (T, H)
-        h = ops.rmsnorm(residual, self.layers[0].input_norm, c.rms_norm_eps)
+        H, F = c.hidden_size, c.intermediate_size
+        q, k, v = ws.get("q", t, nh * hd), ws.get("k", t, nkv * hd), ws.get("v", t, nkv * hd)
+        gate, up, act = ws.get("gate", t, F), ws.get("up", t, F), ws.get("act", t, F)
+        attn, proj = ws.get("attn", t, nh, hd), ws.get("proj", t, H)
+        residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
+        h = ops.rmsnorm(residual, self.layers[0].input_norm, c.rms_norm_eps, out=ws.get("h", t, H))
         for i, layer in enumerate(self.layers):
-            q = ops.linear(h, layer.q).reshape(t, nh, hd)
-            k = ops.linear(h, layer.k).reshape(t, nkv, hd)
-            v = ops.linear(h, layer.v).reshape(t, nkv, hd)
+            ops.linear_multi(h, [(layer.q, q), (layer.k, k), (layer.v, v)])
             k_cache, v_cache = kv.layer(i)
-            attn = ops.rope_attention(q, k, v, batch.positions, batch.seq_ids,
-                                      batch.block_tables[layer.window], k_cache, v_cache,
-                                      layer.inv_freq, c.rope_interleaved, c.attention_scale,
-                                      layer.window, 0.0)                  # (T, nh, hd)
-            o = ops.linear(attn.reshape(t, nh * hd), layer.o)
-            h = ops.add_rmsnorm(residual, o, layer.post_attn_norm, c.rms_norm_eps)
-            m = ops.swiglu(ops.linear(h, layer.gate), ops.linear(h, layer.up))
-            d = ops.linear(m, layer.down)
+            ops.rope_attention(q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd),
+                               batch.positions, batch.seq_ids, batch.block_tables[layer.window],
+                               k_cache, v_cache, layer.inv_freq, c.rope_interleaved, c.attention_scale,
+                               layer.window, 0.0, out=attn)                         # (T, nh, hd)
+            ops.linear(attn.reshape(t, nh * hd), layer.o, out=proj)
+            ops.add_rmsnorm(residual, proj, layer.post_attn_norm, c.rms_norm_eps, out=h)
+            ops.linear_multi(h, [(layer.gate, gate), (layer.up, up)])
+            ops.swiglu(gate, up, out=act)
+            ops.linear(act, layer.down, out=proj)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            h = ops.add_rmsnorm(residual, d, next_norm, c.rms_norm_eps)
-        rows = h if len(batch.logits_rows) == t else np.ascontiguousarray(h[batch.logits_rows])
-        return ops.linear(rows, self.lm_head)
+            ops.add_rmsnorm(residual, proj, next_norm, c.rms_norm_eps, out=h)
+        if r != t:
+            h = np.take(h, batch.logits_rows, axis=0, out=ws.get("rows", r, H))
+        return ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))

@@ -1,48 +1,65 @@
-"""The CPU backend: the op set of reference.py on the C kernels (csrc/ through Cython)."""
+"""The CPU backend: the op set of reference.py on the C kernels (csrc/ through Cython).
+
+Every op takes an optional `out` (the model passes workspace views, so decode allocates
+nothing) and returns it.
+"""
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
 from .._native import _kernels, _quant
 
 
+def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    return np.empty(shape, np.float32) if out is None else out
+
+
 class CpuOps:
     name = "cpu"
 
-    def embed(self, w, ids: np.ndarray) -> np.ndarray:
+    def embed(self, w, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
-        out = np.empty((len(ids), w.in_features), np.float32)
+        out = _out(out, (len(ids), w.in_features))
         _quant.get_rows(w.data, int(w.qtype), ids, out)
         return out
 
-    def linear(self, x: np.ndarray, w) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty((x.shape[0], w.out_features), np.float32)
-        _quant.linear(x, w.data, int(w.qtype), out)
+    def linear(self, x: np.ndarray, w, out: np.ndarray | None = None) -> np.ndarray:
+        out = _out(out, (x.shape[0], w.out_features))
+        _quant.linear(np.ascontiguousarray(x, dtype=np.float32), w.data, int(w.qtype), out)
         return out
 
-    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        x2 = x.reshape(-1, x.shape[-1])
-        out = np.empty_like(x2)
-        _kernels.rmsnorm(x2, weight, float(eps), out)
-        return out.reshape(x.shape)
+    def linear_multi(self, x: np.ndarray, parts: Sequence[tuple]) -> list[np.ndarray]:
+        """[(w, out), ...] -> outs: several matrices against one x, x quantized once."""
+        _quant.linear_multi(np.ascontiguousarray(x, dtype=np.float32),
+                            [(w.data, int(w.qtype), o) for w, o in parts])
+        return [o for _, o in parts]
 
-    def add_rmsnorm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        out = np.empty_like(residual)
-        _kernels.add_rmsnorm(residual, np.ascontiguousarray(x), weight, float(eps), out)
+    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+        x2 = x.reshape(-1, x.shape[-1])
+        o2 = _out(out, x.shape).reshape(x2.shape)
+        _kernels.rmsnorm(x2, weight, float(eps), o2)
+        return o2.reshape(x.shape)
+
+    def add_rmsnorm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float,
+                    out: np.ndarray | None = None) -> np.ndarray:
+        """residual += x; -> rmsnorm(residual)."""
+        out = _out(out, residual.shape)
+        _kernels.add_rmsnorm(residual, x, weight, float(eps), out)
         return out
 
     def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        _kernels.add(a, np.ascontiguousarray(b))
+        _kernels.add(a, b)
         return a
 
-    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        out = np.empty_like(gate)
+    def swiglu(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = _out(out, gate.shape)
         _kernels.swiglu(gate, up, out)
         return out
 
-    def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        out = np.empty_like(gate)
+    def geglu(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = _out(out, gate.shape)
         _kernels.geglu(gate, up, out)
         return out
 
@@ -56,8 +73,8 @@ class CpuOps:
         return x
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
-                       inv_freq, interleaved, scale, window=0, softcap_value=0.0):
-        out = np.empty_like(q)
+                       inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None):
+        out = _out(out, q.shape)
         _kernels.rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                                 inv_freq, bool(interleaved), float(scale), int(window),
                                 float(softcap_value), out)

@@ -123,36 +123,49 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x.astype(np.float32) @ w.astype(np.float32).T
 
 
+def _into(out: np.ndarray | None, value: np.ndarray) -> np.ndarray:
+    if out is None:
+        return np.ascontiguousarray(value, dtype=np.float32)
+    out[...] = value
+    return out
+
+
 class ReferenceOps:
-    """The model op set in plain NumPy (slow): the oracle the fast backends are tested against."""
+    """The model op set in plain NumPy (slow): the oracle the fast backends are tested against.
+
+    Same signatures as ops.cpu.CpuOps (an optional `out` on every op that makes an array)."""
 
     name = "reference"
 
-    def embed(self, w: "Linear", ids: np.ndarray) -> np.ndarray:
+    def embed(self, w: "Linear", ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         from ..formats.dequant import dequantize
         rows = w.data[np.asarray(ids, dtype=np.int64)]
-        return dequantize(np.ascontiguousarray(rows), w.qtype, (len(ids), w.in_features))
+        return _into(out, dequantize(np.ascontiguousarray(rows), w.qtype, (len(ids), w.in_features)))
 
-    def linear(self, x: np.ndarray, w: "Linear") -> np.ndarray:
+    def linear(self, x: np.ndarray, w: "Linear", out: np.ndarray | None = None) -> np.ndarray:
         from ..formats.dequant import dequantize
-        return linear(x, dequantize(w.data, w.qtype, (w.out_features, w.in_features)))
+        return _into(out, linear(x, dequantize(w.data, w.qtype, (w.out_features, w.in_features))))
 
-    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        return rmsnorm(x, weight, eps)
+    def linear_multi(self, x: np.ndarray, parts) -> list[np.ndarray]:
+        return [self.linear(x, w, o) for w, o in parts]
 
-    def add_rmsnorm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+        return _into(out, rmsnorm(x, weight, eps))
+
+    def add_rmsnorm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float,
+                    out: np.ndarray | None = None) -> np.ndarray:
         residual += x
-        return rmsnorm(residual, weight, eps)
+        return _into(out, rmsnorm(residual, weight, eps))
 
     def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         a += b
         return a
 
-    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        return swiglu(gate, up)
+    def swiglu(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return _into(out, swiglu(gate, up))
 
-    def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        return geglu(gate, up)
+    def geglu(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return _into(out, geglu(gate, up))
 
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         x[...] = softcap(x, cap)
@@ -163,6 +176,6 @@ class ReferenceOps:
         return x
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
-                       inv_freq, interleaved, scale, window=0, softcap_value=0.0):
-        return rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
-                              inv_freq, interleaved, scale, window, softcap_value)
+                       inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None):
+        return _into(out, rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
+                                         inv_freq, interleaved, scale, window, softcap_value))
