@@ -3,16 +3,21 @@ overhead, and the per-call cost of the elementwise shims, at the real models' de
 
 Prints only; run on a quiet machine (check /proc/loadavg first):
     nice /work/venv/bin/python benchmarks/bench_attention.py [--threads N] [--iters N]
+        [--only attention] [--module path/to/_kernels.so] [--simd avx2]
+
+--module loads another build of ellm._native._kernels (e.g. a copy of the installed one
+kept from before a change) so two builds can be timed alternately on the same machine.
+Each line gives the median wall time per call and the median CPU time per call (all
+threads of the process), which is less disturbed when other processes share the cores.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
 
 import numpy as np
-
-from ellm._native import _kernels as K
 
 BLOCK = 16
 
@@ -33,45 +38,101 @@ def decode_case(nh: int, nkv: int, hd: int, ctx: int, rng: np.random.Generator) 
     return (q, k, v, pos, sid, table, kc, vc, inv, True, hd ** -0.5, 0, 0.0, out)
 
 
+def prefill_case(nh: int, nkv: int, hd: int, n: int, window: int, rng: np.random.Generator) -> tuple:
+    """One sequence prefilling its first n tokens in one call (a shuffled paged cache)."""
+    n_blocks = (n + BLOCK - 1) // BLOCK
+    table = rng.permutation(n_blocks + 8)[:n_blocks].astype(np.int32)[None, :]
+    kc = np.zeros((n_blocks + 8, BLOCK, nkv, hd), np.float32)
+    vc = np.zeros((n_blocks + 8, BLOCK, nkv, hd), np.float32)
+    q = rng.standard_normal((n, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((n, nkv, hd)).astype(np.float32)
+    inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    pos = np.arange(n, dtype=np.int32)
+    sid = np.zeros(n, np.int32)
+    out = np.empty_like(q)
+    return (q, k, v, pos, sid, table, kc, vc, inv, True, hd ** -0.5, window, 0.0, out)
+
+
 def time_us(fn, iters: int) -> float:
     """Median microseconds per call over `iters` calls (after a warm-up)."""
+    return time_wall_cpu_us(fn, iters)[0]
+
+
+def time_wall_cpu_us(fn, iters: int) -> tuple[float, float]:
+    """(median wall µs, median process CPU µs) per call over `iters` calls, after a warm-up."""
     for _ in range(min(20, iters)):
         fn()
-    ts = np.empty(iters)
+    wall = np.empty(iters)
+    cpu = np.empty(iters)
     for i in range(iters):
+        c0 = time.process_time_ns()
         t0 = time.perf_counter_ns()
         fn()
-        ts[i] = time.perf_counter_ns() - t0
-    return float(np.median(ts)) / 1e3
+        wall[i] = time.perf_counter_ns() - t0
+        cpu[i] = time.process_time_ns() - c0
+    return float(np.median(wall)) / 1e3, float(np.median(cpu)) / 1e3
+
+
+def load_kernels(path: str | None):
+    """ellm._native._kernels, or the build at `path` with the libellm_kernels.so beside it.
+    Loaded before anything of ellm: the library's soname is the same in every build, and
+    the dynamic loader would reuse one already loaded."""
+    if not path:
+        from ellm._native import _kernels
+        return _kernels
+    spec = importlib.util.spec_from_file_location("ellm._native._kernels", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=0, help="pool threads (0: all CPUs)")
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--only", choices=["attention", "all"], default="all")
+    ap.add_argument("--module", default=None, help="path of another _kernels build to time")
+    ap.add_argument("--simd", default=None, help="force a SIMD level (scalar, avx2, avx512)")
     args = ap.parse_args()
-    K.set_num_threads(args.threads)
-    print(f"threads {K.num_threads()}, SIMD {K.simd_level()}, loadavg {open('/proc/loadavg').read().split()[:3]}")
+    kern = load_kernels(args.module)
+    kern.set_num_threads(args.threads)
+    if args.simd:
+        kern.set_simd_level(args.simd)
+    print(f"{kern.__file__}\nthreads {kern.num_threads()}, SIMD {kern.simd_level()}, "
+          f"loadavg {open('/proc/loadavg').read().split()[:3]}")
     rng = np.random.default_rng(0)
+    shapes = {"SmolLM2 9/3x64": (9, 3, 64), "Gemma3 4/1x256": (4, 1, 256)}
 
-    print("\ndecode attention, one sequence (median µs per call; GB/s = K+V bytes read / time)")
-    for name, (nh, nkv, hd) in {"SmolLM2 9/3x64": (9, 3, 64), "Gemma3 4/1x256": (4, 1, 256)}.items():
+    print("\ndecode attention, one sequence (median µs per call, wall and CPU; GB/s = K+V bytes / wall)")
+    for name, (nh, nkv, hd) in shapes.items():
         for ctx in (100, 500, 2000):
             a = decode_case(nh, nkv, hd, ctx, rng)
-            us = time_us(lambda: K.rope_attention(*a), args.iters)
+            us, cpu = time_wall_cpu_us(lambda: kern.rope_attention(*a), args.iters)
             kv_bytes = 2 * (ctx + 1) * nkv * hd * 4
-            print(f"  {name:16s} ctx {ctx:5d}: {us:8.1f} µs  {kv_bytes / us / 1e3:6.2f} GB/s")
+            print(f"  {name:16s} ctx {ctx:5d}: {us:8.1f} µs  cpu {cpu:8.1f} µs  {kv_bytes / us / 1e3:6.2f} GB/s")
+
+    print("\nprefill attention, one sequence of 512 tokens in one call (median µs per call)")
+    for name, (nh, nkv, hd) in shapes.items():
+        for window in (0, 512) if hd == 256 else (0,):
+            a = prefill_case(nh, nkv, hd, 512, window, rng)
+            us, cpu = time_wall_cpu_us(lambda: kern.rope_attention(*a), max(args.iters // 20, 5))
+            print(f"  {name:16s} window {window:3d}: {us:9.0f} µs  cpu {cpu:9.0f} µs")
+    if args.only == "attention":
+        return
 
     print("\npool dispatch (parallel_for over one chunk per thread; µs beyond the chunks' own work)")
     for work_ns in (0, 5000):
-        hot = K.pool_dispatch_ns(2000, work_ns=work_ns)
-        cold = K.pool_dispatch_ns(200, work_ns=work_ns, sleep_us=2000)
+        hot = kern.pool_dispatch_ns(2000, work_ns=work_ns)
+        cold = kern.pool_dispatch_ns(200, work_ns=work_ns, sleep_us=2000)
         print(f"  chunks of {work_ns / 1e3:3.0f} µs: workers spinning {np.median(hot) / 1e3 - work_ns / 1e3:6.2f} µs "
               f"(p90 {np.percentile(hot, 90) / 1e3 - work_ns / 1e3:6.2f}), "
               f"workers asleep {np.median(cold) / 1e3 - work_ns / 1e3:6.2f} µs "
               f"(p90 {np.percentile(cold, 90) / 1e3 - work_ns / 1e3:6.2f})")
 
     print("\nelementwise shims at decode shapes (median µs per call, shim included)")
+    K = kern  # noqa: N806 (the short name the lines below read best with)
     x = rng.standard_normal((1, 576)).astype(np.float32)
     w = rng.standard_normal(576).astype(np.float32)
     res = x.copy()

@@ -1,11 +1,24 @@
-/* Fused RoPE + paged attention: validation, the two (three) parallel phases, the online
- * softmax, and the scalar inner loops. The vector inner loops (q.k scores of a key tile,
- * p @ V into the accumulators) are in attention_avx2.c and attention_avx512.c.
+/* Fused RoPE + paged attention: validation, the parallel phases, the online softmax,
+ * the fold of key chunks, and the scalar inner loops. The vector inner loops (q.k
+ * scores of a key tile, p @ V into the accumulators) are in attention_avx2.c and
+ * attention_avx512.c.
  *
  * Numerics follow reference.rope_attention: rope angles are (f32 position * f32 inv_freq)
  * rounded to f32, their cos/sin taken in double and rounded; scores are (q.k) * scale,
- * then softcapped; the softmax is exact up to rounding (online: running max m and sum l
- * per head, the accumulator rescaled by exp(m_old - m_new) once per key tile). */
+ * then softcapped; the softmax is exact up to rounding.
+ *
+ * Batch invariance (see attention.h) rests on one fixed recipe per (token, query head):
+ *   - its keys [lo, p] are cut at absolute positions multiple of CHUNK into chunks, and
+ *     each chunk at multiples of TILE into tiles;
+ *   - a chunk's partial (m, l, acc) starts empty and takes its tiles in order (online
+ *     softmax: acc rescaled by exp(m_old - m_new) when the max grows);
+ *   - the first chunk's partial becomes the state, each later one is folded in by
+ *     merge_row in order, and the state is divided by its sum at the end.
+ * Two schedules run this recipe: attend_run (phase 2a: a run of query tokens of one
+ * sequence per item, sharing each K/V tile; chunks kept in a per-thread buffer) and
+ * the split schedule for small batches (phase 2b: one chunk of one token per item,
+ * partials in scratch, phase 3 folds them). The shared steps (attend_tile, merge_row,
+ * finish_row) are single noinline functions so both compile to the same instructions. */
 #include "attention.h"
 
 #include <math.h>
@@ -17,12 +30,16 @@
 #include "threadpool.h"
 
 enum {
-    TILE = ELLM_ATTN_TILE,
-    MAX_GROUP = ELLM_ATTN_MAX_GROUP, /* query heads per pass over the keys */
-    ROPE_CHUNK = 64,                 /* rotation pairs whose cos/sin are held at once */
-    MAX_SPLITS = 32,                 /* key splits per (token, kv head) in small batches */
-    MIN_SPLIT_KEYS = 128,            /* do not split below this many keys per split */
+    TILE = ELLM_ATTN_TILE,         /* keys per tile: the unit of the online softmax */
+    CHUNK = ELLM_ATTN_CHUNK,       /* keys per chunk: the unit spread over threads */
+    MAX_ROWS = ELLM_ATTN_MAX_ROWS, /* query rows (token, head) per pass over a tile */
+    ROPE_CHUNK = 64,               /* rotation pairs whose cos/sin are held at once */
+    SPLIT_PAIRS = 4,               /* split keys when (token, kv head) pairs < this * threads */
 };
+/* The split schedule's partials may take at most this many floats (else: no split). */
+#define MAX_PARTIAL_FLOATS ((int64_t)1 << 22)
+
+_Static_assert(CHUNK % TILE == 0, "chunks are whole tiles");
 
 /* =============================== scalar inner loops =============================== */
 
@@ -141,14 +158,56 @@ int ellm_rope_attention_check(const ellm_attn_args *a, char *err, size_t len) {
     return 0;
 }
 
+/* ================================== planning ================================== */
+
+/* First key position a token at p sees. */
+static inline int64_t first_key(int64_t p, int32_t window) {
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+}
+
+/* Chunks a token at p reads: [first_key / CHUNK, p / CHUNK]. */
+static inline int64_t chunk_count(int64_t p, int32_t window) {
+    return p / CHUNK - first_key(p, window) / CHUNK + 1;
+}
+
+/* Query rows per pass: a run of tokens of one sequence, all heads of the group, when the
+ * group fits; else one token and MAX_ROWS heads at a time. */
+static inline int run_tokens(int g) { return g <= MAX_ROWS ? MAX_ROWS / g : 1; }
+static inline int head_slices(int g) { return (g + MAX_ROWS - 1) / MAX_ROWS; }
+
+static inline int64_t thread_floats(int32_t hd) { return (int64_t)MAX_ROWS * hd; }
+
+/* Floats of the split schedule's partials for this batch on `threads` threads, 0 when it
+ * would not split; *max_chunks gets the most chunks of any token. Safe on unchecked
+ * input: out-of-range positions are skipped. */
+static int64_t split_plan(const ellm_attn_args *a, int threads, int64_t *max_chunks) {
+    *max_chunks = 1;
+    if (threads <= 1 || a->T <= 0 || a->nh < 1 || a->nkv < 1 || a->hd < 1 || a->nh % a->nkv) return 0;
+    const int64_t g = a->nh / a->nkv;
+    const int64_t pairs = a->T * a->nkv * head_slices((int)g);
+    if (pairs >= SPLIT_PAIRS * (int64_t)threads) return 0;
+    const int64_t max_pos = a->max_blocks * a->block_size;
+    for (int64_t t = 0; t < a->T; t++) {
+        const int64_t p = a->positions[t];
+        if (p < 0 || p >= max_pos) continue;
+        const int64_t n = chunk_count(p, a->window);
+        if (n > *max_chunks) *max_chunks = n;
+    }
+    if (*max_chunks <= 1) return 0;
+    const int64_t floats = a->T * a->nkv * *max_chunks * (2 * g + g * a->hd);
+    return floats <= MAX_PARTIAL_FLOATS ? floats : 0;
+}
+
 /* ============================ phase 1: rope + cache write ============================ */
 
 typedef struct {
     const ellm_attn_args *a;
     const attn_funcs *f;
-    float *qrot;     /* (T, nh, hd) scratch */
-    float *partial;  /* (T * nkv * splits, 2 * g + g * hd) scratch, when splits > 1 */
-    int splits;
+    float *qrot;       /* (nkv, T, g, hd) scratch: rotated q, a group's rows of consecutive
+                          tokens contiguous */
+    float *thread_buf; /* (threads, MAX_ROWS, hd) scratch: the chunk accumulator (phase 2a) */
+    float *partial;    /* (T, nkv, max_chunks, 2g + g*hd) scratch: chunk partials (phase 2b) */
+    int64_t max_chunks;
 } attn_ctx;
 
 /* Rotates n_heads rows of hd from src (stride hd) into dst, pairs [i0, i0 + cnt). */
@@ -177,7 +236,7 @@ static void rotate_heads(const float *src, float *dst, int n_heads, int hd, int 
 static void phase1(void *p, int64_t t0, int64_t t1, int tid) {
     const attn_ctx *c = p;
     const ellm_attn_args *a = c->a;
-    const int hd = a->hd, half = hd / 2, nkv = a->nkv;
+    const int hd = a->hd, half = hd / 2, nkv = a->nkv, g = a->nh / a->nkv;
     float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
     for (int64_t t = t0; t < t1; t++) {
         const int64_t pos = a->positions[t];
@@ -191,23 +250,26 @@ static void phase1(void *p, int64_t t0, int64_t t1, int tid) {
                 cs[i] = (float)cos((double)ang);
                 sn[i] = (float)sin((double)ang);
             }
-            rotate_heads(a->q + t * a->q_stride, c->qrot + t * a->nh * hd, a->nh, hd, a->interleaved, i0,
-                         cnt, cs, sn);
+            for (int kvh = 0; kvh < nkv; kvh++)
+                rotate_heads(a->q + t * a->q_stride + (int64_t)kvh * g * hd,
+                             c->qrot + ((int64_t)kvh * a->T + t) * g * hd, g, hd, a->interleaved, i0, cnt,
+                             cs, sn);
             rotate_heads(a->k + t * a->k_stride, a->k_cache + slot, nkv, hd, a->interleaved, i0, cnt, cs, sn);
         }
         memcpy(a->v_cache + slot, a->v + t * a->v_stride, sizeof(float) * (size_t)nkv * hd);
     }
 }
 
-/* ============================ phase 2: attention ============================ */
+/* ============================ the shared recipe steps ============================ */
 
-/* One key tile for g heads: scores, online-softmax update of m, l and acc, then p @ V. */
-static void attend_tile(const attn_funcs *f, const float *q, int g, int hd, const float *const *kp,
-                        const float *const *vp, int n, float scale, float cap, float *m, float *l,
-                        float *acc) {
-    float s[MAX_GROUP * TILE]; /* (g, TILE) scores, then probabilities */
-    f->qk(q, g, hd, kp, n, s);
-    for (int h = 0; h < g; h++) {
+/* One key tile for `rows` query rows that all see its n keys: scores, online-softmax
+ * update of m, l (rows,) and acc (rows, hd), then p @ V. */
+__attribute__((noinline)) static void attend_tile(const attn_funcs *f, const float *q, int rows, int hd,
+                                                  const float *const *kp, const float *const *vp, int n,
+                                                  float scale, float cap, float *m, float *l, float *acc) {
+    float s[MAX_ROWS * TILE]; /* (rows, TILE) scores, then probabilities */
+    f->qk(q, rows, hd, kp, n, s);
+    for (int h = 0; h < rows; h++) {
         float *sh = s + h * TILE;
         f->scale(sh, scale, n);
         if (cap > 0.0f) f->softcap(sh, cap, n);
@@ -223,153 +285,251 @@ static void attend_tile(const attn_funcs *f, const float *q, int g, int hd, cons
         }
         m[h] = m_new;
     }
-    f->pv(s, g, hd, vp, n, acc);
+    f->pv(s, rows, hd, vp, n, acc);
 }
 
-/* Points kp/vp (n,) at the K/V rows of positions [j0, min(j0 + TILE, k1)) of kv head
- * kvh, through the block-table row; returns n (0 when j0 >= k1). */
-static int fill_tile(const ellm_attn_args *a, const int32_t *row, int kvh, int64_t j0, int64_t k1,
-                     const float **kp, const float **vp) {
-    if (j0 >= k1) return 0;
-    const int n = k1 - j0 < TILE ? (int)(k1 - j0) : TILE;
+/* Folds a later chunk's partial (m, l, part (hd,)) into the state (*M, *L, o (hd,)). */
+__attribute__((noinline)) static void merge_row(float *M, float *L, float *o, float m, float l,
+                                                const float *part, int hd) {
+    const float mn = m > *M ? m : *M;
+    const float wa = expf(*M - mn), wb = expf(m - mn);
+    *L = *L * wa + l * wb;
+    for (int d = 0; d < hd; d++) o[d] = o[d] * wa + part[d] * wb;
+    *M = mn;
+}
+
+/* The state's normalization: o /= L. */
+__attribute__((noinline)) static void finish_row(const attn_funcs *f, float *o, float L, int hd) {
+    f->scale(o, 1.0f / L, hd);
+}
+
+/* Points kp/vp (j1 - j0,) at the K/V rows of positions [j0, j1) (within one tile) of kv
+ * head kvh, through the block-table row. A position in an unallocated block (-1) gets
+ * NULL: a run of tokens far apart may span keys that none of them reads, whose blocks a
+ * sliding-window cache has released (validation only vouches for the keys read). */
+static void fill_tile(const ellm_attn_args *a, const int32_t *row, int kvh, int64_t j0, int64_t j1,
+                      const float **kp, const float **vp) {
     const int64_t bs = a->block_size, nkv = a->nkv, hd = a->hd;
     int64_t b = j0 / bs, off = j0 % bs;
-    for (int j = 0; j < n; j++) {
-        const int64_t elem = (((int64_t)row[b] * bs + off) * nkv + kvh) * hd;
-        kp[j] = a->k_cache + elem;
-        vp[j] = a->v_cache + elem;
+    for (int64_t j = 0; j < j1 - j0; j++) {
+        if (row[b] >= 0) {
+            const int64_t elem = (((int64_t)row[b] * bs + off) * nkv + kvh) * hd;
+            kp[j] = a->k_cache + elem;
+            vp[j] = a->v_cache + elem;
+        } else {
+            kp[j] = vp[j] = NULL;
+        }
         if (++off == bs) {
             off = 0;
             b++;
         }
     }
-    return n;
 }
 
-/* Item = (token, kv head, split). Without splits, writes the normalized output rows;
- * with splits, writes (m, l, unnormalized acc) partials for phase 3. */
-static void phase2(void *p, int64_t i0, int64_t i1, int tid) {
+/* The partial (m, l, acc) of `rows` query rows of one token over chunk keys [k0, k1),
+ * tile by tile (tiles cut at absolute multiples of TILE). */
+static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int32_t *row, int kvh,
+                          int64_t k0, int64_t k1, float *m, float *l, float *acc) {
+    const ellm_attn_args *a = c->a;
+    const float *kp[TILE], *vp[TILE];
+    for (int h = 0; h < rows; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)rows * a->hd);
+    for (int64_t j0 = k0; j0 < k1;) {
+        const int64_t te = (j0 / TILE + 1) * TILE, j1 = te < k1 ? te : k1;
+        fill_tile(a, row, kvh, j0, j1, kp, vp);
+        attend_tile(c->f, q, rows, a->hd, kp, vp, (int)(j1 - j0), a->scale, a->softcap, m, l, acc);
+        j0 = j1;
+    }
+}
+
+/* ======================= phase 2a: runs of query tokens per K/V tile ======================= */
+
+/* Query tokens [t0, t1) of one sequence (t1 - t0 <= run_tokens(g)), kv head kvh, query
+ * heads [h0, h0 + gs) of the group (gs < g only for a single token): each K/V tile is
+ * read once for all of them. Tiles that every token sees in full go through the kernels
+ * as one block of rows; at the edges each token takes its own part of the tile. */
+static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h0, int gs, float *part) {
+    const ellm_attn_args *a = c->a;
+    const int hd = a->hd, g = a->nh / a->nkv, nq = (int)(t1 - t0), rows = nq * gs;
+    const float *q = c->qrot + (((int64_t)kvh * a->T + t0) * g + h0) * hd; /* (rows, hd) */
+    const int32_t *row = a->block_tables + (int64_t)a->seq_ids[t0] * a->max_blocks;
+    int64_t lo[MAX_ROWS], hi[MAX_ROWS], klo = INT64_MAX, khi = 0;
+    for (int i = 0; i < nq; i++) {
+        const int64_t p = a->positions[t0 + i];
+        lo[i] = first_key(p, a->window);
+        hi[i] = p + 1;
+        if (lo[i] < klo) klo = lo[i];
+        if (hi[i] > khi) khi = hi[i];
+    }
+    float m[MAX_ROWS], l[MAX_ROWS], M[MAX_ROWS], L[MAX_ROWS]; /* (rows,) chunk and state */
+    const float *kp[TILE], *vp[TILE];
+    for (int64_t c0 = klo / CHUNK * CHUNK; c0 < khi; c0 += CHUNK) {
+        const int64_t c1 = c0 + CHUNK;
+        int active = 0;
+        for (int i = 0; i < nq; i++) active |= hi[i] > c0 && lo[i] < c1;
+        if (!active) continue; /* a gap between tokens far apart */
+        for (int r = 0; r < rows; r++) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        memset(part, 0, sizeof(float) * (size_t)rows * hd);
+        for (int64_t ts = c0 > klo / TILE * TILE ? c0 : klo / TILE * TILE; ts < c1 && ts < khi; ts += TILE) {
+            /* the keys of this tile that some token reads: [u0, u1) */
+            int64_t u0 = INT64_MAX, u1 = 0;
+            int full = 1;
+            for (int i = 0; i < nq; i++) {
+                const int64_t j0 = lo[i] > ts ? lo[i] : ts, j1 = hi[i] < ts + TILE ? hi[i] : ts + TILE;
+                if (j0 < j1) {
+                    u0 = j0 < u0 ? j0 : u0;
+                    u1 = j1 > u1 ? j1 : u1;
+                }
+            }
+            if (u0 >= u1) continue;
+            for (int i = 0; i < nq; i++) full &= lo[i] <= u0 && hi[i] >= u1;
+            fill_tile(a, row, kvh, u0, u1, kp, vp);
+            if (full) {
+                attend_tile(c->f, q, rows, hd, kp, vp, (int)(u1 - u0), a->scale, a->softcap, m, l, part);
+                continue;
+            }
+            for (int i = 0; i < nq; i++) {
+                const int64_t j0 = lo[i] > u0 ? lo[i] : u0, j1 = hi[i] < u1 ? hi[i] : u1;
+                if (j0 >= j1) continue;
+                attend_tile(c->f, q + (int64_t)i * gs * hd, gs, hd, kp + (j0 - u0), vp + (j0 - u0),
+                            (int)(j1 - j0), a->scale, a->softcap, m + i * gs, l + i * gs,
+                            part + (int64_t)i * gs * hd);
+            }
+        }
+        /* fold this chunk into each token that sees it */
+        for (int i = 0; i < nq; i++) {
+            if (hi[i] <= c0 || lo[i] >= c1) continue;
+            const int first = lo[i] >= c0;
+            for (int h = 0; h < gs; h++) {
+                const int r = i * gs + h;
+                float *o = a->out + ((t0 + i) * a->nh + (int64_t)kvh * g + h0 + h) * hd;
+                if (first) {
+                    M[r] = m[r];
+                    L[r] = l[r];
+                    memcpy(o, part + (int64_t)r * hd, sizeof(float) * (size_t)hd);
+                } else {
+                    merge_row(&M[r], &L[r], o, m[r], l[r], part + (int64_t)r * hd, hd);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nq; i++)
+        for (int h = 0; h < gs; h++)
+            finish_row(c->f, a->out + ((t0 + i) * a->nh + (int64_t)kvh * g + h0 + h) * hd, L[i * gs + h], hd);
+}
+
+/* Item = (kv head, head slice, token); only tokens that start a run do work. A run is
+ * the tokens from there up to the next multiple of run_tokens(g) or the next token of
+ * another sequence, so runs never depend on the scheduling. */
+static void phase2a(void *p, int64_t i0, int64_t i1, int tid) {
     const attn_ctx *c = p;
     const ellm_attn_args *a = c->a;
-    const attn_funcs *f = c->f;
-    const int hd = a->hd, nkv = a->nkv, g = a->nh / a->nkv, S = c->splits;
+    const int g = a->nh / a->nkv, S = head_slices(g), R = run_tokens(g);
+    const int64_t T = a->T;
+    float *part = c->thread_buf + (int64_t)tid * thread_floats(a->hd);
     for (int64_t item = i0; item < i1; item++) {
-        const int64_t t = item / ((int64_t)nkv * S);
-        const int kvh = (int)(item / S % nkv), sp = (int)(item % S);
-        const int64_t pos = a->positions[t];
-        const int64_t lo = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
-        int64_t k0 = lo, k1 = pos + 1;
-        if (S > 1) {
-            const int64_t per = (k1 - lo + S - 1) / S;
-            k0 = lo + sp * per;
-            k1 = k0 + per < pos + 1 ? k0 + per : pos + 1;
-        }
+        const int64_t t0 = item % T;
+        const int kvh = (int)(item / T / S), sl = (int)(item / T % S);
+        if (t0 % R != 0 && a->seq_ids[t0] == a->seq_ids[t0 - 1]) continue; /* inside a run */
+        int64_t t1 = t0 + 1;
+        while (t1 < T && t1 % R != 0 && a->seq_ids[t1] == a->seq_ids[t0]) t1++;
+        const int h0 = sl * MAX_ROWS, gs = g - h0 < MAX_ROWS ? g - h0 : MAX_ROWS;
+        attend_run(c, t0, t1, kvh, h0, gs, part);
+    }
+}
+
+/* ================== phase 2b + 3: one token's chunks spread over threads ================== */
+
+/* Item = (token, kv head, chunk index): that chunk's partial for all g heads, at
+ * partial[item] = [m (g), l (g), acc (g, hd)]. */
+static void phase2b(void *p, int64_t i0, int64_t i1, int tid) {
+    const attn_ctx *c = p;
+    const ellm_attn_args *a = c->a;
+    const int hd = a->hd, nkv = a->nkv, g = a->nh / a->nkv;
+    const int64_t NC = c->max_chunks, stride = 2 * (int64_t)g + (int64_t)g * hd;
+    for (int64_t item = i0; item < i1; item++) {
+        const int64_t t = item / (nkv * NC), ci = item % NC;
+        const int kvh = (int)(item / NC % nkv);
+        const int64_t pos = a->positions[t], lo = first_key(pos, a->window);
+        const int64_t c0 = (lo / CHUNK + ci) * CHUNK;
+        if (c0 > pos) continue; /* this token has fewer chunks */
+        const int64_t k0 = lo > c0 ? lo : c0, k1 = c0 + CHUNK < pos + 1 ? c0 + CHUNK : pos + 1;
         const int32_t *row = a->block_tables + (int64_t)a->seq_ids[t] * a->max_blocks;
-        float *part = S > 1 ? c->partial + item * (2 * g + (int64_t)g * hd) : NULL;
-        for (int h0 = 0; h0 < g; h0 += MAX_GROUP) {
-            const int gs = g - h0 < MAX_GROUP ? g - h0 : MAX_GROUP;
-            const int64_t head = t * a->nh + (int64_t)kvh * g + h0; /* first query head row */
-            const float *q = c->qrot + head * hd;
-            float *acc = part ? part + 2 * g + (int64_t)h0 * hd : a->out + head * hd; /* (gs, hd) */
-            float m[MAX_GROUP], l[MAX_GROUP];
-            for (int h = 0; h < gs; h++) {
-                m[h] = -INFINITY;
-                l[h] = 0.0f;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)gs * hd);
-            /* (Software prefetch of the next tile's rows was tried: no gain measured.) */
-            const float *kp[TILE], *vp[TILE];
-            for (int64_t j0 = k0; j0 < k1; j0 += TILE) {
-                const int n = fill_tile(a, row, kvh, j0, k1, kp, vp);
-                attend_tile(f, q, gs, hd, kp, vp, n, a->scale, a->softcap, m, l, acc);
-            }
-            if (part) {
-                for (int h = 0; h < gs; h++) {
-                    part[h0 + h] = m[h];
-                    part[g + h0 + h] = l[h];
-                }
-            } else {
-                for (int h = 0; h < gs; h++) f->scale(acc + (int64_t)h * hd, 1.0f / l[h], hd);
-            }
+        float *slot = c->partial + item * stride;
+        for (int h0 = 0; h0 < g; h0 += MAX_ROWS) {
+            const int gs = g - h0 < MAX_ROWS ? g - h0 : MAX_ROWS;
+            chunk_partial(c, c->qrot + (((int64_t)kvh * a->T + t) * g + h0) * hd, gs, row, kvh, k0, k1,
+                          slot + h0, slot + g + h0, slot + 2 * g + (int64_t)h0 * hd);
         }
     }
 }
 
-/* Phase 3 (splits only): item = (token, kv head); combines the splits' partials. */
+/* Item = (token, kv head): folds its chunks' partials in order into the output rows. */
 static void phase3(void *p, int64_t i0, int64_t i1, int tid) {
     const attn_ctx *c = p;
     const ellm_attn_args *a = c->a;
-    const int hd = a->hd, g = a->nh / a->nkv, S = c->splits;
-    const int64_t stride = 2 * g + (int64_t)g * hd;
+    const int hd = a->hd, nkv = a->nkv, g = a->nh / a->nkv;
+    const int64_t NC = c->max_chunks, stride = 2 * (int64_t)g + (int64_t)g * hd;
     for (int64_t pair = i0; pair < i1; pair++) {
-        const float *base = c->partial + pair * S * stride;
-        const int64_t t = pair / a->nkv;
-        const int kvh = (int)(pair % a->nkv);
+        const int64_t t = pair / nkv, n = chunk_count(a->positions[t], a->window);
+        const int kvh = (int)(pair % nkv);
+        const float *base = c->partial + pair * NC * stride;
         for (int h = 0; h < g; h++) {
-            float m_max = -INFINITY;
-            for (int sp = 0; sp < S; sp++) {
-                const float *ps = base + sp * stride;
-                if (ps[g + h] > 0.0f && ps[h] > m_max) m_max = ps[h];
-            }
             float *o = a->out + (t * a->nh + (int64_t)kvh * g + h) * hd;
-            float total = 0.0f;
-            memset(o, 0, sizeof(float) * (size_t)hd);
-            for (int sp = 0; sp < S; sp++) {
-                const float *ps = base + sp * stride;
-                if (!(ps[g + h] > 0.0f)) continue; /* empty split */
-                const float w = expf(ps[h] - m_max);
-                const float *acc = ps + 2 * g + (int64_t)h * hd;
-                total += w * ps[g + h];
-                for (int d = 0; d < hd; d++) o[d] += w * acc[d];
+            float M = base[h], L = base[g + h];
+            memcpy(o, base + 2 * g + (int64_t)h * hd, sizeof(float) * (size_t)hd);
+            for (int64_t ci = 1; ci < n; ci++) {
+                const float *ps = base + ci * stride;
+                merge_row(&M, &L, o, ps[h], ps[g + h], ps + 2 * g + (int64_t)h * hd, hd);
             }
-            c->f->scale(o, 1.0f / total, hd);
+            finish_row(c->f, o, L, hd);
         }
     }
 }
 
 /* ================================== entry points ================================== */
 
-static int64_t splits_wanted(int64_t pairs, int threads) {
-    if (threads <= 1 || pairs >= 2 * (int64_t)threads) return 1;
-    int64_t s = (4 * (int64_t)threads + pairs - 1) / pairs;
-    return s < MAX_SPLITS ? s : MAX_SPLITS;
-}
-
 int64_t ellm_rope_attention_scratch_floats(int64_t T, int32_t nh, int32_t nkv, int32_t hd, int threads) {
     if (T <= 0 || nh <= 0 || nkv <= 0 || hd <= 0) return 0;
-    const int64_t g = nh / nkv, pairs = T * nkv;
-    const int64_t s = splits_wanted(pairs, threads);
-    const int64_t partial = s > 1 ? pairs * s * (2 * g + g * hd) : 0;
-    return T * nh * hd + partial;
+    return T * nh * hd + (threads > 1 ? threads : 1) * thread_floats(hd);
+}
+
+int64_t ellm_rope_attention_scratch_wanted(const ellm_attn_args *a, int threads) {
+    const int64_t base = ellm_rope_attention_scratch_floats(a->T, a->nh, a->nkv, a->hd, threads);
+    if (base == 0) return 0;
+    int64_t max_chunks;
+    const int64_t split = split_plan(a, threads, &max_chunks);
+    const int64_t with_split = a->T * a->nh * a->hd + split;
+    return with_split > base ? with_split : base;
 }
 
 int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch_floats, char *err,
                         size_t err_len) {
     if (ellm_rope_attention_check(a, err, err_len) != 0) return -1;
     if (a->T == 0) return 0;
-    const int64_t q_floats = a->T * a->nh * a->hd;
-    if (scratch == NULL || scratch_floats < q_floats) return fail(err, err_len, "attention scratch too small");
+    const int64_t q_floats = a->T * a->nh * a->hd, room = scratch_floats - q_floats;
+    if (scratch == NULL || room < thread_floats(a->hd)) return fail(err, err_len, "attention scratch too small");
 
-    attn_ctx c = {.a = a, .f = funcs_now(), .qrot = scratch, .partial = scratch + q_floats, .splits = 1};
-    const int g = a->nh / a->nkv;
-    const int64_t pairs = a->T * a->nkv, item_floats = 2 * g + (int64_t)g * a->hd;
-    int64_t s = splits_wanted(pairs, ellm_num_threads());
-    if (s > 1) {
-        int64_t longest = 0;
-        for (int64_t t = 0; t < a->T; t++) {
-            const int64_t p = a->positions[t];
-            const int64_t lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
-            if (p - lo + 1 > longest) longest = p - lo + 1;
-        }
-        if (s > longest / MIN_SPLIT_KEYS) s = longest / MIN_SPLIT_KEYS;
-        const int64_t room = (scratch_floats - q_floats) / (pairs * item_floats);
-        if (s > room) s = room;
-        if (s < 1) s = 1;
-    }
-    c.splits = (int)s;
-
+    attn_ctx c = {.a = a, .f = funcs_now(), .qrot = scratch, .thread_buf = scratch + q_floats,
+                  .partial = scratch + q_floats, .max_chunks = 1};
+    int threads = ellm_num_threads();
     ellm_parallel_for(a->T, 8, phase1, &c);
-    ellm_parallel_for(pairs * c.splits, 1, phase2, &c);
-    if (c.splits > 1) ellm_parallel_for(pairs, 1, phase3, &c);
+
+    const int64_t split = split_plan(a, threads, &c.max_chunks);
+    if (split > 0 && split <= room) {
+        const int64_t pairs = a->T * a->nkv;
+        ellm_parallel_for(pairs * c.max_chunks, 1, phase2b, &c);
+        ellm_parallel_for(pairs, 1, phase3, &c);
+        return 0;
+    }
+    if (room / thread_floats(a->hd) < threads) threads = (int)(room / thread_floats(a->hd));
+    const int g = a->nh / a->nkv;
+    ellm_parallel_for_threads(a->nkv * (int64_t)head_slices(g) * a->T, 1, threads, phase2a, &c);
     return 0;
 }

@@ -4,9 +4,17 @@
  * One call handles a whole batch: T new tokens from any number of sequences, each with
  * its position and its row in the block tables. Phase 1 (parallel over tokens) rotates
  * q into scratch and k straight into its cache slot, and copies v into its slot; phase 2
- * (parallel over (token, kv head) pairs, optionally split along the keys for small
- * batches) runs all query heads of a GQA group in one pass over that token's visible
- * keys with an online softmax, reading K/V through the block table. */
+ * runs all query heads of a GQA group over that token's visible keys, reading K/V
+ * through the block table.
+ *
+ * Batch invariance: the output of a token is bit-identical whatever else is in the call
+ * (other sequences, other tokens of its own sequence), whatever T and the thread count,
+ * and whether its K/V were written in this call or an earlier one. Its keys are cut into
+ * chunks at absolute positions multiple of ELLM_ATTN_CHUNK and tiles at multiples of
+ * ELLM_ATTN_TILE; each chunk's (max, sum, acc) is an online softmax over its tiles in
+ * order, and the chunks are folded in order -- whoever computes them. Several query
+ * tokens of one sequence share each K/V tile (prefill), and small batches spread the
+ * chunks of one token over threads (decode); neither changes a single bit. */
 #ifndef ELLM_ATTENTION_H
 #define ELLM_ATTENTION_H
 #include <stddef.h>
@@ -32,26 +40,38 @@ typedef struct {
     float softcap;                /* > 0: scores = softcap * tanh(scores / softcap) */
 } ellm_attn_args;
 
-/* Floats of scratch ellm_rope_attention wants for these shapes on `threads` threads:
- * the rotated q (T, nh, hd) plus room for key-split partial results in small batches.
- * Less (down to T*nh*hd) also works: the kernel then splits less. */
+/* Floats of scratch that always suffice for T tokens on `threads` threads: the rotated q
+ * (T, nh, hd) plus one (ELLM_ATTN_MAX_ROWS, hd) chunk accumulator per thread. Down to
+ * T*nh*hd + ELLM_ATTN_MAX_ROWS*hd also works (fewer threads then). */
 int64_t ellm_rope_attention_scratch_floats(int64_t T, int32_t nh, int32_t nkv, int32_t hd, int threads);
+
+/* Floats of scratch this call wants on `threads` threads: the above, or more for a small
+ * batch whose keys are worth spreading over threads (room for every chunk's partial
+ * result). May be called before validation (bad positions are skipped). The result of
+ * the call never depends on how much scratch it gets. */
+int64_t ellm_rope_attention_scratch_wanted(const ellm_attn_args *a, int threads);
 
 /* Checks shapes and every index the kernel will follow (sequence ids, positions, the
  * block-table entries of every visible position). Returns 0, or -1 with a message. */
 int ellm_rope_attention_check(const ellm_attn_args *a, char *err, size_t err_len);
 
-/* Validates (as above), then runs. scratch (scratch_floats,), at least T*nh*hd.
+/* Validates (as above), then runs. scratch (scratch_floats,), at least
+ * ellm_rope_attention_scratch_floats(T, nh, nkv, hd, 1).
  * Returns 0, or -1 with a message in err and nothing written. Each (sequence,
  * position) may appear at most once in a call (two tokens may not share a cache slot). */
 int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch_floats, char *err,
                         size_t err_len);
 
 /* ---- internal: the per-ISA inner loops of phase 2 ----
+ * q (g, hd): g query rows (several heads, possibly of several tokens), g <= ELLM_ATTN_MAX_ROWS.
  * s (g, ELLM_ATTN_TILE): s[h][j] = q[h] . k[j] for n <= ELLM_ATTN_TILE keys at kp[j].
- * acc (g, hd) += p (g, ELLM_ATTN_TILE) @ the value rows at vp[j]. */
+ * acc (g, hd) += p (g, ELLM_ATTN_TILE) @ the value rows at vp[j].
+ * Invariance contract: s[h][j] depends only on the bits of q[h] and k[j] (not on g, n,
+ * j or the other rows), and row h of acc only on its own p row, n and the values, each
+ * key added in order j = 0, 1, ... */
 #define ELLM_ATTN_TILE 64
-#define ELLM_ATTN_MAX_GROUP 16
+#define ELLM_ATTN_CHUNK 256
+#define ELLM_ATTN_MAX_ROWS 32
 #define ELLM_ATTN_KERNELS(sfx)                                                                \
     void ellm_attn_qk_##sfx(const float *q, int g, int hd, const float *const *kp, int n,     \
                             float *s);                                                         \

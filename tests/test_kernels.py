@@ -43,6 +43,13 @@ def assert_close(got: np.ndarray, want: np.ndarray, atol: float, max_nmse: float
         assert nmse(got, want) <= max_nmse
 
 
+def assert_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.shape == want.shape
+    bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, (f"{what}: {len(bad)} elements differ, first at {tuple(bad[0])}: "
+                           f"{got[tuple(bad[0])]!r} vs {want[tuple(bad[0])]!r}")
+
+
 # ================================ fast exp / tanh ================================
 
 def test_exp_accuracy(simd) -> None:
@@ -170,6 +177,55 @@ def test_add_scale_softcap(simd, shape) -> None:
         c = a.copy()
         assert K.softcap_(c, cap) is c
         assert_close(c, ref.softcap(a, cap), 2e-6 * max(cap, 1.0))
+
+
+def _row_ops():
+    """name -> fn(x (R, n), y (R, n), w (n,)) returning a fresh result, one per row op."""
+    def add_rmsnorm(x, y, w):
+        r = x.copy()
+        out = K.add_rmsnorm(r, y, w, 1e-6)
+        return np.concatenate([r, out], axis=1)
+    return {
+        "rmsnorm": lambda x, y, w: K.rmsnorm(x, w, 1e-5),
+        "add_rmsnorm": add_rmsnorm,
+        "swiglu": lambda x, y, w: K.swiglu(x, y),
+        "geglu": lambda x, y, w: K.geglu(x, y),
+        "softcap": lambda x, y, w: K.softcap_(x.copy(), 30.0),
+        "scale": lambda x, y, w: K.scale_(x.copy(), 0.37),
+        "add": lambda x, y, w: K.add(x.copy(), y),
+    }
+
+
+@pytest.mark.parametrize("op", list(_row_ops()))
+@pytest.mark.parametrize("n", [576, 640, 1536, 77])
+def test_elementwise_row_invariant(simd, op, n) -> None:
+    """A row's result does not depend on how many rows are in the call (so whether the
+    call is split over threads), on the thread count, or on where the row sits in
+    memory (alignment, stride)."""
+    fn = _row_ops()[op]
+    rng = np.random.default_rng(n)
+    R = 300  # 300 * n elements: large enough for the thread pool to split the rows
+    x = (rng.standard_normal((R, n)) * 5).astype(np.float32)
+    y = (rng.standard_normal((R, n)) * 5).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    threads0 = K.num_threads()
+    try:
+        K.set_num_threads(2)
+        whole = fn(x, y, w)
+        K.set_num_threads(1)
+        assert_bits(fn(x, y, w), whole, f"{op}: 1 thread vs 2")
+        K.set_num_threads(2)
+        assert_bits(fn(x[7:11], y[7:11], w), whole[7:11], f"{op}: 4 rows vs {R}")
+        for r in (0, 123, R - 1):
+            assert_bits(fn(x[r:r + 1], y[r:r + 1], w), whole[r:r + 1], f"{op}: row {r} alone")
+            # the same row at an odd offset inside a wider buffer (misaligned, strided)
+            wide = np.zeros((2, 2 * n + 3), np.float32)
+            wide[1, 3: 3 + n] = x[r]
+            wide[1, 3 + n: 3 + 2 * n] = y[r]
+            got = fn(wide[1:, 3: 3 + n], wide[1:, 3 + n: 3 + 2 * n], w)
+            assert_bits(got, whole[r:r + 1], f"{op}: row {r} misaligned")
+    finally:
+        K.set_num_threads(threads0)
 
 
 def test_elementwise_rejects_bad_input() -> None:
@@ -314,6 +370,117 @@ def test_attention_freed_blocks_outside_window(simd) -> None:
         check_attention(batch, window=32)
 
 
+# ------------------------------ batch invariance ------------------------------
+# A token's output must be bit-identical whatever else is in the call: the engine relies
+# on it (batched greedy decode == each sequence alone, prefix-cache hit == miss, decode
+# over the cache == full recompute), because 1e-6 differences are amplified by the 8-bit
+# activation quantization of the matmuls into different greedy text.
+
+def run_tokens(batch, cache, idx, interleaved, window, cap, scratch=None):
+    """The kernel on the tokens `idx` of batch (in that order), over cache = [k, v] (updated
+    in place). Returns their output rows."""
+    idx = np.asarray(idx, np.int64)
+    hd = batch["q"].shape[2]
+    return K.rope_attention(batch["q"][idx], batch["k"][idx], batch["v"][idx], batch["positions"][idx],
+                            batch["seq_ids"][idx], batch["block_tables"], cache[0], cache[1],
+                            batch["inv_freq"], interleaved, hd**-0.5, window, cap, None, scratch)
+
+
+def fresh_cache(batch):
+    return [batch["k_cache"].copy(), batch["v_cache"].copy()]
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256)], ids=["smollm2", "gemma3"])
+@pytest.mark.parametrize("window", [0, 5, 512])
+@pytest.mark.parametrize("cap", [0.0, 50.0])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("before", [0, 236, 600], ids=["from0", "across256", "long"])
+def test_attention_prefill_equals_incremental(simd, heads, window, cap, interleaved, before) -> None:
+    """40 tokens in one call == 30 in one call, then 10 one at a time (decode over the
+    cache). `before` cached tokens first: the new ones then cross chunk and tile
+    boundaries, and a 512 window starts mid-chunk."""
+    nh, nkv, hd = heads
+    batch = make_batch(nh, nkv, hd, new=[40], before=[before], seed=before + window + nh)
+    full = run_tokens(batch, fresh_cache(batch), range(40), interleaved, window, cap)
+    cache = fresh_cache(batch)
+    first = run_tokens(batch, cache, range(30), interleaved, window, cap)
+    steps = np.concatenate([run_tokens(batch, cache, [t], interleaved, window, cap) for t in range(30, 40)])
+    assert_bits(first, full[:30], "30-token prefill vs 40-token prefill")
+    assert_bits(steps, full[30:], "one-by-one decode vs prefill")
+    if before == 0 and window == 0:  # and both agree with the specification
+        assert_close(full, run_both(batch, interleaved, hd**-0.5, window, cap)[1], 2e-5)
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256), (34, 1, 16)], ids=["smollm2", "gemma3", "g34"])
+@pytest.mark.parametrize("window", [0, 300])
+def test_attention_sequence_alone_equals_batched(simd, heads, window) -> None:
+    """Each sequence alone == the same sequence batched with two others (different
+    lengths, prefill and decode mixed), in two orders."""
+    nh, nkv, hd = heads
+    batch = make_batch(nh, nkv, hd, new=[23, 1, 6], before=[290, 1000, 40], seed=nh + window)
+    seq = batch["seq_ids"]
+    together = run_tokens(batch, fresh_cache(batch), range(len(seq)), True, window, 30.0)
+    order = np.concatenate([np.flatnonzero(seq == 2), np.flatnonzero(seq == 0), np.flatnonzero(seq == 1)])
+    shuffled = np.empty_like(together)
+    shuffled[order] = run_tokens(batch, fresh_cache(batch), order, True, window, 30.0)
+    assert_bits(shuffled, together, "batch in another order")
+    for b in range(3):
+        mine = np.flatnonzero(seq == b)
+        alone = run_tokens(batch, fresh_cache(batch), mine, True, window, 30.0)
+        assert_bits(alone, together[mine], f"sequence {b} alone vs batched")
+
+
+@pytest.mark.parametrize("case", ["decode1", "decode2", "decode8", "prefill"])
+def test_attention_thread_count_invariant(simd, case) -> None:
+    """1, 2, 3 or 4 threads (small batches split their keys over threads, larger ones
+    do not; a minimal scratch forbids splitting): the same bits."""
+    shapes = {"decode1": ((4, 1, 256), [1], [1800]), "decode2": ((9, 3, 64), [1, 1], [700, 1300]),
+              "decode8": ((9, 3, 64), [1] * 8, [100 * i + 37 for i in range(8)]),
+              "prefill": ((9, 3, 64), [70, 1], [200, 530])}
+    (nh, nkv, hd), new, before = shapes[case]
+    batch = make_batch(nh, nkv, hd, new=new, before=before, seed=len(new))
+    T = len(batch["positions"])
+    threads0 = K.num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3, 4):
+            K.set_num_threads(threads)
+            results.append(run_tokens(batch, fresh_cache(batch), range(T), False, 0, 0.0))
+        least = np.empty(K.attention_scratch_bytes(T, nh, nkv, hd, 1) // 4, np.float32)
+        results.append(run_tokens(batch, fresh_cache(batch), range(T), False, 0, 0.0, scratch=least))
+    finally:
+        K.set_num_threads(threads0)
+    for i, r in enumerate(results[1:]):
+        assert_bits(r, results[0], f"run {i + 1} vs 1 thread")
+
+
+def test_attention_far_apart_tokens_of_one_sequence(simd) -> None:
+    """Tokens of one sequence far apart in one call, with a window and the blocks between
+    their windows released (-1): the kernel reads only what each token sees, and each
+    token's row equals that token alone."""
+    nh, nkv, hd, bs = 4, 1, 32, BLOCK
+    rng = np.random.default_rng(12)
+    positions = np.array([20, 2000, 21, 700], np.int32)
+    window = 5
+    table = np.full((1, 2001 // bs + 1), -1, np.int32)
+    needed = sorted({b for p in positions for b in range((p - window + 1) // bs, p // bs + 1)})
+    table[0, needed] = np.arange(len(needed), dtype=np.int32)
+    batch = dict(q=rng.standard_normal((4, nh, hd)).astype(np.float32),
+                 k=rng.standard_normal((4, nkv, hd)).astype(np.float32),
+                 v=rng.standard_normal((4, nkv, hd)).astype(np.float32),
+                 positions=positions, seq_ids=np.zeros(4, np.int32), block_tables=table,
+                 k_cache=rng.standard_normal((len(needed), bs, nkv, hd)).astype(np.float32),
+                 v_cache=rng.standard_normal((len(needed), bs, nkv, hd)).astype(np.float32),
+                 inv_freq=(1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)).astype(np.float32))
+    check_attention(batch, window=window)
+    together = run_tokens(batch, fresh_cache(batch), range(4), False, window, 0.0)
+    cache = fresh_cache(batch)
+    run_tokens(batch, cache, range(4), False, window, 0.0)  # every token's k/v in place
+    for t in range(4):
+        assert_bits(run_tokens(batch, [cache[0].copy(), cache[1].copy()], [t], False, window, 0.0),
+                    together[t:t + 1], f"token {t} alone")
+
+
 def test_attention_qkv_views_and_scale(simd) -> None:
     """q, k, v as views into one fused projection output (token stride > heads * hd)."""
     nh, nkv, hd = 9, 3, 64
@@ -438,10 +605,14 @@ def test_attention_rejects_bad_shapes_and_dtypes(small_batch) -> None:
         call(odd, q=odd["q"][:, :, :7], k=odd["k"][:, :, :7], v=odd["v"][:, :, :7])
 
 
-def test_attention_scratch_bytes() -> None:
-    assert K.attention_scratch_bytes(5, 9, 3, 64, threads=1) == 4 * 5 * 9 * 64
-    # small batches get room for key splits
-    assert K.attention_scratch_bytes(1, 9, 3, 64, threads=2) > 4 * 9 * 64
+def test_attention_scratch_bytes(small_batch) -> None:
+    one = K.attention_scratch_bytes(5, 9, 3, 64, threads=1)
+    assert one > 4 * 5 * 9 * 64  # the rotated q plus a per-thread chunk accumulator
+    assert K.attention_scratch_bytes(5, 9, 3, 64, threads=2) > one
+    b = small_batch
+    T, nh, _ = b["q"].shape
+    with pytest.raises(ValueError, match="scratch"):
+        K.rope_attention(*b.values(), False, 0.125, 0, 0.0, None, np.empty(T * nh * 8, np.float32))
 
 
 if __name__ == "__main__":

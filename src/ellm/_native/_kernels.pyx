@@ -77,6 +77,7 @@ cdef extern from "attention.h":
         float scale, softcap
     int64_t ellm_rope_attention_scratch_floats(int64_t T, int32_t nh, int32_t nkv, int32_t hd,
                                                int threads) nogil
+    int64_t ellm_rope_attention_scratch_wanted(const ellm_attn_args *a, int threads) nogil
     int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch_floats,
                             char *err, size_t err_len) nogil
 
@@ -346,7 +347,9 @@ _scratch_lock = threading.Lock()
 
 
 def attention_scratch_bytes(Py_ssize_t T, int nh, int nkv, int hd, int threads=0) -> int:
-    """Bytes of scratch rope_attention uses for T tokens (threads <= 0: the pool's count)."""
+    """Bytes of scratch that always suffice for rope_attention on T tokens (threads <= 0:
+    the pool's count). A small batch at long positions may use more, when given it, to
+    spread each token's keys over threads; the result is the same either way."""
     if threads <= 0:
         threads = ellm_num_threads()
     return 4 * ellm_rope_attention_scratch_floats(T, nh, nkv, hd, threads)
@@ -378,8 +381,12 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     scale on q.k; window > 0: a token at p sees positions > p - window;
     softcap > 0: scores = softcap * tanh(scores / softcap);
     out (T, nh, hd) float32 C-contiguous or None (allocated); must not overlap the caches.
-    scratch: optional float32 buffer of attention_scratch_bytes(...) / 4 elements; by
-    default an internal one is reused. Returns out.
+    scratch: optional float32 buffer of at least attention_scratch_bytes(T, nh, nkv, hd, 1) / 4
+    elements; by default an internal one is reused (and grown as the call wants). Returns out.
+
+    Batch-invariant: a token's output row is bit-identical whatever else is in the call
+    (other sequences, other tokens of its own), whatever the thread count or scratch
+    size, and whether its k/v were cached in this call or an earlier one.
 
     q, k and v are left as they are: q is rotated into the scratch buffer, k straight into
     its cache slot. Every sequence id, position and block-table entry the call would follow
@@ -488,7 +495,8 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
         raise ValueError(f"{fn}: window must be >= 0, got {window}")
 
     global _scratch
-    cdef int64_t need = ellm_rope_attention_scratch_floats(T, a.nh, a.nkv, a.hd, ellm_num_threads())
+    cdef int64_t need = ellm_rope_attention_scratch_wanted(&a, ellm_num_threads())
+    cdef int64_t least = ellm_rope_attention_scratch_floats(T, a.nh, a.nkv, a.hd, 1)
     cdef char err[512]
     cdef int rc
     cdef bint locked = False
@@ -505,8 +513,8 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     else:
         scr = np.empty(need, np.float32)
     try:
-        if scr.shape[0] < T * nh * hd:
-            raise ValueError(f"{fn}: scratch has {scr.shape[0]} floats, needs at least {T * nh * hd}")
+        if scr.shape[0] < least:
+            raise ValueError(f"{fn}: scratch has {scr.shape[0]} floats, needs at least {least}")
         with nogil:
             rc = ellm_rope_attention(&a, &scr[0], scr.shape[0], err, sizeof(err))
     finally:
