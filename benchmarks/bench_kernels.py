@@ -16,6 +16,13 @@ matrix, where the weights do not fit in cache. It takes ~15 s:
 On a machine others are using, wall-clock times (and any multi-thread run) measure the
 neighbours; `--threads 1 --cpu-time` times the kernels by this thread's CPU time, which
 stays steady under load.
+
+With --model FILE.gguf it instead replays one decode token's matmuls of that model
+(every layer's q, k, v, o, gate, up, down and the output head, at T=1, real weights) and
+prints the median milliseconds per token, calling linear once per matrix ("separate")
+and with q/k/v and gate/up fused through linear_multi ("fused"), e.g.
+
+    python benchmarks/bench_kernels.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 2
 """
 from __future__ import annotations
 
@@ -62,6 +69,73 @@ def time_call(fn, budget_s: float, min_reps: int = 3, clock=time.perf_counter) -
     return float(np.median(times))
 
 
+def model_token_fns(path: str) -> dict[str, object]:
+    """One decode token's matmuls of a GGUF llama / gemma3 model, as callables."""
+    from ellm.formats.gguf import GGUFFile
+
+    f = GGUFFile(path)
+    rng = np.random.default_rng(1)
+    xs: dict[int, np.ndarray] = {}
+
+    def mat(name: str) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+        info = f.tensors[name]
+        n, k = info.shape
+        q = int(info.qtype)
+        w = f.raw(name) if q not in (0, 1, 30) else f.array(name)
+        if k not in xs:  # one input per width, reused: values do not change the timing
+            xs[k] = rng.standard_normal((1, k), dtype=np.float32)
+        return w, q, xs[k], np.empty((1, n), np.float32)
+
+    layers = []
+    i = 0
+    while f"blk.{i}.attn_q.weight" in f.tensors:
+        layers.append({m: mat(f"blk.{i}.{m}.weight") for m in
+                       ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                        "ffn_down")})
+        i += 1
+    head = mat("output.weight" if "output.weight" in f.tensors else "token_embd.weight")
+    lin = _quant.linear
+
+    def separate() -> None:
+        for L in layers:
+            for w, q, x, y in L.values():
+                lin(x, w, q, y)
+        lin(head[2], head[0], head[1], head[3])
+
+    def fused() -> None:
+        for L in layers:
+            _quant.linear_multi(L["attn_q"][2], [(L[m][0], L[m][1], L[m][3])
+                                                  for m in ("attn_q", "attn_k", "attn_v")])
+            w, q, x, y = L["attn_output"]
+            lin(x, w, q, y)
+            _quant.linear_multi(L["ffn_gate"][2], [(L[m][0], L[m][1], L[m][3])
+                                                    for m in ("ffn_gate", "ffn_up")])
+            w, q, x, y = L["ffn_down"]
+            lin(x, w, q, y)
+        lin(head[2], head[0], head[1], head[3])
+
+    fns: dict[str, object] = {"separate": separate}
+    if hasattr(_quant, "linear_multi"):
+        fns["fused"] = fused
+    return fns
+
+
+def bench_model(path: str, tokens: int, clock) -> None:
+    fns = model_token_fns(path)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(tokens):  # alternate, so both modes see the same neighbours
+        for name, fn in fns.items():
+            t0 = clock()
+            fn()
+            times[name].append(clock() - t0)
+    for name, ts in times.items():
+        # on a busy machine the low percentile is the run that kept its cores
+        print(f"{name:9} {1e3 * float(np.median(ts)):8.2f} ms/token median of {tokens}, "
+              f"{1e3 * float(np.percentile(ts, 10)):.2f} 10th percentile", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--levels", default=",".join(_core.supported_simd_levels()))
@@ -74,6 +148,8 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="time by this thread's CPU time (with --threads 1: steadier on a "
                          "machine others are using)")
+    ap.add_argument("--model", help="a GGUF file: time one decode token's matmuls instead")
+    ap.add_argument("--tokens", type=int, default=30, help="tokens timed with --model")
     args = ap.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
@@ -84,6 +160,10 @@ def main() -> None:
         load = f.read().split()[0]
     print(f"# ellm kernel benchmark: threads={n_threads} loadavg={load} "
           f"vnni={_quant.has_vnni()} clock={'thread cpu' if args.cpu_time else 'wall'}")
+    if args.model:
+        print(f"# {args.model}: one decode token's matmuls, level {_quant.simd_level()}")
+        bench_model(args.model, args.tokens, clock)
+        return
     print(f"{'type':5} {'N x K':>11} {'level':>7} {'decode us':>10} {'GB/s':>7} "
           f"{'prefill GFLOP/s':>16}")
 

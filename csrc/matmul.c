@@ -1,6 +1,11 @@
-/* The linear-layer driver (Y = X . W^T over the thread pool) and the scalar float-weight
- * kernels. The per-type inner kernels live in quant_dot.c / quant_avx2.c /
- * quant_avx512.c (quantized) and matmul_avx2.c / matmul_avx512.c (float). */
+/* The linear-layer driver (Y = X . W^T over the thread pool, for one weight matrix or
+ * several sharing X) and the scalar float-weight kernels. The per-type inner kernels
+ * live in quant_dot.c / quant_avx2.c / quant_avx512.c (quantized) and matmul_avx2.c /
+ * matmul_avx512.c (float).
+ *
+ * How work is split never changes what is computed: every output is one kernel call's
+ * fixed-order sum (quant_impl.h), so results are the same for any T, item size, part
+ * grouping and thread count. */
 #include "matmul.h"
 
 #include <stdint.h>
@@ -50,125 +55,226 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
 }
 
 /* ====================================================================================
- * Driver
+ * Driver: one or several weight matrices against one X, as one list of work items
  * ==================================================================================== */
 
-/* Prefill tiles: a tile is ROW_TILE weight rows x TOK_TILE tokens; the tile's weight
- * rows stay in L1 / L2 across its tokens and its activations in L2 across its rows. */
+/* Prefill items: ROW_TILE weight rows x TOK_TILE tokens; the item's weight rows stay in
+ * L1 / L2 across its tokens and its activations in L2 across its rows. */
 #define ROW_TILE 16
 #define TOK_TILE 32
-/* Decode: a thread claims about this many weight bytes at a time. */
+/* Decode (T == 1): an item is about this many weight bytes (at least DECODE_MIN_ROWS
+ * rows), so a thread that loses its core holds up little. */
 #define DECODE_CHUNK_BYTES 24576
+#define DECODE_MIN_ROWS 4
+
+/* Activation formats: index 0 = act32, 1 = act256. */
+#define N_ACT 2
 
 typedef struct {
-    const float *x;     /* (T, K) */
-    const uint8_t *xq;  /* (T, act_stride bytes) quantized activations */
-    size_t act_stride;
-    const uint8_t *w;   /* (N, row_bytes) */
+    const uint8_t *w;      /* (N, row_bytes) */
     size_t row_bytes;
-    int64_t T, K, N, nb; /* nb: blocks per row (quantized) */
-    float *y;           /* (T, N) */
-    ellm_qdot_fn qdot;  /* exactly one of qdot / fmm is set */
+    int64_t N, nb;         /* nb: blocks per row (quantized) */
+    float *y;              /* (T, ldy) */
+    int64_t ldy;
+    const uint8_t *xq;     /* (T, act_stride bytes) quantized activations (quantized types) */
+    size_t act_stride;
+    ellm_qdot_fn qdot;     /* exactly one of qdot / fmm is set */
     ellm_fmm_fn fmm;
-    ellm_act_fn act;
-    int64_t row_tiles;  /* prefill: tiles along N */
+    int64_t item_rows;     /* output rows per work item */
+    int64_t row_items;     /* work items along N */
+    int64_t first_item;    /* this part's items in the call's item list: [first, end) */
+    int64_t end_item;
+} lin_part;
+
+typedef struct {
+    const float *x;        /* (T, K) */
+    int64_t T, K;
+    int64_t item_toks;     /* tokens per work item */
+    int n_parts;
+    lin_part p[ELLM_LINEAR_MAX_PARTS];
+    uint8_t *xq[N_ACT];    /* (T, act_stride[f]) per format in use, else NULL */
+    size_t act_stride[N_ACT];
+    ellm_act_fn act[N_ACT]; /* set for the formats a non-empty part needs */
 } lin_ctx;
 
-/* Output rows [n0, n1) for tokens [t0, t1). */
-static void run_block(const lin_ctx *c, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
-    if (c->fmm) {
-        c->fmm(c->K, c->w + (size_t)n0 * c->row_bytes, c->row_bytes, n1 - n0,
-               c->x + (size_t)t0 * c->K, (size_t)c->K, t1 - t0, c->y + (size_t)t0 * c->N + n0,
-               (size_t)c->N);
-        return;
-    }
-    /* quantized: each weight row is loaded once per kernel call and reused for up to
-     * ELLM_QDOT_MAX_NT tokens while it sits in L1 */
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *wr = c->w + (size_t)n * c->row_bytes;
-        for (int64_t t = t0; t < t1; t += ELLM_QDOT_MAX_NT) {
-            int nt = (int)(t1 - t < ELLM_QDOT_MAX_NT ? t1 - t : ELLM_QDOT_MAX_NT);
-            c->qdot(c->nb, wr, c->xq + (size_t)t * c->act_stride, c->act_stride, nt,
-                    c->y + (size_t)t * c->N + n, (size_t)c->N);
-        }
-    }
+/* Output rows [n0, n1) of part p for tokens [t0, t1). */
+static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n1, int64_t t0,
+                      int64_t t1) {
+    float *y = p->y + (size_t)t0 * (size_t)p->ldy + (size_t)n0;
+    if (p->fmm)
+        p->fmm(c->K, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
+               c->x + (size_t)t0 * (size_t)c->K, (size_t)c->K, t1 - t0, y, (size_t)p->ldy);
+    else
+        p->qdot(p->nb, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
+                p->xq + (size_t)t0 * p->act_stride, p->act_stride, t1 - t0, y, (size_t)p->ldy);
 }
 
-static void task_decode(void *ctx, int64_t begin, int64_t end, int thread_id) {
+static void task_matmul(void *ctx, int64_t begin, int64_t end, int thread_id) {
     const lin_ctx *c = (const lin_ctx *)ctx;
-    run_block(c, begin, end, 0, c->T);
-}
-
-static void task_tiles(void *ctx, int64_t begin, int64_t end, int thread_id) {
-    const lin_ctx *c = (const lin_ctx *)ctx;
-    for (int64_t tile = begin; tile < end; tile++) {
-        int64_t r = tile % c->row_tiles, tt = tile / c->row_tiles;
-        int64_t n0 = r * ROW_TILE, n1 = n0 + ROW_TILE < c->N ? n0 + ROW_TILE : c->N;
-        int64_t t0 = tt * TOK_TILE, t1 = t0 + TOK_TILE < c->T ? t0 + TOK_TILE : c->T;
-        run_block(c, n0, n1, t0, t1);
+    int pi = 0;
+    for (int64_t item = begin; item < end; item++) {
+        while (item >= c->p[pi].end_item) pi++; /* items are numbered part after part */
+        const lin_part *p = &c->p[pi];
+        int64_t j = item - p->first_item;
+        int64_t r = j % p->row_items, tt = j / p->row_items;
+        int64_t n0 = r * p->item_rows, n1 = n0 + p->item_rows < p->N ? n0 + p->item_rows : p->N;
+        int64_t t0 = tt * c->item_toks, t1 = t0 + c->item_toks < c->T ? t0 + c->item_toks : c->T;
+        run_block(c, p, n0, n1, t0, t1);
     }
 }
 
+/* Items [begin, end) are (format, token) pairs: item = f * T + t. */
 static void task_quantize_act(void *ctx, int64_t begin, int64_t end, int thread_id) {
     const lin_ctx *c = (const lin_ctx *)ctx;
-    for (int64_t t = begin; t < end; t++)
-        c->act(c->x + t * c->K, c->K, (void *)(c->xq + (size_t)t * c->act_stride));
+    for (int64_t item = begin; item < end; item++) {
+        int f = (int)(item / c->T);
+        int64_t t = item % c->T;
+        if (c->act[f]) /* formats of non-empty parts only */
+            c->act[f](c->x + (size_t)t * (size_t)c->K, c->K,
+                      c->xq[f] + (size_t)t * c->act_stride[f]);
+    }
+}
+
+static int act_index(int qtype) {
+    switch (ellm_act_block(qtype)) {
+    case QK32: return 0;
+    case QK256: return 1;
+    default: return -1;
+    }
+}
+
+/* The scratch layout: offset[f] = byte offset of format f's (T, stride[f]) rows (64-byte
+ * aligned; SIZE_MAX when no part uses f), *total = bytes in all. Returns 1, or 0 with
+ * *total = 0 on overflow or invalid input. */
+static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int64_t K,
+                         size_t offset[N_ACT], size_t stride[N_ACT], size_t *total) {
+    int used[N_ACT] = {0, 0};
+    *total = 0;
+    if (T < 0 || K < 0 || n_parts < 1 || n_parts > ELLM_LINEAR_MAX_PARTS || parts == NULL)
+        return 0;
+    for (int i = 0; i < n_parts; i++) {
+        if (ellm_row_bytes(parts[i].qtype, K) < 0) return 0;
+        int f = act_index(parts[i].qtype);
+        if (f >= 0) {
+            used[f] = 1;
+            stride[f] = ellm_act_row_bytes(parts[i].qtype, K);
+        }
+    }
+    size_t at = 0;
+    for (int f = 0; f < N_ACT; f++) {
+        offset[f] = SIZE_MAX; /* not in use */
+        if (!used[f]) continue;
+        if (stride[f] && (uint64_t)T > (SIZE_MAX - 64 - at) / stride[f]) return 0;
+        at = (at + 63) & ~(size_t)63;
+        offset[f] = at;
+        at += stride[f] * (size_t)T;
+    }
+    *total = at;
+    return 1;
+}
+
+size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_parts, int64_t T,
+                                       int64_t K) {
+    size_t offset[N_ACT], stride[N_ACT], total;
+    act_layout(parts, n_parts, T, K, offset, stride, &total);
+    return total;
 }
 
 size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K) {
-    if (T < 0 || ellm_row_bytes(qtype, K) < 0) return 0;
-    size_t per_row = ellm_act_row_bytes(qtype, K);
-    if (per_row && (uint64_t)T > SIZE_MAX / per_row) return 0;
-    return per_row * (size_t)T;
+    ellm_linear_part part = {qtype, NULL, 0, 0, NULL, 0};
+    return ellm_linear_multi_scratch_bytes(&part, 1, T, K);
 }
 
-int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w, size_t w_bytes,
-                int64_t N, float *y, void *scratch, size_t scratch_bytes) {
-    if (ellm_qtype_block_elems(qtype) == 0) return ELLM_E_TYPE;
-    int64_t rb = ellm_row_bytes(qtype, K);
-    if (rb < 0 || T < 0 || N < 0) return ELLM_E_SHAPE;
-    if (N > 0 && (uint64_t)rb > (uint64_t)w_bytes / (uint64_t)N) return ELLM_E_SIZE;
-    if ((uint64_t)rb * (uint64_t)N != (uint64_t)w_bytes) return ELLM_E_SIZE;
-    if (T == 0 || N == 0) return ELLM_OK;
-    if (K == 0) {
-        memset(y, 0, (size_t)T * (size_t)N * sizeof(float));
+int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
+                      int n_parts, void *scratch, size_t scratch_bytes) {
+    if (parts == NULL || n_parts < 1 || n_parts > ELLM_LINEAR_MAX_PARTS) return ELLM_E_SHAPE;
+    if (T < 0 || K < 0) return ELLM_E_SHAPE;
+    for (int i = 0; i < n_parts; i++) {
+        const ellm_linear_part *q = &parts[i];
+        if (ellm_qtype_block_elems(q->qtype) == 0) return ELLM_E_TYPE;
+        int64_t rb = ellm_row_bytes(q->qtype, K);
+        if (rb < 0 || q->N < 0) return ELLM_E_SHAPE;
+        if (q->N > 0 && (uint64_t)rb > (uint64_t)q->w_bytes / (uint64_t)q->N) return ELLM_E_SIZE;
+        if ((uint64_t)rb * (uint64_t)q->N != (uint64_t)q->w_bytes) return ELLM_E_SIZE;
+        if (T > 0 && q->N > 0) {
+            if (q->ldy < q->N || q->y == NULL || (q->w == NULL && q->w_bytes)) return ELLM_E_SHAPE;
+            if ((uint64_t)q->ldy > SIZE_MAX / sizeof(float) / (uint64_t)T) return ELLM_E_SIZE;
+        }
+    }
+    if (T == 0) return ELLM_OK;
+    if (K == 0) { /* empty sums */
+        for (int i = 0; i < n_parts; i++)
+            for (int64_t t = 0; parts[i].N > 0 && t < T; t++)
+                memset(parts[i].y + (size_t)t * (size_t)parts[i].ldy, 0,
+                       (size_t)parts[i].N * sizeof(float));
         return ELLM_OK;
     }
+    if (x == NULL) return ELLM_E_SHAPE;
 
     lin_ctx c;
     memset(&c, 0, sizeof c);
     c.x = x;
-    c.w = w;
-    c.row_bytes = (size_t)rb;
     c.T = T;
     c.K = K;
-    c.N = N;
-    c.y = y;
-    if (ellm_act_block(qtype)) {
-        size_t need = ellm_linear_scratch_bytes(qtype, T, K);
-        if (need == 0 || scratch == NULL || scratch_bytes < need || ((uintptr_t)scratch & 63u))
-            return ELLM_E_SCRATCH;
-        c.xq = (const uint8_t *)scratch;
-        c.act_stride = ellm_act_row_bytes(qtype, K);
-        c.nb = K / ellm_act_block(qtype);
-        c.qdot = ellm_qdot_select(qtype);
-        c.act = ellm_act_select(qtype);
-        /* Activation quantization is cheap next to the matmul; only spread it when
-         * there are enough rows to pay for waking the pool. */
-        if (T >= 16) ellm_parallel_for(T, 4, task_quantize_act, &c);
-        else task_quantize_act(&c, 0, T, 0);
-    } else {
-        c.fmm = ellm_fmm_select(qtype);
+    c.item_toks = T == 1 ? 1 : TOK_TILE;
+
+    size_t offset[N_ACT], stride[N_ACT], need;
+    if (!act_layout(parts, n_parts, T, K, offset, stride, &need)) return ELLM_E_SHAPE;
+    if (need && (scratch == NULL || scratch_bytes < need || ((uintptr_t)scratch & 63u)))
+        return ELLM_E_SCRATCH;
+    for (int f = 0; f < N_ACT; f++) {
+        if (offset[f] == SIZE_MAX) continue;
+        c.xq[f] = (uint8_t *)scratch + offset[f];
+        c.act_stride[f] = stride[f];
     }
 
-    if (T == 1) {
-        int64_t grain = DECODE_CHUNK_BYTES / rb;
-        if (grain < 4) grain = 4;
-        ellm_parallel_for(N, grain, task_decode, &c);
-    } else {
-        c.row_tiles = (N + ROW_TILE - 1) / ROW_TILE;
-        int64_t tiles = c.row_tiles * ((T + TOK_TILE - 1) / TOK_TILE);
-        ellm_parallel_for(tiles, 1, task_tiles, &c);
+    const int64_t tok_items = (T + c.item_toks - 1) / c.item_toks;
+    int64_t items = 0;
+    for (int i = 0; i < n_parts; i++) {
+        const ellm_linear_part *q = &parts[i];
+        lin_part *p = &c.p[c.n_parts];
+        if (q->N == 0) continue;
+        p->w = q->w;
+        p->row_bytes = (size_t)ellm_row_bytes(q->qtype, K);
+        p->N = q->N;
+        p->y = q->y;
+        p->ldy = q->ldy;
+        int f = act_index(q->qtype);
+        if (f >= 0) {
+            p->xq = c.xq[f];
+            p->act_stride = c.act_stride[f];
+            p->nb = K / ellm_act_block(q->qtype);
+            p->qdot = ellm_qdot_select(q->qtype);
+            c.act[f] = ellm_act_select(q->qtype);
+        } else {
+            p->fmm = ellm_fmm_select(q->qtype);
+        }
+        if (T == 1) {
+            int64_t rows = DECODE_CHUNK_BYTES / (int64_t)p->row_bytes;
+            p->item_rows = rows > DECODE_MIN_ROWS ? rows : DECODE_MIN_ROWS;
+        } else {
+            p->item_rows = ROW_TILE;
+        }
+        p->row_items = (p->N + p->item_rows - 1) / p->item_rows;
+        p->first_item = items;
+        items += p->row_items * tok_items;
+        p->end_item = items;
+        c.n_parts++;
     }
+    if (c.n_parts == 0) return ELLM_OK;
+
+    /* Activation quantization is cheap next to the matmul; only spread it when there are
+     * enough rows to pay for waking the pool. */
+    if (need) {
+        if (T >= 16) ellm_parallel_for(N_ACT * T, 4, task_quantize_act, &c);
+        else task_quantize_act(&c, 0, N_ACT * T, 0);
+    }
+    ellm_parallel_for(items, 1, task_matmul, &c);
     return ELLM_OK;
+}
+
+int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w, size_t w_bytes,
+                int64_t N, float *y, void *scratch, size_t scratch_bytes) {
+    ellm_linear_part part = {qtype, w, w_bytes, N, y, N};
+    return ellm_linear_multi(x, T, K, &part, 1, scratch, scratch_bytes);
 }

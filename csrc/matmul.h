@@ -14,6 +14,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Batch invariance: row t of Y depends only on row t of X, W and the SIMD level -- it is
+ * bit-identical whatever T is, wherever the row sits in X, and whatever the thread
+ * count (each output is summed in one fixed order, see quant_impl.h). */
+
 /* Scratch bytes ellm_linear needs for this (qtype, T, K); 0 for float types. The
  * scratch must be 64-byte aligned. Returns 0 also for invalid shapes (ellm_linear then
  * reports the error). */
@@ -24,5 +28,34 @@ size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K);
  * aligned. Safe to call without the GIL; uses ellm_parallel_for. */
 int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w, size_t w_bytes,
                 int64_t N, float *y, void *scratch, size_t scratch_bytes);
+
+/* ------------------------------------------------------------------------------------
+ * Several weight matrices against the same X (q, k, v; gate, up): X is quantized once
+ * per activation format, and all matrices run in one ellm_parallel_for over their
+ * concatenated output rows. Each Y_p is bit-identical to ellm_linear(W_p) alone.
+ * ------------------------------------------------------------------------------------ */
+
+/* At most this many matrices per call. */
+#define ELLM_LINEAR_MAX_PARTS 16
+
+typedef struct {
+    int qtype;
+    const uint8_t *w;  /* (N, ellm_row_bytes(qtype, K)) */
+    size_t w_bytes;    /* must equal N * ellm_row_bytes(qtype, K) */
+    int64_t N;
+    float *y;          /* (T, ldy) f32; columns [0, N) of each row are written */
+    int64_t ldy;       /* row stride of y in floats, >= N (a column slice of a wider Y) */
+} ellm_linear_part;
+
+/* Scratch bytes ellm_linear_multi needs (64-byte aligned); 0 when every part has float
+ * weights, or for an invalid argument (ellm_linear_multi then reports it). */
+size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_parts, int64_t T,
+                                       int64_t K);
+
+/* Y_p = X . W_p^T for p < n_parts (1 <= n_parts <= ELLM_LINEAR_MAX_PARTS); x: (T, K) f32.
+ * Every part is checked (type, shape, byte length, ldy) before anything runs; the
+ * outputs must not overlap X or one another. Safe to call without the GIL. */
+int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
+                      int n_parts, void *scratch, size_t scratch_bytes);
 
 #endif

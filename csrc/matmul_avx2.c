@@ -1,10 +1,12 @@
 /* AVX2 (+FMA, F16C) float-weight kernels: weight rows of f32, f16 or bf16 (converted in
  * registers, never to memory) times f32 activation rows.
  *
- * Decode (one token) walks a row with four accumulators so the FMA latency does not
- * bind; prefill computes MR x NT register tiles so each loaded and converted weight
- * vector serves NT tokens and each activation vector MR rows. */
+ * Prefill computes MR x NT register tiles so each loaded and converted weight vector
+ * serves NT tokens and each activation vector MR rows; decode (one token) walks one row
+ * at a time. Each output is summed the same way in both (see micro), so results do not
+ * depend on the batch (quant_impl.h). */
 #include <immintrin.h>
+#include <math.h>
 
 #include "quant_impl.h"
 
@@ -20,7 +22,13 @@ INLINE float hsum8(__m256 v) {
 /* 8 weights starting at element i -> f32 */
 INLINE __m256 wload(int type, const uint8_t *w, int64_t i) {
     switch (type) {
-    case ELLM_T_F32: return _mm256_loadu_ps((const float *)(const void *)(w + 4 * i));
+    case ELLM_T_F32: {
+        __m256 v = _mm256_loadu_ps((const float *)(const void *)(w + 4 * i));
+        /* keep it in a register: GCC otherwise folds the load into each token's FMA,
+         * and the repeated loads cost ~15% of prefill speed */
+        __asm__("" : "+x"(v));
+        return v;
+    }
     case ELLM_T_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i)));
     default: {
         __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * i)));
@@ -41,52 +49,52 @@ INLINE float wscalar(int type, const uint8_t *w, int64_t i) {
     }
 }
 
-INLINE void fdot1(int type, int64_t k, const uint8_t *w, const float *x, float *y) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 32 <= k; i += 32) {
-        a0 = _mm256_fmadd_ps(wload(type, w, i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(wload(type, w, i + 8), _mm256_loadu_ps(x + i + 8), a1);
-        a2 = _mm256_fmadd_ps(wload(type, w, i + 16), _mm256_loadu_ps(x + i + 16), a2);
-        a3 = _mm256_fmadd_ps(wload(type, w, i + 24), _mm256_loadu_ps(x + i + 24), a3);
-    }
-    for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(wload(type, w, i), _mm256_loadu_ps(x + i), a0);
-    float acc = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < k; i++) acc += wscalar(type, w, i) * x[i];
-    *y = acc;
-}
+/* The register tile: MR weight rows x NT tokens x 2 chains = 12 accumulators (of 16
+ * registers). Each output is summed by two 8-lane FMA chains, the even 8-steps of k into
+ * one and the odd into the other, reduced as hsum8(chain0 + chain1), then the k % 8
+ * tail by scalar FMAs in k order: the same for every tile shape and token count, so
+ * results do not depend on the batch (quant_impl.h). Per two 8-steps, 2 (MR + NT) loads
+ * feed 2 MR NT FMAs. */
+#define MR 3
+#define NT 2
 
-/* The register tile: MR weight rows x NT tokens, 12 accumulators (of 16 registers).
- * Per 8 values of k: MR weight loads (converted once, used NT times) and NT activation
- * loads (used MR times) feed MR * NT FMAs, so the FMA units, not the loads, bind. */
-#define MR 4
-#define NT 3
+/* one 8-step of k at i into chain `acc` */
+#define STEP8(acc, i)                                                                        \
+    do {                                                                                     \
+        __m256 xv[NT];                                                                       \
+        _Pragma("GCC unroll 8")                                                              \
+        for (int t = 0; t < nt; t++) xv[t] = _mm256_loadu_ps(x + t * xs + (i));             \
+        _Pragma("GCC unroll 8")                                                              \
+        for (int r = 0; r < mr; r++) {                                                       \
+            __m256 wv = wload(type, w + r * ws, (i));                                        \
+            _Pragma("GCC unroll 8")                                                          \
+            for (int t = 0; t < nt; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);  \
+        }                                                                                    \
+    } while (0)
 
 INLINE void micro(int type, int64_t k, const uint8_t *w, size_t ws, const int mr, const float *x,
                   size_t xs, const int nt, float *y, size_t ys) {
-    __m256 acc[MR][NT];
+    __m256 a0[MR][NT], a1[MR][NT];
     _Pragma("GCC unroll 8")
     for (int r = 0; r < mr; r++)
         _Pragma("GCC unroll 8")
-        for (int t = 0; t < nt; t++) acc[r][t] = _mm256_setzero_ps();
+        for (int t = 0; t < nt; t++) a0[r][t] = a1[r][t] = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-        __m256 xv[NT];
-        _Pragma("GCC unroll 8")
-        for (int t = 0; t < nt; t++) xv[t] = _mm256_loadu_ps(x + t * xs + i);
-        _Pragma("GCC unroll 8")
-        for (int r = 0; r < mr; r++) {
-            __m256 wv = wload(type, w + r * ws, i);
-            _Pragma("GCC unroll 8")
-            for (int t = 0; t < nt; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
-        }
+    for (; i + 16 <= k; i += 16) {
+        STEP8(a0, i);
+        STEP8(a1, i + 8);
+    }
+    if (i + 8 <= k) {
+        STEP8(a0, i);
+        i += 8;
     }
     _Pragma("GCC unroll 8")
     for (int r = 0; r < mr; r++)
         _Pragma("GCC unroll 8")
         for (int t = 0; t < nt; t++) {
-            float a = hsum8(acc[r][t]);
-            for (int64_t j = i; j < k; j++) a += wscalar(type, w + r * ws, j) * x[t * xs + j];
+            float a = hsum8(_mm256_add_ps(a0[r][t], a1[r][t]));
+            for (int64_t j = i; j < k; j++)
+                a = fmaf(wscalar(type, w + r * ws, j), x[t * xs + j], a);
             y[t * ys + r] = a;
         }
 }
@@ -95,28 +103,25 @@ INLINE void micro(int type, int64_t k, const uint8_t *w, size_t ws, const int mr
 INLINE void tile(int type, int64_t k, const uint8_t *w, size_t ws, int mr, const float *x,
                  size_t xs, int nt, float *y, size_t ys) {
     switch (mr * 8 + nt) {
-        case 9: micro(type, k, w, ws, 1, x, xs, 1, y, ys); break;
-        case 10: micro(type, k, w, ws, 1, x, xs, 2, y, ys); break;
-        case 11: micro(type, k, w, ws, 1, x, xs, 3, y, ys); break;
-        case 17: micro(type, k, w, ws, 2, x, xs, 1, y, ys); break;
-        case 18: micro(type, k, w, ws, 2, x, xs, 2, y, ys); break;
-        case 19: micro(type, k, w, ws, 2, x, xs, 3, y, ys); break;
-        case 25: micro(type, k, w, ws, 3, x, xs, 1, y, ys); break;
-        case 26: micro(type, k, w, ws, 3, x, xs, 2, y, ys); break;
-        case 27: micro(type, k, w, ws, 3, x, xs, 3, y, ys); break;
-        case 33: micro(type, k, w, ws, 4, x, xs, 1, y, ys); break;
-        case 34: micro(type, k, w, ws, 4, x, xs, 2, y, ys); break;
-        case 35: micro(type, k, w, ws, 4, x, xs, 3, y, ys); break;
-        default: break;
+    case 9: micro(type, k, w, ws, 1, x, xs, 1, y, ys); break;
+    case 10: micro(type, k, w, ws, 1, x, xs, 2, y, ys); break;
+    case 17: micro(type, k, w, ws, 2, x, xs, 1, y, ys); break;
+    case 18: micro(type, k, w, ws, 2, x, xs, 2, y, ys); break;
+    case 25: micro(type, k, w, ws, 3, x, xs, 1, y, ys); break;
+    case 26: micro(type, k, w, ws, 3, x, xs, 2, y, ys); break;
+    default: break;
     }
 }
 
-/* The whole (nr x nt) block: decode runs row by row (fdot1, memory-bound anyway);
- * prefill steps MR rows at a time and, for those rows (in L1), every NT tokens. */
+/* The whole (nr x nt) block: MR rows at a time and, for those rows (in L1), NT tokens
+ * at a time. One token (decode) takes one row at a time -- a single sequential stream
+ * through the weights, which the hardware prefetcher follows best (several rows side
+ * by side read DRAM at half the speed here) -- its two chains hiding the FMA latency. */
 INLINE void fmm(int type, int64_t k, const uint8_t *w, size_t ws, int64_t nr, const float *x,
                 size_t xs, int64_t nt, float *y, size_t ys) {
     if (nt == 1) {
-        for (int64_t r = 0; r < nr; r++) fdot1(type, k, w + (size_t)r * ws, x, y + r);
+        for (int64_t r = 0; r < nr; r++)
+            micro(type, k, w + (size_t)r * ws, ws, 1, x, xs, 1, y + r, ys);
         return;
     }
     for (int64_t r = 0; r < nr; r += MR) {

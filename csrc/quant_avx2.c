@@ -12,6 +12,7 @@
     _mm256_add_epi32(_mm256_madd_epi16((p0), (s0)), _mm256_madd_epi16((p1), (s1)))
 #define KINLINE static inline __attribute__((always_inline))
 #define KFUNC static
+#define QX_VEC_SCALE 0
 
 #include "quant_x86.h"
 

@@ -9,6 +9,7 @@
 #define DOT2_S16(p0, s0, p1, s1) _mm256_dpwssd_epi32(_mm256_madd_epi16((p0), (s0)), (p1), (s1))
 #define KINLINE static inline __attribute__((always_inline)) VNNI_TARGET
 #define KFUNC static VNNI_TARGET
+#define QX_VEC_SCALE 1
 
 #include "quant_x86.h"
 

@@ -77,12 +77,12 @@ void ellm_act256_scalar(const float *x, int64_t k, void *out) {
  * term is c * sum(x) = c * s / d_x, i.e. it enters through a.s.
  * ==================================================================================== */
 
-#define FOR_TOKENS for (int t = 0; t < nt; t++)
+#define FOR_TOKENS for (int64_t t = 0; t < nt; t++)
 #define ACT32(t, i) (((const ellm_act32 *)(x + (size_t)(t) * x_stride)) + (i))
 #define ACT256(t, i) (((const ellm_act256 *)(x + (size_t)(t) * x_stride)) + (i))
 
-static void qdot_q4_0(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q4_0(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -98,8 +98,8 @@ static void qdot_q4_0(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
     }
 }
 
-static void qdot_q4_1(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q4_1(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -114,8 +114,8 @@ static void qdot_q4_1(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
     }
 }
 
-static void qdot_q5_0(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q5_0(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -134,8 +134,8 @@ static void qdot_q5_0(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
     }
 }
 
-static void qdot_q5_1(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q5_1(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -154,8 +154,8 @@ static void qdot_q5_1(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
     }
 }
 
-static void qdot_q8_0(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q8_0(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -174,8 +174,8 @@ static void qdot_q8_0(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
  * K-quants against act256. Per-group mins enter through the activation's 16-sums.
  * ==================================================================================== */
 
-static void qdot_q2_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q2_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -197,8 +197,8 @@ static void qdot_q2_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
     }
 }
 
-static void qdot_q3_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q3_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -223,8 +223,8 @@ static void qdot_q3_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
     }
 }
 
-static void qdot_q4_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q4_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -249,8 +249,8 @@ static void qdot_q4_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
     }
 }
 
-static void qdot_q5_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q5_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -277,8 +277,8 @@ static void qdot_q5_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
     }
 }
 
-static void qdot_q6_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,
-                      float *y, size_t y_stride) {
+static void row_q6_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                     float *y, size_t y_stride) {
     FOR_TOKENS {
         float acc = 0.0f;
         for (int64_t i = 0; i < nb; i++) {
@@ -303,6 +303,26 @@ static void qdot_q6_k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_s
         y[t * y_stride] = acc;
     }
 }
+
+/* The block kernels: row by row, each row against every token (one accumulation order
+ * per output whatever nr and nt are). */
+#define DEFINE_QDOT(name, row_fn)                                                            \
+    static void name(int64_t nb, const uint8_t *w, size_t w_stride, int64_t nr,                \
+                     const uint8_t *x, size_t x_stride, int64_t nt, float *y, size_t y_stride) { \
+        for (int64_t r = 0; r < nr; r++)                                                     \
+            row_fn(nb, w + (size_t)r * w_stride, x, x_stride, nt, y + r, y_stride);          \
+    }
+
+DEFINE_QDOT(qdot_q4_0, row_q4_0)
+DEFINE_QDOT(qdot_q4_1, row_q4_1)
+DEFINE_QDOT(qdot_q5_0, row_q5_0)
+DEFINE_QDOT(qdot_q5_1, row_q5_1)
+DEFINE_QDOT(qdot_q8_0, row_q8_0)
+DEFINE_QDOT(qdot_q2_k, row_q2_k)
+DEFINE_QDOT(qdot_q3_k, row_q3_k)
+DEFINE_QDOT(qdot_q4_k, row_q4_k)
+DEFINE_QDOT(qdot_q5_k, row_q5_k)
+DEFINE_QDOT(qdot_q6_k, row_q6_k)
 
 ellm_qdot_fn ellm_qdot_scalar(int qtype) {
     switch (qtype) {

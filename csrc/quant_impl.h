@@ -37,16 +37,30 @@ _Static_assert(sizeof(ellm_act256) == 292, "act256 layout");
 /* Quantizes (k,) f32 into k/32 act32 blocks or k/256 act256 blocks. */
 typedef void (*ellm_act_fn)(const float *x, int64_t k, void *out);
 
-/* One weight row of nb blocks times nt activation rows (nt in [1, ELLM_QDOT_MAX_NT]):
- *   w:  (nb blocks) of the weight type
- *   x:  (nt, x_stride bytes) activation rows
- *   y:  y[t * y_stride] = dot(w, x_t) for t < nt */
-typedef void (*ellm_qdot_fn)(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride,
-                             int nt, float *y, size_t y_stride);
-#define ELLM_QDOT_MAX_NT 4
+/* Batch invariance. Every kernel below computes each output y[t][r] = dot(w_r, x_t) by
+ * one fixed sequence of float operations that depends only on w_r, x_t and the SIMD
+ * level -- never on how many rows or tokens the call holds, nor where in the call they
+ * sit. So a token's outputs are bit-identical whether it is decoded alone (T = 1),
+ * prefilled with 511 others, batched with other sequences, or run on any thread count.
+ * Register tiles may hold several rows or tokens to share loads, but each (row, token)
+ * pair keeps its own accumulators and the same step order (the same grouping of blocks
+ * or k-steps, the same final reduction). In the SIMD kernels, which GCC builds with FMA
+ * enabled, every multiply-add is spelled out as fmaf / an FMA intrinsic or kept apart,
+ * so contraction cannot differ between tile shapes; the scalar kernels run one code path
+ * per row and token whatever the shape. Activations are quantized per row, the same way
+ * in every call. */
 
-/* Float weights (f32, f16 or bf16 bits, converted in registers): a tile of nr weight
- * rows times nt f32 activation rows, each kernel blocking it in registers its own way.
+/* Quantized weights: a block of nr weight rows times nt activation rows (any nr, nt >= 1):
+ *   w:  (nr, w_stride bytes) rows of nb blocks of the weight type
+ *   x:  (nt, x_stride bytes) activation rows (act32 / act256 blocks)
+ *   y:  y[t * y_stride + r] = dot(w_r, x_t) */
+typedef void (*ellm_qdot_fn)(int64_t nb, const uint8_t *w, size_t w_stride, int64_t nr,
+                             const uint8_t *x, size_t x_stride, int64_t nt, float *y,
+                             size_t y_stride);
+
+/* Float weights (f32, f16 or bf16 bits, converted in registers): a block of nr weight
+ * rows times nt f32 activation rows, each kernel blocking it in registers its own way
+ * (and summing each output in the one order above).
  *   w:  (nr, w_stride bytes), each row k elements
  *   x:  (nt, x_stride floats)
  *   y:  y[t * y_stride + r] = dot(w_r, x_t) */

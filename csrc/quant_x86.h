@@ -10,21 +10,28 @@
  *                        multiplied and summed); each result is added to the running
  *                        sum with a 1-cycle add, so no long latency chain forms
  *   KINLINE / KFUNC    -> always-inline body / kernel function qualifiers (target flags)
+ *   QX_VEC_SCALE       -> 1: form block scales d * d_x with vector multiplies even at
+ *                        one token (see scale8)
  *
  * Weights are made unsigned (nibbles, or |w| with the sign moved onto x for Q8_0); no
  * maddubs pair sum can saturate int16: 2 * 63 * 127 and 2 * 128 * 127 are below 32767.
  * Per-block scales are unpacked once and broadcast with byte shuffles, not rebuilt per
- * token. Each kernel body takes a compile-time token count NT and is instantiated for
- * NT = 1..4 (QDOT_NT_SWITCH), so its per-token accumulators live in registers; at
- * NT = 1 (decode) the 32-block kernel walks two blocks at a time into separate
- * accumulators so the FMA latency chain does not bind. */
+ * token. Each kernel body takes compile-time tile sizes (tokens, and rows for the
+ * 32-block types) and is instantiated for each, so its accumulators live in registers.
+ * Every output is summed in one order whatever the tile (batch invariance, see
+ * quant_impl.h): at one token (decode) the 32-block kernel hides FMA latency by adding
+ * blocks in pairs -- the same pairs at any token count -- never by splitting a sum over
+ * accumulators that only the decode path would have. */
 #ifndef ELLM_QUANT_X86_H
 #define ELLM_QUANT_X86_H
 #include <immintrin.h>
+#include <math.h>
 
 #include "quant_impl.h"
 
 #define INLINE static inline __attribute__((always_inline))
+/* Tokens per kernel body (one weight row against up to QX_TILE tokens) */
+#define QX_TILE 4
 
 /* ====================================================================================
  * Helpers
@@ -56,8 +63,9 @@ INLINE float f16_at(const uint8_t *p) { return _cvtsh_ss(ellm_rd_u16(p)); }
 /* 16 bytes of packed nibbles -> 32 bytes: low nibbles first, then high nibbles (the
  * element order of every 32-block type). */
 INLINE __m256i nibbles32(const uint8_t *p) {
-    __m128i q = _mm_loadu_si128((const __m128i *)p);
-    __m256i v = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+    /* the 16 bytes in both lanes (a load, no shuffle), the high lane shifted down 4 bits */
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    v = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
@@ -105,57 +113,111 @@ INLINE __m256i values32(int type, const uint8_t *b, __m256i *sq) {
     }
 }
 
+/* One 32-block's weight side, unpacked once and used for every token. */
+typedef struct {
+    float d, c;  /* scale, constant term (0 for Q8_0) */
+    __m256 vd;   /* d in every lane */
+    __m256i q;   /* values made unsigned */
+    __m256i sq;  /* Q8_0: the signed values (their signs go onto x) */
+} blk32;
+
+INLINE blk32 load32(int type, const uint8_t *b) {
+    blk32 k;
+    /* the first 4 bytes of every block type: d, then m (or bytes we ignore) */
+    __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
+    k.d = _mm_cvtss_f32(dm);
+    k.vd = _mm256_broadcastss_ps(dm);
+    k.c = 0.0f;
+    if (type == ELLM_T_Q4_0) k.c = -8.0f * k.d;
+    if (type == ELLM_T_Q5_0) k.c = -16.0f * k.d;
+    if (type == ELLM_T_Q4_1 || type == ELLM_T_Q5_1) k.c = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    k.sq = _mm256_setzero_si256();
+    k.q = values32(type, b, &k.sq);
+    return k;
+}
+
+/* d * d_x in every lane: a vector multiply by a broadcast load, or a scalar multiply
+ * and a broadcast. The product is the same either way (one correctly rounded float
+ * multiply), so the choice cannot break batch invariance; it is only about speed: with
+ * several tokens per block the vector form saves work, at one token the scalar form is
+ * faster on AVX2 (QX_VEC_SCALE, set by the includer, says which to use there). */
+INLINE __m256 scale8(const blk32 *k, const ellm_act32 *a, const int nt) {
+    if (QX_VEC_SCALE || nt > 1) return _mm256_mul_ps(k->vd, _mm256_broadcast_ss(&a->d));
+    return _mm256_set1_ps(k->d * a->d);
+}
+
+/* float(q . x_q) of one block and token, 8 lanes */
+INLINE __m256 dot32(int type, const blk32 *k, const ellm_act32 *a) {
+    __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
+    if (type == ELLM_T_Q8_0) xq = _mm256_sign_epi8(xq, k->sq);
+    return _mm256_cvtepi32_ps(DOT_US8(k->q, xq));
+}
+
+/* One weight row against NT tokens. The summation order of each output (fixed, for
+ * batch invariance; see quant_impl.h): blocks in pairs (2j, 2j+1),
+ *     acc += fma(p1, d1 dx1, p0 * d0 dx0)      cor += fmaf(c1, s1, c0 * s0)
+ * then a last odd block by acc = fma(p, d dx, acc), cor = fmaf(c, s, cor), and
+ * y = hsum8(acc) + cor. Adding a pair's sum keeps one add per two blocks on the
+ * dependency chain, so one token (decode) walks its row without waiting on FMA latency
+ * -- and one row at a time, which the hardware prefetcher streams best. */
 KINLINE void qdot32(int type, int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride,
                     const int nt, float *y, size_t y_stride) {
     const int bs = bytes32(type);
-    const int U = nt == 1 ? 2 : 1; /* decode: two blocks in flight */
     const int has_c = type != ELLM_T_Q8_0;
-    __m256 acc[2][ELLM_QDOT_MAX_NT];
-    float cor[2][ELLM_QDOT_MAX_NT];
-    for (int u = 0; u < 2; u++)
+    __m256 acc[QX_TILE];
+    float cor[QX_TILE];
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        cor[t] = 0.0f;
+    }
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        const blk32 k0 = load32(type, w + i * bs), k1 = load32(type, w + (i + 1) * bs);
+        _Pragma("GCC unroll 4")
         for (int t = 0; t < nt; t++) {
-            acc[u][t] = _mm256_setzero_ps();
-            cor[u][t] = 0.0f;
-        }
-    for (int64_t i0 = 0; i0 < nb; i0 += U) {
-        for (int u = 0; u < U && i0 + u < nb; u++) {
-            const int64_t i = i0 + u;
-            const uint8_t *b = w + i * bs;
-            /* the first 4 bytes of every block type: d, then m (or bytes we ignore) */
-            __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
-            const float d = _mm_cvtss_f32(dm);
-            float c = 0.0f;
-            if (type == ELLM_T_Q4_0) c = -8.0f * d;
-            if (type == ELLM_T_Q5_0) c = -16.0f * d;
-            if (type == ELLM_T_Q4_1 || type == ELLM_T_Q5_1) c = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-            __m256i sq = _mm256_setzero_si256();
-            const __m256i q = values32(type, b, &sq);
-            for (int t = 0; t < nt; t++) {
-                const ellm_act32 *a = (const ellm_act32 *)(x + (size_t)t * x_stride) + i;
-                __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
-                if (type == ELLM_T_Q8_0) xq = _mm256_sign_epi8(xq, sq);
-                __m256 p = _mm256_cvtepi32_ps(DOT_US8(q, xq));
-                acc[u][t] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a->d), acc[u][t]);
-                if (has_c) cor[u][t] += c * a->s;
-            }
+            const ellm_act32 *a0 = (const ellm_act32 *)(x + (size_t)t * x_stride) + i, *a1 = a0 + 1;
+            __m256 lo = _mm256_mul_ps(dot32(type, &k0, a0), scale8(&k0, a0, nt));
+            acc[t] = _mm256_add_ps(acc[t], _mm256_fmadd_ps(dot32(type, &k1, a1),
+                                                           scale8(&k1, a1, nt), lo));
+            if (has_c) cor[t] = cor[t] + fmaf(k1.c, a1->s, k0.c * a0->s);
         }
     }
-    for (int t = 0; t < nt; t++)
-        y[t * y_stride] = hsum8(_mm256_add_ps(acc[0][t], acc[1][t])) + (cor[0][t] + cor[1][t]);
+    if (i < nb) {
+        const blk32 k0 = load32(type, w + i * bs);
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < nt; t++) {
+            const ellm_act32 *a0 = (const ellm_act32 *)(x + (size_t)t * x_stride) + i;
+            acc[t] = _mm256_fmadd_ps(dot32(type, &k0, a0), scale8(&k0, a0, nt), acc[t]);
+            if (has_c) cor[t] = fmaf(k0.c, a0->s, cor[t]);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) {
+        float v = hsum8(acc[t]);
+        y[t * y_stride] = has_c ? v + cor[t] : v;
+    }
 }
 
-#define QDOT_NT_SWITCH(body_fn, TYPE)                                                        \
-    switch (nt) {                                                                            \
-    case 1: body_fn(TYPE, nb, w, x, x_stride, 1, y, y_stride); break;                        \
-    case 2: body_fn(TYPE, nb, w, x, x_stride, 2, y, y_stride); break;                        \
-    case 3: body_fn(TYPE, nb, w, x, x_stride, 3, y, y_stride); break;                        \
-    default: body_fn(TYPE, nb, w, x, x_stride, 4, y, y_stride); break;                       \
-    }
-
+/* The whole (nr x nt) block from a body that takes one weight row against nt <= 4
+ * tokens: rows one by one (at one token, a single sequential stream through the
+ * weights), tokens four at a time. */
 #define DEFINE_QDOT(name, body_fn, TYPE)                                                     \
-    KFUNC void name(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int nt,  \
-                     float *y, size_t y_stride) {                                              \
-        QDOT_NT_SWITCH(body_fn, TYPE)                                                        \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        for (int64_t r = 0; r < nr; r++) {                                                   \
+            const uint8_t *wr = w + (size_t)r * ws;                                          \
+            for (int64_t t = 0; t < nt; t += 4) {                                            \
+                const uint8_t *xt = x + (size_t)t * xs;                                      \
+                float *yt = y + (size_t)t * ys + r;                                          \
+                switch (nt - t < 4 ? nt - t : 4) {                                           \
+                case 1: body_fn(TYPE, nb, wr, xt, xs, 1, yt, ys); break;                     \
+                case 2: body_fn(TYPE, nb, wr, xt, xs, 2, yt, ys); break;                     \
+                case 3: body_fn(TYPE, nb, wr, xt, xs, 3, yt, ys); break;                     \
+                default: body_fn(TYPE, nb, wr, xt, xs, 4, yt, ys); break;                    \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
     }
 
 DEFINE_QDOT(qdot_q4_0, qdot32, ELLM_T_Q4_0)
@@ -217,7 +279,7 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
                      const int nt, float *y, size_t y_stride) {
     const int bs = type == ELLM_T_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[ELLM_QDOT_MAX_NT];
+    __m256 acc[QX_TILE];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * bs;
@@ -227,7 +289,7 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
         const uint8_t *qs = b + (type == ELLM_T_Q4_K ? 16 : 48);
         __m256i qh = _mm256_setzero_si256();
         if (type == ELLM_T_Q5_K) qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-        __m256i sumi[ELLM_QDOT_MAX_NT];
+        __m256i sumi[QX_TILE];
         for (int t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
@@ -266,7 +328,7 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
 KINLINE void qdot_q6k_body(int type, int64_t nb, const uint8_t *w, const uint8_t *x,
                           size_t x_stride, const int nt, float *y, size_t y_stride) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-    __m256 acc[ELLM_QDOT_MAX_NT];
+    __m256 acc[QX_TILE];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * Q6_K_BYTES;
@@ -274,7 +336,7 @@ KINLINE void qdot_q6k_body(int type, int64_t nb, const uint8_t *w, const uint8_t
         const float d = f16_at(b + 208);
         __m256i sch[2];
         scales16_halves(sc, sch);
-        __m256i sumi[ELLM_QDOT_MAX_NT];
+        __m256i sumi[QX_TILE];
         for (int t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
@@ -340,7 +402,7 @@ KINLINE void qdot_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
                       const int nt, float *y, size_t y_stride) {
     const int bs = type == ELLM_T_Q2_K ? Q2_K_BYTES : Q3_K_BYTES;
     const __m256i three = _mm256_set1_epi8(3);
-    __m256 acc[ELLM_QDOT_MAX_NT];
+    __m256 acc[QX_TILE];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * bs;
@@ -365,7 +427,7 @@ KINLINE void qdot_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
         }
         __m256i sch[2];
         scales16_halves(sc, sch);
-        __m256i sumi[ELLM_QDOT_MAX_NT];
+        __m256i sumi[QX_TILE];
         for (int t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));

@@ -5,6 +5,9 @@
 - linear: Y = X . W^T vs float64 numpy on the dequantized weights, at every SIMD level
   this CPU runs, by NMSE (quantized) or elementwise bounds (float weights); plus a tight
   check against numpy doing the same 8-bit activation rounding as the kernels;
+- batch invariance: a row's outputs are bit-identical whatever else is in the call (T,
+  position, order, thread count), for every type and level; linear_multi equals
+  separate linear calls bit for bit;
 - quantize: Q8_0 / Q4_0 bytes vs gguf.quants.quantize (bit-exact);
 - bad shapes, dtypes and indices raise ValueError / IndexError, never crash.
 """
@@ -333,6 +336,149 @@ def test_linear_f16_accepts_float16_dtype() -> None:
     _quant.linear(x, w, int(GGMLType.F16), a)
     _quant.linear(x, w.view(np.uint16), int(GGMLType.F16), b)
     np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------------------------
+# batch invariance: the engine needs a sequence's logits not to depend on what else is in
+# the batch (batched greedy decode = decoding alone; prefix-cache hit = miss; KV-cached
+# decode = full recompute), so row t of linear(x) must equal linear(x[t:t+1]) bit for bit
+# ------------------------------------------------------------------------------------
+
+BATCH_SIZES = (1, 2, 3, 7, 16, 64, 129, 512)
+
+
+def invariance_case(qtype: GGMLType, rng: np.random.Generator):
+    """(weights, K, x of 512 rows). K leaves a remainder everywhere a kernel could treat
+    one: an odd number of 32-blocks, 256-blocks and SIMD steps, and a k % 16 tail."""
+    n = 37  # odd, and not a multiple of any row tile
+    if qtype in QK:
+        k = 3 * 256
+    elif qtype in Q32:
+        k = 15 * 32
+    else:
+        k = 203
+    w = random_rows(qtype, n, k, rng) if qtype in QUANT else float_weights(qtype, n, k, rng)[0]
+    # rows of very different magnitudes, as hidden states are
+    x = rng.standard_normal((512, k)).astype(np.float32)
+    x *= np.exp(rng.uniform(-4.0, 4.0, size=(512, 1))).astype(np.float32)
+    return w, k, x
+
+
+def linear_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLType) -> np.ndarray:
+    out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
+    _quant.linear(np.ascontiguousarray(x), w, int(qtype), out)
+    return out
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", QUANT + FLOATS, ids=lambda t: t.name)
+def test_linear_batch_invariant(qtype: GGMLType, level: str) -> None:
+    """Row i of linear(x) is bit-identical to linear(x[i:i+1]) whatever the batch size,
+    the row's position and the order of the rows around it, and the thread count."""
+    use_level(level)
+    rng = np.random.default_rng(300 + int(qtype))
+    w, k, x = invariance_case(qtype, rng)
+    alone = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
+    assert np.isfinite(alone).all()
+    for t in BATCH_SIZES:
+        for start in sorted({0, (len(x) - t) // 2, len(x) - t}):
+            got = linear_rows(x[start:start + t], w, qtype)
+            assert np.array_equal(got, alone[start:start + t]), f"T={t} rows {start}.."
+    perm = rng.permutation(len(x))
+    assert np.array_equal(linear_rows(x[perm], w, qtype), alone[perm]), "rows reordered"
+    before = _quant.num_threads()
+    try:
+        for threads in (1, 2, 3):
+            _quant.set_num_threads(threads)
+            for t in (1, 129):
+                got = linear_rows(x[100:100 + t], w, qtype)
+                assert np.array_equal(got, alone[100:100 + t]), f"T={t}, {threads} threads"
+    finally:
+        _quant.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------
+# linear_multi: several matrices against one x in one call
+# ------------------------------------------------------------------------------------
+
+MULTI_PARTS = [(GGMLType.Q4_1, 40), (GGMLType.Q8_0, 19), (GGMLType.Q4_K, 33), (GGMLType.Q2_K, 0),
+               (GGMLType.Q6_K, 5), (GGMLType.F32, 7), (GGMLType.BF16, 9), (GGMLType.Q5_0, 1)]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_linear_multi_equals_linear(level: str) -> None:
+    """Each part's output is bit-identical to linear on that matrix alone, whether the
+    outs are separate arrays or column slices of one wide array (mixed activation
+    formats in one call), and stays batch invariant."""
+    use_level(level)
+    rng = np.random.default_rng(12)
+    k = 512
+    ws = [(np.zeros((0, _quant.row_bytes(int(q), k)), np.uint8) if n == 0  # an empty matrix
+           else random_rows(q, n, k, rng) if q in QUANT else float_weights(q, n, k, rng)[0], q)
+          for q, n in MULTI_PARTS]
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    wide_n = sum(n for _, n in MULTI_PARTS)
+    rows = {}
+    for t in (1, 5, 40):
+        xt = x[:t]
+        ref = [linear_rows(xt, w, q) for w, q in ws]
+        sep = [np.full((t, w.shape[0]), np.nan, np.float32) for w, _ in ws]
+        _quant.linear_multi(xt, [(w, int(q), o) for (w, q), o in zip(ws, sep)])
+        wide = np.full((t, wide_n + 3), np.nan, np.float32)
+        cols, at = [], 0
+        for w, _ in ws:
+            cols.append(wide[:, at:at + w.shape[0]])
+            at += w.shape[0]
+        _quant.linear_multi(xt, [(w, int(q), o) for (w, q), o in zip(ws, cols)])
+        for i, (w, q) in enumerate(ws):
+            assert np.array_equal(sep[i], ref[i]), f"T={t} part {i} ({q.name})"
+            assert np.array_equal(cols[i], ref[i]), f"T={t} part {i} ({q.name}) in a wide out"
+        assert np.isnan(wide[:, wide_n:]).all()  # columns past the parts stay untouched
+        rows[t] = wide[:, :wide_n]
+    assert np.array_equal(rows[1], rows[40][:1]) and np.array_equal(rows[5], rows[40][:5])
+
+
+def test_linear_multi_empty_part() -> None:
+    """A part with no rows is skipped (and the activation format only it needs is not
+    computed); the other parts are unaffected."""
+    rng = np.random.default_rng(14)
+    k = 256
+    empty = np.zeros((0, _quant.row_bytes(int(GGMLType.Q4_K), k)), np.uint8)
+    w = random_rows(GGMLType.Q8_0, 6, k, rng)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    out = np.empty((3, 6), np.float32)
+    _quant.linear_multi(x, [(empty, int(GGMLType.Q4_K), np.empty((3, 0), np.float32)),
+                            (w, int(GGMLType.Q8_0), out)])
+    assert np.array_equal(out, linear_rows(x, w, GGMLType.Q8_0))
+
+
+def test_linear_multi_bad_arguments_raise() -> None:
+    rng = np.random.default_rng(13)
+    q = int(GGMLType.Q4_0)
+    raw = random_rows(GGMLType.Q4_0, 4, 64, rng)
+    x = np.zeros((2, 64), np.float32)
+    out = np.empty((2, 4), np.float32)
+    ro = np.empty((2, 4), np.float32)
+    ro.flags.writeable = False
+    bad_calls = [
+        lambda: _quant.linear_multi(x, []),                                         # no parts
+        lambda: _quant.linear_multi(x, [(raw, q, out)] * (_quant.MAX_PARTS + 1)),   # too many
+        lambda: _quant.linear_multi(x, [(raw, q)]),                                 # not a triple
+        lambda: _quant.linear_multi(x, [[raw, q, out]]),                            # not a tuple
+        lambda: _quant.linear_multi(x, [(raw, q, out), (raw, 99, out)]),            # bad type
+        lambda: _quant.linear_multi(x, [(raw, q, np.empty((2, 5), np.float32))]),   # out N
+        lambda: _quant.linear_multi(x, [(raw, q, np.empty((3, 4), np.float32))]),   # out T
+        lambda: _quant.linear_multi(x, [(raw, q, np.empty((4, 2), np.float32).T)]),  # col stride
+        lambda: _quant.linear_multi(x, [(raw, q, np.empty((2, 4), np.float64))]),   # out dtype
+        lambda: _quant.linear_multi(x, [(raw, q, ro)]),                             # read-only
+        lambda: _quant.linear_multi(x, [(raw, q, np.empty((2, 4), np.float32)[::-1])]),  # rows
+        lambda: _quant.linear_multi(np.zeros((2, 48), np.float32), [(raw, q, out)]),  # K
+        lambda: _quant.linear_multi(x, [(raw[:, :18], q, out)]),                    # w strides
+    ]
+    for i, call in enumerate(bad_calls):
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"bad call {i} did not raise")
 
 
 # ------------------------------------------------------------------------------------

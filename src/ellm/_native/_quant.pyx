@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """Thin typed shims over csrc/quant.h and csrc/matmul.h: dequantize GGML blocks, run
-linear layers on weights as they lie in the file, gather embedding rows, quantize.
+linear layers on weights as they lie in the file (one matrix, or several sharing an
+input), gather embedding rows, quantize.
 
 Every shape, dtype and byte length is checked here and turned into a ValueError before
 any pointer reaches C; the C side checks again and its status becomes an exception.
@@ -39,6 +40,19 @@ cdef extern from "matmul.h":
     size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K) nogil
     int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w,
                     size_t w_bytes, int64_t N, float *y, void *scratch, size_t scratch_bytes) nogil
+    ctypedef struct ellm_linear_part:
+        int qtype
+        const uint8_t *w
+        size_t w_bytes
+        int64_t N
+        float *y
+        int64_t ldy
+    enum:
+        ELLM_LINEAR_MAX_PARTS
+    size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_parts, int64_t T,
+                                           int64_t K) nogil
+    int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
+                          int n_parts, void *scratch, size_t scratch_bytes) nogil
 
 
 cdef extern from "quant_impl.h":
@@ -258,6 +272,8 @@ def linear(const float[:, ::1] x not None, w, int qtype, float[:, ::1] out not N
 
     w: (N, row_bytes(qtype, K)) uint8 blocks for quantized types; (N, K) float32 for F32;
     (N, K) uint16 (or float16) for F16; (N, K) uint16 bf16 bits for BF16.
+    Batch invariant: out[i] is bit-identical to linear(x[i:i+1], ...) for every i,
+    whatever T, the row's position and the thread count.
     """
     _check_type(qtype, "linear")
     cdef int64_t T = x.shape[0], K = x.shape[1]
@@ -282,6 +298,90 @@ def linear(const float[:, ::1] x not None, w, int qtype, float[:, ::1] out not N
     finally:
         PyBuffer_Release(&wb)
     _raise_status(st, "linear")
+
+
+# the stack arrays in linear_multi hold this many parts
+cdef enum:
+    _MAX_PARTS = 16
+assert ELLM_LINEAR_MAX_PARTS == _MAX_PARTS
+MAX_PARTS = _MAX_PARTS
+
+
+def linear_multi(const float[:, ::1] x not None, parts) -> None:
+    """For each (w, qtype, out) in parts: out (T, N_p) = x (T, K) . w^T.
+
+    Several weight matrices against one x (q, k, v; gate, up) in one call: x is
+    quantized once and every matrix runs in one parallel pass over their concatenated
+    output rows. Each out is bit-identical to linear(x, w, qtype, out), so batch
+    invariant the same way. w as for linear; out: float32 (T, N_p) with unit column
+    stride, rows at any stride >= N_p (a column slice of a wider array works, so q, k, v
+    can land side by side in one buffer). 1 <= len(parts) <= MAX_PARTS; the outs must
+    not overlap x or one another.
+    """
+    cdef int n = len(parts)
+    if n < 1 or n > _MAX_PARTS:
+        raise ValueError(f"linear_multi: 1 to {_MAX_PARTS} (w, qtype, out) parts, got {n}")
+    cdef int64_t T = x.shape[0], K = x.shape[1]
+    cdef Py_buffer wbufs[_MAX_PARTS]
+    cdef ellm_linear_part cparts[_MAX_PARTS]
+    cdef int acquired = 0, i, st = 0, qtype
+    cdef float[:, :] o
+    cdef size_t need
+    cdef _Scratch s
+    outs = []  # keeps the out views alive while C writes through their pointers
+    try:
+        for i in range(n):
+            part = parts[i]
+            if not isinstance(part, tuple) or len(part) != 3:
+                raise ValueError(f"linear_multi: part {i} must be a (w, qtype, out) tuple")
+            w, qtype, out = part
+            _check_type(qtype, "linear_multi")
+            _get_weights(w, qtype, K, f"linear_multi part {i}", &wbufs[i])
+            acquired += 1
+            try:
+                o = out
+            except (ValueError, TypeError, BufferError) as e:
+                raise ValueError(f"linear_multi part {i}: out must be a writable 2-D float32 "
+                                 f"array ({e})") from None
+            outs.append(o)
+            cparts[i].qtype = qtype
+            cparts[i].w = <const uint8_t *>wbufs[i].buf
+            cparts[i].w_bytes = <size_t>wbufs[i].len
+            cparts[i].N = wbufs[i].shape[0]
+            _out_pointer(o, T, wbufs[i].shape[0], i, &cparts[i])
+        if T == 0:
+            return
+        need = ellm_linear_multi_scratch_bytes(cparts, n, T, K)
+        s = _scratch()
+        s.reserve(need)
+        with nogil:
+            st = ellm_linear_multi(&x[0, 0] if K else NULL, T, K, cparts, n, s.ptr, s.cap)
+    finally:
+        for i in range(acquired):
+            PyBuffer_Release(&wbufs[i])
+    _raise_status(st, "linear_multi")
+
+
+cdef int _out_pointer(float[:, :] o, int64_t T, int64_t N, int i,
+                      ellm_linear_part *p) except -1:
+    """Checks out is (T, N) with unit column stride and a row stride >= N floats; sets
+    p.y / p.ldy."""
+    if o.shape[0] != T or o.shape[1] != N:
+        raise ValueError(f"linear_multi part {i}: out is ({o.shape[0]}, {o.shape[1]}), "
+                         f"expected (T, N) = ({T}, {N})")
+    p.y = NULL
+    p.ldy = N
+    if T == 0 or N == 0:
+        return 0
+    if N > 1 and o.strides[1] != sizeof(float):
+        raise ValueError(f"linear_multi part {i}: out columns must be contiguous float32")
+    if T > 1:
+        if o.strides[0] % <Py_ssize_t>sizeof(float) or o.strides[0] < N * <Py_ssize_t>sizeof(float):
+            raise ValueError(f"linear_multi part {i}: out rows must be at least N floats apart, "
+                             f"in increasing order (row stride {o.strides[0]} bytes)")
+        p.ldy = o.strides[0] // <Py_ssize_t>sizeof(float)
+    p.y = &o[0, 0]
+    return 0
 
 
 def get_rows(w, int qtype, const int32_t[::1] ids not None, float[:, ::1] out not None) -> None:
