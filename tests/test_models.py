@@ -138,3 +138,29 @@ def test_quantize_at_load_q8_0(smollm2_hf_bf16, goldens) -> None:
     assert int(logits.argmax()) == p["last_argmax"]
     # measured: 0.68 (q8_0 weights alone 0.23; 8-bit activations, as llama.cpp uses, the rest)
     assert np.abs(logits[p["last_top_ids"]] - p["last_top_values"]).max() < 1.5
+
+
+# -- the quantized kernels against llama.cpp on the same file -------------------------------
+
+def _llamacpp(model: str) -> dict:
+    import json
+    from pathlib import Path
+    return json.loads((Path(__file__).parent / "goldens" / f"llamacpp-{model}.json").read_text())
+
+
+@pytest.mark.parametrize("model,fixture", [(SMOLLM2, "smollm2_q"), (GEMMA3, "gemma3_q")])
+def test_quantized_kernels_agree_with_llamacpp(model, fixture, goldens, request) -> None:
+    """Same GGUF, same kind of arithmetic (8-bit activations): greedy ids equal llama.cpp's
+    (tests/goldens/make_llamacpp.py) up to the first step where its own top-2 margin is
+    under 0.1, and last-position logits close."""
+    llm = request.getfixturevalue(fixture)
+    ref = _llamacpp(model)["prompts"]
+    for name, p in _prompts(goldens, model).items():
+        want = ref[name]
+        ids = [int(t) for t in p["ids"]]
+        logits = llm.logits(ids)[-1]
+        err = np.abs(logits[want["last_top_ids"]] - np.asarray(want["last_top_values"])).max()
+        assert err < 0.6, f"{name}: logits {err} from llama.cpp's"
+        got = llm.generate(ids, GREEDY32).token_ids
+        n = _greedy_prefix_len(np.asarray(want["greedy_margins"]), 0.1)
+        assert got[:n] == want["greedy_ids"][:n], f"{name}: greedy ids differ from llama.cpp's within {n} steps"
