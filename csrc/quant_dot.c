@@ -358,16 +358,9 @@ size_t ellm_act_row_bytes(int qtype, int64_t k) {
 }
 
 int ellm_cpu_has_vnni(void) {
-#ifdef ELLM_HAVE_X86_KERNELS
     static int cached = -1; /* racing first calls store the same value */
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
-    }
+    if (cached < 0) cached = ellm_cpu_has_avx512_vnni();  /* CPUID + XGETBV, dispatch.c */
     return cached;
-#else
-    return 0;
-#endif
 }
 
 ellm_qdot_fn ellm_qdot_select(int qtype) {

@@ -115,7 +115,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
     llm = _load(args)
-    run_bench(llm, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats)
+    contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else ()
+    run_bench(llm, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
+              contexts=contexts)
     return 0
 
 
@@ -167,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-tokens", type=int, default=512)
     b.add_argument("--new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--contexts", default="", metavar="N,N,...",
+                   help="also time decode after prompts of these lengths (e.g. 100,500,1000,2000)")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
     b.add_argument("--threads", type=int, default=0)
     b.set_defaults(func=cmd_bench)
