@@ -122,6 +122,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
          progress: bool = True) -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use)."""
     from . import hub
+    from ._memory import release_freed_memory
     from .formats.gguf import GGUFFile
     from .formats.safetensors import SafetensorsFolder
     from .models import build_model
@@ -136,6 +137,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         config = ModelConfig.from_gguf(gguf)
         weights: Any = GGUFWeights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
+        gguf.drop_metadata("tokenizer.ggml.")  # the tokenizer holds its own copy
     else:
         config = ModelConfig.from_folder(resolved.path)
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
@@ -144,6 +146,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         from .quantize import QuantizedWeights
         weights = QuantizedWeights(weights, quantize)
     model = build_model(config, weights, ops)
+    release_freed_memory()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_batch_tokens=max_batch_tokens)
     return LLM(model, tokenizer, config, resolved.name, engine_config)

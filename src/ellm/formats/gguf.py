@@ -221,6 +221,12 @@ class GGUFFile:
         info = self.tensors[name]
         return dequantize(self.raw(name), info.qtype, info.shape)
 
+    def drop_metadata(self, prefix: str) -> None:
+        """Forgets metadata keys starting with prefix (the vocabulary, once a tokenizer
+        has been built from it, is the bulk of a file's metadata)."""
+        for key in [k for k in self.metadata if k.startswith(prefix)]:
+            del self.metadata[key]
+
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
