@@ -2,7 +2,8 @@
 
 Prints, per weight type and SIMD level,
   - decode (T=1): microseconds per call and GB/s of weight bytes streamed, and
-  - prefill (T=128): GFLOP/s (2 T N K flops per call),
+  - prefill (T=128, or each T of --prefill-tokens 16,128,512): GFLOP/s (2 T N K flops
+    per call),
 for the shapes (N x K) 576x1536 (ffn_down), 1536x576 (ffn_up/gate) and 49152x576
 (the output head; decode only, its prefill is the same kernel at 85x the size).
 K-quants need K % 256 == 0, so they run on 576x1536 only.
@@ -140,7 +141,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--levels", default=",".join(_core.supported_simd_levels()))
     ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,F32,F16,BF16")
-    ap.add_argument("--prefill-tokens", type=int, default=128)
+    ap.add_argument("--prefill-tokens", default="128",
+                    help="token counts T for the prefill columns, e.g. 16,128,512")
     ap.add_argument("--threads", type=int, default=0, help="pool threads (0: leave as is)")
     ap.add_argument("--budget", type=float, default=0.05, help="seconds per measurement")
     ap.add_argument("--all-scalar", action="store_true",
@@ -164,12 +166,12 @@ def main() -> None:
         print(f"# {args.model}: one decode token's matmuls, level {_quant.simd_level()}")
         bench_model(args.model, args.tokens, clock)
         return
+    Ts = [int(t) for t in str(args.prefill_tokens).split(",") if t]
     print(f"{'type':5} {'N x K':>11} {'level':>7} {'decode us':>10} {'GB/s':>7} "
-          f"{'prefill GFLOP/s':>16}")
+          + " ".join(f"{f'GFLOP/s T={T}':>15}" for T in Ts))
 
     rng = np.random.default_rng(0)
     levels = [lv for lv in args.levels.split(",") if lv]
-    T = args.prefill_tokens
     for tname in [t for t in args.types.split(",") if t]:
         qtype = TYPES[tname]
         blk = BLOCK.get(qtype, (1, 0))[0]
@@ -179,8 +181,8 @@ def main() -> None:
             w = make_weights(qtype, n, k, rng)
             x1 = rng.standard_normal((1, k), dtype=np.float32)
             y1 = np.empty((1, n), np.float32)
-            xp = rng.standard_normal((T, k), dtype=np.float32)
-            yp = np.empty((T, n), np.float32)
+            xps = {T: rng.standard_normal((T, k), dtype=np.float32) for T in Ts}
+            yps = {T: np.empty((T, n), np.float32) for T in Ts}
             for level in levels:
                 if level == "scalar" and n > 10000 and not args.all_scalar:
                     continue  # seconds per call, and says nothing the small shapes don't
@@ -188,12 +190,16 @@ def main() -> None:
                 _quant.set_simd_level(level)  # the kernels' own copy of the level
                 dec = time_call(lambda: _quant.linear(x1, w, qtype, y1), args.budget, 3, clock)
                 gbs = w.nbytes / dec / 1e9
-                pre_s = "-"
-                if n < 10000:
-                    pre = time_call(lambda: _quant.linear(xp, w, qtype, yp), args.budget, 2, clock)
-                    pre_s = f"{2 * T * n * k / pre / 1e9:.1f}"
+                cols = []
+                for T in Ts:
+                    pre_s = "-"
+                    if n < 10000:
+                        xp, yp = xps[T], yps[T]
+                        pre = time_call(lambda: _quant.linear(xp, w, qtype, yp), args.budget, 2, clock)
+                        pre_s = f"{2 * T * n * k / pre / 1e9:.1f}"
+                    cols.append(f"{pre_s:>15}")
                 print(f"{tname:5} {f'{n}x{k}':>11} {level:>7} {dec * 1e6:10.1f} {gbs:7.2f} "
-                      f"{pre_s:>16}", flush=True)
+                      + " ".join(cols), flush=True)
     _core.set_simd_level(_core.simd_best())
     _quant.set_simd_level(_core.simd_best())
 

@@ -62,10 +62,17 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
  * L1 / L2 across its tokens and its activations in L2 across its rows. */
 #define ROW_TILE 16
 #define TOK_TILE 32
+_Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
+_Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
+                   sizeof(ellm_act256x8) == ELLM_TG * sizeof(ellm_act256),
+               "a group layout takes the bytes of its tokens' rows (act_layout sizes it so)");
 /* Decode (T == 1): an item is about this many weight bytes (at least DECODE_MIN_ROWS
  * rows), so a thread that loses its core holds up little. */
 #define DECODE_CHUNK_BYTES 24576
 #define DECODE_MIN_ROWS 4
+/* Decode weights larger than this come from DRAM rather than cache: take the kernel
+ * variant that reads one row at a time (same results), which streams best. */
+#define DECODE_STREAM_BYTES ((uint64_t)64 << 20)
 
 /* Activation formats: index 0 = act32, 1 = act256. */
 #define N_ACT 2
@@ -76,9 +83,12 @@ typedef struct {
     int64_t N, nb;         /* nb: blocks per row (quantized) */
     float *y;              /* (T, ldy) */
     int64_t ldy;
-    const uint8_t *xq;     /* (T, act_stride bytes) quantized activations (quantized types) */
+    const uint8_t *xq;     /* quantized activations (quantized types): (T, act_stride bytes)
+                            * rows, or with qgemm set (ceil(T / ELLM_TG), act_stride bytes)
+                            * token groups (ellm_act32x8 / ellm_act256x8) */
     size_t act_stride;
-    ellm_qdot_fn qdot;     /* exactly one of qdot / fmm is set */
+    ellm_qdot_fn qdot;     /* exactly one of qdot / qgemm / fmm is set */
+    ellm_qgemm_fn qgemm;
     ellm_fmm_fn fmm;
     int64_t item_rows;     /* output rows per work item */
     int64_t row_items;     /* work items along N */
@@ -94,6 +104,8 @@ typedef struct {
     lin_part p[ELLM_LINEAR_MAX_PARTS];
     uint8_t *xq[N_ACT];    /* (T, act_stride[f]) per format in use, else NULL */
     size_t act_stride[N_ACT];
+    int grouped[N_ACT];    /* format f is in its group layout (T > 1, every part of that
+                            * format has a qgemm kernel) */
     ellm_act_fn act[N_ACT]; /* set for the formats a non-empty part needs */
 } lin_ctx;
 
@@ -101,7 +113,11 @@ typedef struct {
 static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n1, int64_t t0,
                       int64_t t1) {
     float *y = p->y + (size_t)t0 * (size_t)p->ldy + (size_t)n0;
-    if (p->fmm)
+    if (p->qgemm) /* t0 is a multiple of item_toks, so of ELLM_TG */
+        p->qgemm(p->nb, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
+                 p->xq + (size_t)(t0 / ELLM_TG) * p->act_stride, p->act_stride, t1 - t0, y,
+                 (size_t)p->ldy);
+    else if (p->fmm)
         p->fmm(c->K, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
                c->x + (size_t)t0 * (size_t)c->K, (size_t)c->K, t1 - t0, y, (size_t)p->ldy);
     else
@@ -129,9 +145,63 @@ static void task_quantize_act(void *ctx, int64_t begin, int64_t end, int thread_
     for (int64_t item = begin; item < end; item++) {
         int f = (int)(item / c->T);
         int64_t t = item % c->T;
-        if (c->act[f]) /* formats of non-empty parts only */
-            c->act[f](c->x + (size_t)t * (size_t)c->K, c->K,
-                      c->xq[f] + (size_t)t * c->act_stride[f]);
+        if (!c->act[f]) continue; /* formats of non-empty parts only */
+        const float *xt = c->x + (size_t)t * (size_t)c->K;
+        /* grouped: each block quantized as in the row layout (the same bytes), then
+         * spread into this token's lane of its group */
+        const int64_t lane = t % ELLM_TG;
+        if (f == 0 && c->grouped[0]) {
+            ellm_act32x8 *g = (ellm_act32x8 *)(c->xq[0] + (size_t)(t / ELLM_TG) * c->act_stride[0]);
+            for (int64_t i = 0; i < c->K / QK32; i++) {
+                ellm_act32 a;
+                c->act[0](xt + QK32 * i, QK32, &a);
+                g[i].d[lane] = a.d;
+                g[i].s[lane] = a.s;
+                for (int m = 0; m < QK32 / 4; m++)
+                    memcpy(g[i].qs + 4 * (ELLM_TG * m + lane), a.qs + 4 * m, 4);
+            }
+        } else if (f == 1 && c->grouped[1]) {
+            ellm_act256x8 *g = (ellm_act256x8 *)(c->xq[1] + (size_t)(t / ELLM_TG) * c->act_stride[1]);
+            for (int64_t i = 0; i < c->K / QK256; i++) {
+                ellm_act256 a;
+                c->act[1](xt + QK256 * i, QK256, &a);
+                g[i].d[lane] = a.d;
+                for (int k = 0; k < 8; k++) {
+                    g[i].bsums[k][lane][0] = a.bsums[2 * k];
+                    g[i].bsums[k][lane][1] = a.bsums[2 * k + 1];
+                }
+                for (int m = 0; m < QK256 / 4; m++)
+                    memcpy(g[i].qs + 4 * (ELLM_TG * m + lane), a.qs + 4 * m, 4);
+            }
+        } else {
+            c->act[f](xt, c->K, c->xq[f] + (size_t)t * c->act_stride[f]);
+        }
+    }
+}
+
+/* A short last group's padding tokens (format f in its group layout): 0, never stale
+ * bits (their outputs are never stored, but a NaN or denormal lane would cost time). */
+static void zero_group_padding(const lin_ctx *c, int f) {
+    const int64_t used = c->T % ELLM_TG, pad = ELLM_TG - used;
+    if (used == 0) return;
+    uint8_t *grp = c->xq[f] + (size_t)(c->T / ELLM_TG) * c->act_stride[f];
+    if (f == 0) {
+        ellm_act32x8 *g = (ellm_act32x8 *)grp;
+        for (int64_t i = 0; i < c->K / QK32; i++) {
+            for (int m = 0; m < QK32 / 4; m++)
+                memset(g[i].qs + 4 * (ELLM_TG * m + used), 0, (size_t)(4 * pad));
+            memset(g[i].d + used, 0, (size_t)pad * sizeof(float));
+            memset(g[i].s + used, 0, (size_t)pad * sizeof(float));
+        }
+    } else {
+        ellm_act256x8 *g = (ellm_act256x8 *)grp;
+        for (int64_t i = 0; i < c->K / QK256; i++) {
+            for (int m = 0; m < QK256 / 4; m++)
+                memset(g[i].qs + 4 * (ELLM_TG * m + used), 0, (size_t)(4 * pad));
+            for (int k = 0; k < 8; k++)
+                memset(g[i].bsums[k][used], 0, (size_t)pad * 2 * sizeof(int16_t));
+            memset(g[i].d + used, 0, (size_t)pad * sizeof(float));
+        }
     }
 }
 
@@ -144,8 +214,9 @@ static int act_index(int qtype) {
 }
 
 /* The scratch layout: offset[f] = byte offset of format f's (T, stride[f]) rows (64-byte
- * aligned; SIZE_MAX when no part uses f), *total = bytes in all. Returns 1, or 0 with
- * *total = 0 on overflow or invalid input. */
+ * aligned; SIZE_MAX when no part uses f), *total = bytes in all. For T > 1 each format
+ * gets room for its group layout as well, whichever the level in force will use.
+ * Returns 1, or 0 with *total = 0 on overflow or invalid input. */
 static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int64_t K,
                          size_t offset[N_ACT], size_t stride[N_ACT], size_t *total) {
     int used[N_ACT] = {0, 0};
@@ -164,10 +235,13 @@ static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int
     for (int f = 0; f < N_ACT; f++) {
         offset[f] = SIZE_MAX; /* not in use */
         if (!used[f]) continue;
-        if (stride[f] && (uint64_t)T > (SIZE_MAX - 64 - at) / stride[f]) return 0;
+        /* T > 1: room for the group layout too, which is the rows padded to whole groups
+         * (ellm_act32x8 / ellm_act256x8 hold ELLM_TG blocks' bytes, rearranged) */
+        const int64_t rows = T > 1 ? (T + ELLM_TG - 1) / ELLM_TG * ELLM_TG : T;
+        if (stride[f] && (uint64_t)rows > (SIZE_MAX - 64 - at) / stride[f]) return 0;
         at = (at + 63) & ~(size_t)63;
         offset[f] = at;
-        at += stride[f] * (size_t)T;
+        at += stride[f] * (size_t)rows;
     }
     *total = at;
     return 1;
@@ -228,6 +302,23 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         c.act_stride[f] = stride[f];
     }
 
+    /* T > 1: a format takes its group layout when every part of it has a qgemm kernel
+     * at the level in force (the 32-element types, Q4_K and Q6_K on x86). The kernels
+     * are chosen here once, so a level changed meanwhile cannot split the decision. */
+    ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS];
+    for (int i = 0; i < n_parts; i++) qgemm[i] = T > 1 ? ellm_qgemm_select(parts[i].qtype) : NULL;
+    for (int f = 0; f < N_ACT; f++) {
+        if (T == 1 || !c.xq[f]) continue;
+        c.grouped[f] = 1;
+        for (int i = 0; i < n_parts; i++)
+            if (parts[i].N > 0 && act_index(parts[i].qtype) == f && !qgemm[i]) c.grouped[f] = 0;
+        if (c.grouped[f]) {
+            c.act_stride[f] = f == 0 ? (size_t)(K / QK32) * sizeof(ellm_act32x8)
+                                     : (size_t)(K / QK256) * sizeof(ellm_act256x8);
+            zero_group_padding(&c, f);
+        }
+    }
+
     const int64_t tok_items = (T + c.item_toks - 1) / c.item_toks;
     int64_t items = 0;
     for (int i = 0; i < n_parts; i++) {
@@ -244,14 +335,20 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
             p->xq = c.xq[f];
             p->act_stride = c.act_stride[f];
             p->nb = K / ellm_act_block(q->qtype);
-            p->qdot = ellm_qdot_select(q->qtype);
+            if (c.grouped[f]) p->qgemm = qgemm[i];
+            else p->qdot = ellm_qdot_select(q->qtype);
+            if (T == 1 && (uint64_t)q->w_bytes > DECODE_STREAM_BYTES) {
+                ellm_qdot_fn s = ellm_qdot_stream_select(q->qtype);
+                if (s) p->qdot = s;
+            }
             c.act[f] = ellm_act_select(q->qtype);
         } else {
             p->fmm = ellm_fmm_select(q->qtype);
         }
         if (T == 1) {
             int64_t rows = DECODE_CHUNK_BYTES / (int64_t)p->row_bytes;
-            p->item_rows = rows > DECODE_MIN_ROWS ? rows : DECODE_MIN_ROWS;
+            rows = rows > DECODE_MIN_ROWS ? rows : DECODE_MIN_ROWS;
+            p->item_rows = (rows + 7) & ~(int64_t)7; /* whole 8-row tiles (qdot32_rows8) */
         } else {
             p->item_rows = ROW_TILE;
         }

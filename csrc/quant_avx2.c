@@ -12,7 +12,8 @@
     _mm256_add_epi32(_mm256_madd_epi16((p0), (s0)), _mm256_madd_epi16((p1), (s1)))
 #define KINLINE static inline __attribute__((always_inline))
 #define KFUNC static
-#define QX_VEC_SCALE 0
+#define QX_VNNI 0
+#define QX_ROWS 2
 
 #include "quant_x86.h"
 
@@ -100,6 +101,30 @@ ellm_qdot_fn ellm_qdot_avx2(int qtype) {
     case ELLM_T_Q4_K: return qdot_q4_k;
     case ELLM_T_Q5_K: return qdot_q5_k;
     case ELLM_T_Q6_K: return qdot_q6_k;
+    default: return NULL;
+    }
+}
+
+ellm_qgemm_fn ellm_qgemm_avx2(int qtype) {
+    switch (qtype) {
+    case ELLM_T_Q4_0: return qgemm_q4_0;
+    case ELLM_T_Q4_1: return qgemm_q4_1;
+    case ELLM_T_Q5_0: return qgemm_q5_0;
+    case ELLM_T_Q5_1: return qgemm_q5_1;
+    case ELLM_T_Q8_0: return qgemm_q8_0;
+    case ELLM_T_Q4_K: return qgemm_q4_k;
+    case ELLM_T_Q6_K: return qgemm_q6_k;
+    default: return NULL;
+    }
+}
+
+ellm_qdot_fn ellm_qdot_stream_avx2(int qtype) {
+    switch (qtype) {
+    case ELLM_T_Q4_0: return qdots_q4_0;
+    case ELLM_T_Q4_1: return qdots_q4_1;
+    case ELLM_T_Q5_0: return qdots_q5_0;
+    case ELLM_T_Q5_1: return qdots_q5_1;
+    case ELLM_T_Q8_0: return qdots_q8_0;
     default: return NULL;
     }
 }

@@ -58,6 +58,32 @@ typedef void (*ellm_qdot_fn)(int64_t nb, const uint8_t *w, size_t w_stride, int6
                              const uint8_t *x, size_t x_stride, int64_t nt, float *y,
                              size_t y_stride);
 
+/* T > 1 (prefill, batched decode), 32-element types: activations in groups of ELLM_TG
+ * tokens, a block of every token of the group side by side, so that one vector holds
+ * the same 4 values of 8 tokens (and one load the 8 tokens' scales). Each token's d, s
+ * and qs are exactly its act32 block's; padding tokens of a last, short group are 0. */
+#define ELLM_TG 8
+typedef struct {
+    int8_t qs[32 * ELLM_TG]; /* qs[4 (ELLM_TG m + t) + j] = token t's qs[4 m + j] */
+    float d[ELLM_TG];
+    float s[ELLM_TG];
+} ellm_act32x8;
+_Static_assert(sizeof(ellm_act32x8) == 320, "act32x8 layout");
+
+/* The K-quants' act256 blocks in the same group layout (the Q4_K and Q6_K kernels),
+ * with the per-16 sums in pairs so that one madd applies two per-16 factors to 8 tokens */
+typedef struct {
+    int8_t qs[256 * ELLM_TG];      /* qs[4 (ELLM_TG m + t) + j] = token t's qs[4 m + j] */
+    int16_t bsums[8][ELLM_TG][2];  /* [k][t] = token t's bsums[2 k], bsums[2 k + 1] */
+    float d[ELLM_TG];
+} ellm_act256x8;
+_Static_assert(sizeof(ellm_act256x8) == 2336, "act256x8 layout");
+
+/* As ellm_qdot_fn, with x in the group layout: (ceil(nt / ELLM_TG), x_stride bytes)
+ * groups, each nb ellm_act32x8 (or ellm_act256x8) blocks, token 0 of x first in
+ * group 0. Each output is summed exactly as the qdot kernel of the same type sums it. */
+typedef ellm_qdot_fn ellm_qgemm_fn;
+
 /* Float weights (f32, f16 or bf16 bits, converted in registers): a block of nr weight
  * rows times nt f32 activation rows, each kernel blocking it in registers its own way
  * (and summing each output in the one order above).
@@ -139,6 +165,10 @@ ellm_fmm_fn ellm_fmm_avx2(int qtype);
 void ellm_act32_avx2(const float *x, int64_t k, void *out);
 void ellm_act256_avx2(const float *x, int64_t k, void *out);
 ellm_qdot_fn ellm_qdot_avx512(int qtype, int vnni);
+ellm_qgemm_fn ellm_qgemm_avx2(int qtype);
+ellm_qdot_fn ellm_qdot_stream_avx2(int qtype);
+ellm_qdot_fn ellm_qdot_stream_avx512(int qtype, int vnni);
+ellm_qgemm_fn ellm_qgemm_avx512(int qtype, int vnni);
 ellm_fmm_fn ellm_fmm_avx512(int qtype);
 #endif
 /* 1 when the CPU has AVX512-VNNI (vpdpbusd), checked apart from the AVX-512 level;
@@ -149,5 +179,10 @@ int ellm_cpu_has_vnni(void);
 ellm_qdot_fn ellm_qdot_select(int qtype);
 ellm_fmm_fn ellm_fmm_select(int qtype);
 ellm_act_fn ellm_act_select(int qtype);
+/* A qdot kernel with the same results as ellm_qdot_select's that reads one row at a
+ * time (for weights streamed from DRAM), or NULL where there is no such variant. */
+ellm_qdot_fn ellm_qdot_stream_select(int qtype);
+/* The T > 1 kernel in force, or NULL (then the qdot kernel serves every T). */
+ellm_qgemm_fn ellm_qgemm_select(int qtype);
 
 #endif

@@ -10,8 +10,10 @@
  *                        multiplied and summed); each result is added to the running
  *                        sum with a 1-cycle add, so no long latency chain forms
  *   KINLINE / KFUNC    -> always-inline body / kernel function qualifiers (target flags)
- *   QX_VEC_SCALE       -> 1: form block scales d * d_x with vector multiplies even at
- *                        one token (see scale8)
+ *   QX_VNNI            -> 1: the prefill kernel of the 32-element types accumulates with
+ *                        vpdpbusd; 0: maddubs into int16, then madd into int32
+ *   QX_ROWS            -> weight rows per register tile of that kernel (registers: 16
+ *                        on AVX2, 32 with AVX-512VL)
  *
  * Weights are made unsigned (nibbles, or |w| with the sign moved onto x for Q8_0); no
  * maddubs pair sum can saturate int16: 2 * 63 * 127 and 2 * 128 * 127 are below 32767.
@@ -19,9 +21,7 @@
  * token. Each kernel body takes compile-time tile sizes (tokens, and rows for the
  * 32-block types) and is instantiated for each, so its accumulators live in registers.
  * Every output is summed in one order whatever the tile (batch invariance, see
- * quant_impl.h): at one token (decode) the 32-block kernel hides FMA latency by adding
- * blocks in pairs -- the same pairs at any token count -- never by splitting a sum over
- * accumulators that only the decode path would have. */
+ * quant_impl.h), never by splitting a sum over accumulators that only one path has. */
 #ifndef ELLM_QUANT_X86_H
 #define ELLM_QUANT_X86_H
 #include <immintrin.h>
@@ -30,7 +30,7 @@
 #include "quant_impl.h"
 
 #define INLINE static inline __attribute__((always_inline))
-/* Tokens per kernel body (one weight row against up to QX_TILE tokens) */
+/* Tokens per K-quant kernel body (one weight row against up to QX_TILE tokens) */
 #define QX_TILE 4
 
 /* ====================================================================================
@@ -80,14 +80,19 @@ INLINE __m256i bits32_to_0x10(uint32_t bits) {
 }
 
 /* ====================================================================================
- * 32-element types. Per block and token the kernel adds
- *     acc += float(sum q * x_q) * (d * d_x)      (vector, 8 lanes)
- *     cor += c * s_x                              (scalar)
- * where q are the block's values made unsigned and c its constant term: -8 d (Q4_0),
- * m (Q4_1), -16 d (Q5_0), m (Q5_1); s_x = d_x * sum(x_q). Q8_0 has signed q: it takes
- * |q| and moves the sign onto x instead (and has no constant term).
- * Scales stay scalar: one vcvtph2ps turns the block's leading f16 pair (d and m, or d
- * and two bytes of no interest) into floats.
+ * 32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). Every output is summed block by
+ * block, in block order, as
+ *     isum = q . x_q                                (the block's exact integer dot)
+ *     acc  = fma(float(isum), d * d_x, acc)         cor = fma(c, s_x, cor)
+ * and y = acc + cor (Q8_0, which has no constant term: y = acc). q are the block's
+ * values made unsigned (Q8_0: signed, through |q| and the sign moved onto x), c its
+ * constant term: -8 d (Q4_0), m (Q4_1), -16 d (Q5_0), m (Q5_1); s_x = d_x * sum(x_q).
+ * float(isum) is exact (|isum| <= 32 * 128 * 127 < 2^24), so how the integer dot is
+ * formed never shows; the float ops per output are the same one multiply and two FMAs
+ * per block in every kernel (decode puts 8 weight rows in the vector lanes, prefill 8
+ * tokens) and at every x86 level, so decode, prefill and batched decode agree bit for
+ * bit. One float op per block and output (rather than per 4 products) is what lets
+ * prefill run at the integer units' speed.
  * ==================================================================================== */
 
 INLINE int bytes32(int type) {
@@ -113,95 +118,267 @@ INLINE __m256i values32(int type, const uint8_t *b, __m256i *sq) {
     }
 }
 
-/* One 32-block's weight side, unpacked once and used for every token. */
-typedef struct {
-    float d, c;  /* scale, constant term (0 for Q8_0) */
-    __m256 vd;   /* d in every lane */
-    __m256i q;   /* values made unsigned */
-    __m256i sq;  /* Q8_0: the signed values (their signs go onto x) */
-} blk32;
-
-INLINE blk32 load32(int type, const uint8_t *b) {
-    blk32 k;
-    /* the first 4 bytes of every block type: d, then m (or bytes we ignore) */
-    __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
-    k.d = _mm_cvtss_f32(dm);
-    k.vd = _mm256_broadcastss_ps(dm);
-    k.c = 0.0f;
-    if (type == ELLM_T_Q4_0) k.c = -8.0f * k.d;
-    if (type == ELLM_T_Q5_0) k.c = -16.0f * k.d;
-    if (type == ELLM_T_Q4_1 || type == ELLM_T_Q5_1) k.c = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-    k.sq = _mm256_setzero_si256();
-    k.q = values32(type, b, &k.sq);
-    return k;
+/* The constant term c from d and the block's second f16 (m; ignored where there is none) */
+INLINE float const32(int type, float d, float m) {
+    switch (type) {
+    case ELLM_T_Q4_0: return -8.0f * d;
+    case ELLM_T_Q5_0: return -16.0f * d;
+    case ELLM_T_Q4_1:
+    case ELLM_T_Q5_1: return m;
+    default: return 0.0f;
+    }
 }
 
-/* d * d_x in every lane: a vector multiply by a broadcast load, or a scalar multiply
- * and a broadcast. The product is the same either way (one correctly rounded float
- * multiply), so the choice cannot break batch invariance; it is only about speed: with
- * several tokens per block the vector form saves work, at one token the scalar form is
- * faster on AVX2 (QX_VEC_SCALE, set by the includer, says which to use there). */
-INLINE __m256 scale8(const blk32 *k, const ellm_act32 *a, const int nt) {
-    if (QX_VEC_SCALE || nt > 1) return _mm256_mul_ps(k->vd, _mm256_broadcast_ss(&a->d));
-    return _mm256_set1_ps(k->d * a->d);
+/* lane j = the sum of v[j]'s 8 lanes */
+INLINE __m256i hsum8x8_epi32(const __m256i v[8]) {
+    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* a: (rows 0-3 over lanes 0-3 | rows 0-3 over lanes 4-7), b likewise for rows 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* float(q . x_q) of one block and token, 8 lanes */
-INLINE __m256 dot32(int type, const blk32 *k, const ellm_act32 *a) {
-    __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
-    if (type == ELLM_T_Q8_0) xq = _mm256_sign_epi8(xq, k->sq);
-    return _mm256_cvtepi32_ps(DOT_US8(k->q, xq));
-}
-
-/* One weight row against NT tokens. The summation order of each output (fixed, for
- * batch invariance; see quant_impl.h): blocks in pairs (2j, 2j+1),
- *     acc += fma(p1, d1 dx1, p0 * d0 dx0)      cor += fmaf(c1, s1, c0 * s0)
- * then a last odd block by acc = fma(p, d dx, acc), cor = fmaf(c, s, cor), and
- * y = hsum8(acc) + cor. Adding a pair's sum keeps one add per two blocks on the
- * dependency chain, so one token (decode) walks its row without waiting on FMA latency
- * -- and one row at a time, which the hardware prefetcher streams best. */
-KINLINE void qdot32(int type, int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride,
-                    const int nt, float *y, size_t y_stride) {
+/* ------------------------------------------------------------------------------------
+ * Decode: 8 weight rows (lane j = row j) against one token. Row nr - 1 stands in for
+ * the rows past nr (computed, never stored), so every load stays inside w.
+ * ------------------------------------------------------------------------------------ */
+KINLINE void qdot32_rows8(int type, int64_t nb, const uint8_t *w, size_t ws, int nr,
+                          const ellm_act32 *x, float *y) {
     const int bs = bytes32(type);
     const int has_c = type != ELLM_T_Q8_0;
-    __m256 acc[QX_TILE];
-    float cor[QX_TILE];
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        cor[t] = 0.0f;
-    }
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2) {
-        const blk32 k0 = load32(type, w + i * bs), k1 = load32(type, w + (i + 1) * bs);
-        _Pragma("GCC unroll 4")
-        for (int t = 0; t < nt; t++) {
-            const ellm_act32 *a0 = (const ellm_act32 *)(x + (size_t)t * x_stride) + i, *a1 = a0 + 1;
-            __m256 lo = _mm256_mul_ps(dot32(type, &k0, a0), scale8(&k0, a0, nt));
-            acc[t] = _mm256_add_ps(acc[t], _mm256_fmadd_ps(dot32(type, &k1, a1),
-                                                           scale8(&k1, a1, nt), lo));
-            if (has_c) cor[t] = cor[t] + fmaf(k1.c, a1->s, k0.c * a0->s);
+    /* the 8 rows' leading f16 pair (d, then m or bytes of no interest) -> halves in the
+     * order d0..d7 m0..m7 */
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const uint8_t *wr[8];
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < 8; j++) wr[j] = w + (size_t)(j < nr ? j : nr - 1) * ws;
+    const uintptr_t next = (uintptr_t)w + 8 * ws; /* the next 8 rows (rows are ws apart) */
+    __m256 acc = _mm256_setzero_ps(), cor = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const ellm_act32 *a = x + i;
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
+        const size_t off = (size_t)i * (size_t)bs;
+        /* 8 rows advance together, each by only bs bytes a step, which the hardware
+         * prefetcher follows poorly: fetch the next 8 rows (contiguous) at the pace
+         * these are read. An address computed as an integer, as it may lie past w's
+         * end; a prefetch never faults. */
+        for (size_t o = 8 * off; o < 8 * (off + (size_t)bs); o += 64)
+            _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
+        __m256i p[8];
+        _Pragma("GCC unroll 8")
+        for (int j = 0; j < 8; j++) {
+            __m256i sq = _mm256_setzero_si256();
+            __m256i q = values32(type, wr[j] + off, &sq);
+            p[j] = DOT_US8(q, type == ELLM_T_Q8_0 ? _mm256_sign_epi8(xq, sq) : xq);
+        }
+        const __m256i isum = hsum8x8_epi32(p);
+        __m256i dm = _mm256_setr_epi32((int)ellm_rd_u32(wr[0] + off), (int)ellm_rd_u32(wr[1] + off),
+                                       (int)ellm_rd_u32(wr[2] + off), (int)ellm_rd_u32(wr[3] + off),
+                                       (int)ellm_rd_u32(wr[4] + off), (int)ellm_rd_u32(wr[5] + off),
+                                       (int)ellm_rd_u32(wr[6] + off), (int)ellm_rd_u32(wr[7] + off));
+        dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dm, split), _MM_SHUFFLE(3, 1, 2, 0));
+        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(a->d)), acc);
+        if (has_c) {
+            __m256 c;
+            if (type == ELLM_T_Q4_1 || type == ELLM_T_Q5_1)
+                c = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+            else /* -8 d, -16 d: exact, as const32's */
+                c = _mm256_mul_ps(_mm256_set1_ps(const32(type, 1.0f, 0.0f)), d);
+            cor = _mm256_fmadd_ps(c, _mm256_set1_ps(a->s), cor);
         }
     }
-    if (i < nb) {
-        const blk32 k0 = load32(type, w + i * bs);
-        _Pragma("GCC unroll 4")
-        for (int t = 0; t < nt; t++) {
-            const ellm_act32 *a0 = (const ellm_act32 *)(x + (size_t)t * x_stride) + i;
-            acc[t] = _mm256_fmadd_ps(dot32(type, &k0, a0), scale8(&k0, a0, nt), acc[t]);
-            if (has_c) cor[t] = fmaf(k0.c, a0->s, cor[t]);
-        }
+    float out[8] __attribute__((aligned(32)));
+    _mm256_store_ps(out, has_c ? _mm256_add_ps(acc, cor) : acc);
+    for (int j = 0; j < nr; j++) y[j] = out[j];
+}
+
+/* Decode, one row at a time: the same sums as qdot32_rows8 (the block's 8 lanes summed
+ * in integers first), for weights streamed from DRAM, where one sequential read per
+ * thread keeps the hardware prefetcher ahead best. */
+KINLINE void qdot32_row1(int type, int64_t nb, const uint8_t *w, const ellm_act32 *x, float *y) {
+    const int bs = bytes32(type);
+    const int has_c = type != ELLM_T_Q8_0;
+    float acc = 0.0f, cor = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + (size_t)i * (size_t)bs;
+        const ellm_act32 *a = x + i;
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
+        __m256i sq = _mm256_setzero_si256();
+        const __m256i q = values32(type, b, &sq);
+        const int isum = hsum8_epi32(DOT_US8(q, type == ELLM_T_Q8_0 ? _mm256_sign_epi8(xq, sq) : xq));
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
+        const float d = _mm_cvtss_f32(dm);
+        acc = fmaf((float)isum, d * a->d, acc);
+        if (has_c) cor = fmaf(const32(type, d, _mm_cvtss_f32(_mm_movehdup_ps(dm))), a->s, cor);
     }
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++) {
-        float v = hsum8(acc[t]);
-        y[t * y_stride] = has_c ? v + cor[t] : v;
+    *y = has_c ? acc + cor : acc;
+}
+
+#define DEFINE_QDOT32_STREAM(name, TYPE)                                                     \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        for (int64_t t = 0; t < nt; t++)                                                     \
+            for (int64_t r = 0; r < nr; r++)                                                 \
+                qdot32_row1(TYPE, nb, w + (size_t)r * ws, (const ellm_act32 *)(x + (size_t)t * xs), \
+                            y + (size_t)t * ys + (size_t)r);                                 \
+    }
+
+DEFINE_QDOT32_STREAM(qdots_q4_0, ELLM_T_Q4_0)
+DEFINE_QDOT32_STREAM(qdots_q4_1, ELLM_T_Q4_1)
+DEFINE_QDOT32_STREAM(qdots_q5_0, ELLM_T_Q5_0)
+DEFINE_QDOT32_STREAM(qdots_q5_1, ELLM_T_Q5_1)
+DEFINE_QDOT32_STREAM(qdots_q8_0, ELLM_T_Q8_0)
+
+#define DEFINE_QDOT32(name, TYPE)                                                            \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        for (int64_t t = 0; t < nt; t++) {                                                   \
+            const ellm_act32 *xt = (const ellm_act32 *)(x + (size_t)t * xs);                 \
+            for (int64_t r = 0; r < nr; r += 8)                                              \
+                qdot32_rows8(TYPE, nb, w + (size_t)r * ws, ws, nr - r < 8 ? (int)(nr - r) : 8, \
+                             xt, y + (size_t)t * ys + (size_t)r);                            \
+        }                                                                                    \
+    }
+
+DEFINE_QDOT32(qdot_q4_0, ELLM_T_Q4_0)
+DEFINE_QDOT32(qdot_q4_1, ELLM_T_Q4_1)
+DEFINE_QDOT32(qdot_q5_0, ELLM_T_Q5_0)
+DEFINE_QDOT32(qdot_q5_1, ELLM_T_Q5_1)
+DEFINE_QDOT32(qdot_q8_0, ELLM_T_Q8_0)
+
+/* ------------------------------------------------------------------------------------
+ * Prefill / batched decode: R weight rows against a group of ELLM_TG tokens (lane t =
+ * token t), activations in the group layout (ellm_act32x8): a block's dword m of all 8
+ * tokens is one vector, so broadcasting the weight block's dword m and one u8 x s8
+ * 4-way dot (vpdpbusd, or maddubs + madd) adds that dword's products for 8 tokens at
+ * once -- no horizontal sums. Each row's block is unpacked once per group into L1 and
+ * read back by broadcast loads (load ports, no ALU work).
+ * ------------------------------------------------------------------------------------ */
+
+/* maddubs pair sums of one dword step reach 2 * 15 * 127 (Q4), 2 * 31 * 127 (Q5) or
+ * 2 * 128 * 127 (Q8_0); this many steps add up in int16 without overflow */
+INLINE int s16_steps(int type) {
+    switch (type) {
+    case ELLM_T_Q4_0:
+    case ELLM_T_Q4_1: return 8;
+    case ELLM_T_Q5_0:
+    case ELLM_T_Q5_1: return 4;
+    default: return 1;
     }
 }
 
+/* Blocks unpacked ahead into L1 per register tile: the broadcast loads then read
+ * stores long retired (a load from the middle of a store still in flight waits for it). */
+#define QX_CHUNK 32
+
+/* R <= 4 rows (the arrays below are sized for 4; QX_ROWS is at most 4) */
+KINLINE void qgemm32_tile(int type, const int R, int64_t nb, const uint8_t *w, size_t ws,
+                          const ellm_act32x8 *xg, const int nt, float *y, size_t ys) {
+    const int bs = bytes32(type);
+    const int has_c = type != ELLM_T_Q8_0;
+    __m256 acc[4], cor[4];
+    /* per block and row: the unsigned values, then (Q8_0) the signed ones; d and c */
+    uint8_t wbuf[QX_CHUNK][4][2][32] __attribute__((aligned(32)));
+    float dbuf[QX_CHUNK][4], cbuf[QX_CHUNK][4];
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) acc[r] = cor[r] = _mm256_setzero_ps();
+    for (int64_t i0 = 0; i0 < nb; i0 += QX_CHUNK) {
+        const int nc = nb - i0 < QX_CHUNK ? (int)(nb - i0) : QX_CHUNK;
+        for (int ii = 0; ii < nc; ii++) {
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                const uint8_t *b = w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs;
+                __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
+                dbuf[ii][r] = _mm_cvtss_f32(dm);
+                cbuf[ii][r] = const32(type, dbuf[ii][r], _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+                __m256i sq = _mm256_setzero_si256();
+                _mm256_store_si256((__m256i *)wbuf[ii][r][0], values32(type, b, &sq));
+                if (type == ELLM_T_Q8_0) _mm256_store_si256((__m256i *)wbuf[ii][r][1], sq);
+            }
+        }
+        /* GCC would otherwise forward the stores and broadcast from registers (two
+         * shuffles per dword); the loads from L1 cost no ALU work */
+        __asm__("" : "+m"(wbuf));
+        for (int ii = 0; ii < nc; ii++) {
+            const ellm_act32x8 *g = xg + i0 + ii;
+            __m256i isum[4];
+#if !QX_VNNI
+            __m256i s16[4];
+            const int G = s16_steps(type);
+#endif
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8")
+            for (int m = 0; m < 8; m++) {
+                const __m256i xm = _mm256_loadu_si256((const __m256i *)(g->qs + 32 * m));
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++) {
+                    const __m256i wm = _mm256_set1_epi32((int)ellm_rd_u32(wbuf[ii][r][0] + 4 * m));
+                    __m256i xs = xm;
+                    if (type == ELLM_T_Q8_0)
+                        xs = _mm256_sign_epi8(
+                            xm, _mm256_set1_epi32((int)ellm_rd_u32(wbuf[ii][r][1] + 4 * m)));
+#if QX_VNNI
+                    isum[r] = _mm256_dpbusd_epi32(isum[r], wm, xs);
+#else
+                    const __m256i p = _mm256_maddubs_epi16(wm, xs);
+                    s16[r] = m % G == 0 ? p : _mm256_add_epi16(s16[r], p);
+                    if (m % G == G - 1)
+                        isum[r] = _mm256_add_epi32(isum[r],
+                                                   _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1)));
+#endif
+                }
+            }
+            const __m256 dx = _mm256_loadu_ps(g->d), sx = _mm256_loadu_ps(g->s);
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
+                                         _mm256_mul_ps(_mm256_set1_ps(dbuf[ii][r]), dx), acc[r]);
+                if (has_c) cor[r] = _mm256_fmadd_ps(_mm256_set1_ps(cbuf[ii][r]), sx, cor[r]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) {
+        float out[ELLM_TG] __attribute__((aligned(32)));
+        _mm256_store_ps(out, has_c ? _mm256_add_ps(acc[r], cor[r]) : acc[r]);
+        for (int t = 0; t < nt; t++) y[(size_t)t * ys + (size_t)r] = out[t];
+    }
+}
+
+/* The whole (nr x nt) block: token groups of ELLM_TG (x: groups of nb ellm_act32x8,
+ * xs bytes apart), and within a group the rows QX_ROWS at a time, so the group's
+ * activations stay in L1 while the rows stream past. */
+#define DEFINE_QGEMM32(name, TYPE)                                                           \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        for (int64_t t = 0; t < nt; t += ELLM_TG) {                                          \
+            const ellm_act32x8 *xg = (const ellm_act32x8 *)(x + (size_t)(t / ELLM_TG) * xs);  \
+            const int n = nt - t < ELLM_TG ? (int)(nt - t) : ELLM_TG;                        \
+            float *yt = y + (size_t)t * ys;                                                  \
+            int64_t r = 0;                                                                   \
+            for (; r + QX_ROWS <= nr; r += QX_ROWS)                                          \
+                qgemm32_tile(TYPE, QX_ROWS, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys);  \
+            switch (nr - r) {                                                                \
+            case 1: qgemm32_tile(TYPE, 1, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys); break; \
+            case 2: qgemm32_tile(TYPE, 2, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys); break; \
+            case 3: qgemm32_tile(TYPE, 3, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys); break; \
+            default: break;                                                                  \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+DEFINE_QGEMM32(qgemm_q4_0, ELLM_T_Q4_0)
+DEFINE_QGEMM32(qgemm_q4_1, ELLM_T_Q4_1)
+DEFINE_QGEMM32(qgemm_q5_0, ELLM_T_Q5_0)
+DEFINE_QGEMM32(qgemm_q5_1, ELLM_T_Q5_1)
+DEFINE_QGEMM32(qgemm_q8_0, ELLM_T_Q8_0)
+
 /* The whole (nr x nt) block from a body that takes one weight row against nt <= 4
- * tokens: rows one by one (at one token, a single sequential stream through the
- * weights), tokens four at a time. */
+ * tokens (the K-quants): rows one by one (at one token, a single sequential stream
+ * through the weights), tokens four at a time. */
 #define DEFINE_QDOT(name, body_fn, TYPE)                                                     \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
@@ -219,12 +396,6 @@ KINLINE void qdot32(int type, int64_t nb, const uint8_t *w, const uint8_t *x, si
             }                                                                                \
         }                                                                                    \
     }
-
-DEFINE_QDOT(qdot_q4_0, qdot32, ELLM_T_Q4_0)
-DEFINE_QDOT(qdot_q4_1, qdot32, ELLM_T_Q4_1)
-DEFINE_QDOT(qdot_q5_0, qdot32, ELLM_T_Q5_0)
-DEFINE_QDOT(qdot_q5_1, qdot32, ELLM_T_Q5_1)
-DEFINE_QDOT(qdot_q8_0, qdot32, ELLM_T_Q8_0)
 
 /* ====================================================================================
  * K-quants (256-blocks against act256)
@@ -280,7 +451,11 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
     const int bs = type == ELLM_T_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     __m256 acc[QX_TILE];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    float accs[QX_TILE]; /* Q4_K: one float chain per output, two FMAs per block */
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        accs[t] = 0.0f;
+    }
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * bs;
         __m256i sc16, mins;
@@ -313,13 +488,23 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
         for (int t = 0; t < nt; t++) {
             const ellm_act256 *a = (const ellm_act256 *)(x + (size_t)t * x_stride) + i;
             __m256i bsum = _mm256_loadu_si256((const __m256i *)a->bsums);
-            __m256 fm = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsum, mins));
+            __m256i msum = _mm256_madd_epi16(bsum, mins);
+            if (type == ELLM_T_Q4_K) { /* the per-block order of qgemmk_tile (below) */
+                /* both horizontal sums at once: (isum, msum) in the low two lanes */
+                __m256i h = _mm256_hadd_epi32(sumi[t], msum);
+                __m128i v = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                v = _mm_hadd_epi32(v, v);
+                accs[t] = fmaf((float)_mm_cvtsi128_si32(v), d * a->d, accs[t]);
+                accs[t] = fmaf((float)_mm_extract_epi32(v, 1), -dmin * a->d, accs[t]);
+                continue;
+            }
+            __m256 fm = _mm256_cvtepi32_ps(msum);
             __m256 fs = _mm256_cvtepi32_ps(sumi[t]);
             acc[t] = _mm256_fmadd_ps(fs, _mm256_set1_ps(d * a->d), acc[t]);
             acc[t] = _mm256_fmadd_ps(fm, _mm256_set1_ps(-dmin * a->d), acc[t]);
         }
     }
-    for (int t = 0; t < nt; t++) y[t * y_stride] = hsum8(acc[t]);
+    for (int t = 0; t < nt; t++) y[t * y_stride] = type == ELLM_T_Q4_K ? accs[t] : hsum8(acc[t]);
 }
 
 /* Q6_K: per 128-half, ql (64 bytes) holds four 32-runs in its low / high nibbles and
@@ -328,8 +513,8 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
 KINLINE void qdot_q6k_body(int type, int64_t nb, const uint8_t *w, const uint8_t *x,
                           size_t x_stride, const int nt, float *y, size_t y_stride) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-    __m256 acc[QX_TILE];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    float acc[QX_TILE];
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * Q6_K_BYTES;
         const int8_t *sc = (const int8_t *)(b + 192);
@@ -369,10 +554,11 @@ KINLINE void qdot_q6k_body(int type, int64_t nb, const uint8_t *w, const uint8_t
             const ellm_act256 *a = (const ellm_act256 *)(x + (size_t)t * x_stride) + i;
             __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsums), sc16);
             __m256i tot = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(off, 5));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(d * a->d), acc[t]);
+            /* one float chain per output, one FMA per block: the order of qgemm_k */
+            acc[t] = fmaf((float)hsum8_epi32(tot), d * a->d, acc[t]);
         }
     }
-    for (int t = 0; t < nt; t++) y[t * y_stride] = hsum8(acc[t]);
+    for (int t = 0; t < nt; t++) y[t * y_stride] = acc[t];
 }
 
 /* Q3_K's 12 bytes of scales -> 16 signed scales (as ellm_unpack_q3k_scales): low
@@ -476,5 +662,179 @@ DEFINE_QDOT(qdot_q3_k, qdot_k23, ELLM_T_Q3_K)
 DEFINE_QDOT(qdot_q4_k, qdot_k45, ELLM_T_Q4_K)
 DEFINE_QDOT(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
 DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
+
+/* ====================================================================================
+ * Q4_K and Q6_K, T > 1: R weight rows against a group of ELLM_TG tokens (lane t =
+ * token t), activations in the ellm_act256x8 layout, as qgemm32 does for the 32-element
+ * types. Per block and output the integer sums are exact and the float steps are those
+ * of qdot_k45 / qdot_q6k_body for these two types:
+ *   Q4_K  isum = sum_j sc[j] (q_j . x_j),  msum = sum_j mn[j] (bsum[2j] + bsum[2j+1])
+ *         acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
+ *   Q6_K  isum = sum_g sc[g] (q_g . x_g) - 32 sum_g sc[g] bsum[g]
+ *         acc = fma(float(isum), d d_x, acc)
+ * and y = acc. (|isum| < 2^31: at most 256 * 63 * 127 * 128.)
+ * ==================================================================================== */
+
+/* Blocks unpacked ahead per register tile (256 value bytes per row and block) */
+#define QXK_CHUNK 2
+
+KINLINE void qgemmk_tile(int type, const int R, int64_t nb, const uint8_t *w, size_t ws,
+                         const ellm_act256x8 *xg, const int nt, float *y, size_t ys) {
+    const int q4 = type == ELLM_T_Q4_K;
+    const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    /* runs of dwords sharing one scale: Q4_K 8 runs of 8 (32 values), Q6_K 16 of 4 */
+    const int nrun = q4 ? 8 : 16, rdw = q4 ? 8 : 4;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    __m256 acc[4];
+    uint8_t wbuf[QXK_CHUNK][4][256] __attribute__((aligned(32)));
+    int32_t sbuf[QXK_CHUNK][4][16]; /* the per-run scales */
+    int32_t pbuf[QXK_CHUNK][4][8];  /* int16 pairs for the bsums madd: (mn, mn) / (sc, sc') */
+    float dbuf[QXK_CHUNK][4], mbuf[QXK_CHUNK][4];
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i0 = 0; i0 < nb; i0 += QXK_CHUNK) {
+        const int nc = nb - i0 < QXK_CHUNK ? (int)(nb - i0) : QXK_CHUNK;
+        for (int ii = 0; ii < nc; ii++) {
+            for (int r = 0; r < R; r++) {
+                const uint8_t *b = w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs;
+                uint8_t *v = wbuf[ii][r];
+                if (q4) {
+                    uint8_t sc[8], mn[8];
+                    ellm_unpack_k4_scales(b + 4, sc, mn);
+                    for (int j = 0; j < 8; j++) {
+                        sbuf[ii][r][j] = sc[j];
+                        pbuf[ii][r][j] = (int32_t)((uint32_t)mn[j] * 0x10001u);
+                    }
+                    dbuf[ii][r] = f16_at(b);
+                    mbuf[ii][r] = -f16_at(b + 2);
+                    for (int c = 0; c < 4; c++) {
+                        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+                        _mm256_store_si256((__m256i *)(v + 64 * c), _mm256_and_si256(q, lo4));
+                        _mm256_store_si256((__m256i *)(v + 64 * c + 32),
+                                           _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4));
+                    }
+                } else {
+                    const int8_t *sc = (const int8_t *)(b + 192);
+                    for (int g = 0; g < 16; g++) sbuf[ii][r][g] = sc[g];
+                    for (int k = 0; k < 8; k++)
+                        pbuf[ii][r][k] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[2 * k] |
+                                                   ((uint32_t)(uint16_t)(int16_t)sc[2 * k + 1] << 16));
+                    dbuf[ii][r] = f16_at(b + 208);
+                    for (int h = 0; h < 2; h++) {
+                        __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                        __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                        uint8_t *vh = v + 128 * h;
+                        /* the four 32-runs of this half, as qdot_q6k_body forms them */
+                        const __m256i l0 = _mm256_and_si256(ql0, lo4), l1 = _mm256_and_si256(ql1, lo4);
+                        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4);
+                        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4);
+                        _mm256_store_si256((__m256i *)vh, _mm256_or_si256(
+                            l0, _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)));
+                        _mm256_store_si256((__m256i *)(vh + 32), _mm256_or_si256(
+                            l1, _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)));
+                        _mm256_store_si256((__m256i *)(vh + 64), _mm256_or_si256(
+                            h0, _mm256_and_si256(qh, top2)));
+                        _mm256_store_si256((__m256i *)(vh + 96), _mm256_or_si256(
+                            h1, _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)));
+                    }
+                }
+            }
+        }
+        /* read back by broadcast loads (see qgemm32_tile) */
+        __asm__("" : "+m"(wbuf), "+m"(sbuf), "+m"(pbuf));
+        for (int ii = 0; ii < nc; ii++) {
+            const ellm_act256x8 *g = xg + i0 + ii;
+            __m256i tot[4];
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) tot[r] = _mm256_setzero_si256();
+            for (int j = 0; j < nrun; j++) {
+                __m256i s[4];
+#if QX_VNNI
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+                _Pragma("GCC unroll 8")
+                for (int m = 0; m < rdw; m++) {
+                    const int dw = rdw * j + m;
+                    const __m256i xm = _mm256_loadu_si256((const __m256i *)(g->qs + 32 * dw));
+                    _Pragma("GCC unroll 4")
+                    for (int r = 0; r < R; r++)
+                        s[r] = _mm256_dpbusd_epi32(
+                            s[r], _mm256_set1_epi32((int)ellm_rd_u32(wbuf[ii][r] + 4 * dw)), xm);
+                }
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++)
+                    tot[r] = _mm256_add_epi32(
+                        tot[r], _mm256_mullo_epi32(s[r], _mm256_set1_epi32(sbuf[ii][r][j])));
+#else
+                /* int16 partial sums: 8 dwords of 2 * 15 * 127 (Q4_K), or 2 of 2 * 63 * 127 (Q6_K) */
+                const int G = q4 ? 8 : 2;
+                _Pragma("GCC unroll 8")
+                for (int m = 0; m < rdw; m++) {
+                    const int dw = rdw * j + m;
+                    const __m256i xm = _mm256_loadu_si256((const __m256i *)(g->qs + 32 * dw));
+                    _Pragma("GCC unroll 4")
+                    for (int r = 0; r < R; r++) {
+                        const __m256i p = _mm256_maddubs_epi16(
+                            _mm256_set1_epi32((int)ellm_rd_u32(wbuf[ii][r] + 4 * dw)), xm);
+                        s[r] = m % G == 0 ? p : _mm256_add_epi16(s[r], p);
+                        if (m % G == G - 1)
+                            tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(
+                                s[r], _mm256_set1_epi16((short)sbuf[ii][r][j])));
+                    }
+                }
+#endif
+            }
+            const __m256 dx = _mm256_loadu_ps(g->d);
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                __m256i bsp = _mm256_setzero_si256();
+                _Pragma("GCC unroll 8")
+                for (int k = 0; k < 8; k++)
+                    bsp = _mm256_add_epi32(
+                        bsp, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)g->bsums[k]),
+                                               _mm256_set1_epi32(pbuf[ii][r][k])));
+                if (q4) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r]),
+                                             _mm256_mul_ps(_mm256_set1_ps(dbuf[ii][r]), dx), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bsp),
+                                             _mm256_mul_ps(_mm256_set1_ps(mbuf[ii][r]), dx), acc[r]);
+                } else {
+                    const __m256i isum = _mm256_sub_epi32(tot[r], _mm256_slli_epi32(bsp, 5));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                             _mm256_mul_ps(_mm256_set1_ps(dbuf[ii][r]), dx), acc[r]);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) {
+        float out[ELLM_TG] __attribute__((aligned(32)));
+        _mm256_store_ps(out, acc[r]);
+        for (int t = 0; t < nt; t++) y[(size_t)t * ys + (size_t)r] = out[t];
+    }
+}
+
+#define DEFINE_QGEMMK(name, TYPE)                                                            \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        for (int64_t t = 0; t < nt; t += ELLM_TG) {                                          \
+            const ellm_act256x8 *xg = (const ellm_act256x8 *)(x + (size_t)(t / ELLM_TG) * xs); \
+            const int n = nt - t < ELLM_TG ? (int)(nt - t) : ELLM_TG;                        \
+            float *yt = y + (size_t)t * ys;                                                  \
+            int64_t r = 0;                                                                   \
+            for (; r + QX_ROWS <= nr; r += QX_ROWS)                                          \
+                qgemmk_tile(TYPE, QX_ROWS, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys);   \
+            switch (nr - r) {                                                                \
+            case 1: qgemmk_tile(TYPE, 1, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys); break; \
+            case 2: qgemmk_tile(TYPE, 2, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys); break; \
+            case 3: qgemmk_tile(TYPE, 3, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys); break; \
+            default: break;                                                                  \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+DEFINE_QGEMMK(qgemm_q4_k, ELLM_T_Q4_K)
+DEFINE_QGEMMK(qgemm_q6_k, ELLM_T_Q6_K)
 
 #endif

