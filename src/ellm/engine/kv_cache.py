@@ -13,6 +13,7 @@ used first, when a pool runs dry.
 """
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -38,9 +39,8 @@ class KVCache:
                 self.num_blocks[w] = num_blocks
         self.layer_window = [config.layer_window(i) for i in range(config.num_hidden_layers)]
         shape_tail = (block_size, config.num_key_value_heads, config.head_dim)
-        # np.zeros maps untouched zero pages: memory is committed only as blocks get written.
-        self.k = [np.zeros((self.num_blocks[w],) + shape_tail, dtype=np.float32) for w in self.layer_window]
-        self.v = [np.zeros((self.num_blocks[w],) + shape_tail, dtype=np.float32) for w in self.layer_window]
+        self.k = [_lazy_zeros((self.num_blocks[w],) + shape_tail) for w in self.layer_window]
+        self.v = [_lazy_zeros((self.num_blocks[w],) + shape_tail) for w in self.layer_window]
 
     def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         return self.k[i], self.v[i]
@@ -48,6 +48,14 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         return sum(k.strides[1] * 2 for k in self.k)
+
+
+def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 zero array whose memory is committed 4 KiB page by page as blocks are
+    written. (np.zeros would do the same but asks for transparent huge pages on large
+    arrays, so one written block could commit 2 MiB, and RSS would depend on luck.)"""
+    n = int(np.prod(shape)) * 4
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=np.float32, count=n // 4).reshape(shape)
 
 
 @dataclass
