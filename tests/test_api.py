@@ -45,6 +45,8 @@ def test_bad_arguments_are_clear(llm) -> None:
         llm.generate("x", max_tokenz=3)
     with pytest.raises(ValueError, match="temperature"):
         llm.generate("x", temperature=-1.0)
+    with pytest.raises(ValueError, match="n=2"):
+        llm.generate("x", n=2)
     with pytest.raises(ValueError, match="device"):
         ellm.load("smollm2-135m-instruct", device="tpu")
     with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):

@@ -34,6 +34,13 @@ def _is_single(prompt: Any) -> bool:
         all(isinstance(t, (int, np.integer)) for t in prompt)
 
 
+def _one_completion(params: SamplingParams) -> SamplingParams:
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: LLM.generate and LLM.stream give one completion per prompt; "
+                         "pass the prompt n times (with different seeds), or use the server's n")
+    return params
+
+
 class LLM:
     """A loaded model. Build with `ellm.load(source)`."""
 
@@ -61,7 +68,7 @@ class LLM:
                  **kwargs: Any) -> CompletionOutput | list[CompletionOutput]:
         """A string or token-id prompt gives one result; a list of prompts gives a list,
         run together in batches."""
-        params = SamplingParams.from_kwargs(params, **kwargs)
+        params = _one_completion(SamplingParams.from_kwargs(params, **kwargs))
         single = _is_single(prompts)
         batch = [prompts] if single else list(prompts)  # type: ignore[list-item]
         if not batch:
@@ -87,7 +94,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Iterator[str]:
         """Yields text pieces as they are generated."""
-        params = SamplingParams.from_kwargs(params, **kwargs)
+        params = _one_completion(SamplingParams.from_kwargs(params, **kwargs))
         rid = self.engine.add_request(self.encode_prompt(prompt), params)
         try:
             while True:
