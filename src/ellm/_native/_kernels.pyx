@@ -35,13 +35,6 @@ cdef extern from "threadpool.h":
     int ellm_in_parallel_region() nogil
 
 
-cdef extern from "simd.h":
-    int ellm_simd_best()
-    int ellm_simd_level()
-    int ellm_simd_set(int level)
-    const char *ellm_simd_name(int level)
-
-
 cdef extern from "elementwise.h":
     void ellm_rmsnorm(const float *x, int64_t ldx, const float *w, float eps, float *out, int64_t ldo,
                       int64_t rows, int64_t n) nogil
@@ -105,24 +98,9 @@ def set_spin_us(int us) -> int:
 
 
 # ================================ SIMD level ================================
-# Each extension module links its own copy of csrc/ (a static library), so the level
-# _core sets is not seen here: these set this module's copy. Tests set both.
-
-_SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3}
-
-
-def simd_level() -> str:
-    """The SIMD level these kernels use now."""
-    return ellm_simd_name(ellm_simd_level()).decode()
-
-
-def set_simd_level(str name) -> None:
-    """Forces this module's kernel level ("scalar", "avx2", "avx512", "neon")."""
-    if name not in _SIMD_LEVELS:
-        raise ValueError(f"unknown SIMD level {name!r}; expected one of {sorted(_SIMD_LEVELS)}")
-    if ellm_simd_set(_SIMD_LEVELS[name]) != 0:
-        raise ValueError(f"SIMD level {name!r} is not supported on this CPU "
-                         f"(best: {ellm_simd_name(ellm_simd_best()).decode()})")
+# csrc/ is one shared library: the SIMD level is process-wide and _core owns its API.
+# Re-exported so callers and tests may reach it from any kernel module.
+from ._core import set_simd_level, simd_level  # noqa: E402,F401
 
 
 # ============================ argument checking ============================

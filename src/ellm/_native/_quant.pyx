@@ -59,12 +59,6 @@ cdef extern from "quant_impl.h":
     int ellm_cpu_has_vnni() nogil
 
 
-cdef extern from "simd.h":
-    int ellm_simd_level()
-    int ellm_simd_set(int level)
-    const char *ellm_simd_name(int level)
-
-
 cdef extern from "threadpool.h":
     int ellm_num_threads()
     void ellm_set_num_threads(int n)
@@ -110,23 +104,9 @@ def has_vnni() -> bool:
     return bool(ellm_cpu_has_vnni())
 
 
-# Every extension module links its own copy of csrc/ (a static library), so the SIMD
-# level and the thread pool these kernels use are this module's, not _core's: these
-# four set them here. (Once csrc/ is one shared library they act on the same state.)
-_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3}
-
-
-def simd_level() -> str:
-    """The SIMD level this module's kernels run at."""
-    return ellm_simd_name(ellm_simd_level()).decode()
-
-
-def set_simd_level(str name) -> None:
-    """Forces this module's kernel level ("scalar", "avx2", "avx512", "neon")."""
-    if name not in _LEVELS:
-        raise ValueError(f"unknown SIMD level {name!r}; expected one of {sorted(_LEVELS)}")
-    if ellm_simd_set(_LEVELS[name]) != 0:
-        raise ValueError(f"SIMD level {name!r} is not supported on this CPU")
+# csrc/ is one shared library: the SIMD level is process-wide and _core owns its API.
+# Re-exported so callers and tests may reach it from any kernel module.
+from ._core import set_simd_level, simd_level  # noqa: E402,F401
 
 
 def num_threads() -> int:

@@ -5,12 +5,6 @@ over one row of float32 logits. See csrc/sample.h for the exact weight definitio
 from libc.stdint cimport int32_t, int64_t
 
 
-cdef extern from "simd.h":
-    int ellm_simd_level()
-    int ellm_simd_set(int level)
-    const char *ellm_simd_name(int level)
-
-
 cdef extern from "sample.h":
     int64_t ellm_topk_f32(const float *x, int64_t n, int64_t k, int32_t *idx, float *val,
                           int64_t cap) nogil
@@ -104,18 +98,7 @@ def bin_collect(const float[::1] x, float mx, float scale, float lo, float span,
     return c
 
 
-_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3}
+# csrc/ is one shared library: the SIMD level is process-wide and _core owns its API.
+# Re-exported so callers and tests may reach it from any kernel module.
+from ._core import set_simd_level, simd_level  # noqa: E402,F401
 
-
-def simd_level() -> str:
-    """The SIMD level these kernels run at. Every extension module links csrc/ statically,
-    so this module holds its own copy of the level: _core.set_simd_level does not reach it."""
-    return ellm_simd_name(ellm_simd_level()).decode()
-
-
-def set_simd_level(name: str) -> None:
-    """Forces this module's kernel level ("scalar", "avx2", ...); for tests and benchmarks."""
-    if name not in _LEVELS:
-        raise ValueError(f"unknown SIMD level {name!r}; expected one of {sorted(_LEVELS)}")
-    if ellm_simd_set(_LEVELS[name]) != 0:
-        raise ValueError(f"SIMD level {name!r} is not supported on this CPU")
