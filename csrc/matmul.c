@@ -66,13 +66,32 @@ _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the gro
 _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
                    sizeof(ellm_act256x8) == ELLM_TG * sizeof(ellm_act256),
                "a group layout takes the bytes of its tokens' rows (act_layout sizes it so)");
-/* Decode (T == 1): an item is about this many weight bytes (at least DECODE_MIN_ROWS
- * rows), so a thread that loses its core holds up little. */
-#define DECODE_CHUNK_BYTES 24576
+/* Below this many tokens (decode, batched decode of a few sequences) a linear call
+ * reads its weights once, in the row layout, and takes the tokens QX_TILE at a time
+ * against each weight tile in L1 (ellm_qdot_fn): unpacking a weight block for a group
+ * of 8 token lanes (ellm_qgemm_fn) only pays off from about 16 tokens on. Measured on
+ * the layers of both GGUF models here, 2 threads: 2 tokens 3.1-3.8 ms against 10-11 ms,
+ * 8 tokens 9.2-9.5 against 10.9-11.0, 16 tokens 17.6-17.9 against 16.3-16.5. */
+#define FEW_TOKENS 16
+/* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, and runs at the speed of the
+ * hardware prefetcher: each item should be one long sequential stream. Items of
+ * 1 / (DECODE_ITEMS_PER_THREAD x threads) of the matrix (within [MIN, MAX] bytes, at
+ * least DECODE_MIN_ROWS rows) read the Gemma 3 head at 34-36 GB/s on 2 threads here,
+ * where 24 KiB items, claimed by the threads in turn, read it at 21; and with two items
+ * per thread, one that loses its core still leaves half its share to the others. */
+#define DECODE_ITEMS_PER_THREAD 2
+#define DECODE_ITEM_MIN_BYTES ((size_t)16 << 10)
+#define DECODE_ITEM_MAX_BYTES ((size_t)1 << 20)
 #define DECODE_MIN_ROWS 4
 /* Decode weights larger than this come from DRAM rather than cache: take the kernel
  * variant that reads one row at a time (same results), which streams best. */
 #define DECODE_STREAM_BYTES ((uint64_t)64 << 20)
+
+static int64_t decode_item_bytes(size_t w_bytes) {
+    size_t b = w_bytes / ((size_t)ellm_num_threads() * DECODE_ITEMS_PER_THREAD);
+    b = b < DECODE_ITEM_MIN_BYTES ? DECODE_ITEM_MIN_BYTES : b;
+    return (int64_t)(b > DECODE_ITEM_MAX_BYTES ? DECODE_ITEM_MAX_BYTES : b);
+}
 
 /* Activation formats: index 0 = act32, 1 = act256. */
 #define N_ACT 2
@@ -290,7 +309,8 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
     c.x = x;
     c.T = T;
     c.K = K;
-    c.item_toks = T == 1 ? 1 : TOK_TILE;
+    const int few = T < FEW_TOKENS;
+    c.item_toks = few ? T : TOK_TILE;
 
     size_t offset[N_ACT], stride[N_ACT], need;
     if (!act_layout(parts, n_parts, T, K, offset, stride, &need)) return ELLM_E_SHAPE;
@@ -306,9 +326,9 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
      * at the level in force (the 32-element types, Q4_K and Q6_K on x86). The kernels
      * are chosen here once, so a level changed meanwhile cannot split the decision. */
     ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS];
-    for (int i = 0; i < n_parts; i++) qgemm[i] = T > 1 ? ellm_qgemm_select(parts[i].qtype) : NULL;
+    for (int i = 0; i < n_parts; i++) qgemm[i] = !few ? ellm_qgemm_select(parts[i].qtype) : NULL;
     for (int f = 0; f < N_ACT; f++) {
-        if (T == 1 || !c.xq[f]) continue;
+        if (few || !c.xq[f]) continue;
         c.grouped[f] = 1;
         for (int i = 0; i < n_parts; i++)
             if (parts[i].N > 0 && act_index(parts[i].qtype) == f && !qgemm[i]) c.grouped[f] = 0;
@@ -345,8 +365,8 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         } else {
             p->fmm = ellm_fmm_select(q->qtype);
         }
-        if (T == 1) {
-            int64_t rows = DECODE_CHUNK_BYTES / (int64_t)p->row_bytes;
+        if (few) {
+            int64_t rows = decode_item_bytes(q->w_bytes) / (int64_t)p->row_bytes;
             rows = rows > DECODE_MIN_ROWS ? rows : DECODE_MIN_ROWS;
             p->item_rows = (rows + 7) & ~(int64_t)7; /* whole 8-row tiles (qdot32_rows8) */
         } else {

@@ -139,11 +139,12 @@ INLINE __m256i hsum8x8_epi32(const __m256i v[8]) {
 }
 
 /* ------------------------------------------------------------------------------------
- * Decode: 8 weight rows (lane j = row j) against one token. Row nr - 1 stands in for
- * the rows past nr (computed, never stored), so every load stays inside w.
+ * Decode: 8 weight rows (lane j = row j) against nt <= QX_TILE tokens, each block of the
+ * 8 rows unpacked once for all nt. Row nr - 1 stands in for the rows past nr (computed,
+ * never stored), so every load stays inside w.
  * ------------------------------------------------------------------------------------ */
 KINLINE void qdot32_rows8(int type, int64_t nb, const uint8_t *w, size_t ws, int nr,
-                          const ellm_act32 *x, float *y) {
+                          const uint8_t *x, size_t xs, const int nt, float *y, size_t ys) {
     const int bs = bytes32(type);
     const int has_c = type != ELLM_T_Q8_0;
     /* the 8 rows' leading f16 pair (d, then m or bytes of no interest) -> halves in the
@@ -154,10 +155,10 @@ KINLINE void qdot32_rows8(int type, int64_t nb, const uint8_t *w, size_t ws, int
     _Pragma("GCC unroll 8")
     for (int j = 0; j < 8; j++) wr[j] = w + (size_t)(j < nr ? j : nr - 1) * ws;
     const uintptr_t next = (uintptr_t)w + 8 * ws; /* the next 8 rows (rows are ws apart) */
-    __m256 acc = _mm256_setzero_ps(), cor = _mm256_setzero_ps();
+    __m256 acc[QX_TILE], cor[QX_TILE];
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) acc[t] = cor[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        const ellm_act32 *a = x + i;
-        const __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
         const size_t off = (size_t)i * (size_t)bs;
         /* 8 rows advance together, each by only bs bytes a step, which the hardware
          * prefetcher follows poorly: fetch the next 8 rows (contiguous) at the pace
@@ -165,33 +166,43 @@ KINLINE void qdot32_rows8(int type, int64_t nb, const uint8_t *w, size_t ws, int
          * end; a prefetch never faults. */
         for (size_t o = 8 * off; o < 8 * (off + (size_t)bs); o += 64)
             _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
-        __m256i p[8];
+        __m256i q[8], sq[8];
         _Pragma("GCC unroll 8")
         for (int j = 0; j < 8; j++) {
-            __m256i sq = _mm256_setzero_si256();
-            __m256i q = values32(type, wr[j] + off, &sq);
-            p[j] = DOT_US8(q, type == ELLM_T_Q8_0 ? _mm256_sign_epi8(xq, sq) : xq);
+            sq[j] = _mm256_setzero_si256();
+            q[j] = values32(type, wr[j] + off, &sq[j]);
         }
-        const __m256i isum = hsum8x8_epi32(p);
         __m256i dm = _mm256_setr_epi32((int)ellm_rd_u32(wr[0] + off), (int)ellm_rd_u32(wr[1] + off),
                                        (int)ellm_rd_u32(wr[2] + off), (int)ellm_rd_u32(wr[3] + off),
                                        (int)ellm_rd_u32(wr[4] + off), (int)ellm_rd_u32(wr[5] + off),
                                        (int)ellm_rd_u32(wr[6] + off), (int)ellm_rd_u32(wr[7] + off));
         dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dm, split), _MM_SHUFFLE(3, 1, 2, 0));
         const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(a->d)), acc);
-        if (has_c) {
-            __m256 c;
-            if (type == ELLM_T_Q4_1 || type == ELLM_T_Q5_1)
-                c = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
-            else /* -8 d, -16 d: exact, as const32's */
-                c = _mm256_mul_ps(_mm256_set1_ps(const32(type, 1.0f, 0.0f)), d);
-            cor = _mm256_fmadd_ps(c, _mm256_set1_ps(a->s), cor);
+        __m256 c = _mm256_setzero_ps();
+        if (type == ELLM_T_Q4_1 || type == ELLM_T_Q5_1)
+            c = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+        else if (has_c) /* -8 d, -16 d: exact, as const32's */
+            c = _mm256_mul_ps(_mm256_set1_ps(const32(type, 1.0f, 0.0f)), d);
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < nt; t++) {
+            const ellm_act32 *a = (const ellm_act32 *)(x + (size_t)t * xs) + i;
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
+            __m256i p[8];
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < 8; j++)
+                p[j] = DOT_US8(q[j], type == ELLM_T_Q8_0 ? _mm256_sign_epi8(xq, sq[j]) : xq);
+            const __m256i isum = hsum8x8_epi32(p);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(a->d)),
+                                     acc[t]);
+            if (has_c) cor[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(a->s), cor[t]);
         }
     }
-    float out[8] __attribute__((aligned(32)));
-    _mm256_store_ps(out, has_c ? _mm256_add_ps(acc, cor) : acc);
-    for (int j = 0; j < nr; j++) y[j] = out[j];
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) {
+        float out[8] __attribute__((aligned(32)));
+        _mm256_store_ps(out, has_c ? _mm256_add_ps(acc[t], cor[t]) : acc[t]);
+        for (int j = 0; j < nr; j++) y[(size_t)t * ys + (size_t)j] = out[j];
+    }
 }
 
 /* Decode, one row at a time: the same sums as qdot32_rows8 (the block's 8 lanes summed
@@ -234,11 +245,19 @@ DEFINE_QDOT32_STREAM(qdots_q8_0, ELLM_T_Q8_0)
 #define DEFINE_QDOT32(name, TYPE)                                                            \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
-        for (int64_t t = 0; t < nt; t++) {                                                   \
-            const ellm_act32 *xt = (const ellm_act32 *)(x + (size_t)t * xs);                 \
-            for (int64_t r = 0; r < nr; r += 8)                                              \
-                qdot32_rows8(TYPE, nb, w + (size_t)r * ws, ws, nr - r < 8 ? (int)(nr - r) : 8, \
-                             xt, y + (size_t)t * ys + (size_t)r);                            \
+        for (int64_t r = 0; r < nr; r += 8) {                                                \
+            const int n8 = nr - r < 8 ? (int)(nr - r) : 8;                                   \
+            const uint8_t *wr = w + (size_t)r * ws;                                          \
+            for (int64_t t = 0; t < nt; t += QX_TILE) {                                      \
+                const uint8_t *xt = x + (size_t)t * xs;                                      \
+                float *yt = y + (size_t)t * ys + (size_t)r;                                  \
+                switch (nt - t < QX_TILE ? nt - t : QX_TILE) {                               \
+                case 1: qdot32_rows8(TYPE, nb, wr, ws, n8, xt, xs, 1, yt, ys); break;        \
+                case 2: qdot32_rows8(TYPE, nb, wr, ws, n8, xt, xs, 2, yt, ys); break;        \
+                case 3: qdot32_rows8(TYPE, nb, wr, ws, n8, xt, xs, 3, yt, ys); break;        \
+                default: qdot32_rows8(TYPE, nb, wr, ws, n8, xt, xs, 4, yt, ys); break;       \
+                }                                                                            \
+            }                                                                                \
         }                                                                                    \
     }
 

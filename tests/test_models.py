@@ -158,20 +158,35 @@ def _llamacpp(model: str) -> dict:
 
 # (model, fixture, logit tolerance, greedy margin): measured distances to llama.cpp are
 # 0.2-0.35 (SmolLM2) and 0.2-0.6 (Gemma 3; see test_gemma3_quantized_kernels_stay_close).
+#
+# Why not "the same 32 tokens, always": with 8-bit activations every engine's logits sit
+# ~0.3 (Gemma ~0.5) from the exact ones, and a one-ulp difference anywhere upstream
+# re-rolls those rounding errors, so a step whose top two are that close can go either
+# way. llama.cpp 0.3.36 does not keep its own greedy text across two builds on this
+# machine (AVX2 against native AVX-512, same file and prompts): SmolLM2's chat and
+# medium texts part after 16 and 21 tokens. What is checked instead: along llama.cpp's
+# whole 32-token text (teacher-forced), ellm picks llama.cpp's token at every step
+# whose top-2 margin in llama.cpp is at least `margin`, and ellm's own free-running
+# text equals llama.cpp's up to the first step below it.
 @pytest.mark.parametrize("model,fixture,atol,margin", [(SMOLLM2, "smollm2_q", 0.6, 0.1),
                                                        (GEMMA3, "gemma3_q", 1.2, 0.5)])
 def test_quantized_kernels_agree_with_llamacpp(model, fixture, atol, margin, goldens, request) -> None:
-    """Same GGUF, same kind of arithmetic (8-bit activations): greedy ids equal llama.cpp's
-    (tests/goldens/make_llamacpp.py) up to the first step where its own top-2 margin is
-    small, and last-position logits close."""
+    """Same GGUF, same kind of arithmetic (8-bit activations): last-position logits
+    close to llama.cpp's (tests/goldens/make_llamacpp.py), and its greedy tokens chosen
+    wherever it does not itself hold a near-tie."""
     llm = request.getfixturevalue(fixture)
     ref = _llamacpp(model)["prompts"]
     for name, p in _prompts(goldens, model).items():
         want = ref[name]
         ids = [int(t) for t in p["ids"]]
-        logits = llm.logits(ids)[-1]
-        err = np.abs(logits[want["last_top_ids"]] - np.asarray(want["last_top_values"])).max()
+        text, margins = want["greedy_ids"], np.asarray(want["greedy_margins"])
+        logits = llm.logits(ids + text[:-1])
+        err = np.abs(logits[len(ids) - 1][want["last_top_ids"]] - np.asarray(want["last_top_values"])).max()
         assert err < atol, f"{name}: logits {err} from llama.cpp's"
+        picks = logits[len(ids) - 1:].argmax(axis=1)
+        for step, (tok, m) in enumerate(zip(text, margins)):
+            assert picks[step] == tok or m < margin, (
+                f"{name}: step {step} picks {picks[step]}, llama.cpp {tok} by a margin of {m}")
         got = llm.generate(ids, GREEDY32).token_ids
-        n = _greedy_prefix_len(np.asarray(want["greedy_margins"]), margin)
-        assert got[:n] == want["greedy_ids"][:n], f"{name}: greedy ids differ from llama.cpp's within {n} steps"
+        n = _greedy_prefix_len(margins, margin)
+        assert got[:n] == text[:n], f"{name}: greedy ids differ from llama.cpp's within {n} steps"

@@ -363,7 +363,7 @@ def test_linear_f16_accepts_float16_dtype() -> None:
 # decode = full recompute), so row t of linear(x) must equal linear(x[t:t+1]) bit for bit
 # ------------------------------------------------------------------------------------
 
-BATCH_SIZES = (1, 2, 3, 7, 16, 64, 129, 512)
+BATCH_SIZES = (1, 2, 3, 5, 7, 15, 16, 64, 129, 512)  # both sides of FEW_TOKENS (matmul.c)
 
 
 def invariance_case(qtype: GGMLType, rng: np.random.Generator):
