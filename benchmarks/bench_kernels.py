@@ -21,7 +21,8 @@ stays steady under load.
 With --model FILE.gguf it instead replays one decode token's matmuls of that model
 (every layer's q, k, v, o, gate, up, down and the output head, at T=1, real weights) and
 prints the median milliseconds per token, calling linear once per matrix ("separate")
-and with q/k/v and gate/up fused through linear_multi ("fused"), e.g.
+and with q/k/v and gate/up fused through linear_multi ("fused"), then the layers and the
+output head apart (with the GB/s of weights they read), e.g.
 
     python benchmarks/bench_kernels.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 2
 """
@@ -115,9 +116,20 @@ def model_token_fns(path: str) -> dict[str, object]:
             lin(x, w, q, y)
         lin(head[2], head[0], head[1], head[3])
 
+    def layers_only() -> None:
+        for L in layers:
+            for w, q, x, y in L.values():
+                lin(x, w, q, y)
+
+    def head_only() -> None:
+        lin(head[2], head[0], head[1], head[3])
+
     fns: dict[str, object] = {"separate": separate}
     if hasattr(_quant, "linear_multi"):
         fns["fused"] = fused
+    layer_bytes = sum(v[0].nbytes for L in layers for v in L.values())
+    fns[f"layers ({layer_bytes / 1e6:.0f} MB)"] = layers_only
+    fns[f"head ({head[0].nbytes / 1e6:.0f} MB)"] = head_only
     return fns
 
 
@@ -133,8 +145,11 @@ def bench_model(path: str, tokens: int, clock) -> None:
             times[name].append(clock() - t0)
     for name, ts in times.items():
         # on a busy machine the low percentile is the run that kept its cores
-        print(f"{name:9} {1e3 * float(np.median(ts)):8.2f} ms/token median of {tokens}, "
-              f"{1e3 * float(np.percentile(ts, 10)):.2f} 10th percentile", flush=True)
+        rate = ""
+        if name.endswith("MB)"):  # GB/s of weights read, at the median
+            rate = f", {float(name.split('(')[1].split()[0]) / 1e3 / float(np.median(ts)):.1f} GB/s"
+        print(f"{name:17} {1e3 * float(np.median(ts)):8.2f} ms/token median of {tokens}, "
+              f"{1e3 * float(np.percentile(ts, 10)):.2f} 10th percentile{rate}", flush=True)
 
 
 def main() -> None:

@@ -2,13 +2,17 @@
 
 Same GGUF file, same prompt token ids, same thread count, greedy. Each engine runs in its
 own subprocess (so peak RSS is its own); rounds alternate the engines' order and the
-table reports medians and ratios ellm / peer.
+table reports medians over rounds (of a median of 3 prefill calls within each round) and
+ratios ellm / peer.
 
     python benchmarks/vs_llamacpp.py --models smollm2-135m-instruct gemma-3-270m --rounds 5
     python benchmarks/vs_llamacpp.py --install-llamacpp   # builds llama-cpp-python in benchmarks/.venv-llamacpp
 
 transformers (torch CPU) runs on the dequantized f32 folder when --hf-python points at a
 Python with transformers and the folder exists (tests/goldens/make.py --folders makes it).
+
+--contexts 500,2000 adds decode speed after prompts of those lengths (32 new tokens each,
+ellm and llama.cpp): how the cost per token grows with the context.
 """
 from __future__ import annotations
 
@@ -34,35 +38,54 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def worker_ellm(model: str, threads: int, ids: list[int]) -> dict:
+def _prefill_rate(prefill, n: int) -> float:
+    """Tokens/s of prefilling n tokens, the median of 3 calls (one call is ~0.5 s, and
+    a neighbour taking a core for part of it would otherwise decide the round)."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        prefill(n)
+        times.append(time.perf_counter() - t0)
+    return n / statistics.median(times)
+
+
+def _max_len(contexts: list[int]) -> int:
+    return max([2048] + [c + 64 for c in contexts])
+
+
+def worker_ellm(model: str, threads: int, ids: list[int], contexts: list[int]) -> dict:
     import ellm
     from ellm._native import _kernels
     from ellm.sampling_params import SamplingParams
     _kernels.set_num_threads(threads)
-    llm = ellm.load(model, progress=False, max_model_len=2048)
+    llm = ellm.load(model, progress=False, max_model_len=_max_len(contexts))
     llm.engine.blocks.enable_prefix_caching = False
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(ids[:16], greedy1)  # warm-up: pages in the weights
     out = {}
     for n in (128, 512):
-        t0 = time.perf_counter()
-        llm.generate(ids[:n], greedy1)
-        out[f"prefill{n}"] = n / (time.perf_counter() - t0)
-    params = SamplingParams(temperature=0.0, max_tokens=129, ignore_eos=True)
-    rid = llm.engine.add_request(ids[:16], params)
-    stamps = []
-    while llm.engine.has_unfinished():
-        for o in llm.engine.step():
-            if o.request_id == rid and o.new_token_ids:
-                stamps.append(time.perf_counter())
-    out["decode128"] = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-    out["rss_mb"] = _peak_rss_mb()
+        out[f"prefill{n}"] = _prefill_rate(lambda k: llm.generate(ids[:k], greedy1), n)
+
+    def decode(prompt: list[int], new: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=new + 1, ignore_eos=True)
+        rid = llm.engine.add_request(prompt, params)
+        stamps = []
+        while llm.engine.has_unfinished():
+            for o in llm.engine.step():
+                if o.request_id == rid and o.new_token_ids:
+                    stamps.append(time.perf_counter())
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    out["decode128"] = decode(ids[:16], 128)
+    out["rss_mb"] = _peak_rss_mb()  # before the long contexts, whose caches are larger
+    for c in contexts:
+        out[f"decode@{c}"] = decode(ids[:c], 32)
     return out
 
 
-def worker_llamacpp(model: str, threads: int, ids: list[int]) -> dict:
+def worker_llamacpp(model: str, threads: int, ids: list[int], contexts: list[int]) -> dict:
     from llama_cpp import Llama
-    llm = Llama(model_path=model, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
+    llm = Llama(model_path=model, n_ctx=_max_len(contexts), n_batch=512, n_threads=threads, n_threads_batch=threads,
                 verbose=False)
     sampler = llm._init_sampler(top_k=1, temp=0.0)
 
@@ -74,21 +97,26 @@ def worker_llamacpp(model: str, threads: int, ids: list[int]) -> dict:
     prefill(ids[:16])
     out = {}
     for n in (128, 512):
-        t0 = time.perf_counter()
-        prefill(ids[:n])
-        out[f"prefill{n}"] = n / (time.perf_counter() - t0)
-    prefill(ids[:16])
-    tok = sampler.sample(llm._ctx, -1)
-    t0 = time.perf_counter()
-    for _ in range(128):
-        llm.eval([tok])
+        out[f"prefill{n}"] = _prefill_rate(lambda k: prefill(ids[:k]), n)
+
+    def decode(prompt: list[int], new: int) -> float:
+        prefill(prompt)
         tok = sampler.sample(llm._ctx, -1)
-    out["decode128"] = 128 / (time.perf_counter() - t0)
-    out["rss_mb"] = _peak_rss_mb()
+        t0 = time.perf_counter()
+        for _ in range(new):
+            llm.eval([tok])
+            tok = sampler.sample(llm._ctx, -1)
+        return new / (time.perf_counter() - t0)
+
+    out["decode128"] = decode(ids[:16], 128)
+    out["rss_mb"] = _peak_rss_mb()  # before the long contexts, whose caches are larger
+    for c in contexts:
+        out[f"decode@{c}"] = decode(ids[:c], 32)
     return out
 
 
-def worker_transformers(folder: str, threads: int, ids: list[int]) -> dict:
+def worker_transformers(folder: str, threads: int, ids: list[int], contexts: list[int]) -> dict:
+    # (decode at long contexts is not timed here: ~10 tok/s would make a round minutes long)
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
@@ -98,9 +126,7 @@ def worker_transformers(folder: str, threads: int, ids: list[int]) -> dict:
     with torch.no_grad():
         model(torch.tensor([ids[:16]]))
         for n in (128, 512):
-            t0 = time.perf_counter()
-            model(torch.tensor([ids[:n]]))
-            out[f"prefill{n}"] = n / (time.perf_counter() - t0)
+            out[f"prefill{n}"] = _prefill_rate(lambda k: model(torch.tensor([ids[:k]])), n)
         res = model(torch.tensor([ids[:16]]), use_cache=True)
         past, tok = res.past_key_values, res.logits[0, -1].argmax()
         steps = 32  # transformers decodes ~10 tok/s here: fewer steps keep a round short
@@ -131,10 +157,12 @@ def install_llamacpp() -> Path:
     return py
 
 
-def run_worker(python: str, engine: str, model: str, threads: int, ids_file: Path) -> dict:
+def run_worker(python: str, engine: str, model: str, threads: int, ids_file: Path,
+               contexts: list[int]) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
     cmd = [python, str(Path(__file__).resolve()), "--worker", engine, "--model", model,
-           "--threads", str(threads), "--ids-file", str(ids_file)]
+           "--threads", str(threads), "--ids-file", str(ids_file),
+           "--contexts", ",".join(map(str, contexts))]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise RuntimeError(f"{engine} worker failed:\n{p.stderr[-2000:]}")
@@ -151,7 +179,7 @@ def bench_model(name: str, args: argparse.Namespace) -> list[str]:
     from ellm.bench import bench_prompt
     resolved = hub.resolve(name)
     llm = ellm.load(name, progress=False, max_model_len=2048)
-    ids = bench_prompt(llm, 512)
+    ids = bench_prompt(llm, max([512] + args.contexts))
     del llm
     ids_file = HERE / f".ids-{name}.json"
     ids_file.write_text(json.dumps(ids))
@@ -167,25 +195,28 @@ def bench_model(name: str, args: argparse.Namespace) -> list[str]:
         for engine in (order if r % 2 == 0 else order[::-1]):
             if loadavg() > args.max_load:
                 print(f"  (load average {loadavg():.1f}: results of this run may be disturbed)")
-            res = run_worker(engines[engine][0], engine, engines[engine][1], args.threads, ids_file)
+            res = run_worker(engines[engine][0], engine, engines[engine][1], args.threads, ids_file,
+                             args.contexts)
             results[engine].append(res)
             print(f"  round {r + 1} {engine:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in res.items()),
                   flush=True)
     ids_file.unlink()
     med = {e: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for e, runs in results.items()}
+    ctx_cols = [f"decode@{c}" for c in args.contexts]
+    cols = ["prefill128", "prefill512", "decode128"] + ctx_cols + ["rss_mb"]
+    heads = (["prefill tok/s @128", "prefill tok/s @512", "decode tok/s (128 new)"]
+             + [f"decode tok/s at context {c}" for c in args.contexts] + ["peak RSS MB"])
     lines = [f"### {name} ({args.threads} threads, medians of {args.rounds} rounds)", "",
-             "| engine | prefill tok/s @128 | prefill tok/s @512 | decode tok/s (128 new) | peak RSS MB |",
-             "| --- | --- | --- | --- | --- |"]
+             "| engine | " + " | ".join(heads) + " |", "| --- " * (len(heads) + 1) + "|"]
     for e, m in med.items():
-        lines.append(f"| {e} | {m['prefill128']:.1f} | {m['prefill512']:.1f} | {m['decode128']:.1f} | "
-                     f"{m['rss_mb']:.0f} |")
+        lines.append(f"| {e} | " + " | ".join(f"{m[k]:.0f}" if k == "rss_mb" else f"{m[k]:.1f}" if k in m
+                                              else "-" for k in cols) + " |")
     for peer in engines:
         if peer == "ellm":
             continue
         m, p = med["ellm"], med[peer]
-        lines.append(f"| ellm / {peer} | {m['prefill128'] / p['prefill128']:.2f}x | "
-                     f"{m['prefill512'] / p['prefill512']:.2f}x | {m['decode128'] / p['decode128']:.2f}x | "
-                     f"{m['rss_mb'] / p['rss_mb']:.2f}x |")
+        lines.append(f"| ellm / {peer} | " + " | ".join(f"{m[k] / p[k]:.2f}x" if k in p else "-"
+                                                        for k in cols) + " |")
     return lines
 
 
@@ -199,13 +230,15 @@ def main() -> int:
     ap.add_argument("--install-llamacpp", action="store_true", help="build llama-cpp-python into its own venv")
     ap.add_argument("--hf-python", default=None, help="a Python with torch + transformers")
     ap.add_argument("--max-load", type=float, default=0.5)
+    ap.add_argument("--contexts", type=lambda s: [int(c) for c in s.split(",") if c], default=[],
+                    help="also time decode after prompts of these lengths, e.g. 500,2000")
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--ids-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         ids = json.loads(Path(args.ids_file).read_text())
-        print(json.dumps(WORKERS[args.worker](args.model, args.threads, ids)))
+        print(json.dumps(WORKERS[args.worker](args.model, args.threads, ids, args.contexts)))
         return 0
     if args.install_llamacpp:
         args.llamacpp_python = str(install_llamacpp())
