@@ -71,8 +71,9 @@ def time_call(fn, budget_s: float, min_reps: int = 3, clock=time.perf_counter) -
     return float(np.median(times))
 
 
-def model_token_fns(path: str) -> dict[str, object]:
-    """One decode token's matmuls of a GGUF llama / gemma3 model, as callables."""
+def model_token_fns(path: str) -> dict[str, tuple[object, int]]:
+    """One decode token's matmuls of a GGUF llama / gemma3 model, as callables, each with
+    the weight bytes it reads (0: not reported)."""
     from ellm.formats.gguf import GGUFFile
 
     f = GGUFFile(path)
@@ -124,31 +125,29 @@ def model_token_fns(path: str) -> dict[str, object]:
     def head_only() -> None:
         lin(head[2], head[0], head[1], head[3])
 
-    fns: dict[str, object] = {"separate": separate}
+    fns: dict[str, tuple[object, int]] = {"separate": (separate, 0)}
     if hasattr(_quant, "linear_multi"):
-        fns["fused"] = fused
-    layer_bytes = sum(v[0].nbytes for L in layers for v in L.values())
-    fns[f"layers ({layer_bytes / 1e6:.0f} MB)"] = layers_only
-    fns[f"head ({head[0].nbytes / 1e6:.0f} MB)"] = head_only
+        fns["fused"] = (fused, 0)
+    fns["layers"] = (layers_only, sum(v[0].nbytes for L in layers for v in L.values()))
+    fns["head"] = (head_only, head[0].nbytes)
     return fns
 
 
 def bench_model(path: str, tokens: int, clock) -> None:
     fns = model_token_fns(path)
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
+    for fn, _ in fns.values():
         fn()  # warm-up
     for _ in range(tokens):  # alternate, so both modes see the same neighbours
-        for name, fn in fns.items():
+        for name, (fn, _) in fns.items():
             t0 = clock()
             fn()
             times[name].append(clock() - t0)
     for name, ts in times.items():
         # on a busy machine the low percentile is the run that kept its cores
-        rate = ""
-        if name.endswith("MB)"):  # GB/s of weights read, at the median
-            rate = f", {float(name.split('(')[1].split()[0]) / 1e3 / float(np.median(ts)):.1f} GB/s"
-        print(f"{name:17} {1e3 * float(np.median(ts)):8.2f} ms/token median of {tokens}, "
+        med, nbytes = float(np.median(ts)), fns[name][1]
+        rate = f", {nbytes / 1e6:.0f} MB at {nbytes / 1e9 / med:.1f} GB/s" if nbytes else ""
+        print(f"{name:9} {1e3 * med:8.2f} ms/token median of {tokens}, "
               f"{1e3 * float(np.percentile(ts, 10)):.2f} 10th percentile{rate}", flush=True)
 
 

@@ -73,6 +73,9 @@ _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
  * the layers of both GGUF models here, 2 threads: 2 tokens 3.1-3.8 ms against 10-11 ms,
  * 8 tokens 9.2-9.5 against 10.9-11.0, 16 tokens 17.6-17.9 against 16.3-16.5. */
 #define FEW_TOKENS 16
+
+/* Whether a call of T tokens uses the group layouts and the qgemm kernels. */
+static int takes_token_groups(int64_t T) { return T >= FEW_TOKENS; }
 /* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, and runs at the speed of the
  * hardware prefetcher: each item should be one long sequential stream. Items of
  * 1 / (DECODE_ITEMS_PER_THREAD x threads) of the matrix (within [MIN, MAX] bytes, at
@@ -123,8 +126,8 @@ typedef struct {
     lin_part p[ELLM_LINEAR_MAX_PARTS];
     uint8_t *xq[N_ACT];    /* (T, act_stride[f]) per format in use, else NULL */
     size_t act_stride[N_ACT];
-    int grouped[N_ACT];    /* format f is in its group layout (T > 1, every part of that
-                            * format has a qgemm kernel) */
+    int grouped[N_ACT];    /* format f is in its group layout (takes_token_groups(T),
+                            * every part of that format has a qgemm kernel) */
     ellm_act_fn act[N_ACT]; /* set for the formats a non-empty part needs */
 } lin_ctx;
 
@@ -233,8 +236,8 @@ static int act_index(int qtype) {
 }
 
 /* The scratch layout: offset[f] = byte offset of format f's (T, stride[f]) rows (64-byte
- * aligned; SIZE_MAX when no part uses f), *total = bytes in all. For T > 1 each format
- * gets room for its group layout as well, whichever the level in force will use.
+ * aligned; SIZE_MAX when no part uses f), *total = bytes in all. Where T takes token groups,
+ * each format gets room for its group layout as well, whichever the level in force will use.
  * Returns 1, or 0 with *total = 0 on overflow or invalid input. */
 static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int64_t K,
                          size_t offset[N_ACT], size_t stride[N_ACT], size_t *total) {
@@ -254,9 +257,9 @@ static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int
     for (int f = 0; f < N_ACT; f++) {
         offset[f] = SIZE_MAX; /* not in use */
         if (!used[f]) continue;
-        /* T > 1: room for the group layout too, which is the rows padded to whole groups
+        /* room for the group layout too, which is the rows padded to whole groups
          * (ellm_act32x8 / ellm_act256x8 hold ELLM_TG blocks' bytes, rearranged) */
-        const int64_t rows = T > 1 ? (T + ELLM_TG - 1) / ELLM_TG * ELLM_TG : T;
+        const int64_t rows = takes_token_groups(T) ? (T + ELLM_TG - 1) / ELLM_TG * ELLM_TG : T;
         if (stride[f] && (uint64_t)rows > (SIZE_MAX - 64 - at) / stride[f]) return 0;
         at = (at + 63) & ~(size_t)63;
         offset[f] = at;
@@ -309,7 +312,7 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
     c.x = x;
     c.T = T;
     c.K = K;
-    const int few = T < FEW_TOKENS;
+    const int few = !takes_token_groups(T);
     c.item_toks = few ? T : TOK_TILE;
 
     size_t offset[N_ACT], stride[N_ACT], need;
@@ -322,7 +325,7 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         c.act_stride[f] = stride[f];
     }
 
-    /* T > 1: a format takes its group layout when every part of it has a qgemm kernel
+    /* Many tokens: a format takes its group layout when every part of it has a qgemm kernel
      * at the level in force (the 32-element types, Q4_K and Q6_K on x86). The kernels
      * are chosen here once, so a level changed meanwhile cannot split the decision. */
     ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS];

@@ -8,7 +8,8 @@
  * Quantized weights are never dequantized as a whole: X is quantized once per call to
  * 8-bit blocks (into the caller's scratch buffer) and multiplied with the weight blocks
  * by integer dot products. Float weights are converted in registers. Work is split
- * over the thread pool: by output rows for T == 1, by (rows x tokens) tiles otherwise. */
+ * over the thread pool: by output rows for a few tokens (decode), by (rows x tokens)
+ * tiles for many (prefill). */
 #ifndef ELLM_MATMUL_H
 #define ELLM_MATMUL_H
 #include <stddef.h>

@@ -58,10 +58,11 @@ typedef void (*ellm_qdot_fn)(int64_t nb, const uint8_t *w, size_t w_stride, int6
                              const uint8_t *x, size_t x_stride, int64_t nt, float *y,
                              size_t y_stride);
 
-/* T > 1 (prefill, batched decode), 32-element types: activations in groups of ELLM_TG
- * tokens, a block of every token of the group side by side, so that one vector holds
- * the same 4 values of 8 tokens (and one load the 8 tokens' scales). Each token's d, s
- * and qs are exactly its act32 block's; padding tokens of a last, short group are 0. */
+/* Many tokens (prefill, large decode batches; FEW_TOKENS in matmul.c), 32-element
+ * types: activations in groups of ELLM_TG tokens, a block of every token of the group
+ * side by side, so that one vector holds the same 4 values of 8 tokens (and one load the
+ * 8 tokens' scales). Each token's d, s and qs are exactly its act32 block's; padding
+ * tokens of a last, short group are 0. */
 #define ELLM_TG 8
 typedef struct {
     int8_t qs[32 * ELLM_TG]; /* qs[4 (ELLM_TG m + t) + j] = token t's qs[4 m + j] */
@@ -182,7 +183,7 @@ ellm_act_fn ellm_act_select(int qtype);
 /* A qdot kernel with the same results as ellm_qdot_select's that reads one row at a
  * time (for weights streamed from DRAM), or NULL where there is no such variant. */
 ellm_qdot_fn ellm_qdot_stream_select(int qtype);
-/* The T > 1 kernel in force, or NULL (then the qdot kernel serves every T). */
+/* The kernel in force for many tokens, or NULL (then the qdot kernel serves every T). */
 ellm_qgemm_fn ellm_qgemm_select(int qtype);
 
 #endif

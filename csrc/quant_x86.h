@@ -30,8 +30,24 @@
 #include "quant_impl.h"
 
 #define INLINE static inline __attribute__((always_inline))
-/* Tokens per K-quant kernel body (one weight row against up to QX_TILE tokens) */
+/* Tokens per pass of a decode kernel body over its weights (a few-token call) */
 #define QX_TILE 4
+
+/* FN(args..., xt, xs, n, yt, ys) for the nt tokens of x (rows xs bytes apart) and y
+ * (rows ys floats apart), QX_TILE at a time: n is a constant in each call, so the body's
+ * per-token accumulators are instantiated for it and stay in registers. */
+#define QX_FOR_TOKEN_TILES(nt, x, xs, y, ys, FN, ...)                                        \
+    for (int64_t t_ = 0; t_ < (nt); t_ += QX_TILE) {                                         \
+        const uint8_t *xt_ = (x) + (size_t)t_ * (xs);                                        \
+        float *yt_ = (y) + (size_t)t_ * (ys);                                                \
+        switch ((nt) - t_ < QX_TILE ? (nt) - t_ : QX_TILE) {                                 \
+        case 1: FN(__VA_ARGS__, xt_, xs, 1, yt_, ys); break;                                 \
+        case 2: FN(__VA_ARGS__, xt_, xs, 2, yt_, ys); break;                                 \
+        case 3: FN(__VA_ARGS__, xt_, xs, 3, yt_, ys); break;                                 \
+        default: FN(__VA_ARGS__, xt_, xs, 4, yt_, ys); break;                                \
+        }                                                                                    \
+    }
+_Static_assert(QX_TILE == 4, "QX_FOR_TOKEN_TILES spells out the cases 1..4");
 
 /* ====================================================================================
  * Helpers
@@ -247,17 +263,8 @@ DEFINE_QDOT32_STREAM(qdots_q8_0, ELLM_T_Q8_0)
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
         for (int64_t r = 0; r < nr; r += 8) {                                                \
             const int n8 = nr - r < 8 ? (int)(nr - r) : 8;                                   \
-            const uint8_t *wr = w + (size_t)r * ws;                                          \
-            for (int64_t t = 0; t < nt; t += QX_TILE) {                                      \
-                const uint8_t *xt = x + (size_t)t * xs;                                      \
-                float *yt = y + (size_t)t * ys + (size_t)r;                                  \
-                switch (nt - t < QX_TILE ? nt - t : QX_TILE) {                               \
-                case 1: qdot32_rows8(TYPE, nb, wr, ws, n8, xt, xs, 1, yt, ys); break;        \
-                case 2: qdot32_rows8(TYPE, nb, wr, ws, n8, xt, xs, 2, yt, ys); break;        \
-                case 3: qdot32_rows8(TYPE, nb, wr, ws, n8, xt, xs, 3, yt, ys); break;        \
-                default: qdot32_rows8(TYPE, nb, wr, ws, n8, xt, xs, 4, yt, ys); break;       \
-                }                                                                            \
-            }                                                                                \
+            QX_FOR_TOKEN_TILES(nt, x, xs, y + r, ys, qdot32_rows8, TYPE, nb, w + (size_t)r * ws, \
+                               ws, n8)                                                       \
         }                                                                                    \
     }
 
@@ -401,19 +408,8 @@ DEFINE_QGEMM32(qgemm_q8_0, ELLM_T_Q8_0)
 #define DEFINE_QDOT(name, body_fn, TYPE)                                                     \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
-        for (int64_t r = 0; r < nr; r++) {                                                   \
-            const uint8_t *wr = w + (size_t)r * ws;                                          \
-            for (int64_t t = 0; t < nt; t += 4) {                                            \
-                const uint8_t *xt = x + (size_t)t * xs;                                      \
-                float *yt = y + (size_t)t * ys + r;                                          \
-                switch (nt - t < 4 ? nt - t : 4) {                                           \
-                case 1: body_fn(TYPE, nb, wr, xt, xs, 1, yt, ys); break;                     \
-                case 2: body_fn(TYPE, nb, wr, xt, xs, 2, yt, ys); break;                     \
-                case 3: body_fn(TYPE, nb, wr, xt, xs, 3, yt, ys); break;                     \
-                default: body_fn(TYPE, nb, wr, xt, xs, 4, yt, ys); break;                    \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
+        for (int64_t r = 0; r < nr; r++)                                                     \
+            QX_FOR_TOKEN_TILES(nt, x, xs, y + r, ys, body_fn, TYPE, nb, w + (size_t)r * ws)  \
     }
 
 /* ====================================================================================
@@ -683,7 +679,7 @@ DEFINE_QDOT(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
 DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
 
 /* ====================================================================================
- * Q4_K and Q6_K, T > 1: R weight rows against a group of ELLM_TG tokens (lane t =
+ * Q4_K and Q6_K, many tokens: R weight rows against a group of ELLM_TG tokens (lane t =
  * token t), activations in the ellm_act256x8 layout, as qgemm32 does for the 32-element
  * types. Per block and output the integer sums are exact and the float steps are those
  * of qdot_k45 / qdot_q6k_body for these two types:
