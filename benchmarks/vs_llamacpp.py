@@ -220,6 +220,17 @@ def bench_model(name: str, args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def context_list(text: str) -> list[int]:
+    """'500,2000' -> [500, 2000]; each a prompt length of at least 16 tokens."""
+    try:
+        contexts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if any(c < 16 for c in contexts):
+        raise argparse.ArgumentTypeError(f"context lengths must be at least 16 tokens, got {text!r}")
+    return contexts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
@@ -230,7 +241,7 @@ def main() -> int:
     ap.add_argument("--install-llamacpp", action="store_true", help="build llama-cpp-python into its own venv")
     ap.add_argument("--hf-python", default=None, help="a Python with torch + transformers")
     ap.add_argument("--max-load", type=float, default=0.5)
-    ap.add_argument("--contexts", type=lambda s: [int(c) for c in s.split(",") if c], default=[],
+    ap.add_argument("--contexts", type=context_list, default=[],
                     help="also time decode after prompts of these lengths, e.g. 500,2000")
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)

@@ -96,6 +96,16 @@ def test_python_m_ellm_info(tmp_path: Path) -> None:
     assert _core.__file__ in proc.stdout
 
 
+@pytest.mark.parametrize("value,message", [("100,abc", "expected comma-separated token counts"),
+                                           ("0", "token counts must be at least 1")])
+def test_bench_rejects_bad_contexts(tmp_path: Path, value: str, message: str) -> None:
+    """A malformed --contexts is refused before any model is loaded, naming the option."""
+    proc = subprocess.run([sys.executable, "-m", "ellm", "bench", "--contexts", value], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--contexts" in proc.stderr and message in proc.stderr
+
+
 def test_missing_native_module_is_a_clear_error(tmp_path: Path) -> None:
     # A finder that refuses ellm._native._core stands in for a wheel built for another
     # platform, or a source checkout that was never compiled.

@@ -112,12 +112,22 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_counts(text: str) -> tuple[int, ...]:
+    """'100,500' -> (100, 500), for --contexts."""
+    try:
+        counts = tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"token counts must be at least 1, got {text!r}")
+    return counts
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
     llm = _load(args)
-    contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else ()
     run_bench(llm, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
-              contexts=contexts)
+              contexts=args.contexts)
     return 0
 
 
@@ -169,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-tokens", type=int, default=512)
     b.add_argument("--new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--contexts", default="", metavar="N,N,...",
+    b.add_argument("--contexts", type=_token_counts, default=(), metavar="N,N,...",
                    help="also time decode after prompts of these lengths (e.g. 100,500,1000,2000)")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
     b.add_argument("--threads", type=int, default=0)
