@@ -2,9 +2,9 @@
 
 Each family module (`models/<family>.py`) holds `Args` (a ModelConfig subclass in Hugging
 Face field names, with its GGUF metadata mapping), `GGUF_TENSORS` (llama.cpp tensor names
-that differ from the common ones in blocks.py), optionally `sanitize` (weight-name fixes)
-and `CHAT_TEMPLATE` (for files that carry none), and `Model` (its forward pass, composed of
-blocks). Adding a family is adding its file and a line here.
+that differ from the common ones in blocks.py), optionally `sanitize` (weight-name fixes),
+`CHAT_TEMPLATE` (for files that carry none) and `GGUF_VOCAB_STYLE`, and `Model` (its
+forward pass, composed of blocks). Adding a family is adding its file and a line here.
 """
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ FAMILIES: dict[str, str] = {
     "gemma": "gemma",
     "gemma2": "gemma",
     "gemma3_text": "gemma",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "smollm3": "smollm3",
+    "olmo2": "olmo2",
+    "granite": "granite",
 }
 # Other names for a model_type (wrappers whose text model is one of the above).
 ALIASES: dict[str, str] = {
