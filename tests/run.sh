@@ -90,6 +90,26 @@ if [ ${#need[@]} -gt 0 ]; then
     "$REF/bin/python" tests/goldens/make.py --folders "$HF_DIR" --models "${need[@]}"
 fi
 
+# -- 3b. llama.cpp's converter, for the tiny models' GGUF files ------------------
+# tests/test_tiny_models.py converts tiny folders with llama.cpp's own converter; it ships
+# in the llama-cpp-python sdist (only it and gguf-py are kept: ~2 MB, fetched once).
+LLAMACPP_VERSION=0.3.36
+if [ -z "${ELLM_LLAMA_CPP_DIR:-}" ]; then
+    ELLM_LLAMA_CPP_DIR="$ELLM_HOME/llama-cpp-python-$LLAMACPP_VERSION/vendor/llama.cpp"
+    if [ ! -f "$ELLM_LLAMA_CPP_DIR/convert_hf_to_gguf.py" ]; then
+        step "fetching llama.cpp's converter (llama-cpp-python $LLAMACPP_VERSION sdist) into $ELLM_HOME"
+        tmp="$(mktemp -d)"
+        "$VPY" -m pip download -q --no-deps --no-binary llama-cpp-python --no-build-isolation \
+            "llama-cpp-python==$LLAMACPP_VERSION" -d "$tmp"
+        tar -xzf "$tmp"/llama_cpp_python-"$LLAMACPP_VERSION".tar.gz -C "$tmp" --wildcards \
+            '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+        rm -rf "$ELLM_HOME/llama-cpp-python-$LLAMACPP_VERSION"
+        mv "$tmp/llama_cpp_python-$LLAMACPP_VERSION" "$ELLM_HOME/llama-cpp-python-$LLAMACPP_VERSION"
+        rm -rf "$tmp"
+    fi
+fi
+export ELLM_LLAMA_CPP_DIR
+
 # -- 4. the tests -------------------------------------------------------------
 step "running pytest $*"
 exec "$VPY" -m pytest "$@"

@@ -311,8 +311,7 @@ class GGUFMeta:
         return float(value)
 
 
-def layer_types_window(config: ModelConfig, layer: int, layer_types: list[str] | None,
-                       sliding_window: int | None) -> int:
+def layer_types_window(layer: int, layer_types: list[str] | None, sliding_window: int | None) -> int:
     """The common rule: a layer listed as "sliding_attention" slides over sliding_window."""
     if not sliding_window or layer_types is None:
         return 0

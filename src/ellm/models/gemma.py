@@ -61,7 +61,7 @@ class Args(ModelConfig):
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_window(self, layer: int) -> int:
-        return layer_types_window(self, layer, self.layer_types, self.sliding_window)
+        return layer_types_window(layer, self.layer_types, self.sliding_window)
 
     def inv_freq(self, layer: int) -> np.ndarray:
         if self.layer_window(layer):   # local layers: their own base, never scaled

@@ -35,7 +35,7 @@ class Args(ModelConfig):
         check_layer_types(self.layer_types, self.num_hidden_layers)
 
     def layer_window(self, layer: int) -> int:
-        return layer_types_window(self, layer, self.layer_types, self.sliding_window)
+        return layer_types_window(layer, self.layer_types, self.sliding_window)
 
 
 class Model(Decoder):

@@ -17,7 +17,7 @@ class Args(qwen2.Args):
 
 class Model(Decoder):
     def __init__(self, config: Args, weights: WeightSource, ops: Any) -> None:
-        c, layers = config, []
+        c = config
         embed, lm_head = embedding_and_head(weights, c)
         layers = standard_layers(weights, c)
         for i, layer in enumerate(layers):

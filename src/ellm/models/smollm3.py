@@ -45,7 +45,7 @@ class Args(ModelConfig):
         check_layer_types(self.layer_types, n)
 
     def layer_window(self, layer: int) -> int:
-        return layer_types_window(self, layer, self.layer_types,
+        return layer_types_window(layer, self.layer_types,
                                   self.sliding_window if self.use_sliding_window else None)
 
     def inv_freq(self, layer: int) -> np.ndarray:
