@@ -27,13 +27,14 @@ class CpuOps:
 
     def linear(self, x: np.ndarray, w, out: np.ndarray | None = None) -> np.ndarray:
         out = _out(out, (x.shape[0], w.out_features))
-        _quant.linear(np.ascontiguousarray(x, dtype=np.float32), w.data, int(w.qtype), out)
+        _quant.linear(np.ascontiguousarray(x, dtype=np.float32), w.data, int(w.qtype), out,
+                      w.bias)
         return out
 
     def linear_multi(self, x: np.ndarray, parts: Sequence[tuple]) -> list[np.ndarray]:
         """[(w, out), ...] -> outs: several matrices against one x, x quantized once."""
         _quant.linear_multi(np.ascontiguousarray(x, dtype=np.float32),
-                            [(w.data, int(w.qtype), o) for w, o in parts])
+                            [(w.data, int(w.qtype), o, w.bias) for w, o in parts])
         return [o for _, o in parts]
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:

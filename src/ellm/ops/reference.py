@@ -143,8 +143,12 @@ class ReferenceOps:
         return _into(out, dequantize(np.ascontiguousarray(rows), w.qtype, (len(ids), w.in_features)))
 
     def linear(self, x: np.ndarray, w: "Linear", out: np.ndarray | None = None) -> np.ndarray:
+        """x (T, K) @ W^T (+ w.bias, (N,) f32, when the layer has one)."""
         from ..formats.dequant import dequantize
-        return _into(out, linear(x, dequantize(w.data, w.qtype, (w.out_features, w.in_features))))
+        y = linear(x, dequantize(w.data, w.qtype, (w.out_features, w.in_features)))
+        if w.bias is not None:
+            y = y + w.bias.astype(np.float32)
+        return _into(out, y)
 
     def linear_multi(self, x: np.ndarray, parts) -> list[np.ndarray]:
         return [self.linear(x, w, o) for w, o in parts]
