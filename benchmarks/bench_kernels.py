@@ -25,6 +25,12 @@ and with q/k/v and gate/up fused through linear_multi ("fused"), then the layers
 output head apart (with the GB/s of weights they read), e.g.
 
     python benchmarks/bench_kernels.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 2
+
+With --bias it instead prints what the bias epilogue (Qwen2's q/k/v) costs: linear on a
+896 x 896 matrix (Qwen2.5-0.5B's q_proj) and on 1536 x 576, at T=1 and T=128, with and
+without a bias, calls alternated, medians and their ratio:
+
+    python benchmarks/bench_kernels.py --bias --types Q8_0,Q4_K,BF16 --threads 1 --cpu-time
 """
 from __future__ import annotations
 
@@ -151,6 +157,34 @@ def bench_model(path: str, tokens: int, clock) -> None:
               f"{1e3 * float(np.percentile(ts, 10)):.2f} 10th percentile{rate}", flush=True)
 
 
+def bench_bias(types: list[str], levels: list[str], rounds: int, clock) -> None:
+    rng = np.random.default_rng(2)
+    print(f"{'type':5} {'N x K':>11} {'level':>7} {'T':>4} {'no bias us':>11} {'bias us':>9} {'ratio':>6}")
+    for tname in types:
+        qtype = TYPES[tname]
+        blk = BLOCK.get(qtype, (1, 0))[0]
+        for n, k in [(896, 896), (576, 1536)]:
+            if k % blk:
+                continue
+            w = make_weights(qtype, n, k, rng)
+            bias = rng.standard_normal(n, dtype=np.float32)
+            for level in levels:
+                _core.set_simd_level(level)
+                _quant.set_simd_level(level)
+                for T in (1, 128):
+                    x = rng.standard_normal((T, k), dtype=np.float32)
+                    y = np.empty((T, n), np.float32)
+                    plain: list[float] = []
+                    biased: list[float] = []
+                    for _ in range(rounds):  # alternate, so both see the same neighbours
+                        plain.append(time_call(lambda: _quant.linear(x, w, qtype, y), 0.005, clock=clock))
+                        biased.append(time_call(lambda: _quant.linear(x, w, qtype, y, bias), 0.005,
+                                                clock=clock))
+                    a, b = float(np.median(plain)), float(np.median(biased))
+                    print(f"{tname:5} {f'{n}x{k}':>11} {level:>7} {T:>4} {1e6 * a:11.1f} {1e6 * b:9.1f} "
+                          f"{b / a:6.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--levels", default=",".join(_core.supported_simd_levels()))
@@ -166,6 +200,8 @@ def main() -> None:
                          "machine others are using)")
     ap.add_argument("--model", help="a GGUF file: time one decode token's matmuls instead")
     ap.add_argument("--tokens", type=int, default=30, help="tokens timed with --model")
+    ap.add_argument("--bias", action="store_true",
+                    help="time linear with and without the bias epilogue instead")
     args = ap.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
@@ -179,6 +215,10 @@ def main() -> None:
     if args.model:
         print(f"# {args.model}: one decode token's matmuls, level {_quant.simd_level()}")
         bench_model(args.model, args.tokens, clock)
+        return
+    if args.bias:
+        bench_bias([t for t in args.types.split(",") if t], [lv for lv in args.levels.split(",") if lv],
+                   21, clock)
         return
     Ts = [int(t) for t in str(args.prefill_tokens).split(",") if t]
     print(f"{'type':5} {'N x K':>11} {'level':>7} {'decode us':>10} {'GB/s':>7} "
