@@ -19,6 +19,8 @@ def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
 
 class CpuOps:
     name = "cpu"
+    # linear / linear_multi add Linear.bias themselves (models/blocks.py asks)
+    linear_adds_bias = True
 
     def __init__(self) -> None:
         # id(Experts) -> (the Experts, its (gate, up, down) pointer tables), made once per

@@ -232,6 +232,8 @@ class ReferenceOps:
     Same signatures as ops.cpu.CpuOps (an optional `out` on every op that makes an array)."""
 
     name = "reference"
+    # linear / linear_multi add Linear.bias themselves (models/blocks.py asks)
+    linear_adds_bias = True
 
     def embed(self, w: "Linear", ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         from ..formats.dequant import dequantize
