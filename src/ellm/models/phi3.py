@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ConfigError, ModelConfig, check_window
+from ..config import ConfigError, GGUFMeta, ModelConfig, check_window
 from ..weights import Linear, WeightSource
 from .blocks import Attention, Decoder, DecoderLayer, MLP, embedding_and_head, load_norm
 
@@ -43,6 +43,19 @@ class Args(ModelConfig):
     sliding_window: int | None = None
 
     gguf_architectures = ("phi3",)
+
+    @classmethod
+    def gguf_kwargs(cls, meta: GGUFMeta, kwargs: dict[str, Any]) -> None:
+        head_dim = kwargs["head_dim"]
+        kwargs["partial_rotary_factor"] = meta.int("rope.dimension_count", head_dim, hi=head_dim) / head_dim
+        kwargs["original_max_position_embeddings"] = meta.int("rope.scaling.original_context_length",
+                                                              kwargs["max_position_embeddings"])
+        if meta.raw("attention.sliding_window"):
+            kwargs["sliding_window"] = meta.int("attention.sliding_window")
+        if "rope_factors_short.weight" in meta.tensors:
+            # the factors are tensors of the file: Model reads them (weights_factors)
+            kwargs["rope_scaling"] = {"rope_type": "longrope", "factors_in_weights": True,
+                                      "attention_factor": meta.float("rope.scaling.attn_factor", 1.0)}
 
     @classmethod
     def prepare(cls, kwargs: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -69,7 +82,10 @@ class Args(ModelConfig):
         if kind not in ("default", "longrope"):
             raise ConfigError(f"Phi-3 rope_scaling type must be longrope, got {kind!r}")
         self._longrope = kind == "longrope"
-        if self._longrope:
+        self._short_factor: np.ndarray | None = None
+        if self._longrope and scaling.get("factors_in_weights"):   # a GGUF file's
+            self._mscale = self._attention_factor(scaling)
+        elif self._longrope:
             for key in ("short_factor", "long_factor"):
                 f = scaling.get(key)
                 if not isinstance(f, list) or len(f) != self.rotary_dim // 2 or \
@@ -100,11 +116,19 @@ class Args(ModelConfig):
 
     def inv_freq(self, layer: int) -> np.ndarray:
         """(rotary_dim/2,) f32, in f32 arithmetic as transformers computes it."""
+        return self.longrope_inv_freq(self._short_factor)
+
+    def longrope_inv_freq(self, factors: np.ndarray | None) -> np.ndarray:
+        """1 / (factors * theta^(2i/rotary_dim)); factors None: plain RoPE."""
         dim = self.rotary_dim
         exponent = (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)).astype(np.float32)
         base = np.float32(self.rope_theta) ** exponent
-        if self._longrope:
-            base = self._short_factor * base
+        if factors is not None:
+            if factors.shape != base.shape or not np.all(factors > 0):
+                raise ConfigError(f"LongRoPE factors must be {len(base)} positive numbers, got shape {factors.shape}")
+            base = factors.astype(np.float32) * base
+        elif self._longrope:
+            raise ConfigError("longrope scaling without short_factor")
         return (np.float32(1.0) / base).astype(np.float32)
 
     def layer_window(self, layer: int) -> int:
@@ -118,7 +142,7 @@ class Args(ModelConfig):
         return d
 
 
-def _fused_attention(weights: WeightSource, c: Args, i: int) -> Attention:
+def _fused_attention(weights: WeightSource, c: Args, i: int, inv_freq: np.ndarray) -> Attention:
     nh, nkv, hd, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
     p = f"model.layers.{i}.self_attn."
     qkv = weights.linear(p + "qkv_proj.weight")
@@ -130,7 +154,7 @@ def _fused_attention(weights: WeightSource, c: Args, i: int) -> Attention:
         raise ValueError(f"{p}o_proj.weight is {(o.out_features, o.in_features)}, the config says {(H, nh * hd)}")
     q_end, k_end = nh * hd, (nh + nkv) * hd
     return Attention(q=qkv.rows(0, q_end), k=qkv.rows(q_end, k_end), v=qkv.rows(k_end, k_end + nkv * hd), o=o,
-                     n_heads=nh, n_kv_heads=nkv, head_dim=hd, inv_freq=c.inv_freq(i), scale=c.attention_scale,
+                     n_heads=nh, n_kv_heads=nkv, head_dim=hd, inv_freq=inv_freq, scale=c.attention_scale,
                      window=c.layer_window(i), rope_mscale=c.rope_mscale, eps=c.rms_norm_eps)
 
 
@@ -150,7 +174,10 @@ class Model(Decoder):
     def __init__(self, config: Args, weights: WeightSource, ops: Any) -> None:
         c, H = config, config.hidden_size
         embed, lm_head = embedding_and_head(weights, c)
-        layers = [DecoderLayer(attn=_fused_attention(weights, c, i), mlp=_fused_mlp(weights, c, i),
+        # a GGUF file holds the LongRoPE factors as tensors (llama.cpp's rope_factors_short)
+        inv_freq = (c.longrope_inv_freq(weights.vector("rope_factors_short.weight"))
+                    if "rope_factors_short.weight" in weights else c.inv_freq(0))
+        layers = [DecoderLayer(attn=_fused_attention(weights, c, i, inv_freq), mlp=_fused_mlp(weights, c, i),
                                input_norm=load_norm(weights, f"model.layers.{i}.input_layernorm.weight", H),
                                pre_mlp_norm=load_norm(weights, f"model.layers.{i}.post_attention_layernorm.weight", H))
                   for i in range(c.num_hidden_layers)]

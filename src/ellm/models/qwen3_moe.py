@@ -4,8 +4,12 @@ token's `num_experts_per_tok` of `num_experts` SwiGLU experts (softmax, top-k, d
 their sum when `norm_topk_prob`), and their outputs are summed with those weights.
 
 Layers listed in `mlp_only_layers`, or off the `decoder_sparse_step` grid, keep a dense
-MLP of `intermediate_size`. The experts are read where they lie: one matrix per expert
-as transformers' save_pretrained writes them (`mlp.experts.{e}.gate_proj.weight`).
+MLP of `intermediate_size`. The experts are read where they lie, never copied: one
+matrix per expert as transformers' save_pretrained writes them
+(`mlp.experts.{e}.gate_proj.weight`), or expert e's slice of a GGUF file's stacked
+`blk.N.ffn_gate_exps` (E, F, H). llama.cpp always renormalises the chosen experts'
+weights for qwen3moe and its converter writes no flag for it, so a GGUF means
+norm_topk_prob = True.
 """
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ConfigError
+from ..config import ConfigError, GGUFMeta
+from ..formats.ggml_types import GGMLType
 from ..ops.reference import Experts
 from ..ops.workspace import Workspace
 from ..weights import Linear, WeightSource
@@ -36,6 +41,16 @@ class Args(qwen3.Args):
     mlp_only_layers: list[int] = field(default_factory=list)
 
     gguf_architectures = ("qwen3moe",)
+
+    @classmethod
+    def gguf_model_type(cls, arch: str) -> str:
+        return "qwen3_moe"
+
+    @classmethod
+    def gguf_kwargs(cls, meta: GGUFMeta, kwargs: dict[str, Any]) -> None:
+        super().gguf_kwargs(meta, kwargs)
+        kwargs.update(num_experts=meta.int("expert_count", hi=4096), num_experts_per_tok=meta.int("expert_used_count"),
+                      moe_intermediate_size=meta.int("expert_feed_forward_length"), norm_topk_prob=True)
 
     @classmethod
     def prepare(cls, kwargs: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -83,10 +98,29 @@ class MoE:
         return ops.moe(h, self.router, self.experts, self.top_k, self.norm_topk_prob, out=out)
 
 
+def _gguf_experts(gguf: Any, name: str, E: int, N: int, K: int) -> list[Linear]:
+    """Expert e's (N, K) matrix of a stacked GGUF tensor (E, N, K), as views."""
+    info = gguf.tensors[name]
+    if tuple(info.shape) != (E, N, K):
+        raise ValueError(f"{name} is {tuple(info.shape)}, the config says {(E, N, K)}")
+    if info.qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        data = gguf.array(name)
+        data = data.view(np.uint16) if data.dtype == np.float16 else data
+    else:
+        data = gguf.raw(name).reshape(E, N, -1)
+    return [Linear(data[e], info.qtype, N, K, f"{name}[{e}]") for e in range(E)]
+
+
 def load_moe(weights: WeightSource, c: Args, layer: int) -> MoE:
     p, H, F, E = f"model.layers.{layer}.mlp.", c.hidden_size, c.moe_intermediate_size, c.num_experts
-    mats = {name: [load_linear(weights, f"{p}experts.{e}.{name}_proj", *shape) for e in range(E)]
-            for name, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F)))}
+    shapes = {"gate": (F, H), "up": (F, H), "down": (H, F)}
+    gguf = getattr(weights, "gguf", None)
+    if gguf is not None and f"blk.{layer}.ffn_gate_exps.weight" in gguf.tensors:
+        mats = {name: _gguf_experts(gguf, f"blk.{layer}.ffn_{name}_exps.weight", E, *shape)
+                for name, shape in shapes.items()}
+    else:
+        mats = {name: [load_linear(weights, f"{p}experts.{e}.{name}_proj", *shape) for e in range(E)]
+                for name, shape in shapes.items()}
     return MoE(router=load_linear(weights, p + "gate", E, H), experts=Experts(**mats),
                top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob)
 
