@@ -3,10 +3,10 @@
  *
  * Tokens go through in chunks of at most CHUNK_TOKENS, so the scratch stays bounded for
  * long prefills; a chunk's tokens are laid out expert after expert (each expert's rows in
- * token order), every expert with rows gets one ellm_linear_multi call (gate and up, X
- * quantized once) and one ellm_linear call (down), and the outputs are gathered back.
- * The loop over experts is here in C; the kernels split each call over the thread pool.
- * None of this changes a token's bits: see moe.h. */
+ * token order), and the experts with rows run as the groups of one ellm_linear_groups
+ * call for gate and up (each group's X quantized once) and one for down, so a layer wakes
+ * the thread pool a few times, not twice per expert. The outputs are gathered back per
+ * token. None of this changes a token's bits: see moe.h. */
 #include "moe.h"
 
 #include <math.h>
@@ -76,7 +76,7 @@ static int check_stack(const ellm_expert_stack *s, int32_t E, int64_t N, int64_t
 /* ==================================== scratch ==================================== */
 
 typedef struct {
-    size_t slot, offs, xg, g, u, y, act, total, act_bytes; /* byte offsets, 64-aligned */
+    size_t slot, offs, groups, parts, xg, g, u, y, act, total, act_bytes; /* byte offsets, 64-aligned */
 } moe_layout;
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -85,19 +85,27 @@ static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 static int layout(const ellm_expert_stack *gate, const ellm_expert_stack *up, const ellm_expert_stack *down,
                   int64_t T, int32_t k, int32_t E, moe_layout *L) {
     memset(L, 0, sizeof *L);
-    if (gate == NULL || up == NULL || down == NULL || T < 0 || k < 1 || E < 1) return 0;
+    if (gate == NULL || up == NULL || down == NULL || T < 0 || k < 1 || E < 1 || E > ELLM_LINEAR_MAX_GROUPS)
+        return 0;
     const int64_t H = gate->K, F = gate->N;
     if (H < 0 || F < 0) return 0;
     const int64_t tc = T < CHUNK_TOKENS ? T : CHUNK_TOKENS, R = tc * k;
     if (R > ((int64_t)1 << 40) / (2 * H + 2 * F + 1)) return 0; /* far beyond any real call */
     ellm_linear_part gu[2] = {{gate->qtype, NULL, 0, F, NULL, F, NULL}, {up->qtype, NULL, 0, F, NULL, F, NULL}};
-    const size_t a1 = ellm_linear_multi_scratch_bytes(gu, 2, tc, H);
-    const size_t a2 = ellm_linear_scratch_bytes(down->qtype, tc, F);
+    ellm_linear_part dn[1] = {{down->qtype, NULL, 0, H, NULL, H, NULL}};
+    const int groups = E < R ? E : (int)R; /* experts with rows in a pass */
+    const size_t a1 = ellm_linear_groups_scratch_bound(gu, 2, groups, R, H);
+    const size_t a2 = ellm_linear_groups_scratch_bound(dn, 1, groups, R, F);
+    if (a1 == 0 || a2 == 0) return 0;
     size_t at = 0;
     L->slot = at;
     at = align64(at + sizeof(int32_t) * (size_t)R);
     L->offs = at;
     at = align64(at + sizeof(int64_t) * (size_t)(2 * E + 1));
+    L->groups = at;
+    at = align64(at + sizeof(ellm_linear_group) * (size_t)groups);
+    L->parts = at;
+    at = align64(at + sizeof(ellm_linear_part) * 2 * (size_t)groups);
     L->xg = at;
     at = align64(at + sizeof(float) * (size_t)(R * H));
     L->g = at;
@@ -186,6 +194,8 @@ int ellm_moe_experts(const float *x, int64_t T, int64_t H, const int32_t *ids, c
     float *xg = (float *)(base + L.xg), *g = (float *)(base + L.g), *u = (float *)(base + L.u);
     float *y = (float *)(base + L.y);
     void *act = base + L.act;
+    ellm_linear_group *groups = (ellm_linear_group *)(base + L.groups);
+    ellm_linear_part *parts = (ellm_linear_part *)(base + L.parts);
     const size_t gu_rb = (size_t)ellm_row_bytes(gate->qtype, H), up_rb = (size_t)ellm_row_bytes(up->qtype, H);
     const size_t dn_rb = (size_t)ellm_row_bytes(down->qtype, F);
 
@@ -202,24 +212,29 @@ int ellm_moe_experts(const float *x, int64_t T, int64_t H, const int32_t *ids, c
             slot[i] = (int32_t)r;
             memcpy(xg + r * H, x + (c0 + i / k) * H, sizeof(float) * (size_t)H);
         }
+        /* gate and up of every expert with rows: one pass */
+        int ng = 0;
         for (int32_t e = 0; e < E; e++) {
             const int64_t r0 = offs[e], n = offs[e + 1] - r0;
             if (n == 0) continue;
-            ellm_linear_part parts[2] = {
-                {gate->qtype, gate->w[e], gu_rb * (size_t)F, F, g + r0 * F, F, NULL},
-                {up->qtype, up->w[e], up_rb * (size_t)F, F, u + r0 * F, F, NULL}};
-            st = ellm_linear_multi(xg + r0 * H, n, H, parts, 2, act, L.act_bytes);
-            if (st != ELLM_OK) return st;
+            parts[2 * ng] = (ellm_linear_part){gate->qtype, gate->w[e], gu_rb * (size_t)F, F, g + r0 * F, F, NULL};
+            parts[2 * ng + 1] = (ellm_linear_part){up->qtype, up->w[e], up_rb * (size_t)F, F, u + r0 * F, F, NULL};
+            groups[ng] = (ellm_linear_group){xg + r0 * H, n, parts + 2 * ng, 2};
+            ng++;
         }
+        if ((st = ellm_linear_groups(groups, ng, H, act, L.act_bytes)) != ELLM_OK) return st;
         const int64_t R = tc * k;
         ellm_swiglu(g, F, u, F, g, F, R, F);
+        /* down of the same experts: one pass */
+        ng = 0;
         for (int32_t e = 0; e < E; e++) {
             const int64_t r0 = offs[e], n = offs[e + 1] - r0;
             if (n == 0) continue;
-            st = ellm_linear(down->qtype, g + r0 * F, n, F, down->w[e], dn_rb * (size_t)H, H, NULL, y + r0 * H,
-                             act, L.act_bytes);
-            if (st != ELLM_OK) return st;
+            parts[ng] = (ellm_linear_part){down->qtype, down->w[e], dn_rb * (size_t)H, H, y + r0 * H, H, NULL};
+            groups[ng] = (ellm_linear_group){g + r0 * F, n, parts + ng, 1};
+            ng++;
         }
+        if ((st = ellm_linear_groups(groups, ng, F, act, L.act_bytes)) != ELLM_OK) return st;
         combine_ctx cc = {cid, weights + c0 * k, slot, y, out + c0 * H, k, H};
         ellm_parallel_for(tc, 8, task_combine, &cc);
     }
