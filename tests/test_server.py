@@ -388,11 +388,11 @@ BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
     ("/v1/completions", b"", 400, None, "empty"),
     ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
-    ("/v1/completions", {"prompt": "x"}, 400, "model", "model"),
+    ("/v1/completions", {"model": 7, "prompt": "x"}, 400, "model", "string"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt", "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt", "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt", "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "prompt", "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "prompt[0]", "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", "vocabulary"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
@@ -410,7 +410,7 @@ BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": [1]}, 400, "logit_bias", "object"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias",
      "vocabulary"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop", "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop[0]", "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": 3}, 400, "stop", "string"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": MAX_QUEUE + 1}, 400, "n", "at most"),
@@ -614,3 +614,84 @@ def test_server_log_has_no_tracebacks(server: Served) -> None:
     log = server.log.read_text()
     assert "Traceback" not in log, log[-4000:]
 
+
+
+# ---------------------------------------------------------------------------------------
+# the OpenAPI document: what it says is what the server accepts
+# ---------------------------------------------------------------------------------------
+
+# Bodies the server must accept (200), each also valid under /openapi.json.
+GOOD: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),                       # no model: the served one
+    ("/v1/completions", {"model": MODEL, "prompt": ["Hi", "Yo"], "max_tokens": 2.0, "n": 2, "seed": -3,
+                         "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "stop": "\n",
+                         "logit_bias": {"42": -100}, "stop_token_ids": [0], "echo": False, "suffix": "",
+                         "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
+                         "best_of": 2, "user": "u", "an_unknown_field": {"ignored": True}}),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2, 3], [4.0, 5]], "max_tokens": 1, "logprobs": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "Be brief."},
+                                           {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                                           {"role": "assistant", "content": None},
+                                           {"role": "user", "content": "Again", "name": "bob"}],
+                              "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 1,
+                              "response_format": {"type": "text"}, "tools": [], "stream_options": None,
+                              "chat_template_kwargs": {"enable_thinking": False}}),
+    ("/tokenize", {"prompt": "Hello world"}),
+    ("/tokenize", {"content": "Hello", "add_special": False, "with_pieces": True}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False}),
+    ("/detokenize", {"tokens": [1, 2, 3]}),
+]
+
+# Words of BAD rows that the server checks itself (context, vocabulary, queue, names):
+# the schema cannot know them, so the schema accepts those bodies.
+SERVER_SIDE_WORDS = ("vocabulary", "context length", "tokens", "for the completion", "not truncated", "at most", "does not exist")
+
+
+@pytest.fixture(scope="module")
+def openapi(server: Served) -> dict[str, Any]:
+    r = httpx.get(server.url + "/openapi.json")            # public: no API key needed
+    assert r.status_code == 200
+    return r.json()
+
+
+def body_validator(doc: dict[str, Any], path: str) -> Any:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    # The component refs are '#/components/schemas/...': resolve them against the document.
+    return jsonschema.Draft202012Validator({**schema, "components": doc["components"]})
+
+
+def test_openapi_lists_every_route(openapi: dict[str, Any]) -> None:
+    assert openapi["openapi"].startswith("3.")
+    want = {"/health", "/metrics", "/v1/models", "/v1/models/{model}", "/v1/completions",
+            "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"}
+    assert want <= set(openapi["paths"])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = openapi["paths"][path]["post"]["responses"]
+        assert "422" not in responses and {"200", "4XX"} <= set(responses)   # 400s, not FastAPI's 422
+        assert "text/event-stream" in responses["200"]["content"]
+
+
+@pytest.mark.parametrize("path,body", GOOD, ids=[f"{i}" for i in range(len(GOOD))])
+def test_good_bodies_are_valid_and_accepted(openapi: dict[str, Any], http: Any, path: str,
+                                            body: dict[str, Any]) -> None:
+    errors = [e.message for e in body_validator(openapi, path).iter_errors(body)]
+    assert errors == [], errors
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    if path != "/tokenize" and path != "/detokenize":
+        assert r.json()["model"] == MODEL
+
+
+def test_schema_refuses_what_the_server_refuses(openapi: dict[str, Any]) -> None:
+    """jsonschema (an independent validator) on the served schema agrees with the server's
+    own validation on every BAD body: refused by both, or (server-side checks) by neither."""
+    checked = 0
+    for path, body, status, _param, words in BAD:
+        if isinstance(body, bytes):
+            continue
+        valid = body_validator(openapi, path).is_valid(body)
+        server_side = status == 404 or any(w in words for w in SERVER_SIDE_WORDS)
+        assert valid == server_side, (path, body, words)
+        checked += 1
+    assert checked >= 35
