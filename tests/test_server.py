@@ -695,3 +695,140 @@ def test_schema_refuses_what_the_server_refuses(openapi: dict[str, Any]) -> None
         assert valid == server_side, (path, body, words)
         checked += 1
     assert checked >= 35
+
+
+# ---------------------------------------------------------------------------------------
+# tokenize, detokenize, embeddings, body size
+# ---------------------------------------------------------------------------------------
+
+def test_tokenize_and_detokenize(http: Any, tokenizer: Any) -> None:
+    text = "Hello world, how are you?"
+    want = tokenizer.encode(text)
+    for body in ({"prompt": text}, {"content": text}, {"model": MODEL, "prompt": text}):
+        r = http.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"tokens": want, "count": len(want), "max_model_len": MAX_MODEL_LEN}
+    bare = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == tokenizer.encode(text, add_special_tokens=False)
+    pieces = http.post("/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == want and "".join(p["piece"] for p in pieces) == tokenizer.decode(want)
+    back = http.post("/detokenize", json={"tokens": want}).json()
+    assert back == {"prompt": tokenizer.decode(want), "content": tokenizer.decode(want)}
+    # messages: the very ids a chat completion is charged for
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    ids = http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    chat = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
+    assert len(ids) == chat["usage"]["prompt_tokens"]
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(msgs), add_special_tokens=False)
+    for body, param in (({}, "prompt"), ({"prompt": "a", "messages": msgs}, "messages"),
+                        ({"prompt": 3}, "prompt"), ({"model": "gpt-4", "prompt": "a"}, "model")):
+        r = http.post("/tokenize", json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
+    r = http.post("/detokenize", json={"tokens": [1, 10**8]})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+def test_body_size_limit_is_413(http: Any) -> None:
+    big = json.dumps({"model": MODEL, "prompt": "x" * (9 << 20)}).encode()
+    r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:   # no content-length: the limit counts the bytes as they come
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)]
+
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+
+def test_embeddings_match_the_python_api(server: Served, client: Any, http: Any) -> None:
+    import base64
+
+    import numpy as np
+
+    import ellm
+    if not hasattr(ellm.LLM, "embed"):
+        pytest.skip("this ellm has no LLM.embed (issue 12's engine part) to compare with")
+    llm = ellm.load(str(server.gguf), max_model_len=MAX_MODEL_LEN, progress=False)
+    texts = ["The cat sat on the mat.", "A kitten rested on the rug.", "Stock prices fell sharply."]
+    want = llm.embed(texts)                                     # mean pooling, normalized
+    got = client.embeddings.create(model=MODEL, input=texts)
+    vecs = np.array([d.embedding for d in got.data], dtype=np.float32)
+    assert vecs.shape == want.shape == (3, llm.config.hidden_size)
+    assert np.allclose(vecs, want, atol=1e-5) and np.allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-5)
+    assert got.usage.prompt_tokens == sum(len(llm.tokenizer.encode(t)) for t in texts)
+    raw = http.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.array_equal(decoded, vecs[0])
+    last = http.post("/v1/embeddings", json={"input": [texts[2]], "pooling": "last", "normalize": False}).json()
+    assert np.allclose(last["data"][0]["embedding"], llm.embed([texts[2]], pooling="last", normalize=False)[0],
+                       atol=1e-4)
+    for body, param in (({"input": "x", "dimensions": 8}, "dimensions"), ({"input": []}, "input"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+                        ({"input": [[1, 10**8]]}, "input"), ({"input": "x" * 5, "pooling": "max"}, "pooling")):
+        r = http.post("/v1/embeddings", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = http.post("/v1/embeddings", json={"input": "hi", "dimensions": llm.config.hidden_size})
+    assert r.status_code == 200
+
+
+# ---------------------------------------------------------------------------------------
+# a second server: the key from ELLM_API_KEY, model aliases, CORS
+# ---------------------------------------------------------------------------------------
+
+ALIASES = ("first-name", "second-name")
+ORIGIN = "http://app.example.test"
+
+
+@pytest.fixture(scope="module")
+def aliased(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    import os
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve2") / "server.log"
+    cmd = [sys.executable, "-m", "ellm", "serve", str(gguf_path), "--port", str(port), "--max-model-len", "256",
+           "--served-model-name", *ALIASES, "--allowed-origins", ORIGIN, "--log-level", "warning"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "ELLM_API_KEY": API_KEY})
+    served = Served(f"http://127.0.0.1:{port}", proc, log, gguf_path)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(served.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail(f"the second server did not come up:\n{log.read_text()[-4000:]}")
+        yield served
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_key_from_environment_and_aliases(aliased: Served) -> None:
+    cmdline = Path(f"/proc/{aliased.proc.pid}/cmdline").read_bytes()
+    assert API_KEY.encode() not in cmdline                 # the point of ELLM_API_KEY
+    assert httpx.get(aliased.v1 + "/models").status_code == 401
+    c = openai.OpenAI(base_url=aliased.v1, api_key=API_KEY, max_retries=0, timeout=60)
+    assert [m.id for m in c.models.list().data] == list(ALIASES)
+    for name in ALIASES:   # any alias is accepted; answers carry the first
+        r = c.completions.create(model=name, prompt="Hi", max_tokens=2)
+        assert r.model == ALIASES[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="smol", prompt="Hi", max_tokens=2)
+    assert all(n in str(e.value) for n in ALIASES)
+
+
+def test_cors_for_allowed_origins_only(aliased: Served) -> None:
+    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(aliased.v1 + "/chat/completions", headers=pre)       # no key: preflights carry none
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.options(aliased.v1 + "/chat/completions", headers={**pre, "Origin": "http://evil.test"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(aliased.v1 + "/models", headers={"Origin": ORIGIN, "Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.get(aliased.v1 + "/models", headers={"Origin": "http://evil.test", "Authorization": f"Bearer {API_KEY}"})
+    assert "access-control-allow-origin" not in r.headers
