@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -174,8 +175,9 @@ class Server:
     def sampling_params(self, req: P.GenerationRequest) -> SamplingParams:
         """SamplingParams (n=1; per-choice seeds are derived from it) for a request."""
         try:
-            return self.make_params(max_tokens=P.output_limit(req), logprobs=P.logprob_count(req),
-                                    **req.sampling_fields())
+            params = self.make_params(**req.sampling_fields())
+            # Set apart: None is meaningful here (no limit, no logprobs), not "the default".
+            return dataclasses.replace(params, max_tokens=P.output_limit(req), logprobs=P.logprob_count(req))
         except ValueError as e:   # the models bound every field, so this is a rare combination
             msg = str(e)
             name = msg.split(" ", 1)[0]   # SamplingParams' messages start with the field name
@@ -456,7 +458,6 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
     """Params of the i-th completion of a prompt: seed + i when seeded."""
     if params.seed is None or i == 0:
         return params
-    import dataclasses
     return dataclasses.replace(params, seed=params.seed + i)
 
 
