@@ -2,7 +2,10 @@
 
     import ellm
     llm = ellm.load("smollm2-135m-instruct")
-    print(llm.generate("The capital of France is", max_tokens=16).text)
+    print(llm.chat([{"role": "user", "content": "What is the capital of France?"}]).text)
+
+One LLM serves any number of threads and asyncio tasks (`await llm.agenerate(...)`);
+see ellm.llm.
 """
 from __future__ import annotations
 
@@ -14,10 +17,14 @@ from ._native_check import check_native as _check_native
 
 _check_native()
 
+from .engine.async_engine import EngineDeadError  # noqa: E402
+from .engine.engine import RequestError  # noqa: E402
 from .llm import LLM, CompletionOutput, load  # noqa: E402
+from .sampling_defaults import SamplingDefaults  # noqa: E402
 from .sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "CompletionOutput", "SamplingParams", "load", "generate", "chat", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "SamplingParams", "SamplingDefaults", "RequestError", "EngineDeadError",
+           "load", "generate", "chat", "__version__"]
 
 _default_llm: LLM | None = None
 
