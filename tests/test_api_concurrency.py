@@ -58,7 +58,7 @@ def alone(llm) -> list[list[int]]:
 
 def snapshot(llm) -> EngineSnapshot:
     """Counts read on the engine thread after every command posted before (aborts included)."""
-    return llm.async_engine.call(lambda _eng: llm.async_engine._snapshot()).result(timeout=60)
+    return llm.async_engine.snapshot_blocking()
 
 
 def assert_idle(llm) -> None:
@@ -247,3 +247,21 @@ def test_interpreter_exit_with_a_running_request_does_not_hang(smollm2_gguf) -> 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip()
+
+
+def test_ctrl_c_stops_a_blocking_generate_and_frees_its_blocks(smollm2_gguf) -> None:
+    code = (
+        "import os, signal, threading, ellm\n"
+        f"llm = ellm.load({str(smollm2_gguf)!r}, max_model_len=512, progress=False)\n"
+        "llm.generate('Hi', max_tokens=1)\n"
+        "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "try:\n"
+        "    llm.generate('Once upon a time', max_tokens=450, ignore_eos=True)\n"
+        "    print('not interrupted')\n"
+        "except KeyboardInterrupt:\n"
+        "    snap = llm.async_engine.snapshot_blocking()\n"
+        "    print('interrupted', snap.num_running, snap.kv_blocks_used)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["interrupted", "0", "0"], proc.stdout

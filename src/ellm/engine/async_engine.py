@@ -424,6 +424,11 @@ class AsyncEngine:
         self._post(("snapshot", (loop, fut)))
         return await fut
 
+    def snapshot_blocking(self, timeout: float | None = 60.0) -> EngineSnapshot:
+        """snapshot() for code without an event loop: read on the engine thread after every
+        command posted before it (an abort included), so it sees that abort's effect."""
+        return self.call(lambda _eng: self._snapshot()).result(timeout)
+
     def snapshot_now(self) -> EngineSnapshot:
         """The same counts read from the calling thread under the engine lock (blocks for
         up to one step). For code without an event loop, or a stopped engine thread."""
