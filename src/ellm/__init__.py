@@ -9,6 +9,7 @@ see ellm.llm.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 __version__ = "0.1.0"
@@ -27,13 +28,15 @@ __all__ = ["LLM", "CompletionOutput", "SamplingParams", "SamplingDefaults", "Req
            "load", "generate", "chat", "__version__"]
 
 _default_llm: LLM | None = None
+_default_lock = threading.Lock()   # two threads' first calls must not load it twice
 
 
 def _default() -> LLM:
     global _default_llm
-    if _default_llm is None:
-        _default_llm = load()
-    return _default_llm
+    with _default_lock:
+        if _default_llm is None:
+            _default_llm = load()
+        return _default_llm
 
 
 def generate(prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> Any:
