@@ -84,9 +84,10 @@ class LlamaModel:
             raise ValueError(f"embedding is {(self.embed.out_features, self.embed.in_features)}, "
                              f"config says {(c.vocab_size, c.hidden_size)}")
 
-    def forward(self, batch: Batch, kv: Any) -> np.ndarray:
+    def forward(self, batch: Batch, kv: Any, hidden_only: bool = False) -> np.ndarray:
         """-> logits (len(batch.logits_rows), vocab) float32, a workspace view that stays
-        valid until the next forward."""
+        valid until the next forward; hidden_only: the final-normed hidden states of those
+        rows instead, (len(batch.logits_rows), hidden_size)."""
         c, ops, ws = self.config, self.ops, self.ws
         t, r = len(batch.token_ids), len(batch.logits_rows)
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -112,4 +113,6 @@ class LlamaModel:
             ops.add_rmsnorm(residual, proj, next_norm, c.rms_norm_eps, out=h)
         if r != t:
             h = np.take(h, batch.logits_rows, axis=0, out=ws.get("rows", r, H))
+        if hidden_only:
+            return h
         return ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))
