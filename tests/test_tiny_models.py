@@ -2,7 +2,9 @@
 llama with llama-3 RoPE scaling, Gemma 1, Gemma 2 (soft-capping, sliding window), Gemma 3,
 and the families of the registry: Qwen2 (qkv bias, sliding upper layers), Qwen3 (q/k norm,
 own head_dim), Mistral (window on every layer), SmolLM3 (NoPE layers), OLMo 2 (post-norms,
-whole-projection q/k norm), Granite (multipliers).
+whole-projection q/k norm), Granite (multipliers), Phi-3 (fused projections, partial rotary,
+LongRoPE with its attention factor, a window), Qwen3-MoE (top-k experts; with and without
+renormalisation, all-MoE and with a dense layer).
 
 Each model's logits are compared with transformers' at every position, on the C kernels
 and on the reference ops, in one pass and fed in chunks then one token at a time; its
@@ -28,7 +30,7 @@ from ellm.sampling_params import SamplingParams
 from ellm.weights import SafetensorsWeights
 
 ARCHS = ["llama", "gemma", "gemma2", "gemma3_text"]
-FAMILIES = ["qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite"]
+FAMILIES = ["qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "phi3", "qwen3_moe", "qwen3_moe_mixed"]
 CHUNKS = [13, 7, 10] + [1] * 10   # chunked prefill, then decode: 40 tokens
 SCRIPT = Path(__file__).parent / "goldens" / "tiny_models.py"
 

@@ -14,6 +14,7 @@ Everything here is deterministic: the same transformers version gives the same b
 from __future__ import annotations
 
 import sys
+import json
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +45,25 @@ CONFIGS = {
     "olmo2": lambda: tf.Olmo2Config(**WIDE),
     "granite": lambda: tf.GraniteConfig(**WIDE, embedding_multiplier=3.0, residual_multiplier=0.5,
                                         attention_multiplier=0.2, logits_scaling=2.5),
+    # 12 of 16 dims per head rotate; LongRoPE with the attention factor of 256 / 64 positions;
+    # a window shorter than the prompt
+    "phi3": lambda: tf.Phi3Config(**WIDE, original_max_position_embeddings=64, sliding_window=24,
+                                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                       partial_rotary_factor=0.75,
+                                                       short_factor=[1.0, 1.3, 1.9, 2.6, 3.1, 4.2],
+                                                       long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 12.0],
+                                                       original_max_position_embeddings=64)),
+    # 3 of 8 experts per token, renormalised
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(**WIDE, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                           norm_topk_prob=True),
+    # the same with a dense MLP on layer 2 and no renormalisation (llama.cpp's converter
+    # cannot write a dense layer into a qwen3moe GGUF)
+    "qwen3_moe_mixed": lambda: tf.Qwen3MoeConfig(**WIDE, num_experts=8, num_experts_per_tok=2,
+                                                 moe_intermediate_size=48, mlp_only_layers=[2]),
 }
 CLASSES = {"gemma3_text": tf.Gemma3ForCausalLM}
-NEW_FAMILIES = ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite")
+NEW_FAMILIES = ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "phi3", "qwen3_moe",
+                "qwen3_moe_mixed")
 GREEDY_TOKENS = 8
 
 # Text to learn the tokenizer's merges from (written for this file).
@@ -87,6 +104,13 @@ def _randomize(arch: str, model: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.3)
 
 
+def _set_tokenizer_class(folder: Path, name: str) -> None:
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = name
+    path.write_text(json.dumps(config, indent=2))
+
+
 def main(out: Path) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, COMMON["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(1))
@@ -101,6 +125,8 @@ def main(out: Path) -> None:
         folder = out / arch
         model.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
+        if arch == "phi3":  # as Phi-4-mini's: llama.cpp's converter then reads the BPE, not a tokenizer.model
+            _set_tokenizer_class(folder, "GPT2Tokenizer")
         with torch.no_grad():
             logits = model(ids).logits[0].numpy()
             greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY_TOKENS,

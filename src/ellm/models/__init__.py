@@ -27,6 +27,8 @@ FAMILIES: dict[str, str] = {
     "smollm3": "smollm3",
     "olmo2": "olmo2",
     "granite": "granite",
+    "phi3": "phi3",
+    "qwen3_moe": "qwen3_moe",
 }
 # Other names for a model_type (wrappers whose text model is one of the above).
 ALIASES: dict[str, str] = {

@@ -121,6 +121,7 @@ class Attention:
     k_norm: np.ndarray | None = None   # (hd,) per head, or (nkv*hd,)
     qk_norm_whole: bool = False        # OLMo 2: one norm over the whole projection
     eps: float = 1e-6
+    rope_mscale: float = 1.0           # multiplies RoPE's cos and sin (Phi-3 LongRoPE's attention factor)
 
     def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, batch: Batch, kv_layer: tuple,
                  out: np.ndarray) -> np.ndarray:
@@ -142,7 +143,7 @@ class Attention:
         k_cache, v_cache = kv_layer
         ops.rope_attention(q3, k3, v3, batch.positions, batch.seq_ids, batch.block_tables[self.window],
                            k_cache, v_cache, self.inv_freq, self.interleaved, self.scale,
-                           self.window, self.softcap, out=attn)                  # (T, nh, hd)
+                           self.window, self.softcap, out=attn, rope_mscale=self.rope_mscale)                  # (T, nh, hd)
         ops.linear(attn.reshape(t, nh * hd), self.o, out=out)
         _add_bias(ops, [(self.o, out)])
         return out
