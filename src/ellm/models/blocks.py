@@ -90,17 +90,6 @@ def embedding_and_head(weights: WeightSource, config: ModelConfig) -> tuple[Line
     return embed, embed
 
 
-def _add_bias(ops: Any, parts: Sequence[tuple[Linear, np.ndarray]]) -> None:
-    # Stopgap until the ops backends add Linear.bias in their epilogue (owner: ops, issue
-    # 10): a backend that does sets `linear_adds_bias = True`; then this is a no-op, and
-    # it goes away once every backend does.
-    if getattr(ops, "linear_adds_bias", False):
-        return
-    for w, out in parts:
-        if w.bias is not None:
-            out += w.bias
-
-
 # -- blocks ----------------------------------------------------------------------------
 
 @dataclass
@@ -128,9 +117,7 @@ class Attention:
         """h (T, H) -> out (T, H); this step's k/v are written into the paged cache."""
         t, nh, nkv, hd = len(h), self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = ws.get("q", t, nh * hd), ws.get("k", t, nkv * hd), ws.get("v", t, nkv * hd)
-        parts = [(self.q, q), (self.k, k), (self.v, v)]
-        ops.linear_multi(h, parts)
-        _add_bias(ops, parts)
+        ops.linear_multi(h, [(self.q, q), (self.k, k), (self.v, v)])   # + their biases (Qwen2)
         q3, k3, v3 = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
         if self.q_norm is not None:   # in place
             if self.qk_norm_whole:
@@ -143,9 +130,8 @@ class Attention:
         k_cache, v_cache = kv_layer
         ops.rope_attention(q3, k3, v3, batch.positions, batch.seq_ids, batch.block_tables[self.window],
                            k_cache, v_cache, self.inv_freq, self.interleaved, self.scale,
-                           self.window, self.softcap, out=attn, rope_mscale=self.rope_mscale)                  # (T, nh, hd)
+                           self.window, self.softcap, out=attn, rope_mscale=self.rope_mscale)  # (T, nh, hd)
         ops.linear(attn.reshape(t, nh * hd), self.o, out=out)
-        _add_bias(ops, [(self.o, out)])
         return out
 
 
@@ -249,7 +235,6 @@ class Decoder:
         if hidden_only:
             return h
         logits = ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))
-        _add_bias(ops, [(self.lm_head, logits)])
         if self.logits_scale != 1.0:
             ops.scale(logits, self.logits_scale)
         if self.final_softcap > 0:
