@@ -8,9 +8,17 @@ renormalisation, all-MoE and with a dense layer).
 
 Each model's logits are compared with transformers' at every position, on the C kernels
 and on the reference ops, in one pass and fed in chunks then one token at a time; its
-greedy continuation with transformers' greedy ids; batched greedy with one at a time."""
+greedy continuation with transformers' greedy ids; batched greedy with one at a time.
+
+GGUF: each family's folder converted by llama.cpp's own converter (tests/goldens/
+convert_tiny.py, at f32 and q8_0) is the file llama.cpp's logits were recorded on
+(tests/goldens/make_llamacpp_tiny.py, same sha256), and ellm on it matches them; where
+the converter keeps every setting, the f32 file also matches the folder's transformers
+logits (it drops Mistral's window, SmolLM3's NoPE interval and Qwen2's window)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -22,17 +30,23 @@ import pytest
 import ellm
 from ellm.config import ModelConfig
 from ellm.engine.kv_cache import BlockManager, KVCache
+from ellm.formats.gguf import GGUFFile
 from ellm.formats.safetensors import SafetensorsFolder
 from ellm.models import build_model
 from ellm.models.batch import Batch
 from ellm.ops import get_ops
 from ellm.sampling_params import SamplingParams
-from ellm.weights import SafetensorsWeights
+from ellm.weights import GGUFWeights, SafetensorsWeights
 
 ARCHS = ["llama", "gemma", "gemma2", "gemma3_text"]
 FAMILIES = ["qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "phi3", "qwen3_moe", "qwen3_moe_mixed"]
 CHUNKS = [13, 7, 10] + [1] * 10   # chunked prefill, then decode: 40 tokens
-SCRIPT = Path(__file__).parent / "goldens" / "tiny_models.py"
+GOLDENS = Path(__file__).parent / "goldens"
+SCRIPT = GOLDENS / "tiny_models.py"
+# llama.cpp's converter writes no dense layer into a qwen3moe file
+GGUF_FAMILIES = [f for f in FAMILIES if f != "qwen3_moe_mixed"]
+# the families whose GGUF keeps every setting of the folder
+GGUF_KEEPS_ALL = ["qwen3", "olmo2", "granite", "phi3", "qwen3_moe"]
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +60,16 @@ def tiny_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _forward(folder: Path, device: str, chunks: list[int]) -> np.ndarray:
-    """Logits at every position, feeding the tokens in the given chunk sizes."""
-    config = ModelConfig.from_folder(folder)
-    model = build_model(config, SafetensorsWeights(SafetensorsFolder(folder)), get_ops(device))
+def _forward(folder: Path, device: str, chunks: list[int], gguf: Path | None = None) -> np.ndarray:
+    """Logits at every position, feeding the tokens in the given chunk sizes (of the
+    folder's model, or of the GGUF file when one is given)."""
+    if gguf is None:
+        config = ModelConfig.from_folder(folder)
+        weights = SafetensorsWeights(SafetensorsFolder(folder))
+    else:
+        config = ModelConfig.from_gguf(GGUFFile(gguf))
+        weights = GGUFWeights(GGUFFile(gguf))
+    model = build_model(config, weights, get_ops(device))
     ids = np.load(folder / "ids.npy")
     kv = KVCache(config, num_blocks=16, block_size=4)
     blocks = BlockManager(kv, enable_prefix_caching=False)
@@ -123,3 +143,77 @@ def test_family_batched_greedy_equals_one_at_a_time(tiny_dir, family_llms, arch)
     alone = [llm.generate(p, params).token_ids for p in prompts]
     together = [o.token_ids for o in llm.generate(prompts, params)]
     assert together == alone
+
+
+# -- GGUF files written by llama.cpp's converter ----------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_ggufs(tiny_dir) -> Path:
+    """Every family's folder converted at f32 and q8_0: <dir>/<family>-<type>.gguf."""
+    converter = os.environ.get("ELLM_LLAMA_CPP_DIR")
+    if not converter or not (Path(converter) / "convert_hf_to_gguf.py").is_file():
+        pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
+                    "`bash tests/run.sh` (it fetches it), or point it at vendor/llama.cpp of the "
+                    "llama-cpp-python 0.3.36 sdist", pytrace=False)
+    out = tiny_dir / "gguf"
+    subprocess.run([os.environ["ELLM_REF_PYTHON"], str(GOLDENS / "convert_tiny.py"), converter, str(out),
+                    *(str(tiny_dir / f) for f in GGUF_FAMILIES)], check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.mark.parametrize("arch", GGUF_KEEPS_ALL)
+def test_gguf_matches_the_folder_where_the_converter_keeps_everything(tiny_dir, tiny_ggufs, arch) -> None:
+    want = np.load(tiny_dir / arch / "logits.npy")
+    _assert_close_relative(_forward(tiny_dir / arch, "cpu", [40], tiny_ggufs / f"{arch}-f32.gguf"), want)
+    got = _forward(tiny_dir / arch, "cpu", [40], tiny_ggufs / f"{arch}-q8_0.gguf")   # q8_0: clear argmaxes
+    top2 = np.sort(want, axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.05 * float(np.abs(want).max())
+    assert np.array_equal(got.argmax(1)[clear], want.argmax(1)[clear])
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "olmo2", "granite"])
+def test_hidden_only_is_what_the_head_reads(tiny_dir, arch) -> None:
+    """forward(hidden_only=True): the final-normed hidden states whose head product (and the
+    family's logits scaling / capping) are the logits."""
+    folder = tiny_dir / arch
+    config = ModelConfig.from_folder(folder)
+    model = build_model(config, SafetensorsWeights(SafetensorsFolder(folder)), get_ops("cpu"))
+    ids = np.load(folder / "ids.npy")
+    runs = []
+    for hidden_only in (False, True):
+        kv = KVCache(config, num_blocks=16, block_size=4)
+        blocks = BlockManager(kv, enable_prefix_caching=False)
+        assert blocks.allocate("s", len(ids))
+        tables = {w: np.asarray([blocks.table("s", w)], np.int32) for w in kv.windows}
+        batch = Batch(ids, np.arange(len(ids), dtype=np.int32), np.zeros(len(ids), np.int32), tables,
+                      np.array([3, 17, 39], np.int32))
+        runs.append(model.forward(batch, kv, hidden_only=hidden_only).copy())
+    logits, hidden = runs
+    assert hidden.shape == (3, config.hidden_size)
+    again = model.ops.linear(hidden, model.lm_head)
+    model.ops.scale(again, model.logits_scale)
+    model.ops.softcap(again, model.final_softcap)
+    np.testing.assert_array_equal(again, logits)
+
+
+def test_gguf_tokenizer_is_the_folders(tiny_dir, tiny_ggufs) -> None:
+    """The vocabulary llama.cpp's converter wrote (byte-level BPE, gpt-2 pre-tokenizer), as ellm
+    rebuilds it, encodes and decodes like the folder's tokenizer.json."""
+    from ellm.tokenizer import Tokenizer
+    folder = Tokenizer.from_folder(tiny_dir / "qwen3")
+    gguf = Tokenizer.from_gguf(GGUFFile(tiny_ggufs / "qwen3-f32.gguf"))
+    text = "The window limits how far back a layer may look: 12 + 345 = 357 <|im_end|> ünïcödé  spaces\n\tend"
+    assert gguf.encode(text) == folder.encode(text) and len(folder.encode(text)) > 20
+    assert gguf.decode(folder.encode(text)) == text
+
+
+def test_cli_shows_the_architecture_and_its_choices(tiny_dir, capsys) -> None:
+    from ellm.cli import main
+    assert main(["info", str(tiny_dir / "smollm3")]) == 0
+    out = capsys.readouterr().out
+    assert "architecture: smollm3 (family module ellm.models.smollm3)" in out and "nope_layers: [1, 3]" in out
+    assert main(["info", str(tiny_dir / "qwen2")]) == 0
+    assert "sliding_window: [8]" in capsys.readouterr().out
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out.splitlines()[-1]
+    assert listed.startswith("architectures (model_type): ") and "olmo2" in listed and "granite" in listed
