@@ -21,7 +21,12 @@ import numpy as np
 from llama_cpp import Llama, __version__
 
 HERE = Path(__file__).resolve().parent
-FAMILIES = ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite")
+# phi3 is left out: llama.cpp 0.3.36 refuses the vocabulary its converter writes for the
+# tiny Phi-3 ("error loading model vocabulary: unordered_map::at").
+FAMILIES = ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "qwen3_moe")
+# Phi-3's LongRoPE: llama.cpp takes the long factors once n_ctx exceeds the tiny model's
+# original_max_position_embeddings (64), transformers and ellm the short ones below it.
+N_CTX = 64
 OUTTYPES = ("f32", "q8_0")
 GREEDY_TOKENS = 8
 GGML_TYPE_F32 = 0
@@ -33,7 +38,7 @@ def sha256(path: Path) -> str:
 
 def run_llamacpp(path: Path, ids: list[int]) -> tuple[np.ndarray, list[int], list[float]]:
     """-> logits (len(ids), vocab) at every prompt position, greedy ids, their top-2 margins."""
-    llm = Llama(model_path=str(path), n_ctx=256, n_batch=64, n_threads=2, logits_all=True, verbose=False,
+    llm = Llama(model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, logits_all=True, verbose=False,
                 type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
     llm.eval(ids)
     logits = np.array(llm.scores[:len(ids)], dtype=np.float32)
