@@ -385,7 +385,12 @@ class AsyncEngine:
         that decoding streams take a step between two groups. Blocks the caller."""
         groups = self._embed_groups(prompts, pooling)
         futs = [self.call(lambda eng, g=g: eng.embed(g, pooling, normalize)) for g in groups]
-        return _stack([f.result() for f in futs], self.engine.model.config.hidden_size)
+        try:
+            return _stack([f.result() for f in futs], self.engine.model.config.hidden_size)
+        except BaseException:
+            for f in futs:   # failed or interrupted: the groups not yet started are dropped
+                f.cancel()
+            raise
 
     async def embed(self, prompts: list[list[int]], pooling: str = "mean",
                     normalize: bool = True) -> np.ndarray:
