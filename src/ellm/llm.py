@@ -22,6 +22,9 @@ class CompletionOutput:
     finish_reason: str | None        # "stop" | "length" | "abort"
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # chat with tools: the parsed calls (ellm.server.tools.ToolCall) and the text around them
+    tool_calls: list[Any] | None = None
+    content: str | None = None
 
     def __str__(self) -> str:
         return self.text
@@ -109,9 +112,23 @@ class LLM:
         finally:
             self.engine.abort(rid)
 
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
-             **kwargs: Any) -> CompletionOutput:
-        """Applies the model's chat template and generates the assistant's reply."""
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+             tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+             parallel_tool_calls: bool = True, **kwargs: Any) -> CompletionOutput:
+        """Applies the model's chat template and generates the assistant's reply.
+
+        tools (OpenAI function tools) and tool_choice ("none" | "auto" | "required" |
+        {"type": "function", "function": {"name": ...}}): the reply's `tool_calls` holds
+        the parsed calls and `content` the text beside them (see ellm.server.tools)."""
+        if tools is not None or tool_choice is not None:  # [tools]
+            from .server.tools import ToolPlan
+            plan = ToolPlan.make(self.tokenizer, tools, tool_choice, parallel_tool_calls)
+            sp = plan.sampling(_one_completion(SamplingParams.from_kwargs(params, **kwargs)))
+            out = self.generate(plan.prompt_ids(self.tokenizer, messages), sp)
+            assert isinstance(out, CompletionOutput)
+            out.content, calls = plan.parse(out.text)
+            out.tool_calls = calls or None
+            return out
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         if self.tokenizer.add_bos and self.tokenizer.bos_token_id is not None and \
