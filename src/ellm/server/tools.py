@@ -33,7 +33,7 @@ from typing import Any
 
 FORMATS = ("hermes", "llama3", "mistral", "generic")
 # How many calls a required / auto turn may hold when parallel calls are allowed.
-MAX_PARALLEL_CALLS = 8
+MAX_PARALLEL_CALLS = 4
 # JSON inside the call grammars is written compactly (see engine/structured.py).
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -446,10 +446,13 @@ class StreamParser:
             self._started = True
         out, self._buf = self._lead + self._buf, ""
         self._lead = ""
-        if self.fmt == "mistral" and "[TOOL_CALLS]" in out:  # calls after some text
-            head, _, tail = out.partition("[TOOL_CALLS]")
-            self._buf, self._hold_all = "[TOOL_CALLS]" + tail, True
-            out = head
+        if self.fmt == "mistral":  # calls may follow some text: hold from the marker on
+            at = out.find("[TOOL_CALLS]")
+            if at >= 0:
+                self._buf, self._hold_all, out = out[at:], True, out[:at]
+            else:
+                keep = _partial_suffix(out, "[TOOL_CALLS]")
+                out, self._buf = out[:len(out) - keep], out[len(out) - keep:]
         return [("content", out)] if out else []
 
     def _hermes(self, final: bool) -> list[tuple[str, Any]]:
