@@ -223,3 +223,114 @@ class ResponseBuilder:
 def sse_event(ev: dict[str, Any]) -> str:
     """One Responses stream event as SSE (the event name and the JSON data)."""
     return f"event: {ev['type']}\ndata: {json.dumps(ev, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------- the route
+
+def chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat completions request that a Responses request means."""
+    check_stateless(body)
+    msgs = input_messages(body.get("input"), body.get("instructions"))
+    out: dict[str, Any] = {"messages": msgs, **format_fields(body.get("text"))}
+    for src, dst in (("model", "model"), ("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
+                     ("top_p", "top_p"), ("tools", "tools"), ("tool_choice", "tool_choice"),
+                     ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
+        if body.get(src) is not None:
+            out[dst] = body[src]
+    return out
+
+
+async def create_response(server: Any, request: Any, body: Any) -> Any:
+    """POST /v1/responses on an ellm.server.app.Server."""
+    from fastapi.responses import JSONResponse, Response
+    from pydantic import ValidationError
+
+    from ..engine.async_engine import EngineDeadError, QueueFullError
+    from . import protocol as P
+    from .errors import APIError, from_validation
+    from .streaming import SSEResponse, unless_disconnected
+
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = P.ChatCompletionRequest.model_validate(chat_body(body))
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except ValidationError as e:
+        raise from_validation(e.errors()) from None
+    server.check_model(req.model)
+    plan = server.tool_plan(req)
+    try:
+        ids = server.chat_ids(req.template_messages(), True, None, plan)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    params = server.sampling_params(req)
+    if plan is not None:
+        try:
+            params = plan.sampling(params)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+    server.check_length(ids, "input", params.max_tokens, "max_output_tokens" if req.max_completion_tokens else None)
+    try:
+        server.engine.check_capacity(1)
+        stream = server.engine.submit(ids, params, new_id("resp"))
+    except QueueFullError as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
+    server.metrics.prompt_tokens.inc(len(ids))
+    outputs = server._outputs([stream], time.perf_counter())
+    builder = ResponseBuilder(body, server.cfg.model_name)
+    parser = plan.stream_parser() if plan is not None else None
+
+    def parsed(events: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for kind, v in events:
+            out += builder.content(v) if kind == "content" else builder.call(v)
+        return out
+
+    async def run(emit: bool) -> Any:
+        """Feeds the builder; yields SSE text when emit (a stream)."""
+        n_out, cached = 0, 0
+        try:
+            if emit:
+                for ev in builder.start():
+                    yield sse_event(ev)
+            async for _, out in outputs:
+                n_out += len(out.new_token_ids)
+                if parser is not None:
+                    events = parsed(parser.feed(out.new_text) + (parser.finish() if out.finished else []))
+                else:
+                    events = builder.content(out.new_text)
+                if out.finished:
+                    cached = out.num_cached_tokens
+                    events += builder.finish(out.finish_reason, len(ids), n_out, cached)
+                if emit:
+                    for ev in events:
+                        yield sse_event(ev)
+        except Exception as e:  # noqa: BLE001 - an engine failure ends the stream with an error event
+            err = server._engine_error(e)
+            if not emit:
+                raise err from None
+            yield sse_event({"type": "error", "sequence_number": builder._seq, "code": err.code,
+                             "message": str(err), "param": None})
+        finally:
+            await outputs.aclose()
+
+    if body.get("stream"):
+        return SSEResponse(run(True))
+
+    async def collect() -> Any:
+        try:
+            async for _ in run(False):
+                pass
+        except APIError as e:
+            return e
+        return builder.final
+
+    finished, result = await unless_disconnected(request, collect())
+    if not finished:
+        return Response(status_code=499)
+    if isinstance(result, APIError):
+        return JSONResponse(result.body(), status_code=result.status)
+    return JSONResponse(result)

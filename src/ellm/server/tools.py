@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMATS = ("hermes", "llama3", "mistral", "generic")
-# How many calls a required / auto turn may hold when parallel calls are allowed.
+# How many calls a required turn may hold when parallel calls are allowed: at most this,
+# and at most one per function offered (small models otherwise repeat a call until
+# max_tokens; one turn rarely needs the same function twice).
 MAX_PARALLEL_CALLS = 4
 # JSON inside the call grammars is written compactly (see engine/structured.py).
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -276,14 +278,15 @@ def _strict(parameters: dict[str, Any]) -> dict[str, Any]:
 
 def call_grammar(functions: list[Function], fmt: str, *, parallel: bool = True) -> str:
     """A Lark grammar (llguidance dialect: %json embeds a JSON schema) for one call, or
-    1..MAX_PARALLEL_CALLS calls when parallel, of the given functions in format fmt. The
+    when parallel 1..min(MAX_PARALLEL_CALLS, len(functions)) calls, of the given functions
+    in format fmt. The
     Mistral grammar leaves out the [TOOL_CALLS] control token (a grammar matches text;
     the parser reads the array with or without it)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown tool call format {fmt!r}; known: {', '.join(FORMATS)}")
     if not functions:
         raise ValueError("a call grammar needs at least one function")
-    more = MAX_PARALLEL_CALLS - 1 if parallel else 0
+    more = min(MAX_PARALLEL_CALLS, len(functions)) - 1 if parallel else 0
     if fmt in ("hermes", "generic"):
         schema = json.dumps(_call_schema(functions, "arguments"))
         return ("start: call" + _repeat(r'"\n"', more) + "\n"
@@ -575,7 +578,8 @@ class ToolPlan:
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if not self.parses:
             return text, []
-        return parse_calls(text, self.fmt, self.functions)
+        content, calls = parse_calls(text, self.fmt, self.functions)
+        return (content, calls) if calls else (text, [])
 
     def stream_parser(self) -> StreamParser | None:
         return StreamParser(self.fmt, self.functions) if self.parses else None
