@@ -17,7 +17,6 @@ a stream that has already started.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import base64
 import contextlib
 import dataclasses
