@@ -176,7 +176,7 @@ def _check_tool_answer(served: Served, i: int) -> tuple[str, int]:
     return ("auto-call" if choice == "auto" else "constrained"), len(calls)
 
 
-@pytest.mark.parametrize("model", ["smol", "gemma"])
+@pytest.mark.parametrize("model", ["smol", pytest.param("gemma", marks=pytest.mark.slow)])
 def test_tool_calls_parse_and_validate_over_many_requests(model: str, request: pytest.FixtureRequest) -> None:
     """50 varied requests per model, 16 at a time (see _tool_request)."""
     served = request.getfixturevalue(model)
@@ -356,10 +356,11 @@ def test_langchain_openai_bind_tools_and_structured_output(smol: Served) -> None
         prompt = "Make up a person. Reply in JSON with name and age." if method == "json_mode" else "Make up a person."
         try:
             out = structured.invoke(prompt)
-        except Exception as e:  # json_mode cannot force the keys: a parse failure there is the model's
+        except (openai.APIConnectionError, openai.APIStatusError):
+            raise
+        except Exception:  # json_mode forces a JSON object, not these keys: a miss there is the model's
             if method != "json_mode":
                 raise
-            assert "Person" in str(e) or "validation" in str(e).lower(), e
             continue
         assert isinstance(out, Person), (method, out)
 
