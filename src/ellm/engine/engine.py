@@ -211,6 +211,14 @@ class Engine:
 
     # -- [structured] constrained decoding (ellm.engine.structured) -------------------
 
+    def prepare_constraints(self) -> None:
+        """Builds llguidance's view of the tokenizer now (any thread may call this), so the
+        first constrained request does not pay for it (seconds for a 262k vocabulary) on
+        the engine thread while other requests wait."""
+        from . import structured
+
+        structured.llg_tokenizer(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+
     def _grammar_state(self, params: SamplingParams) -> Any:
         """A fresh matcher for a constrained request, else None."""
         if params.constraint is None:

@@ -326,6 +326,8 @@ class Server:
                                 f"(size {self.cfg.vocab_size})", param="logit_bias")
         if params.stop_token_ids:
             self._check_ids(params.stop_token_ids, "stop_token_ids", "stop token id")
+        if params.constraint is not None:  # [structured] llguidance's tokenizer, off the engine thread
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.engine.prepare_constraints)
         total = len(prompts) * req.n
         if total > self.engine.max_queue:
             raise APIError(400, f"this request asks for {total} sequences ({len(prompts)} prompts x n={req.n}); "

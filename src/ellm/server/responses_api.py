@@ -271,6 +271,9 @@ async def create_response(server: Any, request: Any, body: Any) -> Any:
         except ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
     server.check_length(ids, "input", params.max_tokens, "max_output_tokens" if req.max_completion_tokens else None)
+    if params.constraint is not None:  # llguidance's tokenizer, built off the engine thread
+        import asyncio
+        await asyncio.get_running_loop().run_in_executor(None, server.engine.engine.prepare_constraints)
     try:
         server.engine.check_capacity(1)
         stream = server.engine.submit(ids, params, new_id("resp"))
