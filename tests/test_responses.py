@@ -244,6 +244,14 @@ def test_response_format_json_schema_always_validates(smol: Served) -> None:
     """50 json_schema requests (half streamed) beside 12 unconstrained, 16 at a time."""
     results = _pool_map(_json_answer, [(smol, i) for i in range(62)])
     assert results.count("valid") == 50 and results.count("free") == 12
+    # n choices: each has its own matcher
+    r = smol.client().chat.completions.create(
+        model=smol.model, n=3, seed=1, temperature=1.0, max_tokens=80,
+        messages=[{"role": "user", "content": "A contact as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert len(r.choices) == 3
+    for ch in r.choices:
+        jsonschema.validate(json.loads(ch.message.content), PERSON)
 
 
 def test_peer_constraint_fields(smol: Served) -> None:

@@ -5,9 +5,8 @@ Three pieces:
   compile_constraint(kind, value)  SamplingParams' json_schema / regex / choice / grammar
                   -> an llguidance grammar (a string), checked once; a bad schema, regex or
                   grammar is a ValueError that names the field and llguidance's message.
-  GrammarState    one sequence's LLMatcher: advanced with every sampled token, rolled back
-                  when the sequence's output is cut (sync), `done` once the grammar can
-                  take nothing but EOS.
+  GrammarState    one sequence's LLMatcher: advanced with every sampled token, `done` once
+                  the grammar can take nothing but EOS.
   MaskFiller      one per engine: fills the int32 bitmask rows of a batch's constrained
                   sequences with llguidance's parallel fill (it releases the GIL) in a
                   worker thread, started before model.forward and joined after, so the mask
@@ -19,7 +18,8 @@ grammar may end, so a constrained sequence ends by EOS only on a complete output
 
 Preemption needs no rollback here: the scheduler keeps a preempted sequence's output ids
 and recomputes their K/V, so the matcher (which follows the output ids, not the cache)
-stays right. sync() covers any path that does cut output ids.
+stays right (tests/test_structured.py forces preemptions and checks the outputs). A path
+that cuts output ids (speculative decoding) must call matcher.rollback(n) with them.
 """
 from __future__ import annotations
 
@@ -119,13 +119,6 @@ class GrammarState:
         if ok:
             self.num_tokens += 1
         return ok
-
-    def sync(self, num_output_tokens: int) -> None:
-        """Rolls the matcher back to the first num_output_tokens tokens of the output."""
-        extra = self.num_tokens - num_output_tokens
-        if extra > 0:
-            self.matcher.rollback(extra)
-            self.num_tokens = num_output_tokens
 
     @property
     def done(self) -> bool:
