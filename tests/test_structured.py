@@ -264,13 +264,15 @@ def test_mask_filler_matches_each_matcher_alone(smollm2) -> None:
 # ---------------------------------------------------------------- generation
 
 def _run_mixed(llm, requests: list[tuple[list[int], SamplingParams]]):
-    """All requests in one engine, stepped together; returns RequestOutputs in order."""
-    ids = [llm.engine.add_request(p, sp) for p, sp in requests]
-    done = {}
-    while llm.engine.has_unfinished():
-        for out in llm.engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    """All requests in one engine, stepped together; returns RequestOutputs in order. The
+    engine loop's lock keeps its thread from stepping the engine meanwhile."""
+    with llm._loop().lock:
+        ids = [llm.engine.add_request(p, sp) for p, sp in requests]
+        done = {}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
     return [done[i] for i in ids]
 
 
@@ -378,3 +380,22 @@ def test_gemma_json_schema(gemma3_gguf) -> None:
     for o in outs:
         assert o.finish_reason == "stop", o.text
         jsonschema.validate(json.loads(o.text), PERSON)
+
+
+def test_a_failed_matcher_finishes_its_request_alone(smollm2) -> None:
+    """A matcher in error (here: fed a token its grammar refuses, as a grammar past
+    llguidance's limits would be) ends its own request with finish_reason "error"; the
+    batch goes on."""
+    ids = _chat_ids(smollm2, "Pick a colour.")
+    with smollm2._loop().lock:
+        eng = smollm2.engine
+        bad = eng.add_request(ids, SamplingParams(choice=COLORS, temperature=0.0, max_tokens=8))
+        good = eng.add_request(ids, SamplingParams(regex=DATE, temperature=0.0, max_tokens=24))
+        eng.seqs[bad].grammar.advance(smollm2.tokenizer.encode("zzz", add_special_tokens=False)[0])
+        done = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+    assert done[bad].finish_reason == "error" and done[bad].error
+    assert done[good].finish_reason == "stop" and re.fullmatch(DATE, done[good].text)

@@ -224,13 +224,14 @@ def test_call_grammars_accept_calls_and_refuse_bad_arguments(smollm2, fmt: str) 
 def _engine_run(llm, jobs):
     """[(plan, messages, params)] as one batch through the engine -> [(plan, output)]."""
     rids = []
-    for plan, msgs, params in jobs:
-        rids.append(llm.engine.add_request(plan.prompt_ids(llm.tokenizer, msgs), plan.sampling(params)))
-    done = {}
-    while llm.engine.has_unfinished():
-        for out in llm.engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    with llm._loop().lock:  # the engine loop's thread must not step the engine meanwhile
+        for plan, msgs, params in jobs:
+            rids.append(llm.engine.add_request(plan.prompt_ids(llm.tokenizer, msgs), plan.sampling(params)))
+        done = {}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
     return [done[r] for r in rids]
 
 
