@@ -32,9 +32,10 @@ Prompt = Union[str, Sequence[int]]
 class CompletionOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str | None        # "stop" | "length" | "abort"
+    finish_reason: str | None        # "stop" | "length" | "abort" | "error"
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None         # why, when finish_reason is "error" (a constraint failed)
     # chat with tools: the parsed calls (ellm.server.tools.ToolCall) and the text beside them
     tool_calls: list[Any] | None = None
     content: str | None = None
@@ -58,7 +59,7 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 def _completion(final: FinalOutput, params: SamplingParams) -> CompletionOutput:
     return CompletionOutput(final.text, final.token_ids, final.finish_reason, final.prompt_token_ids,
-                            final.logprobs if params.logprobs is not None else None)
+                            final.logprobs if params.logprobs is not None else None, final.error)
 
 
 def _shape(outs: list[CompletionOutput], n: int, single: bool) -> Any:

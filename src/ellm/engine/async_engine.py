@@ -80,6 +80,7 @@ class FinalOutput:
     prompt_token_ids: list[int]
     logprobs: list[TokenLogprob]
     num_cached_tokens: int
+    error: str | None = None         # why, when finish_reason is "error"
 
 
 class _Sink:
@@ -206,7 +207,7 @@ class BlockingRequestStream:
 
 def _final(out: RequestOutput, logprobs: list[TokenLogprob]) -> FinalOutput:
     return FinalOutput(out.request_id, out.text, list(out.token_ids), out.finish_reason,
-                       list(out.prompt_token_ids), logprobs, out.num_cached_tokens)
+                       list(out.prompt_token_ids), logprobs, out.num_cached_tokens, out.error)
 
 
 class AsyncEngine:
