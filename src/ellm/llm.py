@@ -264,7 +264,7 @@ class LLM:
     def _embed_ids(self, texts: str | Sequence[Prompt], pooling: str) -> list[list[int]]:
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-        batch = [texts] if _is_single(texts) else list(texts)
+        batch: list[Prompt] = [texts] if _is_single(texts) else list(texts)  # type: ignore[list-item]
         return [self.encode_prompt(t) for t in batch]
 
     def embed(self, texts: str | Sequence[Prompt], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
