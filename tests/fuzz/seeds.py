@@ -96,9 +96,9 @@ def write_seeds(target: str, folder: Path) -> None:
     if target == "gguf":
         _gguf(folder / "seed0.gguf", "llama", {"t.u": 7, "t.s": "héllo", "t.arr": [1, 2, 3],
                                                "t.strs": ["a", "bc", ""]}, tensors)
-        q = gguf.quants.quantize(rng.standard_normal((2, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q4_K)
+        q = gguf.quants.quantize(rng.standard_normal((2, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
         w = gguf.GGUFWriter(str(folder / "seed1.gguf"), "llama")
-        w.add_tensor("q", q, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        w.add_tensor("q", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
