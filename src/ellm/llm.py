@@ -1,6 +1,8 @@
 """LLM: a tokenizer, a model and an engine behind generate / stream / chat / logits."""
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
@@ -11,6 +13,8 @@ from .config import ModelConfig
 from .engine.engine import Engine, EngineConfig
 from .engine.sequence import TokenLogprob
 from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
 
@@ -139,6 +143,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
 
     ops = get_ops(device)
     resolved = hub.resolve(source, progress=progress)
+    # Say what was loaded: a name and a path can look alike (see hub.resolve).
+    log.info("loading %s", resolved.describe())
+    if progress:
+        print(f"ellm: loading {resolved.describe()}", file=sys.stderr, flush=True)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
         config = ModelConfig.from_gguf(gguf)
