@@ -338,3 +338,15 @@ def test_safetensors_truncated_after_open_is_refused_before_first_read(tmp_path:
     with open(p, "ab") as fh:
         fh.write(b"more")
     np.testing.assert_array_equal(f2.array("t"), np.arange(1024, dtype=np.float32))
+
+
+@pytest.mark.parametrize("qtype,k", [(GGMLType.Q8_1, 32), (GGMLType.Q8_K, 256), (GGMLType.I32, 4), (GGMLType.F64, 4)])
+def test_gguf_types_the_kernels_cannot_dequantize(tmp_path: Path, qtype: GGMLType, k: int) -> None:
+    # (found by tests/fuzz/fuzz_readers.py gguf: a ValueError from the kernel, not FormatError)
+    from ellm.formats.ggml_types import row_bytes
+
+    data = bytes(row_bytes(qtype, k))
+    g = GGUFFile(write(tmp_path, gguf_bytes([], [("t", [k], int(qtype), 0)], data)))
+    with pytest.raises(FormatError, match=f"tensor 't' \\({qtype.name}\\) cannot be dequantized"):
+        g.dequantize("t")
+    assert g.raw("t").nbytes == len(data)

@@ -288,7 +288,11 @@ class GGUFFile:
         """The tensor as a new float32 array of its logical shape."""
         from .dequant import dequantize
         info = self.tensors[name]
-        return dequantize(self.raw(name), info.qtype, info.shape)
+        raw = self.raw(name)
+        try:
+            return dequantize(raw, info.qtype, info.shape)
+        except ValueError as e:  # a valid file with a type the kernels do not convert
+            raise FormatError(self.path, f"tensor {name!r} ({info.qtype.name}) cannot be dequantized: {e}") from None
 
     def drop_metadata(self, prefix: str) -> None:
         """Forgets metadata keys starting with prefix (the vocabulary, once a tokenizer
