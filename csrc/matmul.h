@@ -24,11 +24,11 @@
  * reports the error). */
 size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K);
 
-/* Y = X . W^T. Returns ELLM_OK or an ellm_status code (quant.h); checks that w_bytes
- * equals N * ellm_row_bytes(qtype, K) and that the scratch is large enough and
- * aligned. Safe to call without the GIL; uses ellm_parallel_for. */
+/* Y = X . W^T (+ bias: (N,) f32, or NULL). Returns ELLM_OK or an ellm_status code
+ * (quant.h); checks that w_bytes equals N * ellm_row_bytes(qtype, K) and that the scratch
+ * is large enough and aligned. Safe to call without the GIL; uses ellm_parallel_for. */
 int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w, size_t w_bytes,
-                int64_t N, float *y, void *scratch, size_t scratch_bytes);
+                int64_t N, const float *bias, float *y, void *scratch, size_t scratch_bytes);
 
 /* ------------------------------------------------------------------------------------
  * Several weight matrices against the same X (q, k, v; gate, up): X is quantized once
@@ -46,6 +46,8 @@ typedef struct {
     int64_t N;
     float *y;          /* (T, ldy) f32; columns [0, N) of each row are written */
     int64_t ldy;       /* row stride of y in floats, >= N (a column slice of a wider Y) */
+    const float *bias; /* (N,) f32 or NULL: y[t][n] = dot(w_n, x_t) + bias[n], the add made
+                        * after the fixed-order sum, so batch invariance is unchanged */
 } ellm_linear_part;
 
 /* Scratch bytes ellm_linear_multi needs (64-byte aligned); 0 when every part has float
@@ -58,5 +60,36 @@ size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_part
  * outputs must not overlap X or one another. Safe to call without the GIL. */
 int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
                       int n_parts, void *scratch, size_t scratch_bytes);
+
+/* ------------------------------------------------------------------------------------
+ * Groups: several ellm_linear_multi calls, each with its own X (of one width K), run as
+ * one pass over the thread pool -- the experts of an MoE layer, each on the tokens routed
+ * to it. Every output is bit-identical to its group's ellm_linear_multi call alone.
+ * ------------------------------------------------------------------------------------ */
+
+#define ELLM_LINEAR_MAX_GROUPS 4096
+
+typedef struct {
+    const float *x;                /* (T, K) */
+    int64_t T;
+    const ellm_linear_part *parts; /* (n_parts,), as for ellm_linear_multi */
+    int n_parts;
+} ellm_linear_group;
+
+/* Scratch bytes ellm_linear_groups needs (64-byte aligned; never 0 for valid input, as
+ * it holds each group's layout); 0 for invalid arguments. */
+size_t ellm_linear_groups_scratch_bytes(const ellm_linear_group *groups, int n_groups, int64_t K);
+
+/* At least ellm_linear_groups_scratch_bytes for any n_groups groups of these parts' types
+ * (only the qtypes are read) whose T add up to total_rows; 0 for invalid arguments. */
+size_t ellm_linear_groups_scratch_bound(const ellm_linear_part *parts, int n_parts, int n_groups,
+                                        int64_t total_rows, int64_t K);
+
+/* Runs every group (1 <= n_groups <= ELLM_LINEAR_MAX_GROUPS); each is checked as
+ * ellm_linear_multi checks its arguments, all before anything runs on the pool (a group
+ * with K = 0 has its outputs written during the checks). Outputs must not overlap any
+ * group's X or one another. Safe to call without the GIL. */
+int ellm_linear_groups(const ellm_linear_group *groups, int n_groups, int64_t K, void *scratch,
+                       size_t scratch_bytes);
 
 #endif

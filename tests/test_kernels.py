@@ -287,23 +287,25 @@ def make_batch(nh, nkv, hd, new, before, *, block=BLOCK, seed=0, free_before=Non
                 k_cache=k_cache, v_cache=v_cache, inv_freq=inv_freq)
 
 
-def run_both(batch, interleaved, scale, window, cap):
+def run_both(batch, interleaved, scale, window, cap, mscale=1.0):
     """(kernel out, reference out, kernel caches, reference caches)."""
     kb = {n: a.copy() for n, a in batch.items()}
     rb = {n: a.copy() for n, a in batch.items()}
     got = K.rope_attention(kb["q"], kb["k"], kb["v"], kb["positions"], kb["seq_ids"], kb["block_tables"],
-                           kb["k_cache"], kb["v_cache"], kb["inv_freq"], interleaved, scale, window, cap)
+                           kb["k_cache"], kb["v_cache"], kb["inv_freq"], interleaved, scale, window, cap,
+                           rope_mscale=mscale)
     want = ref.rope_attention(rb["q"], rb["k"], rb["v"], rb["positions"], rb["seq_ids"], rb["block_tables"],
-                              rb["k_cache"], rb["v_cache"], rb["inv_freq"], interleaved, scale, window, cap)
+                              rb["k_cache"], rb["v_cache"], rb["inv_freq"], interleaved, scale, window, cap,
+                              mscale)
     for name in ("q", "k", "v"):
         np.testing.assert_array_equal(kb[name], batch[name], err_msg=f"{name} was modified")
     return got, want, (kb["k_cache"], kb["v_cache"]), (rb["k_cache"], rb["v_cache"])
 
 
-def check_attention(batch, interleaved=False, window=0, cap=0.0, scale=None):
+def check_attention(batch, interleaved=False, window=0, cap=0.0, scale=None, mscale=1.0):
     hd = batch["q"].shape[2]
     scale = hd**-0.5 if scale is None else scale
-    got, want, (kc, vc), (rkc, rvc) = run_both(batch, interleaved, scale, window, cap)
+    got, want, (kc, vc), (rkc, rvc) = run_both(batch, interleaved, scale, window, cap, mscale)
     assert_close(got, want, 2e-5, 1e-11)
     # the caches hold the rotated k and the raw v of every new token, nothing else changed
     np.testing.assert_allclose(kc, rkc, rtol=0, atol=2e-6)
@@ -370,20 +372,98 @@ def test_attention_freed_blocks_outside_window(simd) -> None:
         check_attention(batch, window=32)
 
 
+# ------------------------- partial rotary and rope_mscale -------------------------
+# Phi-3 / Phi-4-mini rotate only the first partial_rotary_factor * head_dim dims of each
+# head (inv_freq shorter than hd/2) and scale cos and sin by longrope's attention factor.
+
+def partial(batch, n_rot):
+    """The batch with only its first n_rot frequencies (dims >= 2 n_rot pass through)."""
+    return dict(batch, inv_freq=np.ascontiguousarray(batch["inv_freq"][:n_rot]))
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 96)], ids=["hd64", "hd96"])
+@pytest.mark.parametrize("frac", [0.0, 0.25, 0.75, 1.0])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("mscale", [1.0, 1.1902380714238083])
+def test_attention_partial_rotary(simd, heads, frac, interleaved, mscale) -> None:
+    """Prefill and long decodes in one mixed batch (decode at 700 / 1234 takes the split
+    schedule on 2+ threads), against the reference: rotated dims, the dims passed
+    through (in q and in the cached k) and the scaled cos / sin."""
+    nh, nkv, hd = heads
+    n_rot = int(frac * hd) // 2
+    batch = partial(make_batch(nh, nkv, hd, **MIXED, seed=nh + n_rot), n_rot)
+    check_attention(batch, interleaved, window=0, cap=0.0, mscale=mscale)
+
+
+def test_attention_partial_rotary_leaves_the_rest(simd) -> None:
+    """The cached k of a token: dims past 2 n_rot are the raw k bits; with mscale 1 and
+    n_rot = hd/2 the result is the full-rotary call's, bit for bit."""
+    batch = make_batch(4, 2, 32, new=[3], before=[5], seed=5)
+    for interleaved in (False, True):
+        part = partial(batch, 6)
+        cache = fresh_cache(part)
+        run_tokens(part, cache, range(3), interleaved, 0, 0.0)
+        slots = [(batch["block_tables"][0, p // BLOCK], p % BLOCK) for p in batch["positions"]]
+        for t, (blk, off) in enumerate(slots):
+            np.testing.assert_array_equal(cache[0][blk, off][:, 12:], batch["k"][t][:, 12:])
+            assert not np.array_equal(cache[0][blk, off][:, :12], batch["k"][t][:, :12])
+        full = run_tokens(batch, fresh_cache(batch), range(3), interleaved, 0, 0.0)
+        same = run_tokens(batch, fresh_cache(batch), range(3), interleaved, 0, 0.0, mscale=1.0)
+        assert_bits(same, full, "mscale 1.0 is the identity")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_attention_partial_rotary_batch_invariant(simd, interleaved) -> None:
+    """Partial rotary with mscale: 40 tokens at once == 30 then 10 one by one, and a
+    sequence alone == batched with others, at every thread count."""
+    batch = partial(make_batch(8, 2, 64, new=[40], before=[236], seed=21), 12)
+    ms = 1.19
+    full = run_tokens(batch, fresh_cache(batch), range(40), interleaved, 0, 0.0, mscale=ms)
+    cache = fresh_cache(batch)
+    first = run_tokens(batch, cache, range(30), interleaved, 0, 0.0, mscale=ms)
+    steps = np.concatenate([run_tokens(batch, cache, [t], interleaved, 0, 0.0, mscale=ms)
+                            for t in range(30, 40)])
+    assert_bits(first, full[:30], "30-token prefill vs 40-token prefill")
+    assert_bits(steps, full[30:], "one-by-one decode vs prefill")
+    mixed = partial(make_batch(8, 2, 64, new=[23, 1, 6], before=[290, 1000, 40], seed=22), 12)
+    seq = mixed["seq_ids"]
+    threads0 = K.num_threads()
+    try:
+        for threads in (1, 2, 3):
+            K.set_num_threads(threads)
+            together = run_tokens(mixed, fresh_cache(mixed), range(len(seq)), interleaved, 0, 0.0,
+                                  mscale=ms)
+            for b in range(3):
+                mine = np.flatnonzero(seq == b)
+                alone = run_tokens(mixed, fresh_cache(mixed), mine, interleaved, 0, 0.0, mscale=ms)
+                assert_bits(alone, together[mine], f"sequence {b} alone vs batched, {threads} threads")
+    finally:
+        K.set_num_threads(threads0)
+
+
+def test_attention_rejects_bad_rotary(small_batch) -> None:
+    b = small_batch
+    with pytest.raises(ValueError, match="head_dim/2"):
+        call(b, inv_freq=np.ones(b["q"].shape[2] // 2 + 1, np.float32))
+    with pytest.raises(ValueError, match="rope_mscale"):
+        call(b, rope_mscale=float("nan"))
+
+
 # ------------------------------ batch invariance ------------------------------
 # A token's output must be bit-identical whatever else is in the call: the engine relies
 # on it (batched greedy decode == each sequence alone, prefix-cache hit == miss, decode
 # over the cache == full recompute), because 1e-6 differences are amplified by the 8-bit
 # activation quantization of the matmuls into different greedy text.
 
-def run_tokens(batch, cache, idx, interleaved, window, cap, scratch=None):
+def run_tokens(batch, cache, idx, interleaved, window, cap, scratch=None, mscale=1.0):
     """The kernel on the tokens `idx` of batch (in that order), over cache = [k, v] (updated
     in place). Returns their output rows."""
     idx = np.asarray(idx, np.int64)
     hd = batch["q"].shape[2]
     return K.rope_attention(batch["q"][idx], batch["k"][idx], batch["v"][idx], batch["positions"][idx],
                             batch["seq_ids"][idx], batch["block_tables"], cache[0], cache[1],
-                            batch["inv_freq"], interleaved, hd**-0.5, window, cap, None, scratch)
+                            batch["inv_freq"], interleaved, hd**-0.5, window, cap, None, scratch,
+                            rope_mscale=mscale)
 
 
 def fresh_cache(batch):
@@ -541,7 +621,8 @@ def call(batch, **over):
     b = {**batch, **over}
     return K.rope_attention(b["q"], b["k"], b["v"], b["positions"], b["seq_ids"], b["block_tables"],
                             b["k_cache"], b["v_cache"], b["inv_freq"], False, 0.125,
-                            over.get("window", 0), 0.0, over.get("out"))
+                            over.get("window", 0), 0.0, over.get("out"),
+                            rope_mscale=over.get("rope_mscale", 1.0))
 
 
 @pytest.fixture
@@ -591,7 +672,9 @@ def test_attention_rejects_bad_shapes_and_dtypes(small_batch) -> None:
     with pytest.raises(ValueError, match="tokens"):
         call(b, k=b["k"][:2])
     with pytest.raises(ValueError, match="inv_freq"):
-        call(b, inv_freq=b["inv_freq"][:3])
+        call(b, inv_freq=b["inv_freq"][::2])  # not contiguous
+    with pytest.raises(ValueError, match="inv_freq"):
+        call(b, inv_freq=b["inv_freq"].astype(np.float64))
     with pytest.raises(ValueError, match="k_cache"):
         call(b, v_cache=b["v_cache"][:, :, :1].copy())
     with pytest.raises(ValueError, match="out"):
@@ -613,6 +696,177 @@ def test_attention_scratch_bytes(small_batch) -> None:
     T, nh, _ = b["q"].shape
     with pytest.raises(ValueError, match="scratch"):
         K.rope_attention(*b.values(), False, 0.125, 0, 0.0, None, np.empty(T * nh * 8, np.float32))
+
+
+
+# ============================ mixture of experts ============================
+# Qwen3-MoE: softmax top-k routing, then each chosen expert's SwiGLU MLP on the tokens
+# routed to it (grouped per expert in C), weighted and summed per token.
+
+from ellm._native import _moe  # noqa: E402
+from ellm.formats.ggml_types import BLOCK_LAYOUT, GGMLType  # noqa: E402
+from ellm.ops.cpu import CpuOps  # noqa: E402
+from ellm.ops.reference import Experts, ReferenceOps  # noqa: E402
+from ellm.weights import Linear  # noqa: E402
+
+# f16 scale fields of the K-quant blocks, and the factor on std that gives their random
+# blocks weights of about that std
+_KQ_F16 = {GGMLType.Q4_K: ((0, 2), 1 / 300), GGMLType.Q6_K: ((208,), 1 / 1200)}
+
+
+def random_matrix(qtype: GGMLType, n: int, k: int, rng: np.random.Generator, std: float) -> np.ndarray:
+    """(n, k) weights of qtype as stored: floats drawn with `std`, 32-blocks quantized by
+    the kernels' own quantizer, K-quant blocks random bytes with sane scales."""
+    w = (rng.standard_normal((n, k)) * std).astype(np.float32)
+    if qtype == GGMLType.F32:
+        return w
+    if qtype == GGMLType.F16:
+        return w.astype(np.float16).view(np.uint16)
+    if qtype == GGMLType.BF16:
+        return (w.view(np.uint32) >> 16).astype(np.uint16)
+    if qtype in (GGMLType.Q8_0, GGMLType.Q4_0):
+        from ellm._native import _quant
+        return _quant.quantize(w, int(qtype))
+    blk, size = BLOCK_LAYOUT[qtype]
+    blocks = rng.integers(0, 256, size=(n * (k // blk), size), dtype=np.uint8)
+    fields, factor = _KQ_F16[qtype]
+    for off in fields:
+        scale = rng.uniform(-1.0, 1.0, size=blocks.shape[0]).astype(np.float16) * np.float16(std * factor)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def make_experts(qtype: GGMLType, E: int, H: int, F: int, seed: int, layout: str = "stacked") -> Experts:
+    """E experts as the files hold them: views of stacked (E, N, row) tensors (GGUF),
+    separate arrays (per-expert safetensors), or row slices of a fused (E, 2F, row) gate_up."""
+    rng = np.random.default_rng(seed)
+    if layout == "fused":
+        gu = np.stack([random_matrix(qtype, 2 * F, H, rng, 0.3) for _ in range(E)])
+        gate = [Linear(gu[e, :F], qtype, F, H) for e in range(E)]
+        up = [Linear(gu[e, F:], qtype, F, H) for e in range(E)]
+    else:
+        g = [random_matrix(qtype, F, H, rng, 0.3) for _ in range(E)]
+        u = [random_matrix(qtype, F, H, rng, 0.3) for _ in range(E)]
+        if layout == "stacked":
+            g, u = np.stack(g), np.stack(u)
+        gate = [Linear(g[e], qtype, F, H) for e in range(E)]
+        up = [Linear(u[e], qtype, F, H) for e in range(E)]
+    d = np.stack([random_matrix(qtype, H, F, rng, 0.3) for _ in range(E)])
+    return Experts(gate, up, [Linear(d[e], qtype, H, F) for e in range(E)])
+
+
+def make_router(E: int, H: int, seed: int) -> Linear:
+    rng = np.random.default_rng(seed)
+    return Linear((rng.standard_normal((E, H)) * 0.5).astype(np.float32), GGMLType.F32, E, H)
+
+
+def moe_tokens(T: int, H: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    return x * np.exp(rng.uniform(-1.0, 1.0, size=(T, 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_moe_route_matches_reference(norm) -> None:
+    rng = np.random.default_rng(30)
+    logits = (rng.standard_normal((67, 24)) * 3).astype(np.float32)
+    logits[5, [3, 9]] = logits[5].max() + 1.0  # a tie: the lower id comes first
+    ids = np.empty((67, 6), np.int32)
+    w = np.empty((67, 6), np.float32)
+    _moe.route(logits, 6, norm, ids, w)
+    want_ids, want_w = ref.moe_route(logits, 6, norm)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert list(ids[5, :2]) == [3, 9]
+    np.testing.assert_allclose(w, want_w, rtol=2e-6, atol=0)
+    if norm:
+        np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+
+
+MOE_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
+             GGMLType.Q4_K, GGMLType.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", MOE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("layout", ["stacked", "separate", "fused"])
+def test_moe_matches_reference(simd, qtype, layout) -> None:
+    """ops.cpu.moe against ops.reference.moe (float math on the dequantized experts):
+    8 experts, top 3, H = F = 256, 21 tokens."""
+    E, H, F, T = 8, 256, 256, 21
+    experts = make_experts(qtype, E, H, F, seed=int(qtype), layout=layout)
+    router = make_router(E, H, seed=31)
+    x = moe_tokens(T, H, seed=32)
+    got = CpuOps().moe(x, router, experts, 3, True)
+    want = ReferenceOps().moe(x, router, experts, 3, True)
+    scale = float(np.abs(want).max())
+    # float weights: f32 sums in another order; quantized: the kernels' 8-bit activations
+    tol = 2e-5 if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) else 3e-2
+    err = float(np.abs(got - want).max())
+    assert err <= tol * scale, f"max abs error {err:.3g} vs max |out| {scale:.3g}"
+    if qtype == GGMLType.F32:
+        assert nmse(got, want) < 1e-10
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_moe_batch_invariant(simd, qtype) -> None:
+    """A token's output is bit-identical alone, in a batch of 300 (past one 256-token pass
+    of the kernel), at another position, in another order, and on 1 / 2 / 3 threads:
+    whichever tokens share its experts' groups (16 experts, top 4)."""
+    E, H, F, T, k = 16, 256, 256, 300, 4
+    experts = make_experts(qtype, E, H, F, seed=40 + int(qtype))
+    router = make_router(E, H, seed=41)
+    x = moe_tokens(T, H, seed=42)
+    ops = CpuOps()
+    alone = np.concatenate([ops.moe(x[t:t + 1], router, experts, k, True) for t in range(0, T, 7)])
+    together = ops.moe(x, router, experts, k, True)
+    assert_bits(together[::7], alone, "batched vs alone")
+    perm = np.random.default_rng(43).permutation(T)
+    assert_bits(ops.moe(x[perm], router, experts, k, True), together[perm], "rows reordered")
+    assert_bits(ops.moe(x[100:117], router, experts, k, True), together[100:117], "a slice")
+    threads0 = K.num_threads()
+    try:
+        for threads in (1, 2, 3):
+            K.set_num_threads(threads)
+            assert_bits(ops.moe(x[:40], router, experts, k, True), together[:40], f"{threads} threads")
+    finally:
+        K.set_num_threads(threads0)
+
+
+def test_moe_without_renormalisation(simd) -> None:
+    experts = make_experts(GGMLType.F32, 6, 64, 96, seed=50)
+    router = make_router(6, 64, seed=51)
+    x = moe_tokens(9, 64, seed=52)
+    got = CpuOps().moe(x, router, experts, 2, False)
+    want = ReferenceOps().moe(x, router, experts, 2, False)
+    assert_close(got, want, 2e-5 * float(np.abs(want).max()), 1e-10)
+    assert not np.allclose(got, CpuOps().moe(x, router, experts, 2, True))
+
+
+def test_moe_rejects_bad_input() -> None:
+    experts = make_experts(GGMLType.Q8_0, 4, 64, 32, seed=60)
+    ops = CpuOps()
+    gate, up, down = ops._stacks(experts)
+    x = moe_tokens(3, 64, seed=61)
+    w = np.full((3, 2), 0.5, np.float32)
+    out = np.empty((3, 64), np.float32)
+    with pytest.raises(IndexError):
+        _moe.experts(x, np.array([[0, 4]] * 3, np.int32), w, gate, up, down, out)  # id >= E
+    with pytest.raises(IndexError):
+        _moe.experts(x, np.array([[1, 1]] * 3, np.int32), w, gate, up, down, out)  # twice
+    with pytest.raises(ValueError, match="down"):
+        _moe.experts(x, np.zeros((3, 2), np.int32), w, gate, up, gate, out)
+    with pytest.raises(ValueError, match="out"):
+        _moe.experts(x, np.array([[0, 1]] * 3, np.int32), w, gate, up, down, np.empty((3, 63), np.float32))
+    with pytest.raises(ValueError, match="top_k"):
+        _moe.route(np.zeros((3, 4), np.float32), 5, True, np.empty((3, 5), np.int32),
+                   np.empty((3, 5), np.float32))
+    with pytest.raises(ValueError, match="columns"):
+        _moe.ExpertStack([np.zeros((4, 10), np.uint8)], int(GGMLType.Q8_0), 64)
+    with pytest.raises(ValueError, match="contiguous"):
+        _moe.ExpertStack([np.zeros((4, 136), np.uint8)[:, ::2]], int(GGMLType.Q8_0), 128)
+    with pytest.raises(ValueError, match="Experts"):
+        Experts(experts.gate, experts.up[:3], experts.down)
+    with pytest.raises(ValueError, match="Experts"):
+        Experts(experts.gate, experts.down, experts.down)  # up has the wrong shape
 
 
 if __name__ == "__main__":
