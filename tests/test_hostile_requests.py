@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import ellm
-from ellm.engine.async_engine import AsyncEngine
 from ellm.engine.engine import RequestError, SequenceError
 from ellm.engine.sampler import SequenceSampler
 from ellm.sampling_params import (
@@ -39,7 +38,9 @@ def llm(smollm2_gguf: Path) -> ellm.LLM:
 @pytest.fixture(scope="module")
 def real_logits(llm: ellm.LLM) -> np.ndarray:
     """Logits of the real model after a prompt: the rows the sampler really sees."""
-    return llm.logits(llm.tokenizer.encode("The capital of France is"))[-3:]
+    # (Engine.logits directly: the LLM facade would start its engine thread, and the
+    # tests below step the engine from this thread)
+    return llm.engine.logits(llm.tokenizer.encode("The capital of France is"))[-3:]
 
 
 # -- numeric validation ---------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_a_failing_detokenizer_fails_its_request_alone(llm: ellm.LLM) -> None:
 def test_async_stream_of_a_failing_request_raises_and_others_finish(llm: ellm.LLM) -> None:
     prompts, params = _workload(llm)
     clean = _run_all(llm, prompts, params)
-    ae = AsyncEngine(llm.engine, max_queue=8)
+    ae = llm.async_engine  # the one engine loop of this LLM
     ae.start()
     try:
         async def go() -> list[object]:
@@ -232,9 +233,9 @@ def test_async_stream_of_a_failing_request_raises_and_others_finish(llm: ellm.LL
 
         results = asyncio.run(asyncio.wait_for(go(), 120))
     finally:
+        snap = ae.snapshot_now()
         ae.shutdown()
     assert isinstance(results[1], SequenceError) and "injected" in str(results[1])
     for i in (0, 2, 3):
         assert results[i].token_ids == clean[str(i)].token_ids
-    snap = ae.snapshot_now()
     assert snap.kv_blocks_used == 0 and snap.num_running == 0
