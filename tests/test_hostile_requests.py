@@ -239,3 +239,20 @@ def test_async_stream_of_a_failing_request_raises_and_others_finish(llm: ellm.LL
     for i in (0, 2, 3):
         assert results[i].token_ids == clean[str(i)].token_ids
     assert snap.kv_blocks_used == 0 and snap.num_running == 0
+
+
+def test_all_greedy_batch_keeps_the_boundary(llm: ellm.LLM) -> None:
+    """Every row plain greedy: one batched argmax serves them, and a detokenizer that fails
+    for one request still fails only that request."""
+    enc = llm.tokenizer.encode
+    prompts = [enc("The capital of France is"), enc("1, 2, 3,"), enc("Hello")]
+    params = [SamplingParams(temperature=0.0, max_tokens=10) for _ in prompts]
+    clean = _run_all(llm, prompts, params)
+
+    def inject(eng, rids) -> None:
+        eng.seqs[rids[1]].detok.push = lambda token_id: (_ for _ in ()).throw(RuntimeError("injected"))
+
+    hurt = _run_all(llm, prompts, params, inject)
+    assert hurt["1"].finish_reason == "error" and "RuntimeError: injected" in hurt["1"].error
+    assert hurt["0"].token_ids == clean["0"].token_ids and hurt["2"].token_ids == clean["2"].token_ids
+    assert not llm.engine.seqs

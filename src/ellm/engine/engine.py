@@ -142,13 +142,18 @@ class Engine:
             seq.num_computed += n
             if seq.num_computed >= len(seq.prompt_ids):
                 self.blocks.cache_prefix(seq.request_id, seq.prompt_ids, seq.num_computed)
+        # The error boundary of one request: whatever its sampler or detokenizer raises (a
+        # value no check foresaw, a NaN row) finishes that sequence with an error; the
+        # others in the batch go on. When every row is a bare argmax (nothing per request
+        # can fail there) one batched argmax serves them; otherwise rows are sampled one by
+        # one, so a failure cannot cost a neighbour its random draw (seeded requests stay
+        # batch-invariant).
+        samplers = [seq.sampler for seq in sampled]
+        batched = sample_batch(samplers, logits) if all(s.plain_greedy for s in samplers) else None
         for b, seq in enumerate(sampled):
-            # The error boundary of one request: whatever its sampler or detokenizer raises
-            # (a value no check foresaw, a NaN row) finishes that sequence with an error;
-            # the others in the batch go on. Rows are sampled one by one, so a failure
-            # cannot cost a neighbour's random draw (seeded requests stay batch-invariant).
             try:
-                self._append(seq, sample_batch([seq.sampler], logits[b:b + 1])[0])
+                res = batched[b] if batched is not None else sample_batch([seq.sampler], logits[b:b + 1])[0]
+                self._append(seq, res)
             except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
                 seq.error = f"sampling failed: {type(e).__name__}: {e}"
                 self._finish(seq, "error")
