@@ -3,8 +3,9 @@
 Targets:
   gguf         formats.gguf.GGUFFile, then every tensor read (raw, array, dequantize)
   safetensors  formats.safetensors.SafetensorsFile, then every tensor read
-  vocab        GGUFFile -> ModelConfig.from_gguf and Tokenizer.from_gguf (the GGUF
-               vocabulary builder), then encode / decode of a fixed text
+  vocab        GGUFFile -> Tokenizer.from_gguf (the GGUF vocabulary builder), then
+               encode / decode of a fixed text
+  config       GGUFFile -> ModelConfig.from_gguf (the model config builder)
 
 An input passes when it parses or is refused with FormatError / ConfigError; any other
 exception (a TypeError, a RecursionError, a tokenizers PanicException, a MemoryError under
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from seeds import write_seeds  # noqa: E402
 
 _SCRATCH = Path(tempfile.mkdtemp(prefix="ellm-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-_INPUT = {"gguf": "input.gguf", "safetensors": "input.safetensors", "vocab": "input.gguf"}
+_INPUT = {"gguf": "input.gguf", "safetensors": "input.safetensors", "vocab": "input.gguf", "config": "input.gguf"}
 
 
 def _touch_gguf(g: GGUFFile) -> None:
@@ -65,10 +66,6 @@ def _touch_safetensors(f: SafetensorsFile) -> None:
 
 
 def _build_vocab(g: GGUFFile) -> None:
-    try:
-        ModelConfig.from_gguf(g)
-    except ConfigError:
-        pass
     tok = Tokenizer.from_gguf(g)
     ids = tok.encode("Hello world, 123 <s> héllo\n\t  !", add_special_tokens=True)
     tok.decode(ids)
@@ -83,8 +80,10 @@ def one_input(target: str, data: bytes) -> None:
             _touch_gguf(GGUFFile(path))
         elif target == "safetensors":
             _touch_safetensors(SafetensorsFile(path))
-        else:
+        elif target == "vocab":
             _build_vocab(GGUFFile(path))
+        else:
+            ModelConfig.from_gguf(GGUFFile(path))
     except (FormatError, ConfigError):
         pass
 
