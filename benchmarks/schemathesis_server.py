@@ -83,7 +83,7 @@ def main() -> int:
                               "--max-examples", str(args.max_examples), "--phases", args.phases,
                               "--seed", str(args.seed), "--request-timeout", "120", "--workers", "1",
                               "--suppress-health-check", "all"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, check=False, cwd=log.parent)  # (its reports go there)
         seconds = time.perf_counter() - t0
         five_xx = _server_5xx(url)
     finally:

@@ -184,7 +184,7 @@ def _gauges(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=30).text
     out = {}
     for name in ("kv_blocks_used", "num_requests_running", "num_requests_waiting", "engine_step_errors_total"):
-        m = re.search(rf"^ellm_{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+        m = re.search(rf"^ellm_{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.MULTILINE)
         if m:
             out[name] = float(m.group(1))
     return out

@@ -72,12 +72,11 @@ def test_path_like_strings_are_paths(workdir: Path, smollm2_gguf: Path) -> None:
 
 def test_load_says_what_it_loaded(workdir: Path, smollm2_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shutil.copy(smollm2_gguf, workdir / "copy.gguf")
-    llm = ellm.load("./copy.gguf", max_model_len=64, max_num_seqs=1)
+    ellm.load("./copy.gguf", max_model_len=64, max_num_seqs=1).close()
     err = capsys.readouterr().err
     assert f"ellm: loading copy (local path, GGUF {workdir / 'copy.gguf'})" in err
-    del llm
-    llm = ellm.load("smollm2-135m-instruct", max_model_len=64, max_num_seqs=1)
+    ellm.load("smollm2-135m-instruct", max_model_len=64, max_num_seqs=1).close()
     err = capsys.readouterr().err
     assert f"ellm: loading smollm2-135m-instruct (known model, GGUF {smollm2_gguf})" in err
-    llm = ellm.load("smollm2-135m-instruct", max_model_len=64, max_num_seqs=1, progress=False)
+    ellm.load("smollm2-135m-instruct", max_model_len=64, max_num_seqs=1, progress=False).close()
     assert "loading" not in capsys.readouterr().err

@@ -84,10 +84,10 @@ def post(url: str, path: str, raw: bytes) -> httpx.Response:
 
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udfff"}], "max_tokens": 2}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}],'
-                             b' "max_tokens": 2}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content":'
-                             b' "a\\udbff\\u0041"}], "max_tokens": 2, "stream": true}'),
+    ("/v1/chat/completions", (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}],'
+                              b' "max_tokens": 2}')),
+    ("/v1/chat/completions", (b'{"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content":'
+                              b' "a\\udbff\\u0041"}], "max_tokens": 2, "stream": true}')),
     ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
     ("/v1/completions", b'{"prompt": ["fine", "\\udc00"], "max_tokens": 2}'),
     ("/tokenize", b'{"prompt": "a\\ud800b"}'),
