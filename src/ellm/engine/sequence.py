@@ -56,7 +56,8 @@ class Sequence:
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    error: str | None = None
+    grammar: Any = None          # a structured.GrammarState when the output is constrained
+    error: str | None = None     # why the sequence finished with reason "error"
 
     @property
     def all_ids(self) -> list[int]:
