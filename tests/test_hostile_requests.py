@@ -159,11 +159,11 @@ def _break_sampler_of(victim: int, after: int, exc: Exception):
         real = sampler.sample
         calls = {"n": 0}
 
-        def failing(logits):  # the real sampler, until the fault
+        def failing(*args, **kwargs):  # the real sampler, until the fault
             calls["n"] += 1
             if calls["n"] > after:
                 raise exc
-            return real(logits)
+            return real(*args, **kwargs)
 
         sampler.sample = failing  # only this sequence's sampler object
     return inject
@@ -226,7 +226,7 @@ def test_async_stream_of_a_failing_request_raises_and_others_finish(llm: ellm.LL
             for _ in range(10_000):
                 seq = llm.engine.seqs.get(victim)
                 if seq is not None:
-                    seq.sampler.sample = lambda logits: (_ for _ in ()).throw(ValueError("injected"))
+                    seq.sampler.sample = lambda *a, **k: (_ for _ in ()).throw(ValueError("injected"))
                     break
                 await asyncio.sleep(0.0005)
             return await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
