@@ -10,6 +10,8 @@ close(), at the end of a `with` block, when the LLM is collected, or at interpre
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +26,8 @@ from .engine.engine import POOLINGS, Engine, EngineConfig
 from .engine.sequence import TokenLogprob
 from .sampling_defaults import SamplingDefaults
 from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
 
@@ -338,6 +342,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     _set_threads(threads)
     ops = get_ops(device)
     resolved = hub.resolve(source, progress=progress)
+    # Say what was loaded: a name and a path can look alike (see hub.resolve).
+    log.info("loading %s", resolved.describe())
+    if progress:
+        print(f"ellm: loading {resolved.describe()}", file=sys.stderr, flush=True)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
         config = ModelConfig.from_gguf(gguf)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..sampling_params import SamplingParams
-from .engine import POOLINGS, Engine, RequestError
+from .engine import POOLINGS, Engine, RequestError, SequenceError
 from .sequence import RequestOutput, TokenLogprob
 
 log = logging.getLogger("ellm.engine")
@@ -539,6 +539,9 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue   # aborted by its consumer meanwhile
+            if out.error is not None:  # this request alone failed inside step()
+                self._fail(out.request_id, SequenceError(out.error), in_engine=False)
+                continue
             self._fix_delta(sink, out)
             if out.finished:
                 del self._sinks[out.request_id]
