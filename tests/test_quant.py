@@ -602,3 +602,64 @@ def test_get_rows_bad_index_raises() -> None:
     for ids in ([0, 4], [-1, 0]):
         with pytest.raises(IndexError):
             _quant.get_rows(raw, int(GGMLType.Q8_0), np.array(ids, np.int32), out)
+
+
+# ------------------------------------------------------------------------------------
+# AMX tiles (many tokens) against the AVX-512 VNNI level, bit for bit
+# ------------------------------------------------------------------------------------
+
+# the types with AMX kernels (csrc/matmul_amx.c); every other type runs the AVX-512 path
+# at the AMX level, which the level-parametrized tests above cover
+AMX_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
+# (T, N, K-blocks): T below, at and past 16-token groups and 64-token items, N below and
+# past a 16-row tile, K past one 32-block unpacking chunk
+AMX_SHAPES = [(16, 16, 1), (17, 5, 3), (31, 33, 2), (64, 16, 33), (100, 37, 7), (257, 48, 18)]
+
+
+def needs_amx() -> None:
+    if "amx" not in LEVELS:
+        pytest.skip("this CPU (or its OS) offers no AMX tiles: "
+                    f"levels {LEVELS}; see dispatch.c (CPUID, XCR0, ARCH_REQ_XCOMP_PERM)")
+
+
+@pytest.mark.parametrize("qtype", AMX_TYPES, ids=lambda t: t.name)
+def test_amx_equals_vnni_bit_for_bit(qtype: GGMLType) -> None:
+    """The tile unit forms each block's exact integer dot; the float steps after it are
+    the VNNI kernels', in their order: every output is the same float."""
+    needs_amx()
+    rng = np.random.default_rng(500 + int(qtype))
+    for t, n, kb in AMX_SHAPES:
+        k = kb * 32
+        raw = random_rows(qtype, n, k, rng)
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        x *= np.exp(rng.uniform(-3.0, 3.0, size=(t, 1))).astype(np.float32)
+        use_level("avx512")
+        vnni = linear_rows(x, raw, qtype)
+        use_level("amx")
+        amx = linear_rows(x, raw, qtype)
+        assert np.isfinite(amx).all()
+        np.testing.assert_array_equal(amx, vnni, err_msg=f"T={t} N={n} K={k}")
+        w = gguf_dequant(raw, qtype).astype(np.float64)
+        ref = q8_act_reference(x, 32).astype(np.float64) @ w.T
+        assert nmse(amx, ref) < 1e-10, f"T={t} N={n} K={k}"
+
+
+def test_amx_linear_multi_mixes_tiles_and_vnni() -> None:
+    """A call where one activation format takes the tiles (Q4_1, Q8_0, Q5_0) and the
+    other does not (Q5_K has no AMX kernel): each part as linear alone, and alone at the
+    VNNI level."""
+    needs_amx()
+    rng = np.random.default_rng(14)
+    k = 512
+    parts = [(GGMLType.Q4_1, 40), (GGMLType.Q8_0, 19), (GGMLType.Q5_0, 3), (GGMLType.Q5_K, 9),
+             (GGMLType.F32, 4)]
+    ws = [(random_rows(q, n, k, rng) if q in QUANT else float_weights(q, n, k, rng)[0], q)
+          for q, n in parts]
+    x = rng.standard_normal((70, k)).astype(np.float32)
+    use_level("avx512")
+    vnni = [linear_rows(x, w, q) for w, q in ws]
+    use_level("amx")
+    outs = [np.full((70, w.shape[0]), np.nan, np.float32) for w, _ in ws]
+    _quant.linear_multi(x, [(w, int(q), o) for (w, q), o in zip(ws, outs)])
+    for (w, q), o, v in zip(ws, outs, vnni):
+        np.testing.assert_array_equal(o, v, err_msg=q.name)

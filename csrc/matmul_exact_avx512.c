@@ -1,0 +1,154 @@
+/* AVX-512 row dequantizers for the exact-activation path (matmul_exact.c): the same
+ * float operations as quant.c's scalar ones (a multiply, then an add where the type has
+ * an offset; never fused), so the values are bit-identical, 16 lanes at a time. */
+#include <immintrin.h>
+
+#include "quant_impl.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef void (*dq_row_fn)(const uint8_t *src, float *dst, int64_t n);
+dq_row_fn ellm_dq_row_avx512(int qtype);
+
+INLINE float f16_at(const uint8_t *p) { return _cvtsh_ss(ellm_rd_u16(p)); }
+
+/* 16 bytes of nibbles -> the low nibbles (elements 0..15) and high (16..31) as int32 */
+INLINE void nibbles(const uint8_t *p, __m512i *lo, __m512i *hi) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
+    *lo = _mm512_cvtepu8_epi32(_mm_and_si128(v, m));
+    *hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m));
+}
+
+/* bits 0..15 of h -> 16 in lanes whose bit is set */
+INLINE __m512i bit16(uint32_t h) { return _mm512_maskz_set1_epi32((__mmask16)(h & 0xFFFF), 16); }
+
+static void dq_q4_0(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += Q4_0_BYTES, y += 32) {
+        const __m512 d = _mm512_set1_ps(f16_at(b));
+        __m512i lo, hi;
+        nibbles(b + 2, &lo, &hi);
+        const __m512i eight = _mm512_set1_epi32(8);
+        _mm512_storeu_ps(y, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight))));
+        _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight))));
+    }
+}
+
+static void dq_q4_1(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += Q4_1_BYTES, y += 32) {
+        const __m512 d = _mm512_set1_ps(f16_at(b)), m = _mm512_set1_ps(f16_at(b + 2));
+        __m512i lo, hi;
+        nibbles(b + 4, &lo, &hi);
+        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m));
+        _mm512_storeu_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m));
+    }
+}
+
+static void dq_q5_0(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += Q5_0_BYTES, y += 32) {
+        const __m512 d = _mm512_set1_ps(f16_at(b));
+        const uint32_t qh = ellm_rd_u32(b + 2);
+        __m512i lo, hi;
+        nibbles(b + 6, &lo, &hi);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        lo = _mm512_sub_epi32(_mm512_or_si512(lo, bit16(qh)), sixteen);
+        hi = _mm512_sub_epi32(_mm512_or_si512(hi, bit16(qh >> 16)), sixteen);
+        _mm512_storeu_ps(y, _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)));
+        _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)));
+    }
+}
+
+static void dq_q5_1(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += Q5_1_BYTES, y += 32) {
+        const __m512 d = _mm512_set1_ps(f16_at(b)), m = _mm512_set1_ps(f16_at(b + 2));
+        const uint32_t qh = ellm_rd_u32(b + 4);
+        __m512i lo, hi;
+        nibbles(b + 8, &lo, &hi);
+        lo = _mm512_or_si512(lo, bit16(qh));
+        hi = _mm512_or_si512(hi, bit16(qh >> 16));
+        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m));
+        _mm512_storeu_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m));
+    }
+}
+
+static void dq_q8_0(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += Q8_0_BYTES, y += 32) {
+        const __m512 d = _mm512_set1_ps(f16_at(b));
+        const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
+        const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)));
+        _mm512_storeu_ps(y, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)));
+        _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1)));
+    }
+}
+
+/* Q4_K: per 64 elements c, scale / min pairs (2c, 2c+1): y = (d sc) q - (dmin mn), the
+ * products d sc and dmin mn rounded first, as dq_q4_k forms them */
+static void dq_q4_k(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += Q4_K_BYTES, y += 256) {
+        const float d = f16_at(b), dmin = f16_at(b + 2);
+        uint8_t sc[8], mn[8];
+        ellm_unpack_k4_scales(b + 4, sc, mn);
+        const uint8_t *qs = b + 16;
+        for (int c = 0; c < 4; c++) {
+            const __m512 d0 = _mm512_set1_ps(d * sc[2 * c]), m0 = _mm512_set1_ps(dmin * mn[2 * c]);
+            const __m512 d1 = _mm512_set1_ps(d * sc[2 * c + 1]), m1 = _mm512_set1_ps(dmin * mn[2 * c + 1]);
+            for (int h = 0; h < 2; h++) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(qs + 32 * c + 16 * h));
+                const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(0x0F)));
+                const __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)));
+                _mm512_storeu_ps(y + 64 * c + 16 * h, _mm512_sub_ps(_mm512_mul_ps(d0, _mm512_cvtepi32_ps(lo)), m0));
+                _mm512_storeu_ps(y + 64 * c + 32 + 16 * h,
+                                 _mm512_sub_ps(_mm512_mul_ps(d1, _mm512_cvtepi32_ps(hi)), m1));
+            }
+        }
+    }
+}
+
+/* Q6_K: element e of half H, r = e & 127: low nibble of ql[64 H + (r & 63)] at shift
+ * 4 (r >> 6), two high bits of qh[32 H + (r & 31)] at shift 2 (r >> 5); y = (d sc) (q - 32)
+ * with d sc rounded first (dq_q6_k: d * (float)sc * (float)(q - 32), left to right) */
+static void dq_q6_k(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += Q6_K_BYTES, y += 256) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16_at(b + 208);
+        for (int H = 0; H < 2; H++) {
+            const uint8_t *ql = b + 64 * H, *qh = b + 128 + 32 * H;
+            for (int s = 0; s < 8; s++) { /* 16 elements r = 16 s .. 16 s + 15 */
+                const int r0 = 16 * s;
+                const __m128i l = _mm_loadu_si128((const __m128i *)(ql + (r0 & 63)));
+                const __m128i hb = _mm_loadu_si128((const __m128i *)(qh + (r0 & 31)));
+                __m512i lo = _mm512_cvtepu8_epi32(l), hi = _mm512_cvtepu8_epi32(hb);
+                lo = _mm512_and_si512(_mm512_srli_epi32(lo, 4 * (r0 >> 6)), _mm512_set1_epi32(0x0F));
+                hi = _mm512_and_si512(_mm512_srli_epi32(hi, 2 * (r0 >> 5)), _mm512_set1_epi32(3));
+                const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)),
+                                                   _mm512_set1_epi32(32));
+                const int e0 = 128 * H + r0;
+                const __m512 ds = _mm512_set1_ps(d * (float)sc[e0 >> 4]);
+                _mm512_storeu_ps(y + e0, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(q)));
+            }
+        }
+    }
+}
+
+#define ROW_FN(name, fn, BLK)                                                                \
+    static void name(const uint8_t *src, float *dst, int64_t n) { fn(src, dst, n / (BLK)); }
+
+ROW_FN(row_q4_0, dq_q4_0, 32)
+ROW_FN(row_q4_1, dq_q4_1, 32)
+ROW_FN(row_q5_0, dq_q5_0, 32)
+ROW_FN(row_q5_1, dq_q5_1, 32)
+ROW_FN(row_q8_0, dq_q8_0, 32)
+ROW_FN(row_q4_k, dq_q4_k, 256)
+ROW_FN(row_q6_k, dq_q6_k, 256)
+
+dq_row_fn ellm_dq_row_avx512(int qtype) {
+    switch (qtype) {
+    case ELLM_T_Q4_0: return row_q4_0;
+    case ELLM_T_Q4_1: return row_q4_1;
+    case ELLM_T_Q5_0: return row_q5_0;
+    case ELLM_T_Q5_1: return row_q5_1;
+    case ELLM_T_Q8_0: return row_q8_0;
+    case ELLM_T_Q4_K: return row_q4_k;
+    case ELLM_T_Q6_K: return row_q6_k;
+    default: return NULL;
+    }
+}
