@@ -126,8 +126,10 @@ class LLM:
 
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
-         progress: bool = True) -> LLM:
-    """Loads a model from a folder, a .gguf file or a known name (pulled on first use)."""
+         progress: bool = True, activations: str = "int8") -> LLM:
+    """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
+
+    activations="f32" runs quantized matmuls on unrounded activations (see ops.get_ops)."""
     from . import hub
     from ._memory import release_freed_memory
     from .formats.gguf import GGUFFile
@@ -137,7 +139,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     from .tokenizer import Tokenizer
     from .weights import GGUFWeights, SafetensorsWeights
 
-    ops = get_ops(device)
+    ops = get_ops(device, activations=activations)
     resolved = hub.resolve(source, progress=progress)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)

@@ -19,6 +19,10 @@ def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
 class CpuOps:
     name = "cpu"
 
+    def __init__(self, activations: str = "int8") -> None:
+        # "f32": quantized weights meet unrounded activations (ops.get_ops)
+        self.exact_activations = activations == "f32"
+
     def embed(self, w, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         out = _out(out, (len(ids), w.in_features))
@@ -27,13 +31,17 @@ class CpuOps:
 
     def linear(self, x: np.ndarray, w, out: np.ndarray | None = None) -> np.ndarray:
         out = _out(out, (x.shape[0], w.out_features))
+        if self.exact_activations:
+            _quant.linear_multi_exact(np.ascontiguousarray(x, dtype=np.float32),
+                                      [(w.data, int(w.qtype), out)])
+            return out
         _quant.linear(np.ascontiguousarray(x, dtype=np.float32), w.data, int(w.qtype), out)
         return out
 
     def linear_multi(self, x: np.ndarray, parts: Sequence[tuple]) -> list[np.ndarray]:
         """[(w, out), ...] -> outs: several matrices against one x, x quantized once."""
-        _quant.linear_multi(np.ascontiguousarray(x, dtype=np.float32),
-                            [(w.data, int(w.qtype), o) for w, o in parts])
+        run = _quant.linear_multi_exact if self.exact_activations else _quant.linear_multi
+        run(np.ascontiguousarray(x, dtype=np.float32), [(w.data, int(w.qtype), o) for w, o in parts])
         return [o for _, o in parts]
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
