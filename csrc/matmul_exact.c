@@ -20,8 +20,13 @@
 /* One row of n elements -> f32, bit-identical to ellm_dequantize */
 typedef void (*dq_row_fn)(const uint8_t *src, float *dst, int64_t n);
 
+/* Below this many tokens, the level's fused kernel (where it has one) dequantizes in
+ * registers, with the same results as the row buffer and the f32 kernel */
+#define EXACT_FEW_TOKENS 16
+
 #if defined(__x86_64__) || defined(__i386__)
-dq_row_fn ellm_dq_row_avx512(int qtype); /* matmul_exact_avx512.c; NULL where none */
+dq_row_fn ellm_dq_row_avx512(int qtype);       /* matmul_exact_avx512.c; NULL where none */
+ellm_fmm_fn ellm_exact_fused_avx512(int qtype); /* quantized rows in place of f32 ones */
 #endif
 
 typedef struct {
@@ -33,6 +38,7 @@ typedef struct {
     int64_t ldy;
     int is_float;     /* F32 / F16 / BF16: no dequantization */
     dq_row_fn dq;     /* a fast row dequantizer, or NULL (then ellm_dequantize) */
+    ellm_fmm_fn fused; /* few tokens: the quantized rows straight into the f32 kernel's sums */
     ellm_fmm_fn fmm;  /* F32 kernel (quantized types) or the type's own (float types) */
     int64_t row_items, first_item, end_item;
 } exact_part;
@@ -71,6 +77,11 @@ static void task_exact(void *ctx, int64_t begin, int64_t end, int thread_id) {
         const int64_t t0 = tt * EXACT_TOKS, t1 = t0 + EXACT_TOKS < c->T ? t0 + EXACT_TOKS : c->T;
         float *y = p->y + (size_t)t0 * (size_t)p->ldy + (size_t)n0;
         const float *x = c->x + (size_t)t0 * (size_t)c->K;
+        if (p->fused) {
+            p->fused(c->K, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0, x, (size_t)c->K,
+                     t1 - t0, y, (size_t)p->ldy);
+            continue;
+        }
         if (p->is_float) { /* float weights: as they lie */
             p->fmm(c->K, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0, x, (size_t)c->K,
                    t1 - t0, y, (size_t)p->ldy);
@@ -143,7 +154,10 @@ int ellm_linear_multi_exact(const float *x, int64_t T, int64_t K, const ellm_lin
         } else {
             p->fmm = fmm_f32;
 #if defined(__x86_64__) || defined(__i386__)
-            if (ellm_simd_is_avx512(ellm_simd_level())) p->dq = ellm_dq_row_avx512(q->qtype);
+            if (ellm_simd_is_avx512(ellm_simd_level())) {
+                p->dq = ellm_dq_row_avx512(q->qtype);
+                if (T < EXACT_FEW_TOKENS) p->fused = ellm_exact_fused_avx512(q->qtype);
+            }
 #endif
         }
         p->row_items = (p->N + EXACT_ROWS - 1) / EXACT_ROWS;

@@ -129,6 +129,122 @@ static void dq_q6_k(const uint8_t *b, float *y, int64_t nb) {
     }
 }
 
+/* ====================================================================================
+ * Few tokens: the row dequantized in registers (32-element types) or one block at a time
+ * into L1 (K-quants) and multiplied by each token at once, with the chains and the final
+ * reduction of matmul_avx512.c's f32 kernel (elements [32 j, 32 j + 16) into chain 0,
+ * [32 j + 16, 32 j + 32) into chain 1, y = reduce_add(chain 0 + chain 1)): the same
+ * bits as dequantizing the row and running that kernel, which the many-token path does.
+ * ==================================================================================== */
+
+#define FT 4 /* tokens per pass */
+
+/* one 32-element block's values, as dq_q*'s compute them */
+INLINE void block32(int type, const uint8_t *b, __m512 *lo, __m512 *hi) {
+    float y[32] __attribute__((aligned(64)));
+    switch (type) {
+    case ELLM_T_Q4_0: dq_q4_0(b, y, 1); break;
+    case ELLM_T_Q4_1: dq_q4_1(b, y, 1); break;
+    case ELLM_T_Q5_0: dq_q5_0(b, y, 1); break;
+    case ELLM_T_Q5_1: dq_q5_1(b, y, 1); break;
+    default: dq_q8_0(b, y, 1); break;
+    }
+    /* the stores above forward to these loads (GCC usually keeps them in registers) */
+    *lo = _mm512_load_ps(y);
+    *hi = _mm512_load_ps(y + 16);
+}
+
+INLINE int block_bytes(int type) {
+    switch (type) {
+    case ELLM_T_Q4_0: return Q4_0_BYTES;
+    case ELLM_T_Q4_1: return Q4_1_BYTES;
+    case ELLM_T_Q5_0: return Q5_0_BYTES;
+    case ELLM_T_Q5_1: return Q5_1_BYTES;
+    case ELLM_T_Q8_0: return Q8_0_BYTES;
+    case ELLM_T_Q4_K: return Q4_K_BYTES;
+    default: return Q6_K_BYTES;
+    }
+}
+
+/* one weight row against nt <= FT tokens */
+INLINE void fused_row(int type, int64_t k, const uint8_t *w, const float *x, size_t xs,
+                      const int nt, float *y, size_t ys) {
+    const int bs = block_bytes(type);
+    __m512 a0[FT], a1[FT];
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm512_setzero_ps();
+    if (type == ELLM_T_Q4_K || type == ELLM_T_Q6_K) {
+        float v[256] __attribute__((aligned(64)));
+        for (int64_t i = 0; i < k / 256; i++) {
+            if (type == ELLM_T_Q4_K) dq_q4_k(w + (size_t)i * (size_t)bs, v, 1);
+            else dq_q6_k(w + (size_t)i * (size_t)bs, v, 1);
+            for (int c = 0; c < 256; c += 32) {
+                const __m512 lo = _mm512_load_ps(v + c), hi = _mm512_load_ps(v + c + 16);
+                _Pragma("GCC unroll 4")
+                for (int t = 0; t < nt; t++) {
+                    const float *xt = x + (size_t)t * xs + 256 * i + c;
+                    a0[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), a0[t]);
+                    a1[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), a1[t]);
+                }
+            }
+        }
+    } else {
+        for (int64_t i = 0; i < k / 32; i++) {
+            __m512 lo, hi;
+            block32(type, w + (size_t)i * (size_t)bs, &lo, &hi);
+            _Pragma("GCC unroll 4")
+            for (int t = 0; t < nt; t++) {
+                const float *xt = x + (size_t)t * xs + 32 * i;
+                a0[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), a0[t]);
+                a1[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), a1[t]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) y[(size_t)t * ys] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+}
+
+ellm_fmm_fn ellm_exact_fused_avx512(int qtype);
+
+#define FUSED_FN(name, TYPE)                                                                 \
+    static void name(int64_t k, const uint8_t *w, size_t ws, int64_t nr, const float *x,      \
+                     size_t xs, int64_t nt, float *y, size_t ys) {                            \
+        for (int64_t r = 0; r < nr; r++)                                                     \
+            for (int64_t t = 0; t < nt; t += FT) {                                           \
+                const float *xt = x + (size_t)t * xs;                                        \
+                float *yt = y + (size_t)t * ys + (size_t)r;                                  \
+                const uint8_t *wr = w + (size_t)r * ws;                                      \
+                switch (nt - t < FT ? nt - t : FT) {                                         \
+                case 1: fused_row(TYPE, k, wr, xt, xs, 1, yt, ys); break;                    \
+                case 2: fused_row(TYPE, k, wr, xt, xs, 2, yt, ys); break;                    \
+                case 3: fused_row(TYPE, k, wr, xt, xs, 3, yt, ys); break;                    \
+                default: fused_row(TYPE, k, wr, xt, xs, 4, yt, ys); break;                   \
+                }                                                                            \
+            }                                                                                \
+    }
+_Static_assert(FT == 4, "FUSED_FN spells out the cases 1..4");
+
+FUSED_FN(fused_q4_0, ELLM_T_Q4_0)
+FUSED_FN(fused_q4_1, ELLM_T_Q4_1)
+FUSED_FN(fused_q5_0, ELLM_T_Q5_0)
+FUSED_FN(fused_q5_1, ELLM_T_Q5_1)
+FUSED_FN(fused_q8_0, ELLM_T_Q8_0)
+FUSED_FN(fused_q4_k, ELLM_T_Q4_K)
+FUSED_FN(fused_q6_k, ELLM_T_Q6_K)
+
+ellm_fmm_fn ellm_exact_fused_avx512(int qtype) {
+    switch (qtype) {
+    case ELLM_T_Q4_0: return fused_q4_0;
+    case ELLM_T_Q4_1: return fused_q4_1;
+    case ELLM_T_Q5_0: return fused_q5_0;
+    case ELLM_T_Q5_1: return fused_q5_1;
+    case ELLM_T_Q8_0: return fused_q8_0;
+    case ELLM_T_Q4_K: return fused_q4_k;
+    case ELLM_T_Q6_K: return fused_q6_k;
+    default: return NULL;
+    }
+}
+
 #define ROW_FN(name, fn, BLK)                                                                \
     static void name(const uint8_t *src, float *dst, int64_t n) { fn(src, dst, n / (BLK)); }
 
