@@ -36,6 +36,7 @@ typedef struct {
     int64_t N;
     float *y;
     int64_t ldy;
+    const float *bias; /* (N,) or NULL: added after each output's sum, as matmul.c does */
     int is_float;     /* F32 / F16 / BF16: no dequantization */
     dq_row_fn dq;     /* a fast row dequantizer, or NULL (then ellm_dequantize) */
     ellm_fmm_fn fused; /* few tokens: the quantized rows straight into the f32 kernel's sums */
@@ -64,6 +65,31 @@ size_t ellm_linear_exact_scratch_bytes(int64_t K, int max_threads) {
     return per * (size_t)max_threads;
 }
 
+/* y[t][i] += bias[i], one plain add per output after its sum (matmul.c's epilogue) */
+static void add_bias(const float *bias, int64_t n, float *y, size_t ldy, int64_t nt) {
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t i = 0; i < n; i++) y[(size_t)t * ldy + (size_t)i] += bias[i];
+}
+
+/* Rows [n0, n1) of part p against nt tokens of x, into y: the sums, before any bias */
+static void exact_block(const exact_ctx *c, const exact_part *p, float *buf, int64_t n0,
+                        int64_t n1, const float *x, int64_t nt, float *y) {
+    const uint8_t *w = p->w + (size_t)n0 * p->row_bytes;
+    if (p->fused || p->is_float) { /* quantized rows straight in, or float weights as they lie */
+        (p->fused ? p->fused : p->fmm)(c->K, w, p->row_bytes, n1 - n0, x, (size_t)c->K, nt, y,
+                                       (size_t)p->ldy);
+        return;
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *src = p->w + (size_t)n * p->row_bytes;
+        float *dst = buf + (size_t)(n - n0) * (size_t)c->K;
+        if (p->dq) p->dq(src, dst, c->K);
+        else (void)ellm_dequantize(p->qtype, src, p->row_bytes, dst, c->K); /* sizes checked */
+    }
+    p->fmm(c->K, (const uint8_t *)buf, (size_t)c->K * sizeof(float), n1 - n0, x, (size_t)c->K, nt,
+           y, (size_t)p->ldy);
+}
+
 static void task_exact(void *ctx, int64_t begin, int64_t end, int thread_id) {
     const exact_ctx *c = (const exact_ctx *)ctx;
     float *buf = (float *)(c->scratch + (size_t)thread_id * c->per_thread);
@@ -76,25 +102,8 @@ static void task_exact(void *ctx, int64_t begin, int64_t end, int thread_id) {
         const int64_t n0 = r * EXACT_ROWS, n1 = n0 + EXACT_ROWS < p->N ? n0 + EXACT_ROWS : p->N;
         const int64_t t0 = tt * EXACT_TOKS, t1 = t0 + EXACT_TOKS < c->T ? t0 + EXACT_TOKS : c->T;
         float *y = p->y + (size_t)t0 * (size_t)p->ldy + (size_t)n0;
-        const float *x = c->x + (size_t)t0 * (size_t)c->K;
-        if (p->fused) {
-            p->fused(c->K, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0, x, (size_t)c->K,
-                     t1 - t0, y, (size_t)p->ldy);
-            continue;
-        }
-        if (p->is_float) { /* float weights: as they lie */
-            p->fmm(c->K, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0, x, (size_t)c->K,
-                   t1 - t0, y, (size_t)p->ldy);
-            continue;
-        }
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t *src = p->w + (size_t)n * p->row_bytes;
-            float *dst = buf + (size_t)(n - n0) * (size_t)c->K;
-            if (p->dq) p->dq(src, dst, c->K);
-            else (void)ellm_dequantize(p->qtype, src, p->row_bytes, dst, c->K); /* checked */
-        }
-        p->fmm(c->K, (const uint8_t *)buf, (size_t)c->K * sizeof(float), n1 - n0, x, (size_t)c->K,
-               t1 - t0, y, (size_t)p->ldy);
+        exact_block(c, p, buf, n0, n1, c->x + (size_t)t0 * (size_t)c->K, t1 - t0, y);
+        if (p->bias) add_bias(p->bias + n0, n1 - n0, y, (size_t)p->ldy, t1 - t0);
     }
 }
 
@@ -115,11 +124,13 @@ int ellm_linear_multi_exact(const float *x, int64_t T, int64_t K, const ellm_lin
         }
     }
     if (T == 0) return ELLM_OK;
-    if (K == 0) {
+    if (K == 0) { /* empty sums: y = 0 (+ bias) */
         for (int i = 0; i < n_parts; i++)
-            for (int64_t t = 0; parts[i].N > 0 && t < T; t++)
-                memset(parts[i].y + (size_t)t * (size_t)parts[i].ldy, 0,
-                       (size_t)parts[i].N * sizeof(float));
+            for (int64_t t = 0; parts[i].N > 0 && t < T; t++) {
+                float *yt = parts[i].y + (size_t)t * (size_t)parts[i].ldy;
+                memset(yt, 0, (size_t)parts[i].N * sizeof(float));
+                if (parts[i].bias) add_bias(parts[i].bias, parts[i].N, yt, 0, 1);
+            }
         return ELLM_OK;
     }
     if (x == NULL) return ELLM_E_SHAPE;
@@ -148,6 +159,7 @@ int ellm_linear_multi_exact(const float *x, int64_t T, int64_t K, const ellm_lin
         p->N = q->N;
         p->y = q->y;
         p->ldy = q->ldy;
+        p->bias = q->bias;
         p->is_float = q->qtype == ELLM_T_F32 || q->qtype == ELLM_T_F16 || q->qtype == ELLM_T_BF16;
         if (p->is_float) {
             p->fmm = ellm_fmm_select(q->qtype);
