@@ -49,7 +49,8 @@ typedef struct __attribute__((packed, aligned(64))) {
 } tile_config;
 _Static_assert(sizeof(tile_config) == 64, "the LDTILECFG operand is 64 bytes");
 
-/* A and B tiles for K bytes of depth (a multiple of 4, at most 64). */
+/* A and B tiles for K bytes of depth (a multiple of 4, at most 64): 32 for the 32-element
+ * types and Q4_K's 32-runs, 16 for Q6_K's 16-runs. */
 static void load_tile_config(int k_bytes) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -92,7 +93,10 @@ void ellm_amx_put_token(int act_block, ellm_act_fn act, const float *x, int64_t 
             ellm_act256 a;
             act(x + QK256 * i, QK256, &a);
             g[i].d[lane] = a.d;
-            for (int k = 0; k < 16; k++) g[i].bsums[k][lane] = a.bsums[k];
+            for (int k = 0; k < 8; k++) {
+                g[i].bsums[k][lane][0] = a.bsums[2 * k];
+                g[i].bsums[k][lane][1] = a.bsums[2 * k + 1];
+            }
             for (int m = 0; m < QK256 / 4; m++)
                 memcpy(g[i].qs + 4 * (ELLM_AMX_TG * m + lane), a.qs + 4 * m, 4);
         }
@@ -115,7 +119,7 @@ void ellm_amx_zero_lanes(int act_block, int64_t nblk, uint8_t *group, int used) 
         for (int64_t i = 0; i < nblk; i++) {
             for (int m = 0; m < QK256 / 4; m++)
                 memset(g[i].qs + 4 * (ELLM_AMX_TG * m + used), 0, (size_t)(4 * pad));
-            for (int k = 0; k < 16; k++) memset(&g[i].bsums[k][used], 0, (size_t)pad * sizeof(int16_t));
+            for (int k = 0; k < 8; k++) memset(g[i].bsums[k][used], 0, (size_t)pad * 2 * sizeof(int16_t));
             memset(g[i].d + used, 0, (size_t)pad * sizeof(float));
         }
     }
@@ -288,6 +292,170 @@ DEFINE_QGEMM32_AMX(amx_q5_0, ELLM_T_Q5_0)
 DEFINE_QGEMM32_AMX(amx_q5_1, ELLM_T_Q5_1)
 DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
 
+/* ====================================================================================
+ * Q4_K and Q6_K: one tile multiply per run of values sharing a scale (Q4_K: 8 runs of 32,
+ * K = 32 bytes; Q6_K: 16 runs of 16, K = 16), its exact int32 result scaled by the run's
+ * scale in integers and summed over the runs; then per block the float steps of
+ * quant_x86.h's qgemmk_tile:
+ *   Q4_K  acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
+ *   Q6_K  isum -= 32 sum_g sc[g] bsum[g];      acc = fma(float(isum), d d_x, acc)
+ * with msum / the Q6_K offset from the per-16 sums of x (integers too).
+ * ==================================================================================== */
+
+#define AK_CHUNK 4 /* blocks unpacked per chunk: 16 rows x 256 bytes each */
+
+typedef struct {
+    int8_t q[AK_CHUNK][16][256] __attribute__((aligned(64))); /* values, element order */
+    int32_t sc[AK_CHUNK][16][16];  /* per-run scales */
+    int32_t pair[AK_CHUNK][16][8]; /* int16 pairs for the bsums madd: (mn, mn) / (sc, sc') */
+    float d[AK_CHUNK][16], m[AK_CHUNK][16];
+} wchunkk;
+
+/* One row's block into the chunk (the unpacking of qgemmk_tile) */
+INLINE void unpack_k(int q4, const uint8_t *b, wchunkk *wc, int ii, int r) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    int8_t *v = wc->q[ii][r];
+    if (q4) {
+        uint8_t sc[8], mn[8];
+        ellm_unpack_k4_scales(b + 4, sc, mn);
+        for (int j = 0; j < 8; j++) {
+            wc->sc[ii][r][j] = sc[j];
+            wc->pair[ii][r][j] = (int32_t)((uint32_t)mn[j] * 0x10001u);
+        }
+        wc->d[ii][r] = f16_at(b);
+        wc->m[ii][r] = -f16_at(b + 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            _mm256_store_si256((__m256i *)(v + 64 * c), _mm256_and_si256(q, lo4));
+            _mm256_store_si256((__m256i *)(v + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4));
+        }
+    } else {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int g = 0; g < 16; g++) wc->sc[ii][r][g] = sc[g];
+        for (int k = 0; k < 8; k++)
+            wc->pair[ii][r][k] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[2 * k] |
+                                           ((uint32_t)(uint16_t)(int16_t)sc[2 * k + 1] << 16));
+        wc->d[ii][r] = f16_at(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            int8_t *vh = v + 128 * h;
+            _mm256_store_si256((__m256i *)vh, _mm256_or_si256(_mm256_and_si256(ql0, lo4),
+                                                               _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)));
+            _mm256_store_si256((__m256i *)(vh + 32), _mm256_or_si256(_mm256_and_si256(ql1, lo4),
+                                                                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)));
+            _mm256_store_si256((__m256i *)(vh + 64),
+                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4),
+                                               _mm256_and_si256(qh, top2)));
+            _mm256_store_si256((__m256i *)(vh + 96),
+                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4),
+                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)));
+        }
+    }
+}
+
+/* tot[r] += (the tile's row r) * scale[r] */
+INLINE void scale_runs(const int32_t ib[16][16], const int32_t (*sc)[16], int j, __m512i tot[16]) {
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < 16; r++)
+        tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(_mm512_load_si512(ib[r]),
+                                                             _mm512_set1_epi32(sc[r][j])));
+}
+
+INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr,
+                       const uint8_t *x, size_t xs, int64_t nt, float *y, size_t ys) {
+    const int q4 = type == ELLM_T_Q4_K;
+    const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    const int runs = q4 ? 8 : 16, run_bytes = q4 ? 32 : 16;
+    wchunkk wc;
+    int32_t ib[2][16][16] __attribute__((aligned(64)));
+    __m512 acc_mem[A32_GROUPS][16];
+    const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
+    load_tile_config(run_bytes);
+    for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+        const int rows = nr - r0 < 16 ? (int)(nr - r0) : 16;
+        for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
+            const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
+            for (int g = 0; g < ng; g++)
+                for (int r = 0; r < 16; r++) acc_mem[g][r] = _mm512_setzero_ps();
+            for (int64_t i0 = 0; i0 < nb; i0 += AK_CHUNK) {
+                const int nc = nb - i0 < AK_CHUNK ? (int)(nb - i0) : AK_CHUNK;
+                for (int ii = 0; ii < nc; ii++)
+                    for (int r = 0; r < 16; r++) /* rows past nr repeat the last (never stored) */
+                        unpack_k(q4, w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws +
+                                         (size_t)(i0 + ii) * (size_t)bs, &wc, ii, r);
+                for (int g = 0; g < ng; g++) {
+                    const ellm_act256x16 *xg = (const ellm_act256x16 *)(x + (size_t)(g0 + g) * xs) + i0;
+                    for (int ii = 0; ii < nc; ii++) {
+                        __m512i tot[16];
+                        _Pragma("GCC unroll 16")
+                        for (int r = 0; r < 16; r++) tot[r] = _mm512_setzero_si512();
+                        /* run j: weight bytes [run_bytes j, +run_bytes) of each row; the
+                         * activations' dwords from run_bytes j / 4 on, 64 bytes a dword */
+                        for (int j = 0; j < runs; j += 2) {
+                            TILE_LOAD(TA0, wc.q[ii][0] + run_bytes * j, 256);
+                            TILE_LOAD(TB0, xg[ii].qs + 16 * run_bytes * j, 64);
+                            TILE_ZERO(TC0);
+                            TILE_DPBSSD(TC0, TA0, TB0);
+                            TILE_LOAD(TA1, wc.q[ii][0] + run_bytes * (j + 1), 256);
+                            TILE_LOAD(TB1, xg[ii].qs + 16 * run_bytes * (j + 1), 64);
+                            TILE_ZERO(TC1);
+                            TILE_DPBSSD(TC1, TA1, TB1);
+                            TILE_STORE(TC0, ib[0], 64);
+                            TILE_STORE(TC1, ib[1], 64);
+                            scale_runs(ib[0], wc.sc[ii], j, tot);
+                            scale_runs(ib[1], wc.sc[ii], j + 1, tot);
+                        }
+                        const __m512 dx = _mm512_loadu_ps(xg[ii].d);
+                        __m512i bsum[8];
+                        _Pragma("GCC unroll 8")
+                        for (int k = 0; k < 8; k++) bsum[k] = _mm512_loadu_si512(xg[ii].bsums[k]);
+                        for (int r = 0; r < 16; r++) {
+                            __m512i bsp = _mm512_setzero_si512();
+                            _Pragma("GCC unroll 8")
+                            for (int k = 0; k < 8; k++)
+                                bsp = _mm512_add_epi32(bsp, _mm512_madd_epi16(
+                                    bsum[k], _mm512_set1_epi32(wc.pair[ii][r][k])));
+                            __m512 a = acc_mem[g][r];
+                            if (q4) {
+                                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[r]),
+                                                    _mm512_mul_ps(_mm512_set1_ps(wc.d[ii][r]), dx), a);
+                                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bsp),
+                                                    _mm512_mul_ps(_mm512_set1_ps(wc.m[ii][r]), dx), a);
+                            } else {
+                                const __m512i isum = _mm512_sub_epi32(tot[r], _mm512_slli_epi32(bsp, 5));
+                                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                                    _mm512_mul_ps(_mm512_set1_ps(wc.d[ii][r]), dx), a);
+                            }
+                            acc_mem[g][r] = a;
+                        }
+                    }
+                }
+            }
+            for (int g = 0; g < ng; g++) {
+                float out[16][16] __attribute__((aligned(64)));
+                for (int r = 0; r < 16; r++) _mm512_store_ps(out[r], acc_mem[g][r]);
+                const int64_t t0 = (g0 + g) * ELLM_AMX_TG;
+                const int n = nt - t0 < ELLM_AMX_TG ? (int)(nt - t0) : ELLM_AMX_TG;
+                for (int t = 0; t < n; t++)
+                    for (int r = 0; r < rows; r++) y[(size_t)(t0 + t) * ys + (size_t)(r0 + r)] = out[r][t];
+            }
+        }
+    }
+    _tile_release();
+}
+
+static void amx_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
+                     size_t xs, int64_t nt, float *y, size_t ys) {
+    qgemmk_amx(ELLM_T_Q4_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+
+static void amx_q6_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
+                     size_t xs, int64_t nt, float *y, size_t ys) {
+    qgemmk_amx(ELLM_T_Q6_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+
 ellm_qgemm_fn ellm_qgemm_amx(int qtype) {
     switch (qtype) {
     case ELLM_T_Q4_0: return amx_q4_0;
@@ -295,6 +463,8 @@ ellm_qgemm_fn ellm_qgemm_amx(int qtype) {
     case ELLM_T_Q5_0: return amx_q5_0;
     case ELLM_T_Q5_1: return amx_q5_1;
     case ELLM_T_Q8_0: return amx_q8_0;
+    case ELLM_T_Q4_K: return amx_q4_k;
+    case ELLM_T_Q6_K: return amx_q6_k;
     default: return NULL;
     }
 }

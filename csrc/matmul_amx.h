@@ -25,10 +25,11 @@ typedef struct {
 } ellm_act32x16;
 _Static_assert(sizeof(ellm_act32x16) == ELLM_AMX_TG * sizeof(ellm_act32), "act32x16 layout");
 
-/* the K-quants' blocks: the same qs layout; bsums[g][t] = token t's bsums[g] */
+/* the K-quants' blocks: the same qs layout; the per-16 sums in pairs, so that one madd
+ * applies two per-16 factors to 16 tokens: bsums[k][t] = token t's bsums[2 k], [2 k + 1] */
 typedef struct {
     int8_t qs[256 * ELLM_AMX_TG];
-    int16_t bsums[16][ELLM_AMX_TG];
+    int16_t bsums[8][ELLM_AMX_TG][2];
     float d[ELLM_AMX_TG];
 } ellm_act256x16;
 _Static_assert(sizeof(ellm_act256x16) == ELLM_AMX_TG * sizeof(ellm_act256), "act256x16 layout");

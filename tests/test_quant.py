@@ -727,10 +727,12 @@ def test_get_rows_bad_index_raises() -> None:
 
 # the types with AMX kernels (csrc/matmul_amx.c); every other type runs the AVX-512 path
 # at the AMX level, which the level-parametrized tests above cover
-AMX_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
+AMX_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+             GGMLType.Q4_K, GGMLType.Q6_K]
 # (T, N, K-blocks): T below, at and past 16-token groups and 64-token items, N below and
-# past a 16-row tile, K past one 32-block unpacking chunk
-AMX_SHAPES = [(16, 16, 1), (17, 5, 3), (31, 33, 2), (64, 16, 33), (100, 37, 7), (257, 48, 18)]
+# past a 16-row tile, K past one unpacking chunk (32 blocks of 32, 4 blocks of 256)
+AMX_SHAPES = {32: [(16, 16, 1), (17, 5, 3), (31, 33, 2), (64, 16, 33), (100, 37, 7), (257, 48, 18)],
+              256: [(16, 16, 1), (17, 5, 2), (31, 33, 1), (64, 16, 5), (100, 37, 3), (257, 48, 3)]}
 
 
 def needs_amx() -> None:
@@ -745,8 +747,9 @@ def test_amx_equals_vnni_bit_for_bit(qtype: GGMLType) -> None:
     the VNNI kernels', in their order: every output is the same float."""
     needs_amx()
     rng = np.random.default_rng(500 + int(qtype))
-    for t, n, kb in AMX_SHAPES:
-        k = kb * 32
+    blk = BLOCK_LAYOUT[qtype][0]
+    for t, n, kb in AMX_SHAPES[blk]:
+        k = kb * blk
         raw = random_rows(qtype, n, k, rng)
         x = rng.standard_normal((t, k)).astype(np.float32)
         x *= np.exp(rng.uniform(-3.0, 3.0, size=(t, 1))).astype(np.float32)
@@ -757,19 +760,20 @@ def test_amx_equals_vnni_bit_for_bit(qtype: GGMLType) -> None:
         assert np.isfinite(amx).all()
         np.testing.assert_array_equal(amx, vnni, err_msg=f"T={t} N={n} K={k}")
         w = gguf_dequant(raw, qtype).astype(np.float64)
-        ref = q8_act_reference(x, 32).astype(np.float64) @ w.T
+        ref = q8_act_reference(x, blk).astype(np.float64) @ w.T
         assert nmse(amx, ref) < 1e-10, f"T={t} N={n} K={k}"
 
 
-def test_amx_linear_multi_mixes_tiles_and_vnni() -> None:
-    """A call where one activation format takes the tiles (Q4_1, Q8_0, Q5_0) and the
-    other does not (Q5_K has no AMX kernel): each part as linear alone, and alone at the
-    VNNI level."""
+@pytest.mark.parametrize("with_q5_k", [False, True])
+def test_amx_linear_multi_mixes_tiles_and_vnni(with_q5_k: bool) -> None:
+    """A call with both activation formats on the tiles, or (with Q5_K, which has no AMX
+    kernel) the 256-block format on the VNNI kernels beside the 32-block one on the tiles:
+    each part as at the VNNI level, bit for bit."""
     needs_amx()
     rng = np.random.default_rng(14)
     k = 512
-    parts = [(GGMLType.Q4_1, 40), (GGMLType.Q8_0, 19), (GGMLType.Q5_0, 3), (GGMLType.Q5_K, 9),
-             (GGMLType.F32, 4)]
+    parts = [(GGMLType.Q4_1, 40), (GGMLType.Q8_0, 19), (GGMLType.Q5_0, 3), (GGMLType.Q4_K, 21),
+             (GGMLType.Q6_K, 17), (GGMLType.F32, 4)] + ([(GGMLType.Q5_K, 9)] if with_q5_k else [])
     ws = [(random_rows(q, n, k, rng) if q in QUANT else float_weights(q, n, k, rng)[0], q)
           for q, n in parts]
     x = rng.standard_normal((70, k)).astype(np.float32)
