@@ -177,6 +177,9 @@ INLINE float const32(int type, float d, float m) {
 #define A32_CHUNK 32
 /* Token groups sharing one unpacking of the weights */
 #define A32_GROUPS 4
+/* Blocks in flight between a tile multiply and its fold, and the result buffers */
+#define A32_LAG 2
+#define A32_BUFS 4
 
 typedef struct {
     int8_t q[A32_CHUNK][16][32] __attribute__((aligned(64)));
@@ -198,7 +201,7 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
     const int bs = bytes32(type);
     const int has_c = type != ELLM_T_Q8_0;
     wchunk32 wc;
-    int32_t ib[2][16][16] __attribute__((aligned(64)));
+    int32_t ib[A32_BUFS][16][16] __attribute__((aligned(64)));
     __m512 acc_mem[A32_GROUPS][16], cor_mem[A32_GROUPS][16];
     const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
     load_tile_config(32);
@@ -225,28 +228,27 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                     __m512 acc[16];
                     _Pragma("GCC unroll 16")
                     for (int r = 0; r < 16; r++) acc[r] = acc_mem[g][r];
-                    int ii = 0;
-                    for (; ii + 2 <= nc; ii += 2) {
-                        TILE_LOAD(TA0, wc.q[ii], 32);
-                        TILE_LOAD(TB0, xg[ii].qs, 64);
-                        TILE_ZERO(TC0);
-                        TILE_DPBSSD(TC0, TA0, TB0);
-                        TILE_LOAD(TA1, wc.q[ii + 1], 32);
-                        TILE_LOAD(TB1, xg[ii + 1].qs, 64);
-                        TILE_ZERO(TC1);
-                        TILE_DPBSSD(TC1, TA1, TB1);
-                        TILE_STORE(TC0, ib[0], 64);
-                        TILE_STORE(TC1, ib[1], 64);
-                        fold_block32(ib[0], wc.d[ii], _mm512_loadu_ps(xg[ii].d), acc);
-                        fold_block32(ib[1], wc.d[ii + 1], _mm512_loadu_ps(xg[ii + 1].d), acc);
-                    }
-                    if (ii < nc) {
-                        TILE_LOAD(TA0, wc.q[ii], 32);
-                        TILE_LOAD(TB0, xg[ii].qs, 64);
-                        TILE_ZERO(TC0);
-                        TILE_DPBSSD(TC0, TA0, TB0);
-                        TILE_STORE(TC0, ib[0], 64);
-                        fold_block32(ib[0], wc.d[ii], _mm512_loadu_ps(xg[ii].d), acc);
+                    /* software-pipelined: block ii's multiply is issued A32_LAG blocks
+                     * before its fold, so the tile unit and the stores run under the
+                     * folds of earlier blocks (which still happen in block order) */
+                    for (int ii = 0; ii < nc + A32_LAG; ii++) {
+                        if (ii < nc && (ii & 1) == 0) {
+                            TILE_LOAD(TA0, wc.q[ii], 32);
+                            TILE_LOAD(TB0, xg[ii].qs, 64);
+                            TILE_ZERO(TC0);
+                            TILE_DPBSSD(TC0, TA0, TB0);
+                            TILE_STORE(TC0, ib[ii % A32_BUFS], 64);
+                        } else if (ii < nc) {
+                            TILE_LOAD(TA1, wc.q[ii], 32);
+                            TILE_LOAD(TB1, xg[ii].qs, 64);
+                            TILE_ZERO(TC1);
+                            TILE_DPBSSD(TC1, TA1, TB1);
+                            TILE_STORE(TC1, ib[ii % A32_BUFS], 64);
+                        }
+                        if (ii >= A32_LAG) {
+                            const int jj = ii - A32_LAG;
+                            fold_block32(ib[jj % A32_BUFS], wc.d[jj], _mm512_loadu_ps(xg[jj].d), acc);
+                        }
                     }
                     _Pragma("GCC unroll 16")
                     for (int r = 0; r < 16; r++) acc_mem[g][r] = acc[r];
