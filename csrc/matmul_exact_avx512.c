@@ -139,19 +139,47 @@ static void dq_q6_k(const uint8_t *b, float *y, int64_t nb) {
 
 #define FT 4 /* tokens per pass */
 
-/* one 32-element block's values, as dq_q*'s compute them */
+/* one 32-element block's values, as dq_q*'s compute them. The 4- and 5-bit types look
+ * their values up in a table of the 16 or 32 possible ones, each formed by the scalar
+ * code's operations (d * q, then + m) -- the same bits for fewer instructions. */
 INLINE void block32(int type, const uint8_t *b, __m512 *lo, __m512 *hi) {
-    float y[32] __attribute__((aligned(64)));
-    switch (type) {
-    case ELLM_T_Q4_0: dq_q4_0(b, y, 1); break;
-    case ELLM_T_Q4_1: dq_q4_1(b, y, 1); break;
-    case ELLM_T_Q5_0: dq_q5_0(b, y, 1); break;
-    case ELLM_T_Q5_1: dq_q5_1(b, y, 1); break;
-    default: dq_q8_0(b, y, 1); break;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (type == ELLM_T_Q8_0) {
+        const __m512 d = _mm512_set1_ps(f16_at(b));
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
+        return;
     }
-    /* the stores above forward to these loads (GCC usually keeps them in registers) */
-    *lo = _mm512_load_ps(y);
-    *hi = _mm512_load_ps(y + 16);
+    const int off = type == ELLM_T_Q4_0 ? 2 : type == ELLM_T_Q4_1 ? 4 : type == ELLM_T_Q5_0 ? 6 : 8;
+    /* vpermps reads the low 4 bits of each index (vpermt2ps 5): the byte itself for the
+     * low nibble, shifted for the high one */
+    __m512i il = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + off)));
+    __m512i ih = _mm512_srli_epi32(il, 4);
+    const __m512 d = _mm512_set1_ps(f16_at(b));
+    if (type == ELLM_T_Q4_0 || type == ELLM_T_Q4_1) {
+        const __m512 t = type == ELLM_T_Q4_0
+                             ? _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)))
+                             : _mm512_add_ps(_mm512_mul_ps(d, iota), _mm512_set1_ps(f16_at(b + 2)));
+        *lo = _mm512_permutexvar_ps(il, t);
+        *hi = _mm512_permutexvar_ps(ih, t);
+        return;
+    }
+    /* Q5: the fifth bit selects the upper table */
+    const uint32_t qh = ellm_rd_u32(b + (type == ELLM_T_Q5_1 ? 4 : 2));
+    il = _mm512_and_si512(il, _mm512_set1_epi32(15));
+    il = _mm512_mask_or_epi32(il, (__mmask16)(qh & 0xFFFF), il, _mm512_set1_epi32(16));
+    ih = _mm512_mask_or_epi32(ih, (__mmask16)(qh >> 16), ih, _mm512_set1_epi32(16));
+    __m512 t0, t1;
+    if (type == ELLM_T_Q5_0) {
+        t0 = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.0f)));
+        t1 = _mm512_mul_ps(d, iota);
+    } else {
+        const __m512 m = _mm512_set1_ps(f16_at(b + 2));
+        t0 = _mm512_add_ps(_mm512_mul_ps(d, iota), m);
+        t1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.0f))), m);
+    }
+    *lo = _mm512_permutex2var_ps(t0, il, t1);
+    *hi = _mm512_permutex2var_ps(t0, ih, t1);
 }
 
 INLINE int block_bytes(int type) {
@@ -166,59 +194,84 @@ INLINE int block_bytes(int type) {
     }
 }
 
-/* one weight row against nt <= FT tokens */
-INLINE void fused_row(int type, int64_t k, const uint8_t *w, const float *x, size_t xs,
-                      const int nt, float *y, size_t ys) {
+/* R weight rows (ws bytes apart) against nt tokens, R * nt <= FT: each (row, token)
+ * keeps its own two chains, so several rows side by side at one token only add
+ * independent work for the FMA latency to hide behind */
+INLINE void fused_tile(int type, int64_t k, const uint8_t *w, size_t ws, const int R, const float *x,
+                       size_t xs, const int nt, float *y, size_t ys) {
     const int bs = block_bytes(type);
-    __m512 a0[FT], a1[FT];
+    __m512 a0[FT][FT], a1[FT][FT];
     _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < nt; t++) a0[r][t] = a1[r][t] = _mm512_setzero_ps();
     if (type == ELLM_T_Q4_K || type == ELLM_T_Q6_K) {
-        float v[256] __attribute__((aligned(64)));
+        float v[FT][256] __attribute__((aligned(64)));
         for (int64_t i = 0; i < k / 256; i++) {
-            if (type == ELLM_T_Q4_K) dq_q4_k(w + (size_t)i * (size_t)bs, v, 1);
-            else dq_q6_k(w + (size_t)i * (size_t)bs, v, 1);
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                const uint8_t *b = w + (size_t)r * ws + (size_t)i * (size_t)bs;
+                if (type == ELLM_T_Q4_K) dq_q4_k(b, v[r], 1);
+                else dq_q6_k(b, v[r], 1);
+            }
             for (int c = 0; c < 256; c += 32) {
-                const __m512 lo = _mm512_load_ps(v + c), hi = _mm512_load_ps(v + c + 16);
                 _Pragma("GCC unroll 4")
-                for (int t = 0; t < nt; t++) {
-                    const float *xt = x + (size_t)t * xs + 256 * i + c;
-                    a0[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), a0[t]);
-                    a1[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), a1[t]);
+                for (int r = 0; r < R; r++) {
+                    const __m512 lo = _mm512_load_ps(v[r] + c), hi = _mm512_load_ps(v[r] + c + 16);
+                    _Pragma("GCC unroll 4")
+                    for (int t = 0; t < nt; t++) {
+                        const float *xt = x + (size_t)t * xs + 256 * i + c;
+                        a0[r][t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), a0[r][t]);
+                        a1[r][t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), a1[r][t]);
+                    }
                 }
             }
         }
     } else {
         for (int64_t i = 0; i < k / 32; i++) {
-            __m512 lo, hi;
-            block32(type, w + (size_t)i * (size_t)bs, &lo, &hi);
             _Pragma("GCC unroll 4")
-            for (int t = 0; t < nt; t++) {
-                const float *xt = x + (size_t)t * xs + 32 * i;
-                a0[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), a0[t]);
-                a1[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), a1[t]);
+            for (int r = 0; r < R; r++) {
+                __m512 lo, hi;
+                block32(type, w + (size_t)r * ws + (size_t)i * (size_t)bs, &lo, &hi);
+                _Pragma("GCC unroll 4")
+                for (int t = 0; t < nt; t++) {
+                    const float *xt = x + (size_t)t * xs + 32 * i;
+                    a0[r][t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), a0[r][t]);
+                    a1[r][t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), a1[r][t]);
+                }
             }
         }
     }
     _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++) y[(size_t)t * ys] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+    for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < nt; t++)
+            y[(size_t)t * ys + (size_t)r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][t], a1[r][t]));
 }
 
 ellm_fmm_fn ellm_exact_fused_avx512(int qtype);
 
+/* one token: rows four at a time; more tokens: one row against up to FT tokens */
 #define FUSED_FN(name, TYPE)                                                                 \
     static void name(int64_t k, const uint8_t *w, size_t ws, int64_t nr, const float *x,      \
                      size_t xs, int64_t nt, float *y, size_t ys) {                            \
+        if (nt == 1) {                                                                       \
+            int64_t r = 0;                                                                   \
+            for (; r + FT <= nr; r += FT)                                                    \
+                fused_tile(TYPE, k, w + (size_t)r * ws, ws, FT, x, xs, 1, y + r, ys);        \
+            for (; r < nr; r++) fused_tile(TYPE, k, w + (size_t)r * ws, ws, 1, x, xs, 1, y + r, ys); \
+            return;                                                                          \
+        }                                                                                    \
         for (int64_t r = 0; r < nr; r++)                                                     \
             for (int64_t t = 0; t < nt; t += FT) {                                           \
                 const float *xt = x + (size_t)t * xs;                                        \
                 float *yt = y + (size_t)t * ys + (size_t)r;                                  \
                 const uint8_t *wr = w + (size_t)r * ws;                                      \
                 switch (nt - t < FT ? nt - t : FT) {                                         \
-                case 1: fused_row(TYPE, k, wr, xt, xs, 1, yt, ys); break;                    \
-                case 2: fused_row(TYPE, k, wr, xt, xs, 2, yt, ys); break;                    \
-                case 3: fused_row(TYPE, k, wr, xt, xs, 3, yt, ys); break;                    \
-                default: fused_row(TYPE, k, wr, xt, xs, 4, yt, ys); break;                   \
+                case 1: fused_tile(TYPE, k, wr, ws, 1, xt, xs, 1, yt, ys); break;            \
+                case 2: fused_tile(TYPE, k, wr, ws, 1, xt, xs, 2, yt, ys); break;            \
+                case 3: fused_tile(TYPE, k, wr, ws, 1, xt, xs, 3, yt, ys); break;            \
+                default: fused_tile(TYPE, k, wr, ws, 1, xt, xs, 4, yt, ys); break;           \
                 }                                                                            \
             }                                                                                \
     }
