@@ -87,9 +87,11 @@ def test_levels_are_ordered_and_end_at_the_best() -> None:
     levels = _core.supported_simd_levels()
     assert levels[0] == "scalar"
     assert _core.simd_best() == levels[-1]
-    assert set(levels) <= {"scalar", "avx2", "avx512", "neon"}
+    assert set(levels) <= {"scalar", "avx2", "avx512", "amx", "neon"}
     if "avx512" in levels:
         assert "avx2" in levels  # the AVX-512 kernels lean on AVX2 for their tails
+    if "amx" in levels:
+        assert levels[-2:] == ["avx512", "amx"]  # AMX adds tiles to the AVX-512 level
 
 
 def test_bogus_level_raises_and_changes_nothing(restore_level: None) -> None:
@@ -101,7 +103,8 @@ def test_bogus_level_raises_and_changes_nothing(restore_level: None) -> None:
 
 
 def test_unsupported_level_raises(restore_level: None) -> None:
-    missing = [name for name in ("avx2", "avx512", "neon") if name not in _core.supported_simd_levels()]
+    missing = [name for name in ("avx2", "avx512", "amx", "neon")
+               if name not in _core.supported_simd_levels()]
     if not missing:
         pytest.skip("this CPU supports every level")
     before = _core.simd_level()
@@ -121,7 +124,7 @@ def test_forcing_a_level_reaches_every_module(restore_level: None) -> None:
 # ---------------------------------------------------------------- the model at each level
 
 
-@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "neon"])
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "amx", "neon"])
 def test_level_logits_match_best(level: str, llm: ellm.LLM, best_logits: np.ndarray,
                                  restore_level: None) -> None:
     if level not in _core.supported_simd_levels():
@@ -142,7 +145,7 @@ def test_level_logits_match_best(level: str, llm: ellm.LLM, best_logits: np.ndar
     np.testing.assert_array_equal(got.argmax(-1)[sure], best_logits.argmax(-1)[sure])
 
 
-@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "neon"])
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "amx", "neon"])
 def test_level_logits_on_float_weights_are_exact(level: str, smollm2_hf_f32: Path,
                                                  restore_level: None) -> None:
     """With f32 weights nothing is quantized, so every level must agree to float rounding."""
@@ -262,3 +265,28 @@ def test_level_moe_and_partial_rotary_models(arch: str, level: str, tmp_path: Pa
     assert err <= 1e-4 * float(np.abs(want).max()), f"{arch} at {level}: max error {err:.3g}"
     chunked = _tiny_logits(folder, "cpu", [13, 7, 10] + [1] * 10, ids)
     assert np.array_equal(chunked, got), f"{arch} at {level}: chunked prefill + decode is not bit-identical"
+
+
+# ---------------------------------------------------------------- AMX tiles, bit for bit
+
+# 40 tokens: past the 16 at which the many-token kernels (and so the AMX tiles) take over
+LONG_PROMPT_IDS = PROMPT_IDS * 3 + PROMPT_IDS[:4]
+
+
+@pytest.mark.parametrize("model", ["smollm2_gguf", "gemma3_gguf"])
+def test_amx_model_logits_equal_avx512_bit_for_bit(model: str, request: pytest.FixtureRequest,
+                                                   restore_level: None) -> None:
+    """The AMX level's tiles form the same exact integer block sums as the VNNI kernels
+    and then take the same float steps: a whole model's logits are the same bits (Gemma 3's
+    Q4_K / Q6_K matrices run the AVX-512 kernels at the AMX level)."""
+    if "amx" not in _core.supported_simd_levels():
+        pytest.skip("this CPU (or its OS) offers no AMX tiles "
+                    f"(levels: {_core.supported_simd_levels()})")
+    llm = ellm.load(str(request.getfixturevalue(model)), device="cpu", max_model_len=256)
+    force_level("avx512")
+    want = llm.logits(LONG_PROMPT_IDS)
+    force_level("amx")
+    got = llm.logits(LONG_PROMPT_IDS)
+    np.testing.assert_array_equal(got, want)
+    # another T (other tile groups and padding): position 19 keeps its bits
+    np.testing.assert_array_equal(llm.logits(LONG_PROMPT_IDS[:20])[-1], got[19])

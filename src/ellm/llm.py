@@ -310,14 +310,16 @@ def _set_threads(threads: int | None) -> None:
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
          threads: int | None = None, chat_template: str | None = None,
-         progress: bool = True) -> LLM:
+         progress: bool = True, activations: str = "int8") -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
 
     max_model_len: prompt + output tokens per sequence (capped by the model's own limit).
     threads: the kernels' thread pool size, for the whole process (None: leave it as it
     is, all CPUs this process may use unless set before; 0: all of them).
     chat_template: a Jinja chat template (the text, or a path to a file) used instead of
-    the model's own by chat() and the server."""
+    the model's own by chat() and the server.
+    activations: "int8" (default) rounds a quantized matmul's input to 8-bit blocks;
+    "f32" multiplies the dequantized weights by it unrounded (see ops.get_ops)."""
     from . import hub
     from . import sampling_defaults as defaults
     from ._memory import release_freed_memory
@@ -340,7 +342,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         template = _chat_template_source(chat_template)
         compile_template(template)   # a broken template fails here, not at the first chat
     _set_threads(threads)
-    ops = get_ops(device)
+    ops = get_ops(device, activations=activations)
     resolved = hub.resolve(source, progress=progress)
     # Say what was loaded: a name and a path can look alike (see hub.resolve).
     log.info("loading %s", resolved.describe())
