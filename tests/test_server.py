@@ -419,7 +419,7 @@ BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": 0}, 400, "echo", "not supported"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "tail"}, 400, "suffix", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": {}}, 400, "tools",
-     "not supported"),
+     "array"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": "a"}, 400, "seed", "integer"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options", "stream"),
