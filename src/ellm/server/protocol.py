@@ -186,7 +186,8 @@ class SamplingFields(_Strict):
     grammar: str | None = Field(None, description="llama.cpp: a GBNF (or Lark) grammar the output follows")
     guided_json: Any = Field(None, description="vLLM: a JSON schema (object or JSON text)")
     guided_regex: str | None = Field(None, description="vLLM: a regular expression the output matches")
-    guided_choice: list[str] | None = Field(None, description="vLLM: the output is one of these strings")
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = Field(
+        None, description="vLLM: the output is one of these strings")
     guided_grammar: str | None = Field(None, description="vLLM: a Lark or GBNF grammar")
     guided_decoding_backend: str | None = Field(None, description="vLLM: accepted; ellm always uses llguidance")
     guided_whitespace_pattern: str | None = Field(None, description="vLLM: not supported (a 400)")
