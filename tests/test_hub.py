@@ -529,3 +529,33 @@ def test_goldens_are_consistent(
     assert (short["all_top_values"][-1] == short["last_top_values"][:16]).all()
     if model.startswith("gemma"):
         assert g["prompts"]["long"]["n_tokens"] > 512  # past the sliding window
+
+
+def test_progress_bar_draws_on_a_terminal(tmp_path: Path) -> None:
+    """On a terminal (a pty with no size set, as under `script` or a CI runner's tty) the
+    bar redraws in place; tqdm alone would draw nothing there."""
+    import os
+    import pty
+    import select
+
+    code = ("from ellm.progress import progress_bar\n"
+            "with progress_bar(4 << 20, 'extracting y') as bar:\n"
+            "    for _ in range(4):\n"
+            "        bar.update(1 << 20)\n")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-c", code])
+    screen = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], 30)
+        try:
+            data = os.read(fd, 4096) if ready else b""
+        except OSError:
+            data = b""
+        if not data:
+            break
+        screen += data
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, screen
+    frames = [f for f in screen.decode().split("\r") if f.strip()]
+    assert frames[0].startswith("extracting y:   0%") and "4.00M/4.00M" in frames[-1], frames

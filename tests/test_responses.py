@@ -1,5 +1,5 @@
 """Tool calls, structured output and /v1/responses through a real `ellm serve`, driven by
-the official openai client (and langchain-openai / litellm where installed).
+the official openai client (and langchain-openai / litellm, from the test extras).
 
 Every tool call's arguments are json.loads-ed and validated with the `jsonschema`
 package against the function's schema; every response_format / guided output is checked
@@ -347,7 +347,7 @@ def test_responses_tools_round_trip(smol: Served) -> None:
 # ---------------------------------------------------------------- agent frameworks
 
 def test_langchain_openai_bind_tools_and_structured_output(smol: Served) -> None:
-    lc = pytest.importorskip("langchain_openai")
+    import langchain_openai as lc  # a test extra: a missing install fails, never skips
     pydantic = pytest.importorskip("pydantic")
     llm = lc.ChatOpenAI(model=smol.model, base_url=smol.url + "/v1", api_key=API_KEY, temperature=0.3,
                         max_tokens=80, max_retries=0)
@@ -376,7 +376,7 @@ def test_langchain_openai_bind_tools_and_structured_output(smol: Served) -> None
 def test_litellm_with_tools(smol: Served) -> None:
     import os
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network here
-    litellm = pytest.importorskip("litellm")
+    import litellm  # a test extra: a missing install fails, never skips
     r = litellm.completion(model="openai/" + smol.model, api_base=smol.url + "/v1", api_key=API_KEY,
                            messages=[{"role": "user", "content": "What is 2 plus 3?"}], tools=[ADD],
                            tool_choice="required", max_tokens=100, temperature=0)

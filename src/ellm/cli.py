@@ -1,4 +1,4 @@
-"""The `ellm` command: run | chat | serve | pull | list | bench | info."""
+"""The `ellm` command: run | chat | serve | pull | list | bench | info, and --version."""
 from __future__ import annotations
 
 import argparse
@@ -6,61 +6,85 @@ import sys
 from typing import Any
 
 
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default for run)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
+    """Sampling and loading options. Sampling options left out take the model's defaults
+    (its generation_config.json or GGUF general.sampling.*, else ellm's)."""
+    shown = "until EOS or the end of the context" if max_tokens is None else str(max_tokens)
+    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens, help=f"most tokens to generate (default: {shown})")
+    p.add_argument("--temperature", "--temp", type=float, default=None, help="0 = greedy (default: the model's)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--system", "-s", default=None, help="a system prompt (uses the chat template)")
+    p.add_argument("--ctx-size", "-c", "--max-model-len", dest="ctx_size", type=int, default=None,
+                   help="prompt + output tokens per sequence (default 8192, capped by the model's own)")
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="a Jinja chat template (text or file) to use instead of the model's own")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all this process may use)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all this process may use)")
 
 
-def _params(args: argparse.Namespace, default_temperature: float) -> Any:
-    from .sampling_params import SamplingParams
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=default_temperature if args.temperature is None else args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+def _params(args: argparse.Namespace, llm: Any) -> Any:
+    """The model's defaults with the options given on the command line."""
+    import dataclasses
+    params = llm.defaults.params(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+    # Set apart: None is meaningful here (until EOS or the end of the context).
+    return dataclasses.replace(params, max_tokens=args.max_tokens)
 
 
 def _load(args: argparse.Namespace) -> Any:
     import ellm
-    if getattr(args, "threads", 0):
-        from ._native import _kernels
-        _kernels.set_num_threads(args.threads)
-    return ellm.load(args.model, device=args.device)
+    options: dict[str, Any] = {"device": args.device, "threads": getattr(args, "threads", None)}
+    if getattr(args, "ctx_size", None) is not None:
+        options["max_model_len"] = args.ctx_size
+    if getattr(args, "chat_template", None) is not None:
+        options["chat_template"] = args.chat_template
+    return ellm.load(args.model, **options)
 
 
 def _split_model_prompt(args: argparse.Namespace) -> tuple[str | None, str]:
-    """`ellm run PROMPT` or `ellm run MODEL PROMPT`."""
+    """`ellm run PROMPT` or `ellm run MODEL PROMPT`; a PROMPT of '-' is read from stdin."""
     if len(args.words) == 1:
-        return None, args.words[0]
-    if len(args.words) == 2:
-        return args.words[0], args.words[1]
-    raise SystemExit("usage: ellm run [MODEL] PROMPT")
+        model, prompt = None, args.words[0]
+    elif len(args.words) == 2:
+        model, prompt = args.words
+    else:
+        raise SystemExit("usage: ellm run [MODEL] PROMPT   (PROMPT '-' reads it from stdin)")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise SystemExit("error: no prompt on stdin")
+    return model, prompt
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     args.model, prompt = _split_model_prompt(args)
+    if args.raw and args.system:
+        print("error: --system needs the chat template; drop --raw", file=sys.stderr)
+        return 2
     llm = _load(args)
-    params = _params(args, 0.0)
-    # a template the model files carry means a chat model; a built-in one may be a base model
-    if llm.tokenizer.chat_template and not llm.tokenizer.chat_template_builtin and not args.raw:
-        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                 add_generation_prompt=True)
-        ids = llm.tokenizer.encode(text, add_special_tokens=False)
-        bos = llm.tokenizer.bos_token_id
-        if llm.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos] + ids
-        source: Any = ids
+    params = _params(args, llm)
+    tok = llm.tokenizer
+    # A template the model files carry means a chat model; a built-in one may be a base
+    # model, so it is used only when asked for (--system, --chat-template).
+    chat = not args.raw and tok.chat_template and (
+        not tok.chat_template_builtin or args.system or args.chat_template)
+    if args.system and not tok.chat_template:
+        print(f"error: {args.model or 'the model'} has no chat template, so --system cannot be used",
+              file=sys.stderr)
+        return 2
+    if chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": prompt}]
+        pieces = llm.chat_stream(messages, params)
     else:
-        source = prompt
-    for piece in llm.stream(source, params):
+        pieces = llm.stream(prompt, params)
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -68,33 +92,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from . import chat_repl, hub
     llm = _load(args)
     if not llm.tokenizer.chat_template:
         print(f"error: {args.model or 'the model'} has no chat template", file=sys.stderr)
         return 2
-    params = _params(args, 0.7)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if not line.strip():
-            return 0
-        messages.append({"role": "user", "content": line})
-        text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = llm.tokenizer.encode(text, add_special_tokens=False)
-        reply = []
-        for piece in llm.stream(ids, params):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+    session = chat_repl.ChatSession(llm, _params(args, llm), system=args.system)
+    history = None if args.no_history else hub.cache_dir() / "chat_history"
+    return chat_repl.run(session, history=history)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -144,8 +149,9 @@ def _token_counts(text: str) -> tuple[int, ...]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import ellm
     from .bench import run_bench
-    llm = _load(args)
+    llm = ellm.load(args.model, device=args.device, threads=args.threads)
     run_bench(llm, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
               contexts=args.contexts)
     return 0
@@ -170,18 +176,24 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     p = argparse.ArgumentParser(prog="ellm", description="Run LLMs on the CPU (and GPU) without PyTorch.")
+    p.add_argument("--version", "-V", action="version", version=f"ellm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="generate from a prompt (streams)")
+    r = sub.add_parser("run", help="generate from a prompt (streams)",
+                       description="Generate from PROMPT ('-': read it from stdin). A model whose files carry "
+                                   "a chat template gets the prompt as a user message under that template.")
     r.add_argument("words", nargs="+", metavar="[MODEL] PROMPT")
     r.add_argument("--raw", action="store_true",
                    help="do not apply the chat template (models without one in their files run raw)")
-    _add_sampling(r)
+    _add_sampling(r, max_tokens=256)
     r.set_defaults(func=cmd_run)
-    c = sub.add_parser("chat", help="interactive chat with the model's template")
+    c = sub.add_parser("chat", help="interactive chat with the model's template",
+                       description="An interactive chat. Ctrl-C stops a reply and keeps the session; a message "
+                                   'over several lines goes between """ and """; /help lists the commands.')
     c.add_argument("model", nargs="?", default=None)
-    c.add_argument("--system", default=None)
-    _add_sampling(c)
+    c.add_argument("--no-history", action="store_true", help="keep no line history file")
+    _add_sampling(c, max_tokens=None)
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     try:
@@ -204,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", type=_token_counts, default=(), metavar="N,N,...",
                    help="also time decode after prompts of these lengths (e.g. 100,500,1000,2000)")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
-    b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--threads", "-t", type=int, default=None)
     b.set_defaults(func=cmd_bench)
     i = sub.add_parser("info", help="version, native kernels chosen, threads; with MODEL, its architecture")
     i.add_argument("model", nargs="?", default=None)
@@ -218,12 +230,13 @@ def _missing_server() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .hub import PullError
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (FileNotFoundError, ValueError, OSError) as e:
+    except (FileNotFoundError, ValueError, OSError, PullError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -36,9 +37,12 @@ def progress_bar(total: int | None, desc: str, *, enabled: bool = True, stream: 
     enabled=False gives a bar whose every method does nothing, so callers never branch."""
     out = stream if stream is not None else sys.stderr
     tty = _isatty(out)
+    # The size is read once; a terminal that reports none (a pty nobody sized) gets 80x24,
+    # else tqdm would take the bar to be below the screen and draw nothing.
+    size = shutil.get_terminal_size((80, 24)) if tty else None
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=out,
-                disable=not enabled, leave=True, dynamic_ncols=tty, ascii=None if tty else True,
-                mininterval=0.1 if tty else 5.0)
+                disable=not enabled, leave=True, ncols=size and size.columns, nrows=size and size.lines,
+                ascii=None if tty else True, mininterval=0.1 if tty else 5.0)
 
 
 def _bytes_in(folders: Sequence[Path]) -> int:

@@ -26,28 +26,15 @@ def create_app(llm: Any, *, served_model_name: str | Sequence[str] | None = None
     cfg = ServerConfig(model_names=names or [llm.source], max_model_len=llm.engine.cfg.max_model_len,
                        vocab_size=llm.config.vocab_size, embedding_size=llm.config.hidden_size,
                        api_key=api_key, source=llm.source, allowed_origins=tuple(allowed_origins))
-    return build_app(Server(engine_loop(llm, max_queue), llm.tokenizer, cfg, sampling_defaults(llm)))
+    return build_app(Server(engine_loop(llm, max_queue), llm.tokenizer, cfg, llm.defaults.params))
 
 
 def engine_loop(llm: Any, max_queue: int) -> Any:
-    """The AsyncEngine the server submits to, bounded to max_queue requests: the LLM's own
-    loop where it has one (so Python callers and the server batch together)."""
-    loop = getattr(llm, "async_engine", None)
-    if loop is None:
-        from ..engine.async_engine import AsyncEngine
-        return AsyncEngine(llm.engine, max_queue)
+    """The LLM's own AsyncEngine (so that Python callers and the server batch together),
+    bounded to max_queue requests queued or running."""
+    loop = llm.async_engine
     loop.max_queue = max_queue
     return loop
-
-
-def sampling_defaults(llm: Any) -> Any:
-    """The function that fills in the sampling fields a request leaves out: the model's
-    defaults (generation_config.json, GGUF general.sampling.*) where the LLM has them."""
-    defaults = getattr(llm, "defaults", None)
-    if defaults is not None:
-        return defaults.params
-    from ..sampling_params import SamplingParams
-    return SamplingParams
 
 
 __all__ = ["create_app"]

@@ -29,13 +29,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000, or '*'")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all this process may use)")
-    p.add_argument("--max-model-len", type=int, default=8192, help="prompt + output tokens per sequence")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all this process may use)")
+    p.add_argument("--max-model-len", "--ctx-size", "-c", type=int, default=8192,
+                   help="prompt + output tokens per sequence (llama.cpp's --ctx-size)")
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="a Jinja chat template (text or file) to use instead of the model's own")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per forward pass")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests queued or running before new ones get 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+# Seconds a client has to send a request's headers (see server/timeouts.py).
+HEADER_TIMEOUT_S = 10.0
 
 
 def _usage_error(message: str) -> int:
@@ -67,18 +74,18 @@ def main(args: argparse.Namespace) -> int:
 
     from . import create_app
 
-    if args.threads:
-        from .._native import _kernels  # type: ignore[attr-defined]
-        _kernels.set_num_threads(args.threads)
-    llm = ellm.load(args.model, device=args.device, max_model_len=args.max_model_len,
-                    max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens)
+    llm = ellm.load(args.model, device=args.device, max_model_len=args.max_model_len, threads=args.threads,
+                    max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+                    chat_template=args.chat_template)
     names = args.served_model_name or [args.model if args.model is not None else llm.source]
     app = create_app(llm, served_model_name=names, api_key=api_key, max_queue=args.max_queue,
                      allowed_origins=args.allowed_origins or ())
     shown = ", ".join(repr(n) for n in names)
     print(f"ellm: serving {shown} on http://{_url_host(args.host)}:{args.port}/v1", file=sys.stderr, flush=True)
+    from .timeouts import header_timeout_protocol
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
+                access_log=args.log_level == "debug", timeout_graceful_shutdown=5,
+                http=header_timeout_protocol(HEADER_TIMEOUT_S), timeout_keep_alive=5)
     return 0
 
 

@@ -48,7 +48,12 @@ def _int(**bounds: int) -> Any:
 
 
 Int = _int()
-TokenId = _int(ge=0)
+# Facts only the running server knows (its vocabulary, model names, embedding size) are
+# marked here and written into /openapi.json by ellm.server.app (served_openapi).
+SERVER_FACT = "x-ellm-fact"
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={SERVER_FACT: "token_id"}), BeforeValidator(_integral)]
+ModelName = Annotated[str | None, Field(json_schema_extra={SERVER_FACT: "model"},
+                                        description="a served model name; omitted: the served model")]
 
 
 def _bounded(kind: type, lo: float, hi: float, *, lo_open: bool = False) -> Any:
@@ -127,10 +132,11 @@ LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
 def _off_only(value: Any, message: str, param: str, schema: dict[str, Any]) -> Any:
     """A field whose only accepted value means "off"; anything else is refused by name."""
     def check(v: Any) -> Any:
-        if v is not None and v != value:
+        # Compared with its type too: 0 == False in Python, but not in JSON.
+        if v is not None and (type(v) is not type(value) or v != value):
             raise refused(message, param)
         return v
-    return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)]
+    return Annotated[Any, BeforeValidator(check), WithJsonSchema({"anyOf": [schema, {"type": "null"}]})]
 
 
 class _Strict(BaseModel):
@@ -155,7 +161,7 @@ class SamplingFields(_Strict):
     """The fields /v1/completions and /v1/chat/completions share. None: the default
     (the model's generation_config, else ellm's), see Server.sampling_params."""
     model_config = ConfigDict(json_schema_extra={"allOf": [_when_set("stream_options", "stream", True)]})
-    model: str | None = Field(None, description="a served model name; omitted: the served model")
+    model: ModelName = None
     n: _bounded(int, 1, MAX_N) = Field(1, description="completions per prompt")  # type: ignore[valid-type]
     best_of: Int | None = Field(None, description="accepted only when equal to n")
     stream: bool = False
@@ -180,7 +186,8 @@ class SamplingFields(_Strict):
     grammar: str | None = Field(None, description="llama.cpp: a GBNF (or Lark) grammar the output follows")
     guided_json: Any = Field(None, description="vLLM: a JSON schema (object or JSON text)")
     guided_regex: str | None = Field(None, description="vLLM: a regular expression the output matches")
-    guided_choice: list[str] | None = Field(None, description="vLLM: the output is one of these strings")
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = Field(
+        None, description="vLLM: the output is one of these strings")
     guided_grammar: str | None = Field(None, description="vLLM: a Lark or GBNF grammar")
     guided_decoding_backend: str | None = Field(None, description="vLLM: accepted; ellm always uses llguidance")
     guided_whitespace_pattern: str | None = Field(None, description="vLLM: not supported (a 400)")
@@ -381,11 +388,12 @@ def logprob_count(req: GenerationRequest) -> int | None:
 
 class EmbeddingRequest(_Strict):
     input: EmbeddingInput = Field(description="text, texts, token ids, or arrays of token ids")
-    model: str | None = None
+    model: ModelName = None
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: the little-endian float32 bytes of each vector")
     dimensions: _int(ge=1) | None = Field(
-        None, description="only the model's own embedding size is accepted")
+        None, description="only the model's own embedding size is accepted",
+        json_schema_extra={SERVER_FACT: "embedding_size"})
     pooling: Literal["mean", "last", "cls"] = Field("mean", description="ellm: how token states become one vector")
     normalize: bool = Field(True, description="ellm: scale each vector to unit length")
     user: str | None = None
@@ -405,7 +413,7 @@ class TokenizeRequest(_Strict):
         {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
         {"properties": {"content": {"type": "string"}}, "required": ["content"]},
         {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
-    model: str | None = None
+    model: ModelName = None
     prompt: str | None = None
     content: str | None = Field(None, description="llama.cpp's name for prompt")
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
@@ -442,5 +450,5 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
-    model: str | None = None
+    model: ModelName = None
     tokens: list[TokenId]
