@@ -1,0 +1,99 @@
+"""The references a trace compares ellm against.
+
+- transformers: hf_reference.py run as a script by another Python (one with torch), on
+  a Hugging Face folder or on a GGUF that transformers loads and dequantizes;
+- ellm's own NumPy reference ops (ops/reference.py) on the same weights, recorded by the
+  same forward pass with the same Recorder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .recorder import Key
+
+HF_SCRIPT = Path(__file__).with_name("hf_reference.py")
+REF_PYTHON_ENV = "ELLM_REF_PYTHON"
+
+
+class ReferenceError(RuntimeError):
+    """The reference could not be run; the message says why and what to change."""
+
+
+def reference_python(explicit: str | None) -> str:
+    """The interpreter that runs transformers: --reference-python, else $ELLM_REF_PYTHON."""
+    py = explicit or os.environ.get(REF_PYTHON_ENV)
+    if not py:
+        raise ReferenceError("--reference transformers needs a Python with torch and transformers: "
+                             f"pass --reference-python PATH or set {REF_PYTHON_ENV}")
+    if not Path(py).exists():
+        raise ReferenceError(f"reference Python {py!r} does not exist")
+    return py
+
+
+class TransformersReference:
+    """transformers on a folder or GGUF file; results kept per ids (one run serves many traces)."""
+
+    def __init__(self, path: Path, python: str | None = None, timeout_s: float = 900.0) -> None:
+        self.path = Path(path).expanduser()
+        if not self.path.is_file() and not (self.path / "config.json").is_file():
+            raise ReferenceError(f"{self.path} is neither a GGUF file nor a Hugging Face folder")
+        self.python = reference_python(python)
+        self.timeout_s = timeout_s
+        self.label = f"transformers on {self.path}"
+        self.meta: dict[str, Any] = {}
+        self._runs: dict[tuple[int, ...], dict[Key, np.ndarray]] = {}
+
+    def intermediates(self, ids: Sequence[int]) -> dict[Key, np.ndarray]:
+        """{(layer, op): (T, features)} at every position, in transformers' layout."""
+        key = tuple(int(t) for t in ids)
+        if key not in self._runs:
+            self._runs[key], self.meta = self._run(key)
+        return self._runs[key]
+
+    def _run(self, ids: tuple[int, ...]) -> tuple[dict[Key, np.ndarray], dict[str, Any]]:
+        if self.path.is_file():
+            args = ["--model", str(self.path.parent), "--gguf-file", self.path.name]
+        else:
+            args = ["--model", str(self.path)]
+        with tempfile.TemporaryDirectory(prefix="ellm-trace-") as tmp:
+            out = Path(tmp) / "ref.npz"
+            cmd = [self.python, str(HF_SCRIPT), *args, "--ids", ",".join(map(str, ids)), "--out", str(out)]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                raise ReferenceError(f"transformers did not finish within {self.timeout_s:.0f} s") from None
+            if proc.returncode != 0 or not out.is_file():
+                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+                raise ReferenceError(f"transformers failed (exit {proc.returncode}) on {self.path}:\n{tail}")
+            with np.load(out, allow_pickle=False) as npz:
+                meta = json.loads(str(npz["__meta__"]))
+                arrays = {_key(k): npz[k] for k in npz.files if k != "__meta__"}
+        return arrays, meta
+
+
+def _key(name: str) -> Key:
+    layer, op = name.split(".", 1)
+    return (None if layer == "-" else int(layer), op)
+
+
+class OpsReference:
+    """ellm's forward pass on ops/reference.py (NumPy, f32 on dequantized weights)."""
+
+    def __init__(self, source: str | Path) -> None:
+        self.source = source
+        self.label = "ellm reference ops"
+        self._llm: Any = None
+
+    def record(self, ids: Sequence[int], positions: Iterable[int] | None) -> Any:
+        import ellm
+        from .capture import record
+        if self._llm is None:
+            self._llm = ellm.load(self.source, device="reference", max_num_seqs=1, progress=False)
+        return record(self._llm, ids, positions)
