@@ -42,6 +42,7 @@ class GemmaModel:
     def __init__(self, config: ModelConfig, weights: WeightSource, ops: Any) -> None:
         self.config, self.ops = config, ops
         self.ws = Workspace()
+        self.recorder = None   # a trace.Recorder while `ellm trace` / inspect runs this model
         c = config
         offset = np.float32(0.0 if weights.norm_weights_include_one else 1.0)
 
@@ -92,29 +93,56 @@ class GemmaModel:
         attn, proj = ws.get("attn", t, nh, hd), ws.get("proj", t, H)
         residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
         ops.scale(residual, self.embed_scale)
+        rec = self.recorder
+        if rec is not None:
+            rec(None, "embed", residual)
         h = ops.rmsnorm(residual, self.layers[0].input_norm, eps, out=ws.get("h", t, H))
         for i, layer in enumerate(self.layers):
             ops.linear_multi(h, [(layer.q, q), (layer.k, k), (layer.v, v)])
+            if rec is not None:
+                rec(i, "attn_norm", h), rec(i, "q", q), rec(i, "k", k), rec(i, "v", v)
             q3, k3, v3 = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
             if layer.q_norm is not None:   # per-head norms, in place
                 ops.rmsnorm(q3, layer.q_norm, eps, out=q3)
                 ops.rmsnorm(k3, layer.k_norm, eps, out=k3)
+                if rec is not None:
+                    rec(i, "q_norm", q3), rec(i, "k_norm", k3)
             k_cache, v_cache = kv.layer(i)
             ops.rope_attention(q3, k3, v3, batch.positions, batch.seq_ids,
                                batch.block_tables[layer.window], k_cache, v_cache,
                                layer.inv_freq, c.rope_interleaved, c.attention_scale,
                                layer.window, c.attn_logit_softcapping or 0.0, out=attn)
+            if rec is not None:
+                rec.attention(i, q3, k_cache, v_cache, batch.block_tables[layer.window], layer.inv_freq,
+                              c.rope_interleaved, c.attention_scale, layer.window,
+                              c.attn_logit_softcapping or 0.0)
+                rec(i, "attn", attn)
             ops.linear(attn.reshape(t, nh * hd), layer.o, out=proj)
+            if rec is not None:
+                rec(i, "o_proj", proj)
             if layer.post_attn_norm is not None:
                 ops.rmsnorm(proj, layer.post_attn_norm, eps, out=proj)
+                if rec is not None:
+                    rec(i, "post_attn_norm", proj)
             ops.add_rmsnorm(residual, proj, layer.pre_ffn_norm, eps, out=h)
             ops.linear_multi(h, [(layer.gate, gate), (layer.up, up)])
             ops.geglu(gate, up, out=act)
+            if rec is not None:
+                rec(i, "resid_attn", residual), rec(i, "mlp_norm", h)
+                rec(i, "gate", gate), rec(i, "up", up), rec(i, "act", act)
             ops.linear(act, layer.down, out=proj)
+            if rec is not None:
+                rec(i, "down", proj)
             if layer.post_ffn_norm is not None:
                 ops.rmsnorm(proj, layer.post_ffn_norm, eps, out=proj)
+                if rec is not None:
+                    rec(i, "post_mlp_norm", proj)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             ops.add_rmsnorm(residual, proj, next_norm, eps, out=h)
+            if rec is not None:
+                rec(i, "resid_mlp", residual)
+        if rec is not None:
+            rec(None, "final_norm", h)
         if r != t:
             h = np.take(h, batch.logits_rows, axis=0, out=ws.get("rows", r, H))
         logits = ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))

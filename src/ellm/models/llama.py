@@ -36,6 +36,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: WeightSource, ops: Any) -> None:
         self.config, self.ops = config, ops
         self.ws = Workspace()
+        self.recorder = None   # a trace.Recorder while `ellm trace` / inspect runs this model
         c = config
         self.embed = weights.linear("model.embed_tokens.weight")
         self.norm = weights.vector("model.norm.weight")
@@ -94,22 +95,40 @@ class LlamaModel:
         q, k, v = ws.get("q", t, nh * hd), ws.get("k", t, nkv * hd), ws.get("v", t, nkv * hd)
         gate, up, act = ws.get("gate", t, F), ws.get("up", t, F), ws.get("act", t, F)
         attn, proj = ws.get("attn", t, nh, hd), ws.get("proj", t, H)
+        rec = self.recorder
         residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
+        if rec is not None:
+            rec(None, "embed", residual)
         h = ops.rmsnorm(residual, self.layers[0].input_norm, c.rms_norm_eps, out=ws.get("h", t, H))
         for i, layer in enumerate(self.layers):
             ops.linear_multi(h, [(layer.q, q), (layer.k, k), (layer.v, v)])
             k_cache, v_cache = kv.layer(i)
+            if rec is not None:
+                rec(i, "attn_norm", h), rec(i, "q", q), rec(i, "k", k), rec(i, "v", v)
             ops.rope_attention(q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd),
                                batch.positions, batch.seq_ids, batch.block_tables[layer.window],
                                k_cache, v_cache, layer.inv_freq, c.rope_interleaved, c.attention_scale,
                                layer.window, 0.0, out=attn)                         # (T, nh, hd)
+            if rec is not None:
+                rec.attention(i, q.reshape(t, nh, hd), k_cache, v_cache, batch.block_tables[layer.window],
+                              layer.inv_freq, c.rope_interleaved, c.attention_scale, layer.window, 0.0)
+                rec(i, "attn", attn)
             ops.linear(attn.reshape(t, nh * hd), layer.o, out=proj)
+            if rec is not None:
+                rec(i, "o_proj", proj)
             ops.add_rmsnorm(residual, proj, layer.post_attn_norm, c.rms_norm_eps, out=h)
             ops.linear_multi(h, [(layer.gate, gate), (layer.up, up)])
             ops.swiglu(gate, up, out=act)
+            if rec is not None:
+                rec(i, "resid_attn", residual), rec(i, "mlp_norm", h)
+                rec(i, "gate", gate), rec(i, "up", up), rec(i, "act", act)
             ops.linear(act, layer.down, out=proj)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             ops.add_rmsnorm(residual, proj, next_norm, c.rms_norm_eps, out=h)
+            if rec is not None:
+                rec(i, "down", proj), rec(i, "resid_mlp", residual)
+        if rec is not None:
+            rec(None, "final_norm", h)
         if r != t:
             h = np.take(h, batch.logits_rows, axis=0, out=ws.get("rows", r, H))
         return ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))
