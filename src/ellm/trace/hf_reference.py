@@ -151,50 +151,70 @@ class Capture:
         self.restore.append(lambda: setattr(mod, "apply_rotary_pos_emb", original))
 
 
-def run(model_path: str, gguf_file: str | None, ids: list[int]) -> tuple[dict[str, np.ndarray], dict]:
+def load(model_path: str, gguf_file: str | None) -> Any:
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM
 
-    t0 = time.perf_counter()
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "eager"}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     model.eval()
+    return model
+
+
+def run(model: Any, ids: list[int]) -> tuple[dict[str, np.ndarray], dict]:
+    """One forward pass over ids with the hooks on; the hooks are removed after it."""
+    import torch
+    import transformers
+
     cap = Capture(model)
     cap.attach()
-    t1 = time.perf_counter()
-    with torch.no_grad():
-        out = model(torch.tensor([ids], dtype=torch.long), use_cache=False)
-    cap.put(None, "logits", _rows(out.logits))
-    for h in cap.handles:
-        h.remove()
-    for undo in cap.restore:
-        undo()
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids], dtype=torch.long), use_cache=False)
+        cap.put(None, "logits", _rows(out.logits))
+    finally:
+        for h in cap.handles:
+            h.remove()
+        for undo in cap.restore:
+            undo()
     meta = {"transformers": transformers.__version__, "torch": torch.__version__,
-            "class": type(model).__name__, "load_s": round(t1 - t0, 3),
-            "forward_s": round(time.perf_counter() - t1, 3), "notes": cap.notes}
+            "class": type(model).__name__, "forward_s": round(time.perf_counter() - t0, 3),
+            "notes": cap.notes}
     return cap.store, meta
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --ids must be comma-separated integers, got {text[:80]!r}") from None
+    if not ids:
+        raise SystemExit("error: an --ids list is empty")
+    return ids
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a Hugging Face folder (or the folder of --gguf-file)")
     p.add_argument("--gguf-file", default=None, help="a GGUF file name inside --model")
-    p.add_argument("--ids", required=True, help="comma-separated token ids")
-    p.add_argument("--out", required=True, help="the .npz to write")
+    p.add_argument("--ids", action="append", required=True,
+                   help="comma-separated token ids; repeat with --out for several prompts")
+    p.add_argument("--out", action="append", required=True, help="the .npz to write, one per --ids")
     a = p.parse_args(argv)
-    try:
-        ids = [int(t) for t in a.ids.split(",") if t.strip()]
-    except ValueError:
-        print(f"error: --ids must be comma-separated integers, got {a.ids[:80]!r}", file=sys.stderr)
+    if len(a.ids) != len(a.out):
+        print(f"error: {len(a.ids)} --ids but {len(a.out)} --out", file=sys.stderr)
         return 2
-    if not ids:
-        print("error: --ids is empty", file=sys.stderr)
-        return 2
-    store, meta = run(a.model, a.gguf_file, ids)
-    np.savez(Path(a.out), __meta__=np.array(json.dumps(meta)), **store)
+    prompts = [_parse_ids(t) for t in a.ids]
+    t0 = time.perf_counter()
+    model = load(a.model, a.gguf_file)
+    load_s = round(time.perf_counter() - t0, 3)
+    for ids, out in zip(prompts, a.out):
+        store, meta = run(model, ids)
+        meta["load_s"] = load_s
+        np.savez(Path(out), __meta__=np.array(json.dumps(meta)), **store)
     return 0
 
 

@@ -54,28 +54,35 @@ class TransformersReference:
         """{(layer, op): (T, features)} at every position, in transformers' layout."""
         key = tuple(int(t) for t in ids)
         if key not in self._runs:
-            self._runs[key], self.meta = self._run(key)
+            self.prefetch([key])
         return self._runs[key]
 
-    def _run(self, ids: tuple[int, ...]) -> tuple[dict[Key, np.ndarray], dict[str, Any]]:
+    def prefetch(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Runs several prompts in one transformers process (the model loads once)."""
+        todo = list(dict.fromkeys(tuple(int(t) for t in ids) for ids in prompts))
+        todo = [ids for ids in todo if ids not in self._runs]
+        if not todo:
+            return
         if self.path.is_file():
             args = ["--model", str(self.path.parent), "--gguf-file", self.path.name]
         else:
             args = ["--model", str(self.path)]
         with tempfile.TemporaryDirectory(prefix="ellm-trace-") as tmp:
-            out = Path(tmp) / "ref.npz"
-            cmd = [self.python, str(HF_SCRIPT), *args, "--ids", ",".join(map(str, ids)), "--out", str(out)]
+            outs = [Path(tmp) / f"ref{i}.npz" for i in range(len(todo))]
+            cmd = [self.python, str(HF_SCRIPT), *args]
+            for ids, out in zip(todo, outs):
+                cmd += ["--ids", ",".join(map(str, ids)), "--out", str(out)]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
                 raise ReferenceError(f"transformers did not finish within {self.timeout_s:.0f} s") from None
-            if proc.returncode != 0 or not out.is_file():
+            if proc.returncode != 0 or not all(o.is_file() for o in outs):
                 tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
                 raise ReferenceError(f"transformers failed (exit {proc.returncode}) on {self.path}:\n{tail}")
-            with np.load(out, allow_pickle=False) as npz:
-                meta = json.loads(str(npz["__meta__"]))
-                arrays = {_key(k): npz[k] for k in npz.files if k != "__meta__"}
-        return arrays, meta
+            for ids, out in zip(todo, outs):
+                with np.load(out, allow_pickle=False) as npz:
+                    self.meta = json.loads(str(npz["__meta__"]))
+                    self._runs[ids] = {_key(k): npz[k] for k in npz.files if k != "__meta__"}
 
 
 def _key(name: str) -> Key:
