@@ -44,10 +44,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reference-python", default=None)
     p.add_argument("--json", default=None, help="write the per-file figures here")
+    p.add_argument("--only", default="", help="only the files whose path contains this")
     a = p.parse_args()
     worst: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     per_file = {}
-    for path in sources():
+    for path in [s for s in sources() if a.only in str(s)]:
         t0 = time.perf_counter()
         llm = ellm.load(path, progress=False)
         ref = make_reference("transformers", path, a.reference_python)

@@ -3,7 +3,8 @@
 Run as a script by a Python that has torch and transformers (`--reference-python` or
 ELLM_REF_PYTHON); it imports nothing from ellm, so ellm need not be installed there:
 
-    python hf_reference.py --model FOLDER [--gguf-file NAME] --ids 1,2,3 --out ref.npz
+    python -c "import runpy,sys; sys.argv=sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" \
+        hf_reference.py --model FOLDER [--gguf-file NAME] --ids 1,2,3 --out ref.npz
 
 The model is loaded in float32 with eager attention (a GGUF through gguf_file=, which
 dequantizes every tensor), run once over the ids, and observed only through transformers'

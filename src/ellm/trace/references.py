@@ -69,11 +69,15 @@ class TransformersReference:
             args = ["--model", str(self.path)]
         with tempfile.TemporaryDirectory(prefix="ellm-trace-") as tmp:
             outs = [Path(tmp) / f"ref{i}.npz" for i in range(len(todo))]
-            cmd = [self.python, str(HF_SCRIPT), *args]
+            # Run the file without putting its folder on sys.path (its neighbours, such as
+            # the inspect/ package, would shadow modules of the same name), from an empty cwd.
+            launcher = ("import runpy, sys; sys.argv = sys.argv[1:]; "
+                        "runpy.run_path(sys.argv[0], run_name='__main__')")
+            cmd = [self.python, "-c", launcher, str(HF_SCRIPT), *args]
             for ids, out in zip(todo, outs):
                 cmd += ["--ids", ",".join(map(str, ids)), "--out", str(out)]
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, cwd=tmp)
             except subprocess.TimeoutExpired:
                 raise ReferenceError(f"transformers did not finish within {self.timeout_s:.0f} s") from None
             if proc.returncode != 0 or not all(o.is_file() for o in outs):
