@@ -4,8 +4,9 @@
  * attention_avx512.c.
  *
  * Numerics follow reference.rope_attention: rope angles are (f32 position * f32 inv_freq)
- * rounded to f32, their cos/sin taken in double and rounded; scores are (q.k) * scale,
- * then softcapped; the softmax is exact up to rounding.
+ * rounded to f32, their cos/sin taken in double and rounded, then times rope_mscale in
+ * f32; only the first n_rot pairs rotate (partial rotary), the other dims are copied;
+ * scores are (q.k) * scale, then softcapped; the softmax is exact up to rounding.
  *
  * Batch invariance (see attention.h) rests on one fixed recipe per (token, query head):
  *   - its keys [lo, p] are cut at absolute positions multiple of CHUNK into chunks, and
@@ -124,6 +125,13 @@ int ellm_rope_attention_check(const ellm_attn_args *a, char *err, size_t len) {
         return fail(err, len, msg);
     }
     if (a->window < 0) return fail(err, len, "window must be >= 0");
+    if (a->n_rot < 0 || a->n_rot > a->hd / 2) {
+        snprintf(msg, sizeof msg, "rotated pairs n_rot (%d) must be in [0, head_dim/2 = %d]", a->n_rot,
+                 a->hd / 2);
+        return fail(err, len, msg);
+    }
+    if (!(a->rope_mscale == a->rope_mscale) || isinf(a->rope_mscale))
+        return fail(err, len, "rope_mscale must be finite");
     if (a->q_stride < (int64_t)a->nh * a->hd || a->k_stride < (int64_t)a->nkv * a->hd ||
         a->v_stride < (int64_t)a->nkv * a->hd)
         return fail(err, len, "q/k/v token strides are smaller than one token's row");
@@ -210,10 +218,11 @@ typedef struct {
     int64_t max_chunks;
 } attn_ctx;
 
-/* Rotates n_heads rows of hd from src (stride hd) into dst, pairs [i0, i0 + cnt). */
-static void rotate_heads(const float *src, float *dst, int n_heads, int hd, int interleaved, int i0,
-                         int cnt, const float *cs, const float *sn) {
-    const int half = hd / 2;
+/* Rotates n_heads rows of hd from src (stride hd) into dst, pairs [i0, i0 + cnt) of the
+ * n_rot rotated pairs. */
+static void rotate_heads(const float *src, float *dst, int n_heads, int hd, int n_rot, int interleaved,
+                         int i0, int cnt, const float *cs, const float *sn) {
+    const int half = n_rot; /* rotate-half pairs (i, i + n_rot) within the rotated dims */
     for (int h = 0; h < n_heads; h++) {
         const float *x = src + (int64_t)h * hd;
         float *y = dst + (int64_t)h * hd;
@@ -233,29 +242,44 @@ static void rotate_heads(const float *src, float *dst, int n_heads, int hd, int 
     }
 }
 
+/* Copies dims [d0, hd) of n_heads rows of hd from src into dst: the dims partial rotary
+ * leaves as they are. */
+static void pass_heads(const float *src, float *dst, int n_heads, int hd, int d0) {
+    if (d0 >= hd) return;
+    for (int h = 0; h < n_heads; h++)
+        memcpy(dst + (int64_t)h * hd + d0, src + (int64_t)h * hd + d0, sizeof(float) * (size_t)(hd - d0));
+}
+
 static void phase1(void *p, int64_t t0, int64_t t1, int tid) {
     const attn_ctx *c = p;
     const ellm_attn_args *a = c->a;
-    const int hd = a->hd, half = hd / 2, nkv = a->nkv, g = a->nh / a->nkv;
+    const int hd = a->hd, n_rot = a->n_rot, nkv = a->nkv, g = a->nh / a->nkv;
+    const float mscale = a->rope_mscale;
     float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
     for (int64_t t = t0; t < t1; t++) {
         const int64_t pos = a->positions[t];
         const int64_t blk = a->block_tables[(int64_t)a->seq_ids[t] * a->max_blocks + pos / a->block_size];
         const int64_t slot = (blk * a->block_size + pos % a->block_size) * nkv * hd;
         const float fpos = (float)pos;
-        for (int i0 = 0; i0 < half; i0 += ROPE_CHUNK) {
-            const int cnt = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
+        for (int i0 = 0; i0 < n_rot; i0 += ROPE_CHUNK) {
+            const int cnt = n_rot - i0 < ROPE_CHUNK ? n_rot - i0 : ROPE_CHUNK;
             for (int i = 0; i < cnt; i++) {
                 const float ang = fpos * a->inv_freq[i0 + i]; /* rounded to f32, like the reference */
-                cs[i] = (float)cos((double)ang);
-                sn[i] = (float)sin((double)ang);
+                /* cos, sin rounded to f32, then scaled in f32 (exact when mscale is 1) */
+                cs[i] = (float)cos((double)ang) * mscale;
+                sn[i] = (float)sin((double)ang) * mscale;
             }
             for (int kvh = 0; kvh < nkv; kvh++)
                 rotate_heads(a->q + t * a->q_stride + (int64_t)kvh * g * hd,
-                             c->qrot + ((int64_t)kvh * a->T + t) * g * hd, g, hd, a->interleaved, i0, cnt,
-                             cs, sn);
-            rotate_heads(a->k + t * a->k_stride, a->k_cache + slot, nkv, hd, a->interleaved, i0, cnt, cs, sn);
+                             c->qrot + ((int64_t)kvh * a->T + t) * g * hd, g, hd, n_rot, a->interleaved, i0,
+                             cnt, cs, sn);
+            rotate_heads(a->k + t * a->k_stride, a->k_cache + slot, nkv, hd, n_rot, a->interleaved, i0, cnt,
+                         cs, sn);
         }
+        for (int kvh = 0; kvh < nkv; kvh++)
+            pass_heads(a->q + t * a->q_stride + (int64_t)kvh * g * hd, c->qrot + ((int64_t)kvh * a->T + t) * g * hd,
+                       g, hd, 2 * n_rot);
+        pass_heads(a->k + t * a->k_stride, a->k_cache + slot, nkv, hd, 2 * n_rot);
         memcpy(a->v_cache + slot, a->v + t * a->v_stride, sizeof(float) * (size_t)nkv * hd);
     }
 }

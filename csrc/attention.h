@@ -30,14 +30,18 @@ typedef struct {
     const int32_t *block_tables;  /* (B, max_blocks), -1 where unused */
     float *k_cache;               /* (num_blocks, block_size, nkv, hd), written in place */
     float *v_cache;               /* (num_blocks, block_size, nkv, hd), written in place */
-    const float *inv_freq;        /* (hd/2,) */
+    const float *inv_freq;        /* (n_rot,): the rotated pairs' frequencies */
     float *out;                   /* (T, nh, hd) contiguous; must not overlap the caches */
     int64_t T, B, max_blocks, num_blocks;
     int32_t nh, nkv, hd, block_size;
-    int32_t interleaved;          /* 1: pairs (2i, 2i+1); 0: pairs (i, i + hd/2) */
+    int32_t n_rot;                /* rotated pairs, 0..hd/2: dims [0, 2 n_rot) of each head
+                                     rotate, the rest pass through (partial rotary) */
+    int32_t interleaved;          /* 1: pairs (2i, 2i+1); 0: pairs (i, i + n_rot) */
     int32_t window;               /* > 0: a token at p sees positions > p - window */
     float scale;                  /* on q.k before the softcap */
     float softcap;                /* > 0: scores = softcap * tanh(scores / softcap) */
+    float rope_mscale;            /* multiplies cos and sin (1: plain RoPE; longrope's
+                                     attention factor otherwise) */
 } ellm_attn_args;
 
 /* Floats of scratch that always suffice for T tokens on `threads` threads: the rotated q

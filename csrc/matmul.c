@@ -105,6 +105,7 @@ typedef struct {
     int64_t N, nb;         /* nb: blocks per row (quantized) */
     float *y;              /* (T, ldy) */
     int64_t ldy;
+    const float *bias;     /* (N,) or NULL */
     const uint8_t *xq;     /* quantized activations (quantized types): (T, act_stride bytes)
                             * rows, or with qgemm set (ceil(T / ELLM_TG), act_stride bytes)
                             * token groups (ellm_act32x8 / ellm_act256x8) */
@@ -131,10 +132,10 @@ typedef struct {
     ellm_act_fn act[N_ACT]; /* set for the formats a non-empty part needs */
 } lin_ctx;
 
-/* Output rows [n0, n1) of part p for tokens [t0, t1). */
-static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n1, int64_t t0,
-                      int64_t t1) {
-    float *y = p->y + (size_t)t0 * (size_t)p->ldy + (size_t)n0;
+/* The kernel call for output rows [n0, n1) of part p, tokens [t0, t1), into y (the
+ * block's first output). */
+static void run_kernel(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n1, int64_t t0,
+                       int64_t t1, float *y) {
     if (p->qgemm) /* t0 is a multiple of item_toks, so of ELLM_TG */
         p->qgemm(p->nb, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
                  p->xq + (size_t)(t0 / ELLM_TG) * p->act_stride, p->act_stride, t1 - t0, y,
@@ -145,6 +146,24 @@ static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n
     else
         p->qdot(p->nb, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
                 p->xq + (size_t)t0 * p->act_stride, p->act_stride, t1 - t0, y, (size_t)p->ldy);
+}
+
+/* The bias epilogue: y[t][i] += bias[i] over a block just summed. One rounding per
+ * output, after its fixed-order sum, so the result still depends only on (w_n, x_t,
+ * bias_n): the same plain add at every SIMD level. */
+static void add_bias(const float *bias, int64_t n, float *y, size_t ldy, int64_t nt) {
+    for (int64_t t = 0; t < nt; t++) {
+        float *yt = y + (size_t)t * ldy;
+        for (int64_t i = 0; i < n; i++) yt[i] += bias[i];
+    }
+}
+
+/* Output rows [n0, n1) of part p for tokens [t0, t1). */
+static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n1, int64_t t0,
+                      int64_t t1) {
+    float *y = p->y + (size_t)t0 * (size_t)p->ldy + (size_t)n0;
+    run_kernel(c, p, n0, n1, t0, t1, y);
+    if (p->bias) add_bias(p->bias + n0, n1 - n0, y, (size_t)p->ldy, t1 - t0);
 }
 
 static void task_matmul(void *ctx, int64_t begin, int64_t end, int thread_id) {
@@ -277,7 +296,7 @@ size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_part
 }
 
 size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K) {
-    ellm_linear_part part = {qtype, NULL, 0, 0, NULL, 0};
+    ellm_linear_part part = {qtype, NULL, 0, 0, NULL, 0, NULL};
     return ellm_linear_multi_scratch_bytes(&part, 1, T, K);
 }
 
@@ -298,11 +317,13 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         }
     }
     if (T == 0) return ELLM_OK;
-    if (K == 0) { /* empty sums */
+    if (K == 0) { /* empty sums: y = 0 (+ bias) */
         for (int i = 0; i < n_parts; i++)
-            for (int64_t t = 0; parts[i].N > 0 && t < T; t++)
-                memset(parts[i].y + (size_t)t * (size_t)parts[i].ldy, 0,
-                       (size_t)parts[i].N * sizeof(float));
+            for (int64_t t = 0; parts[i].N > 0 && t < T; t++) {
+                float *yt = parts[i].y + (size_t)t * (size_t)parts[i].ldy;
+                memset(yt, 0, (size_t)parts[i].N * sizeof(float));
+                if (parts[i].bias) add_bias(parts[i].bias, parts[i].N, yt, 0, 1);
+            }
         return ELLM_OK;
     }
     if (x == NULL) return ELLM_E_SHAPE;
@@ -353,6 +374,7 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         p->N = q->N;
         p->y = q->y;
         p->ldy = q->ldy;
+        p->bias = q->bias;
         int f = act_index(q->qtype);
         if (f >= 0) {
             p->xq = c.xq[f];
@@ -394,7 +416,7 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
 }
 
 int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w, size_t w_bytes,
-                int64_t N, float *y, void *scratch, size_t scratch_bytes) {
-    ellm_linear_part part = {qtype, w, w_bytes, N, y, N};
+                int64_t N, const float *bias, float *y, void *scratch, size_t scratch_bytes) {
+    ellm_linear_part part = {qtype, w, w_bytes, N, y, N, bias};
     return ellm_linear_multi(x, T, K, &part, 1, scratch, scratch_bytes);
 }

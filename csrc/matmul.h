@@ -24,11 +24,11 @@
  * reports the error). */
 size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K);
 
-/* Y = X . W^T. Returns ELLM_OK or an ellm_status code (quant.h); checks that w_bytes
- * equals N * ellm_row_bytes(qtype, K) and that the scratch is large enough and
- * aligned. Safe to call without the GIL; uses ellm_parallel_for. */
+/* Y = X . W^T (+ bias: (N,) f32, or NULL). Returns ELLM_OK or an ellm_status code
+ * (quant.h); checks that w_bytes equals N * ellm_row_bytes(qtype, K) and that the scratch
+ * is large enough and aligned. Safe to call without the GIL; uses ellm_parallel_for. */
 int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w, size_t w_bytes,
-                int64_t N, float *y, void *scratch, size_t scratch_bytes);
+                int64_t N, const float *bias, float *y, void *scratch, size_t scratch_bytes);
 
 /* ------------------------------------------------------------------------------------
  * Several weight matrices against the same X (q, k, v; gate, up): X is quantized once
@@ -46,6 +46,8 @@ typedef struct {
     int64_t N;
     float *y;          /* (T, ldy) f32; columns [0, N) of each row are written */
     int64_t ldy;       /* row stride of y in floats, >= N (a column slice of a wider Y) */
+    const float *bias; /* (N,) f32 or NULL: y[t][n] = dot(w_n, x_t) + bias[n], the add made
+                        * after the fixed-order sum, so batch invariance is unchanged */
 } ellm_linear_part;
 
 /* Scratch bytes ellm_linear_multi needs (64-byte aligned); 0 when every part has float

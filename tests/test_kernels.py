@@ -287,23 +287,25 @@ def make_batch(nh, nkv, hd, new, before, *, block=BLOCK, seed=0, free_before=Non
                 k_cache=k_cache, v_cache=v_cache, inv_freq=inv_freq)
 
 
-def run_both(batch, interleaved, scale, window, cap):
+def run_both(batch, interleaved, scale, window, cap, mscale=1.0):
     """(kernel out, reference out, kernel caches, reference caches)."""
     kb = {n: a.copy() for n, a in batch.items()}
     rb = {n: a.copy() for n, a in batch.items()}
     got = K.rope_attention(kb["q"], kb["k"], kb["v"], kb["positions"], kb["seq_ids"], kb["block_tables"],
-                           kb["k_cache"], kb["v_cache"], kb["inv_freq"], interleaved, scale, window, cap)
+                           kb["k_cache"], kb["v_cache"], kb["inv_freq"], interleaved, scale, window, cap,
+                           rope_mscale=mscale)
     want = ref.rope_attention(rb["q"], rb["k"], rb["v"], rb["positions"], rb["seq_ids"], rb["block_tables"],
-                              rb["k_cache"], rb["v_cache"], rb["inv_freq"], interleaved, scale, window, cap)
+                              rb["k_cache"], rb["v_cache"], rb["inv_freq"], interleaved, scale, window, cap,
+                              mscale)
     for name in ("q", "k", "v"):
         np.testing.assert_array_equal(kb[name], batch[name], err_msg=f"{name} was modified")
     return got, want, (kb["k_cache"], kb["v_cache"]), (rb["k_cache"], rb["v_cache"])
 
 
-def check_attention(batch, interleaved=False, window=0, cap=0.0, scale=None):
+def check_attention(batch, interleaved=False, window=0, cap=0.0, scale=None, mscale=1.0):
     hd = batch["q"].shape[2]
     scale = hd**-0.5 if scale is None else scale
-    got, want, (kc, vc), (rkc, rvc) = run_both(batch, interleaved, scale, window, cap)
+    got, want, (kc, vc), (rkc, rvc) = run_both(batch, interleaved, scale, window, cap, mscale)
     assert_close(got, want, 2e-5, 1e-11)
     # the caches hold the rotated k and the raw v of every new token, nothing else changed
     np.testing.assert_allclose(kc, rkc, rtol=0, atol=2e-6)
@@ -370,20 +372,98 @@ def test_attention_freed_blocks_outside_window(simd) -> None:
         check_attention(batch, window=32)
 
 
+# ------------------------- partial rotary and rope_mscale -------------------------
+# Phi-3 / Phi-4-mini rotate only the first partial_rotary_factor * head_dim dims of each
+# head (inv_freq shorter than hd/2) and scale cos and sin by longrope's attention factor.
+
+def partial(batch, n_rot):
+    """The batch with only its first n_rot frequencies (dims >= 2 n_rot pass through)."""
+    return dict(batch, inv_freq=np.ascontiguousarray(batch["inv_freq"][:n_rot]))
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 96)], ids=["hd64", "hd96"])
+@pytest.mark.parametrize("frac", [0.0, 0.25, 0.75, 1.0])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("mscale", [1.0, 1.1902380714238083])
+def test_attention_partial_rotary(simd, heads, frac, interleaved, mscale) -> None:
+    """Prefill and long decodes in one mixed batch (decode at 700 / 1234 takes the split
+    schedule on 2+ threads), against the reference: rotated dims, the dims passed
+    through (in q and in the cached k) and the scaled cos / sin."""
+    nh, nkv, hd = heads
+    n_rot = int(frac * hd) // 2
+    batch = partial(make_batch(nh, nkv, hd, **MIXED, seed=nh + n_rot), n_rot)
+    check_attention(batch, interleaved, window=0, cap=0.0, mscale=mscale)
+
+
+def test_attention_partial_rotary_leaves_the_rest(simd) -> None:
+    """The cached k of a token: dims past 2 n_rot are the raw k bits; with mscale 1 and
+    n_rot = hd/2 the result is the full-rotary call's, bit for bit."""
+    batch = make_batch(4, 2, 32, new=[3], before=[5], seed=5)
+    for interleaved in (False, True):
+        part = partial(batch, 6)
+        cache = fresh_cache(part)
+        run_tokens(part, cache, range(3), interleaved, 0, 0.0)
+        slots = [(batch["block_tables"][0, p // BLOCK], p % BLOCK) for p in batch["positions"]]
+        for t, (blk, off) in enumerate(slots):
+            np.testing.assert_array_equal(cache[0][blk, off][:, 12:], batch["k"][t][:, 12:])
+            assert not np.array_equal(cache[0][blk, off][:, :12], batch["k"][t][:, :12])
+        full = run_tokens(batch, fresh_cache(batch), range(3), interleaved, 0, 0.0)
+        same = run_tokens(batch, fresh_cache(batch), range(3), interleaved, 0, 0.0, mscale=1.0)
+        assert_bits(same, full, "mscale 1.0 is the identity")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_attention_partial_rotary_batch_invariant(simd, interleaved) -> None:
+    """Partial rotary with mscale: 40 tokens at once == 30 then 10 one by one, and a
+    sequence alone == batched with others, at every thread count."""
+    batch = partial(make_batch(8, 2, 64, new=[40], before=[236], seed=21), 12)
+    ms = 1.19
+    full = run_tokens(batch, fresh_cache(batch), range(40), interleaved, 0, 0.0, mscale=ms)
+    cache = fresh_cache(batch)
+    first = run_tokens(batch, cache, range(30), interleaved, 0, 0.0, mscale=ms)
+    steps = np.concatenate([run_tokens(batch, cache, [t], interleaved, 0, 0.0, mscale=ms)
+                            for t in range(30, 40)])
+    assert_bits(first, full[:30], "30-token prefill vs 40-token prefill")
+    assert_bits(steps, full[30:], "one-by-one decode vs prefill")
+    mixed = partial(make_batch(8, 2, 64, new=[23, 1, 6], before=[290, 1000, 40], seed=22), 12)
+    seq = mixed["seq_ids"]
+    threads0 = K.num_threads()
+    try:
+        for threads in (1, 2, 3):
+            K.set_num_threads(threads)
+            together = run_tokens(mixed, fresh_cache(mixed), range(len(seq)), interleaved, 0, 0.0,
+                                  mscale=ms)
+            for b in range(3):
+                mine = np.flatnonzero(seq == b)
+                alone = run_tokens(mixed, fresh_cache(mixed), mine, interleaved, 0, 0.0, mscale=ms)
+                assert_bits(alone, together[mine], f"sequence {b} alone vs batched, {threads} threads")
+    finally:
+        K.set_num_threads(threads0)
+
+
+def test_attention_rejects_bad_rotary(small_batch) -> None:
+    b = small_batch
+    with pytest.raises(ValueError, match="head_dim/2"):
+        call(b, inv_freq=np.ones(b["q"].shape[2] // 2 + 1, np.float32))
+    with pytest.raises(ValueError, match="rope_mscale"):
+        call(b, rope_mscale=float("nan"))
+
+
 # ------------------------------ batch invariance ------------------------------
 # A token's output must be bit-identical whatever else is in the call: the engine relies
 # on it (batched greedy decode == each sequence alone, prefix-cache hit == miss, decode
 # over the cache == full recompute), because 1e-6 differences are amplified by the 8-bit
 # activation quantization of the matmuls into different greedy text.
 
-def run_tokens(batch, cache, idx, interleaved, window, cap, scratch=None):
+def run_tokens(batch, cache, idx, interleaved, window, cap, scratch=None, mscale=1.0):
     """The kernel on the tokens `idx` of batch (in that order), over cache = [k, v] (updated
     in place). Returns their output rows."""
     idx = np.asarray(idx, np.int64)
     hd = batch["q"].shape[2]
     return K.rope_attention(batch["q"][idx], batch["k"][idx], batch["v"][idx], batch["positions"][idx],
                             batch["seq_ids"][idx], batch["block_tables"], cache[0], cache[1],
-                            batch["inv_freq"], interleaved, hd**-0.5, window, cap, None, scratch)
+                            batch["inv_freq"], interleaved, hd**-0.5, window, cap, None, scratch,
+                            rope_mscale=mscale)
 
 
 def fresh_cache(batch):
@@ -541,7 +621,8 @@ def call(batch, **over):
     b = {**batch, **over}
     return K.rope_attention(b["q"], b["k"], b["v"], b["positions"], b["seq_ids"], b["block_tables"],
                             b["k_cache"], b["v_cache"], b["inv_freq"], False, 0.125,
-                            over.get("window", 0), 0.0, over.get("out"))
+                            over.get("window", 0), 0.0, over.get("out"),
+                            rope_mscale=over.get("rope_mscale", 1.0))
 
 
 @pytest.fixture
@@ -591,7 +672,9 @@ def test_attention_rejects_bad_shapes_and_dtypes(small_batch) -> None:
     with pytest.raises(ValueError, match="tokens"):
         call(b, k=b["k"][:2])
     with pytest.raises(ValueError, match="inv_freq"):
-        call(b, inv_freq=b["inv_freq"][:3])
+        call(b, inv_freq=b["inv_freq"][::2])  # not contiguous
+    with pytest.raises(ValueError, match="inv_freq"):
+        call(b, inv_freq=b["inv_freq"].astype(np.float64))
     with pytest.raises(ValueError, match="k_cache"):
         call(b, v_cache=b["v_cache"][:, :, :1].copy())
     with pytest.raises(ValueError, match="out"):

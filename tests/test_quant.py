@@ -518,6 +518,123 @@ def test_linear_multi_bad_arguments_raise() -> None:
 
 
 # ------------------------------------------------------------------------------------
+# the bias epilogue (Qwen2's q/k/v): y = x . w^T + b, the add made after the sum
+# ------------------------------------------------------------------------------------
+
+def bias_case(qtype: GGMLType, rng: np.random.Generator):
+    w, k, x = invariance_case(qtype, rng)
+    # biases as large as the outputs, of both signs, so a missed or doubled add shows
+    bias = (rng.standard_normal(w.shape[0]) * 30).astype(np.float32)
+    return w, k, x, bias
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", QUANT + FLOATS, ids=lambda t: t.name)
+def test_linear_bias_is_an_epilogue(qtype: GGMLType, level: str) -> None:
+    """linear(x, w, bias) is bit for bit linear(x, w) + bias (a float32 numpy add: one
+    rounding after the fixed-order sum), for every weight type, at every level, on both
+    sides of the few-token threshold; and batch invariant like linear itself."""
+    use_level(level)
+    rng = np.random.default_rng(400 + int(qtype))
+    w, k, x, bias = bias_case(qtype, rng)
+    alone = None
+    for t in (1, 3, 16, 129):
+        plain = linear_rows(x[:t], w, qtype)
+        out = np.full_like(plain, np.nan)
+        _quant.linear(np.ascontiguousarray(x[:t]), w, int(qtype), out, bias)
+        assert np.array_equal(out, plain + bias), f"T={t}"
+        if alone is None:
+            alone = np.concatenate([
+                _run_bias(x[i:i + 1], w, qtype, bias) for i in range(129)])
+        assert np.array_equal(out, alone[:t]), f"T={t}: not batch invariant"
+
+
+def _run_bias(x: np.ndarray, w: np.ndarray, qtype: GGMLType, bias: np.ndarray) -> np.ndarray:
+    out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
+    _quant.linear(np.ascontiguousarray(x), w, int(qtype), out, bias)
+    return out
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.BF16, GGMLType.F32],
+                         ids=lambda t: t.name)
+def test_ops_linear_bias_matches_reference(qtype: GGMLType) -> None:
+    """ops.cpu and ops.reference on a Linear that carries a bias (the reference adds it to
+    an f32 matmul of the dequantized weights); linear_multi takes each part's own bias."""
+    from ellm.ops.cpu import CpuOps
+    from ellm.ops.reference import ReferenceOps
+    from ellm.weights import Linear
+    rng = np.random.default_rng(410 + int(qtype))
+    w, k, x, bias = bias_case(qtype, rng)
+    lin = Linear(w, qtype, w.shape[0], k, "test", bias=bias)
+    for t in (1, 20):
+        got = CpuOps().linear(x[:t], lin)
+        want = ReferenceOps().linear(x[:t], lin)
+        no_bias = ReferenceOps().linear(x[:t], Linear(w, qtype, w.shape[0], k, "test"))
+        assert not np.allclose(want, no_bias)  # the bias is large enough to matter
+        scale = np.abs(want).max()
+        tol = 1e-5 if qtype in FLOATS else 2e-2  # int8 activations on quantized weights
+        assert np.abs(got - want).max() <= tol * scale, f"T={t}"
+        outs = CpuOps().linear_multi(x[:t], [(lin, np.empty((t, w.shape[0]), np.float32)),
+                                             (Linear(w, qtype, w.shape[0], k, "nb"),
+                                              np.empty((t, w.shape[0]), np.float32))])
+        assert np.array_equal(outs[0], got)
+        assert np.array_equal(outs[1] + bias, got)  # the part without a bias has none
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_linear_multi_bias_per_part(level: str) -> None:
+    """Each part takes its own bias (or none), in separate outs or column slices of one
+    wide out: bit-identical to linear with that bias alone."""
+    use_level(level)
+    rng = np.random.default_rng(15)
+    k = 512
+    ws = [(random_rows(q, n, k, rng) if q in QUANT else float_weights(q, n, k, rng)[0], q)
+          for q, n in MULTI_PARTS if n > 0]
+    biases = [(rng.standard_normal(w.shape[0]) * 10).astype(np.float32) if i % 2 == 0 else None
+              for i, (w, _) in enumerate(ws)]
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    for t in (1, 20):
+        wide = np.full((t, sum(w.shape[0] for w, _ in ws) + 2), np.nan, np.float32)
+        cols, at = [], 0
+        for w, _ in ws:
+            cols.append(wide[:, at:at + w.shape[0]])
+            at += w.shape[0]
+        _quant.linear_multi(x[:t], [(w, int(q), o, b) for (w, q), o, b in zip(ws, cols, biases)])
+        for (w, q), o, b in zip(ws, cols, biases):
+            want = np.empty_like(o)
+            _quant.linear(x[:t], w, int(q), want, b)
+            assert np.array_equal(o, want), f"T={t} {q.name} bias={b is not None}"
+        assert np.isnan(wide[:, at:]).all()
+
+
+def test_linear_bias_with_empty_k() -> None:
+    """K = 0: every sum is empty, so the output is the bias itself."""
+    bias = np.arange(5, dtype=np.float32)
+    out = np.full((3, 5), np.nan, np.float32)
+    _quant.linear(np.zeros((3, 0), np.float32), np.zeros((5, 0), np.float32), int(GGMLType.F32),
+                  out, bias)
+    assert np.array_equal(out, np.broadcast_to(bias, (3, 5)))
+
+
+def test_linear_bad_bias_raises() -> None:
+    rng = np.random.default_rng(16)
+    q = int(GGMLType.Q8_0)
+    raw = random_rows(GGMLType.Q8_0, 4, 64, rng)
+    x = np.zeros((2, 64), np.float32)
+    out = np.empty((2, 4), np.float32)
+    bad = [np.zeros(5, np.float32), np.zeros(4, np.float64), np.zeros((4, 1), np.float32),
+           np.zeros(8, np.float32)[::2], [0.0] * 4, out[0]]
+    for b in bad:
+        with pytest.raises(ValueError, match="bias"):
+            _quant.linear(x, raw, q, out, b)
+        with pytest.raises(ValueError, match="bias"):
+            _quant.linear_multi(x, [(raw, q, out, b)])
+    with pytest.raises(ValueError, match="bias"):
+        _quant.linear(np.zeros((0, 64), np.float32), raw, q, np.empty((0, 4), np.float32),
+                      np.zeros(3, np.float32))
+
+
+# ------------------------------------------------------------------------------------
 # get_rows, quantize, row_bytes
 # ------------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ class Linear:
     out_features: int
     in_features: int
     name: str = ""
+    bias: np.ndarray | None = None  # (out_features,) f32, added after the sum
 
     def __post_init__(self) -> None:
         if self.data.ndim != 2 or self.data.shape[0] != self.out_features:

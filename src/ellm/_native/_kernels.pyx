@@ -8,6 +8,7 @@ contiguous rows and any row stride, so column slices of a wider buffer work with
 copy. The GIL is released while the C kernels run.
 """
 
+import math
 import threading
 
 import numpy as np
@@ -66,8 +67,8 @@ cdef extern from "attention.h":
         float *out
         int64_t T, B, max_blocks, num_blocks
         int32_t nh, nkv, hd, block_size
-        int32_t interleaved, window
-        float scale, softcap
+        int32_t n_rot, interleaved, window
+        float scale, softcap, rope_mscale
     int64_t ellm_rope_attention_scratch_floats(int64_t T, int32_t nh, int32_t nkv, int32_t hd,
                                                int threads) nogil
     int64_t ellm_rope_attention_scratch_wanted(const ellm_attn_args *a, int threads) nogil
@@ -346,7 +347,7 @@ cdef void _check_rows3(const float[:, :, :] a, str name, Py_ssize_t nheads, Py_s
 
 def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, inv_freq,
                    bint interleaved, double scale, int window=0, double softcap=0.0, out=None,
-                   scratch=None):
+                   scratch=None, double rope_mscale=1.0):
     """RoPE on q and k, k/v written into the paged cache, then causal attention
     (reference.rope_attention).
 
@@ -355,7 +356,10 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     positions (T,) int32, seq_ids (T,) int32 (rows of block_tables);
     block_tables (B, max_blocks) int32, -1 where unused;
     k_cache, v_cache (num_blocks, block_size, nkv, hd) float32 C-contiguous, written in place;
-    inv_freq (hd/2,) float32; interleaved: pairs (2i, 2i+1) instead of (i, i + hd/2);
+    inv_freq (n_rot,) float32, 0 <= n_rot <= hd/2: dims [0, 2 n_rot) of each head rotate and
+        the rest pass through (partial rotary; n_rot = hd/2 is full RoPE);
+    interleaved: pairs (2i, 2i+1) instead of (i, i + n_rot);
+    rope_mscale multiplies cos and sin (longrope's attention factor; 1.0 for plain RoPE);
     scale on q.k; window > 0: a token at p sees positions > p - window;
     softcap > 0: scores = softcap * tanh(scores / softcap);
     out (T, nh, hd) float32 C-contiguous or None (allocated); must not overlap the caches.
@@ -420,8 +424,10 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
                          f"both be (num_blocks, block_size, {nkv}, {hd})")
     if kc.shape[1] > 2**31 - 1 or bt.shape[1] > 2**31 - 1:
         raise ValueError(f"{fn}: block_size / max_blocks too large")
-    if fv.shape[0] != hd // 2:
-        raise ValueError(f"{fn}: inv_freq has {fv.shape[0]} elements, expected head_dim/2 = {hd // 2}")
+    if fv.shape[0] > hd // 2:
+        raise ValueError(f"{fn}: inv_freq has {fv.shape[0]} elements, more than head_dim/2 = {hd // 2}")
+    if not math.isfinite(rope_mscale):
+        raise ValueError(f"{fn}: rope_mscale must be finite, got {rope_mscale}")
     if out is None:
         out = np.empty((T, nh, hd), np.float32)
     try:
@@ -455,7 +461,9 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     a.block_tables = &bt[0, 0]
     a.k_cache = &kc[0, 0, 0, 0]
     a.v_cache = &vc[0, 0, 0, 0]
-    a.inv_freq = &fv[0]
+    a.inv_freq = &fv[0] if fv.shape[0] else NULL
+    a.n_rot = <int32_t>fv.shape[0]
+    a.rope_mscale = <float>rope_mscale
     a.out = &ov[0, 0, 0]
     a.T = T
     a.B = bt.shape[0]

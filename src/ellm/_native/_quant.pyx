@@ -39,7 +39,8 @@ cdef extern from "quant.h":
 cdef extern from "matmul.h":
     size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K) nogil
     int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w,
-                    size_t w_bytes, int64_t N, float *y, void *scratch, size_t scratch_bytes) nogil
+                    size_t w_bytes, int64_t N, const float *bias, float *y, void *scratch,
+                    size_t scratch_bytes) nogil
     ctypedef struct ellm_linear_part:
         int qtype
         const uint8_t *w
@@ -47,6 +48,7 @@ cdef extern from "matmul.h":
         int64_t N
         float *y
         int64_t ldy
+        const float *bias
     enum:
         ELLM_LINEAR_MAX_PARTS
     size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_parts, int64_t T,
@@ -247,11 +249,38 @@ def dequantize(const uint8_t[::1] raw not None, int qtype, float[::1] out not No
     _raise_status(st, "dequantize")
 
 
-def linear(const float[:, ::1] x not None, w, int qtype, float[:, ::1] out not None) -> None:
-    """out (T, N) = x (T, K) . w^T.
+cdef const float *_bias_pointer(object bias, int64_t N, float *y, int64_t T, int64_t ldy,
+                                str fn) except? NULL:
+    """NULL for bias None, else a pointer into bias after checking it is (N,) float32,
+    contiguous and apart from the output rows y (T, ldy) it is added to. The caller
+    keeps bias alive while C reads it."""
+    if bias is None:
+        return NULL
+    if not isinstance(bias, np.ndarray) or bias.dtype != np.float32 or bias.ndim != 1:
+        raise ValueError(f"{fn}: bias must be a 1-D float32 array, got "
+                         f"{getattr(bias, 'dtype', type(bias).__name__)} "
+                         f"{getattr(bias, 'shape', '')}")
+    if bias.shape[0] != N:
+        raise ValueError(f"{fn}: bias has {bias.shape[0]} elements, expected N={N}")
+    if not bias.flags.c_contiguous:
+        raise ValueError(f"{fn}: bias must be contiguous")
+    if N == 0:
+        return NULL
+    cdef const float[::1] bv = bias
+    cdef uintptr_t b0 = <uintptr_t>&bv[0], b1 = b0 + 4 * <uintptr_t>N
+    cdef uintptr_t y0 = <uintptr_t>y, y1 = y0 + 4 * <uintptr_t>((T - 1) * ldy + N)
+    if T > 0 and b0 < y1 and y0 < b1:
+        raise ValueError(f"{fn}: bias overlaps the output")
+    return &bv[0]
+
+
+def linear(const float[:, ::1] x not None, w, int qtype, float[:, ::1] out not None,
+           bias=None) -> None:
+    """out (T, N) = x (T, K) . w^T (+ bias).
 
     w: (N, row_bytes(qtype, K)) uint8 blocks for quantized types; (N, K) float32 for F32;
     (N, K) uint16 (or float16) for F16; (N, K) uint16 bf16 bits for BF16.
+    bias: None or (N,) float32, added to each output after its sum.
     Batch invariant: out[i] is bit-identical to linear(x[i:i+1], ...) for every i,
     whatever T, the row's position and the thread count.
     """
@@ -263,18 +292,21 @@ def linear(const float[:, ::1] x not None, w, int qtype, float[:, ::1] out not N
     cdef size_t need
     cdef _Scratch s
     cdef int st
+    cdef const float *bp
     try:
         if out.shape[0] != T or out.shape[1] != N:
             raise ValueError(f"linear: out is ({out.shape[0]}, {out.shape[1]}), expected "
                              f"(T, N) = ({T}, {N})")
         if T == 0 or N == 0:
+            _bias_pointer(bias, N, NULL, 0, N, "linear")  # still reject a wrong bias
             return
+        bp = _bias_pointer(bias, N, &out[0, 0], T, N, "linear")
         need = ellm_linear_scratch_bytes(qtype, T, K)
         s = _scratch()
         s.reserve(need)
         with nogil:
             st = ellm_linear(qtype, &x[0, 0] if K else NULL, T, K, <const uint8_t *>wb.buf,
-                             <size_t>wb.len, N, &out[0, 0], s.ptr, s.cap)
+                             <size_t>wb.len, N, bp, &out[0, 0], s.ptr, s.cap)
     finally:
         PyBuffer_Release(&wb)
     _raise_status(st, "linear")
@@ -288,7 +320,7 @@ MAX_PARTS = _MAX_PARTS
 
 
 def linear_multi(const float[:, ::1] x not None, parts) -> None:
-    """For each (w, qtype, out) in parts: out (T, N_p) = x (T, K) . w^T.
+    """For each (w, qtype, out[, bias]) in parts: out (T, N_p) = x (T, K) . w^T (+ bias).
 
     Several weight matrices against one x (q, k, v; gate, up) in one call: x is
     quantized once and every matrix runs in one parallel pass over their concatenated
@@ -312,9 +344,10 @@ def linear_multi(const float[:, ::1] x not None, parts) -> None:
     try:
         for i in range(n):
             part = parts[i]
-            if not isinstance(part, tuple) or len(part) != 3:
-                raise ValueError(f"linear_multi: part {i} must be a (w, qtype, out) tuple")
-            w, qtype, out = part
+            if not isinstance(part, tuple) or len(part) not in (3, 4):
+                raise ValueError(f"linear_multi: part {i} must be a (w, qtype, out) or "
+                                 f"(w, qtype, out, bias) tuple")
+            w, qtype, out = part[:3]
             _check_type(qtype, "linear_multi")
             _get_weights(w, qtype, K, f"linear_multi part {i}", &wbufs[i])
             acquired += 1
@@ -329,6 +362,10 @@ def linear_multi(const float[:, ::1] x not None, parts) -> None:
             cparts[i].w_bytes = <size_t>wbufs[i].len
             cparts[i].N = wbufs[i].shape[0]
             _out_pointer(o, T, wbufs[i].shape[0], i, &cparts[i])
+            bias = part[3] if len(part) == 4 else None
+            cparts[i].bias = _bias_pointer(bias, cparts[i].N, cparts[i].y, T if cparts[i].y else 0,
+                                           cparts[i].ldy, f"linear_multi part {i}")
+            outs.append(bias)
         if T == 0:
             return
         need = ellm_linear_multi_scratch_bytes(cparts, n, T, K)

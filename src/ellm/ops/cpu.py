@@ -27,13 +27,14 @@ class CpuOps:
 
     def linear(self, x: np.ndarray, w, out: np.ndarray | None = None) -> np.ndarray:
         out = _out(out, (x.shape[0], w.out_features))
-        _quant.linear(np.ascontiguousarray(x, dtype=np.float32), w.data, int(w.qtype), out)
+        _quant.linear(np.ascontiguousarray(x, dtype=np.float32), w.data, int(w.qtype), out,
+                      w.bias)
         return out
 
     def linear_multi(self, x: np.ndarray, parts: Sequence[tuple]) -> list[np.ndarray]:
         """[(w, out), ...] -> outs: several matrices against one x, x quantized once."""
         _quant.linear_multi(np.ascontiguousarray(x, dtype=np.float32),
-                            [(w.data, int(w.qtype), o) for w, o in parts])
+                            [(w.data, int(w.qtype), o, w.bias) for w, o in parts])
         return [o for _, o in parts]
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
@@ -73,9 +74,10 @@ class CpuOps:
         return x
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
-                       inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None):
+                       inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,
+                       rope_mscale=1.0):
         out = _out(out, q.shape)
         _kernels.rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                                 inv_freq, bool(interleaved), float(scale), int(window),
-                                float(softcap_value), out)
+                                float(softcap_value), out, rope_mscale=float(rope_mscale))
         return out

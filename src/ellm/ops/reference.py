@@ -47,29 +47,41 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
     return np.float32(cap) * np.tanh(x / np.float32(cap))
 
 
-def rope_angles(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """positions (T,), inv_freq (hd/2,) -> cos, sin (T, hd/2), computed in f32 like transformers."""
+def rope_angles(positions: np.ndarray, inv_freq: np.ndarray,
+                mscale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """positions (T,), inv_freq (n_rot,) -> cos, sin (T, n_rot), computed in f32 like
+    transformers, each multiplied by mscale (longrope's attention factor) after rounding."""
     ang = positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
-    return np.cos(ang), np.sin(ang)
+    m = np.float32(mscale)
+    return np.cos(ang) * m, np.sin(ang) * m
 
 
-def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool) -> np.ndarray:
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved: bool,
+         mscale: float = 1.0) -> np.ndarray:
     """Rotary embedding on x (T, n_heads, hd).
 
-    interleaved=False (transformers' rotate_half): pairs (i, i + hd/2).
+    Only the first 2 * n_rot dims of each head rotate, n_rot = len(inv_freq) <= hd/2 (partial
+    rotary: Phi-3's partial_rotary_factor); the rest pass through unchanged.
+    interleaved=False (transformers' rotate_half): pairs (i, i + n_rot).
     interleaved=True (GGUF llama weights, whose Q/K rows the converter permuted): pairs (2i, 2i+1).
+    mscale multiplies cos and sin.
     """
-    cos, sin = rope_angles(positions, inv_freq)
+    n_rot = len(inv_freq)
+    if n_rot > x.shape[-1] // 2:
+        raise ValueError(f"inv_freq has {n_rot} entries, more than head_dim/2 = {x.shape[-1] // 2}")
+    cos, sin = rope_angles(positions, inv_freq, mscale)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
+    out = x.copy()
+    rot = x[..., : 2 * n_rot]
     if interleaved:
-        a, b = x[..., 0::2], x[..., 1::2]
-        out = np.empty_like(x)
-        out[..., 0::2] = a * cos - b * sin
-        out[..., 1::2] = b * cos + a * sin
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out[..., 0: 2 * n_rot: 2] = a * cos - b * sin
+        out[..., 1: 2 * n_rot: 2] = b * cos + a * sin
         return out
-    a, b = x[..., :half], x[..., half:]
-    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    a, b = rot[..., :n_rot], rot[..., n_rot:]
+    out[..., :n_rot] = a * cos - b * sin
+    out[..., n_rot: 2 * n_rot] = b * cos + a * sin
+    return out
 
 
 def rope_attention(
@@ -81,11 +93,12 @@ def rope_attention(
     block_tables: np.ndarray,  # (B, max_blocks) int32, -1 where unused
     k_cache: np.ndarray,       # (num_blocks, block_size, nkv, hd), updated in place
     v_cache: np.ndarray,       # (num_blocks, block_size, nkv, hd), updated in place
-    inv_freq: np.ndarray,      # (hd/2,) f32
+    inv_freq: np.ndarray,      # (n_rot,) f32, n_rot <= hd/2: dims >= 2 n_rot are not rotated
     interleaved: bool,
     scale: float,
     window: int = 0,           # > 0: a token at position p sees positions > p - window
     softcap_value: float = 0.0,
+    rope_mscale: float = 1.0,  # multiplies cos and sin (longrope's attention factor)
 ) -> np.ndarray:
     """RoPE on q and k, k/v written to the paged cache, then causal attention. -> (T, nh, hd).
 
@@ -96,8 +109,8 @@ def rope_attention(
     nkv = k.shape[1]
     group = nh // nkv
     block_size = k_cache.shape[1]
-    q = rope(q, positions, inv_freq, interleaved)
-    k = rope(k, positions, inv_freq, interleaved)
+    q = rope(q, positions, inv_freq, interleaved, rope_mscale)
+    k = rope(k, positions, inv_freq, interleaved, rope_mscale)
     for t in range(T):
         blk = block_tables[seq_ids[t], positions[t] // block_size]
         k_cache[blk, positions[t] % block_size] = k[t]
@@ -143,8 +156,12 @@ class ReferenceOps:
         return _into(out, dequantize(np.ascontiguousarray(rows), w.qtype, (len(ids), w.in_features)))
 
     def linear(self, x: np.ndarray, w: "Linear", out: np.ndarray | None = None) -> np.ndarray:
+        """x (T, K) @ W^T (+ w.bias, (N,) f32, when the layer has one)."""
         from ..formats.dequant import dequantize
-        return _into(out, linear(x, dequantize(w.data, w.qtype, (w.out_features, w.in_features))))
+        y = linear(x, dequantize(w.data, w.qtype, (w.out_features, w.in_features)))
+        if w.bias is not None:
+            y = y + w.bias.astype(np.float32)
+        return _into(out, y)
 
     def linear_multi(self, x: np.ndarray, parts) -> list[np.ndarray]:
         return [self.linear(x, w, o) for w, o in parts]
@@ -176,6 +193,8 @@ class ReferenceOps:
         return x
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
-                       inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None):
+                       inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,
+                       rope_mscale=1.0):
         return _into(out, rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
-                                         inv_freq, interleaved, scale, window, softcap_value))
+                                         inv_freq, interleaved, scale, window, softcap_value,
+                                         rope_mscale))
