@@ -66,13 +66,14 @@ def main() -> int:
         per_file[str(path)] = {"weight_class": wclass, "worst_rel": dict(file_worst), "first": firsts}
         print(f"{path.name}: {wclass}, first divergence per prompt {firsts} ({time.perf_counter() - t0:.0f} s)",
               flush=True)
+        print("  " + "  ".join(f"{op} {rel:.1e}" for op, rel in file_worst.items()), flush=True)
+        if a.json:
+            Path(a.json).write_text(json.dumps(per_file, indent=1))
     for wclass, ops in worst.items():
         print(f"\n{wclass}: largest relative error per op (band, measured / band)")
         for op, rel in ops.items():
             b = tolerances.band(wclass, op)
             print(f"  {op:<15}{rel:10.2e}   band {b:8.1e}   {rel / b:6.2f}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(per_file, indent=1))
     return 0
 
 

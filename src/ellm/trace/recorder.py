@@ -83,7 +83,7 @@ class Recorder:
 
     def attention(self, layer: int, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   block_table: np.ndarray, inv_freq: np.ndarray, interleaved: bool, scale: float,
-                  window: int = 0, softcap: float = 0.0) -> None:
+                  window: int = 0, softcap: float = 0.0, rope_mscale: float = 1.0) -> None:
         """After rope_attention: records q_rope (rebuilt), k_rope (read from the cache) and
         attn_probs (T_kept, nh * L) with L = the last kept position + 1.
 
@@ -92,8 +92,8 @@ class Recorder:
         b = self._batch
         rows = self._rows
         pos = np.asarray(b.positions)[rows].astype(np.int32)
-        T, nh, hd = q.shape[0], q.shape[1], q.shape[2]
-        q_rope = ref.rope(np.asarray(q, np.float32)[rows], pos, inv_freq, interleaved)   # (R, nh, hd)
+        nh = q.shape[1]
+        q_rope = ref.rope(np.asarray(q, np.float32)[rows], pos, inv_freq, interleaved, rope_mscale)  # (R, nh, hd)
         self._parts[(layer, "q_rope")] = q_rope.reshape(len(rows), -1)
         table = block_table[int(b.seq_ids[0])]
         bs = k_cache.shape[1]
