@@ -25,6 +25,20 @@ and with q/k/v and gate/up fused through linear_multi ("fused"), then the layers
 output head apart (with the GB/s of weights they read), e.g.
 
     python benchmarks/bench_kernels.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 2
+
+With --bias it instead prints what the bias epilogue (Qwen2's q/k/v) costs: linear on a
+896 x 896 matrix (Qwen2.5-0.5B's q_proj) and on 1536 x 576, at T=1 and T=128, with and
+without a bias, calls alternated, medians and their ratio:
+
+    python benchmarks/bench_kernels.py --bias --types Q8_0,Q4_K,BF16 --threads 1 --cpu-time
+
+With --moe it times one Qwen3-30B-A3B-shaped MoE feed-forward (128 experts, top 8,
+H=2048, F=768; random Q4_K weights, ~340 MB) through ops.cpu's moe at T=1, 8 and 128
+tokens, with the GB/s of the expert weights the call reads (each expert used at least
+once counted once), beside the T=1 token's 8 experts as plain linear calls (the same
+bytes; what grouping and the weighted sum cost):
+
+    python benchmarks/bench_kernels.py --moe --threads 2
 """
 from __future__ import annotations
 
@@ -151,6 +165,74 @@ def bench_model(path: str, tokens: int, clock) -> None:
               f"{1e3 * float(np.percentile(ts, 10)):.2f} 10th percentile{rate}", flush=True)
 
 
+def bench_bias(types: list[str], levels: list[str], rounds: int, clock) -> None:
+    rng = np.random.default_rng(2)
+    print(f"{'type':5} {'N x K':>11} {'level':>7} {'T':>4} {'no bias us':>11} {'bias us':>9} {'ratio':>6}")
+    for tname in types:
+        qtype = TYPES[tname]
+        blk = BLOCK.get(qtype, (1, 0))[0]
+        for n, k in [(896, 896), (576, 1536)]:
+            if k % blk:
+                continue
+            w = make_weights(qtype, n, k, rng)
+            bias = rng.standard_normal(n, dtype=np.float32)
+            for level in levels:
+                _core.set_simd_level(level)
+                _quant.set_simd_level(level)
+                for T in (1, 128):
+                    x = rng.standard_normal((T, k), dtype=np.float32)
+                    y = np.empty((T, n), np.float32)
+                    plain: list[float] = []
+                    biased: list[float] = []
+                    for _ in range(rounds):  # alternate, so both see the same neighbours
+                        plain.append(time_call(lambda: _quant.linear(x, w, qtype, y), 0.005, clock=clock))
+                        biased.append(time_call(lambda: _quant.linear(x, w, qtype, y, bias), 0.005,
+                                                clock=clock))
+                    a, b = float(np.median(plain)), float(np.median(biased))
+                    print(f"{tname:5} {f'{n}x{k}':>11} {level:>7} {T:>4} {1e6 * a:11.1f} {1e6 * b:9.1f} "
+                          f"{b / a:6.3f}", flush=True)
+
+
+def bench_moe(types: list[str], rounds: int, clock) -> None:
+    from ellm._native import _moe
+
+    E, k, H, F = 128, 8, 2048, 768
+    rng = np.random.default_rng(3)
+    for tname in types:
+        qtype = TYPES[tname]
+        blk = BLOCK.get(qtype, (1, 0))[0]
+        if H % blk or F % blk:
+            continue
+        gate = [make_weights(qtype, F, H, rng) for _ in range(E)]
+        up = [make_weights(qtype, F, H, rng) for _ in range(E)]
+        down = [make_weights(qtype, H, F, rng) for _ in range(E)]
+        stacks = (_moe.ExpertStack(gate, qtype, H), _moe.ExpertStack(up, qtype, H), _moe.ExpertStack(down, qtype, F))
+        per_expert = gate[0].nbytes + up[0].nbytes + down[0].nbytes
+        print(f"# {tname}: {E} experts x {per_expert / 1e6:.2f} MB, top {k}")
+        picked = None
+        for T in (1, 8, 128):
+            x = rng.standard_normal((T, H), dtype=np.float32)
+            ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+            w = rng.dirichlet(np.ones(k), size=T).astype(np.float32)
+            out = np.empty((T, H), np.float32)
+            ts = [time_call(lambda: _moe.experts(x, ids, w, *stacks, out), 0.02, clock=clock) for _ in range(rounds)]
+            med = float(np.median(ts))
+            used = len(np.unique(ids)) * per_expert
+            picked = ids[0] if picked is None else picked
+            print(f"moe   T={T:4} {1e3 * med:8.3f} ms  {len(np.unique(ids)):3} experts read, "
+                  f"{used / 1e9 / med:6.1f} GB/s", flush=True)
+        x = rng.standard_normal((1, H), dtype=np.float32)
+        g, u, d = np.empty((1, F), np.float32), np.empty((1, F), np.float32), np.empty((1, H), np.float32)
+
+        def plain_calls() -> None:
+            for e in picked:
+                _quant.linear_multi(x, [(gate[e], qtype, g), (up[e], qtype, u)])
+                _quant.linear(g, down[e], qtype, d)
+        med = float(np.median([time_call(plain_calls, 0.02, clock=clock) for _ in range(rounds)]))
+        print(f"linear T=1 {1e3 * med:8.3f} ms  {len(picked)} experts as plain calls, "
+              f"{len(picked) * per_expert / 1e9 / med:6.1f} GB/s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--levels", default=",".join(_core.supported_simd_levels()))
@@ -166,6 +248,10 @@ def main() -> None:
                          "machine others are using)")
     ap.add_argument("--model", help="a GGUF file: time one decode token's matmuls instead")
     ap.add_argument("--tokens", type=int, default=30, help="tokens timed with --model")
+    ap.add_argument("--moe", action="store_true",
+                    help="time a Qwen3-30B-A3B-shaped MoE feed-forward instead (--types: Q4_K by default)")
+    ap.add_argument("--bias", action="store_true",
+                    help="time linear with and without the bias epilogue instead")
     args = ap.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
@@ -179,6 +265,14 @@ def main() -> None:
     if args.model:
         print(f"# {args.model}: one decode token's matmuls, level {_quant.simd_level()}")
         bench_model(args.model, args.tokens, clock)
+        return
+    if args.moe:
+        types = [t for t in args.types.split(",") if t] if args.types != ap.get_default("types") else ["Q4_K"]
+        bench_moe(types, 5, clock)
+        return
+    if args.bias:
+        bench_bias([t for t in args.types.split(",") if t], [lv for lv in args.levels.split(",") if lv],
+                   21, clock)
         return
     Ts = [int(t) for t in str(args.prefill_tokens).split(",") if t]
     print(f"{'type':5} {'N x K':>11} {'level':>7} {'decode us':>10} {'GB/s':>7} "

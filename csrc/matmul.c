@@ -130,6 +130,7 @@ typedef struct {
     int grouped[N_ACT];    /* format f is in its group layout (takes_token_groups(T),
                             * every part of that format has a qgemm kernel) */
     ellm_act_fn act[N_ACT]; /* set for the formats a non-empty part needs */
+    int has_act;           /* some part has quantized weights */
 } lin_ctx;
 
 /* The kernel call for output rows [n0, n1) of part p, tokens [t0, t1), into y (the
@@ -166,8 +167,8 @@ static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n
     if (p->bias) add_bias(p->bias + n0, n1 - n0, y, (size_t)p->ldy, t1 - t0);
 }
 
-static void task_matmul(void *ctx, int64_t begin, int64_t end, int thread_id) {
-    const lin_ctx *c = (const lin_ctx *)ctx;
+/* Items [begin, end) of one call (numbered from 0). */
+static void run_items(const lin_ctx *c, int64_t begin, int64_t end) {
     int pi = 0;
     for (int64_t item = begin; item < end; item++) {
         while (item >= c->p[pi].end_item) pi++; /* items are numbered part after part */
@@ -178,6 +179,10 @@ static void task_matmul(void *ctx, int64_t begin, int64_t end, int thread_id) {
         int64_t t0 = tt * c->item_toks, t1 = t0 + c->item_toks < c->T ? t0 + c->item_toks : c->T;
         run_block(c, p, n0, n1, t0, t1);
     }
+}
+
+static void task_matmul(void *ctx, int64_t begin, int64_t end, int thread_id) {
+    run_items((const lin_ctx *)ctx, begin, end);
 }
 
 /* Items [begin, end) are (format, token) pairs: item = f * T + t. */
@@ -300,8 +305,13 @@ size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K) {
     return ellm_linear_multi_scratch_bytes(&part, 1, T, K);
 }
 
-int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
-                      int n_parts, void *scratch, size_t scratch_bytes) {
+/* Checks one call and lays it out in *c (activation formats, kernels, work items); *items
+ * gets its item count (0: nothing left to run, e.g. T = 0, or K = 0, whose outputs are
+ * written here). Nothing runs on the pool. */
+static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
+                     int n_parts, void *scratch, size_t scratch_bytes, int64_t *items_out) {
+    *items_out = 0;
+    memset(c, 0, sizeof *c);
     if (parts == NULL || n_parts < 1 || n_parts > ELLM_LINEAR_MAX_PARTS) return ELLM_E_SHAPE;
     if (T < 0 || K < 0) return ELLM_E_SHAPE;
     for (int i = 0; i < n_parts; i++) {
@@ -328,13 +338,11 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
     }
     if (x == NULL) return ELLM_E_SHAPE;
 
-    lin_ctx c;
-    memset(&c, 0, sizeof c);
-    c.x = x;
-    c.T = T;
-    c.K = K;
+    c->x = x;
+    c->T = T;
+    c->K = K;
     const int few = !takes_token_groups(T);
-    c.item_toks = few ? T : TOK_TILE;
+    c->item_toks = few ? T : TOK_TILE;
 
     size_t offset[N_ACT], stride[N_ACT], need;
     if (!act_layout(parts, n_parts, T, K, offset, stride, &need)) return ELLM_E_SHAPE;
@@ -342,8 +350,8 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         return ELLM_E_SCRATCH;
     for (int f = 0; f < N_ACT; f++) {
         if (offset[f] == SIZE_MAX) continue;
-        c.xq[f] = (uint8_t *)scratch + offset[f];
-        c.act_stride[f] = stride[f];
+        c->xq[f] = (uint8_t *)scratch + offset[f];
+        c->act_stride[f] = stride[f];
     }
 
     /* Many tokens: a format takes its group layout when every part of it has a qgemm kernel
@@ -352,22 +360,22 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
     ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS];
     for (int i = 0; i < n_parts; i++) qgemm[i] = !few ? ellm_qgemm_select(parts[i].qtype) : NULL;
     for (int f = 0; f < N_ACT; f++) {
-        if (few || !c.xq[f]) continue;
-        c.grouped[f] = 1;
+        if (few || !c->xq[f]) continue;
+        c->grouped[f] = 1;
         for (int i = 0; i < n_parts; i++)
-            if (parts[i].N > 0 && act_index(parts[i].qtype) == f && !qgemm[i]) c.grouped[f] = 0;
-        if (c.grouped[f]) {
-            c.act_stride[f] = f == 0 ? (size_t)(K / QK32) * sizeof(ellm_act32x8)
+            if (parts[i].N > 0 && act_index(parts[i].qtype) == f && !qgemm[i]) c->grouped[f] = 0;
+        if (c->grouped[f]) {
+            c->act_stride[f] = f == 0 ? (size_t)(K / QK32) * sizeof(ellm_act32x8)
                                      : (size_t)(K / QK256) * sizeof(ellm_act256x8);
-            zero_group_padding(&c, f);
+            zero_group_padding(c, f);
         }
     }
 
-    const int64_t tok_items = (T + c.item_toks - 1) / c.item_toks;
+    const int64_t tok_items = (T + c->item_toks - 1) / c->item_toks;
     int64_t items = 0;
     for (int i = 0; i < n_parts; i++) {
         const ellm_linear_part *q = &parts[i];
-        lin_part *p = &c.p[c.n_parts];
+        lin_part *p = &c->p[c->n_parts];
         if (q->N == 0) continue;
         p->w = q->w;
         p->row_bytes = (size_t)ellm_row_bytes(q->qtype, K);
@@ -377,16 +385,16 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         p->bias = q->bias;
         int f = act_index(q->qtype);
         if (f >= 0) {
-            p->xq = c.xq[f];
-            p->act_stride = c.act_stride[f];
+            p->xq = c->xq[f];
+            p->act_stride = c->act_stride[f];
             p->nb = K / ellm_act_block(q->qtype);
-            if (c.grouped[f]) p->qgemm = qgemm[i];
+            if (c->grouped[f]) p->qgemm = qgemm[i];
             else p->qdot = ellm_qdot_select(q->qtype);
             if (T == 1 && (uint64_t)q->w_bytes > DECODE_STREAM_BYTES) {
                 ellm_qdot_fn s = ellm_qdot_stream_select(q->qtype);
                 if (s) p->qdot = s;
             }
-            c.act[f] = ellm_act_select(q->qtype);
+            c->act[f] = ellm_act_select(q->qtype);
         } else {
             p->fmm = ellm_fmm_select(q->qtype);
         }
@@ -401,19 +409,137 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         p->first_item = items;
         items += p->row_items * tok_items;
         p->end_item = items;
-        c.n_parts++;
+        c->n_parts++;
     }
-    if (c.n_parts == 0) return ELLM_OK;
+    if (c->n_parts == 0) return ELLM_OK;
+    c->has_act = need > 0;
+    *items_out = items;
+    return ELLM_OK;
+}
 
+int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
+                      int n_parts, void *scratch, size_t scratch_bytes) {
+    lin_ctx c;
+    int64_t items;
+    int st = lin_setup(&c, x, T, K, parts, n_parts, scratch, scratch_bytes, &items);
+    if (st != ELLM_OK || items == 0) return st;
     /* Activation quantization is cheap next to the matmul; only spread it when there are
      * enough rows to pay for waking the pool. */
-    if (need) {
+    if (c.has_act) {
         if (T >= 16) ellm_parallel_for(N_ACT * T, 4, task_quantize_act, &c);
         else task_quantize_act(&c, 0, N_ACT * T, 0);
     }
     ellm_parallel_for(items, 1, task_matmul, &c);
     return ELLM_OK;
 }
+
+/* ------------------------------------------------------------------------------------
+ * Groups: several calls (each its own X) in one pass over the pool
+ * ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    lin_ctx *c;            /* (n,) the groups' layouts */
+    const int64_t *first;  /* (n + 1,) first[g] = global index of group g's item 0 */
+    int n;
+} groups_ctx;
+
+static void task_groups_act(void *ctx, int64_t begin, int64_t end, int thread_id) {
+    const groups_ctx *G = ctx;
+    for (int64_t g = begin; g < end; g++)
+        if (G->first[g + 1] > G->first[g] && G->c[g].has_act) task_quantize_act(&G->c[g], 0, N_ACT * G->c[g].T, 0);
+}
+
+static void task_groups(void *ctx, int64_t begin, int64_t end, int thread_id) {
+    const groups_ctx *G = ctx;
+    int lo = 0, hi = G->n - 1; /* the group holding item `begin`: first[g] <= begin < first[g + 1] */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (G->first[mid] <= begin) lo = mid;
+        else hi = mid - 1;
+    }
+    for (int g = lo; g < G->n && begin < end; g++) {
+        const int64_t b = begin > G->first[g] ? begin : G->first[g];
+        const int64_t e = end < G->first[g + 1] ? end : G->first[g + 1];
+        if (b < e) run_items(&G->c[g], b - G->first[g], e - G->first[g]);
+        begin = e > begin ? e : begin;
+    }
+}
+
+/* Bytes of lin_ctx + item offsets at the front of the groups scratch. */
+static size_t groups_header_bytes(int n_groups) {
+    const size_t b = (size_t)n_groups * sizeof(lin_ctx) + (size_t)(n_groups + 1) * sizeof(int64_t);
+    return (b + 63) & ~(size_t)63;
+}
+
+size_t ellm_linear_groups_scratch_bytes(const ellm_linear_group *groups, int n_groups, int64_t K) {
+    if (groups == NULL || n_groups < 1 || n_groups > ELLM_LINEAR_MAX_GROUPS) return 0;
+    size_t total = groups_header_bytes(n_groups);
+    for (int g = 0; g < n_groups; g++) {
+        const size_t b = ellm_linear_multi_scratch_bytes(groups[g].parts, groups[g].n_parts, groups[g].T, K);
+        if (b > SIZE_MAX - 64 - total) return 0;
+        total = (total + b + 63) & ~(size_t)63;
+    }
+    return total;
+}
+
+size_t ellm_linear_groups_scratch_bound(const ellm_linear_part *parts, int n_parts, int n_groups,
+                                        int64_t total_rows, int64_t K) {
+    if (parts == NULL || n_parts < 1 || n_parts > ELLM_LINEAR_MAX_PARTS || n_groups < 1 ||
+        n_groups > ELLM_LINEAR_MAX_GROUPS || total_rows < 0 || K < 0)
+        return 0;
+    /* per group: each format's rows padded to a whole token group (< ELLM_TG more) and
+     * aligned to 64 bytes, then the group's block aligned again */
+    int used[N_ACT] = {0, 0};
+    size_t row_bytes = 0;
+    for (int i = 0; i < n_parts; i++) {
+        const int f = act_index(parts[i].qtype);
+        if (ellm_row_bytes(parts[i].qtype, K) < 0) return 0;
+        if (f >= 0 && !used[f]) {
+            used[f] = 1;
+            row_bytes += ellm_act_row_bytes(parts[i].qtype, K);
+        }
+    }
+    const uint64_t rows = (uint64_t)total_rows + (uint64_t)(ELLM_TG - 1) * (uint64_t)n_groups;
+    if (row_bytes && rows > (SIZE_MAX / 2) / row_bytes) return 0;
+    return groups_header_bytes(n_groups) + (size_t)n_groups * 64 * (N_ACT + 1) + row_bytes * (size_t)rows;
+}
+
+int ellm_linear_groups(const ellm_linear_group *groups, int n_groups, int64_t K, void *scratch,
+                       size_t scratch_bytes) {
+    if (groups == NULL || n_groups < 1 || n_groups > ELLM_LINEAR_MAX_GROUPS || K < 0) return ELLM_E_SHAPE;
+    const size_t need = ellm_linear_groups_scratch_bytes(groups, n_groups, K);
+    if (need == 0 || scratch == NULL || scratch_bytes < need || ((uintptr_t)scratch & 63u)) return ELLM_E_SCRATCH;
+    lin_ctx *ctxs = (lin_ctx *)scratch;
+    int64_t *first = (int64_t *)((uint8_t *)scratch + (size_t)n_groups * sizeof(lin_ctx));
+    size_t at = groups_header_bytes(n_groups);
+    int64_t items = 0, rows = 0;
+    int any_act = 0;
+    for (int g = 0; g < n_groups; g++) {
+        const ellm_linear_group *q = &groups[g];
+        const size_t b = ellm_linear_multi_scratch_bytes(q->parts, q->n_parts, q->T, K);
+        int64_t n;
+        int st = lin_setup(&ctxs[g], q->x, q->T, K, q->parts, q->n_parts, (uint8_t *)scratch + at, b, &n);
+        if (st != ELLM_OK) return st;
+        at = (at + b + 63) & ~(size_t)63;
+        first[g] = items;
+        items += n;
+        if (n > 0) {
+            rows += q->T;
+            any_act |= ctxs[g].has_act;
+        }
+    }
+    first[n_groups] = items;
+    if (items == 0) return ELLM_OK;
+    groups_ctx G = {ctxs, first, n_groups};
+    if (any_act) {
+        if (rows >= 16) ellm_parallel_for(n_groups, 1, task_groups_act, &G);
+        else task_groups_act(&G, 0, n_groups, 0);
+    }
+    ellm_parallel_for(items, 1, task_groups, &G);
+    return ELLM_OK;
+}
+
+
 
 int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w, size_t w_bytes,
                 int64_t N, const float *bias, float *y, void *scratch, size_t scratch_bytes) {

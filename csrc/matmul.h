@@ -61,4 +61,35 @@ size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_part
 int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
                       int n_parts, void *scratch, size_t scratch_bytes);
 
+/* ------------------------------------------------------------------------------------
+ * Groups: several ellm_linear_multi calls, each with its own X (of one width K), run as
+ * one pass over the thread pool -- the experts of an MoE layer, each on the tokens routed
+ * to it. Every output is bit-identical to its group's ellm_linear_multi call alone.
+ * ------------------------------------------------------------------------------------ */
+
+#define ELLM_LINEAR_MAX_GROUPS 4096
+
+typedef struct {
+    const float *x;                /* (T, K) */
+    int64_t T;
+    const ellm_linear_part *parts; /* (n_parts,), as for ellm_linear_multi */
+    int n_parts;
+} ellm_linear_group;
+
+/* Scratch bytes ellm_linear_groups needs (64-byte aligned; never 0 for valid input, as
+ * it holds each group's layout); 0 for invalid arguments. */
+size_t ellm_linear_groups_scratch_bytes(const ellm_linear_group *groups, int n_groups, int64_t K);
+
+/* At least ellm_linear_groups_scratch_bytes for any n_groups groups of these parts' types
+ * (only the qtypes are read) whose T add up to total_rows; 0 for invalid arguments. */
+size_t ellm_linear_groups_scratch_bound(const ellm_linear_part *parts, int n_parts, int n_groups,
+                                        int64_t total_rows, int64_t K);
+
+/* Runs every group (1 <= n_groups <= ELLM_LINEAR_MAX_GROUPS); each is checked as
+ * ellm_linear_multi checks its arguments, all before anything runs on the pool (a group
+ * with K = 0 has its outputs written during the checks). Outputs must not overlap any
+ * group's X or one another. Safe to call without the GIL. */
+int ellm_linear_groups(const ellm_linear_group *groups, int n_groups, int64_t K, void *scratch,
+                       size_t scratch_bytes);
+
 #endif

@@ -45,8 +45,16 @@ def test_bad_arguments_are_clear(llm) -> None:
         llm.generate("x", max_tokenz=3)
     with pytest.raises(ValueError, match="temperature"):
         llm.generate("x", temperature=-1.0)
-    with pytest.raises(ValueError, match="n=2"):
-        llm.generate("x", n=2)
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate("x", n=0)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate("x", {"temperature": 0})
+    with pytest.raises(ValueError, match="threads"):
+        ellm.load("smollm2-135m-instruct", threads=-2)
+    with pytest.raises(ValueError, match="max_model_len"):
+        ellm.load("smollm2-135m-instruct", max_model_len=0)
+    with pytest.raises(ValueError, match="neither a Jinja template"):
+        ellm.load("smollm2-135m-instruct", chat_template="no-such-file.jinja")
     with pytest.raises(ValueError, match="device"):
         ellm.load("smollm2-135m-instruct", device="tpu")
     with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):

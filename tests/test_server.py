@@ -388,11 +388,11 @@ BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
     ("/v1/completions", b"", 400, None, "empty"),
     ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
-    ("/v1/completions", {"prompt": "x"}, 400, "model", "model"),
+    ("/v1/completions", {"model": 7, "prompt": "x"}, 400, "model", "string"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt", "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt", "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt", "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "prompt", "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[]]}, 400, "prompt[0]", "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", "vocabulary"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
@@ -410,7 +410,7 @@ BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": [1]}, 400, "logit_bias", "object"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias",
      "vocabulary"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop", "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop[0]", "empty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": 3}, 400, "stop", "string"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": MAX_QUEUE + 1}, 400, "n", "at most"),
@@ -614,3 +614,221 @@ def test_server_log_has_no_tracebacks(server: Served) -> None:
     log = server.log.read_text()
     assert "Traceback" not in log, log[-4000:]
 
+
+
+# ---------------------------------------------------------------------------------------
+# the OpenAPI document: what it says is what the server accepts
+# ---------------------------------------------------------------------------------------
+
+# Bodies the server must accept (200), each also valid under /openapi.json.
+GOOD: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),                       # no model: the served one
+    ("/v1/completions", {"model": MODEL, "prompt": ["Hi", "Yo"], "max_tokens": 2.0, "n": 2, "seed": -3,
+                         "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "stop": "\n",
+                         "logit_bias": {"42": -100}, "stop_token_ids": [0], "echo": False, "suffix": "",
+                         "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
+                         "best_of": 2, "user": "u", "an_unknown_field": {"ignored": True}}),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2, 3], [4.0, 5]], "max_tokens": 1, "logprobs": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "Be brief."},
+                                           {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                                           {"role": "assistant", "content": None},
+                                           {"role": "user", "content": "Again", "name": "bob"}],
+                              "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 1,
+                              "response_format": {"type": "text"}, "tools": [], "stream_options": None,
+                              "chat_template_kwargs": {"enable_thinking": False}}),
+    ("/tokenize", {"prompt": "Hello world"}),
+    ("/tokenize", {"content": "Hello", "add_special": False, "with_pieces": True}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False}),
+    ("/detokenize", {"tokens": [1, 2, 3]}),
+]
+
+# Words of BAD rows that the server checks itself (context, vocabulary, queue, names):
+# the schema cannot know them, so the schema accepts those bodies.
+SERVER_SIDE_WORDS = ("vocabulary", "context length", "tokens", "for the completion", "not truncated", "at most", "does not exist")
+
+
+@pytest.fixture(scope="module")
+def openapi(server: Served) -> dict[str, Any]:
+    r = httpx.get(server.url + "/openapi.json")            # public: no API key needed
+    assert r.status_code == 200
+    return r.json()
+
+
+def body_validator(doc: dict[str, Any], path: str) -> Any:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    # The component refs are '#/components/schemas/...': resolve them against the document.
+    return jsonschema.Draft202012Validator({**schema, "components": doc["components"]})
+
+
+def test_openapi_lists_every_route(openapi: dict[str, Any]) -> None:
+    assert openapi["openapi"].startswith("3.")
+    want = {"/health", "/metrics", "/v1/models", "/v1/models/{model}", "/v1/completions",
+            "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"}
+    assert want <= set(openapi["paths"])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = openapi["paths"][path]["post"]["responses"]
+        assert "422" not in responses and {"200", "4XX"} <= set(responses)   # 400s, not FastAPI's 422
+        assert "text/event-stream" in responses["200"]["content"]
+
+
+@pytest.mark.parametrize("path,body", GOOD, ids=[f"{i}" for i in range(len(GOOD))])
+def test_good_bodies_are_valid_and_accepted(openapi: dict[str, Any], http: Any, path: str,
+                                            body: dict[str, Any]) -> None:
+    errors = [e.message for e in body_validator(openapi, path).iter_errors(body)]
+    assert errors == [], errors
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    if path != "/tokenize" and path != "/detokenize":
+        assert r.json()["model"] == MODEL
+
+
+def test_schema_refuses_what_the_server_refuses(openapi: dict[str, Any]) -> None:
+    """jsonschema (an independent validator) on the served schema agrees with the server's
+    own validation on every BAD body: refused by both, or (server-side checks) by neither."""
+    checked = 0
+    for path, body, status, _param, words in BAD:
+        if isinstance(body, bytes):
+            continue
+        valid = body_validator(openapi, path).is_valid(body)
+        server_side = status == 404 or any(w in words for w in SERVER_SIDE_WORDS)
+        assert valid == server_side, (path, body, words)
+        checked += 1
+    assert checked >= 35
+
+
+# ---------------------------------------------------------------------------------------
+# tokenize, detokenize, embeddings, body size
+# ---------------------------------------------------------------------------------------
+
+def test_tokenize_and_detokenize(http: Any, tokenizer: Any) -> None:
+    text = "Hello world, how are you?"
+    want = tokenizer.encode(text)
+    for body in ({"prompt": text}, {"content": text}, {"model": MODEL, "prompt": text}):
+        r = http.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"tokens": want, "count": len(want), "max_model_len": MAX_MODEL_LEN}
+    bare = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == tokenizer.encode(text, add_special_tokens=False)
+    pieces = http.post("/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == want and "".join(p["piece"] for p in pieces) == tokenizer.decode(want)
+    back = http.post("/detokenize", json={"tokens": want}).json()
+    assert back == {"prompt": tokenizer.decode(want), "content": tokenizer.decode(want)}
+    # messages: the very ids a chat completion is charged for
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    ids = http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    chat = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
+    assert len(ids) == chat["usage"]["prompt_tokens"]
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(msgs), add_special_tokens=False)
+    for body, param in (({}, "prompt"), ({"prompt": "a", "messages": msgs}, "messages"),
+                        ({"prompt": 3}, "prompt"), ({"model": "gpt-4", "prompt": "a"}, "model")):
+        r = http.post("/tokenize", json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (body, r.text)
+    r = http.post("/detokenize", json={"tokens": [1, 10**8]})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+def test_body_size_limit_is_413(http: Any) -> None:
+    big = json.dumps({"model": MODEL, "prompt": "x" * (9 << 20)}).encode()
+    r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:   # no content-length: the limit counts the bytes as they come
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)]
+
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+
+def test_embeddings_match_the_python_api(server: Served, client: Any, http: Any) -> None:
+    import base64
+
+    import numpy as np
+
+    import ellm
+    if not hasattr(ellm.LLM, "embed"):
+        pytest.skip("this ellm has no LLM.embed (issue 12's engine part) to compare with")
+    llm = ellm.load(str(server.gguf), max_model_len=MAX_MODEL_LEN, progress=False)
+    texts = ["The cat sat on the mat.", "A kitten rested on the rug.", "Stock prices fell sharply."]
+    want = llm.embed(texts)                                     # mean pooling, normalized
+    got = client.embeddings.create(model=MODEL, input=texts)
+    vecs = np.array([d.embedding for d in got.data], dtype=np.float32)
+    assert vecs.shape == want.shape == (3, llm.config.hidden_size)
+    assert np.allclose(vecs, want, atol=1e-5) and np.allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-5)
+    assert got.usage.prompt_tokens == sum(len(llm.tokenizer.encode(t)) for t in texts)
+    raw = http.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.array_equal(decoded, vecs[0])
+    last = http.post("/v1/embeddings", json={"input": [texts[2]], "pooling": "last", "normalize": False}).json()
+    assert np.allclose(last["data"][0]["embedding"], llm.embed([texts[2]], pooling="last", normalize=False)[0],
+                       atol=1e-4)
+    for body, param in (({"input": "x", "dimensions": 8}, "dimensions"), ({"input": []}, "input"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+                        ({"input": [[1, 10**8]]}, "input"), ({"input": "x" * 5, "pooling": "max"}, "pooling")):
+        r = http.post("/v1/embeddings", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = http.post("/v1/embeddings", json={"input": "hi", "dimensions": llm.config.hidden_size})
+    assert r.status_code == 200
+
+
+# ---------------------------------------------------------------------------------------
+# a second server: the key from ELLM_API_KEY, model aliases, CORS
+# ---------------------------------------------------------------------------------------
+
+ALIASES = ("first-name", "second-name")
+ORIGIN = "http://app.example.test"
+
+
+@pytest.fixture(scope="module")
+def aliased(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    import os
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve2") / "server.log"
+    cmd = [sys.executable, "-m", "ellm", "serve", str(gguf_path), "--port", str(port), "--max-model-len", "256",
+           "--served-model-name", *ALIASES, "--allowed-origins", ORIGIN, "--log-level", "warning"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "ELLM_API_KEY": API_KEY})
+    served = Served(f"http://127.0.0.1:{port}", proc, log, gguf_path)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(served.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail(f"the second server did not come up:\n{log.read_text()[-4000:]}")
+        yield served
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_key_from_environment_and_aliases(aliased: Served) -> None:
+    cmdline = Path(f"/proc/{aliased.proc.pid}/cmdline").read_bytes()
+    assert API_KEY.encode() not in cmdline                 # the point of ELLM_API_KEY
+    assert httpx.get(aliased.v1 + "/models").status_code == 401
+    c = openai.OpenAI(base_url=aliased.v1, api_key=API_KEY, max_retries=0, timeout=60)
+    assert [m.id for m in c.models.list().data] == list(ALIASES)
+    for name in ALIASES:   # any alias is accepted; answers carry the first
+        r = c.completions.create(model=name, prompt="Hi", max_tokens=2)
+        assert r.model == ALIASES[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="smol", prompt="Hi", max_tokens=2)
+    assert all(n in str(e.value) for n in ALIASES)
+
+
+def test_cors_for_allowed_origins_only(aliased: Served) -> None:
+    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(aliased.v1 + "/chat/completions", headers=pre)       # no key: preflights carry none
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.options(aliased.v1 + "/chat/completions", headers={**pre, "Origin": "http://evil.test"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(aliased.v1 + "/models", headers={"Origin": ORIGIN, "Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.get(aliased.v1 + "/models", headers={"Origin": "http://evil.test", "Authorization": f"Bearer {API_KEY}"})
+    assert "access-control-allow-origin" not in r.headers

@@ -106,10 +106,30 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from . import hub
+    from .models import supported_model_types
     for m in hub.list_models():
         state = "pulled" if m.get("pulled") else "not pulled"
-        print(f"{m['name']:<24} {state:<11} {m.get('path') or ''}")
+        print(f"{m['name']:<24} {str(m.get('architecture') or ''):<12} {state:<11} {m.get('path') or ''}")
+    print(f"architectures (model_type): {', '.join(supported_model_types())}")
     return 0
+
+
+def _print_architecture(model: str) -> None:
+    """What `model` is and what ellm chose for it, from its config alone (no weights read)."""
+    from . import hub
+    from .config import ModelConfig
+    from .models import family_of
+    resolved = hub.resolve(model, progress=True)
+    if resolved.kind == "gguf":
+        from .formats.gguf import GGUFFile
+        config = ModelConfig.from_gguf(GGUFFile(resolved.path))
+    else:
+        config = ModelConfig.from_folder(resolved.path)
+    family = family_of(config)
+    print(f"model: {resolved.path} ({resolved.kind})")
+    print(f"architecture: {config.model_type} (family module ellm.models.{family.__name__.rsplit('.', 1)[-1]})")
+    for key, value in config.describe().items():
+        print(f"  {key}: {value}")
 
 
 def _token_counts(text: str) -> tuple[int, ...]:
@@ -136,6 +156,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     from . import __version__
     from ._native import _core
+    if args.model:
+        _print_architecture(args.model)
     print(f"ellm {__version__} on {platform.machine()} / Python {platform.python_version()}")
     print(f"native module: {_core.__file__}")
     print(f"SIMD kernels: {_core.simd_level()} (CPU supports: {', '.join(_core.supported_simd_levels())})")
@@ -184,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
     b.add_argument("--threads", type=int, default=0)
     b.set_defaults(func=cmd_bench)
-    i = sub.add_parser("info", help="version, native kernels chosen, threads")
+    i = sub.add_parser("info", help="version, native kernels chosen, threads; with MODEL, its architecture")
+    i.add_argument("model", nargs="?", default=None)
     i.set_defaults(func=cmd_info)
     # -- trace / inspect (ellm/trace/cli.py) --
     from .trace import cli as trace_cli

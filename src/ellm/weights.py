@@ -2,13 +2,15 @@
 
 A GGUF or safetensors source is wrapped in a WeightSource that answers `linear(name)`
 (a matrix for the matmul kernels, quantized blocks left as they are) and `vector(name)`
-(a small f32 array: norms, biases). GGUF names are translated by one table.
+(a small f32 array: norms, biases). GGUF names are translated by the family's table
+(models/<family>.py GGUF_TENSORS over the common ones in models/blocks.py).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -30,7 +32,7 @@ class Linear:
     out_features: int
     in_features: int
     name: str = ""
-    bias: np.ndarray | None = None  # (out_features,) f32, added after the sum
+    bias: np.ndarray | None = None   # (out_features,) f32, added after the product
 
     def __post_init__(self) -> None:
         if self.data.ndim != 2 or self.data.shape[0] != self.out_features:
@@ -44,40 +46,25 @@ class Linear:
             raise FormatError(self.name, f"{self.qtype.name} row of {self.in_features} does not match "
                                          f"{self.data.shape[1]} stored columns")
 
+        if self.bias is not None and self.bias.shape != (self.out_features,):
+            raise FormatError(self.name, f"bias of shape {self.bias.shape} for {self.out_features} rows")
+
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
-
-# GGUF tensor names -> Hugging Face names ({i} is the layer index).
-_GGUF_TO_HF = [
-    (r"token_embd\.weight", "model.embed_tokens.weight"),
-    (r"output_norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
-    (r"rope_freqs\.weight", "rope_freqs.weight"),
-    (r"blk\.(\d+)\.attn_norm\.weight", "model.layers.{i}.input_layernorm.weight"),
-    (r"blk\.(\d+)\.attn_q\.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    (r"blk\.(\d+)\.attn_k\.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    (r"blk\.(\d+)\.attn_v\.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    (r"blk\.(\d+)\.attn_output\.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    (r"blk\.(\d+)\.attn_q_norm\.weight", "model.layers.{i}.self_attn.q_norm.weight"),
-    (r"blk\.(\d+)\.attn_k_norm\.weight", "model.layers.{i}.self_attn.k_norm.weight"),
-    (r"blk\.(\d+)\.ffn_gate\.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    # llama: the norm before the MLP; gemma: see _GEMMA_OVERRIDES
-    (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    (r"blk\.(\d+)\.post_attention_norm\.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    (r"blk\.(\d+)\.post_ffw_norm\.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
-]
-# Gemma 2/3 have four norms per layer; GGUF's ffn_norm is the pre-MLP one.
-_GEMMA_OVERRIDES = [
-    (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{i}.pre_feedforward_layernorm.weight"),
-]
+    def rows(self, lo: int, hi: int) -> "Linear":
+        """Rows lo..hi-1 (a fused qkv or gate_up split), sharing memory: GGML rows are
+        independent blocks, so a row range of a quantized matrix is still a valid matrix."""
+        if not 0 <= lo < hi <= self.out_features:
+            raise ValueError(f"{self.name}: rows {lo}:{hi} out of range for {self.out_features} rows")
+        bias = self.bias[lo:hi] if self.bias is not None else None
+        return Linear(self.data[lo:hi], self.qtype, hi - lo, self.in_features, f"{self.name}[{lo}:{hi}]", bias)
 
 
-def gguf_to_hf_name(name: str, arch: str) -> str | None:
-    table = (_GEMMA_OVERRIDES + _GGUF_TO_HF) if arch in ("gemma2", "gemma3") else _GGUF_TO_HF
+def gguf_to_hf_name(name: str, table: Sequence[tuple[str, str]]) -> str | None:
+    """A GGUF tensor name under Hugging Face naming by a family's table of (regex, target)
+    pairs ({i} in a target is the layer index), or None for a tensor the table lacks."""
     for pattern, target in table:
         m = re.fullmatch(pattern, name)
         if m:
@@ -111,15 +98,41 @@ class WeightSource:
         if name not in self._names:
             raise FormatError(self.path, f"missing tensor {name}")
 
+    def renamed(self, rename: Callable[[str], str]) -> "WeightSource":
+        """This source seen under other names (a family's `sanitize`), nothing copied."""
+        return RenamedWeights(self, rename)
+
+
+class RenamedWeights(WeightSource):
+    def __init__(self, inner: WeightSource, rename: Callable[[str], str]) -> None:
+        self._inner_name = {rename(n): n for n in inner.names()}
+        super().__init__(inner.path, dict(self._inner_name))
+        self.inner = inner
+        self.norm_weights_include_one = inner.norm_weights_include_one
+
+    def linear(self, name: str) -> Linear:
+        self.require(name)
+        return self.inner.linear(self._inner_name[name])
+
+    def vector(self, name: str) -> np.ndarray:
+        self.require(name)
+        return self.inner.vector(self._inner_name[name])
+
 
 class GGUFWeights(WeightSource):
     norm_weights_include_one = True
 
-    def __init__(self, gguf: GGUFFile) -> None:
-        arch = gguf.metadata.get("general.architecture", "")
+    def __init__(self, gguf: GGUFFile, table: Sequence[tuple[str, str]] | None = None) -> None:
+        """table: the family's GGUF -> Hugging Face names; by default the one of the file's
+        `general.architecture`."""
+        if table is None:
+            from .models import family_for_gguf
+            from .models.blocks import gguf_tensor_table
+            family = family_for_gguf(str(gguf.metadata.get("general.architecture", "")))
+            table = gguf_tensor_table(getattr(family, "GGUF_TENSORS", ()))
         names = {}
         for tname in gguf.tensors:
-            hf = gguf_to_hf_name(tname, arch)
+            hf = gguf_to_hf_name(tname, table)
             if hf is not None:
                 names[hf] = tname
         super().__init__(gguf.path, names)

@@ -24,8 +24,8 @@ the SmolLM2 one with its trained pre-tokenizer) for trying Tokenizer.from_folder
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
-import importlib.util
 import json
 import random
 import sys
@@ -183,10 +183,12 @@ def read_vocabulary(path: Path, n_tokens: int = 20000) -> tuple[list[str], list[
 
 
 def load_gemma_template() -> str:
-    spec = importlib.util.spec_from_file_location("ellm_chat_templates", REPO / "src" / "ellm" / "chat_templates.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.GEMMA_TEMPLATE
+    """ellm's Gemma template (CHAT_TEMPLATE in models/gemma.py), read without importing ellm."""
+    tree = ast.parse((REPO / "src" / "ellm" / "models" / "gemma.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CHAT_TEMPLATE" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise SystemExit("models/gemma.py defines no CHAT_TEMPLATE")
 
 
 def make(name: str, gguf: Path, folders: Path | None) -> None:

@@ -7,9 +7,12 @@ snapshot) into an inbox that the engine thread drains between steps. The thread 
 step() while there is work and sleeps on a condition variable when there is none.
 
 Outputs travel back per request: the engine thread puts each RequestOutput delta into
-that request's asyncio.Queue through loop.call_soon_threadsafe. A request whose consumer
-goes away (task cancelled, generator closed, stream object dropped) is aborted, which
-returns its KV blocks to the pool before the next step.
+that request's sink, an asyncio.Queue (through loop.call_soon_threadsafe) for a caller
+on an event loop, a queue.SimpleQueue for a blocking caller on any thread. A request
+whose consumer goes away (task cancelled, generator closed, stream object dropped) is
+aborted, which returns its KV blocks to the pool before the next step. Work that must
+see the engine between two steps (logits, embeddings, counts) is posted as a callable
+and runs on the engine thread too, so nothing else ever touches the Engine.
 
 A failure inside step() (a bug, a MemoryError) fails the requests that were in the batch
 with that exception and the thread keeps serving the others.
@@ -17,16 +20,20 @@ with that exception and the thread keeps serving the others.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
+import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..sampling_params import SamplingParams
-from .engine import Engine, RequestError
+from .engine import POOLINGS, Engine, RequestError
 from .sequence import RequestOutput, TokenLogprob
 
 log = logging.getLogger("ellm.engine")
@@ -90,6 +97,20 @@ class _Sink:
         _call_soon(self.loop, self.queue.put_nowait, item)
 
 
+class _ThreadSink:
+    """The sink of a blocking caller: a thread-safe queue any thread may wait on."""
+
+    __slots__ = ("closed", "queue", "sent")
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self.closed = False
+        self.sent = (0, 0)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.queue.put(item)
+
+
 class RequestStream:
     """The async iterator of one request's RequestOutput deltas; ends after the finished
     one. Raises the engine's exception if the request fails. close() (or dropping the
@@ -132,15 +153,74 @@ class RequestStream:
                 self.close()
 
 
+class BlockingRequestStream:
+    """RequestStream for code without an event loop: a plain iterator of one request's
+    RequestOutput deltas that blocks the calling thread (any thread) until the next one.
+    close() (or dropping the object) aborts the request when it has not finished."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, sink: _ThreadSink) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._sink = sink
+        self.done = False
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        if self.done:
+            raise StopIteration
+        item = self._sink.queue.get()
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+    def result(self) -> FinalOutput:
+        """Waits for the end of the request and returns all of it."""
+        logprobs: list[TokenLogprob] = []
+        try:
+            for out in self:
+                logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    return _final(out, logprobs)
+        finally:
+            self.close()
+        raise EngineDeadError(f"request {self.request_id} ended without a final output")
+
+    def close(self) -> None:
+        """Aborts the request if it is still running; safe to call more than once."""
+        if not self.done:
+            self.done = True
+            self._sink.closed = True
+            self._owner.abort(self.request_id)
+
+    def __del__(self) -> None:
+        if not self.done:
+            with contextlib.suppress(Exception):
+                self.close()
+
+
+def _final(out: RequestOutput, logprobs: list[TokenLogprob]) -> FinalOutput:
+    return FinalOutput(out.request_id, out.text, list(out.token_ids), out.finish_reason,
+                       list(out.prompt_token_ids), logprobs, out.num_cached_tokens)
+
+
 class AsyncEngine:
     """Runs an Engine on its own thread; see the module docstring.
 
     max_queue bounds the requests queued or running at once; submit() raises
-    QueueFullError beyond it (the server answers 429)."""
+    QueueFullError beyond it (the server answers 429). None: no bound (ellm.LLM's own
+    loop, whose callers wait rather than being refused).
 
-    def __init__(self, engine: Engine, max_queue: int = 256) -> None:
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    One Engine has at most one running AsyncEngine: start() refuses a second one, since
+    two threads stepping one Engine corrupt each other's requests."""
+
+    def __init__(self, engine: Engine, max_queue: int | None = 256) -> None:
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue must be None or >= 1, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
         # Held by the engine thread around every touch of the engine (commands + step);
@@ -152,9 +232,11 @@ class AsyncEngine:
         self._inbox: list[tuple[str, Any]] = []
         self._stopping = False
         self._sinks: dict[str, _Sink] = {}                  # touched on the engine thread only
-        self._pending: set[str] = set()                    # ids submitted, not yet finished (loop side)
+        self._pending: set[str] = set()                    # ids submitted, not yet finished
+        self._pending_lock = threading.Lock()              # callers on many threads submit
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._life = threading.Lock()                      # serialises start() / shutdown()
         self.step_errors = 0
         # Cheap counts the thread publishes after each step (plain ints: safe to read anywhere).
         self.num_running = 0
@@ -163,19 +245,35 @@ class AsyncEngine:
     # -- life cycle -------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="ellm-engine", daemon=True)
-        self._thread.start()
+        """Starts the engine thread (a no-op when it runs). Safe from any thread."""
+        with self._life:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            other = getattr(self.engine, "loop_owner", None)
+            if other is not None and other is not self and other.is_running:
+                raise RuntimeError("this Engine is already driven by another running AsyncEngine "
+                                   "(use that one, e.g. llm.async_engine, or shut it down first)")
+            self.engine.loop_owner = self
+            with self._cv:
+                self._stopping = False
+            # A daemon: a program that forgets close() must still exit; LLM's finaliser and
+            # atexit stop it cleanly before that.
+            self._thread = threading.Thread(target=self._run, name="ellm-engine", daemon=True)
+            self._thread.start()
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stops the thread after its current step; unfinished requests fail."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Stops the thread after its current step; unfinished requests fail with
+        EngineDeadError. Safe from any thread, more than once; start() runs it again."""
+        with self._life:
+            with self._cv:
+                self._stopping = True
+                self._cv.notify()
+            thread = self._thread
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout)
+                if thread.is_alive():
+                    log.warning("the engine thread did not stop within %ss", timeout)
+                    return
             self._thread = None
 
     @property
@@ -197,21 +295,41 @@ class AsyncEngine:
         """Queues a request now (call from a running event loop) and returns its stream.
         Raises QueueFullError at once when max_queue requests are already in. Errors the
         engine finds when adding (an over-long prompt) come out of the stream."""
-        self.check_capacity(1)
+        loop = asyncio.get_running_loop()
+        sink = _Sink(loop)
+        return RequestStream(self, self._add(prompt_ids, params, request_id, sink), sink)
+
+    def submit_blocking(self, prompt_ids: list[int], params: SamplingParams,
+                        request_id: str | None = None) -> BlockingRequestStream:
+        """submit() for code without an event loop, from any thread: the stream is a plain
+        iterator that blocks until the next delta."""
+        sink = _ThreadSink()
+        return BlockingRequestStream(self, self._add(prompt_ids, params, request_id, sink), sink)
+
+    def _add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
+             sink: _Sink | _ThreadSink) -> str:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        loop = asyncio.get_running_loop()
         rid = request_id or self.new_request_id()
-        if rid in self._pending:
-            raise ValueError(f"request id {rid!r} is already in use")
-        sink = _Sink(loop)
-        self._pending.add(rid)
-        self._post(("add", (rid, list(prompt_ids), params, sink)))
-        return RequestStream(self, rid, sink)
+        with self._pending_lock:
+            self._check_capacity_locked(1)
+            if rid in self._pending:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._pending.add(rid)
+        try:
+            self._post(("add", (rid, list(prompt_ids), params, sink)))
+        except EngineDeadError:
+            self._pending_discard(rid, sink)
+            raise
+        return rid
 
     def check_capacity(self, n: int) -> None:
         """Raises QueueFullError unless n more requests fit under max_queue."""
-        if len(self._pending) + n > self.max_queue:
+        with self._pending_lock:
+            self._check_capacity_locked(n)
+
+    def _check_capacity_locked(self, n: int) -> None:
+        if self.max_queue is not None and len(self._pending) + n > self.max_queue:
             raise QueueFullError(f"the server has {len(self._pending)} requests queued or running "
                                  f"(limit {self.max_queue}); retry later")
 
@@ -235,16 +353,69 @@ class AsyncEngine:
             async for out in s:
                 logprobs.extend(out.new_logprobs)
                 if out.finished:
-                    return FinalOutput(out.request_id, out.text, list(out.token_ids), out.finish_reason,
-                                       list(out.prompt_token_ids), logprobs, out.num_cached_tokens)
+                    return _final(out, logprobs)
         finally:
             s.close()
         raise RuntimeError(f"request {s.request_id} ended without a final output")  # unreachable
 
     def abort(self, request_id: str) -> None:
         """Aborts a request from any thread; its blocks are freed before the next step."""
-        self._pending.discard(request_id)
+        with self._pending_lock:
+            self._pending.discard(request_id)
         self._post(("abort", request_id))
+
+    # -- work on the engine thread ------------------------------------------------------
+
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
+        """Runs fn(engine) on the engine thread between two steps; the future holds its
+        result or its exception. From any thread; `await asyncio.wrap_future(...)` on a loop."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._post(("call", (fn, fut)))
+        return fut
+
+    def logits_blocking(self, ids: list[int]) -> np.ndarray:
+        """Engine.logits(ids), computed on the engine thread; blocks the caller."""
+        return self.call(lambda eng: eng.logits(ids)).result()
+
+    def embed_blocking(self, prompts: list[list[int]], pooling: str = "mean",
+                       normalize: bool = True) -> np.ndarray:
+        """Engine.embed on the engine thread, one forward's worth of prompts per call, so
+        that decoding streams take a step between two groups. Blocks the caller."""
+        groups = self._embed_groups(prompts, pooling)
+        futs = [self.call(lambda eng, g=g: eng.embed(g, pooling, normalize)) for g in groups]
+        return _stack([f.result() for f in futs], self.engine.model.config.hidden_size)
+
+    async def embed(self, prompts: list[list[int]], pooling: str = "mean",
+                    normalize: bool = True) -> np.ndarray:
+        """(len(prompts), hidden_size) float32 embeddings (see Engine.embed); the work runs
+        on the engine thread between steps, one forward's worth of prompts at a time."""
+        groups = self._embed_groups(prompts, pooling)
+        futs = [asyncio.wrap_future(self.call(lambda eng, g=g: eng.embed(g, pooling, normalize)))
+                for g in groups]
+        try:
+            parts = await asyncio.gather(*futs)
+        except BaseException:
+            for f in futs:   # cancelled: the groups not yet started are dropped
+                f.cancel()
+            raise
+        return _stack(list(parts), self.engine.model.config.hidden_size)
+
+    def _embed_groups(self, prompts: list[list[int]], pooling: str) -> list[list[list[int]]]:
+        if pooling not in POOLINGS:
+            raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        prompts = [[int(t) for t in p] for p in prompts]
+        budget = self.engine.cfg.max_batch_tokens
+        groups: list[list[list[int]]] = []
+        size = 0
+        for p in prompts:
+            if not groups or size + len(p) > budget:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += len(p)
+        return groups
 
     async def snapshot(self) -> EngineSnapshot:
         """Engine counts, read on the engine thread between steps."""
@@ -252,6 +423,11 @@ class AsyncEngine:
         fut: asyncio.Future[EngineSnapshot] = loop.create_future()
         self._post(("snapshot", (loop, fut)))
         return await fut
+
+    def snapshot_blocking(self, timeout: float | None = 60.0) -> EngineSnapshot:
+        """snapshot() for code without an event loop: read on the engine thread after every
+        command posted before it (an abort included), so it sees that abort's effect."""
+        return self.call(lambda _eng: self._snapshot()).result(timeout)
 
     def snapshot_now(self) -> EngineSnapshot:
         """The same counts read from the calling thread under the engine lock (blocks for
@@ -263,6 +439,12 @@ class AsyncEngine:
 
     def _post(self, cmd: tuple[str, Any]) -> None:
         with self._cv:
+            if self._stopping:
+                # The thread has drained, or is draining, its last inbox: nothing posted now
+                # would ever be answered. An abort has nothing left to abort.
+                if cmd[0] == "abort":
+                    return
+                raise EngineDeadError("the engine is shutting down")
             self._inbox.append(cmd)
             self._cv.notify()
 
@@ -273,7 +455,7 @@ class AsyncEngine:
                     self._cv.wait()
                 if self._stopping:
                     break
-                cmds, self._inbox = self._inbox, []
+                cmds = self._take_commands()
             with self.lock:
                 try:
                     for cmd in cmds:
@@ -288,6 +470,19 @@ class AsyncEngine:
                 self.num_running = self.engine.num_running
                 self.num_waiting = self.engine.num_waiting
         self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _take_commands(self) -> list[tuple[str, Any]]:
+        """The inbox, except that only its first "call" is taken: a long job posted as
+        many calls (embedding groups) lets a step run between two of them."""
+        taken: list[tuple[str, Any]] = []
+        rest: list[tuple[str, Any]] = []
+        for cmd in self._inbox:
+            if cmd[0] == "call" and any(c[0] == "call" for c in taken):
+                rest.append(cmd)
+            else:
+                taken.append(cmd)
+        self._inbox = rest
+        return taken
 
     def _apply(self, cmd: tuple[str, Any]) -> None:
         kind, arg = cmd
@@ -310,6 +505,13 @@ class AsyncEngine:
                 loop, fut = arg
                 snap = self._snapshot()
                 _call_soon(loop, _set_result, fut, snap)
+            elif kind == "call":
+                fn, cfut = arg
+                if cfut.set_running_or_notify_cancel():
+                    try:
+                        cfut.set_result(fn(self.engine))
+                    except BaseException as e:  # noqa: BLE001 - the caller gets it
+                        cfut.set_exception(e)
         except Exception as e:  # never let a command take the thread down
             log.exception("engine command %s failed", kind)
             if kind == "snapshot":
@@ -358,9 +560,9 @@ class AsyncEngine:
             self._pending_discard(rid, sink)
             sink.put(exc)
 
-    def _pending_discard(self, rid: str, sink: _Sink) -> None:
-        # _pending belongs to the loop thread; hand the removal over to it.
-        _call_soon(sink.loop, self._pending.discard, rid)
+    def _pending_discard(self, rid: str, sink: _Sink | _ThreadSink) -> None:
+        with self._pending_lock:
+            self._pending.discard(rid)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self.lock:
@@ -378,6 +580,10 @@ class AsyncEngine:
                 elif kind == "snapshot":
                     loop, fut = arg
                     _call_soon(loop, _set_exception, fut, exc)
+                elif kind == "call":
+                    _, cfut = arg
+                    if cfut.set_running_or_notify_cancel():
+                        cfut.set_exception(exc)
 
     def _snapshot(self) -> EngineSnapshot:
         eng = self.engine
@@ -395,6 +601,10 @@ class AsyncEngine:
             prompt_tokens=eng.stats["prompt_tokens"], generation_tokens=eng.stats["generation_tokens"],
             steps=eng.stats["steps"], num_preemptions=eng.scheduler.num_preemptions,
             step_errors=self.step_errors)
+
+
+def _stack(parts: list[np.ndarray], width: int) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty((0, width), np.float32)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

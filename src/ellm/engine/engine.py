@@ -2,7 +2,10 @@
 
 Engine.step() = schedule -> build one Batch for all scheduled sequences -> model.forward
 -> sample the sequences whose logits are due -> detokenize, check stops, finish. Every
-user-facing call (generate, stream, chat, the server) is a loop over step().
+user-facing call (generate, stream, chat, the server) is a loop over step(), run by one
+AsyncEngine thread (engine/async_engine.py): the Engine itself is not thread-safe.
+logits() and embed() run whole prompts through the model outside the scheduler, between
+two steps, on blocks they free before returning.
 """
 from __future__ import annotations
 
@@ -19,6 +22,11 @@ from .sampler import SequenceSampler, sample_batch
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SeqStatus, TokenLogprob
 from .stop import StopStringMatcher
+
+
+# How embed() reduces a prompt's hidden states to one vector: the mean over its tokens,
+# its last token, or its first token (the BERT-style [CLS] position).
+POOLINGS = ("mean", "last", "cls")
 
 
 class RequestError(ValueError):
@@ -56,6 +64,7 @@ class Engine:
         self._ids = itertools.count()
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.loop_owner: Any = None   # the AsyncEngine whose thread steps this engine
 
     # -- requests -----------------------------------------------------------------
 
@@ -198,19 +207,23 @@ class Engine:
 
     # -- direct model access ----------------------------------------------------------
 
-    def logits(self, ids: list[int]) -> np.ndarray:
-        """Logits at every position of ids (vocab per row), computed in prefill chunks."""
-        key = ("logits", next(self._ids))
+    def _check_ids(self, ids: list[int], what: str) -> None:
         n = len(ids)
         if n == 0:
-            raise RequestError("logits() needs at least one token")
+            raise RequestError(f"{what} needs at least one token")
         if n > self.cfg.max_model_len:
             raise RequestError(f"{n} tokens exceed the context of {self.cfg.max_model_len}")
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= int(t) < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
-        out = np.empty((n, vocab), np.float32)
+
+    def _prefill_rows(self, ids: list[int], width: int, hidden_only: bool) -> np.ndarray:
+        """Every position's logits (or final hidden states) of one prompt, in prefill chunks,
+        on blocks of its own that are freed before returning."""
+        key = ("direct", next(self._ids))
+        n = len(ids)
+        out = np.empty((n, width), np.float32)
         try:
             if not self.blocks.allocate(key, n):
                 raise RequestError(f"{n} tokens do not fit in the KV cache")
@@ -220,7 +233,78 @@ class Engine:
                 self.blocks.release_out_of_window(key, s)
                 tables = {w: np.asarray([self.blocks.table(key, w)], np.int32) for w in self.kv.windows}
                 batch = Batch.single(np.asarray(ids[s:e], np.int32), s, tables, all_logits=True)
-                out[s:e] = self.model.forward(batch, self.kv)
+                out[s:e] = self.model.forward(batch, self.kv, hidden_only=True) if hidden_only \
+                    else self.model.forward(batch, self.kv)
         finally:
             self.blocks.free(key)
         return out
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Logits at every position of ids (vocab per row), computed in prefill chunks."""
+        ids = [int(t) for t in ids]
+        self._check_ids(ids, "logits()")
+        return self._prefill_rows(ids, self.model.config.vocab_size, hidden_only=False)
+
+    def embed(self, prompts: list[list[int]], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """One vector per prompt, (len(prompts), hidden_size) float32: the final-normed hidden
+        states of its tokens pooled (POOLINGS), L2-normalised when normalize. Prompts that
+        fit in one forward (max_batch_tokens) together run as one batch; a longer one runs
+        alone in chunks. A prompt's vector does not depend on the others (batch invariance)."""
+        if pooling not in POOLINGS:
+            raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        prompts = [[int(t) for t in p] for p in prompts]
+        for i, p in enumerate(prompts):
+            try:
+                self._check_ids(p, "an embedding input")
+            except RequestError as e:
+                raise RequestError(f"input {i}: {e}") from None
+        hidden = self.model.config.hidden_size
+        out = np.empty((len(prompts), hidden), np.float32)
+        budget = self.cfg.max_batch_tokens
+        i = 0
+        while i < len(prompts):
+            j, size = i, 0
+            while j < len(prompts) and (j == i or size + len(prompts[j]) <= budget):
+                size += len(prompts[j])
+                j += 1
+            if size > budget:   # one long prompt: chunked prefill
+                out[i] = _pool(self._prefill_rows(prompts[i], hidden, hidden_only=True), pooling)
+            else:
+                for k, rows in enumerate(self._hidden_batch(prompts[i:j])):
+                    out[i + k] = _pool(rows, pooling)
+            i = j
+        if normalize:
+            norms = np.linalg.norm(out, axis=1, keepdims=True)
+            np.divide(out, np.maximum(norms, np.float32(1e-12)), out=out)
+        return out
+
+    def _hidden_batch(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Final hidden states of every token of several short prompts, in one forward."""
+        keys = [("direct", next(self._ids)) for _ in prompts]
+        try:
+            for key, p in zip(keys, prompts):
+                if not self.blocks.allocate(key, len(p)):
+                    raise RequestError(f"{sum(map(len, prompts))} tokens do not fit in the KV cache now")
+            token_ids = np.concatenate([np.asarray(p, np.int32) for p in prompts])
+            positions = np.concatenate([np.arange(len(p), dtype=np.int32) for p in prompts])
+            seq_ids = np.concatenate([np.full(len(p), b, np.int32) for b, p in enumerate(prompts)])
+            tables = {}
+            for w in self.kv.windows:
+                rows = [self.blocks.table(key, w) for key in keys]
+                arr = np.full((len(keys), max(map(len, rows))), -1, np.int32)
+                for b, tbl in enumerate(rows):
+                    arr[b, :len(tbl)] = tbl
+                tables[w] = arr
+            batch = Batch(token_ids, positions, seq_ids, tables, np.arange(len(token_ids), dtype=np.int32))
+            h = self.model.forward(batch, self.kv, hidden_only=True)
+            bounds = np.cumsum([0] + [len(p) for p in prompts])
+            return [np.array(h[bounds[b]:bounds[b + 1]]) for b in range(len(prompts))]
+        finally:
+            for key in keys:
+                self.blocks.free(key)
+
+
+def _pool(rows: np.ndarray, pooling: str) -> np.ndarray:
+    if pooling == "mean":
+        return rows.mean(axis=0, dtype=np.float64).astype(np.float32)
+    return rows[-1] if pooling == "last" else rows[0]

@@ -1,17 +1,88 @@
-"""One module per architecture family; `build_model` picks the family from the config."""
+"""The architecture registry: Hugging Face `model_type` -> the module of its family.
+
+Each family module (`models/<family>.py`) holds `Args` (a ModelConfig subclass in Hugging
+Face field names, with its GGUF metadata mapping), `GGUF_TENSORS` (llama.cpp tensor names
+that differ from the common ones in blocks.py), optionally `sanitize` (weight-name fixes),
+`CHAT_TEMPLATE` (for files that carry none) and `GGUF_VOCAB_STYLE`, and `Model` (its
+forward pass, composed of blocks). Adding a family is adding its file and a line here.
+"""
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
 from typing import Any
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..weights import WeightSource
+
+# model_type -> module name under ellm.models
+FAMILIES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",       # Llama with a sliding window on every layer
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3_text": "gemma",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "smollm3": "smollm3",
+    "olmo2": "olmo2",
+    "granite": "granite",
+    "phi3": "phi3",
+    "qwen3_moe": "qwen3_moe",
+}
+# Other names for a model_type (wrappers whose text model is one of the above).
+ALIASES: dict[str, str] = {
+    "gemma3": "gemma3_text",  # Gemma3ForConditionalGeneration: its text_config is read
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(set(FAMILIES) | set(ALIASES))
+
+
+def family_for_model_type(model_type: Any) -> ModuleType:
+    """The family module of a config.json model_type; a ConfigError listing the supported ones."""
+    if model_type is None:
+        raise ConfigError("config.json has no model_type")
+    name = ALIASES.get(str(model_type), str(model_type))
+    if name not in FAMILIES:
+        raise ConfigError(f"unsupported model_type {model_type!r} (supported: {', '.join(supported_model_types())})")
+    return importlib.import_module(f"{__name__}.{FAMILIES[name]}")
+
+
+def _families() -> list[ModuleType]:
+    return [importlib.import_module(f"{__name__}.{m}") for m in dict.fromkeys(FAMILIES.values())]
+
+
+def family_for_gguf(arch: str) -> ModuleType:
+    """The family module reading GGUF files of `general.architecture` arch."""
+    for module in _families():
+        if arch in module.Args.gguf_architectures:
+            return module
+    names = sorted(a for m in _families() for a in m.Args.gguf_architectures)
+    raise ConfigError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(names)})")
+
+
+def family_of(config: ModelConfig) -> ModuleType:
+    return family_for_model_type(config.model_type)
+
+
+def builtin_chat_template(architecture: str | None) -> str | None:
+    """A family's own chat template for files that carry none (a model_type or a GGUF
+    architecture name), or None."""
+    if not architecture:
+        return None
+    name = ALIASES.get(architecture, architecture)
+    try:
+        module = family_for_model_type(name) if name in FAMILIES else family_for_gguf(name)
+    except ConfigError:
+        return None
+    return getattr(module, "CHAT_TEMPLATE", None)
 
 
 def build_model(config: ModelConfig, weights: WeightSource, ops: Any) -> Any:
-    if config.model_type == "llama":
-        from .llama import LlamaModel
-        return LlamaModel(config, weights, ops)
-    if config.is_gemma:
-        from .gemma import GemmaModel
-        return GemmaModel(config, weights, ops)
-    raise ValueError(f"no model for model_type {config.model_type!r}")
+    family = family_of(config)
+    sanitize = getattr(family, "sanitize", None)
+    if sanitize is not None:
+        weights = weights.renamed(sanitize)
+    return family.Model(config, weights, ops)

@@ -5,6 +5,13 @@ used as (1 + w); GeGLU (tanh GELU) MLP; attention scaled by query_pre_attn_scala
 Gemma 2/3 add a norm after attention and after the MLP, interleave sliding-window and
 global layers with their own RoPE bases, and soft-cap logits (Gemma 2); Gemma 3 normalises
 q and k per head. The switches come from the config and from which weights exist.
+
+GGUF files (llama.cpp) carry no chat template for Gemma, and its turn format is fixed and
+documented, so CHAT_TEMPLATE ships it: each turn is
+`<start_of_turn>{user|model}\\n{text}<end_of_turn>\\n` after a leading `<bos>`, the
+assistant role is called "model", turns alternate starting with the user, and as Gemma
+has no system role a system message opens the first user turn, followed by a blank line.
+Turn text is stripped of surrounding whitespace; system text is not.
 """
 from __future__ import annotations
 
@@ -13,137 +20,156 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..ops.workspace import Workspace
-from ..weights import Linear, WeightSource
-from .batch import Batch
+from ..config import GGUFMeta, ModelConfig, check_layer_types, check_window, layer_types_window, rope_inv_freq
+from ..weights import WeightSource
+from .blocks import (Decoder, DecoderLayer, embedding_and_head, load_attention, load_mlp, load_norm,
+                     maybe_norm)
+
+# Gemma 2/3 have four norms per layer; llama.cpp's ffn_norm is the one before the MLP
+# (Gemma 1's single post_attention_layernorm is read as that norm, which it is).
+GGUF_TENSORS = [
+    (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{i}.pre_feedforward_layernorm.weight"),
+]
+
+# llama.cpp writes Gemma's whitespace-run tokens with real spaces (tokenization/gguf_vocab.py)
+GGUF_VOCAB_STYLE = "gemma"
+
+
+def sanitize(name: str) -> str:
+    """Gemma3ForConditionalGeneration folders keep the text model under model.language_model."""
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
 
 
 @dataclass
-class GemmaLayer:
-    input_norm: np.ndarray             # (H,), the +1 already added
-    q: Linear                          # (nh*hd, H)
-    k: Linear                          # (nkv*hd, H)
-    v: Linear                          # (nkv*hd, H)
-    o: Linear                          # (H, nh*hd)
-    q_norm: np.ndarray | None          # (hd,)  Gemma 3
-    k_norm: np.ndarray | None          # (hd,)  Gemma 3
-    post_attn_norm: np.ndarray | None  # (H,)   Gemma 2/3
-    pre_ffn_norm: np.ndarray           # (H,)
-    post_ffn_norm: np.ndarray | None   # (H,)   Gemma 2/3
-    gate: Linear                       # (F, H)
-    up: Linear                         # (F, H)
-    down: Linear                       # (H, F)
-    inv_freq: np.ndarray               # (hd/2,)
-    window: int
+class Args(ModelConfig):
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None   # "sliding_attention" | "full_attention" per layer
+    rope_local_base_freq: float | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+
+    gguf_architectures = ("gemma", "gemma2", "gemma3")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_window(self.sliding_window)
+        check_layer_types(self.layer_types, self.num_hidden_layers)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int:
+        return layer_types_window(self, layer, self.layer_types, self.sliding_window)
+
+    def inv_freq(self, layer: int) -> np.ndarray:
+        if self.layer_window(layer):   # local layers: their own base, never scaled
+            return rope_inv_freq(self.rope_local_base_freq or self.rope_theta, self.head_dim, None)
+        return super().inv_freq(layer)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "norm": "(1 + w)", "mlp": "GeGLU",
+                "softcap": (self.attn_logit_softcapping, self.final_logit_softcapping)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "Args":
+        if raw.get("model_type") == "gemma3" and isinstance(raw.get("text_config"), dict):  # multimodal wrapper
+            raw = {**raw["text_config"], "model_type": "gemma3_text"}
+        return super().from_dict(raw, generation)  # type: ignore[return-value]
+
+    @classmethod
+    def gguf_model_type(cls, arch: str) -> str:
+        return "gemma3_text" if arch == "gemma3" else arch
+
+    @classmethod
+    def gguf_kwargs(cls, meta: GGUFMeta, kwargs: dict[str, Any]) -> None:
+        kwargs["hidden_act"] = "gelu_pytorch_tanh"
+        if meta.raw("attention.sliding_window"):
+            kwargs["sliding_window"] = meta.int("attention.sliding_window")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if meta.raw(key):
+                kwargs[key] = meta.float(key)
+
+    @classmethod
+    def prepare(cls, kwargs: dict[str, Any], raw: dict[str, Any]) -> None:
+        """Gemma values that GGUF files (and some configs) leave out: the published defaults."""
+        if "hidden_activation" in raw:
+            kwargs["hidden_act"] = raw["hidden_activation"]
+        mt = kwargs.get("model_type")
+        kwargs.setdefault("tie_word_embeddings", True)
+        kwargs.setdefault("hidden_act", "gelu_pytorch_tanh")
+        n = kwargs.get("num_hidden_layers")
+        if mt == "gemma3_text":
+            kwargs.setdefault("query_pre_attn_scalar", kwargs.get("head_dim") or 256)
+            kwargs.setdefault("rope_local_base_freq", 10000.0)
+            kwargs.setdefault("sliding_window", 512)
+            if not kwargs.get("layer_types") and isinstance(n, int) and 0 < n <= 1024:
+                pattern = 6  # every sixth layer is global
+                kwargs["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                         for i in range(n)]
+        elif mt == "gemma2":
+            kwargs.setdefault("query_pre_attn_scalar", kwargs.get("head_dim") or 256)
+            kwargs.setdefault("sliding_window", 4096)
+            kwargs.setdefault("final_logit_softcapping", 30.0)
+            kwargs.setdefault("attn_logit_softcapping", 50.0)
+            if not kwargs.get("layer_types") and isinstance(n, int) and 0 < n <= 1024:
+                kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
 
 
-class GemmaModel:
-    def __init__(self, config: ModelConfig, weights: WeightSource, ops: Any) -> None:
-        self.config, self.ops = config, ops
-        self.ws = Workspace()
-        self.recorder = None   # a trace.Recorder while `ellm trace` / inspect runs this model
-        c = config
-        offset = np.float32(0.0 if weights.norm_weights_include_one else 1.0)
-
-        def norm(name: str) -> np.ndarray:
-            return (weights.vector(name) + offset).astype(np.float32)
-
-        def maybe_norm(name: str) -> np.ndarray | None:
-            return norm(name) if name in weights else None
-
-        self.embed = weights.linear("model.embed_tokens.weight")
-        self.lm_head = weights.linear("lm_head.weight") if (
-            "lm_head.weight" in weights and not c.tie_word_embeddings) else self.embed
-        self.norm = norm("model.norm.weight")
-        self.embed_scale = float(np.float32(c.hidden_size ** 0.5))
-        self.layers = []
+class Model(Decoder):
+    def __init__(self, config: Args, weights: WeightSource, ops: Any) -> None:
+        c, H, hd = config, config.hidden_size, config.head_dim
+        embed, lm_head = embedding_and_head(weights, c)
+        layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             has_pre_ffn = p + "pre_feedforward_layernorm.weight" in weights
-            self.layers.append(GemmaLayer(
-                input_norm=norm(p + "input_layernorm.weight"),
-                q=weights.linear(p + "self_attn.q_proj.weight"),
-                k=weights.linear(p + "self_attn.k_proj.weight"),
-                v=weights.linear(p + "self_attn.v_proj.weight"),
-                o=weights.linear(p + "self_attn.o_proj.weight"),
-                q_norm=maybe_norm(p + "self_attn.q_norm.weight"),
-                k_norm=maybe_norm(p + "self_attn.k_norm.weight"),
+            layers.append(DecoderLayer(
+                attn=load_attention(weights, c, i, softcap=c.attn_logit_softcapping or 0.0,
+                                    q_norm=maybe_norm(weights, p + "self_attn.q_norm.weight", hd, True),
+                                    k_norm=maybe_norm(weights, p + "self_attn.k_norm.weight", hd, True)),
+                mlp=load_mlp(weights, c, p + "mlp."),
+                input_norm=load_norm(weights, p + "input_layernorm.weight", H, True),
                 # Gemma 1 has one norm before the MLP, named post_attention_layernorm.
-                post_attn_norm=maybe_norm(p + "post_attention_layernorm.weight") if has_pre_ffn else None,
-                pre_ffn_norm=norm(p + ("pre_feedforward_layernorm.weight" if has_pre_ffn
-                                       else "post_attention_layernorm.weight")),
-                post_ffn_norm=maybe_norm(p + "post_feedforward_layernorm.weight"),
-                gate=weights.linear(p + "mlp.gate_proj.weight"),
-                up=weights.linear(p + "mlp.up_proj.weight"),
-                down=weights.linear(p + "mlp.down_proj.weight"),
-                inv_freq=c.inv_freq(i),
-                window=c.layer_window(i),
-            ))
+                pre_mlp_norm=load_norm(weights, p + ("pre_feedforward_layernorm.weight" if has_pre_ffn
+                                                     else "post_attention_layernorm.weight"), H, True),
+                post_attn_norm=maybe_norm(weights, p + "post_attention_layernorm.weight", H, True)
+                if has_pre_ffn else None,
+                post_mlp_norm=maybe_norm(weights, p + "post_feedforward_layernorm.weight", H, True)))
+        super().__init__(c, ops, embed, lm_head, layers, load_norm(weights, "model.norm.weight", H, True),
+                         embed_scale=float(np.float32(H ** 0.5)), final_softcap=c.final_logit_softcapping or 0.0)
 
-    def forward(self, batch: Batch, kv: Any) -> np.ndarray:
-        """-> logits (len(batch.logits_rows), vocab) float32, a workspace view that stays
-        valid until the next forward."""
-        c, ops, ws = self.config, self.ops, self.ws
-        t, r = len(batch.token_ids), len(batch.logits_rows)
-        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        H, F, eps = c.hidden_size, c.intermediate_size, c.rms_norm_eps
-        q, k, v = ws.get("q", t, nh * hd), ws.get("k", t, nkv * hd), ws.get("v", t, nkv * hd)
-        gate, up, act = ws.get("gate", t, F), ws.get("up", t, F), ws.get("act", t, F)
-        attn, proj = ws.get("attn", t, nh, hd), ws.get("proj", t, H)
-        residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
-        ops.scale(residual, self.embed_scale)
-        rec = self.recorder
-        if rec is not None:
-            rec(None, "embed", residual)
-        h = ops.rmsnorm(residual, self.layers[0].input_norm, eps, out=ws.get("h", t, H))
-        for i, layer in enumerate(self.layers):
-            ops.linear_multi(h, [(layer.q, q), (layer.k, k), (layer.v, v)])
-            if rec is not None:
-                rec(i, "attn_norm", h), rec(i, "q", q), rec(i, "k", k), rec(i, "v", v)
-            q3, k3, v3 = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
-            if layer.q_norm is not None:   # per-head norms, in place
-                ops.rmsnorm(q3, layer.q_norm, eps, out=q3)
-                ops.rmsnorm(k3, layer.k_norm, eps, out=k3)
-                if rec is not None:
-                    rec(i, "q_norm", q3), rec(i, "k_norm", k3)
-            k_cache, v_cache = kv.layer(i)
-            ops.rope_attention(q3, k3, v3, batch.positions, batch.seq_ids,
-                               batch.block_tables[layer.window], k_cache, v_cache,
-                               layer.inv_freq, c.rope_interleaved, c.attention_scale,
-                               layer.window, c.attn_logit_softcapping or 0.0, out=attn)
-            if rec is not None:
-                rec.attention(i, q3, k_cache, v_cache, batch.block_tables[layer.window], layer.inv_freq,
-                              c.rope_interleaved, c.attention_scale, layer.window,
-                              c.attn_logit_softcapping or 0.0)
-                rec(i, "attn", attn)
-            ops.linear(attn.reshape(t, nh * hd), layer.o, out=proj)
-            if rec is not None:
-                rec(i, "o_proj", proj)
-            if layer.post_attn_norm is not None:
-                ops.rmsnorm(proj, layer.post_attn_norm, eps, out=proj)
-                if rec is not None:
-                    rec(i, "post_attn_norm", proj)
-            ops.add_rmsnorm(residual, proj, layer.pre_ffn_norm, eps, out=h)
-            ops.linear_multi(h, [(layer.gate, gate), (layer.up, up)])
-            ops.geglu(gate, up, out=act)
-            if rec is not None:
-                rec(i, "resid_attn", residual), rec(i, "mlp_norm", h)
-                rec(i, "gate", gate), rec(i, "up", up), rec(i, "act", act)
-            ops.linear(act, layer.down, out=proj)
-            if rec is not None:
-                rec(i, "down", proj)
-            if layer.post_ffn_norm is not None:
-                ops.rmsnorm(proj, layer.post_ffn_norm, eps, out=proj)
-                if rec is not None:
-                    rec(i, "post_mlp_norm", proj)
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            ops.add_rmsnorm(residual, proj, next_norm, eps, out=h)
-            if rec is not None:
-                rec(i, "resid_mlp", residual)
-        if rec is not None:
-            rec(None, "final_norm", h)
-        if r != t:
-            h = np.take(h, batch.logits_rows, axis=0, out=ws.get("rows", r, H))
-        logits = ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))
-        return ops.softcap(logits, c.final_logit_softcapping or 0.0)
+
+CHAT_TEMPLATE = """\
+{#- Gemma: no system role, so the system text opens the first user turn. -#}
+{%- set state = namespace(lead='', skip=0) -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set sys = messages[0]['content'] -%}
+    {%- set state.lead = (sys if sys is string else sys[0]['text']) ~ '\\n\\n' -%}
+    {%- set state.skip = 1 -%}
+{%- endif -%}
+{{- bos_token -}}
+{%- for turn in messages[state.skip:] -%}
+    {%- if (turn['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{- raise_exception('Gemma expects turns to alternate user / assistant, starting with the user') -}}
+    {%- endif -%}
+    {{- '<start_of_turn>' ~ ('model' if turn['role'] == 'assistant' else turn['role']) ~ '\\n' -}}
+    {%- if loop.first -%}{{- state.lead -}}{%- endif -%}
+    {%- set body = turn['content'] -%}
+    {%- if body is string -%}
+        {{- body | trim -}}
+    {%- elif body is iterable -%}
+        {%- for part in body -%}
+            {%- if part['type'] == 'image' -%}{{- '<start_of_image>' -}}
+            {%- elif part['type'] == 'text' -%}{{- part['text'] | trim -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{- raise_exception('a Gemma turn needs text or a list of parts') -}}
+    {%- endif -%}
+    {{- '<end_of_turn>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}
+"""
+

@@ -9,7 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .._native import _kernels, _quant
+from .._native import _kernels, _moe, _quant
+from .reference import Experts
 
 
 def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
@@ -18,6 +19,13 @@ def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
 
 class CpuOps:
     name = "cpu"
+    # linear / linear_multi add Linear.bias themselves (models/blocks.py asks)
+    linear_adds_bias = True
+
+    def __init__(self) -> None:
+        # id(Experts) -> (the Experts, its (gate, up, down) pointer tables), made once per
+        # layer; the Experts is held so its id cannot be reused
+        self._expert_stacks: dict[int, tuple[Experts, tuple[_moe.ExpertStack, ...]]] = {}
 
     def embed(self, w, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
@@ -72,6 +80,30 @@ class CpuOps:
     def scale(self, x: np.ndarray, s: float) -> np.ndarray:
         _kernels.scale_(x, float(s))
         return x
+
+    def moe(self, x: np.ndarray, router, experts: Experts, top_k: int, norm_topk_prob: bool,
+            out: np.ndarray | None = None) -> np.ndarray:
+        """x (T, H) -> (T, H): router logits, top-k routing and the chosen experts' SwiGLU
+        MLPs, all in C (tokens grouped per expert there; no Python loop over tokens)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        T = x.shape[0]
+        logits = self.linear(x, router)                                     # (T, E)
+        ids = np.empty((T, top_k), np.int32)
+        weights = np.empty((T, top_k), np.float32)
+        _moe.route(logits, int(top_k), bool(norm_topk_prob), ids, weights)
+        out = _out(out, x.shape)
+        _moe.experts(x, ids, weights, *self._stacks(experts), out)
+        return out
+
+    def _stacks(self, experts: Experts) -> tuple[_moe.ExpertStack, ...]:
+        hit = self._expert_stacks.get(id(experts))
+        if hit is None or hit[0] is not experts:
+            stacks = tuple(_moe.ExpertStack([m.data for m in mats], int(mats[0].qtype),
+                                            mats[0].in_features)
+                           for mats in (experts.gate, experts.up, experts.down))
+            hit = (experts, stacks)
+            self._expert_stacks[id(experts)] = hit
+        return hit[1]
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                        inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,

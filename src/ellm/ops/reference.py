@@ -8,8 +8,14 @@ Shapes: T tokens in the batch (all sequences' new tokens, concatenated), H hidde
 nh query heads, nkv key/value heads, hd head dim. The paged KV cache of one layer is a
 pair of arrays (num_blocks, block_size, nkv, hd); a sequence's block table lists the
 physical blocks holding its positions 0, block_size, 2*block_size, ...
+
+Mixture-of-experts layers take their experts as an `Experts` (below): E SwiGLU MLPs of
+one shape, each matrix a `Linear` (usually a view into the weights file).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -136,6 +142,83 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x.astype(np.float32) @ w.astype(np.float32).T
 
 
+# ------------------------------------------------------------------------------------
+# Mixture of experts
+# ------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Experts:
+    """The experts of one MoE layer: E SwiGLU MLPs down(silu(gate x) * up x) of one shape.
+
+    gate[e], up[e]: Linear (F, H); down[e]: Linear (H, F), for e < E. Every matrix of a list
+    has the same type and shape. Each is usually a zero-copy view: expert e's slice of a
+    GGUF stacked tensor (`blk.N.ffn_gate_exps`, (E, F, H)), a per-expert safetensors
+    tensor (`mlp.experts.{e}.gate_proj.weight`, what transformers 5.24's save_pretrained
+    writes for Qwen3-MoE), or a row slice of a fused (E, 2F, H) gate_up tensor.
+    Compared by identity: a backend may keep what it prepares for one (e.g. pointer tables).
+    """
+    gate: Sequence["Linear"]
+    up: Sequence["Linear"]
+    down: Sequence["Linear"]
+
+    def __post_init__(self) -> None:
+        E = len(self.gate)
+        if E < 1 or len(self.up) != E or len(self.down) != E:
+            raise ValueError(f"Experts: gate, up, down hold {len(self.gate)}, {len(self.up)}, "
+                             f"{len(self.down)} matrices; need the same E >= 1")
+        H, F = self.gate[0].in_features, self.gate[0].out_features
+        for name, mats, shape in (("gate", self.gate, (F, H)), ("up", self.up, (F, H)),
+                                  ("down", self.down, (H, F))):
+            qtype = mats[0].qtype
+            for e, m in enumerate(mats):
+                if (m.out_features, m.in_features) != shape or m.qtype != qtype:
+                    raise ValueError(f"Experts: {name}[{e}] is {m.qtype.name} "
+                                     f"({m.out_features}, {m.in_features}); expected "
+                                     f"{qtype.name} {shape} like {name}[0]")
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate[0].in_features
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.gate[0].out_features
+
+
+def moe_route(logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits (T, E) -> expert ids (T, top_k) int32 and weights (T, top_k) f32.
+
+    softmax over the experts in f32, the top_k most probable (highest first; ties to the
+    lower id), their probabilities divided by their sum when norm_topk_prob (Qwen3-MoE's
+    flag; Mixtral always renormalises)."""
+    logits = logits.astype(np.float32)
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs = e / e.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return ids, weights.astype(np.float32)
+
+
+def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: Sequence[np.ndarray],
+                up: Sequence[np.ndarray], down: Sequence[np.ndarray]) -> np.ndarray:
+    """x (T, H), ids / weights (T, k), float expert matrices gate[e], up[e] (F, H), down[e]
+    (H, F) -> (T, H): each token's sum over its experts, in ascending expert id, of
+    weight * down(swiglu(gate x, up x))."""
+    out = np.zeros(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        for j in np.argsort(ids[t], kind="stable"):
+            e = int(ids[t, j])
+            h = swiglu(linear(x[t:t + 1], gate[e]), linear(x[t:t + 1], up[e]))
+            out[t] += weights[t, j] * linear(h, down[e])[0]
+    return out
+
+
 def _into(out: np.ndarray | None, value: np.ndarray) -> np.ndarray:
     if out is None:
         return np.ascontiguousarray(value, dtype=np.float32)
@@ -149,6 +232,8 @@ class ReferenceOps:
     Same signatures as ops.cpu.CpuOps (an optional `out` on every op that makes an array)."""
 
     name = "reference"
+    # linear / linear_multi add Linear.bias themselves (models/blocks.py asks)
+    linear_adds_bias = True
 
     def embed(self, w: "Linear", ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         from ..formats.dequant import dequantize
@@ -191,6 +276,19 @@ class ReferenceOps:
     def scale(self, x: np.ndarray, s: float) -> np.ndarray:
         x *= np.float32(s)
         return x
+
+    def moe(self, x: np.ndarray, router: "Linear", experts: Experts, top_k: int,
+            norm_topk_prob: bool, out: np.ndarray | None = None) -> np.ndarray:
+        """x (T, H) -> (T, H): the MoE feed-forward (router logits x @ router^T, top-k
+        routing, each chosen expert's SwiGLU MLP weighted and summed)."""
+        from ..formats.dequant import dequantize
+
+        def dense(m: "Linear") -> np.ndarray:
+            return dequantize(m.data, m.qtype, (m.out_features, m.in_features))
+        ids, weights = moe_route(self.linear(x, router), top_k, norm_topk_prob)
+        return _into(out, moe_experts(x.astype(np.float32), ids, weights,
+                                      [dense(m) for m in experts.gate], [dense(m) for m in experts.up],
+                                      [dense(m) for m in experts.down]))
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                        inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,

@@ -1,11 +1,14 @@
-"""The OpenAI-compatible HTTP API on Starlette: /v1/models, /v1/completions,
-/v1/chat/completions (both with SSE streaming), /health and /metrics.
+"""The OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions,
+/v1/chat/completions (both with SSE streaming), /v1/embeddings, /tokenize, /detokenize,
+/health, /metrics and /openapi.json.
 
-Requests are validated by ellm.server.protocol, tokenized here, and run through an
-AsyncEngine (one engine thread, continuous batching). A request with n choices (or
-several prompts) becomes one engine request per choice; their deltas are merged as they
-come. Every way a client can go away (closing a stream, dropping a connection while a
-non-streamed request runs) closes its engine requests, which frees their KV blocks.
+Request bodies are validated by the pydantic models of ellm.server.protocol (FastAPI
+parses and checks them before a route runs; a bad field is a 400 naming it), tokenized
+here, and run through an AsyncEngine (one engine thread, continuous batching). A request
+with n choices (or several prompts) becomes one engine request per choice; their deltas
+are merged as they come. Every way a client can go away (closing a stream, dropping a
+connection while a non-streamed request runs) closes its engine requests, which frees
+their KV blocks.
 
 Nothing a request does can stop the server: every exception becomes an OpenAI-shaped
 error response ({"error": {"message", "type", "param", "code"}}), or an error event on
@@ -14,128 +17,69 @@ a stream that has already started.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import dataclasses
 import hmac
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.applications import Starlette
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from ..engine.engine import RequestError
 from ..engine.sequence import RequestOutput, TokenLogprob
+from ..sampling_params import SamplingParams
 from . import protocol as P
+from . import responses as R
+from .errors import APIError, error_body, from_validation
 from .metrics import Metrics
+from .streaming import SSEResponse, merge, sse, unless_disconnected
 
 log = logging.getLogger("ellm.server")
 
 MAX_BODY_BYTES = 8 << 20     # a request body larger than this is refused (413)
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
-
+PUBLIC_PATHS = ("/health", "/openapi.json")   # answered without the API key
 
 
 @dataclass
 class ServerConfig:
-    model_name: str                 # what clients pass as "model" and see in responses
+    model_names: Sequence[str]      # what clients may pass as "model"; the first is the one reported
     max_model_len: int              # prompt + output tokens per sequence
     vocab_size: int
-    api_key: str | None = None      # when set, every route but /health needs "Bearer <key>"
+    embedding_size: int = 0         # the hidden size: the length of an embedding
+    api_key: str | None = None      # when set, every route but /health and /openapi.json needs it
     source: str = ""                # where the model came from (shown by /v1/models)
+    allowed_origins: Sequence[str] = field(default_factory=tuple)   # CORS; empty: no CORS headers
+
+    def __post_init__(self) -> None:
+        self.model_names = tuple(dict.fromkeys(self.model_names))   # unique, in order
+        if not self.model_names:
+            raise ValueError("ServerConfig needs at least one model name")
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(P.error_body(message, type, param, code), status_code=status)
+           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
-def _api_error(e: P.APIError) -> JSONResponse:
+def _api_error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-# ---------------------------------------------------------------------------------------
-# responses that watch the client
-# ---------------------------------------------------------------------------------------
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-class SSEResponse(StreamingResponse):
-    """Streams server-sent events from an async generator of ready "data: ..." strings.
-    Listens for the client's disconnect at the same time, so a client that leaves while
-    nothing is being sent (a long prefill) still closes the generator at once."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str]) -> None:
-        super().__init__(events, status_code=200, media_type=self.media_type,
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-
-        async def pump() -> None:
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        pump_task = asyncio.ensure_future(pump())
-        watch_task = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            done, pending = await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            if pump_task in done and pump_task.exception() is not None:
-                exc = pump_task.exception()
-                if not isinstance(exc, OSError):   # OSError: the client went away mid-send
-                    log.error("stream failed", exc_info=exc)
-        finally:
-            pump_task.cancel()
-            watch_task.cancel()
-            with contextlib.suppress(Exception):
-                await self.events.aclose()  # type: ignore[attr-defined]
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
-    """Runs work until it ends or the client disconnects (then work is cancelled).
-    -> (finished?, result)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:   # this handler was cancelled (shutdown): take the work down too
-        task.cancel()
-        watch.cancel()
-        raise
-    watch.cancel()
-    if task.done():
-        return True, task.result()
-    task.cancel()           # the client left first; cancelling closes (aborts) its requests
-    await asyncio.gather(task, return_exceptions=True)
-    return False, None
-
-
-# ---------------------------------------------------------------------------------------
-# the server
-# ---------------------------------------------------------------------------------------
 
 @dataclass
 class _Choice:
@@ -149,68 +93,64 @@ class _Choice:
 
 
 class Server:
-    """Routes over one AsyncEngine. build_app() wires it into a Starlette app."""
+    """Routes over one AsyncEngine. build_app() wires it into a FastAPI app.
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, config: ServerConfig) -> None:
+    make_params turns a request's sampling fields into SamplingParams; pass the model's
+    defaults (LLM.defaults.params) so that fields a client leaves out get them."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, config: ServerConfig,
+                 make_params: Callable[..., SamplingParams] = SamplingParams) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.cfg = config
-        self.metrics = Metrics()
-        self.token_text = P.TokenText(tokenizer)
+        self.make_params = make_params
+        self.metrics = Metrics(config.model_name)
+        self.token_text = R.TokenText(tokenizer)
         self.created = int(time.time())
 
-    # -- plumbing ---------------------------------------------------------------------
+    # -- checks -----------------------------------------------------------------------
 
-    async def _json(self, request: Request) -> Any:
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise P.APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise P.APIError(400, "the client disconnected while sending the request") from None
-        raw = b"".join(chunks)
-        if not raw.strip():
-            raise P.APIError(400, "the request body is empty; expected a JSON object")
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise P.APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        except RecursionError:
-            raise P.APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    def check_model(self, model: str | None) -> None:
+        """A request may leave out model (the served model) or name any served alias."""
+        if model is not None and model not in self.cfg.model_names:
+            names = ", ".join(f"'{n}'" for n in self.cfg.model_names)
+            raise APIError(404, f"the model '{model}' does not exist; this server serves {names}",
+                           param="model", code="model_not_found")
 
-    def _check_model(self, model: str) -> None:
-        if model != self.cfg.model_name:
-            raise P.APIError(404, f"the model '{model}' does not exist; this server serves "
-                                  f"'{self.cfg.model_name}'", param="model", code="model_not_found")
+    def _check_ids(self, ids: Sequence[int], param: str, what: str = "prompt token id") -> None:
+        vocab = self.cfg.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{what} {bad} is outside the vocabulary (size {vocab})", param=param)
 
-    def _prompt_ids(self, prompt: P.Prompt) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
         else:
-            vocab = self.cfg.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise P.APIError(400, f"prompt token id {bad} is outside the vocabulary (size {vocab})",
-                                 param="prompt")
+            self._check_ids(prompt, param)
             ids = list(prompt)
         if not ids:
-            raise P.APIError(400, "the prompt encodes to no tokens", param="prompt")
+            raise APIError(400, f"the {param} encodes to no tokens", param=param)
         return ids
 
-    def _chat_ids(self, req: P.GenerationRequest) -> list[int]:
+    def chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                  template_kwargs: dict[str, Any]) -> str:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", True):
-            raise P.APIError(400, f"the model '{self.cfg.model_name}' has no chat template; "
-                                  "use /v1/completions", param="messages", code="no_chat_template")
+            raise APIError(400, f"the model '{self.cfg.model_name}' has no chat template; "
+                                "use /v1/completions", param="messages", code="no_chat_template")
         try:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=True, **req.chat_template_kwargs)
+            return str(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                               **template_kwargs))
         except TypeError as e:
-            raise P.APIError(400, f"the chat template could not be applied: {e}", param="messages") from None
+            raise APIError(400, f"the chat template could not be applied: {e}", param="messages") from None
         except ValueError as e:   # the template raised (e.g. roles that do not alternate)
-            raise P.APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+
+    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        tok = self.tokenizer
+        text = self.chat_text(messages, add_generation_prompt, template_kwargs or {})
         ids = list(tok.encode(text, add_special_tokens=False))
         # As LLM.chat: the template may or may not write BOS; a model that wants one gets one.
         bos = getattr(tok, "bos_token_id", None)
@@ -218,25 +158,34 @@ class Server:
             ids = [bos] + ids
         return ids
 
-    def _check_length(self, ids: list[int], req: P.GenerationRequest) -> None:
+    def check_length(self, ids: list[int], what: str, max_tokens: int | None = None,
+                     max_tokens_param: str | None = None) -> None:
         limit, n = self.cfg.max_model_len, len(ids)
-        what = "messages" if req.kind == "chat" else "prompt"
         if n >= limit:
-            raise P.APIError(400, f"This model's maximum context length is {limit} tokens, but the {what} "
-                                  f"has {n} tokens (prompt and completion together must fit, so at most "
-                                  f"{limit - 1} prompt tokens). The prompt was not truncated; shorten it.",
-                             param=what, code="context_length_exceeded")
-        mt = req.params.max_tokens
-        if req.max_tokens_param and mt is not None and n + mt > limit:
-            name = req.max_tokens_param
-            raise P.APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
-                                  f"requested {n + mt} tokens ({n} in the {what}, {mt} for the completion). "
-                                  f"Reduce the {what} or the completion length (at most {limit - n}).",
-                             param=name, code="context_length_exceeded")
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the {what} "
+                                f"has {n} tokens (prompt and completion together must fit, so at most "
+                                f"{limit - 1} prompt tokens). The prompt was not truncated; shorten it.",
+                           param=what, code="context_length_exceeded")
+        if max_tokens_param and max_tokens is not None and n + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                                f"requested {n + max_tokens} tokens ({n} in the {what}, {max_tokens} for the "
+                                f"completion). Reduce the {what} or the completion length (at most "
+                                f"{limit - n}).", param=max_tokens_param, code="context_length_exceeded")
+
+    def sampling_params(self, req: P.GenerationRequest) -> SamplingParams:
+        """SamplingParams (n=1; per-choice seeds are derived from it) for a request."""
+        try:
+            params = self.make_params(**req.sampling_fields())
+            # Set apart: None is meaningful here (no limit, no logprobs), not "the default".
+            return dataclasses.replace(params, max_tokens=P.output_limit(req), logprobs=P.logprob_count(req))
+        except ValueError as e:   # the models bound every field, so this is a rare combination
+            msg = str(e)
+            name = msg.split(" ", 1)[0]   # SamplingParams' messages start with the field name
+            raise APIError(400, msg, param=name if name in type(req).model_fields else None) from None
 
     # -- routes -------------------------------------------------------------------------
 
-    async def health(self, request: Request) -> Response:
+    async def health(self) -> Response:
         if not self.engine.is_running:
             return JSONResponse({"status": "error", "message": "the engine thread is not running"},
                                 status_code=503)
@@ -244,74 +193,136 @@ class Server:
                              "requests": self.engine.num_requests, "running": self.engine.num_running,
                              "waiting": self.engine.num_waiting})
 
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+    def model_card(self, name: str) -> R.ModelCard:
+        return R.ModelCard(id=name, created=self.created, root=self.cfg.source or self.cfg.model_name,
+                           max_model_len=self.cfg.max_model_len)
 
-    async def model(self, request: Request) -> Response:
-        name = request.path_params["model"]
-        self._check_model(name)
-        return JSONResponse(self._model_card())
+    async def models(self) -> Response:
+        return JSONResponse(R.ModelList(data=[self.model_card(n) for n in self.cfg.model_names]).model_dump())
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "ellm",
-                "root": self.cfg.source or self.cfg.model_name, "max_model_len": self.cfg.max_model_len}
+    async def model(self, name: str) -> Response:
+        if name not in self.cfg.model_names:
+            self.check_model(name)
+        return JSONResponse(self.model_card(name).model_dump())
 
     async def metrics_route(self, request: Request) -> Response:
         snap = await self.engine.snapshot() if self.engine.is_running else self.engine.snapshot_now()
-        return PlainTextResponse(self.metrics.render(snap, self.cfg.model_name),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        body, content_type = self.metrics.render(snap, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
-    async def completions(self, request: Request) -> Response:
-        req = P.parse_completion(await self._json(request))
-        self._check_model(req.model)
-        prompts = [self._prompt_ids(p) for p in req.prompts]
+    async def completions(self, request: Request, req: P.CompletionRequest) -> Response:
+        self.check_model(req.model)
+        prompts = [self.prompt_ids(p) for p in req.prompts()]
         return await self._generate(request, req, prompts)
 
-    async def chat_completions(self, request: Request) -> Response:
-        req = P.parse_chat(await self._json(request))
-        self._check_model(req.model)
-        return await self._generate(request, req, [self._chat_ids(req)])
+    async def chat_completions(self, request: Request, req: P.ChatCompletionRequest) -> Response:
+        self.check_model(req.model)
+        ids = self.chat_ids(req.template_messages(), True, req.chat_template_kwargs)
+        return await self._generate(request, req, [ids])
+
+    async def embeddings(self, request: Request, req: P.EmbeddingRequest) -> Response:
+        self.check_model(req.model)
+        size = self.cfg.embedding_size
+        if req.dimensions is not None and req.dimensions != size:
+            raise APIError(400, f"this model's embeddings have {size} dimensions; other sizes ('dimensions': "
+                                f"{req.dimensions}) are not supported", param="dimensions")
+        prompts = [self.prompt_ids(p, "input") for p in req.inputs()]
+        for ids in prompts:
+            self.check_length(ids, "input")
+        finished, result = await unless_disconnected(
+            request, self._embed(prompts, req.pooling, req.normalize))
+        if not finished:
+            return Response(status_code=499)
+        if isinstance(result, APIError):
+            return _api_error(result)
+        vectors = np.asarray(result, dtype=np.float32)
+        data = []
+        for i, v in enumerate(vectors):
+            if req.encoding_format == "base64":
+                value: list[float] | str = base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+            else:
+                value = v.tolist()
+            data.append(R.Embedding(index=i, embedding=value))
+        n = sum(len(ids) for ids in prompts)
+        body = R.EmbeddingList(data=data, model=self.cfg.model_name,
+                               usage=R.EmbeddingUsage(prompt_tokens=n, total_tokens=n))
+        self.metrics.prompt_tokens.inc(n)
+        return JSONResponse(body.model_dump())
+
+    async def _embed(self, prompts: list[list[int]], pooling: str, normalize: bool) -> Any:
+        try:
+            return await self.engine.embed(prompts, pooling, normalize)
+        except Exception as e:  # noqa: BLE001 - any engine failure becomes an error answer
+            return self._engine_error(e)
+
+    async def tokenize(self, req: P.TokenizeRequest) -> Response:
+        self.check_model(req.model)
+        if req.messages is not None:
+            messages = [m.for_template() for m in req.messages]
+            kwargs = req.chat_template_kwargs or {}
+            if req.add_special_tokens is None and req.add_special is None:
+                ids = self.chat_ids(messages, req.add_generation_prompt, kwargs)
+            else:
+                text = self.chat_text(messages, req.add_generation_prompt, kwargs)
+                ids = list(self.tokenizer.encode(text, add_special_tokens=req.special_tokens()))
+        else:
+            ids = list(self.tokenizer.encode(req.text or "", add_special_tokens=req.special_tokens()))
+        tokens: list[int] | list[R.TokenPiece] = ids
+        if req.with_pieces:
+            tokens = [R.TokenPiece(id=t, piece=self.tokenizer.decode([t])) for t in ids]
+        body = R.TokenizeResponse(tokens=tokens, count=len(ids), max_model_len=self.cfg.max_model_len)
+        return JSONResponse(body.model_dump())
+
+    async def detokenize(self, req: P.DetokenizeRequest) -> Response:
+        self.check_model(req.model)
+        self._check_ids(req.tokens, "tokens", "token id")
+        text = self.tokenizer.decode(req.tokens)
+        return JSONResponse(R.DetokenizeResponse(prompt=text, content=text).model_dump())
 
     # -- generation ---------------------------------------------------------------------
 
     async def _generate(self, request: Request, req: P.GenerationRequest, prompts: list[list[int]]) -> Response:
+        chat = isinstance(req, P.ChatCompletionRequest)
+        params = self.sampling_params(req)
         for ids in prompts:
-            self._check_length(ids, req)
-        bias = req.params.logit_bias or {}
+            self.check_length(ids, "messages" if chat else "prompt", params.max_tokens, req.max_tokens_param)
+        bias = params.logit_bias or {}
         bad = next((t for t in bias if t >= self.cfg.vocab_size), None)
         if bad is not None:
-            raise P.APIError(400, f"logit_bias names token {bad}, outside the vocabulary "
-                                  f"(size {self.cfg.vocab_size})", param="logit_bias")
+            raise APIError(400, f"logit_bias names token {bad}, outside the vocabulary "
+                                f"(size {self.cfg.vocab_size})", param="logit_bias")
+        if params.stop_token_ids:
+            self._check_ids(params.stop_token_ids, "stop_token_ids", "stop token id")
         total = len(prompts) * req.n
         if total > self.engine.max_queue:
-            raise P.APIError(400, f"this request asks for {total} sequences ({len(prompts)} prompts x n={req.n}); "
-                                  f"the server runs at most {self.engine.max_queue} at once", param="n")
+            raise APIError(400, f"this request asks for {total} sequences ({len(prompts)} prompts x n={req.n}); "
+                                f"the server runs at most {self.engine.max_queue} at once", param="n")
         try:
             self.engine.check_capacity(total)
         except QueueFullError as e:
-            raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         t0 = time.perf_counter()
-        rid = P.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        rid = R.new_id("chatcmpl" if chat else "cmpl")
         streams: list[RequestStream] = []
         try:
             for p, ids in enumerate(prompts):
                 for j in range(req.n):
-                    streams.append(self.engine.submit(ids, req.choice_params(j), f"{rid}-{p * req.n + j}"))
+                    streams.append(self.engine.submit(ids, _choice_params(params, j), f"{rid}-{p * req.n + j}"))
         except (QueueFullError, EngineDeadError) as e:
             for s in streams:
                 s.close()
             status = 429 if isinstance(e, QueueFullError) else 503
-            raise P.APIError(status, str(e), type="rate_limit_error" if status == 429 else "server_error",
-                             code="queue_full" if status == 429 else "engine_stopped") from None
+            raise APIError(status, str(e), type="rate_limit_error" if status == 429 else "server_error",
+                           code="queue_full" if status == 429 else "engine_stopped") from None
         prompt_lens = [len(ids) for ids in prompts for _ in range(req.n)]
-        self.metrics.prompt_tokens += sum(len(ids) for ids in prompts)
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
         outputs = self._outputs(streams, t0)
         if req.stream:
             return SSEResponse(self._events(req, rid, outputs, prompt_lens))
-        finished, result = await _unless_disconnected(request, self._collect(req, outputs, len(streams)))
+        finished, result = await unless_disconnected(request, self._collect(req, outputs, len(streams)))
         if not finished:
             return Response(status_code=499)   # nobody is listening; the requests were aborted
-        if isinstance(result, P.APIError):
+        if isinstance(result, APIError):
             return _api_error(result)
         return JSONResponse(self._final_body(req, rid, result, prompts))
 
@@ -321,7 +332,7 @@ class Server:
         m = self.metrics
         last: dict[int, float] = {}
         try:
-            async for i, out in _merge(streams):
+            async for i, out in merge(streams):
                 k = len(out.new_token_ids)
                 if k:
                     now = time.perf_counter()
@@ -331,20 +342,21 @@ class Server:
                     else:
                         m.ttft.observe(now - t0)
                     last[i] = now
-                    m.generation_tokens += k
+                    m.generation_tokens.inc(k)
                 if out.finished:
                     m.e2e.observe(time.perf_counter() - t0)
-                    m.finished[out.finish_reason or "unknown"] += 1
+                    m.count_finished(out.finish_reason)
                 yield i, out
         finally:
             for s in streams:
                 if not s.done:
-                    m.finished["abort"] += 1
+                    m.count_finished("abort")
                 s.close()
 
     async def _collect(self, req: P.GenerationRequest, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                       n: int) -> list[_Choice] | P.APIError:
-        choices = [_Choice(logprobs=[] if req.logprobs is not None else None) for _ in range(n)]
+                       n: int) -> list[_Choice] | APIError:
+        want_logprobs = P.logprob_count(req) is not None
+        choices = [_Choice(logprobs=[] if want_logprobs else None) for _ in range(n)]
         try:
             async for i, out in outputs:
                 c = choices[i]
@@ -361,41 +373,40 @@ class Server:
             await outputs.aclose()  # type: ignore[attr-defined]
         return choices
 
-    def _engine_error(self, e: BaseException) -> P.APIError:
+    def _engine_error(self, e: BaseException) -> APIError:
         if isinstance(e, RequestError):
-            return P.APIError(400, str(e))
+            return APIError(400, str(e))
         if isinstance(e, EngineDeadError):
-            return P.APIError(503, str(e), type="server_error", code="engine_stopped")
+            return APIError(503, str(e), type="server_error", code="engine_stopped")
         log.error("request failed in the engine", exc_info=e)
-        return P.APIError(500, f"the engine failed on this request: {type(e).__name__}: {e}",
-                          type="server_error", code="engine_error")
+        return APIError(500, f"the engine failed on this request: {type(e).__name__}: {e}",
+                        type="server_error", code="engine_error")
 
     def _final_body(self, req: P.GenerationRequest, rid: str, choices: list[_Choice],
                     prompts: list[list[int]]) -> dict[str, Any]:
-        out_choices = []
-        for i, c in enumerate(choices):
-            if req.kind == "chat":
-                lp = P.chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None
-                out_choices.append({"index": i, "message": {"role": "assistant", "content": c.text,
-                                                            "refusal": None, "tool_calls": []},
-                                    "logprobs": lp, "finish_reason": c.finish_reason})
-            else:
-                lp = P.completion_logprobs(c.logprobs, self.token_text, 0)[0] if c.logprobs is not None else None
-                out_choices.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         prompt_tokens = sum(len(ids) for ids in prompts)
         cached = sum(c.cached_tokens for c in choices[::req.n])   # one per prompt, as prompt_tokens
-        return {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion",
-                "created": P.now(), "model": self.cfg.model_name, "system_fingerprint": None,
-                "choices": out_choices,
-                "usage": P.usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)}
+        use = R.usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)
+        head = {"id": rid, "created": R.now(), "model": self.cfg.model_name}
+        if isinstance(req, P.ChatCompletionRequest):
+            chat = [R.ChatChoice(index=i, message=R.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                                 logprobs=R.chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None
+                                 else None)
+                    for i, c in enumerate(choices)]
+            return R.ChatCompletion(**head, choices=chat, usage=use).model_dump()
+        text = [R.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                                   logprobs=R.completion_logprobs(c.logprobs, self.token_text, 0)[0]
+                                   if c.logprobs is not None else None)
+                for i, c in enumerate(choices)]
+        return R.Completion(**head, choices=text, usage=use).model_dump()
 
     async def _events(self, req: P.GenerationRequest, rid: str,
                       outputs: AsyncIterator[tuple[int, RequestOutput]], prompt_lens: list[int]) -> AsyncIterator[str]:
         """The SSE body: OpenAI chunks, then (include_usage) a usage chunk, then [DONE]."""
-        chat = req.kind == "chat"
-        created = P.now()
+        chat = isinstance(req, P.ChatCompletionRequest)
+        want_logprobs = P.logprob_count(req) is not None
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": self.cfg.model_name, "system_fingerprint": None}
+                "created": R.now(), "model": self.cfg.model_name, "system_fingerprint": None}
         n = len(prompt_lens)
         choices = [_Choice() for _ in range(n)]
 
@@ -403,7 +414,7 @@ class Server:
             body = dict(head, choices=choice_list)
             if req.include_usage:
                 body["usage"] = None
-            return _sse(body)
+            return sse(body)
 
         try:
             if chat:   # the role comes first, before any token (and before prefill ends)
@@ -414,11 +425,11 @@ class Server:
                 c = choices[i]
                 c.num_tokens += len(out.new_token_ids)
                 lp: dict[str, Any] | None = None
-                if req.logprobs is not None and out.new_logprobs:
+                if want_logprobs and out.new_logprobs:
                     if chat:
-                        lp = P.chat_logprobs(out.new_logprobs, self.token_text)
+                        lp = R.chat_logprobs(out.new_logprobs, self.token_text)
                     else:
-                        lp, c.text_offset = P.completion_logprobs(out.new_logprobs, self.token_text, c.text_offset)
+                        lp, c.text_offset = R.completion_logprobs(out.new_logprobs, self.token_text, c.text_offset)
                 if chat:
                     if out.new_text or lp is not None:
                         yield chunk([{"index": i, "delta": {"content": out.new_text}, "logprobs": lp,
@@ -433,47 +444,21 @@ class Server:
                     c.cached_tokens = out.num_cached_tokens
             if req.include_usage:
                 prompt_tokens = sum(prompt_lens[::req.n])
-                yield _sse(dict(head, choices=[], usage=P.usage(
-                    prompt_tokens, sum(c.num_tokens for c in choices),
-                    sum(c.cached_tokens for c in choices[::req.n]))))
+                use = R.usage(prompt_tokens, sum(c.num_tokens for c in choices),
+                              sum(c.cached_tokens for c in choices[::req.n]))
+                yield sse(dict(head, choices=[], usage=use.model_dump()))
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            err = self._engine_error(e)
-            yield _sse(err.body())
+            yield sse(self._engine_error(e).body())
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleaves several request streams as their deltas arrive."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for out in s:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
+def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Params of the i-th completion of a prompt: seed + i when seeded."""
+    if params.seed is None or i == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + i)
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,16 +466,16 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 # ---------------------------------------------------------------------------------------
 
 class _Guard:
-    """Outermost ASGI layer: the API key check, the request counter, and a last net that
+    """The API key check, the body size limit, the request counter, and a last net that
     turns any escaped exception into a 500 JSON error (never a dead server)."""
 
-    def __init__(self, app: Any, server: Server) -> None:
-        self.app, self.server = app, server
+    def __init__(self, app: ASGIApp, server: Server, routes: Sequence[BaseRoute]) -> None:
+        self.app, self.server, self.routes = app, server, routes
         key = server.cfg.api_key
         self._expected = f"Bearer {key}".encode() if key else None
 
     def _authorized(self, scope: Scope) -> bool:
-        if self._expected is None or scope["path"] == "/health":
+        if self._expected is None or scope["path"] in PUBLIC_PATHS:
             return True
         for name, value in scope.get("headers", []):
             if name == b"authorization":
@@ -501,8 +486,6 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
-        route = path if path in ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
         state = {"status": 500, "started": False}
 
         async def send_status(msg: Message) -> None:
@@ -510,44 +493,92 @@ class _Guard:
                 state["status"], state["started"] = msg["status"], True
             await send(msg)
 
+        received = 0
+
+        async def receive_limited() -> Message:
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    raise HTTPException(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            return msg
+
         try:
             if not self._authorized(scope):
                 resp = _error(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key")
-                resp.headers["www-authenticate"] = "Bearer"
+                              code="invalid_api_key", headers={"www-authenticate": "Bearer"})
                 await resp(scope, receive, send_status)
+            elif _declared_length(scope) > MAX_BODY_BYTES:
+                await _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")(
+                    scope, receive, send_status)
             else:
-                await self.app(scope, receive, send_status)
+                await self.app(scope, receive_limited, send_status)
         except Exception as e:
-            log.exception("unhandled error on %s", path)
+            log.exception("unhandled error on %s", scope["path"])
             if not state["started"]:
                 await _error(500, f"internal server error: {type(e).__name__}", type="server_error")(
                     scope, receive, send_status)
         finally:
-            self.server.metrics.count_request(route, int(state["status"]))
+            self.server.metrics.count_request(self._route_label(scope), int(state["status"]))
+
+    def _route_label(self, scope: Scope) -> str:
+        """The route's path template (bounded label values), also for requests refused before
+        routing (401, 413); 'other' for paths no route serves."""
+        for route in self.routes:
+            if route.matches(scope)[0] != Match.NONE:
+                return str(getattr(route, "path", "other"))
+        return "other"
+
+
+def _declared_length(scope: Scope) -> int:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, P.APIError)
+    assert isinstance(exc, APIError)
     return _api_error(exc)
+
+
+async def _on_invalid_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return _api_error(from_validation(exc.errors()))
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-    return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind)
+    if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+        # FastAPI's answer to a body that is not UTF-8, or JSON that Python cannot hold.
+        message = "the request body could not be read as JSON (is it UTF-8, with numbers of sane size?)"
+        return _error(400, message, code="invalid_json")
+    return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind,
+                  headers=dict(exc.headers or {}))
 
 
-async def _on_unexpected(request: Request, exc: Exception) -> Response:
-    # Starlette re-raises after this answer; _Guard logs it once.
-    return _error(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": R.ErrorResponse, "description": "an OpenAI-shaped error naming the bad field"},
+    "5XX": {"model": R.ErrorResponse, "description": "the engine failed or is stopped"},
+}
 
 
-def build_app(server: Server, manage_engine: bool = True) -> Any:
+def _streamed(model: type) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "description": "the answer; with stream=true, server-sent events of chunks "
+                                                 "ending with 'data: [DONE]'",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_ERRORS}
+
+
+def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
     """The ASGI app. With manage_engine, the app's lifespan starts and stops the engine thread."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
             server.engine.start()
         try:
@@ -556,14 +587,53 @@ def build_app(server: Server, manage_engine: bool = True) -> Any:
             if manage_engine:
                 await asyncio.get_running_loop().run_in_executor(None, server.engine.shutdown)
 
-    routes = [
-        Route("/health", server.health, methods=["GET"]),
-        Route("/metrics", server.metrics_route, methods=["GET"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        P.APIError: _on_api_error, HTTPException: _on_http_error, Exception: _on_unexpected})
-    return _Guard(app, server)
+    from .. import __version__
+    app = FastAPI(title="ellm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json",
+                  description="OpenAI-compatible API of ellm. Errors are {\"error\": {message, type, param, code}}.",
+                  exception_handlers={APIError: _on_api_error, RequestValidationError: _on_invalid_request,
+                                      HTTPException: _on_http_error})
+
+    @app.get("/health", response_model=R.Health, responses={503: {"model": R.Health}})
+    async def health() -> Response:
+        return await server.health()
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **_ERRORS})
+    async def metrics(request: Request) -> Response:
+        return await server.metrics_route(request)
+
+    @app.get("/v1/models", response_model=R.ModelList, responses=_ERRORS)
+    async def models() -> Response:
+        return await server.models()
+
+    @app.get("/v1/models/{model:path}", response_model=R.ModelCard, responses=_ERRORS)
+    async def model(model: str) -> Response:
+        return await server.model(model)
+
+    @app.post("/v1/completions", responses=_streamed(R.Completion))
+    async def completions(body: P.CompletionRequest, request: Request) -> Response:
+        return await server.completions(request, body)
+
+    @app.post("/v1/chat/completions", responses=_streamed(R.ChatCompletion))
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat_completions(request, body)
+
+    @app.post("/v1/embeddings", response_model=R.EmbeddingList, responses=_ERRORS)
+    async def embeddings(body: P.EmbeddingRequest, request: Request) -> Response:
+        return await server.embeddings(request, body)
+
+    @app.post("/tokenize", response_model=R.TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: P.TokenizeRequest) -> Response:
+        return await server.tokenize(body)
+
+    @app.post("/detokenize", response_model=R.DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: P.DetokenizeRequest) -> Response:
+        return await server.detokenize(body)
+
+    app.add_middleware(_Guard, server=server, routes=app.router.routes)
+    if server.cfg.allowed_origins:   # added last: outermost, so preflights need no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.cfg.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
+    app.state.server = server
+    return app

@@ -1,14 +1,22 @@
-"""Server metrics in the Prometheus text format (version 0.0.4), without a client library.
+"""Server metrics for Prometheus, on prometheus_client.
 
-Counters and histograms are updated on the event-loop thread only, so they need no lock.
-Engine gauges (running, waiting, KV blocks) come from an EngineSnapshot taken on the
-engine thread when /metrics is read.
+Each server has its own CollectorRegistry (so two apps in one process do not share
+counts). Request counters and latency histograms are updated as requests run; the engine
+gauges (running, waiting, KV blocks) and the engine's own counters come from an
+EngineSnapshot taken on the engine thread when /metrics is read, so they agree with
+each other.
+
+The names and meanings are those of ellm's earlier hand-written exporter: every metric
+is `ellm_*`, engine metrics carry a `model` label.
 """
 from __future__ import annotations
 
-import bisect
-import math
-from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 from ..engine.async_engine import EngineSnapshot
 
@@ -17,100 +25,77 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-PREFIX = "ellm"
 
+class _EngineCollector(Collector):
+    """Reports the snapshot it was last given (Metrics.render sets it just before)."""
 
-class Histogram:
-    """Cumulative-bucket histogram: counts[i] = observations <= buckets[i]."""
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.snapshot: EngineSnapshot | None = None
 
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * len(self.buckets)
-        self.count = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        if not math.isfinite(value):
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot
+        if snap is None:
             return
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.count += 1
-        self.sum += value
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        running = 0
-        for le, c in zip(self.buckets, self.counts):
-            running += c
-            lines.append(f'{name}_bucket{{le="{le:g}"}} {running}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.sum:.6f}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+        gauges = (
+            ("num_requests_running", "Sequences in the running batch.", snap.num_running),
+            ("num_requests_waiting", "Sequences waiting to be scheduled.", snap.num_waiting),
+            ("kv_blocks_used", "KV cache blocks held by queued or running sequences.", snap.kv_blocks_used),
+            ("kv_blocks_cached", "KV cache blocks held only by the prefix cache (evictable).",
+             snap.kv_blocks_cached),
+            ("kv_blocks_total", "KV cache blocks in all pools.", snap.kv_blocks_total),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(f"ellm_{name}", doc, labels=["model"])
+            g.add_metric([self.model], value)
+            yield g
+        counters = (
+            ("prefix_cache_hits", "Prompt blocks found in the prefix cache.", snap.prefix_cache_hits),
+            ("prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", snap.prefix_cache_queries),
+            ("preemptions", "Sequences preempted for lack of KV blocks.", snap.num_preemptions),
+            ("engine_step_errors", "Engine steps that raised (their batch failed).", snap.step_errors),
+        )
+        for name, doc, value in counters:
+            c = CounterMetricFamily(f"ellm_{name}", doc, labels=["model"])
+            c.add_metric([self.model], value)
+            yield c
 
 
 class Metrics:
-    """Everything /metrics reports besides the engine snapshot."""
+    """Everything /metrics reports."""
 
-    def __init__(self) -> None:
-        self.requests: Counter[tuple[str, int]] = Counter()   # (route, HTTP status) -> count
-        self.finished: Counter[str] = Counter()                # finish reason -> sequences
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ellm_requests", "HTTP requests answered, by route and status code.",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("ellm_sequences_finished", "Generated sequences by finish reason.",
+                                ["reason"], registry=r)
+        self.prompt_tokens = Counter("ellm_prompt_tokens", "Prompt tokens of requests the server accepted.",
+                                     ["model"], registry=r).labels(model)
+        self.generation_tokens = Counter("ellm_generation_tokens", "Tokens generated for clients.",
+                                         ["model"], registry=r).labels(model)
+        self.ttft = Histogram("ellm_time_to_first_token_seconds",
+                              "Seconds from a request's arrival to its first generated token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("ellm_inter_token_latency_seconds",
+                             "Seconds between two generated tokens of one sequence.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("ellm_request_latency_seconds", "Seconds from a request's arrival to its last token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self._engine = _EngineCollector(model)
+        r.register(self._engine)
 
     def count_request(self, route: str, status: int) -> None:
-        self.requests[(route, status)] += 1
+        self.requests.labels(route, str(status)).inc()
 
-    def render(self, snap: EngineSnapshot, model_name: str) -> str:
-        p = PREFIX
-        lines: list[str] = []
+    def count_finished(self, reason: str | None) -> None:
+        self.finished.labels(reason or "unknown").inc()
 
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {p}_{name} {help_text}")
-            lines.append(f"# TYPE {p}_{name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{p}_{name}{labels} {value:g}" if isinstance(value, float)
-                             else f"{p}_{name}{labels} {value}")
-
-        model = f'model="{_escape(model_name)}"'
-        metric("requests_total", "counter", "HTTP requests answered, by route and status code.",
-               [(f'{{route="{_escape(r)}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())])
-        metric("sequences_finished_total", "counter", "Generated sequences by finish reason.",
-               [(f'{{reason="{_escape(r)}"}}', n) for r, n in sorted(self.finished.items())])
-        metric("prompt_tokens_total", "counter", "Prompt tokens of requests the server accepted.",
-               [(f"{{{model}}}", self.prompt_tokens)])
-        metric("generation_tokens_total", "counter", "Tokens generated for clients.",
-               [(f"{{{model}}}", self.generation_tokens)])
-        metric("num_requests_running", "gauge", "Sequences in the running batch.",
-               [(f"{{{model}}}", snap.num_running)])
-        metric("num_requests_waiting", "gauge", "Sequences waiting to be scheduled.",
-               [(f"{{{model}}}", snap.num_waiting)])
-        metric("kv_blocks_used", "gauge", "KV cache blocks held by queued or running sequences.",
-               [(f"{{{model}}}", snap.kv_blocks_used)])
-        metric("kv_blocks_cached", "gauge", "KV cache blocks held only by the prefix cache (evictable).",
-               [(f"{{{model}}}", snap.kv_blocks_cached)])
-        metric("kv_blocks_total", "gauge", "KV cache blocks in all pools.",
-               [(f"{{{model}}}", snap.kv_blocks_total)])
-        metric("prefix_cache_hits_total", "counter", "Prompt blocks found in the prefix cache.",
-               [(f"{{{model}}}", snap.prefix_cache_hits)])
-        metric("prefix_cache_queries_total", "counter", "Prompt blocks looked up in the prefix cache.",
-               [(f"{{{model}}}", snap.prefix_cache_queries)])
-        metric("preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
-               [(f"{{{model}}}", snap.num_preemptions)])
-        metric("engine_step_errors_total", "counter", "Engine steps that raised (their batch failed).",
-               [(f"{{{model}}}", snap.step_errors)])
-        lines += self.ttft.render(f"{p}_time_to_first_token_seconds",
-                                  "Seconds from a request's arrival to its first generated token.")
-        lines += self.itl.render(f"{p}_inter_token_latency_seconds",
-                                 "Seconds between two generated tokens of one sequence.")
-        lines += self.e2e.render(f"{p}_request_latency_seconds",
-                                 "Seconds from a request's arrival to its last token.")
-        return "\n".join(lines) + "\n"
-
-
-def _escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def render(self, snap: EngineSnapshot, accept: str | None) -> tuple[bytes, str]:
+        """-> (body, content type): the Prometheus text format, or OpenMetrics when the
+        scraper's Accept header asks for it."""
+        self._engine.snapshot = snap
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

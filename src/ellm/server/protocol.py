@@ -1,434 +1,432 @@
-"""The OpenAI wire format: request validation and response / chunk shapes.
+"""The OpenAI wire format of requests, as pydantic models (they also make /openapi.json).
 
-Requests arrive as parsed JSON (anything). parse_completion / parse_chat check every
-field the server understands for its type and range and raise APIError (an OpenAI-shaped
-error with a status code) naming the field; unknown fields are ignored, as OpenAI-style
-servers commonly do, except fields whose meaning the server cannot honour (tools, a
-non-text response_format, echo, suffix), which are refused rather than silently dropped.
+Every field the server understands is typed and bounded here, so one bad field is a 400
+naming it (see ellm.server.errors for the wording). The models are strict, as JSON is:
+a string is not a number and `true` is not 1; an integral float (16.0) is still an
+integer, as JSON Schema says. Unknown fields are ignored, as OpenAI-style servers
+commonly do, except those whose meaning the server cannot honour (tools, a non-text
+response_format, echo, suffix): their schema admits only the value that means "off", and
+anything else is refused rather than silently dropped.
 
-Nothing here imports Starlette: the shapes are plain dicts, serialised by the app.
+What the schema cannot know (the context length, the vocabulary, the served model's
+names, how many sequences the server runs at once) is checked by the app and answered
+with a 4xx of the same shape.
 """
 from __future__ import annotations
 
-import math
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, Union
 
-from ..engine.sequence import TokenLogprob
-from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, field_validator,
+                      model_validator)
+
+from ..sampling_params import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE
+from .errors import phrase, refused
 
 # Bounds that keep one request from swamping the server; over them is a 400.
 MAX_N = 64                  # completions per prompt
 MAX_PROMPTS = 64            # prompts in one /v1/completions request
+MAX_EMBED_INPUTS = 256      # inputs in one /v1/embeddings request
 MAX_STOP = 16               # stop strings
 MAX_STOP_LEN = 256          # characters per stop string
-# vLLM clamps -inf logprobs to this so that the JSON stays standard (no -Infinity).
-MIN_LOGPROB = -9999.0
-
-Prompt = str | list[int]
-
-
-class APIError(Exception):
-    """An error answered as {"error": {"message", "type", "param", "code"}} with status."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # ---------------------------------------------------------------------------------------
-# field checks
+# field types
 # ---------------------------------------------------------------------------------------
 
-_MISSING = object()
+def _integral(v: Any) -> Any:
+    # 16.0 from a loosely typed client is still 16 (JSON Schema counts it as an integer).
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-def _bad(param: str | None, message: str, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+def _int(**bounds: int) -> Any:
+    """An integer with JSON Schema bounds. (The bounds come before the validator so that
+    pydantic writes them into the schema as minimum / maximum.)"""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)] if bounds else \
+        Annotated[int, BeforeValidator(_integral)]
 
 
-def _type_name(v: Any) -> str:
-    return {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
-            list: "array", dict: "object"}.get(type(v), type(v).__name__)
+Int = _int()
+TokenId = _int(ge=0)
 
 
-def _opt_int(body: dict[str, Any], name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)   # 16.0 from a loosely typed client is still 16
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise _bad(name, f"'{name}' must be an integer, got {_type_name(v)} {v!r}")
-    return v
+def _bounded(kind: type, lo: float, hi: float, *, lo_open: bool = False) -> Any:
+    """kind in [lo, hi] (or (lo, hi]); out of range is one message that gives both ends."""
+    shown = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    text = f"must be between {lo:g} and {hi:g}" if kind is int else f"must be in {shown}"
+
+    def wrap(v: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(v)
+        except ValidationError as e:
+            if e.errors()[0]["type"] in ("greater_than", "greater_than_equal", "less_than_equal"):
+                raise phrase(f"{text}, got {v!r}") from None
+            raise
+
+    low = Field(gt=lo) if lo_open else Field(ge=lo)
+    if kind is int:
+        return Annotated[int, low, Field(le=hi), BeforeValidator(_integral), WrapValidator(wrap)]
+    return Annotated[float, low, Field(le=hi), WrapValidator(wrap)]
 
 
-def _opt_number(body: dict[str, Any], name: str) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise _bad(name, f"'{name}' must be a number, got {_type_name(v)} {v!r}")
-    if not math.isfinite(v):
-        raise _bad(name, f"'{name}' must be finite, got {v!r}")
-    return float(v)
-
-
-def _opt_bool(body: dict[str, Any], name: str) -> bool | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise _bad(name, f"'{name}' must be a boolean, got {_type_name(v)} {v!r}")
-    return v
-
-
-def _opt_str(body: dict[str, Any], name: str) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise _bad(name, f"'{name}' must be a string, got {_type_name(v)}")
-    return v
-
-
-def _stop(body: dict[str, Any]) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
+def _shape(v: Any) -> str | None:
+    """Which JSON shape a prompt-like value has (the union members below are tagged by it)."""
     if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise _bad("stop", "'stop' must be a string or an array of strings")
-    if len(v) > MAX_STOP:
-        raise _bad("stop", f"'stop' may hold at most {MAX_STOP} strings, got {len(v)}")
-    if any(s == "" for s in v):
-        raise _bad("stop", "'stop' strings must not be empty")
-    if any(len(s) > MAX_STOP_LEN for s in v):
-        raise _bad("stop", f"'stop' strings may be at most {MAX_STOP_LEN} characters long")
-    return list(v)
-
-
-def _int_list(v: Any, name: str) -> list[int] | None:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return "string"
+    if not isinstance(v, list):
         return None
-    return list(v)
+    if v and all(isinstance(x, list) for x in v):
+        return "token_arrays"
+    if v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        return "tokens"
+    return "strings"
+
+
+def _prompt_list(p: Any) -> list[str | list[int]]:
+    """A validated prompt-like value -> a list of prompts (texts or token-id lists)."""
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p[0], list):
+        return [list(x) for x in p]
+    if isinstance(p[0], int):
+        return [list(p)]
+    return list(p)
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def _prompt_union(what: str, most: int) -> Any:
+    return Annotated[
+        Union[Annotated[NonEmptyStr, Tag("string")],
+              Annotated[list[NonEmptyStr], Field(min_length=1, max_length=most), Tag("strings")],
+              Annotated[TokenIds, Tag("tokens")],
+              Annotated[list[TokenIds], Field(min_length=1, max_length=most), Tag("token_arrays")]],
+        Discriminator(_shape, custom_error_type="phrase",
+                      custom_error_message=f"must be a string, an array of strings, an array of token ids "
+                                           f"or an array of arrays of token ids ({what})")]
+
+
+Prompt = _prompt_union("none empty", MAX_PROMPTS)
+EmbeddingInput = _prompt_union("none empty", MAX_EMBED_INPUTS)
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+Stop = Annotated[
+    Union[Annotated[StopString, Tag("string")],
+          Annotated[list[StopString], Field(max_length=MAX_STOP), Tag("strings")]],
+    Discriminator(lambda v: "string" if isinstance(v, str) else "strings" if isinstance(v, list) else None,
+                  custom_error_type="phrase", custom_error_message="must be a string or an array of strings")]
+
+# logit_bias: JSON object keys are strings, so token ids arrive as decimal strings.
+LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                 _bounded(float, LOGIT_BIAS_RANGE[0], LOGIT_BIAS_RANGE[1])]
+
+
+def _off_only(value: Any, message: str, param: str, schema: dict[str, Any]) -> Any:
+    """A field whose only accepted value means "off"; anything else is refused by name."""
+    def check(v: Any) -> Any:
+        if v is not None and v != value:
+            raise refused(message, param)
+        return v
+    return Annotated[Any, BeforeValidator(check), WithJsonSchema(schema)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
 # ---------------------------------------------------------------------------------------
-# requests
+# what completions and chat share
 # ---------------------------------------------------------------------------------------
 
-@dataclass
-class GenerationRequest:
-    """What both endpoints boil down to. prompts (completions) or messages (chat) is set."""
-    kind: str                                  # "completion" | "chat"
-    model: str
-    params: SamplingParams                     # n=1; per-choice seeds are derived from it
-    n: int
-    stream: bool
-    include_usage: bool
-    max_tokens_param: str | None               # the field that set max_tokens; None: the default
-    prompts: list[Prompt] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    logprobs: int | None = None                # top logprobs per token, None: none asked
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def choice_params(self, i: int) -> SamplingParams:
-        """Params of the i-th completion of a prompt: seed + i when seeded."""
-        if self.params.seed is None or i == 0:
-            return self.params
-        import dataclasses
-        return dataclasses.replace(self.params, seed=self.params.seed + i)
+class StreamOptions(_Strict):
+    include_usage: bool = False
 
 
-def _require_object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {_type_name(body)}")
-    return body
+def _when_set(field: str, other: str, value: Any) -> dict[str, Any]:
+    """JSON Schema for "when `field` is given (not null), `other` must be `value`"."""
+    return {"if": {"properties": {field: {"not": {"type": "null"}}}, "required": [field]},
+            "then": {"properties": {other: {"const": value}}, "required": [other]}}
 
 
-def _model(body: dict[str, Any]) -> str:
-    v = body.get("model", _MISSING)
-    if v is _MISSING or v is None:
-        raise _bad("model", "you must provide a model parameter", code="missing_required_parameter")
-    if not isinstance(v, str):
-        raise _bad("model", f"'model' must be a string, got {_type_name(v)}")
-    return v
+class SamplingFields(_Strict):
+    """The fields /v1/completions and /v1/chat/completions share. None: the default
+    (the model's generation_config, else ellm's), see Server.sampling_params."""
+    model_config = ConfigDict(json_schema_extra={"allOf": [_when_set("stream_options", "stream", True)]})
+    model: str | None = Field(None, description="a served model name; omitted: the served model")
+    n: _bounded(int, 1, MAX_N) = Field(1, description="completions per prompt")  # type: ignore[valid-type]
+    best_of: Int | None = Field(None, description="accepted only when equal to n")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: _bounded(float, 0.0, 2.0) | None = None  # type: ignore[valid-type]
+    top_p: _bounded(float, 0.0, 1.0, lo_open=True) | None = None  # type: ignore[valid-type]
+    top_k: _int(ge=-1) | None = Field(None, description="0 or -1: off")
+    min_p: _bounded(float, 0.0, 1.0) | None = None  # type: ignore[valid-type]
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    frequency_penalty: _bounded(float, *PENALTY_RANGE) | None = None  # type: ignore[valid-type]
+    presence_penalty: _bounded(float, *PENALTY_RANGE) | None = None  # type: ignore[valid-type]
+    seed: Int | None = None
+    stop: Stop | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    logit_bias: LogitBias | None = Field(None, description="token id (a decimal string) -> bias in [-100, 100]")
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    user: str | None = Field(None, description="accepted and not used")
 
+    @model_validator(mode="after")
+    def _shared_checks(self) -> SamplingFields:
+        if self.best_of is not None and self.best_of != self.n:
+            raise refused("'best_of' is not supported (it may only equal n)", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise refused("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        return self
 
-def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Builds SamplingParams (n=1) from the fields both endpoints share."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        v = _opt_number(body, name)
-        if v is not None and not -2.0 <= v <= 2.0:
-            raise _bad(name, f"'{name}' must be in [-2, 2], got {v:g}")
-    temperature = _opt_number(body, "temperature")
-    if temperature is not None and not 0.0 <= temperature <= 2.0:
-        raise _bad("temperature", f"'temperature' must be in [0, 2], got {temperature:g}")
-    bias = body.get("logit_bias")
-    if bias is not None and not isinstance(bias, dict):
-        raise _bad("logit_bias", "'logit_bias' must be an object mapping token ids to biases")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and _int_list(stop_ids, "stop_token_ids") is None:
-        raise _bad("stop_token_ids", "'stop_token_ids' must be an array of integers")
-    kwargs: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": 1.0 if temperature is None else temperature,
-        "top_p": _opt_number(body, "top_p"),
-        "top_k": _opt_int(body, "top_k"),
-        "min_p": _opt_number(body, "min_p"),
-        "repetition_penalty": _opt_number(body, "repetition_penalty"),
-        "frequency_penalty": _opt_number(body, "frequency_penalty"),
-        "presence_penalty": _opt_number(body, "presence_penalty"),
-        "seed": _opt_int(body, "seed"),
-        "stop": _stop(body),
-        "stop_token_ids": stop_ids,
-        "ignore_eos": _opt_bool(body, "ignore_eos"),
-        "logit_bias": bias,
-        "logprobs": logprobs,
-        "skip_special_tokens": _opt_bool(body, "skip_special_tokens"),
-        "include_stop_str_in_output": _opt_bool(body, "include_stop_str_in_output"),
-    }
-    kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("max_tokens", "logprobs")}
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        msg = str(e)
-        name = msg.split(" ", 1)[0]   # SamplingParams' messages start with the field name
-        raise _bad(name if name in kwargs else None, msg) from None
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
-
-def _common(body: dict[str, Any], default_max_tokens: int | None, max_tokens_names: tuple[str, ...],
-            logprobs: int | None) -> tuple[SamplingParams, int, bool, bool, str | None]:
-    """-> (params, n, stream, include_usage, the max-tokens field the client set or None)."""
-    max_tokens, given = default_max_tokens, None
-    for name in max_tokens_names:   # the first one set wins (max_completion_tokens over max_tokens)
-        v = _opt_int(body, name)
-        if v is not None:
-            if v < 1:
-                raise _bad(name, f"'{name}' must be at least 1, got {v}")
-            max_tokens, given = v, name
-            break
-    n = _opt_int(body, "n")
-    n = 1 if n is None else n
-    if not 1 <= n <= MAX_N:
-        raise _bad("n", f"'n' must be between 1 and {MAX_N}, got {n}")
-    best_of = _opt_int(body, "best_of")
-    if best_of is not None and best_of != n:
-        raise _bad("best_of", "'best_of' is not supported (it may only equal n)")
-    stream = bool(_opt_bool(body, "stream"))
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise _bad("stream_options", "'stream_options' must be an object")
-        if not stream:
-            raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
-        iu = _opt_bool(opts, "include_usage")
-        include_usage = bool(iu)
-    params = _sampling(body, max_tokens, logprobs)
-    return params, n, stream, include_usage, given
-
-
-def parse_completion(body: Any) -> GenerationRequest:
-    """Validates a POST /v1/completions body."""
-    body = _require_object(body)
-    model = _model(body)
-    if "prompt" not in body or body["prompt"] is None:
-        raise _bad("prompt", "you must provide a prompt parameter", code="missing_required_parameter")
-    prompts = _prompts(body["prompt"])
-    if _opt_bool(body, "echo"):
-        raise _bad("echo", "'echo' is not supported by this server")
-    suffix = _opt_str(body, "suffix")
-    if suffix:
-        raise _bad("suffix", "'suffix' is not supported by this server")
-    logprobs = _opt_int(body, "logprobs")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise _bad("logprobs", f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
-    # OpenAI's legacy completions default to 16 tokens.
-    params, n, stream, include_usage, given = _common(body, 16, ("max_tokens",), logprobs)
-    if len(prompts) * n > MAX_PROMPTS * 4:
-        raise _bad("n", f"{len(prompts)} prompts x n={n} is more completions than one request may ask for")
-    return GenerationRequest("completion", model, params, n, stream, include_usage, given,
-                             prompts=prompts, logprobs=logprobs)
-
-
-def _prompts(v: Any) -> list[Prompt]:
-    """str | [str] | [int] | [[int]] -> a list of prompts (strings or token-id lists)."""
-    if isinstance(v, str):
-        out: list[Prompt] = [v]
-    elif isinstance(v, list) and v and all(isinstance(p, str) for p in v):
-        out = list(v)
-    elif isinstance(v, list) and v and _int_list(v, "prompt") is not None:
-        out = [list(v)]
-    elif isinstance(v, list) and v and all(isinstance(p, list) and _int_list(p, "prompt") is not None for p in v):
-        out = [list(p) for p in v]
-    else:
-        raise _bad("prompt", "'prompt' must be a string, an array of strings, an array of token ids "
-                             "or an array of arrays of token ids (none empty)")
-    if len(out) > MAX_PROMPTS:
-        raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(out)}")
-    for p in out:
-        if len(p) == 0:
-            raise _bad("prompt", "a prompt is empty")
-    return out
-
-
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def parse_chat(body: Any) -> GenerationRequest:
-    """Validates a POST /v1/chat/completions body."""
-    body = _require_object(body)
-    model = _model(body)
-    messages = body.get("messages")
-    if messages is None:
-        raise _bad("messages", "you must provide a messages parameter", code="missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "'messages' must be a non-empty array of message objects")
-    clean = [_message(m, i) for i, m in enumerate(messages)]
-    tools = body.get("tools")
-    if tools:
-        raise _bad("tools", "'tools' (function calling) is not supported by this server")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _bad("response_format", "only response_format {\"type\": \"text\"} is supported")
-    want = _opt_bool(body, "logprobs")
-    top = _opt_int(body, "top_logprobs")
-    if top is not None:
-        if not want:
-            raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
-        if not 0 <= top <= MAX_LOGPROBS:
-            raise _bad("top_logprobs", f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}, got {top}")
-    logprobs = (top or 0) if want else None
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object")
-    reserved = sorted({"chat_template", "messages", "add_generation_prompt", "tools"} & set(kwargs or {}))
-    if reserved:
-        # A client-supplied template would be arbitrary code for the Jinja sandbox to run.
-        raise _bad("chat_template_kwargs", f"'chat_template_kwargs' may not set {', '.join(reserved)}")
-    # No max_tokens: generate until EOS or the end of the context, as vLLM does.
-    params, n, stream, include_usage, given = _common(
-        body, None, ("max_completion_tokens", "max_tokens"), logprobs)
-    return GenerationRequest("chat", model, params, n, stream, include_usage, given,
-                             messages=clean, logprobs=logprobs, chat_template_kwargs=dict(kwargs or {}))
-
-
-def _message(m: Any, i: int) -> dict[str, Any]:
-    param = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise _bad(param, f"'{param}' must be an object with 'role' and 'content'")
-    role = m.get("role")
-    if role not in _ROLES:
-        raise _bad(f"{param}.role", f"'{param}.role' must be one of {', '.join(_ROLES)}, got {role!r}")
-    content = m.get("content")
-    if content is None:
-        if role != "assistant":
-            raise _bad(f"{param}.content", f"'{param}.content' is required")
-        content = ""
-    elif isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{param}.content[{j}]", "only text content parts ({\"type\": \"text\", "
-                                                    "\"text\": ...}) are supported")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    elif not isinstance(content, str):
-        raise _bad(f"{param}.content", f"'{param}.content' must be a string or an array of text parts")
-    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
-    if isinstance(m.get("name"), str):
-        out["name"] = m["name"]
-    return out
+    def sampling_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (None: left to the defaults)."""
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
+                 "skip_special_tokens", "include_stop_str_in_output")
+        out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if "logit_bias" in out:
+            out["logit_bias"] = {int(k): v for k, v in out["logit_bias"].items()}
+        if isinstance(out.get("stop"), str):
+            out["stop"] = [out["stop"]]
+        return out
 
 
 # ---------------------------------------------------------------------------------------
-# responses
+# POST /v1/completions
 # ---------------------------------------------------------------------------------------
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+class CompletionRequest(SamplingFields):
+    prompt: Prompt = Field(description="text, texts, token ids, or arrays of token ids")
+    max_tokens: _int(ge=1) | None = Field(None, description="default 16, as OpenAI's")
+    logprobs: _bounded(int, 0, MAX_LOGPROBS) | None = Field(  # type: ignore[valid-type]
+        None, description="top logprobs per generated token")
+    echo: _off_only(False, "'echo' is not supported by this server", "echo",
+                    {"type": "boolean", "enum": [False]}) = None
+    suffix: _off_only("", "'suffix' is not supported by this server", "suffix",
+                      {"type": "string", "maxLength": 0}) = None
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        return 16
+
+    @property
+    def max_tokens_param(self) -> str | None:
+        """The field that set the output length, or None for the default."""
+        return "max_tokens" if self.max_tokens is not None else None
+
+    def prompts(self) -> list[str | list[int]]:
+        return _prompt_list(self.prompt)
 
 
-def now() -> int:
-    return int(time.time())
+# ---------------------------------------------------------------------------------------
+# POST /v1/chat/completions
+# ---------------------------------------------------------------------------------------
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text(cls, v: Any) -> Any:
+        if not (isinstance(v, dict) and v.get("type") == "text" and isinstance(v.get("text"), str)):
+            raise phrase('must be a text part: only {"type": "text", "text": ...} parts are supported')
+        return v
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+Content = Annotated[
+    Union[Annotated[str, Tag("string")], Annotated[list[TextPart], Tag("parts")]],
+    Discriminator(lambda v: "string" if isinstance(v, str) else "parts" if isinstance(v, list) else None,
+                  custom_error_type="phrase", custom_error_message="must be a string or an array of text parts")]
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-def _lp(x: float) -> float:
-    return x if math.isfinite(x) else MIN_LOGPROB
+class ChatMessage(_Strict):
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+        "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
+    role: Role
+    content: Content | None = Field(None, description="required except for assistant messages")
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise phrase("needs 'content' (only an assistant message may leave it out)")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it ({"role", "content"[, "name"]})."""
+        content = self.content
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
-class TokenText:
-    """Token id -> its text and bytes, for logprobs. Cached: the same ids recur."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, bytes]] = {}
-
-    def get(self, token_id: int) -> tuple[str, bytes]:
-        hit = self._cache.get(token_id)
-        if hit is None:
-            raw = _token_bytes(self.tokenizer, token_id)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                # Part of a multi-byte character: OpenAI spells such tokens "bytes:\xNN".
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            hit = (text, raw)
-            if len(self._cache) < 1 << 17:
-                self._cache[token_id] = hit
-        return hit
+class ResponseFormat(_Strict):
+    type: Literal["text"] = Field(description="only text is supported")
 
 
-def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
-    fn = getattr(tokenizer, "token_bytes", None)
-    if callable(fn):
-        return bytes(fn(token_id))
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return text.encode("utf-8")
+_RESERVED_TEMPLATE_KWARGS = ("add_generation_prompt", "chat_template", "messages", "tools")
 
 
-def completion_logprobs(lps: list[TokenLogprob], texts: TokenText, offset: int) -> tuple[dict[str, Any], int]:
-    """The legacy completions shape for these tokens; offset = characters before them.
-    -> (logprobs object, offset after them)."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        s, _ = texts.get(lp.token_id)
-        tokens.append(s)
-        token_lps.append(_lp(lp.logprob))
-        tops.append({texts.get(t)[0]: _lp(v) for t, v in (lp.top or [])})
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_when_set("stream_options", "stream", True),
+                                                           _when_set("top_logprobs", "logprobs", True)]})
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: _int(ge=1) | None = Field(None, description="deprecated name of "
+                                                                             "max_completion_tokens")
+    max_completion_tokens: _int(ge=1) | None = Field(
+        None, description="default: until EOS or the end of the context")
+    logprobs: bool | None = None
+    top_logprobs: _bounded(int, 0, MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
+    tools: _off_only([], "'tools' (function calling) is not supported by this server", "tools",
+                     {"type": "array", "maxItems": 0}) = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="variables for the chat template (not " + ", ".join(_RESERVED_TEMPLATE_KWARGS) + ")",
+        json_schema_extra={"propertyNames": {"not": {"enum": list(_RESERVED_TEMPLATE_KWARGS)}}})
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if v is not None and not (isinstance(v, dict) and v.get("type") == "text"):
+            raise refused('only response_format {"type": "text"} is supported', "response_format")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        bad = sorted(set(_RESERVED_TEMPLATE_KWARGS) & set(v or {}))
+        if bad:
+            # A client-supplied template would be arbitrary code for the Jinja sandbox to run.
+            raise refused(f"'chat_template_kwargs' may not set {', '.join(bad)}", "chat_template_kwargs")
+        return v
+
+    @model_validator(mode="after")
+    def _logprobs_pair(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise refused("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+        return self
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        return None   # until EOS or the end of the context, as vLLM does
+
+    @property
+    def max_tokens_param(self) -> str | None:
+        if self.max_completion_tokens is not None:   # it wins over the older max_tokens
+            return "max_completion_tokens"
+        return "max_tokens" if self.max_tokens is not None else None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
 
-def chat_logprobs(lps: list[TokenLogprob], texts: TokenText) -> dict[str, Any]:
-    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
-    content = []
-    for lp in lps:
-        s, raw = texts.get(lp.token_id)
-        top = []
-        for t, v in lp.top or []:
-            ts, traw = texts.get(t)
-            top.append({"token": ts, "logprob": _lp(v), "bytes": list(traw)})
-        content.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(raw), "top_logprobs": top})
-    return {"content": content, "refusal": None}
+GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
+
+
+def output_limit(req: GenerationRequest) -> int | None:
+    """max_tokens for the engine: what the client set, else the endpoint's default."""
+    limit = req.output_limit if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    return req.default_max_tokens if limit is None else limit
+
+
+def logprob_count(req: GenerationRequest) -> int | None:
+    """Top logprobs per token to return, None for no logprobs."""
+    return req.top_logprob_count if isinstance(req, ChatCompletionRequest) else req.logprobs
+
+
+# ---------------------------------------------------------------------------------------
+# POST /v1/embeddings
+# ---------------------------------------------------------------------------------------
+
+class EmbeddingRequest(_Strict):
+    input: EmbeddingInput = Field(description="text, texts, token ids, or arrays of token ids")
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: the little-endian float32 bytes of each vector")
+    dimensions: _int(ge=1) | None = Field(
+        None, description="only the model's own embedding size is accepted")
+    pooling: Literal["mean", "last", "cls"] = Field("mean", description="ellm: how token states become one vector")
+    normalize: bool = Field(True, description="ellm: scale each vector to unit length")
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        return _prompt_list(self.input)
+
+
+# ---------------------------------------------------------------------------------------
+# POST /tokenize, POST /detokenize (vLLM's and llama.cpp's)
+# ---------------------------------------------------------------------------------------
+
+class TokenizeRequest(_Strict):
+    """Exactly one of prompt (vLLM), content (llama.cpp) or messages (a chat, rendered with
+    the model's template)."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+        {"properties": {"content": {"type": "string"}}, "required": ["content"]},
+        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = Field(None, description="llama.cpp's name for prompt")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = Field(None, description="add BOS as the model does (default true for "
+                                                              "text, false for messages)")
+    add_special: bool | None = Field(None, description="llama.cpp's name for add_special_tokens")
+    add_generation_prompt: bool = Field(True, description="messages only")
+    with_pieces: bool = Field(False, description="llama.cpp: tokens as {id, piece} objects")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, json_schema_extra={"propertyNames": {"not": {"enum": list(_RESERVED_TEMPLATE_KWARGS)}}})
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenizeRequest:
+        given = [k for k in ("prompt", "content", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            what = "none" if not given else " and ".join(given)
+            raise refused(f"give exactly one of 'prompt', 'content' or 'messages' (got {what})",
+                          given[1] if len(given) > 1 else "prompt",
+                          code=None if given else "missing_required_parameter")
+        bad = sorted(set(_RESERVED_TEMPLATE_KWARGS) & set(self.chat_template_kwargs or {}))
+        if bad:
+            raise refused(f"'chat_template_kwargs' may not set {', '.join(bad)}", "chat_template_kwargs")
+        return self
+
+    @property
+    def text(self) -> str | None:
+        return self.prompt if self.prompt is not None else self.content
+
+    def special_tokens(self) -> bool:
+        for v in (self.add_special_tokens, self.add_special):
+            if v is not None:
+                return v
+        return self.messages is None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]

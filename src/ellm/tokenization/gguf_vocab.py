@@ -233,16 +233,27 @@ def backend_from_gguf(meta: Mapping[str, Any]) -> Backend:
     types = np.asarray(types, dtype=np.int64) if types is not None else np.full(len(tokens), TOKEN_NORMAL)
     if len(types) != len(tokens):
         raise ValueError(f"{len(tokens)} tokens but {len(types)} token types")
-    arch = str(meta.get("general.architecture", ""))
     if kind == "gpt2":
         backend = _byte_level(meta, tokens)
     elif kind == "llama":
-        backend = _sentencepiece(meta, tokens, gemma=arch.startswith("gemma"))
+        style = _family_vocab_style(str(meta.get("general.architecture", "")))
+        backend = _sentencepiece(meta, tokens, gemma=style == "gemma")
     else:
         raise ValueError(f"tokenizer.ggml.model {kind!r} is not supported (gpt2 and llama are)")
     _add_marked_tokens(backend, tokens, types, byte_level=kind == "gpt2")
     _set_post_processor(backend, meta, tokens, default_bos=kind == "llama")
     return backend
+
+
+def _family_vocab_style(arch: str) -> str | None:
+    """How the architecture's family spells its SentencePiece vocabulary in GGUF files
+    (`GGUF_VOCAB_STYLE` in models/<family>.py), or None for the usual way."""
+    from ..config import ConfigError
+    from ..models import family_for_gguf
+    try:
+        return getattr(family_for_gguf(arch), "GGUF_VOCAB_STYLE", None)
+    except ConfigError:
+        return None
 
 
 def _byte_level(meta: Mapping[str, Any], tokens: list[str]) -> Backend:

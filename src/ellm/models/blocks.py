@@ -1,0 +1,272 @@
+"""The building blocks every family's forward pass is composed of.
+
+Attention (GQA; optional q/k RMSNorm per head or over the whole projection; optional
+bias; sliding window; NoPE layers through zero inverse frequencies; soft-capping; any
+scale), the gated MLP (SwiGLU or GeGLU), and a pre-/post-norm decoder layer stack with
+embedding / residual / logits multipliers. Also the weight-loading helpers and the
+llama.cpp tensor names most families share.
+
+Blocks only call the op set (`ops`); their buffers come from the model's Workspace, so a
+decode step allocates nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..ops.workspace import Workspace
+from ..weights import Linear, WeightSource
+from .batch import Batch
+
+# llama.cpp tensor names -> Hugging Face names ({i} is the layer index); a family's
+# GGUF_TENSORS come first and win.
+GGUF_COMMON_TENSORS: list[tuple[str, str]] = [
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"rope_freqs\.weight", "rope_freqs.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", "model.layers.{i}.input_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_q\.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    (r"blk\.(\d+)\.attn_k\.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    (r"blk\.(\d+)\.attn_v\.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    (r"blk\.(\d+)\.attn_output\.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    (r"blk\.(\d+)\.attn_q\.bias", "model.layers.{i}.self_attn.q_proj.bias"),
+    (r"blk\.(\d+)\.attn_k\.bias", "model.layers.{i}.self_attn.k_proj.bias"),
+    (r"blk\.(\d+)\.attn_v\.bias", "model.layers.{i}.self_attn.v_proj.bias"),
+    (r"blk\.(\d+)\.attn_output\.bias", "model.layers.{i}.self_attn.o_proj.bias"),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    (r"blk\.(\d+)\.ffn_gate\.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    (r"blk\.(\d+)\.ffn_down\.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    # the norm before the MLP (Llama's post_attention_layernorm)
+    (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
+]
+
+
+def gguf_tensor_table(overrides: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    return list(overrides) + GGUF_COMMON_TENSORS
+
+
+# -- loading ---------------------------------------------------------------------------
+
+def load_linear(weights: WeightSource, prefix: str, rows: int, cols: int) -> Linear:
+    """`prefix`.weight (rows, cols), with `prefix`.bias attached when the file has one."""
+    w = weights.linear(prefix + ".weight")
+    if (w.out_features, w.in_features) != (rows, cols):
+        raise ValueError(f"{prefix}.weight is {(w.out_features, w.in_features)}, the config says {(rows, cols)}")
+    if prefix + ".bias" in weights:
+        w = replace(w, bias=weights.vector(prefix + ".bias"))  # its shape is checked there
+    return w
+
+
+def load_norm(weights: WeightSource, name: str, size: int, plus_one: bool = False) -> np.ndarray:
+    """An RMSNorm weight (size,) f32; plus_one: the family multiplies by (1 + w) (Gemma),
+    which llama.cpp's converter has already added in GGUF files."""
+    w = weights.vector(name)
+    if w.shape != (size,):
+        raise ValueError(f"{name} has shape {w.shape}, expected ({size},)")
+    if plus_one and not weights.norm_weights_include_one:
+        w = (w + np.float32(1.0)).astype(np.float32)
+    return w
+
+
+def maybe_norm(weights: WeightSource, name: str, size: int, plus_one: bool = False) -> np.ndarray | None:
+    return load_norm(weights, name, size, plus_one) if name in weights else None
+
+
+def embedding_and_head(weights: WeightSource, config: ModelConfig) -> tuple[Linear, Linear]:
+    embed = weights.linear("model.embed_tokens.weight")
+    if (embed.out_features, embed.in_features) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"embedding is {(embed.out_features, embed.in_features)}, "
+                         f"config says {(config.vocab_size, config.hidden_size)}")
+    if "lm_head.weight" in weights and not config.tie_word_embeddings:
+        return embed, load_linear(weights, "lm_head", config.vocab_size, config.hidden_size)
+    return embed, embed
+
+
+def _add_bias(ops: Any, parts: Sequence[tuple[Linear, np.ndarray]]) -> None:
+    # Stopgap until the ops backends add Linear.bias in their epilogue (owner: ops, issue
+    # 10): a backend that does sets `linear_adds_bias = True`; then this is a no-op, and
+    # it goes away once every backend does.
+    if getattr(ops, "linear_adds_bias", False):
+        return
+    for w, out in parts:
+        if w.bias is not None:
+            out += w.bias
+
+
+# -- blocks ----------------------------------------------------------------------------
+
+@dataclass
+class Attention:
+    q: Linear                          # (nh*hd, H)
+    k: Linear                          # (nkv*hd, H)
+    v: Linear                          # (nkv*hd, H)
+    o: Linear                          # (H, nh*hd)
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    inv_freq: np.ndarray               # (hd/2,) f32; all zeros: a NoPE layer
+    scale: float                       # on q.k
+    window: int = 0                    # > 0: sliding window
+    softcap: float = 0.0               # attention-logit soft-capping (Gemma 2)
+    interleaved: bool = False          # RoPE pairs (2i, 2i+1) (permuted GGUF weights)
+    q_norm: np.ndarray | None = None   # (hd,) per head, or (nh*hd,) when qk_norm_whole
+    k_norm: np.ndarray | None = None   # (hd,) per head, or (nkv*hd,)
+    qk_norm_whole: bool = False        # OLMo 2: one norm over the whole projection
+    eps: float = 1e-6
+    rope_mscale: float = 1.0           # multiplies RoPE's cos and sin (Phi-3 LongRoPE's attention factor)
+
+    def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, batch: Batch, kv_layer: tuple,
+                 out: np.ndarray) -> np.ndarray:
+        """h (T, H) -> out (T, H); this step's k/v are written into the paged cache."""
+        t, nh, nkv, hd = len(h), self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = ws.get("q", t, nh * hd), ws.get("k", t, nkv * hd), ws.get("v", t, nkv * hd)
+        parts = [(self.q, q), (self.k, k), (self.v, v)]
+        ops.linear_multi(h, parts)
+        _add_bias(ops, parts)
+        q3, k3, v3 = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
+        if self.q_norm is not None:   # in place
+            if self.qk_norm_whole:
+                ops.rmsnorm(q, self.q_norm, self.eps, out=q)
+                ops.rmsnorm(k, self.k_norm, self.eps, out=k)
+            else:
+                ops.rmsnorm(q3, self.q_norm, self.eps, out=q3)
+                ops.rmsnorm(k3, self.k_norm, self.eps, out=k3)
+        attn = ws.get("attn", t, nh, hd)
+        k_cache, v_cache = kv_layer
+        ops.rope_attention(q3, k3, v3, batch.positions, batch.seq_ids, batch.block_tables[self.window],
+                           k_cache, v_cache, self.inv_freq, self.interleaved, self.scale,
+                           self.window, self.softcap, out=attn, rope_mscale=self.rope_mscale)                  # (T, nh, hd)
+        ops.linear(attn.reshape(t, nh * hd), self.o, out=out)
+        _add_bias(ops, [(self.o, out)])
+        return out
+
+
+@dataclass
+class MLP:
+    gate: Linear                       # (F, H)
+    up: Linear                         # (F, H)
+    down: Linear                       # (H, F)
+    act: str = "silu"                  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+
+    def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, out: np.ndarray) -> np.ndarray:
+        t, f = len(h), self.gate.out_features
+        gate, up, act = ws.get("gate", t, f), ws.get("up", t, f), ws.get("act", t, f)
+        ops.linear_multi(h, [(self.gate, gate), (self.up, up)])
+        (ops.swiglu if self.act == "silu" else ops.geglu)(gate, up, out=act)
+        return ops.linear(act, self.down, out=out)
+
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def load_mlp(weights: WeightSource, config: ModelConfig, prefix: str) -> MLP:
+    act = ACTIVATIONS.get(config.hidden_act)
+    if act is None:
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    H, F = config.hidden_size, config.intermediate_size
+    return MLP(gate=load_linear(weights, prefix + "gate_proj", F, H), up=load_linear(weights, prefix + "up_proj", F, H),
+               down=load_linear(weights, prefix + "down_proj", H, F), act=act)
+
+
+def load_attention(weights: WeightSource, config: ModelConfig, layer: int, **options: Any) -> Attention:
+    """The attention of layer `layer` under Hugging Face names; options override fields."""
+    c, p = config, f"model.layers.{layer}.self_attn."
+    nh, nkv, hd, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
+    fields: dict[str, Any] = dict(
+        q=load_linear(weights, p + "q_proj", nh * hd, H), k=load_linear(weights, p + "k_proj", nkv * hd, H),
+        v=load_linear(weights, p + "v_proj", nkv * hd, H), o=load_linear(weights, p + "o_proj", H, nh * hd),
+        n_heads=nh, n_kv_heads=nkv, head_dim=hd, inv_freq=c.inv_freq(layer), scale=c.attention_scale,
+        window=c.layer_window(layer), interleaved=c.rope_interleaved, eps=c.rms_norm_eps)
+    fields.update(options)
+    return Attention(**fields)
+
+
+@dataclass
+class DecoderLayer:
+    attn: Attention
+    mlp: MLP
+    input_norm: np.ndarray | None      # (H,) before attention; None: the residual itself goes in (OLMo 2)
+    pre_mlp_norm: np.ndarray | None    # (H,) before the MLP; None: the residual itself
+    post_attn_norm: np.ndarray | None = None  # (H,) on the attention output (Gemma 2/3, OLMo 2)
+    post_mlp_norm: np.ndarray | None = None   # (H,) on the MLP output
+    residual_multiplier: float = 1.0   # on each block's output before it is added (Granite)
+
+
+class Decoder:
+    """A decoder-only transformer: embedding, layers, final norm, head. The `Model` of
+    most families is this, built from its weights."""
+
+    def __init__(self, config: ModelConfig, ops: Any, embed: Linear, lm_head: Linear,
+                 layers: list[DecoderLayer], norm: np.ndarray, embed_scale: float = 1.0,
+                 logits_scale: float = 1.0, final_softcap: float = 0.0) -> None:
+        self.config, self.ops, self.ws = config, ops, Workspace()
+        self.embed, self.lm_head, self.layers, self.norm = embed, lm_head, layers, norm
+        self.embed_scale, self.logits_scale, self.final_softcap = embed_scale, logits_scale, final_softcap
+
+    def _add_normed(self, residual: np.ndarray, x: np.ndarray, norm: np.ndarray | None,
+                    out: np.ndarray) -> np.ndarray:
+        """residual += x; -> the input of the next block: rmsnorm(residual), or residual itself."""
+        if norm is None:
+            return self.ops.add(residual, x)
+        return self.ops.add_rmsnorm(residual, x, norm, self.config.rms_norm_eps, out=out)
+
+    def _block_out(self, x: np.ndarray, post_norm: np.ndarray | None, multiplier: float) -> None:
+        if post_norm is not None:
+            self.ops.rmsnorm(x, post_norm, self.config.rms_norm_eps, out=x)
+        if multiplier != 1.0:
+            self.ops.scale(x, multiplier)
+
+    def forward(self, batch: Batch, kv: Any, hidden_only: bool = False) -> np.ndarray:
+        """-> logits (len(batch.logits_rows), vocab) float32, or with hidden_only the final-
+        normed hidden states (len(batch.logits_rows), H); a workspace view that stays valid
+        until the next forward."""
+        c, ops, ws = self.config, self.ops, self.ws
+        t, r, H = len(batch.token_ids), len(batch.logits_rows), c.hidden_size
+        proj, h_buf = ws.get("proj", t, H), ws.get("h", t, H)
+        residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
+        if self.embed_scale != 1.0:
+            ops.scale(residual, self.embed_scale)
+        first = self.layers[0].input_norm
+        h = residual if first is None else ops.rmsnorm(residual, first, c.rms_norm_eps, out=h_buf)
+        for i, layer in enumerate(self.layers):
+            layer.attn(ops, ws, h, batch, kv.layer(i), out=proj)
+            self._block_out(proj, layer.post_attn_norm, layer.residual_multiplier)
+            h = self._add_normed(residual, proj, layer.pre_mlp_norm, h_buf)
+            layer.mlp(ops, ws, h, out=proj)
+            self._block_out(proj, layer.post_mlp_norm, layer.residual_multiplier)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h = self._add_normed(residual, proj, next_norm, h_buf)
+        if r != t:
+            h = np.take(h, batch.logits_rows, axis=0, out=ws.get("rows", r, H))
+        if hidden_only:
+            return h
+        logits = ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))
+        _add_bias(ops, [(self.lm_head, logits)])
+        if self.logits_scale != 1.0:
+            ops.scale(logits, self.logits_scale)
+        if self.final_softcap > 0:
+            ops.softcap(logits, self.final_softcap)
+        return logits
+
+
+def standard_layers(weights: WeightSource, config: ModelConfig, plus_one: bool = False,
+                    **attention_options: Any) -> list[DecoderLayer]:
+    """Pre-norm layers under the usual names (input_layernorm, post_attention_layernorm
+    before the MLP), as Llama and most of its descendants have them."""
+    H, layers = config.hidden_size, []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        layers.append(DecoderLayer(
+            attn=load_attention(weights, config, i, **attention_options),
+            mlp=load_mlp(weights, config, p + "mlp."),
+            input_norm=load_norm(weights, p + "input_layernorm.weight", H, plus_one),
+            pre_mlp_norm=load_norm(weights, p + "post_attention_layernorm.weight", H, plus_one)))
+    return layers
