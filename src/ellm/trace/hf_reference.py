@@ -62,6 +62,18 @@ class Capture:
             self.put(layer, op, _rows(inp[0]))
         self.handles.append(module.register_forward_pre_hook(hook))
 
+    def norm_hook(self, module: Any, layer: int, op: str) -> None:
+        """q_norm / k_norm: over the whole projection (1, T, n*hd), or per head on either
+        (1, T, n, hd) (normed before the transpose: Qwen 3) or (1, n, T, hd) (after it:
+        Gemma 3). A transposed input is not contiguous, which tells the two apart."""
+        def hook(_m: Any, inp: Any, out: Any) -> None:
+            if out.dim() == 4 and not inp[0].is_contiguous():
+                self.put(layer, op, _heads_rows(out))
+            else:
+                a = out.detach().float().cpu().numpy()
+                self.put(layer, op, a.reshape(a.shape[1], -1))
+        self.handles.append(module.register_forward_hook(hook))
+
     def split_hook(self, module: Any, layer: int, ops: list[tuple[str, int]]) -> None:
         """A fused projection (qkv_proj, gate_up_proj): its output split into named parts."""
         def hook(_m: Any, _inp: Any, out: Any) -> None:
@@ -94,7 +106,7 @@ class Capture:
                     self.out_hook(getattr(attn, f"{op}_proj"), i, op)
             for op in ("q_norm", "k_norm"):
                 if hasattr(attn, op):
-                    self.out_hook(getattr(attn, op), i, op, _heads_rows)
+                    self.norm_hook(getattr(attn, op), i, op)
             # (attn_output, attn_weights): eager attention returns the weights (1, nh, T, T)
             self.handles.append(attn.register_forward_hook(self._weights(i)))
             self.in_hook(attn.o_proj, i, "attn")
@@ -106,14 +118,17 @@ class Capture:
                 mlp_norm = layer.post_attention_layernorm
             self.in_hook(mlp_norm, i, "resid_attn")
             self.out_hook(mlp_norm, i, "mlp_norm")
-            if hasattr(mlp, "gate_up_proj"):
+            if not hasattr(mlp, "down_proj"):   # a sparse MoE block: only its output
+                self.out_hook(mlp, i, "down")
+            elif hasattr(mlp, "gate_up_proj"):
                 f = cfg.intermediate_size
                 self.split_hook(mlp.gate_up_proj, i, [("gate", f), ("up", f)])
             else:
                 self.out_hook(mlp.gate_proj, i, "gate")
                 self.out_hook(mlp.up_proj, i, "up")
-            self.in_hook(mlp.down_proj, i, "act")
-            self.out_hook(mlp.down_proj, i, "down")
+            if hasattr(mlp, "down_proj"):
+                self.in_hook(mlp.down_proj, i, "act")
+                self.out_hook(mlp.down_proj, i, "down")
             if hasattr(layer, "post_feedforward_layernorm"):
                 self.out_hook(layer.post_feedforward_layernorm, i, "post_mlp_norm")
             self.out_hook(layer, i, "resid_mlp")

@@ -20,13 +20,19 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 def decode_residual(model: Any, x: np.ndarray) -> np.ndarray:
-    """(N, H) residual rows -> (N, vocab) logits through the final norm and the head."""
+    """(N, H) residual rows -> (N, vocab) logits through the final norm and the head, with
+    the model's own output bias, scale and soft-cap (blocks.Decoder's tail)."""
     ops, c = model.ops, model.config
-    x = np.ascontiguousarray(x, np.float32)
-    h = ops.rmsnorm(x, model.norm, c.rms_norm_eps)
+    h = ops.rmsnorm(np.ascontiguousarray(x, np.float32), model.norm, c.rms_norm_eps)
     logits = ops.linear(h, model.lm_head)
-    cap = getattr(c, "final_logit_softcapping", None) or 0.0
-    return ops.softcap(logits, cap) if cap else logits
+    bias = getattr(model.lm_head, "bias", None)
+    if bias is not None and not getattr(ops, "linear_adds_bias", False):
+        logits += bias
+    scale = getattr(model, "logits_scale", 1.0)
+    if scale != 1.0:
+        ops.scale(logits, scale)
+    cap = getattr(model, "final_softcap", 0.0)
+    return ops.softcap(logits, cap) if cap > 0 else logits
 
 
 def logit_lens(model: Any, rec: Recording, top_k: int = 5) -> dict[str, np.ndarray]:
