@@ -57,19 +57,20 @@ def model_objects(model: Any) -> list[Any]:
 
 
 def swap_plan(model: Any, rev: str) -> list[tuple[Any, type, type]]:
-    """(object, its class now, the baseline class of the same name) for every model object."""
+    """(object, its class now, the baseline class) for every model object whose class (or a
+    base) runs code: the baseline is rev's version of the class that defines forward or
+    __call__ (e.g. blocks.Decoder for a family's Model(Decoder))."""
     modules: dict[str, ModuleType] = {}
     plan = []
     for obj in model_objects(model):
         cls = type(obj)
-        # the class that defines forward/__call__ may be a base (Model(Decoder)): swap to
-        # the baseline of the class itself when the baseline has it, else of its first base
-        for c in cls.__mro__:
-            if c.__module__.startswith("ellm.models"):
-                mod = modules.get(c.__module__) or modules.setdefault(c.__module__, baseline_module(c.__module__, rev))
-                if hasattr(mod, c.__name__):
-                    plan.append((obj, cls, getattr(mod, c.__name__)))
-                    break
+        runner = next((c for c in cls.__mro__ if c.__module__.startswith("ellm.models")
+                       and ("forward" in vars(c) or "__call__" in vars(c))), None)
+        if runner is None:
+            continue
+        mod = modules.get(runner.__module__) or modules.setdefault(
+            runner.__module__, baseline_module(runner.__module__, rev))
+        plan.append((obj, cls, getattr(mod, runner.__name__)))
     return plan
 
 
@@ -93,6 +94,10 @@ def main() -> int:
         print("this checkout's model has no recording points (model.recorder)", file=sys.stderr)
         return 2
     plan = swap_plan(llm.model, a.baseline)
+    if any("recorder" in base.forward.__code__.co_names for _, _, base in plan if hasattr(base, "forward")):
+        print(f"{a.baseline}'s models have the recording points too: pass --baseline with a revision "
+              "from before them (e.g. the merge base of this branch)", file=sys.stderr)
+        return 2
     ids = llm.encode_prompt("The history of the town begins with a mill by the river, and")
     outs = {}
     for label, idx in (("hooks", 1), ("baseline", 2)):   # same greedy tokens either way

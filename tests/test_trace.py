@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -175,6 +176,37 @@ def test_smollm2_gguf_traces_clean_with_qk_rows_aligned(smollm2_gguf: Path) -> N
     assert res.first is None, res.table()
     q = {r.layer: r for r in res.rows if r.op == "q"}
     assert q[0].cos > 0.99   # unaligned rows would give a cosine near 0
+
+
+# -- every family's recording points against transformers' hooks ----------------------
+
+TINY_SCRIPT = Path(__file__).parent / "goldens" / "tiny_models.py"
+# the families whose layers differ from Llama's in what is recorded or how transformers lays it out
+TINY = ["gemma2", "qwen2", "qwen3", "olmo2", "granite", "phi3", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    subprocess.run([ref_python(), str(TINY_SCRIPT), str(out)], check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.mark.parametrize("arch", TINY)
+def test_tiny_family_traces_clean(tiny_dir: Path, arch: str) -> None:
+    """Random tiny models: fused projections split (phi3), q/k norms before (qwen3) or after
+    (gemma2: none; olmo2: whole projection) the head transpose, biases (qwen2), multipliers
+    (granite), MoE blocks (qwen3_moe) -- every op both sides record agrees."""
+    folder = tiny_dir / arch
+    llm = ellm.load(folder, max_num_seqs=1, progress=False)
+    ids = [int(t) for t in np.load(folder / "ids.npy")][:12]
+    res = trace(llm, ids, make_reference("transformers", folder, ref_python()), model_path=folder,
+                lens_top_k=0)
+    assert res.first is None, res.table()
+    recorded = {r.op for r in res.rows}
+    assert {"q_rope", "k_rope", "attn_probs", "attn", "o_proj", "resid_attn", "down", "resid_mlp",
+            "logits"} <= recorded, recorded
+    assert not [n for n in res.notes if "did not record" in n], res.notes
 
 
 # -- ellm's reference ops as the reference, the recording itself ------------------------

@@ -133,7 +133,7 @@ class Attention:
         ops.linear_multi(h, parts)
         _add_bias(ops, parts)
         if rec is not None:   # [trace]
-            rec(layer, "attn_norm", h), rec(layer, "q", q), rec(layer, "k", k), rec(layer, "v", v)
+            rec(layer, "q", q), rec(layer, "k", k), rec(layer, "v", v)
         q3, k3, v3 = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
         if self.q_norm is not None:   # in place
             if self.qk_norm_whole:
@@ -256,13 +256,17 @@ class Decoder:
         first = self.layers[0].input_norm
         h = residual if first is None else ops.rmsnorm(residual, first, c.rms_norm_eps, out=h_buf)
         for i, layer in enumerate(self.layers):
+            if rec is not None and layer.input_norm is not None:   # [trace]
+                rec(i, "attn_norm", h)
             layer.attn(ops, ws, h, batch, kv.layer(i), out=proj, rec=rec, layer=i)
             self._block_out(proj, layer.post_attn_norm, layer.residual_multiplier)
             if rec is not None and layer.post_attn_norm is not None:   # [trace]
                 rec(i, "post_attn_norm", proj)
             h = self._add_normed(residual, proj, layer.pre_mlp_norm, h_buf)
             if rec is not None:   # [trace]
-                rec(i, "resid_attn", residual), rec(i, "mlp_norm", h)
+                rec(i, "resid_attn", residual)
+                if layer.pre_mlp_norm is not None:
+                    rec(i, "mlp_norm", h)
             layer.mlp(ops, ws, h, out=proj, rec=rec, layer=i)
             self._block_out(proj, layer.post_mlp_norm, layer.residual_multiplier)
             if rec is not None and layer.post_mlp_norm is not None:   # [trace]

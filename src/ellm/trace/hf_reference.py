@@ -93,12 +93,15 @@ class Capture:
         nh = cfg.num_attention_heads
         nkv = getattr(cfg, "num_key_value_heads", nh) or nh
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
-        self.out_hook(inner.embed_tokens, None, "embed")
+        # the residual stream entering layer 0: the embeddings with any scale or multiplier
+        # the model applies after the embedding module (Gemma's is inside it, Granite's not)
+        self.handles.append(inner.layers[0].register_forward_pre_hook(self._embed, with_kwargs=True))
         self.out_hook(inner.norm, None, "final_norm")
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             self.handles.append(attn.register_forward_pre_hook(self._enter(i)))
-            self.out_hook(layer.input_layernorm, i, "attn_norm")
+            if hasattr(layer, "input_layernorm"):   # OLMo 2 has none: the residual goes in
+                self.out_hook(layer.input_layernorm, i, "attn_norm")
             if hasattr(attn, "qkv_proj"):
                 self.split_hook(attn.qkv_proj, i, [("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)])
             else:
@@ -114,10 +117,16 @@ class Capture:
             if hasattr(layer, "pre_feedforward_layernorm"):   # Gemma 2/3: four norms a layer
                 self.out_hook(layer.post_attention_layernorm, i, "post_attn_norm")
                 mlp_norm = layer.pre_feedforward_layernorm
+            elif not hasattr(layer, "input_layernorm"):       # OLMo 2: post-norms only
+                self.out_hook(layer.post_attention_layernorm, i, "post_attn_norm")
+                mlp_norm = None
             else:
                 mlp_norm = layer.post_attention_layernorm
-            self.in_hook(mlp_norm, i, "resid_attn")
-            self.out_hook(mlp_norm, i, "mlp_norm")
+            if mlp_norm is None:
+                self.in_hook(mlp, i, "resid_attn")
+            else:
+                self.in_hook(mlp_norm, i, "resid_attn")
+                self.out_hook(mlp_norm, i, "mlp_norm")
             if not hasattr(mlp, "down_proj"):   # a sparse MoE block: only its output
                 self.out_hook(mlp, i, "down")
             elif hasattr(mlp, "gate_up_proj"):
@@ -133,6 +142,10 @@ class Capture:
                 self.out_hook(layer.post_feedforward_layernorm, i, "post_mlp_norm")
             self.out_hook(layer, i, "resid_mlp")
         self._wrap_rope(type(inner.layers[0].self_attn).__module__)
+
+    def _embed(self, _m: Any, args: Any, kwargs: Any) -> None:
+        x = args[0] if args else kwargs["hidden_states"]
+        self.put(None, "embed", _rows(x))
 
     def _enter(self, i: int) -> Callable:
         def hook(_m: Any, _inp: Any) -> None:
