@@ -100,8 +100,8 @@ def test_scaled_o_proj_is_named_by_the_cli(smollm2_hf_f32: Path, tmp_path: Path)
     assert first["rel"] == pytest.approx(0.01, rel=0.05)
     rel = {(r["layer"], r["op"]): r["rel"] for r in report["ops"]}
     assert rel[(BROKEN_LAYER, "attn")] < 1e-5          # its input is still clean
-    assert rel[(BROKEN_LAYER, "resid_attn")] > 1e-3    # and the error flows on from there
-    assert rel[(None, "logits")] > 1e-3
+    assert rel[(BROKEN_LAYER, "resid_attn")] > 1e-4    # and the error flows on from there
+    assert rel[(None, "logits")] > 1e-4
 
 
 def test_zeroed_norm_weight_is_the_first_divergence(smollm2_hf_f32: Path, smollm2_f32_ref,
@@ -125,11 +125,11 @@ class SwappedRopeOps(ReferenceOps):
         self.broken_k_cache = broken_k_cache
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
-                       inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None):
+                       inv_freq, interleaved, *args, **kwargs):
         if k_cache is self.broken_k_cache:
             interleaved = not interleaved   # pairs (2i, 2i+1) instead of (i, i + hd/2)
         return super().rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
-                                      inv_freq, interleaved, scale, window, softcap_value, out)
+                                      inv_freq, interleaved, *args, **kwargs)
 
 
 def test_swapped_rope_pairs_in_one_layer_are_named(smollm2_hf_f32: Path, smollm2_f32_ref) -> None:

@@ -103,7 +103,7 @@ class Recorder:
         if not self.attention_weights or len(rows) == 0:
             return
         last = int(pos.max())
-        lo = max(0, last - window + 1) if window > 0 else 0
+        lo = max(0, int(pos.min()) - window + 1) if window > 0 else 0   # the earliest key any row sees
         key_pos = np.arange(lo, last + 1)
         blocks = table[key_pos // bs]
         if (blocks < 0).any():   # a sliding layer's early blocks may be handed back already
