@@ -297,3 +297,44 @@ def test_bad_reference_and_positions_are_clear_errors(smollm2_gguf: Path, tmp_pa
     finally:
         if env is not None:
             os.environ["ELLM_REF_PYTHON"] = env
+
+
+# -- tracing off ------------------------------------------------------------------------
+
+
+def test_decode_allocates_nothing_with_tracing_off(smollm2_gguf: Path) -> None:
+    """With model.recorder = None a decode step allocates nothing that grows with the model
+    (numpy reports its buffers to tracemalloc); with a recorder set it copies every op."""
+    import tracemalloc
+
+    from ellm.models.batch import Batch
+    from ellm.trace import Recorder
+    llm = ellm.load(smollm2_gguf, max_num_seqs=1, progress=False)
+    model, engine = llm.model, llm.engine
+    assert model.recorder is None
+    assert engine.blocks.allocate("alloc", 8)
+    tables = {w: np.asarray([engine.blocks.table("alloc", w)], np.int32) for w in engine.kv.windows}
+    batch = Batch.single(np.array([504], np.int32), 3, tables)
+
+    def peak_of_five_steps() -> int:
+        model.forward(batch, engine.kv)          # buffers sized before measuring
+        tracemalloc.start()
+        try:
+            for _ in range(5):
+                model.forward(batch, engine.kv)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    try:
+        off = peak_of_five_steps()
+        rec = Recorder()
+        rec.start(batch)
+        model.recorder = rec
+        on = peak_of_five_steps()
+    finally:
+        model.recorder = None
+        engine.blocks.free("alloc")
+    per_layer_copy = 4 * llm.config.hidden_size * llm.config.num_hidden_layers
+    assert off < 16 * 1024 < per_layer_copy          # not even one vector per layer
+    assert on > 10 * per_layer_copy
