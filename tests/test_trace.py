@@ -338,3 +338,11 @@ def test_decode_allocates_nothing_with_tracing_off(smollm2_gguf: Path) -> None:
     per_layer_copy = 4 * llm.config.hidden_size * llm.config.num_hidden_layers
     assert off < 16 * 1024 < per_layer_copy          # not even one vector per layer
     assert on > 10 * per_layer_copy
+
+
+def test_inspect_command_defaults_to_loopback_and_checks_its_port(capsys: pytest.CaptureFixture) -> None:
+    from ellm.cli import build_parser
+    args = build_parser().parse_args(["inspect", "some-model"])
+    assert args.host == "127.0.0.1"
+    assert cli_main(["inspect", "smollm2-135m-instruct", "--port", "70000"]) == 2
+    assert "--port must be in 1..65535" in capsys.readouterr().err

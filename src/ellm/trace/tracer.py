@@ -47,7 +47,7 @@ class TraceResult:
             "band_measured": tolerances.is_measured(self.weight_class),
             "first_divergence": first,
             "ops": [r.as_json() for r in self.rows],
-            "logit_lens": {k: np.asarray(v).tolist() for k, v in self.lens.items()},
+            "logit_lens": {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in self.lens.items()},
             "attention": {str(k): v.tolist() for k, v in self.attention.items()},
             "notes": self.notes, "seconds": self.seconds,
         }
@@ -70,6 +70,9 @@ class TraceResult:
             f = self.first
             where = "model" if f.layer is None else f"layer {f.layer}"
             lines.append(f"first divergence: {where}, op {f.op} (rel {f.rel:.3e} > tol {f.tol:.1e})")
+        if self.lens:
+            tops = " | ".join(f"{i}:{layer[-1][0]!r}" for i, layer in enumerate(self.lens["tokens"]))
+            lines.append(f"logit lens, top token at position {self.positions[-1]} per layer: {tops}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -131,8 +134,10 @@ def trace(llm: Any, ids: Sequence[int], reference: Any, *, model_path: Path,
     if first is not None:
         a, b = ours[(first.layer, first.op)], theirs[(first.layer, first.op)]
         pos_err = [float(np.linalg.norm(a[i] - b[i]) / max(np.linalg.norm(b[i]), 1e-30)) for i in range(len(a))]
-    lens = logit_lens(llm.model, mine, lens_top_k) if lens_top_k else {}
     tok = llm.tokenizer
+    lens: dict[str, Any] = logit_lens(llm.model, mine, lens_top_k) if lens_top_k else {}
+    if lens:
+        lens["tokens"] = [[[tok.decode([int(i)]) for i in cell] for cell in layer] for layer in lens["ids"]]
     return TraceResult(
         model=str(model_path), reference=reference.label, ids=list(mine.ids),
         tokens=[tok.decode([t]) for t in mine.ids], positions=mine.positions.tolist(),
