@@ -192,16 +192,27 @@ def tiny_dir(tmp_path_factory) -> Path:
     return out
 
 
+def tiny_ids(folder: Path) -> list[int]:
+    return [int(t) for t in np.load(folder / "ids.npy")][:12]
+
+
+@pytest.fixture(scope="module")
+def tiny_refs(tiny_dir: Path) -> dict:
+    """transformers on every tiny family, all in one process."""
+    from ellm.trace.references import prefetch_together
+    refs = {arch: make_reference("transformers", tiny_dir / arch, ref_python()) for arch in TINY}
+    prefetch_together([(ref, [tiny_ids(tiny_dir / arch)]) for arch, ref in refs.items()])
+    return refs
+
+
 @pytest.mark.parametrize("arch", TINY)
-def test_tiny_family_traces_clean(tiny_dir: Path, arch: str) -> None:
+def test_tiny_family_traces_clean(tiny_dir: Path, tiny_refs: dict, arch: str) -> None:
     """Random tiny models: fused projections split (phi3), q/k norms before (qwen3) or after
     (gemma2: none; olmo2: whole projection) the head transpose, biases (qwen2), multipliers
     (granite), MoE blocks (qwen3_moe) -- every op both sides record agrees."""
     folder = tiny_dir / arch
     llm = ellm.load(folder, max_num_seqs=1, progress=False)
-    ids = [int(t) for t in np.load(folder / "ids.npy")][:12]
-    res = trace(llm, ids, make_reference("transformers", folder, ref_python()), model_path=folder,
-                lens_top_k=0)
+    res = trace(llm, tiny_ids(folder), tiny_refs[arch], model_path=folder, lens_top_k=0)
     assert res.first is None, res.table()
     recorded = {r.op for r in res.rows}
     assert {"q_rope", "k_rope", "attn_probs", "attn", "o_proj", "resid_attn", "down", "resid_mlp",

@@ -227,23 +227,37 @@ def _parse_ids(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="a Hugging Face folder (or the folder of --gguf-file)")
+    p.add_argument("--model", help="a Hugging Face folder (or the folder of --gguf-file)")
     p.add_argument("--gguf-file", default=None, help="a GGUF file name inside --model")
-    p.add_argument("--ids", action="append", required=True,
+    p.add_argument("--ids", action="append", default=[],
                    help="comma-separated token ids; repeat with --out for several prompts")
-    p.add_argument("--out", action="append", required=True, help="the .npz to write, one per --ids")
+    p.add_argument("--out", action="append", default=[], help="the .npz to write, one per --ids")
+    p.add_argument("--jobs", default=None, metavar="JSON",
+                   help='instead of the above: a file [{"model", "gguf_file", "ids": [...], "out"}, ...] '
+                        "(several models in one process: torch and transformers load once)")
     a = p.parse_args(argv)
-    if len(a.ids) != len(a.out):
-        print(f"error: {len(a.ids)} --ids but {len(a.out)} --out", file=sys.stderr)
-        return 2
-    prompts = [_parse_ids(t) for t in a.ids]
-    t0 = time.perf_counter()
-    model = load(a.model, a.gguf_file)
-    load_s = round(time.perf_counter() - t0, 3)
-    for ids, out in zip(prompts, a.out):
+    if a.jobs:
+        jobs = json.loads(Path(a.jobs).read_text())
+    else:
+        if not a.model:
+            p.error("--model (or --jobs) is required")
+        if len(a.ids) != len(a.out) or not a.ids:
+            p.error(f"give --ids and --out in pairs ({len(a.ids)} --ids, {len(a.out)} --out)")
+        jobs = [{"model": a.model, "gguf_file": a.gguf_file, "ids": t, "out": o} for t, o in zip(a.ids, a.out)]
+    models: dict[tuple[str, str | None], tuple[Any, float]] = {}
+    for job in jobs:
+        ids = job["ids"] if isinstance(job["ids"], list) else _parse_ids(job["ids"])
+        if not ids or not all(isinstance(t, int) for t in ids):
+            p.error(f"job for {job['model']}: ids must be a non-empty list of integers")
+        key = (job["model"], job.get("gguf_file"))
+        if key not in models:
+            models.clear()   # one model in memory at a time; jobs come grouped by model
+            t0 = time.perf_counter()
+            models[key] = (load(*key), round(time.perf_counter() - t0, 3))
+        model, load_s = models[key]
         store, meta = run(model, ids)
         meta["load_s"] = load_s
-        np.savez(Path(out), __meta__=np.array(json.dumps(meta)), **store)
+        np.savez(Path(job["out"]), __meta__=np.array(json.dumps(meta)), **store)
     return 0
 
 

@@ -59,34 +59,44 @@ class TransformersReference:
 
     def prefetch(self, prompts: Sequence[Sequence[int]]) -> None:
         """Runs several prompts in one transformers process (the model loads once)."""
-        todo = list(dict.fromkeys(tuple(int(t) for t in ids) for ids in prompts))
-        todo = [ids for ids in todo if ids not in self._runs]
-        if not todo:
-            return
-        if self.path.is_file():
-            args = ["--model", str(self.path.parent), "--gguf-file", self.path.name]
-        else:
-            args = ["--model", str(self.path)]
-        with tempfile.TemporaryDirectory(prefix="ellm-trace-") as tmp:
-            outs = [Path(tmp) / f"ref{i}.npz" for i in range(len(todo))]
-            # Run the file without putting its folder on sys.path (its neighbours, such as
-            # the inspect/ package, would shadow modules of the same name), from an empty cwd.
-            launcher = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-                        "runpy.run_path(sys.argv[0], run_name='__main__')")
-            cmd = [self.python, "-c", launcher, str(HF_SCRIPT), *args]
-            for ids, out in zip(todo, outs):
-                cmd += ["--ids", ",".join(map(str, ids)), "--out", str(out)]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, cwd=tmp)
-            except subprocess.TimeoutExpired:
-                raise ReferenceError(f"transformers did not finish within {self.timeout_s:.0f} s") from None
-            if proc.returncode != 0 or not all(o.is_file() for o in outs):
-                tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-                raise ReferenceError(f"transformers failed (exit {proc.returncode}) on {self.path}:\n{tail}")
-            for ids, out in zip(todo, outs):
-                with np.load(out, allow_pickle=False) as npz:
-                    self.meta = json.loads(str(npz["__meta__"]))
-                    self._runs[ids] = {_key(k): npz[k] for k in npz.files if k != "__meta__"}
+        prefetch_together([(self, prompts)])
+
+
+def prefetch_together(work: Sequence[tuple[TransformersReference, Sequence[Sequence[int]]]]) -> None:
+    """Several references' prompts in one transformers process (torch imports once); the
+    references must share one Python."""
+    jobs, owners = [], []
+    for ref, prompts in work:
+        for ids in dict.fromkeys(tuple(int(t) for t in p) for p in prompts):
+            if ids not in ref._runs:
+                jobs.append({"model": str(ref.path.parent if ref.path.is_file() else ref.path),
+                             "gguf_file": ref.path.name if ref.path.is_file() else None, "ids": list(ids)})
+                owners.append((ref, ids))
+    if not jobs:
+        return
+    python, timeout_s = work[0][0].python, sum(ref.timeout_s for ref, _ in work)
+    if any(ref.python != python for ref, _ in work):
+        raise ReferenceError("references run together must use the same Python")
+    with tempfile.TemporaryDirectory(prefix="ellm-trace-") as tmp:
+        for i, job in enumerate(jobs):
+            job["out"] = str(Path(tmp) / f"ref{i}.npz")
+        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
+        # Run the file without putting its folder on sys.path (its neighbours, such as the
+        # inspect/ package, would shadow modules of the same name), from an empty cwd.
+        launcher = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        cmd = [python, "-c", launcher, str(HF_SCRIPT), "--jobs", str(Path(tmp) / "jobs.json")]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
+        except subprocess.TimeoutExpired:
+            raise ReferenceError(f"transformers did not finish within {timeout_s:.0f} s") from None
+        if proc.returncode != 0 or not all(Path(j["out"]).is_file() for j in jobs):
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            names = ", ".join(sorted({str(ref.path) for ref, _ in owners}))
+            raise ReferenceError(f"transformers failed (exit {proc.returncode}) on {names}:\n{tail}")
+        for job, (ref, ids) in zip(jobs, owners):
+            with np.load(job["out"], allow_pickle=False) as npz:
+                ref.meta = json.loads(str(npz["__meta__"]))
+                ref._runs[ids] = {_key(k): npz[k] for k in npz.files if k != "__meta__"}
 
 
 def _key(name: str) -> Key:
