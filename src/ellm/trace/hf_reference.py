@@ -48,6 +48,7 @@ class Capture:
         self.handles: list[Any] = []
         self.restore: list[Callable[[], None]] = []
         self.notes: list[str] = []
+        self.tokens = 0   # T of the pass being recorded
 
     def put(self, layer: int | None, op: str, arr: np.ndarray) -> None:
         self.store[f"{'-' if layer is None else layer}.{op}"] = np.ascontiguousarray(arr, np.float32)
@@ -67,11 +68,10 @@ class Capture:
         (1, T, n, hd) (normed before the transpose: Qwen 3) or (1, n, T, hd) (after it:
         Gemma 3). A transposed input is not contiguous, which tells the two apart."""
         def hook(_m: Any, inp: Any, out: Any) -> None:
-            if out.dim() == 4 and not inp[0].is_contiguous():
-                self.put(layer, op, _heads_rows(out))
-            else:
-                a = out.detach().float().cpu().numpy()
-                self.put(layer, op, a.reshape(a.shape[1], -1))
+            a = out.detach().float().cpu().numpy()
+            heads_first = out.dim() == 4 and (a.shape[1] != self.tokens if a.shape[1] != a.shape[2]
+                                              else not inp[0].is_contiguous())
+            self.put(layer, op, _heads_rows(out) if heads_first else a.reshape(self.tokens, -1))
         self.handles.append(module.register_forward_hook(hook))
 
     def split_hook(self, module: Any, layer: int, ops: list[tuple[str, int]]) -> None:
@@ -198,6 +198,7 @@ def run(model: Any, ids: list[int]) -> tuple[dict[str, np.ndarray], dict]:
     import transformers
 
     cap = Capture(model)
+    cap.tokens = len(ids)
     cap.attach()
     t0 = time.perf_counter()
     try:
