@@ -20,6 +20,8 @@ void ellm_mass_hist_f32_avx2(const float *x, int64_t n, float mx, float scale, f
 int64_t ellm_bin_collect_f32_avx2(const float *x, int64_t n, float mx, float scale, float lo,
                                   float span, int64_t nbins, float bin_scale, int64_t bin,
                                   int32_t *idx, float *val, float *w, int64_t cap);
+int64_t ellm_mask_words_avx2(float *x, int64_t nfull, const uint32_t *bits);
+int64_t ellm_mask_words_avx512(float *x, int64_t nfull, const uint32_t *bits);
 #endif
 
 /* Shared with sample_avx2.c. */
@@ -292,4 +294,55 @@ int64_t ellm_bin_collect_f32(const float *x, int64_t n, float mx, float scale, f
         c++;
     }
     return c;
+}
+
+/* ============================================================================
+ * Grammar mask
+ * ============================================================================
+ * The SIMD variants take the whole 32-entry words (nfull of them); the last partial word
+ * and anything past the mask are done here, so every level treats the edges alike. */
+
+/* A popcount that needs no POPCNT instruction (not in the x86-64 baseline). */
+static inline int64_t count_bits(uint32_t w) {
+    w = w - ((w >> 1) & 0x55555555u);
+    w = (w & 0x33333333u) + ((w >> 2) & 0x33333333u);
+    w = (w + (w >> 4)) & 0x0F0F0F0Fu;
+    return (int64_t)((w * 0x01010101u) >> 24);
+}
+
+static int64_t mask_words_scalar(float *x, int64_t nfull, const uint32_t *bits) {
+    int64_t allowed = 0;
+    for (int64_t k = 0; k < nfull; k++) {
+        uint32_t w = bits[k];
+        allowed += count_bits(w);
+        if (w == 0xFFFFFFFFu) continue;
+        float *row = x + 32 * k;
+        for (int j = 0; j < 32; j++)
+            if (!((w >> j) & 1u)) row[j] = -INFINITY;
+    }
+    return allowed;
+}
+
+int64_t ellm_mask_apply_f32(float *x, int64_t n, const uint32_t *bits, int64_t nwords) {
+    if (n <= 0) return 0;
+    if (nwords < 0) nwords = 0;
+    int64_t covered = 32 * nwords < n ? 32 * nwords : n; /* entries the mask speaks for */
+    int64_t nfull = covered / 32;
+    int64_t allowed;
+#ifdef ELLM_HAVE_AVX2_SAMPLE
+    if (ellm_simd_level() >= ELLM_SIMD_AVX512)
+        allowed = ellm_mask_words_avx512(x, nfull, bits);
+    else if (ellm_simd_level() >= ELLM_SIMD_AVX2)
+        allowed = ellm_mask_words_avx2(x, nfull, bits);
+    else
+#endif
+        allowed = mask_words_scalar(x, nfull, bits);
+    for (int64_t i = 32 * nfull; i < covered; i++) {
+        if ((bits[i / 32] >> (i % 32)) & 1u)
+            allowed++;
+        else
+            x[i] = -INFINITY;
+    }
+    for (int64_t i = covered; i < n; i++) x[i] = -INFINITY;
+    return allowed;
 }

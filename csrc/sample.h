@@ -55,4 +55,12 @@ int64_t ellm_bin_collect_f32(const float *x, int64_t n, float mx, float scale, f
                              float span, int64_t nbins, int64_t bin, int32_t *idx, float *val,
                              float *w, int64_t cap);
 
+/* Grammar mask (constrained decoding). bits (nwords,) holds one bit per token: token i is
+ * bit i % 32 of word i / 32 (llguidance's bitmask layout). Every x[i], i < n, whose bit is
+ * 0 -- and every i >= 32 * nwords -- becomes -INFINITY; allowed entries are left as they
+ * are. Returns how many of x's n entries are allowed (0: the grammar allows nothing).
+ *   x    (n,)       the logits, written in place
+ *   bits (nwords,)  the mask; words past ceil(n / 32) are not read */
+int64_t ellm_mask_apply_f32(float *x, int64_t n, const uint32_t *bits, int64_t nwords);
+
 #endif

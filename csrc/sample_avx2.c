@@ -288,3 +288,37 @@ int64_t ellm_bin_collect_f32_avx2(const float *x, int64_t n, float mx, float sca
     }
     return c;
 }
+
+/* ============================================================================
+ * Grammar mask
+ * ============================================================================ */
+
+/* Whole 32-entry words of the mask (see ellm_mask_apply_f32): lane j of each 8-entry
+ * group tests bit j of that group's byte. All-ones words (most of a permissive mask) are
+ * skipped; all-zero words (most of a strict one) are four plain stores. */
+int64_t ellm_mask_words_avx2(float *x, int64_t nfull, const uint32_t *bits) {
+    const __m256 neg_inf = _mm256_set1_ps(-__builtin_inff());
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    int64_t allowed = 0;
+    for (int64_t k = 0; k < nfull; k++) {
+        uint32_t w = bits[k];
+        float *row = x + 32 * k;
+        if (w == 0xFFFFFFFFu) {
+            allowed += 32;
+            continue;
+        }
+        if (w == 0) {
+            for (int g = 0; g < 4; g++) _mm256_storeu_ps(row + 8 * g, neg_inf);
+            continue;
+        }
+        for (int g = 0; g < 4; g++) {
+            uint32_t byte = (w >> (8 * g)) & 0xFFu;
+            __m256i sel = _mm256_and_si256(_mm256_set1_epi32((int)byte), lane_bit);
+            __m256 keep = _mm256_castsi256_ps(_mm256_cmpeq_epi32(sel, lane_bit));
+            __m256 v = _mm256_loadu_ps(row + 8 * g);
+            _mm256_storeu_ps(row + 8 * g, _mm256_blendv_ps(neg_inf, v, keep));
+            allowed += __builtin_popcount(byte);
+        }
+    }
+    return allowed;
+}

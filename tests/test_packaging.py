@@ -82,7 +82,9 @@ def test_metadata_and_entry_point() -> None:
     reqs = [Requirement(r) for r in importlib.metadata.requires("ellm") or []]
     assert not {r.name.lower() for r in reqs} & {"torch", "transformers", "tensorflow", "jax"}, reqs
     core = {r.name.lower() for r in reqs if r.marker is None}
-    assert core == {"numpy", "tokenizers", "jinja2"}, reqs
+    # tqdm (ellm pull's progress bar), filelock (the model cache lock) and llguidance
+    # (constrained decoding) are small, torch-free and used by the core API.
+    assert core == {"numpy", "tokenizers", "jinja2", "tqdm", "filelock", "llguidance"}, reqs
     scripts = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")}
     assert scripts.get("ellm") == "ellm.cli:main"
 

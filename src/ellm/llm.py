@@ -35,6 +35,9 @@ class CompletionOutput:
     finish_reason: str | None        # "stop" | "length" | "abort"
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # chat with tools: the parsed calls (ellm.server.tools.ToolCall) and the text beside them
+    tool_calls: list[Any] | None = None
+    content: str | None = None
 
     def __str__(self) -> str:
         return self.text
@@ -185,10 +188,25 @@ class LLM:
         finally:
             s.close()
 
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
-             **kwargs: Any) -> Any:
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+             tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+             parallel_tool_calls: bool = True, **kwargs: Any) -> Any:
         """Applies the model's chat template and generates the assistant's reply: one
-        CompletionOutput, or a list of n with n > 1."""
+        CompletionOutput, or a list of n with n > 1.
+
+        tools (OpenAI function tools) and tool_choice ("none" | "auto" | "required" |
+        {"type": "function", "function": {"name": ...}}): each reply's `tool_calls` holds
+        the parsed calls and `content` the text beside them (see ellm.server.tools and
+        docs/structured-output-and-tools.md)."""
+        if tools is not None or tool_choice is not None:  # [tools]
+            from .server.tools import ToolPlan
+            plan = ToolPlan.make(self.tokenizer, tools, tool_choice, parallel_tool_calls)
+            sp = plan.sampling(self.sampling_params(params, **kwargs))
+            out = self.generate(plan.prompt_ids(self.tokenizer, messages), sp)
+            for o in out if isinstance(out, list) else [out]:
+                o.content, calls = plan.parse(o.text)
+                o.tool_calls = calls or None
+            return out
         return self.generate(self.encode_chat(messages), params, **kwargs)
 
     def chat_stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
@@ -246,7 +264,7 @@ class LLM:
     def _embed_ids(self, texts: str | Sequence[Prompt], pooling: str) -> list[list[int]]:
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-        batch = [texts] if _is_single(texts) else list(texts)
+        batch: list[Prompt] = [texts] if _is_single(texts) else list(texts)  # type: ignore[list-item]
         return [self.encode_prompt(t) for t in batch]
 
     def embed(self, texts: str | Sequence[Prompt], pooling: str = "mean", normalize: bool = True) -> np.ndarray:

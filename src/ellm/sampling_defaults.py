@@ -13,7 +13,6 @@ naming the file and the field, and the fallback stands for them.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -87,9 +86,11 @@ def _checked(values: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _build(values: dict[str, Any], source: str) -> SamplingDefaults:
-    fields = {k: (type(FALLBACK[k])(v)) for k, v in values.items()}
-    sources = tuple((k, source if k in values else "ellm") for k in FALLBACK)
-    return dataclasses.replace(SamplingDefaults(), **fields, sources=sources)
+    merged = {**FALLBACK, **values}
+    return SamplingDefaults(
+        temperature=float(merged["temperature"]), top_p=float(merged["top_p"]), top_k=int(merged["top_k"]),
+        min_p=float(merged["min_p"]), repetition_penalty=float(merged["repetition_penalty"]),
+        sources=tuple((k, source if k in values else "ellm") for k in FALLBACK))
 
 
 def from_generation_config(config: dict[str, Any], where: str = "generation_config.json") -> SamplingDefaults:

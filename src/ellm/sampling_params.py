@@ -56,6 +56,18 @@ class SamplingParams:
     n: how many completions per prompt; >= 1.
     skip_special_tokens: leave special tokens out of the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
+
+    Constrained decoding (at most one of these; see ellm.engine.structured): the output
+    always matches it, and EOS is allowed only where it may end.
+    json_schema: a JSON schema (a dict, a JSON string, or a pydantic model class, whose
+        model_json_schema() is used); normalised to a dict. {"type": "object"} is any
+        JSON object.
+    regex: a regular expression the whole output matches (Rust regex syntax: \\d and \\w
+        are Unicode-aware, as in Python's re).
+    choice: a non-empty list of strings; the output is exactly one of them.
+    grammar: a Lark or GBNF (llama.cpp) grammar; its start rule is `start` (Lark) or
+        `root` (GBNF).
+    An invalid schema, regex or grammar is a ValueError naming the field and the error.
     """
 
     max_tokens: int | None = 256
@@ -75,6 +87,10 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    json_schema: dict[str, Any] | str | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
@@ -111,6 +127,38 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not (_is_int(self.n) and self.n >= 1):
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        self._check_constraint()
+
+    # -- constrained decoding -------------------------------------------------------------
+
+    def _check_constraint(self) -> None:
+        from .engine import structured  # llguidance is needed only once a constraint is set
+
+        given = [f for f in structured.CONSTRAINT_FIELDS if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"only one constraint may be given at a time, got {' and '.join(given)}")
+        self._constraint: tuple[str, str] | None = None
+        if not given:
+            return
+        kind = given[0]
+        if kind == "json_schema":
+            self.json_schema = structured.schema_dict(self.json_schema)
+            value: Any = self.json_schema
+        elif kind == "choice":
+            c = self.choice
+            if not isinstance(c, (list, tuple)) or not c or not all(isinstance(x, str) and x for x in c):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {c!r}")
+            self.choice = value = list(c)
+        else:
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+        self._constraint = (kind, structured.compile_constraint(kind, value))
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(the field that constrains the output, its compiled llguidance grammar), or None."""
+        return self._constraint
 
     @staticmethod
     def _check_stop(stop: Any) -> list[str]:

@@ -1,8 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Thin typed shims over csrc/sample.c: top-k selection, exp-sums and inverse-CDF draws
-over one row of float32 logits. See csrc/sample.h for the exact weight definition."""
+"""Thin typed shims over csrc/sample.c: top-k selection, exp-sums, inverse-CDF draws and
+the grammar mask over one row of float32 logits. See csrc/sample.h for the exact weight
+definition and the mask layout."""
 
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint32_t
 
 
 cdef extern from "sample.h":
@@ -16,6 +17,7 @@ cdef extern from "sample.h":
     int64_t ellm_bin_collect_f32(const float *x, int64_t n, float mx, float scale, float lo,
                                  float span, int64_t nbins, int64_t bin, int32_t *idx,
                                  float *val, float *w, int64_t cap) nogil
+    int64_t ellm_mask_apply_f32(float *x, int64_t n, const uint32_t *bits, int64_t nwords) nogil
 
 
 def topk(const float[::1] x, Py_ssize_t k, int32_t[::1] idx, float[::1] val) -> int:
@@ -96,6 +98,21 @@ def bin_collect(const float[::1] x, float mx, float scale, float lo, float span,
     with nogil:
         c = ellm_bin_collect_f32(&x[0], n, mx, scale, lo, span, nbins, bin, pi, pv, pw, cap)
     return c
+
+
+def mask_apply(float[::1] x, const int32_t[::1] bits) -> int:
+    """Sets x[i] = -inf wherever bit i of bits is 0 (token i is bit i % 32 of word i // 32,
+    llguidance's int32 bitmask rows), and past the mask's end; returns how many entries of
+    x are allowed."""
+    cdef Py_ssize_t n = x.shape[0], nwords = bits.shape[0]
+    if n == 0:
+        return 0
+    cdef int32_t no_bits = 0
+    cdef const uint32_t *pb = <const uint32_t *>(&bits[0] if nwords else &no_bits)
+    cdef int64_t allowed
+    with nogil:
+        allowed = ellm_mask_apply_f32(&x[0], n, pb, nwords)
+    return allowed
 
 
 # csrc/ is one shared library: the SIMD level is process-wide and _core owns its API.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import queue
@@ -231,7 +232,7 @@ class AsyncEngine:
         self._cv = threading.Condition(threading.RLock())
         self._inbox: list[tuple[str, Any]] = []
         self._stopping = False
-        self._sinks: dict[str, _Sink] = {}                  # touched on the engine thread only
+        self._sinks: dict[str, _Sink | _ThreadSink] = {}     # touched on the engine thread only
         self._pending: set[str] = set()                    # ids submitted, not yet finished
         self._pending_lock = threading.Lock()              # callers on many threads submit
         self._ids = itertools.count()
@@ -384,15 +385,20 @@ class AsyncEngine:
         """Engine.embed on the engine thread, one forward's worth of prompts per call, so
         that decoding streams take a step between two groups. Blocks the caller."""
         groups = self._embed_groups(prompts, pooling)
-        futs = [self.call(lambda eng, g=g: eng.embed(g, pooling, normalize)) for g in groups]
-        return _stack([f.result() for f in futs], self.engine.model.config.hidden_size)
+        futs = [self.call(functools.partial(_embed_group, g, pooling, normalize)) for g in groups]
+        try:
+            return _stack([f.result() for f in futs], self.engine.model.config.hidden_size)
+        except BaseException:
+            for f in futs:   # failed or interrupted: the groups not yet started are dropped
+                f.cancel()
+            raise
 
     async def embed(self, prompts: list[list[int]], pooling: str = "mean",
                     normalize: bool = True) -> np.ndarray:
         """(len(prompts), hidden_size) float32 embeddings (see Engine.embed); the work runs
         on the engine thread between steps, one forward's worth of prompts at a time."""
         groups = self._embed_groups(prompts, pooling)
-        futs = [asyncio.wrap_future(self.call(lambda eng, g=g: eng.embed(g, pooling, normalize)))
+        futs = [asyncio.wrap_future(self.call(functools.partial(_embed_group, g, pooling, normalize)))
                 for g in groups]
         try:
             parts = await asyncio.gather(*futs)
@@ -539,7 +545,7 @@ class AsyncEngine:
             sink.put(out)
 
     @staticmethod
-    def _fix_delta(sink: _Sink, out: RequestOutput) -> None:
+    def _fix_delta(sink: _Sink | _ThreadSink, out: RequestOutput) -> None:
         """Makes the deltas agree with the totals (text, token_ids), so that a delta the
         engine did not report (seen: the last token of a request finished by length or a
         stop) still reaches the stream. A no-op when the engine's deltas add up."""
@@ -601,6 +607,10 @@ class AsyncEngine:
             prompt_tokens=eng.stats["prompt_tokens"], generation_tokens=eng.stats["generation_tokens"],
             steps=eng.stats["steps"], num_preemptions=eng.scheduler.num_preemptions,
             step_errors=self.step_errors)
+
+
+def _embed_group(prompts: list[list[int]], pooling: str, normalize: bool, engine: Engine) -> np.ndarray:
+    return engine.embed(prompts, pooling, normalize)
 
 
 def _stack(parts: list[np.ndarray], width: int) -> np.ndarray:

@@ -64,6 +64,7 @@ class Engine:
         self._ids = itertools.count()
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self._masks: Any = None  # structured.MaskFiller, made on the first constrained request
         self.loop_owner: Any = None   # the AsyncEngine whose thread steps this engine
 
     # -- requests -----------------------------------------------------------------
@@ -87,8 +88,9 @@ class Engine:
         if len(prompt_ids) >= limit:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context allows "
                                f"{limit} (prompt + output), so at most {limit - 1} prompt tokens")
+        grammar = self._grammar_state(params)  # [structured] one matcher per constrained sequence
         seq = Sequence(
-            request_id=request_id, prompt_ids=prompt_ids, params=params,
+            request_id=request_id, prompt_ids=prompt_ids, params=params, grammar=grammar,
             sampler=SequenceSampler(params, prompt_ids, vocab),
             detok=self.tokenizer.incremental(prompt_ids, skip_special_tokens=params.skip_special_tokens),
             stopper=StopStringMatcher(params.stop or [], params.include_stop_str_in_output),
@@ -131,13 +133,20 @@ class Engine:
         if not plan:
             return outputs
         batch, sampled = self._build_batch(plan)
-        logits = self.model.forward(batch, self.kv)          # (len(sampled), vocab)
+        # [structured] grammar masks are filled in a worker thread while the forward runs
+        pending = self._masks.start([s.grammar for s in sampled]) if self._masks else None
+        try:
+            logits = self.model.forward(batch, self.kv)      # (len(sampled), vocab)
+        finally:
+            masks = pending.wait() if pending else None
         self.stats["steps"] += 1
         for seq, n in plan:
             seq.num_computed += n
             if seq.num_computed >= len(seq.prompt_ids):
                 self.blocks.cache_prefix(seq.request_id, seq.prompt_ids, seq.num_computed)
-        results = sample_batch([s.sampler for s in sampled], logits)
+        if masks is not None:  # [structured]
+            sampled, logits, masks = self._drop_failed_grammars(sampled, logits, masks, outputs)
+        results = sample_batch([s.sampler for s in sampled], logits, masks)
         for seq, res in zip(sampled, results):
             self._append(seq, res)
             if seq.status is SeqStatus.FINISHED or seq.pending_ids:
@@ -181,6 +190,8 @@ class Engine:
         self.stats["generation_tokens"] += 1
         if seq.params.logprobs is not None:
             seq.pending_logprobs.append(TokenLogprob(tok, float(res.logprob), res.top_logprobs))
+        if seq.grammar is not None:  # [structured] the matcher follows every sampled token
+            seq.grammar.advance(tok)
         if tok in seq.eos_ids:
             self._emit(seq, seq.stopper.push(seq.detok.flush())[0] + seq.stopper.flush())
             self._finish(seq, "stop")
@@ -190,10 +201,56 @@ class Engine:
         self._emit(seq, text)
         if stopped:
             self._finish(seq, "stop")
+        elif seq.grammar is not None and seq.grammar.done:  # [structured] nothing can follow
+            self._emit(seq, seq.stopper.push(seq.detok.flush())[0] + seq.stopper.flush())
+            self._finish(seq, "stop")
         elif (seq.params.max_tokens is not None and len(seq.output_ids) >= seq.params.max_tokens) \
                 or seq.num_tokens >= self.cfg.max_model_len:
             self._emit(seq, seq.stopper.push(seq.detok.flush())[0] + seq.stopper.flush())
             self._finish(seq, "length")
+
+    # -- [structured] constrained decoding (ellm.engine.structured) -------------------
+
+    def prepare_constraints(self) -> None:
+        """Builds llguidance's view of the tokenizer now (any thread may call this), so the
+        first constrained request does not pay for it (seconds for a 262k vocabulary) on
+        the engine thread while other requests wait."""
+        from . import structured
+
+        structured.llg_tokenizer(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+
+    def _grammar_state(self, params: SamplingParams) -> Any:
+        """A fresh matcher for a constrained request, else None."""
+        if params.constraint is None:
+            return None
+        from . import structured  # llguidance loads only once a constraint is used
+
+        vocab = self.model.config.vocab_size
+        tok = structured.llg_tokenizer(self.tokenizer, vocab, self.eos_ids)
+        try:
+            state = structured.GrammarState(tok, params.constraint[1])
+        except ValueError as e:
+            raise RequestError(f"{params.constraint[0]}: {e}") from None
+        if self._masks is None:
+            self._masks = structured.MaskFiller(vocab)
+        return state
+
+    def _drop_failed_grammars(self, sampled: list[Sequence], logits: np.ndarray, masks: list[Any],
+                              outputs: list[RequestOutput]) -> tuple[list[Sequence], np.ndarray, list[Any]]:
+        """Finishes (reason "error") the sequences whose matcher failed (a grammar past
+        llguidance's limits) or allows no token; the rest of the batch goes on."""
+        keep = []
+        for b, seq in enumerate(sampled):
+            st = seq.grammar
+            if st is not None and (st.error is not None or not masks[b].any()):
+                seq.error = st.error or "the grammar allows no token here"
+                self._finish(seq, "error")
+                outputs.append(seq.take_output())
+            else:
+                keep.append(b)
+        if len(keep) == len(sampled):
+            return sampled, logits, masks
+        return [sampled[b] for b in keep], logits[keep], [masks[b] for b in keep]
 
     def _emit(self, seq: Sequence, text: str) -> None:
         seq.text += text

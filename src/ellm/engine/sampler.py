@@ -6,7 +6,12 @@ non-greedy token) and the token counts the penalties need.
 
 Order of operations, as in vLLM (v1):
   1. logprobs, when asked, from log_softmax of the *raw* model logits: before logit_bias,
-     penalties and temperature (vLLM's default "raw_logprobs" mode).
+     penalties and temperature (vLLM's default "raw_logprobs" mode), and before the
+     grammar mask (they say what the model itself gave each token).
+  1b. the grammar mask of a constrained request (ellm.engine.structured): every token the
+     grammar does not allow becomes -inf, in C (csrc/sample.h, ellm_mask_apply_f32), so
+     everything after it -- greedy, top-k, top-p, min-p, the draw -- sees only allowed
+     tokens.
   2. logit_bias is added.
   3. penalties: repetition (tokens of prompt + output: a positive logit is divided by it, a
      negative one multiplied), then frequency and presence (generated tokens only:
@@ -36,7 +41,9 @@ The caller's logits: logit_bias and the penalties touch only the few tokens they
 sample() writes those entries of the caller's row in place and restores their original
 values before it returns (also on error), so no full-vocabulary copy is made per token
 and the row is unchanged afterwards. A row that is read-only, not float32 or not
-contiguous is copied once instead.
+contiguous is copied once instead. The grammar mask is the exception: with a mask, the
+disallowed entries of the caller's row are left at -inf (the engine's rows are scratch;
+copying a 262144-entry row per token to spare them would cost more than the mask).
 """
 from __future__ import annotations
 
@@ -174,21 +181,26 @@ class SequenceSampler:
 
     # -- sampling ----------------------------------------------------------------------
 
-    def sample(self, logits: np.ndarray) -> SampleResult:
-        """Chooses the next token from logits (vocab,). The row is left as it was."""
-        x = self._row(logits)
+    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> SampleResult:
+        """Chooses the next token from logits (vocab,). Without a mask the row is left as
+        it was; mask: an int32 grammar bitmask row (see csrc/sample.h), after which the
+        row's disallowed entries stay -inf."""
+        x = self._row(logits, writes=mask is not None)
         saved: list[tuple[np.ndarray, np.ndarray]] = []
         try:
             top: list[tuple[int, float]] | None = None
             lse = math.nan
             if self.params.logprobs is not None:
                 lse, top = self._raw_logprobs(x)
+            if mask is not None:
+                apply_mask(x, mask)
             if self._modifies:
                 self._process(x, saved)
             tok = self._choose(x)
         finally:
             for ids, vals in reversed(saved):
                 x[ids] = vals
+        # The chosen token is allowed, so the mask left its raw logit in place.
         logprob = float(x[tok]) - lse if top is not None else math.nan
         return SampleResult(tok, logprob, top)
 
@@ -202,13 +214,13 @@ class SequenceSampler:
             self._process(x, [])
         return x
 
-    def _row(self, logits: np.ndarray) -> np.ndarray:
+    def _row(self, logits: np.ndarray, writes: bool = False) -> np.ndarray:
         if not isinstance(logits, np.ndarray):
             logits = np.asarray(logits)
         if logits.shape != (self.vocab_size,):
             raise ValueError(f"logits must have shape ({self.vocab_size},), got {logits.shape}")
         ok = logits.dtype == np.float32 and logits.flags.c_contiguous
-        if ok and (logits.flags.writeable or not self._modifies):
+        if ok and (logits.flags.writeable or not (self._modifies or writes)):
             return logits
         return np.array(logits, dtype=np.float32, order="C")
 
@@ -325,14 +337,38 @@ class SequenceSampler:
             self._bin_bufs = self._bin_buffers(min(8 * len(ids), self.vocab_size))
 
 
-def sample_batch(samplers: list[SequenceSampler], logits: np.ndarray) -> list[SampleResult]:
+class NoAllowedTokenError(ValueError):
+    """A grammar mask allowed no token of the vocabulary."""
+
+
+def apply_mask(x: np.ndarray, mask: np.ndarray) -> int:
+    """Sets the entries of x (vocab,) float32 that the int32 bitmask row forbids to -inf,
+    in C; returns how many are allowed. Raises NoAllowedTokenError when none is."""
+    if mask.dtype != np.int32 or mask.ndim != 1:
+        raise ValueError(f"a grammar mask must be a 1-D int32 array, got {mask.dtype} {mask.shape}")
+    allowed = _sample.mask_apply(x, mask)
+    if allowed == 0:
+        raise NoAllowedTokenError("the grammar allows no token here")
+    return allowed
+
+
+def sample_batch(samplers: list[SequenceSampler], logits: np.ndarray,
+                 masks: Sequence[np.ndarray | None] | None = None) -> list[SampleResult]:
     """One token per row of logits (B, vocab), row b for samplers[b]. Rows are independent:
-    each sampler draws from its own Generator. When every row is plain greedy (no
-    penalties, bias or logprobs) one batched argmax serves them all."""
+    each sampler draws from its own Generator. masks: None, or per row a grammar bitmask
+    row (int32) or None. When every row is plain greedy (no penalties, bias or logprobs)
+    one batched argmax serves them all, after the masks are applied in place."""
     logits = np.asarray(logits)
     if logits.ndim != 2 or logits.shape[0] != len(samplers):
         raise ValueError(f"logits must have shape ({len(samplers)}, vocab), got {logits.shape}")
-    if samplers and all(s._plain_greedy and s.vocab_size == logits.shape[1] for s in samplers):
+    if masks is not None and len(masks) != len(samplers):
+        raise ValueError(f"masks must have one entry per row ({len(samplers)}), got {len(masks)}")
+    plain = bool(samplers) and all(s._plain_greedy and s.vocab_size == logits.shape[1] for s in samplers)
+    in_place = logits.dtype == np.float32 and logits.flags.c_contiguous and logits.flags.writeable
+    if plain and (masks is None or in_place):
+        for b, m in enumerate(masks or ()):
+            if m is not None:
+                apply_mask(logits[b], m)
         toks = np.argmax(logits, axis=1)
         return [SampleResult(int(t), math.nan, None) for t in toks.tolist()]
-    return [s.sample(logits[b]) for b, s in enumerate(samplers)]
+    return [s.sample(logits[b], None if masks is None else masks[b]) for b, s in enumerate(samplers)]

@@ -30,10 +30,11 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None            # "stop" | "length" | "abort" | None
+    finish_reason: str | None            # "stop" | "length" | "abort" | "error" | None
     prompt_token_ids: list[int]
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
+    error: str | None = None             # why, when finish_reason is "error"
 
 
 @dataclass
@@ -55,6 +56,8 @@ class Sequence:
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: Any = None          # a structured.GrammarState when the output is constrained
+    error: str | None = None     # why the sequence finished with reason "error"
 
     @property
     def all_ids(self) -> list[int]:
@@ -72,6 +75,6 @@ class Sequence:
         out = RequestOutput(self.request_id, self.pending_text, self.pending_ids, self.text,
                             list(self.output_ids), self.status is SeqStatus.FINISHED,
                             self.finish_reason, self.prompt_ids, self.pending_logprobs,
-                            self.num_cached_tokens)
+                            self.num_cached_tokens, self.error)
         self.pending_text, self.pending_ids, self.pending_logprobs = "", [], []
         return out

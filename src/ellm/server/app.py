@@ -42,9 +42,11 @@ from ..engine.sequence import RequestOutput, TokenLogprob
 from ..sampling_params import SamplingParams
 from . import protocol as P
 from . import responses as R
+from .constraints import ConstraintError, constraint_fields
 from .errors import APIError, error_body, from_validation
 from .metrics import Metrics
 from .streaming import SSEResponse, merge, sse, unless_disconnected
+from .tools import StreamParser, ToolError, ToolPlan
 
 log = logging.getLogger("ellm.server")
 
@@ -148,9 +150,14 @@ class Server:
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
 
     def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                 template_kwargs: dict[str, Any] | None = None, plan: ToolPlan | None = None) -> list[int]:
         tok = self.tokenizer
-        text = self.chat_text(messages, add_generation_prompt, template_kwargs or {})
+        kwargs = dict(template_kwargs or {})
+        if plan is not None:  # [tools] the plan renders tools, calls and results for the template
+            messages, tools = plan.render(messages)
+            if tools:
+                kwargs["tools"] = tools
+        text = self.chat_text(messages, add_generation_prompt, kwargs)
         ids = list(tok.encode(text, add_special_tokens=False))
         # As LLM.chat: the template may or may not write BOS; a model that wants one gets one.
         bos = getattr(tok, "bos_token_id", None)
@@ -174,10 +181,15 @@ class Server:
 
     def sampling_params(self, req: P.GenerationRequest) -> SamplingParams:
         """SamplingParams (n=1; per-choice seeds are derived from it) for a request."""
+        try:  # [structured] response_format, json_schema, grammar, guided_*, structured_outputs
+            constraint = constraint_fields(req.constraint_fields())
+        except ConstraintError as e:
+            raise APIError(400, str(e), param=e.param) from None
         try:
             params = self.make_params(**req.sampling_fields())
             # Set apart: None is meaningful here (no limit, no logprobs), not "the default".
-            return dataclasses.replace(params, max_tokens=P.output_limit(req), logprobs=P.logprob_count(req))
+            return dataclasses.replace(params, max_tokens=P.output_limit(req), logprobs=P.logprob_count(req),
+                                       **constraint)
         except ValueError as e:   # the models bound every field, so this is a rare combination
             msg = str(e)
             name = msg.split(" ", 1)[0]   # SamplingParams' messages start with the field name
@@ -215,10 +227,25 @@ class Server:
         prompts = [self.prompt_ids(p) for p in req.prompts()]
         return await self._generate(request, req, prompts)
 
+    def tool_plan(self, req: P.ChatCompletionRequest) -> ToolPlan | None:
+        """[tools] The plan for a chat request with tools, tool_choice, or tool turns in its
+        history; None for a plain chat."""
+        history = any(m.tool_calls or m.role == "tool" for m in req.messages)
+        if req.tools is None and req.tool_choice is None and not history:
+            return None
+        try:
+            return ToolPlan.make(self.tokenizer, req.tools or [], req.tool_choice, req.parallel_tool_calls)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
     async def chat_completions(self, request: Request, req: P.ChatCompletionRequest) -> Response:
         self.check_model(req.model)
-        ids = self.chat_ids(req.template_messages(), True, req.chat_template_kwargs)
-        return await self._generate(request, req, [ids])
+        plan = self.tool_plan(req)
+        try:
+            ids = self.chat_ids(req.template_messages(), True, req.chat_template_kwargs, plan)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return await self._generate(request, req, [ids], plan)
 
     async def embeddings(self, request: Request, req: P.EmbeddingRequest) -> Response:
         self.check_model(req.model)
@@ -281,9 +308,15 @@ class Server:
 
     # -- generation ---------------------------------------------------------------------
 
-    async def _generate(self, request: Request, req: P.GenerationRequest, prompts: list[list[int]]) -> Response:
+    async def _generate(self, request: Request, req: P.GenerationRequest, prompts: list[list[int]],
+                        plan: ToolPlan | None = None) -> Response:
         chat = isinstance(req, P.ChatCompletionRequest)
         params = self.sampling_params(req)
+        if plan is not None:  # [tools] required / named: the call grammar
+            try:
+                params = plan.sampling(params)
+            except ToolError as e:
+                raise APIError(400, str(e), param=e.param) from None
         for ids in prompts:
             self.check_length(ids, "messages" if chat else "prompt", params.max_tokens, req.max_tokens_param)
         bias = params.logit_bias or {}
@@ -293,6 +326,8 @@ class Server:
                                 f"(size {self.cfg.vocab_size})", param="logit_bias")
         if params.stop_token_ids:
             self._check_ids(params.stop_token_ids, "stop_token_ids", "stop token id")
+        if params.constraint is not None:  # [structured] llguidance's tokenizer, off the engine thread
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.engine.prepare_constraints)
         total = len(prompts) * req.n
         if total > self.engine.max_queue:
             raise APIError(400, f"this request asks for {total} sequences ({len(prompts)} prompts x n={req.n}); "
@@ -318,13 +353,13 @@ class Server:
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
         outputs = self._outputs(streams, t0)
         if req.stream:
-            return SSEResponse(self._events(req, rid, outputs, prompt_lens))
+            return SSEResponse(self._events(req, rid, outputs, prompt_lens, plan))
         finished, result = await unless_disconnected(request, self._collect(req, outputs, len(streams)))
         if not finished:
             return Response(status_code=499)   # nobody is listening; the requests were aborted
         if isinstance(result, APIError):
             return _api_error(result)
-        return JSONResponse(self._final_body(req, rid, result, prompts))
+        return JSONResponse(self._final_body(req, rid, result, prompts, plan))
 
     async def _outputs(self, streams: list[RequestStream], t0: float) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) as they arrive from all streams; records the timing metrics;
@@ -383,16 +418,19 @@ class Server:
                         type="server_error", code="engine_error")
 
     def _final_body(self, req: P.GenerationRequest, rid: str, choices: list[_Choice],
-                    prompts: list[list[int]]) -> dict[str, Any]:
+                    prompts: list[list[int]], plan: ToolPlan | None = None) -> dict[str, Any]:
         prompt_tokens = sum(len(ids) for ids in prompts)
         cached = sum(c.cached_tokens for c in choices[::req.n])   # one per prompt, as prompt_tokens
         use = R.usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)
         head = {"id": rid, "created": R.now(), "model": self.cfg.model_name}
         if isinstance(req, P.ChatCompletionRequest):
-            chat = [R.ChatChoice(index=i, message=R.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                                 logprobs=R.chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None
-                                 else None)
-                    for i, c in enumerate(choices)]
+            chat = []
+            for i, c in enumerate(choices):
+                content, calls = plan.parse(c.text) if plan is not None else (c.text, [])  # [tools]
+                chat.append(R.ChatChoice(
+                    index=i, message=R.AssistantMessage(content=content, tool_calls=[t.to_openai() for t in calls]),
+                    finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
+                    logprobs=R.chat_logprobs(c.logprobs, self.token_text) if c.logprobs is not None else None))
             return R.ChatCompletion(**head, choices=chat, usage=use).model_dump()
         text = [R.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
                                    logprobs=R.completion_logprobs(c.logprobs, self.token_text, 0)[0]
@@ -401,7 +439,8 @@ class Server:
         return R.Completion(**head, choices=text, usage=use).model_dump()
 
     async def _events(self, req: P.GenerationRequest, rid: str,
-                      outputs: AsyncIterator[tuple[int, RequestOutput]], prompt_lens: list[int]) -> AsyncIterator[str]:
+                      outputs: AsyncIterator[tuple[int, RequestOutput]], prompt_lens: list[int],
+                      plan: ToolPlan | None = None) -> AsyncIterator[str]:
         """The SSE body: OpenAI chunks, then (include_usage) a usage chunk, then [DONE]."""
         chat = isinstance(req, P.ChatCompletionRequest)
         want_logprobs = P.logprob_count(req) is not None
@@ -409,6 +448,19 @@ class Server:
                 "created": R.now(), "model": self.cfg.model_name, "system_fingerprint": None}
         n = len(prompt_lens)
         choices = [_Choice() for _ in range(n)]
+        # [tools] per choice: its stream parser and how many calls it has sent
+        parsers = [plan.stream_parser() if plan is not None else None for _ in range(n)]
+        calls_sent = [0] * n
+
+        def deltas(i: int, events: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+            out = []
+            for kind, v in events:
+                if kind == "content":
+                    out.append({"content": v})
+                else:
+                    out.append({"tool_calls": [{"index": calls_sent[i], **v.to_openai()}]})
+                    calls_sent[i] += 1
+            return out
 
         def chunk(choice_list: list[dict[str, Any]]) -> str:
             body = dict(head, choices=choice_list)
@@ -431,12 +483,19 @@ class Server:
                     else:
                         lp, c.text_offset = R.completion_logprobs(out.new_logprobs, self.token_text, c.text_offset)
                 if chat:
-                    if out.new_text or lp is not None:
-                        yield chunk([{"index": i, "delta": {"content": out.new_text}, "logprobs": lp,
+                    parser = parsers[i]
+                    if parser is None:
+                        pieces = [{"content": out.new_text}] if out.new_text else []
+                    else:  # [tools] content and calls as the parser finds them
+                        pieces = deltas(i, parser.feed(out.new_text) + (parser.finish() if out.finished else []))
+                    if lp is not None and not pieces:
+                        pieces = [{"content": ""}]
+                    for k, delta in enumerate(pieces):
+                        yield chunk([{"index": i, "delta": delta, "logprobs": lp if k == 0 else None,
                                       "finish_reason": None}])
                     if out.finished:
-                        yield chunk([{"index": i, "delta": {}, "logprobs": None,
-                                      "finish_reason": out.finish_reason}])
+                        reason = "tool_calls" if calls_sent[i] and out.finish_reason == "stop" else out.finish_reason
+                        yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}])
                 elif out.new_text or lp is not None or out.finished:
                     yield chunk([{"index": i, "text": out.new_text, "logprobs": lp,
                                   "finish_reason": out.finish_reason if out.finished else None}])
@@ -622,6 +681,16 @@ def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
     @app.post("/v1/embeddings", response_model=R.EmbeddingList, responses=_ERRORS)
     async def embeddings(body: P.EmbeddingRequest, request: Request) -> Response:
         return await server.embeddings(request, body)
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, stateless (see ellm.server.responses_api)."""
+        from .responses_api import create_response
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body could not be read as JSON", code="invalid_json") from None
+        return await create_response(server, request, body)
 
     @app.post("/tokenize", response_model=R.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: P.TokenizeRequest) -> Response:

@@ -175,6 +175,19 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     user: str | None = Field(None, description="accepted and not used")
+    # [structured] constrained output; checked (and named when wrong) by ellm.server.constraints
+    json_schema: dict[str, Any] | None = Field(None, description="llama.cpp: a JSON schema the output follows")
+    grammar: str | None = Field(None, description="llama.cpp: a GBNF (or Lark) grammar the output follows")
+    guided_json: Any = Field(None, description="vLLM: a JSON schema (object or JSON text)")
+    guided_regex: str | None = Field(None, description="vLLM: a regular expression the output matches")
+    guided_choice: list[str] | None = Field(None, description="vLLM: the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM: a Lark or GBNF grammar")
+    guided_decoding_backend: str | None = Field(None, description="vLLM: accepted; ellm always uses llguidance")
+    guided_whitespace_pattern: str | None = Field(None, description="vLLM: not supported (a 400)")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM: {json | regex | choice | grammar | json_object}")
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}')
 
     @model_validator(mode="after")
     def _shared_checks(self) -> SamplingFields:
@@ -187,6 +200,11 @@ class SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def constraint_fields(self) -> dict[str, Any]:
+        """[structured] The structured-output fields this request sets."""
+        from .constraints import FIELDS
+        return {k: getattr(self, k) for k in FIELDS if getattr(self, k, None) is not None}
 
     def sampling_fields(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets (None: left to the defaults)."""
@@ -259,6 +277,8 @@ class ChatMessage(_Strict):
     role: Role
     content: Content | None = Field(None, description="required except for assistant messages")
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="assistant: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool: the call this message answers")
 
     @model_validator(mode="after")
     def _content_needed(self) -> ChatMessage:
@@ -276,11 +296,11 @@ class ChatMessage(_Strict):
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:   # [tools] rendered by ellm.server.tools
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text"] = Field(description="only text is supported")
 
 
 _RESERVED_TEMPLATE_KWARGS = ("add_generation_prompt", "chat_template", "messages", "tools")
@@ -296,19 +316,13 @@ class ChatCompletionRequest(SamplingFields):
         None, description="default: until EOS or the end of the context")
     logprobs: bool | None = None
     top_logprobs: _bounded(int, 0, MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
-    tools: _off_only([], "'tools' (function calling) is not supported by this server", "tools",
-                     {"type": "array", "maxItems": 0}) = None
-    response_format: ResponseFormat | None = None
+    # [tools] checked by ellm.server.tools (a bad entry is a 400 naming it)
+    tools: list[dict[str, Any]] | None = Field(None, description="function tools")
+    tool_choice: Any = Field(None, description='"none" | "auto" | "required" | {"type": "function", ...}')
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="variables for the chat template (not " + ", ".join(_RESERVED_TEMPLATE_KWARGS) + ")",
         json_schema_extra={"propertyNames": {"not": {"enum": list(_RESERVED_TEMPLATE_KWARGS)}}})
-
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        if v is not None and not (isinstance(v, dict) and v.get("type") == "text"):
-            raise refused('only response_format {"type": "text"} is supported', "response_format")
-        return v
 
     @field_validator("chat_template_kwargs")
     @classmethod

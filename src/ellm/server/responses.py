@@ -48,7 +48,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls", "error"]
 
 
 # -- /v1/completions -------------------------------------------------------------------
@@ -96,7 +96,7 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 

@@ -1,0 +1,173 @@
+"""Constrained decoding on llguidance: a grammar per request, a matcher per sequence, and
+the batch's allowed-token masks computed while the forward pass runs.
+
+Three pieces:
+  compile_constraint(kind, value)  SamplingParams' json_schema / regex / choice / grammar
+                  -> an llguidance grammar (a string), checked once; a bad schema, regex or
+                  grammar is a ValueError that names the field and llguidance's message.
+  GrammarState    one sequence's LLMatcher: advanced with every sampled token, `done` once
+                  the grammar can take nothing but EOS.
+  MaskFiller      one per engine: fills the int32 bitmask rows of a batch's constrained
+                  sequences with llguidance's parallel fill (it releases the GIL) in a
+                  worker thread, started before model.forward and joined after, so the mask
+                  work runs beside the forward pass instead of after it.
+
+The mask layout is llguidance's: token i is bit i % 32 of int32 word i // 32; the sampler
+applies it in C (csrc/sample.h, ellm_mask_apply_f32). EOS bits are set only where the
+grammar may end, so a constrained sequence ends by EOS only on a complete output.
+
+Preemption needs no rollback here: the scheduler keeps a preempted sequence's output ids
+and recomputes their K/V, so the matcher (which follows the output ids, not the cache)
+stays right (tests/test_structured.py forces preemptions and checks the outputs). A path
+that cuts output ids (speculative decoding) must call matcher.rollback(n) with them.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+# The request fields that carry a constraint, in SamplingParams order.
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
+
+# JSON is generated compactly, spaced as json.dumps spaces it: a free-whitespace JSON
+# grammar lets a small model emit newlines until max_tokens. A schema's own "x-guidance"
+# options still override these.
+_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def schema_dict(schema: Any) -> dict[str, Any]:
+    """A JSON schema as a dict, from a dict, a JSON string, or a pydantic model class (or
+    anything else with model_json_schema()); a ValueError names what is wrong."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    elif isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("json_schema must be a dict, a JSON string or a pydantic model class, "
+                         f"got {type(schema).__name__}")
+    return schema
+
+
+def compile_constraint(kind: str, value: Any) -> str:
+    """The llguidance grammar for one constraint field, validated (without a tokenizer).
+    kind is one of CONSTRAINT_FIELDS; value is already normalised by SamplingParams."""
+    try:
+        if kind == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_DEFAULTS)
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(value)
+        elif kind == "choice":
+            grammar = llguidance.grammar_from("choice", json.dumps(value))
+        elif kind == "grammar":  # Lark, or GBNF (llguidance converts it to Lark)
+            grammar = llguidance.grammar_from("grammar", value)
+        else:
+            raise ValueError(f"unknown constraint {kind!r}; known: {', '.join(CONSTRAINT_FIELDS)}")
+    except ValueError as e:
+        raise ValueError(f"{kind} is invalid: {e}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(f"{kind} is invalid: {messages[0] if messages else 'rejected by llguidance'}")
+    return grammar
+
+
+# One LLTokenizer per (ellm Tokenizer, vocab size, EOS ids): building one reads the whole
+# vocabulary (about 1 s for SmolLM2's 49k tokens, a few s for Gemma's 262k), so it is built
+# on the first constrained request and kept as long as the Tokenizer lives.
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer]] = \
+    weakref.WeakKeyDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: frozenset[int] | list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of an ellm Tokenizer. Both kinds of ellm tokenizer (a folder's
+    tokenizer.json and one rebuilt from a GGUF vocabulary) hold a Hugging Face `tokenizers`
+    backend, whose JSON llguidance reads (byte-level BPE and SentencePiece byte-fallback
+    alike). vocab_size is the model's logits width (it may exceed the tokenizer's)."""
+    key = (int(vocab_size), tuple(sorted(int(t) for t in eos_ids)))
+    with _TOKENIZERS_LOCK:
+        per = _TOKENIZERS.setdefault(tokenizer, {})
+        built = per.get(key)
+        if built is None:
+            built = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=key[0],
+                                           eos_token=list(key[1]) or None)
+            per[key] = built
+        return built
+
+
+class GrammarState:
+    """One sequence's matcher. num_tokens counts the output tokens it has consumed."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"the constraint cannot be used with this tokenizer: {self.matcher.get_error()}")
+        self.num_tokens = 0
+
+    def advance(self, token_id: int) -> bool:
+        """Consumes a sampled token; False when the matcher refused it (it is then in error)."""
+        ok = self.matcher.consume_token(int(token_id))
+        if ok:
+            self.num_tokens += 1
+        return ok
+
+    @property
+    def done(self) -> bool:
+        """The grammar can take no more tokens (EOS aside): the output is complete."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+class PendingMasks:
+    """Masks being filled in the worker thread; wait() joins it."""
+
+    def __init__(self, future: Future[None], rows: list[np.ndarray | None]) -> None:
+        self._future, self._rows = future, rows
+
+    def wait(self) -> list[np.ndarray | None]:
+        """Per batch row: its int32 mask row, or None for an unconstrained sequence."""
+        self._future.result()
+        return self._rows
+
+
+class MaskFiller:
+    """Fills a batch's grammar masks beside the forward pass (see the module docstring)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.words = (int(vocab_size) + 31) // 32
+        self._buf = np.empty((0, self.words), np.int32)
+        self._pool: ThreadPoolExecutor | None = None
+        self._executor: llguidance.LLExecutor | None = None
+
+    def start(self, states: list[GrammarState | None]) -> PendingMasks | None:
+        """Starts filling the masks of the constrained rows; None when there are none (the
+        unconstrained path pays nothing)."""
+        todo = [(st.matcher, i) for i, st in enumerate(states) if st is not None]
+        if not todo:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ellm-grammar-masks")
+            self._executor = llguidance.LLExecutor()
+        if len(self._buf) < len(states):  # grows by doubling, kept across steps
+            self._buf = np.empty((max(len(states), 2 * len(self._buf)), self.words), np.int32)
+        buf = self._buf[:len(states)]
+        rows: list[np.ndarray | None] = [buf[i] if st is not None else None for i, st in enumerate(states)]
+        future = self._pool.submit(llg_numpy.fill_next_token_bitmask_par, self._executor, todo, buf)
+        return PendingMasks(future, rows)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

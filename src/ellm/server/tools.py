@@ -1,0 +1,585 @@
+"""Tool (function) calling for any model: the tools into the prompt, tool_choice into a
+constraint, the model's text back into calls. Pure functions; the server and LLM.chat
+use them through ToolPlan.
+
+Formats. A model writes calls in the format its chat template taught it:
+  hermes   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` per call
+           (Qwen 2.5/3, SmolLM3, Hermes); templates that mention `<tool_call>`.
+  llama3   a bare JSON object `{"name": ..., "parameters": {...}}`, optionally after
+           `<|python_tag|>`; several are separated by `;` (Llama 3.1-3.3).
+  mistral  `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} objects, or (newer
+           tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call.
+  generic  for a template that takes no tools (SmolLM2, Gemma): ellm describes the
+           tools in a system message of its own and asks for hermes-style blocks (the
+           format most open models have seen); see docs/tools.md.
+A template that uses the `tools` variable gets the tools itself; otherwise the generic
+system message is added. Assistant messages with tool_calls and "tool" messages are
+given to a tools-aware template as they are (arguments as a dict, as Hugging Face
+templates expect) and written out in the generic format otherwise.
+
+tool_choice: "none" (tools are not shown and nothing is parsed), "auto" (the output is
+parsed for calls in the model's format), "required" or a named function (the output is
+constrained by a Lark grammar whose calls embed each function's parameter schema, so it
+always parses and its arguments always validate).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMATS = ("hermes", "llama3", "mistral", "generic")
+# How many calls a required turn may hold when parallel calls are allowed: at most this,
+# and at most one per function offered (small models otherwise repeat a call until
+# max_tokens; one turn rarely needs the same function twice).
+MAX_PARALLEL_CALLS = 4
+# JSON inside the call grammars is written compactly (see engine/structured.py).
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class ToolError(ValueError):
+    """A bad tools / tool_choice / messages field; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str                 # JSON text, as OpenAI returns it
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+# ---------------------------------------------------------------- request fields
+
+def parse_tools(tools: Any) -> list[Function]:
+    """OpenAI `tools` ([{"type": "function", "function": {name, description, parameters}}])
+    -> Functions. The Responses API's flat form ({"type": "function", "name": ...}) is
+    accepted too. A ToolError names the bad entry."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise ToolError("tools", "tools must be a list of {\"type\": \"function\", \"function\": {...}}")
+    out: list[Function] = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise ToolError(where, f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}; "
+                                   f"only function tools are supported")
+        fn = t.get("function", t if "name" in t else None)
+        if not isinstance(fn, dict):
+            raise ToolError(where, f"{where}.function must be an object with a name")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolError(f"{where}.function.name", f"{where}.function.name must be 1-64 letters, digits, "
+                                                      f"'_', '-' or '.', got {name!r}")
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise ToolError(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema object")
+        desc = fn.get("description") or ""
+        if not isinstance(desc, str):
+            raise ToolError(f"{where}.function.description", f"{where}.function.description must be a string")
+        if any(f.name == name for f in out):
+            raise ToolError(where, f"{where}: function {name!r} is defined twice")
+        out.append(Function(name, desc, params))
+    return out
+
+
+def parse_tool_choice(choice: Any, functions: list[Function]) -> tuple[str, str | None]:
+    """-> (mode, function name) with mode "none" | "auto" | "required" | "named"."""
+    if choice is None:
+        return ("auto" if functions else "none"), None
+    if choice in ("none", "auto", "required"):
+        if choice != "none" and not functions:
+            raise ToolError("tool_choice", f"tool_choice {choice!r} needs tools")
+        return choice, None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function", choice)
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not any(f.name == name for f in functions):
+            raise ToolError("tool_choice", f"tool_choice names function {name!r}, which is not in tools "
+                                           f"({', '.join(f.name for f in functions) or 'none given'})")
+        return "named", name
+    raise ToolError("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                                   '{"type": "function", "function": {"name": ...}}')
+
+
+# ---------------------------------------------------------------- templates
+
+def template_takes_tools(template: str | None) -> bool:
+    """True when a chat template reads the `tools` variable."""
+    return bool(template) and re.search(r"\btools\b", template) is not None
+
+
+def detect_format(template: str | None) -> str:
+    """The call format a chat template teaches (see the module docstring)."""
+    if not template_takes_tools(template):
+        return "generic"
+    assert template is not None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "<|start_header_id|>" in template:
+        return "llama3"
+    return "generic"
+
+
+GENERIC_INSTRUCTIONS = """\
+You can call functions. These are available, described as JSON schemas:
+<tools>
+{tools}
+</tools>
+To call a function, reply with one block per call (and nothing else in the block):
+<tool_call>
+{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}
+</tool_call>
+Each result comes back to you in a <tool_response> block."""
+
+
+def generic_system_prompt(functions: list[Function]) -> str:
+    return GENERIC_INSTRUCTIONS.format(tools="\n".join(json.dumps(f.spec()) for f in functions))
+
+
+def _text(content: Any) -> str:
+    """Message content as text: a string, None, or a list of {"type": "text"} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text"))
+    raise ToolError("messages", f"message content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _call_parts(tc: Any, where: str) -> tuple[str, str, str]:
+    """(id, name, arguments JSON text) of an OpenAI tool_calls entry."""
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ToolError(where, f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+    args = fn.get("arguments", "{}")
+    if not isinstance(args, str):
+        args = json.dumps(args)
+    return str(tc.get("id") or ""), fn["name"], args
+
+
+def _loads_or_text(args: str) -> Any:
+    try:
+        return json.loads(args)
+    except json.JSONDecodeError:
+        return args
+
+
+def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a tools-aware template: tool_calls with their arguments as dicts (as
+    Hugging Face templates read them), tool results with the called function's name."""
+    names: dict[str, str] = {}
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = []
+            for j, tc in enumerate(m["tool_calls"]):
+                cid, name, args = _call_parts(tc, f"messages[{i}].tool_calls[{j}]")
+                names[cid] = name
+                calls.append({"id": cid, "type": "function", "function": {"name": name, "arguments": _loads_or_text(args)}})
+            m["tool_calls"] = calls
+            m["content"] = _text(m.get("content"))
+        elif m.get("role") == "tool":
+            m["content"] = _text(m.get("content"))
+            m.setdefault("name", names.get(str(m.get("tool_call_id", "")), ""))
+        out.append(m)
+    return out
+
+
+def generic_messages(messages: list[dict[str, Any]], functions: list[Function]) -> list[dict[str, Any]]:
+    """Messages for a template that knows no tools: the tool descriptions join the system
+    message, calls are written as <tool_call> blocks in the assistant's text, tool results
+    become user turns of <tool_response> blocks, and consecutive turns of one role merge
+    (templates such as Gemma's insist on alternating turns)."""
+    names: dict[str, str] = {}
+    flat: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            blocks = []
+            for j, tc in enumerate(m["tool_calls"]):
+                cid, name, args = _call_parts(tc, f"messages[{i}].tool_calls[{j}]")
+                names[cid] = name
+                blocks.append(f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {args}}}\n</tool_call>')
+            text = "\n".join(([_text(m.get("content"))] if m.get("content") else []) + blocks)
+            flat.append({"role": "assistant", "content": text})
+        elif role == "tool":
+            name = m.get("name") or names.get(str(m.get("tool_call_id", "")), "")
+            body = json.dumps({"name": name, "content": _text(m.get("content"))}, ensure_ascii=False)
+            flat.append({"role": "user", "content": f"<tool_response>\n{body}\n</tool_response>"})
+        else:
+            flat.append(dict(m))
+    if functions:
+        prompt = generic_system_prompt(functions)
+        if flat and flat[0].get("role") == "system":
+            flat[0] = {**flat[0], "content": _text(flat[0].get("content")) + "\n\n" + prompt}
+        else:
+            flat.insert(0, {"role": "system", "content": prompt})
+    merged: list[dict[str, Any]] = []
+    for m in flat:
+        if merged and merged[-1].get("role") == m.get("role") and m.get("role") in ("user", "tool"):
+            merged[-1] = {**merged[-1], "content": _text(merged[-1].get("content")) + "\n" + _text(m.get("content"))}
+        else:
+            merged.append(m)
+    return merged
+
+
+# ---------------------------------------------------------------- constraints
+
+def _call_schema(functions: list[Function], args_key: str) -> dict[str, Any]:
+    """One call's JSON schema: {"name": one function's name, args_key: its parameters}."""
+    options = [{"type": "object",
+                "properties": {"name": {"const": f.name}, args_key: _strict(f.parameters)},
+                "required": ["name", args_key], "additionalProperties": False} for f in functions]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": _COMPACT}
+
+
+def _repeat(separator: str, more: int) -> str:
+    """Lark for up to `more` further calls after the first, each after separator."""
+    return f" ({separator} call){{0,{more}}}" if more else ""
+
+
+def _strict(parameters: dict[str, Any]) -> dict[str, Any]:
+    """An object schema that names its properties and says nothing of others gets
+    additionalProperties: false, as OpenAI's strict mode does, so a constrained call holds
+    only the declared arguments."""
+    if parameters.get("type") == "object" and "properties" in parameters and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
+
+
+def call_grammar(functions: list[Function], fmt: str, *, parallel: bool = True) -> str:
+    """A Lark grammar (llguidance dialect: %json embeds a JSON schema) for one call, or
+    when parallel 1..min(MAX_PARALLEL_CALLS, len(functions)) calls, of the given functions
+    in format fmt. The
+    Mistral grammar leaves out the [TOOL_CALLS] control token (a grammar matches text;
+    the parser reads the array with or without it)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown tool call format {fmt!r}; known: {', '.join(FORMATS)}")
+    if not functions:
+        raise ValueError("a call grammar needs at least one function")
+    more = min(MAX_PARALLEL_CALLS, len(functions)) - 1 if parallel else 0
+    if fmt in ("hermes", "generic"):
+        schema = json.dumps(_call_schema(functions, "arguments"))
+        return ("start: call" + _repeat(r'"\n"', more) + "\n"
+                + r'call: "<tool_call>\n" body "\n</tool_call>"' + "\n"
+                + f"body: %json {schema}\n")
+    if fmt == "llama3":
+        schema = json.dumps(_call_schema(functions, "parameters"))
+        return "start: call" + _repeat('"; "', more) + f"\ncall: %json {schema}\n"
+    schema = json.dumps({"type": "array", "items": _call_schema(functions, "arguments"),
+                         "minItems": 1, "maxItems": more + 1, "x-guidance": _COMPACT})
+    return f"start: calls\ncalls: %json {schema}\n"
+
+
+# ---------------------------------------------------------------- parsing
+
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_MISTRAL_ARGS = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
+
+
+def _as_call(obj: Any, functions: list[Function] | None, args_keys: tuple[str, ...]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if functions is not None and not any(f.name == obj["name"] for f in functions):
+        return None
+    for k in args_keys:
+        if k in obj:
+            args = obj[k]
+            break
+    else:
+        args = {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _json_values(text: str, seps: str) -> list[Any] | None:
+    """Consecutive JSON values in text separated by any of seps (and whitespace); None
+    when anything else is there."""
+    dec = json.JSONDecoder()
+    out, i = [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] in seps):
+            i += 1
+        if i == len(text):
+            return out
+        try:
+            v, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return None
+        out.append(v)
+
+
+def parse_calls(text: str, fmt: str, functions: list[Function] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) from a model's whole output in format fmt. Calls to functions not
+    in `functions` (when given) and blocks that do not parse stay in the content."""
+    if fmt in ("hermes", "generic"):
+        calls, kept, last = [], [], 0
+        for m in _HERMES_BLOCK.finditer(text):
+            try:
+                call = _as_call(json.loads(m.group(1)), functions, ("arguments", "parameters"))
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                continue
+            kept.append(text[last:m.start()])
+            last = m.end()
+            calls.append(call)
+        kept.append(text[last:])
+        content = "".join(kept).strip()
+        return (content or None), calls
+    if fmt == "llama3":
+        body = text.strip()
+        if body.startswith("<|python_tag|>"):
+            body = body[len("<|python_tag|>"):]
+        values = _json_values(body, ";") if body.lstrip().startswith("{") else None
+        calls = [_as_call(v, functions, ("parameters", "arguments")) for v in values or []]
+        if values and all(calls):
+            return None, calls  # type: ignore[return-value]
+        return (text.strip() or None), []
+    if fmt == "mistral":
+        head, marker, rest = text.partition("[TOOL_CALLS]")
+        if not marker:
+            head, rest = "", text  # a constrained turn is the bare array
+        calls: list[ToolCall | None] = []
+        values = _json_values(rest, "")
+        if values and len(values) == 1 and isinstance(values[0], list):
+            calls = [_as_call(v, functions, ("arguments",)) for v in values[0]]
+        elif marker:  # name[ARGS]{...} per call
+            dec, i = json.JSONDecoder(), 0
+            while (m := _MISTRAL_ARGS.match(rest, i)):
+                try:
+                    args, i = dec.raw_decode(rest, m.end())
+                except json.JSONDecodeError:
+                    calls = []
+                    break
+                calls.append(_as_call({"name": m.group(1), "arguments": args}, functions, ("arguments",)))
+                i = len(rest) - len(rest[i:].lstrip().removeprefix("[TOOL_CALLS]"))
+            if rest[i:].strip():
+                calls = []
+        if calls and all(calls):
+            return (head.strip() or None), calls  # type: ignore[return-value]
+        return (text.strip() or None), []
+    raise ValueError(f"unknown tool call format {fmt!r}")
+
+
+class StreamParser:
+    """parse_calls for a stream: feed() text deltas, then finish(). Each returns events,
+    ("content", text) or ("call", ToolCall), in order; together they give what
+    parse_calls gives on the whole text. Content streams until something may be a call:
+    hermes-style text is held only from a possible `<tool_call>` on, and each call comes
+    out when its block closes; llama3 / mistral output that opens like a call is held to
+    the end (their calls have no closing marker)."""
+
+    def __init__(self, fmt: str, functions: list[Function] | None = None) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown tool call format {fmt!r}")
+        self.fmt, self.functions = fmt, functions
+        self._buf = ""
+        self._hold_all = False
+        self._started = False   # some non-space text has been seen (llama3 / mistral)
+        self._lead = ""         # whitespace before the first text, held until it is decided
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self._buf += text
+        if self.fmt in ("hermes", "generic"):
+            return self._hermes(final=False)
+        return self._opener()
+
+    def finish(self) -> list[tuple[str, Any]]:
+        if self.fmt in ("hermes", "generic"):
+            return self._hermes(final=True)
+        text, self._buf = self._lead + self._buf, ""
+        self._lead = ""
+        if not text:
+            return []
+        if not self._hold_all:
+            return [("content", text)]
+        content, calls = parse_calls(text, self.fmt, self.functions)
+        return ([("content", content)] if content else []) + [("call", c) for c in calls]
+
+    def _opener(self) -> list[tuple[str, Any]]:
+        if self._hold_all:
+            return []
+        if not self._started:
+            stripped = self._buf.lstrip()
+            self._lead += self._buf[:len(self._buf) - len(stripped)]
+            self._buf = stripped
+            if not stripped:
+                return []
+            markers = ("{", "<|python_tag|>") if self.fmt == "llama3" else ("[TOOL_CALLS]", "[{", "[")
+            if any(m.startswith(stripped) or stripped.startswith(m) for m in markers):
+                if any(stripped.startswith(m) for m in markers):
+                    self._hold_all = True
+                return []  # a marker's prefix: wait for more
+            self._started = True
+        out, self._buf = self._lead + self._buf, ""
+        self._lead = ""
+        if self.fmt == "mistral":  # calls may follow some text: hold from the marker on
+            at = out.find("[TOOL_CALLS]")
+            if at >= 0:
+                self._buf, self._hold_all, out = out[at:], True, out[:at]
+            else:
+                keep = _partial_suffix(out, "[TOOL_CALLS]")
+                out, self._buf = out[:len(out) - keep], out[len(out) - keep:]
+        return [("content", out)] if out else []
+
+    def _hermes(self, final: bool) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        open_, close = "<tool_call>", "</tool_call>"
+        while self._buf:
+            start = self._buf.find(open_)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(self._buf, open_)
+                text = self._buf[:len(self._buf) - keep]
+                self._buf = self._buf[len(self._buf) - keep:]
+                if text:
+                    out.append(("content", text))
+                break
+            end = self._buf.find(close, start)
+            if end < 0 and not final:
+                if start:
+                    out.append(("content", self._buf[:start]))
+                    self._buf = self._buf[start:]
+                break
+            stop = len(self._buf) if end < 0 else end + len(close)
+            block = self._buf[:stop] if start == 0 else self._buf[start:stop]
+            if start:
+                out.append(("content", self._buf[:start]))
+            _, calls = parse_calls(block, self.fmt, self.functions)
+            out.extend(("call", c) for c in calls) if calls else out.append(("content", block))
+            self._buf = self._buf[stop:]
+        return _merge_content(out)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of text that is a proper start of marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _merge_content(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for kind, v in events:
+        if kind == "content" and out and out[-1][0] == "content":
+            out[-1] = ("content", out[-1][1] + v)
+        else:
+            out.append((kind, v))
+    return out
+
+
+# ---------------------------------------------------------------- the plan for one request
+
+@dataclass
+class ToolPlan:
+    """Everything one chat request with tools needs: how to render its prompt, how to
+    constrain its generation, how to read its output."""
+
+    functions: list[Function]
+    mode: str                     # none | auto | required | named
+    name: str | None              # the function of a named tool_choice
+    fmt: str
+    native: bool                  # the chat template takes the tools itself
+    parallel: bool = True
+
+    @classmethod
+    def make(cls, tokenizer: Any, tools: Any, tool_choice: Any = None,
+             parallel_tool_calls: bool | None = True) -> ToolPlan:
+        functions = parse_tools(tools)
+        mode, name = parse_tool_choice(tool_choice, functions)
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ToolError("parallel_tool_calls", "parallel_tool_calls must be true or false")
+        template = getattr(tokenizer, "chat_template", None)
+        fmt = detect_format(template)
+        return cls(functions, mode, name, fmt, native=fmt != "generic",
+                   parallel=parallel_tool_calls is not False and mode != "named")
+
+    @property
+    def parses(self) -> bool:
+        return self.mode != "none"
+
+    def render(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(messages for the template, tools for the template)."""
+        shown = self.functions if self.mode != "none" else []
+        if self.mode == "named":  # only the named function is offered
+            shown = [f for f in self.functions if f.name == self.name]
+        if self.native:
+            tools = [{"type": "function", "function": f.spec()} for f in shown] or None
+            return native_messages(messages), tools
+        return generic_messages(messages, shown), None
+
+    def prompt_ids(self, tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+        msgs, tools = self.render(messages)
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if getattr(tokenizer, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def grammar(self) -> str | None:
+        """The Lark grammar that constrains a required / named turn, else None."""
+        if self.mode == "required":
+            return call_grammar(self.functions, self.fmt, parallel=self.parallel)
+        if self.mode == "named":
+            return call_grammar([f for f in self.functions if f.name == self.name], self.fmt, parallel=False)
+        return None
+
+    def sampling(self, params: Any) -> Any:
+        """params with the call grammar set (required / named); special tokens kept in
+        the text where the format's markers are special tokens."""
+        changes: dict[str, Any] = {}
+        g = self.grammar()
+        if g is not None:
+            if params.constraint is not None:
+                raise ToolError("tool_choice", f"tool_choice {self.mode!r} constrains the output itself; "
+                                               f"it cannot be combined with {params.constraint[0]}")
+            changes["grammar"] = g
+        if self.parses and self.fmt in ("llama3", "mistral"):
+            changes["skip_special_tokens"] = False
+        return dataclasses.replace(params, **changes) if changes else params
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if not self.parses:
+            return text, []
+        content, calls = parse_calls(text, self.fmt, self.functions)
+        return (content, calls) if calls else (text, [])
+
+    def stream_parser(self) -> StreamParser | None:
+        return StreamParser(self.fmt, self.functions) if self.parses else None
