@@ -260,11 +260,10 @@ def test_attention_weights_reproduce_the_kernel_output(gemma3_gguf: Path) -> Non
 
 
 def test_logit_lens_of_the_last_layer_is_the_output(smollm2_gguf: Path) -> None:
-    from ellm.trace.lens import logit_lens
     llm = ellm.load(smollm2_gguf, progress=False)
     ids = llm.encode_prompt(PROMPT)
-    rec = record(llm, ids)
-    lens = logit_lens(llm.model, rec, top_k=3)
+    rec = record(llm, ids, lens_top_k=3)
+    lens = rec.lens
     n = llm.config.num_hidden_layers
     assert lens["ids"].shape == (n, len(ids), 3)
     assert (lens["ids"][-1, :, 0] == rec.logits.argmax(-1)).all()

@@ -24,6 +24,7 @@ class Recording:
     positions: np.ndarray      # (R,) the sequence positions of the rows
     ids: list[int]             # the whole prompt
     logits: np.ndarray         # (T, vocab) every position's logits
+    lens: dict[str, np.ndarray] | None = None   # lens.logit_lens() when asked for
 
 
 def check_ids(ids: Sequence[int], vocab: int, max_len: int) -> list[int]:
@@ -39,12 +40,26 @@ def check_ids(ids: Sequence[int], vocab: int, max_len: int) -> list[int]:
 
 
 def record(llm: Any, ids: Sequence[int], positions: Iterable[int] | None = None,
-           attention_weights: bool = True, max_tokens: int = 1024) -> Recording:
-    """One forward pass of `llm` over ids with a Recorder; positions default to all."""
-    model, engine = llm.model, llm.engine
-    ids = check_ids(ids, model.config.vocab_size, min(max_tokens, engine.cfg.max_model_len))
+           attention_weights: bool = True, max_tokens: int = 1024, lens_top_k: int = 0) -> Recording:
+    """One forward pass of `llm` over ids with a Recorder; positions default to all;
+    lens_top_k > 0 adds the logit lens.
+
+    The pass (and the lens: the kernels' thread pool serves one caller at a time) runs on
+    the LLM's engine thread between two steps, so tracing is safe while the LLM serves
+    other requests."""
+    model = llm.model
+    ids = check_ids(ids, model.config.vocab_size, min(max_tokens, llm.engine.cfg.max_model_len))
     wanted = None if positions is None else sorted({_position(p, len(ids)) for p in positions})
     rec = Recorder(wanted, attention_weights)
+    loop = getattr(llm, "async_engine", None)
+    if loop is None:   # an engine without a loop thread
+        return _traced_pass(llm.engine, model, ids, rec, lens_top_k)
+    if not loop.is_running:
+        loop.start()
+    return loop.call(lambda engine: _traced_pass(engine, model, ids, rec, lens_top_k)).result()
+
+
+def _traced_pass(engine: Any, model: Any, ids: list[int], rec: Recorder, lens_top_k: int) -> Recording:
     key = ("trace", next(_trace_ids))
     blocks = engine.blocks
     if not blocks.allocate(key, len(ids)):
@@ -61,7 +76,11 @@ def record(llm: Any, ids: Sequence[int], positions: Iterable[int] | None = None,
         rec(None, "logits", logits)
     finally:
         blocks.free(key)
-    return Recording(rec.arrays(), rec.kept_positions, ids, logits)
+    out = Recording(rec.arrays(), rec.kept_positions, ids, logits)
+    if lens_top_k:
+        from .lens import logit_lens
+        out.lens = logit_lens(model, out, lens_top_k)
+    return out
 
 
 def _position(p: int, n: int) -> int:

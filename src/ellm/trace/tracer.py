@@ -17,7 +17,6 @@ from . import tolerances
 from .align import to_transformers_layout
 from .capture import Recording, record
 from .diff import OpDiff, compare, first_divergence, select_positions
-from .lens import logit_lens
 from .references import OpsReference, ReferenceError, TransformersReference
 
 
@@ -108,7 +107,7 @@ def trace(llm: Any, ids: Sequence[int], reference: Any, *, model_path: Path,
     model_path: the files llm was loaded from (they tell the weight type, hence the bands)."""
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    mine = record(llm, ids, positions)
+    mine = record(llm, ids, positions, lens_top_k=lens_top_k)
     seconds["ellm"] = round(time.perf_counter() - t0, 3)
     cfg = llm.model.config
     notes: list[str] = []
@@ -135,7 +134,7 @@ def trace(llm: Any, ids: Sequence[int], reference: Any, *, model_path: Path,
         a, b = ours[(first.layer, first.op)], theirs[(first.layer, first.op)]
         pos_err = [float(np.linalg.norm(a[i] - b[i]) / max(np.linalg.norm(b[i]), 1e-30)) for i in range(len(a))]
     tok = llm.tokenizer
-    lens: dict[str, Any] = logit_lens(llm.model, mine, lens_top_k) if lens_top_k else {}
+    lens: dict[str, Any] = dict(mine.lens or {})
     if lens:
         lens["tokens"] = [[[tok.decode([int(i)]) for i in cell] for cell in layer] for layer in lens["ids"]]
     return TraceResult(

@@ -27,7 +27,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..capture import Recording, record
-from ..lens import attention_map, logit_lens
+from ..lens import attention_map
 
 STATIC = Path(__file__).with_name("static")
 KEEP_TRACES = 8
@@ -78,10 +78,10 @@ class Inspector:
     def trace(self, ids: list[int]) -> dict[str, Any]:
         with self.lock:
             try:
-                rec = record(self.llm, ids, max_tokens=self.max_tokens)
+                rec = record(self.llm, ids, max_tokens=self.max_tokens, lens_top_k=LENS_TOP)
             except ValueError as e:
                 raise BadRequest(str(e)) from None
-            lens = logit_lens(self.llm.model, rec, LENS_TOP)
+            lens = rec.lens
         trace_id = secrets.token_hex(8)
         self.traces[trace_id] = rec
         while len(self.traces) > KEEP_TRACES:
