@@ -7,7 +7,11 @@ the installed ones, and the loaded model's objects are switched between the two 
 of the same name, so both runs use the same weights, KV cache and process. Rounds
 alternate (A B A B ...) and the figures are medians; on a shared machine read the ratio.
 
-    python benchmarks/bench_trace_off.py [MODEL] [--rounds 7] [--tokens 64] [--baseline main]
+    python benchmarks/bench_trace_off.py [MODEL] [--rounds 7] [--tokens 64] [--steps 300] [--baseline main]
+
+Two figures: single-token decode forwards alternating step by step (medians; the finer
+the alternation, the less a neighbour's load biases one side), and whole greedy
+generations of --tokens tokens alternating by round.
 """
 from __future__ import annotations
 
@@ -74,6 +78,32 @@ def swap_plan(model: Any, rev: str) -> list[tuple[Any, type, type]]:
     return plan
 
 
+def step_times(llm: Any, plan: list[tuple[Any, type, type]], steps: int) -> dict[str, list[float]]:
+    """Seconds of single-token decode forwards, the two versions alternating step by step
+    (so a neighbour's load falls on both alike), on the engine thread."""
+    import numpy as np
+
+    from ellm.models.batch import Batch
+
+    def run(engine: Any) -> dict[str, list[float]]:
+        assert engine.blocks.allocate("bench", 32)
+        try:
+            tables = {w: np.asarray([engine.blocks.table("bench", w)], np.int32) for w in engine.kv.windows}
+            batch = Batch.single(np.array([504], np.int32), 16, tables)
+            out: dict[str, list[float]] = {"hooks": [], "baseline": []}
+            for s in range(steps):
+                for label, idx in ((("hooks", 1), ("baseline", 2)) if s % 2 else (("baseline", 2), ("hooks", 1))):
+                    for obj, *classes in plan:
+                        obj.__class__ = classes[idx - 1]
+                    t0 = time.perf_counter()
+                    llm.model.forward(batch, engine.kv)
+                    out[label].append(time.perf_counter() - t0)
+            return out
+        finally:
+            engine.blocks.free("bench")
+    return llm.async_engine.call(run).result()
+
+
 def decode_rate(llm: Any, ids: list[int], tokens: int) -> float:
     t0 = time.perf_counter()
     out = llm.generate(ids, max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -87,6 +117,7 @@ def main() -> int:
     p.add_argument("model", nargs="?", default="smollm2-135m-instruct")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--steps", type=int, default=300, help="forward passes per version, alternating")
     p.add_argument("--baseline", default="main", help="git revision of the code without recording points")
     a = p.parse_args()
     llm = ellm.load(a.model, max_num_seqs=1, progress=False)
@@ -111,8 +142,14 @@ def main() -> int:
             for obj, *classes in plan:
                 obj.__class__ = classes[idx - 1]
             rates[label].append(decode_rate(llm, ids, a.tokens))
+    steps = step_times(llm, plan, a.steps)
     for obj, cls, _ in plan:
         obj.__class__ = cls
+    per_step = {k: statistics.median(v) for k, v in steps.items()}
+    print(f"{a.model}: single-token decode forward, {a.steps} steps each, alternating step by step")
+    for k, v in per_step.items():
+        print(f"  {k:<9} median {v * 1e3:7.3f} ms  = {1 / v:7.1f} tok/s")
+    print(f"  ratio hooks/baseline (tok/s) {per_step['baseline'] / per_step['hooks']:.3f}")
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"{a.model}: decode tok/s, {a.rounds} alternating rounds of {a.tokens} tokens "
           f"({len(plan)} objects swapped to {a.baseline}'s classes)")
