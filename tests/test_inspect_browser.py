@@ -160,4 +160,5 @@ def test_page_in_headless_chromium(server: str, browser, llm, tmp_path: Path) ->
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#grid th.token")) == len(ids) + 1)
     new_last = browser.find_elements(By.CSS_SELECTOR, "#grid th.token")[-1].get_attribute("textContent")
     assert new_last == visible(llm.tokenizer.decode([int(next_top)]))
+    assert not browser.find_elements(By.CSS_SELECTOR, "#attn-matrix tr")   # the old trace's map is gone
     browser.save_screenshot(str(shots / "inspect-3-step.png"))

@@ -29,6 +29,9 @@ async function runTrace(body) {
   try {
     const t0 = performance.now();
     current = await api("/api/trace", body);
+    // an attention map belongs to the trace it came from: clear it
+    $("attn-matrix").textContent = "";
+    $("attn-title").textContent = "";
     drawGrid();
     drawNext();
     show(`${current.ids.length} tokens, ${current.layers} layers, ${Math.round(performance.now() - t0)} ms`);
