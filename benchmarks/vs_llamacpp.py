@@ -144,14 +144,53 @@ WORKERS = {"ellm": worker_ellm, "llama.cpp": worker_llamacpp, "transformers": wo
 
 # -- driver -------------------------------------------------------------------------------
 
+def cpu_flags() -> set[str]:
+    """The flags of /proc/cpuinfo's first processor (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def llamacpp_cmake_args(flags: set[str]) -> str:
+    """CMake flags for a llama.cpp that runs on this CPU: each x86 extension it has, named
+    (not GGML_NATIVE, whose probe also turns on the AMX path), and AMX always off --
+    llama-cpp-python 0.3.36's AMX matmul crashes (SIGSEGV in ggml_backend_amx_mul_mat) on
+    the Xeons here with both models, so a native build there cannot be timed at all."""
+    wanted = [("GGML_AVX", "avx"), ("GGML_AVX2", "avx2"), ("GGML_FMA", "fma"), ("GGML_F16C", "f16c"),
+              ("GGML_BMI2", "bmi2"), ("GGML_AVX_VNNI", "avx_vnni"), ("GGML_AVX512", "avx512f"),
+              ("GGML_AVX512_VBMI", "avx512vbmi"), ("GGML_AVX512_VNNI", "avx512_vnni"),
+              ("GGML_AVX512_BF16", "avx512_bf16")]
+    args = ["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in wanted]
+    return " ".join(args + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+
+def machine_line() -> str:
+    """The CPU model and the flags that decide which kernels run (printed with the table)."""
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    keys = sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_vnni", "avx512_bf16", "avx_vnni")))
+    return f"CPU: {model}; flags: {' '.join(keys) or '-'}; load average {loadavg():.1f}"
+
+
 def install_llamacpp() -> Path:
     py = LLAMACPP_VENV / "bin" / "python"
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(LLAMACPP_VENV)], check=True)
-    print(f"building llama-cpp-python=={LLAMACPP_VERSION} from source (about 15 minutes on 2 cores)...")
-    # Native build: llama.cpp at its best on this CPU (AVX-512 where there is some). No
-    # wheel cache, so an earlier build with other flags is never reused.
-    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON")
+    cmake_args = llamacpp_cmake_args(cpu_flags())
+    print(f"building llama-cpp-python=={LLAMACPP_VERSION} from source (about 15 minutes on 2 cores)"
+          f" with CMAKE_ARGS={cmake_args!r} ...")
+    # No wheel cache, so an earlier build with other flags is never reused.
+    env = dict(os.environ, CMAKE_ARGS=cmake_args)
     subprocess.run([str(py), "-m", "pip", "install", "--no-cache-dir", "--force-reinstall", "--no-binary",
                     "llama-cpp-python", f"llama-cpp-python=={LLAMACPP_VERSION}"], check=True, env=env)
     return py
@@ -257,6 +296,7 @@ def main() -> int:
         args.llamacpp_python = str(LLAMACPP_VENV / "bin" / "python")
     if args.llamacpp_python is None:
         print("llama.cpp not found: pass --llamacpp-python or --install-llamacpp; running ellm alone")
+    print(machine_line())
     report = []
     for name in args.models:
         print(f"== {name}")

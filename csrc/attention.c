@@ -94,7 +94,7 @@ static const attn_funcs funcs_avx512 = ATTN_TABLE(avx512);
 static const attn_funcs *funcs_now(void) {
 #ifdef ELLM_HAVE_X86_ATTN
     int level = ellm_simd_level();
-    if (level == ELLM_SIMD_AVX512) return &funcs_avx512;
+    if (ellm_simd_is_avx512(level)) return &funcs_avx512;
     if (level == ELLM_SIMD_AVX2) return &funcs_avx2;
 #endif
     return &funcs_scalar;

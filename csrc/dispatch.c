@@ -13,6 +13,10 @@
 
 #ifdef ELLM_X86
 #include <cpuid.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 /* CPUID leaf 7 and XGETBV read directly (not __builtin_cpu_supports, which needs a
  * runtime symbol some toolchains lack): a feature counts only if the OS also saves the
@@ -24,29 +28,44 @@ static uint64_t xgetbv0(void) {
 }
 
 typedef struct {
-    int avx2, avx512, vnni;
+    int avx2, avx512, vnni, amx; /* amx: AMX-TILE + AMX-INT8 in CPUID, tile state in XCR0 */
 } x86_feature_set;
 
 static x86_feature_set x86_features(void) {
     unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0};
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0};
     int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
-    if (!osxsave || !avx) return (x86_feature_set){0, 0, 0};
+    if (!osxsave || !avx) return (x86_feature_set){0, 0, 0, 0};
     uint64_t xcr0 = xgetbv0();
     int ymm_ok = (xcr0 & 0x6) == 0x6;            /* SSE + AVX state */
     int zmm_ok = ymm_ok && (xcr0 & 0xe0) == 0xe0; /* opmask + ZMM state */
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0};
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0};
     int avx2 = ymm_ok && ((b >> 5) & 1) && fma && f16c;
     int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
     int avx512 = avx2 && zmm_ok && f && dq && bw && vl;
     int vnni = avx512 && ((c >> 11) & 1);
-    return (x86_feature_set){avx2, avx512, vnni};
+    /* XCR0 bits 17 (XTILECFG) and 18 (XTILEDATA): the OS saves tile state */
+    int amx = vnni && ((d >> 24) & 1) && ((d >> 25) & 1) && (xcr0 & 0x60000) == 0x60000;
+    return (x86_feature_set){avx2, avx512, vnni, amx};
+}
+
+/* Linux hands out the tile data state (8 KiB per thread) only on request, once per
+ * process (it then holds for every thread). 0 where refused or not Linux: the AMX level
+ * is then simply not offered. */
+static int amx_permitted(void) {
+#ifdef __linux__
+    const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+    return syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
+#else
+    return 0;
+#endif
 }
 #endif
 
 static int detect(void) {
 #ifdef ELLM_X86
     x86_feature_set f = x86_features();
+    if (f.amx && amx_permitted()) return ELLM_SIMD_AMX;
     if (f.avx512) return ELLM_SIMD_AVX512;
     if (f.avx2) return ELLM_SIMD_AVX2;
     return ELLM_SIMD_SCALAR;
@@ -107,6 +126,7 @@ const char *ellm_simd_name(int level) {
     case ELLM_SIMD_AVX2: return "avx2";
     case ELLM_SIMD_AVX512: return "avx512";
     case ELLM_SIMD_NEON: return "neon";
+    case ELLM_SIMD_AMX: return "amx";
     default: return "unknown";
     }
 }

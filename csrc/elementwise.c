@@ -106,7 +106,7 @@ static const row_funcs rows_avx512 = ROW_TABLE(avx512);
 static const row_funcs *rows_now(void) {
 #ifdef ELLM_HAVE_X86_ROWS
     int level = ellm_simd_level();
-    if (level == ELLM_SIMD_AVX512) return &rows_avx512;
+    if (ellm_simd_is_avx512(level)) return &rows_avx512;
     if (level == ELLM_SIMD_AVX2) return &rows_avx2;
 #endif
     return &rows_scalar;

@@ -11,7 +11,10 @@
 int ellm_map_open(const char *path, ellm_map *out) {
     out->data = NULL;
     out->size = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO (or a device) for reading would otherwise wait forever
+     * for a writer; it is refused below as not a regular file. On a regular file the
+     * flag changes nothing (reads and mmap never block on it). */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return errno;
     struct stat st;
     if (fstat(fd, &st) != 0) {

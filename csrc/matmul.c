@@ -11,8 +11,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "matmul_amx.h"
 #include "quant.h"
 #include "quant_impl.h"
+#include "simd.h"
 #include "threadpool.h"
 
 /* ====================================================================================
@@ -63,6 +65,10 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
 #define ROW_TILE 16
 #define TOK_TILE 32
 _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
+/* Items of the AMX kernels: more tokens per unpacking of a weight tile (4 tile groups) */
+#define AMX_TOK_TILE 64
+_Static_assert(AMX_TOK_TILE % ELLM_AMX_TG == 0 && ELLM_AMX_TG % ELLM_TG == 0,
+               "AMX items start on a 16-token group; padding to 16 covers groups of 8");
 _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
                    sizeof(ellm_act256x8) == ELLM_TG * sizeof(ellm_act256),
                "a group layout takes the bytes of its tokens' rows (act_layout sizes it so)");
@@ -113,6 +119,7 @@ typedef struct {
     ellm_qdot_fn qdot;     /* exactly one of qdot / qgemm / fmm is set */
     ellm_qgemm_fn qgemm;
     ellm_fmm_fn fmm;
+    int64_t tg;            /* with qgemm: tokens per group of xq (ELLM_TG, or ELLM_AMX_TG) */
     int64_t item_rows;     /* output rows per work item */
     int64_t row_items;     /* work items along N */
     int64_t first_item;    /* this part's items in the call's item list: [first, end) */
@@ -129,6 +136,8 @@ typedef struct {
     size_t act_stride[N_ACT];
     int grouped[N_ACT];    /* format f is in its group layout (takes_token_groups(T),
                             * every part of that format has a qgemm kernel) */
+    int amx[N_ACT];        /* format f is in 16-token groups for the AMX kernels (every part
+                            * of it has one; then grouped[f] is 0) */
     ellm_act_fn act[N_ACT]; /* set for the formats a non-empty part needs */
     int has_act;           /* some part has quantized weights */
 } lin_ctx;
@@ -137,9 +146,9 @@ typedef struct {
  * block's first output). */
 static void run_kernel(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n1, int64_t t0,
                        int64_t t1, float *y) {
-    if (p->qgemm) /* t0 is a multiple of item_toks, so of ELLM_TG */
+    if (p->qgemm) /* t0 is a multiple of item_toks, so of p->tg */
         p->qgemm(p->nb, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
-                 p->xq + (size_t)(t0 / ELLM_TG) * p->act_stride, p->act_stride, t1 - t0, y,
+                 p->xq + (size_t)(t0 / p->tg) * p->act_stride, p->act_stride, t1 - t0, y,
                  (size_t)p->ldy);
     else if (p->fmm)
         p->fmm(c->K, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
@@ -196,7 +205,12 @@ static void task_quantize_act(void *ctx, int64_t begin, int64_t end, int thread_
         /* grouped: each block quantized as in the row layout (the same bytes), then
          * spread into this token's lane of its group */
         const int64_t lane = t % ELLM_TG;
-        if (f == 0 && c->grouped[0]) {
+        if (c->amx[f]) {
+            const int blk = f == 0 ? QK32 : QK256;
+            ellm_amx_put_token(blk, c->act[f], xt, c->K / blk,
+                               c->xq[f] + (size_t)(t / ELLM_AMX_TG) * c->act_stride[f],
+                               (int)(t % ELLM_AMX_TG));
+        } else if (f == 0 && c->grouped[0]) {
             ellm_act32x8 *g = (ellm_act32x8 *)(c->xq[0] + (size_t)(t / ELLM_TG) * c->act_stride[0]);
             for (int64_t i = 0; i < c->K / QK32; i++) {
                 ellm_act32 a;
@@ -283,7 +297,7 @@ static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int
         if (!used[f]) continue;
         /* room for the group layout too, which is the rows padded to whole groups
          * (ellm_act32x8 / ellm_act256x8 hold ELLM_TG blocks' bytes, rearranged) */
-        const int64_t rows = takes_token_groups(T) ? (T + ELLM_TG - 1) / ELLM_TG * ELLM_TG : T;
+        const int64_t rows = takes_token_groups(T) ? (T + ELLM_AMX_TG - 1) / ELLM_AMX_TG * ELLM_AMX_TG : T;
         if (stride[f] && (uint64_t)rows > (SIZE_MAX - 64 - at) / stride[f]) return 0;
         at = (at + 63) & ~(size_t)63;
         offset[f] = at;
@@ -357,10 +371,28 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     /* Many tokens: a format takes its group layout when every part of it has a qgemm kernel
      * at the level in force (the 32-element types, Q4_K and Q6_K on x86). The kernels
      * are chosen here once, so a level changed meanwhile cannot split the decision. */
-    ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS];
-    for (int i = 0; i < n_parts; i++) qgemm[i] = !few ? ellm_qgemm_select(parts[i].qtype) : NULL;
+    ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS], qamx[ELLM_LINEAR_MAX_PARTS];
+    const int amx_level = !few && ellm_simd_level() == ELLM_SIMD_AMX;
+    for (int i = 0; i < n_parts; i++) {
+        qgemm[i] = !few ? ellm_qgemm_select(parts[i].qtype) : NULL;
+        qamx[i] = amx_level ? ellm_qgemm_amx(parts[i].qtype) : NULL;
+    }
+    for (int f = 0; f < N_ACT; f++) { /* AMX where every part of the format has a kernel */
+        if (!amx_level || !c->xq[f]) continue;
+        c->amx[f] = 1;
+        for (int i = 0; i < n_parts; i++)
+            if (parts[i].N > 0 && act_index(parts[i].qtype) == f && !qamx[i]) c->amx[f] = 0;
+        if (c->amx[f]) {
+            const int blk = f == 0 ? QK32 : QK256;
+            c->act_stride[f] = (size_t)(K / blk) * (f == 0 ? sizeof(ellm_act32x16) : sizeof(ellm_act256x16));
+            if (T % ELLM_AMX_TG)
+                ellm_amx_zero_lanes(blk, K / blk, c->xq[f] + (size_t)(T / ELLM_AMX_TG) * c->act_stride[f],
+                                    (int)(T % ELLM_AMX_TG));
+            c->item_toks = AMX_TOK_TILE;
+        }
+    }
     for (int f = 0; f < N_ACT; f++) {
-        if (few || !c->xq[f]) continue;
+        if (few || !c->xq[f] || c->amx[f]) continue;
         c->grouped[f] = 1;
         for (int i = 0; i < n_parts; i++)
             if (parts[i].N > 0 && act_index(parts[i].qtype) == f && !qgemm[i]) c->grouped[f] = 0;
@@ -388,8 +420,15 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
             p->xq = c->xq[f];
             p->act_stride = c->act_stride[f];
             p->nb = K / ellm_act_block(q->qtype);
-            if (c->grouped[f]) p->qgemm = qgemm[i];
-            else p->qdot = ellm_qdot_select(q->qtype);
+            if (c->amx[f]) {
+                p->qgemm = qamx[i];
+                p->tg = ELLM_AMX_TG;
+            } else if (c->grouped[f]) {
+                p->qgemm = qgemm[i];
+                p->tg = ELLM_TG;
+            } else {
+                p->qdot = ellm_qdot_select(q->qtype);
+            }
             if (T == 1 && (uint64_t)q->w_bytes > DECODE_STREAM_BYTES) {
                 ellm_qdot_fn s = ellm_qdot_stream_select(q->qtype);
                 if (s) p->qdot = s;

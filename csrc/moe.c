@@ -19,8 +19,7 @@
 
 /* Tokens per pass: bounds the scratch at CHUNK_TOKENS * k rows of (2 H + 2 F) floats. */
 #define CHUNK_TOKENS 256
-/* k at most this (the combine step sorts a token's k choices on the stack). */
-#define MAX_TOPK 64
+#define MAX_TOPK ELLM_MOE_MAX_TOPK
 
 /* ==================================== routing ==================================== */
 

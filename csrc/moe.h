@@ -17,10 +17,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* k (experts per token) at most this: a token's k choices are sorted on the stack. */
+#define ELLM_MOE_MAX_TOPK 64
+
 /* Routing: logits (T, E) f32 -> ids (T, k) int32, weights (T, k) f32 for each token's k
  * most probable experts, highest first (ties: the lower id first). Probabilities are
  * softmax(logits) in f32; with norm_topk they are divided by the sum of the k chosen.
- * Returns ELLM_OK, or ELLM_E_SHAPE when 1 <= k <= E fails. */
+ * Returns ELLM_OK, or ELLM_E_SHAPE when 1 <= k <= min(E, ELLM_MOE_MAX_TOPK) fails. */
 int ellm_moe_route(const float *logits, int64_t T, int32_t E, int32_t k, int norm_topk, int32_t *ids,
                    float *weights);
 

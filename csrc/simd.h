@@ -8,7 +8,14 @@ enum ellm_simd {
     ELLM_SIMD_AVX2 = 1,   /* AVX2 + FMA + F16C */
     ELLM_SIMD_AVX512 = 2, /* AVX-512 F/BW/VL/DQ (+ the AVX2 set) */
     ELLM_SIMD_NEON = 3,
+    ELLM_SIMD_AMX = 4,    /* the AVX-512 level (with VNNI) plus AMX int8 tiles for many-token
+                           * matmuls (matmul_amx.c); above AVX512, though numbered after NEON */
 };
+
+/* The AVX-512 kernels serve this level (AVX512 itself, or AMX, which adds tiles only). */
+static inline int ellm_simd_is_avx512(int level) {
+    return level == ELLM_SIMD_AVX512 || level == ELLM_SIMD_AMX;
+}
 
 /* The best level this CPU (and this build) supports. */
 int ellm_simd_best(void);

@@ -64,3 +64,24 @@ def test_bad_arguments_are_clear(llm) -> None:
 def test_module_level_generate_uses_the_default_model(smollm2_gguf) -> None:
     text = ellm.generate("The capital of France is", max_tokens=4, temperature=0.0)
     assert isinstance(text, str) and text
+
+
+def test_a_failed_constraint_says_why_in_the_completion(llm) -> None:
+    """finish_reason "error" (a grammar matcher failed) carries its reason up to the
+    CompletionOutput the Python API returns (the engine's RequestOutput.error)."""
+    from ellm.engine.async_engine import _final
+    from ellm.llm import _completion
+
+    params = ellm.SamplingParams(choice=["red", "green"], temperature=0.0, max_tokens=8)
+    ids = llm.tokenizer.encode("Pick a colour:")
+    with llm._loop().lock:   # step the engine by hand, as the loop thread would
+        eng = llm.engine
+        rid = eng.add_request(ids, params)
+        eng.seqs[rid].grammar.advance(llm.tokenizer.encode("zzz", add_special_tokens=False)[0])
+        last = None
+        while eng.has_unfinished():
+            for out in eng.step():
+                last = out
+    assert last is not None and last.finish_reason == "error" and last.error
+    done = _completion(_final(last, []), params)
+    assert done.finish_reason == "error" and done.error == last.error

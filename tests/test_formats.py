@@ -91,13 +91,13 @@ def test_safetensors_bad_files(tmp_path: Path, mutate, needle: str) -> None:
 
 
 @pytest.mark.parametrize("entry,needle", [
-    ({"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}, "unknown dtype"),
-    ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}, "bad shape"),
+    ({"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}, "field .dtype."),
+    ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}, "field .shape."),
     ({"dtype": "F32", "shape": [1 << 62, 1 << 62], "data_offsets": [0, 8]}, "needs"),
     ({"dtype": "F32", "shape": [2], "data_offsets": [0, 1 << 50]}, "outside"),
     ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "outside"),
     ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "needs"),
-    ({"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}, "bad shape"),
+    ({"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}, "field .shape."),
     ("nope", "not an object"),
 ])
 def test_safetensors_bad_entries(tmp_path: Path, entry, needle: str) -> None:

@@ -96,6 +96,45 @@ def test_gguf_exact_path_matches_transformers(model, fixture, prompt, greedy, go
         _check_greedy(llm, p, None)
 
 
+@pytest.fixture(scope="module")
+def smollm2_exact_act(smollm2_gguf):
+    return ellm.load(smollm2_gguf, max_model_len=2048, activations="f32")
+
+
+@pytest.fixture(scope="module")
+def gemma3_exact_act(gemma3_gguf):
+    return ellm.load(gemma3_gguf, max_model_len=2048, activations="f32")
+
+
+@pytest.mark.parametrize("model,fixture,prompt", [
+    (SMOLLM2, "smollm2_exact_act", "short"), (SMOLLM2, "smollm2_exact_act", "chat"),
+    (GEMMA3, "gemma3_exact_act", "short"),
+    (GEMMA3, "gemma3_exact_act", "long"),   # 727 tokens, past the 512-token sliding window
+])
+def test_gguf_f32_activations_match_transformers(model, fixture, prompt, goldens, request) -> None:
+    """activations="f32": the C kernels multiply the GGUF's dequantized weights by
+    unrounded activations, so the fast backend holds transformers' f32 logits on the same
+    weights to 1e-3 and reproduces its greedy ids, as the reference ops do."""
+    llm = request.getfixturevalue(fixture)
+    p = _prompts(goldens, model)[prompt]
+    _last_logits_close(llm, p, 1e-3)
+    _check_greedy(llm, p, None)
+
+
+def test_f32_activations_answer_like_exact_arithmetic(smollm2_exact_act) -> None:
+    """The near-tie of shared/FACTS.md: on this question transformers' f32 arithmetic on
+    the GGUF's dequantized weights answers "The capital of France is Paris." (top-2
+    margin 0.08 at the first token), which 8-bit activations flip."""
+    out = smollm2_exact_act.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                 SamplingParams(temperature=0.0, max_tokens=12))
+    assert out.text.startswith("The capital of France is Paris."), out.text
+
+
+def test_bad_activations_raise(smollm2_gguf) -> None:
+    with pytest.raises(ValueError, match="activations 'f16'"):
+        ellm.load(smollm2_gguf, activations="f16")
+
+
 # -- other arithmetic: same argmax, same greedy ids up to a small margin -------------------
 
 @pytest.fixture(scope="module")

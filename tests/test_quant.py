@@ -719,3 +719,174 @@ def test_get_rows_bad_index_raises() -> None:
     for ids in ([0, 4], [-1, 0]):
         with pytest.raises(IndexError):
             _quant.get_rows(raw, int(GGMLType.Q8_0), np.array(ids, np.int32), out)
+
+
+# ------------------------------------------------------------------------------------
+# AMX tiles (many tokens) against the AVX-512 VNNI level, bit for bit
+# ------------------------------------------------------------------------------------
+
+# the types with AMX kernels (csrc/matmul_amx.c); every other type runs the AVX-512 path
+# at the AMX level, which the level-parametrized tests above cover
+AMX_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+             GGMLType.Q4_K, GGMLType.Q6_K]
+# (T, N, K-blocks): T below, at and past 16-token groups and 64-token items, N below and
+# past a 16-row tile, K past one unpacking chunk (32 blocks of 32, 4 blocks of 256)
+AMX_SHAPES = {32: [(16, 16, 1), (17, 5, 3), (31, 33, 2), (64, 16, 33), (100, 37, 7), (257, 48, 18)],
+              256: [(16, 16, 1), (17, 5, 2), (31, 33, 1), (64, 16, 5), (100, 37, 3), (257, 48, 3)]}
+
+
+def needs_amx() -> None:
+    if "amx" not in LEVELS:
+        pytest.skip("this CPU (or its OS) offers no AMX tiles: "
+                    f"levels {LEVELS}; see dispatch.c (CPUID, XCR0, ARCH_REQ_XCOMP_PERM)")
+
+
+@pytest.mark.parametrize("qtype", AMX_TYPES, ids=lambda t: t.name)
+def test_amx_equals_vnni_bit_for_bit(qtype: GGMLType) -> None:
+    """The tile unit forms each block's exact integer dot; the float steps after it are
+    the VNNI kernels', in their order: every output is the same float."""
+    needs_amx()
+    rng = np.random.default_rng(500 + int(qtype))
+    blk = BLOCK_LAYOUT[qtype][0]
+    for t, n, kb in AMX_SHAPES[blk]:
+        k = kb * blk
+        raw = random_rows(qtype, n, k, rng)
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        x *= np.exp(rng.uniform(-3.0, 3.0, size=(t, 1))).astype(np.float32)
+        use_level("avx512")
+        vnni = linear_rows(x, raw, qtype)
+        use_level("amx")
+        amx = linear_rows(x, raw, qtype)
+        assert np.isfinite(amx).all()
+        np.testing.assert_array_equal(amx, vnni, err_msg=f"T={t} N={n} K={k}")
+        w = gguf_dequant(raw, qtype).astype(np.float64)
+        ref = q8_act_reference(x, blk).astype(np.float64) @ w.T
+        assert nmse(amx, ref) < 1e-10, f"T={t} N={n} K={k}"
+
+
+@pytest.mark.parametrize("with_q5_k", [False, True])
+def test_amx_linear_multi_mixes_tiles_and_vnni(with_q5_k: bool) -> None:
+    """A call with both activation formats on the tiles, or (with Q5_K, which has no AMX
+    kernel) the 256-block format on the VNNI kernels beside the 32-block one on the tiles:
+    each part as at the VNNI level, bit for bit."""
+    needs_amx()
+    rng = np.random.default_rng(14)
+    k = 512
+    parts = [(GGMLType.Q4_1, 40), (GGMLType.Q8_0, 19), (GGMLType.Q5_0, 3), (GGMLType.Q4_K, 21),
+             (GGMLType.Q6_K, 17), (GGMLType.F32, 4)] + ([(GGMLType.Q5_K, 9)] if with_q5_k else [])
+    ws = [(random_rows(q, n, k, rng) if q in QUANT else float_weights(q, n, k, rng)[0], q)
+          for q, n in parts]
+    x = rng.standard_normal((70, k)).astype(np.float32)
+    use_level("avx512")
+    vnni = [linear_rows(x, w, q) for w, q in ws]
+    use_level("amx")
+    outs = [np.full((70, w.shape[0]), np.nan, np.float32) for w, _ in ws]
+    _quant.linear_multi(x, [(w, int(q), o) for (w, q), o in zip(ws, outs)])
+    for (w, q), o, v in zip(ws, outs, vnni):
+        np.testing.assert_array_equal(o, v, err_msg=q.name)
+
+
+# ------------------------------------------------------------------------------------
+# linear_multi_exact: f32 activations (ellm.load(..., activations="f32"))
+# ------------------------------------------------------------------------------------
+
+def exact_rows(x: np.ndarray, w: np.ndarray, qtype: GGMLType) -> np.ndarray:
+    out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
+    _quant.linear_multi_exact(np.ascontiguousarray(x), [(w, int(qtype), out)])
+    return out
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", QUANT, ids=lambda t: t.name)
+def test_linear_exact_is_the_dequantized_matmul(qtype: GGMLType, level: str) -> None:
+    """No 8-bit rounding of x: what is left against float64 numpy on the gguf package's
+    dequantized weights is f32 summation order (~1e-7 relative), far below the ~1e-2
+    that rounding x to 8 bits costs."""
+    use_level(level)
+    rng = np.random.default_rng(700 + int(qtype))
+    blk = BLOCK_LAYOUT[qtype][0]
+    for t, n, kb in [(1, 37, 3), (3, 19, 6), (70, 9, 2)]:
+        k = kb * (blk if blk == 256 else 256)
+        raw = random_rows(qtype, n, k, rng)
+        w = gguf_dequant(raw, qtype).astype(np.float64)
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        got = exact_rows(x, raw, qtype)
+        ref = x.astype(np.float64) @ w.T
+        rel = np.abs(got - ref).max() / np.abs(ref).max()
+        assert rel < 2e-6, f"T={t} N={n} K={k}: max error {rel:.2e} of the largest output"
+    # the 8-bit path on the same case is far off in comparison (what this mode is for)
+    int8 = linear_rows(x, raw, qtype)
+    assert np.abs(int8 - ref).max() / np.abs(ref).max() > 20 * rel
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_K,
+                                   GGMLType.Q6_K, GGMLType.Q3_K, GGMLType.BF16],
+                         ids=lambda t: t.name)
+def test_linear_exact_batch_invariant(qtype: GGMLType, level: str) -> None:
+    """Row i of the exact linear is bit-identical whatever T, position and thread count."""
+    use_level(level)
+    rng = np.random.default_rng(800 + int(qtype))
+    w, k, x = invariance_case(qtype, rng)
+    x = x[:150]
+    alone = np.concatenate([exact_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
+    assert np.isfinite(alone).all()
+    for t in (2, 5, 16, 64, 65, 150):
+        for start in sorted({0, len(x) - t}):
+            got = exact_rows(x[start:start + t], w, qtype)
+            assert np.array_equal(got, alone[start:start + t]), f"T={t} rows {start}.."
+    before = _quant.num_threads()
+    try:
+        for threads in (1, 3):
+            _quant.set_num_threads(threads)
+            assert np.array_equal(exact_rows(x, w, qtype), alone), f"{threads} threads"
+    finally:
+        _quant.set_num_threads(before)
+
+
+def test_linear_exact_fast_dequant_is_bit_identical() -> None:
+    """The AVX-512 row dequantizers feed the same float values as quant.c's: at one
+    token the exact linear of a matrix equals dot products of ellm's own dequantized rows
+    computed by the float kernel (an F32 linear on those rows), bit for bit."""
+    rng = np.random.default_rng(15)
+    for level in [lv for lv in LEVELS if lv != "scalar"]:
+        use_level(level)
+        for qtype in QUANT:
+            blk = BLOCK_LAYOUT[qtype][0]
+            k = 2 * max(blk, 256)
+            raw = random_rows(qtype, 13, k, rng)
+            x = rng.standard_normal((3, k)).astype(np.float32)
+            w32 = np.ascontiguousarray(c_dequant(raw, qtype, k))
+            want = exact_rows(x, w32, GGMLType.F32)
+            np.testing.assert_array_equal(exact_rows(x, raw, qtype), want,
+                                          err_msg=f"{qtype.name} at {level}")
+
+
+def test_linear_exact_bad_arguments_raise() -> None:
+    rng = np.random.default_rng(16)
+    raw = random_rows(GGMLType.Q4_1, 4, 64, rng)
+    x = np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="part 0"):
+        _quant.linear_multi_exact(x, [(raw, int(GGMLType.Q4_1), np.zeros((2, 5), np.float32))])
+    with pytest.raises(ValueError, match="unsupported GGML type"):
+        _quant.linear_multi_exact(x, [(raw, 99, np.zeros((2, 4), np.float32))])
+    with pytest.raises(ValueError, match="1 to"):
+        _quant.linear_multi_exact(x, [])
+    with pytest.raises(ValueError):
+        _quant.linear_multi_exact(np.zeros((2, 32), np.float32),
+                                  [(raw, int(GGMLType.Q4_1), np.zeros((2, 4), np.float32))])
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q6_K, GGMLType.F16], ids=lambda t: t.name)
+def test_linear_exact_bias(qtype: GGMLType) -> None:
+    """A bias is one plain add after each output's sum, as on the 8-bit path."""
+    rng = np.random.default_rng(17)
+    k, n = 512, 21
+    w = random_rows(qtype, n, k, rng) if qtype in QUANT else float_weights(qtype, n, k, rng)[0]
+    bias = rng.standard_normal(n).astype(np.float32)
+    for t in (1, 20):
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        plain = exact_rows(x, w, qtype)
+        out = np.full((t, n), np.nan, np.float32)
+        _quant.linear_multi_exact(x, [(w, int(qtype), out, bias)])
+        np.testing.assert_array_equal(out, plain + bias)

@@ -87,9 +87,11 @@ def test_levels_are_ordered_and_end_at_the_best() -> None:
     levels = _core.supported_simd_levels()
     assert levels[0] == "scalar"
     assert _core.simd_best() == levels[-1]
-    assert set(levels) <= {"scalar", "avx2", "avx512", "neon"}
+    assert set(levels) <= {"scalar", "avx2", "avx512", "amx", "neon"}
     if "avx512" in levels:
         assert "avx2" in levels  # the AVX-512 kernels lean on AVX2 for their tails
+    if "amx" in levels:
+        assert levels[-2:] == ["avx512", "amx"]  # AMX adds tiles to the AVX-512 level
 
 
 def test_bogus_level_raises_and_changes_nothing(restore_level: None) -> None:
@@ -101,7 +103,8 @@ def test_bogus_level_raises_and_changes_nothing(restore_level: None) -> None:
 
 
 def test_unsupported_level_raises(restore_level: None) -> None:
-    missing = [name for name in ("avx2", "avx512", "neon") if name not in _core.supported_simd_levels()]
+    missing = [name for name in ("avx2", "avx512", "amx", "neon")
+               if name not in _core.supported_simd_levels()]
     if not missing:
         pytest.skip("this CPU supports every level")
     before = _core.simd_level()
@@ -121,7 +124,7 @@ def test_forcing_a_level_reaches_every_module(restore_level: None) -> None:
 # ---------------------------------------------------------------- the model at each level
 
 
-@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "neon"])
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "amx", "neon"])
 def test_level_logits_match_best(level: str, llm: ellm.LLM, best_logits: np.ndarray,
                                  restore_level: None) -> None:
     if level not in _core.supported_simd_levels():
@@ -142,7 +145,7 @@ def test_level_logits_match_best(level: str, llm: ellm.LLM, best_logits: np.ndar
     np.testing.assert_array_equal(got.argmax(-1)[sure], best_logits.argmax(-1)[sure])
 
 
-@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "neon"])
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "amx", "neon"])
 def test_level_logits_on_float_weights_are_exact(level: str, smollm2_hf_f32: Path,
                                                  restore_level: None) -> None:
     """With f32 weights nothing is quantized, so every level must agree to float rounding."""
@@ -154,3 +157,136 @@ def test_level_logits_on_float_weights_are_exact(level: str, smollm2_hf_f32: Pat
     force_level(level)
     got = llm.logits(PROMPT_IDS)
     np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+
+
+# ---------------------------------------------------------------- MoE and partial rotary at each level
+# Tiny Qwen3-MoE and Phi-3 models (random f32 weights written here; their agreement with
+# transformers is test_tiny_models'): at every level the C kernels give the reference ops'
+# logits, and feeding the prompt in chunks gives one pass's logits bit for bit.
+
+import json  # noqa: E402
+import struct  # noqa: E402
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY_CONFIGS = {
+    "qwen3_moe": dict(TINY, model_type="qwen3_moe", head_dim=16, num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True),
+    "phi3": dict(TINY, model_type="phi3", original_max_position_embeddings=64, sliding_window=24,
+                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                      short_factor=[1.0, 1.4, 2.1, 3.3], long_factor=[2.0, 3.0, 5.0, 8.0])),
+}
+
+
+def _tiny_tensors(arch: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    c = TINY_CONFIGS[arch]
+    H, V, nh, nkv = c["hidden_size"], c["vocab_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim", H // nh)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.15).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.4 * rng.standard_normal(n)).astype(np.float32)
+    t = {"model.embed_tokens.weight": w(V, H), "lm_head.weight": w(V, H), "model.norm.weight": norm(H)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(H)
+        t[p + "post_attention_layernorm.weight"] = norm(H)
+        t[p + "self_attn.o_proj.weight"] = w(H, nh * hd)
+        if arch == "phi3":
+            t[p + "self_attn.qkv_proj.weight"] = w((nh + 2 * nkv) * hd, H)
+            t[p + "mlp.gate_up_proj.weight"] = w(2 * c["intermediate_size"], H)
+            t[p + "mlp.down_proj.weight"] = w(H, c["intermediate_size"])
+            continue
+        for name, rows in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+            t[p + f"self_attn.{name}_proj.weight"] = w(rows, H)
+        t[p + "self_attn.q_norm.weight"], t[p + "self_attn.k_norm.weight"] = norm(hd), norm(hd)
+        F = c["moe_intermediate_size"]
+        t[p + "mlp.gate.weight"] = w(c["num_experts"], H) * 4   # decisive routing
+        for e in range(c["num_experts"]):
+            t[p + f"mlp.experts.{e}.gate_proj.weight"] = w(F, H)
+            t[p + f"mlp.experts.{e}.up_proj.weight"] = w(F, H)
+            t[p + f"mlp.experts.{e}.down_proj.weight"] = w(H, F)
+    return t
+
+
+def _write_folder(folder: Path, arch: str) -> Path:
+    """config.json + model.safetensors (the format's plain layout: header length, JSON, data)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIGS[arch]))
+    header, blobs, at = {}, [], 0
+    for name, a in _tiny_tensors(arch, np.random.default_rng(5)).items():
+        b = np.ascontiguousarray(a).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [at, at + len(b)]}
+        blobs.append(b)
+        at += len(b)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    return folder
+
+
+def _tiny_logits(folder: Path, device: str, chunks: list[int], ids: np.ndarray) -> np.ndarray:
+    from ellm.config import ModelConfig
+    from ellm.engine.kv_cache import BlockManager, KVCache
+    from ellm.formats.safetensors import SafetensorsFolder
+    from ellm.models import build_model
+    from ellm.models.batch import Batch
+    from ellm.ops import get_ops
+    from ellm.weights import SafetensorsWeights
+
+    config = ModelConfig.from_folder(folder)
+    model = build_model(config, SafetensorsWeights(SafetensorsFolder(folder)), get_ops(device))
+    kv = KVCache(config, num_blocks=16, block_size=4)
+    blocks = BlockManager(kv, enable_prefix_caching=False)
+    assert blocks.allocate("s", len(ids))
+    out, start = [], 0
+    for n in chunks:
+        blocks.release_out_of_window("s", start)
+        tables = {w: np.asarray([blocks.table("s", w)], np.int32) for w in kv.windows}
+        out.append(model.forward(Batch.single(ids[start:start + n], start, tables, all_logits=True), kv).copy())
+        start += n
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512", "neon"])
+def test_level_moe_and_partial_rotary_models(arch: str, level: str, tmp_path: Path,
+                                             restore_level: None) -> None:
+    if level not in _core.supported_simd_levels():
+        pytest.skip(f"this CPU cannot run {level}")
+    folder = _write_folder(tmp_path / arch, arch)
+    ids = np.random.default_rng(6).integers(0, TINY["vocab_size"], 40).astype(np.int32)
+    want = _tiny_logits(folder, "reference", [40], ids)
+    force_level(level)
+    got = _tiny_logits(folder, "cpu", [40], ids)
+    err = float(np.abs(got - want).max())
+    assert err <= 1e-4 * float(np.abs(want).max()), f"{arch} at {level}: max error {err:.3g}"
+    chunked = _tiny_logits(folder, "cpu", [13, 7, 10] + [1] * 10, ids)
+    assert np.array_equal(chunked, got), f"{arch} at {level}: chunked prefill + decode is not bit-identical"
+
+
+# ---------------------------------------------------------------- AMX tiles, bit for bit
+
+# 40 tokens: past the 16 at which the many-token kernels (and so the AMX tiles) take over
+LONG_PROMPT_IDS = PROMPT_IDS * 3 + PROMPT_IDS[:4]
+
+
+@pytest.mark.parametrize("model", ["smollm2_gguf", "gemma3_gguf"])
+def test_amx_model_logits_equal_avx512_bit_for_bit(model: str, request: pytest.FixtureRequest,
+                                                   restore_level: None) -> None:
+    """The AMX level's tiles form the same exact integer block sums as the VNNI kernels
+    and then take the same float steps: a whole model's logits are the same bits (Gemma 3's
+    Q4_K / Q6_K matrices run the AVX-512 kernels at the AMX level)."""
+    if "amx" not in _core.supported_simd_levels():
+        pytest.skip("this CPU (or its OS) offers no AMX tiles "
+                    f"(levels: {_core.supported_simd_levels()})")
+    llm = ellm.load(str(request.getfixturevalue(model)), device="cpu", max_model_len=256)
+    force_level("avx512")
+    want = llm.logits(LONG_PROMPT_IDS)
+    force_level("amx")
+    got = llm.logits(LONG_PROMPT_IDS)
+    np.testing.assert_array_equal(got, want)
+    # another T (other tile groups and padding): position 19 keeps its bits
+    np.testing.assert_array_equal(llm.logits(LONG_PROMPT_IDS[:20])[-1], got[19])

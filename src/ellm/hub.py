@@ -34,7 +34,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
@@ -149,11 +149,20 @@ class PullError(RuntimeError):
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """Where a model's files are: one GGUF file, or one Hugging Face folder."""
+    """Where a model's files are: one GGUF file, or one Hugging Face folder.
+
+    origin says how the source was read: "known" (a name from KNOWN_MODELS), "path" (a
+    file or folder given as a path) or "hub" (a Hugging Face repo id)."""
 
     kind: Literal["gguf", "hf"]
     path: Path
     name: str
+    origin: Literal["known", "path", "hub"] = field(default="path", compare=False)
+
+    def describe(self) -> str:
+        """One line saying what this is, for the "loading ..." message."""
+        what = {"known": "known model", "path": "local path", "hub": "Hugging Face repo"}[self.origin]
+        return f"{self.name} ({what}, {'GGUF' if self.kind == 'gguf' else 'Hugging Face folder'} {self.path})"
 
 
 def _known_names() -> str:
@@ -204,43 +213,63 @@ _PATHLIKE_SUFFIXES = {".gguf", ".safetensors", ".json", ".bin"}
 def resolve(
     source: str | Path | None, *, pull: bool = True, progress: bool = True
 ) -> ResolvedModel:
-    """Find the model ``source`` names.
+    """Find the model ``source`` names. The rules, in order (a name never turns into a
+    path by accident, nor a path into a name):
 
     - ``None``: the default model (``DEFAULT_MODEL``), pulled if needed.
-    - an existing folder with config.json and *.safetensors: ``("hf", folder)``;
-      a folder holding exactly one .gguf (and no config.json) gives that file.
-    - an existing file that is a GGUF (by suffix or magic bytes): ``("gguf", file)``.
-    - a known name: its cached GGUF, pulled first when ``pull`` is true.
-    - ``"org/name"``: a Hugging Face repo, fetched with huggingface_hub (``ellm[hub]``).
+    - a :class:`~pathlib.Path`: always a path.
+    - a known name (case-insensitive): its cached GGUF, pulled first when ``pull`` is
+      true. The known model wins even when a file or folder of the same name sits in
+      the working directory (a note says so); write ``./gemma-3-270m`` for that one.
+    - a string that looks like a path (it holds a path separator, starts with ``.`` or
+      ``~``, or ends in .gguf / .safetensors / .json / .bin): a path.
+    - ``"org/name"`` that is not an existing local path: a Hugging Face repo, fetched
+      with huggingface_hub (``ellm[hub]``).
+    - any other bare word is an unknown name, even if a file of that name exists
+      (the error says to write ``./word`` to load it).
 
-    Raises ModelNotFoundError for anything else, with the known names in its message.
+    A path may be a folder with config.json and *.safetensors (``("hf", folder)``), a
+    folder holding exactly one .gguf and no config.json (that file), or a GGUF file (by
+    suffix or magic bytes). Raises ModelNotFoundError for anything else, with the known
+    names in its message.
     """
     if source is None:
         source = DEFAULT_MODEL
-    text = os.fspath(source)
+    if not isinstance(source, str):
+        return _resolve_path(os.fspath(source))
+    text = source
+    key = text.strip().lower()
+    if key in KNOWN_MODELS:
+        shadow = Path(text.strip())
+        if shadow.exists():
+            _say(progress, f"ellm: {text!r} is the known model {key}; the local {shadow} of the same "
+                           f"name is not used (write ./{shadow} to load it)")
+        return _resolve_known(key, pull=pull, progress=progress)
     path = Path(text).expanduser()
+    if _REPO_ID.match(text) and path.suffix.lower() not in _PATHLIKE_SUFFIXES and not path.exists():
+        return _resolve_hf_repo(text, pull=pull, progress=progress)
+    if _looks_like_path(text):
+        return _resolve_path(text)
+    local = f" (a local {text} exists: write ./{text} to load it)" if path.exists() else ""
+    raise ModelNotFoundError(
+        f"unknown model {text!r}{local}; known names: {_known_names()} "
+        "(or a path to a .gguf file or a Hugging Face folder)"
+    )
 
+
+def _resolve_path(text: str) -> ResolvedModel:
+    path = Path(text).expanduser()
     if path.is_dir():
         return _resolve_folder(path)
     if path.is_file():
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-            return ResolvedModel("gguf", path.absolute(), path.stem)
+            return ResolvedModel("gguf", path.absolute(), path.stem, "path")
         raise ModelNotFoundError(
             f"{text} is not a model: expected a .gguf file or a Hugging Face folder "
             f"(config.json + *.safetensors), or a known name ({_known_names()})"
         )
-
-    if isinstance(source, str):
-        key = text.strip().lower()
-        if key in KNOWN_MODELS:
-            return _resolve_known(key, pull=pull, progress=progress)
-        if _REPO_ID.match(text) and path.suffix.lower() not in _PATHLIKE_SUFFIXES:
-            return _resolve_hf_repo(text, pull=pull, progress=progress)
-        if not _looks_like_path(text):
-            raise ModelNotFoundError(
-                f"unknown model {text!r}; known names: {_known_names()} "
-                "(or a path to a .gguf file or a Hugging Face folder)"
-            )
+    if path.exists():  # a FIFO, a device, a socket: never opened (open() could block)
+        raise ModelNotFoundError(f"{text} is not a regular file or a folder")
     raise ModelNotFoundError(
         f"no such file or folder: {text} (known model names: {_known_names()})"
     )
@@ -267,10 +296,10 @@ def _resolve_folder(folder: Path) -> ResolvedModel:
     folder = folder.absolute()
     has_config = (folder / "config.json").is_file()
     if has_config and any(folder.glob("*.safetensors")):
-        return ResolvedModel("hf", folder, folder.name)
+        return ResolvedModel("hf", folder, folder.name, "path")
     ggufs = sorted(folder.glob("*.gguf"))
     if not has_config and len(ggufs) == 1:
-        return ResolvedModel("gguf", ggufs[0], ggufs[0].stem)
+        return ResolvedModel("gguf", ggufs[0], ggufs[0].stem, "path")
     what = "several .gguf files" if len(ggufs) > 1 else "no config.json + *.safetensors"
     raise ModelNotFoundError(
         f"{folder} is not a model folder ({what}); expected a Hugging Face folder "
@@ -280,11 +309,11 @@ def _resolve_folder(folder: Path) -> ResolvedModel:
 
 def _resolve_known(name: str, *, pull: bool, progress: bool) -> ResolvedModel:
     if pull:
-        return ResolvedModel("gguf", _pull(KNOWN_MODELS[name], progress=progress), name)
+        return ResolvedModel("gguf", _pull(KNOWN_MODELS[name], progress=progress), name, "known")
     path = model_file(name)
     if not path.is_file():
         raise ModelNotFoundError(f"{name} is not pulled yet; run `ellm pull {name}`")
-    return ResolvedModel("gguf", path, name)
+    return ResolvedModel("gguf", path, name, "known")
 
 
 def _resolve_hf_repo(repo_id: str, *, pull: bool, progress: bool) -> ResolvedModel:
@@ -305,7 +334,7 @@ def _resolve_hf_repo(repo_id: str, *, pull: bool, progress: bool) -> ResolvedMod
             f"could not fetch {repo_id} from the Hugging Face Hub: {exc}"
         ) from exc
     resolved = _resolve_folder(Path(folder))
-    return ResolvedModel(resolved.kind, resolved.path, repo_id)
+    return ResolvedModel(resolved.kind, resolved.path, repo_id, "hub")
 
 
 # ---------------------------------------------------------------------------

@@ -10,6 +10,8 @@ close(), at the end of a `with` block, when the LLM is collected, or at interpre
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from .engine.sequence import TokenLogprob
 from .sampling_defaults import SamplingDefaults
 from .sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 Prompt = Union[str, Sequence[int]]
 
 
@@ -32,9 +36,10 @@ Prompt = Union[str, Sequence[int]]
 class CompletionOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str | None        # "stop" | "length" | "abort"
+    finish_reason: str | None        # "stop" | "length" | "abort" | "error"
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None         # why, when finish_reason is "error" (a constraint failed)
     # chat with tools: the parsed calls (ellm.server.tools.ToolCall) and the text beside them
     tool_calls: list[Any] | None = None
     content: str | None = None
@@ -58,7 +63,7 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 def _completion(final: FinalOutput, params: SamplingParams) -> CompletionOutput:
     return CompletionOutput(final.text, final.token_ids, final.finish_reason, final.prompt_token_ids,
-                            final.logprobs if params.logprobs is not None else None)
+                            final.logprobs if params.logprobs is not None else None, final.error)
 
 
 def _shape(outs: list[CompletionOutput], n: int, single: bool) -> Any:
@@ -305,14 +310,16 @@ def _set_threads(threads: int | None) -> None:
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
          threads: int | None = None, chat_template: str | None = None,
-         progress: bool = True) -> LLM:
+         progress: bool = True, activations: str = "int8") -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
 
     max_model_len: prompt + output tokens per sequence (capped by the model's own limit).
     threads: the kernels' thread pool size, for the whole process (None: leave it as it
     is, all CPUs this process may use unless set before; 0: all of them).
     chat_template: a Jinja chat template (the text, or a path to a file) used instead of
-    the model's own by chat() and the server."""
+    the model's own by chat() and the server.
+    activations: "int8" (default) rounds a quantized matmul's input to 8-bit blocks;
+    "f32" multiplies the dequantized weights by it unrounded (see ops.get_ops)."""
     from . import hub
     from . import sampling_defaults as defaults
     from ._memory import release_freed_memory
@@ -335,8 +342,12 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         template = _chat_template_source(chat_template)
         compile_template(template)   # a broken template fails here, not at the first chat
     _set_threads(threads)
-    ops = get_ops(device)
+    ops = get_ops(device, activations=activations)
     resolved = hub.resolve(source, progress=progress)
+    # Say what was loaded: a name and a path can look alike (see hub.resolve).
+    log.info("loading %s", resolved.describe())
+    if progress:
+        print(f"ellm: loading {resolved.describe()}", file=sys.stderr, flush=True)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
         config = ModelConfig.from_gguf(gguf)

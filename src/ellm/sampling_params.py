@@ -12,14 +12,28 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # Below this a temperature is treated as 0 (greedy), as vLLM does: dividing logits by a
 # denormal-small temperature would only produce infinities.
 GREEDY_EPS = 1e-5
 # The most top logprobs a token may return (OpenAI's top_logprobs limit, vLLM's default).
 MAX_LOGPROBS = 20
+# OpenAI's limit on completions per request (each one is a sequence in the engine).
+MAX_N = 128
 # OpenAI's ranges for these fields.
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# Limits of what the float32 sampling kernels can represent (engine/sampler.py):
+# - 1 / temperature is passed to C as a float32 scale; above this temperature it is a
+#   subnormal and then 0 (float32's smallest normal is 1.18e-38).
+MAX_TEMPERATURE = 8.5e37
+# - top-p computes 1 - top_p in float64, which rounds to 1 below ~1.1e-16 and leaves an
+#   empty nucleus; any top_p this small keeps only the most likely token anyway.
+MIN_TOP_P = 1e-9
+# - the repetition penalty divides / multiplies float32 logits: within this range every
+#   logit a model produces (|x| < 1e32) stays finite, so the sampler never sees inf or NaN.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 def _is_int(v: Any) -> bool:
@@ -28,7 +42,29 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_real(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float (a JSON number of 400 digits)
+        return False
+
+
+def check_token_ids(ids: Any, vocab_size: int, what: str = "prompt") -> list[int]:
+    """`ids` as a list of Python ints, each in [0, vocab_size); ValueError naming the
+    first bad one otherwise. Booleans are refused (True is an int to Python, but a token
+    id of True is a bug in the caller); numpy integers are accepted."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{what} token ids must be a list of ints, got {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"{what} token id #{i} is {t!r} ({type(t).__name__}), not an int")
+        t = int(t)
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{what} token id {t} is outside the vocabulary (size {vocab_size})")
+        out.append(t)
+    return out
 
 
 @dataclass
@@ -36,11 +72,11 @@ class SamplingParams:
     """Decoding settings for one request.
 
     max_tokens: most tokens to generate (None: until EOS or the context is full); >= 1.
-    temperature: >= 0; 0 (or below 1e-5) is greedy decoding.
-    top_p: nucleus mass in (0, 1]; 1 is off.
+    temperature: in [0, 8.5e37]; 0 (or below 1e-5) is greedy decoding.
+    top_p: nucleus mass in [1e-9, 1]; 1 is off.
     top_k: keep the k most likely tokens; 0 or -1 is off.
     min_p: drop tokens whose probability is below min_p * the top probability; [0, 1].
-    repetition_penalty: > 0; for every token in the prompt or the output, a positive logit
+    repetition_penalty: in [1e-6, 1e6]; for every token in the prompt or the output, a positive logit
         is divided by it and a negative one multiplied (HF/vLLM). 1 is off.
     frequency_penalty, presence_penalty: [-2, 2]; subtract penalty * count (frequency) or
         penalty once (presence) for tokens in the generated output only (OpenAI).
@@ -53,7 +89,7 @@ class SamplingParams:
         strings (as OpenAI's JSON sends them); they are normalised to int.
     logprobs: None, or how many top logprobs to return per token, 0..20 (0: only the
         chosen token's logprob).
-    n: how many completions per prompt; >= 1.
+    n: how many completions per prompt; 1..128.
     skip_special_tokens: leave special tokens out of the text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
 
@@ -95,19 +131,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
-        if not (_is_real(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (_is_real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         self.temperature = float(self.temperature)
-        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (_is_real(self.top_p) and MIN_TOP_P <= self.top_p <= 1):
+            raise ValueError(f"top_p must be in [{MIN_TOP_P:g}, 1], got {self.top_p!r}")
         self.top_p = float(self.top_p)
         if not (_is_int(self.top_k) and self.top_k >= -1):
             raise ValueError(f"top_k must be an int >= 1, or 0 / -1 for off, got {self.top_k!r}")
         if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         self.min_p = float(self.min_p)
-        if not (_is_real(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not (_is_real(self.repetition_penalty) and lo <= self.repetition_penalty <= hi):
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty!r}")
         self.repetition_penalty = float(self.repetition_penalty)
         lo, hi = PENALTY_RANGE
         for name in ("frequency_penalty", "presence_penalty"):
@@ -125,8 +162,8 @@ class SamplingParams:
         self.logit_bias = self._check_logit_bias(self.logit_bias)
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if not (_is_int(self.n) and self.n >= 1):
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not (_is_int(self.n) and 1 <= self.n <= MAX_N):
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         self._check_constraint()
 
     # -- constrained decoding -------------------------------------------------------------

@@ -16,7 +16,8 @@ adds BOS only where the model adds it.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from .chat_templates import builtin_template
+from .formats.errors import FormatError
+from .formats.files import read_regular_file
 from .tokenization.gguf_vocab import backend_from_gguf, template_processor
 from .tokenization.incremental import IncrementalDetokenizer
 from .tokenization.template import ChatTemplateError, render_chat
@@ -36,6 +39,11 @@ __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
 # Control tokens that end a turn or a document in common vocabularies. Like llama.cpp, we
 # stop generation on any of them that the vocabulary has as a special token, besides the
 # configured EOS: Gemma's <end_of_turn> ends every chat reply while its EOS is <eos>.
+# Side files of a model folder are read whole; these bound them (Gemma 3's tokenizer.json
+# is 33 MB, configs are a few kB).
+_MAX_TOKENIZER_JSON = 1 << 30
+_MAX_SIDE_JSON = 64 << 20
+
 _END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
                       "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<|return|>")
 
@@ -80,12 +88,15 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
-        """The tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata."""
+        """The tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata. A
+        vocabulary that cannot be built is a FormatError naming the file."""
+        with _vocabulary_errors(gguf.path, "tokenizer.ggml.* metadata"):
+            return cls._from_gguf(gguf)
+
+    @classmethod
+    def _from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
         meta = gguf.metadata
-        try:
-            backend = backend_from_gguf(meta)
-        except ValueError as e:
-            raise ValueError(f"{gguf.path}: {e}") from None
+        backend = backend_from_gguf(meta)
         tokens = meta["tokenizer.ggml.tokens"]
 
         def named(key: str) -> str | None:
@@ -103,12 +114,18 @@ class Tokenizer:
     def from_folder(cls, folder: str | Path) -> Tokenizer:
         """A Hugging Face model folder: tokenizer.json, plus tokenizer_config.json (special
         tokens, add_bos_token, chat template), chat_template.jinja, generation_config.json
-        and config.json (end-of-generation ids, architecture) where present."""
+        and config.json (end-of-generation ids, architecture) where present. A folder
+        without tokenizer.json is a FileNotFoundError; malformed files are a FormatError."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{folder}: no tokenizer.json")
-        backend = Backend.from_file(str(path))
+        with _vocabulary_errors(folder, "tokenizer files"):
+            return cls._from_folder(folder, path)
+
+    @classmethod
+    def _from_folder(cls, folder: Path, path: Path) -> Tokenizer:
+        backend = Backend.from_str(read_regular_file(path, _MAX_TOKENIZER_JSON).decode("utf-8"))
         cfg = _read_json(folder / "tokenizer_config.json")
         model_cfg = _read_json(folder / "config.json")
         gen_cfg = _read_json(folder / "generation_config.json")
@@ -211,11 +228,40 @@ class Tokenizer:
 
 # ---- folder helpers --------------------------------------------------------------------
 
+@contextmanager
+def _vocabulary_errors(path: str | Path, what: str) -> Iterator[None]:
+    """Turns every way a malformed vocabulary can fail into FormatError(path, ...).
+
+    The tokenizers library reports bad input as bare Exception, and a Rust panic inside it
+    as pyo3_runtime.PanicException, which derives from BaseException and so escapes every
+    `except Exception`; both come from the file's contents, not from a bug here."""
+    try:
+        yield
+    except FormatError:
+        raise
+    except FileNotFoundError:
+        raise
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:
+        if not (isinstance(e, Exception) or _is_rust_panic(e)):
+            raise
+        raise FormatError(path, f"{what} do not make a tokenizer: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _is_rust_panic(e: BaseException) -> bool:
+    return type(e).__name__ == "PanicException" and type(e).__module__ == "pyo3_runtime"
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
+    if not path.exists():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    data = json.loads(read_regular_file(path, _MAX_SIDE_JSON))
     return data if isinstance(data, dict) else {}
 
 
@@ -256,7 +302,7 @@ def _folder_template(folder: Path, cfg: dict) -> str | None:
     the tokenizer_config entry (a string, or a list of named templates: take "default")."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        return read_regular_file(jinja, _MAX_SIDE_JSON).decode("utf-8")
     value = _read_json(folder / "chat_template.json").get("chat_template") or cfg.get("chat_template")
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}

@@ -45,14 +45,17 @@ CONFIGS = {
     "olmo2": lambda: tf.Olmo2Config(**WIDE),
     "granite": lambda: tf.GraniteConfig(**WIDE, embedding_multiplier=3.0, residual_multiplier=0.5,
                                         attention_multiplier=0.2, logits_scaling=2.5),
-    # 12 of 16 dims per head rotate; LongRoPE with the attention factor of 256 / 64 positions;
-    # a window shorter than the prompt
-    "phi3": lambda: tf.Phi3Config(**WIDE, original_max_position_embeddings=64, sliding_window=24,
+    # 12 of 16 dims per head rotate; LongRoPE with the attention factor of 1024 / 256
+    # positions (every test stays below 256, where transformers takes the short factors, as
+    # llama.cpp does with a context of 256, the least it pads to); a window shorter than
+    # the prompt (which llama.cpp does not apply to Phi-3)
+    "phi3": lambda: tf.Phi3Config(**{**WIDE, "max_position_embeddings": 1024}, original_max_position_embeddings=256,
+                                  sliding_window=24,
                                   rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
                                                        partial_rotary_factor=0.75,
                                                        short_factor=[1.0, 1.3, 1.9, 2.6, 3.1, 4.2],
                                                        long_factor=[1.5, 2.5, 4.0, 6.0, 9.0, 12.0],
-                                                       original_max_position_embeddings=64)),
+                                                       original_max_position_embeddings=256)),
     # 3 of 8 experts per token, renormalised
     "qwen3_moe": lambda: tf.Qwen3MoeConfig(**WIDE, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
                                            norm_topk_prob=True),

@@ -102,7 +102,7 @@ def f32_to_f16(const float[::1] src, uint16_t[::1] dst):
         ellm_f32_to_f16_row(&src[0] if src.shape[0] else NULL, &dst[0] if dst.shape[0] else NULL, src.shape[0])
 
 
-SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3}
+SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "neon": 3, "amx": 4}
 
 
 def simd_best() -> str:
@@ -114,7 +114,7 @@ def simd_level() -> str:
 
 
 def set_simd_level(name: str) -> None:
-    """Forces the kernel level ("scalar", "avx2", "avx512", "neon") for the whole process."""
+    """Forces the kernel level ("scalar", "avx2", "avx512", "amx", "neon") for the whole process."""
     if name not in SIMD_LEVELS:
         raise ValueError(f"unknown SIMD level {name!r}; expected one of {sorted(SIMD_LEVELS)}")
     if ellm_simd_set(SIMD_LEVELS[name]) != 0:
@@ -126,4 +126,6 @@ def supported_simd_levels() -> list:
     best = ellm_simd_best()
     if best == 3:
         return ["scalar", "neon"]
+    if best == 4:  # AMX: the AVX-512 level plus tiles, numbered after NEON
+        return ["scalar", "avx2", "avx512", "amx"]
     return [ellm_simd_name(i).decode() for i in range(best + 1)]

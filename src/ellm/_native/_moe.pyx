@@ -28,6 +28,8 @@ cdef extern from "quant.h":
 
 
 cdef extern from "moe.h":
+    enum:
+        ELLM_MOE_MAX_TOPK
     ctypedef struct ellm_expert_stack:
         int qtype
         int64_t N, K
@@ -44,8 +46,8 @@ cdef extern from "moe.h":
                          size_t scratch_bytes) nogil
 
 
-# the routing kernel sorts a token's choices on the stack (MAX_TOPK in moe.c)
-MAX_TOP_K = 64
+# the kernels sort a token's choices on the stack
+MAX_TOP_K = ELLM_MOE_MAX_TOPK
 
 
 cdef int _raise_status(int status, str fn) except -1:

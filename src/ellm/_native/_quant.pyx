@@ -439,3 +439,68 @@ def quantize(const float[:, ::1] x not None, int qtype):
         st = ellm_quantize_rows(qtype, &x[0, 0], N, K, &dst[0, 0], <size_t>(N * rb))
     _raise_status(st, "quantize")
     return res
+
+
+# ================================ exact activations ================================
+
+cdef extern from "matmul_exact.h":
+    size_t ellm_linear_exact_scratch_bytes(int64_t K, int max_threads) nogil
+    int ellm_linear_multi_exact(const float *x, int64_t T, int64_t K,
+                                const ellm_linear_part *parts, int n_parts, void *scratch,
+                                size_t scratch_bytes) nogil
+
+
+def linear_multi_exact(const float[:, ::1] x not None, parts) -> None:
+    """linear_multi (parts (w, qtype, out[, bias])) with f32 activations: quantized weights are dequantized a few rows at
+    a time and multiplied by x as it is (no 8-bit rounding of x), so the result is the
+    dequantized-f32 matmul up to float summation order. Same parts, checks and batch
+    invariance as linear_multi; float weight types give linear_multi's values."""
+    cdef int n = len(parts)
+    if n < 1 or n > _MAX_PARTS:
+        raise ValueError(f"linear_multi_exact: 1 to {_MAX_PARTS} (w, qtype, out) parts, got {n}")
+    cdef int64_t T = x.shape[0], K = x.shape[1]
+    cdef Py_buffer wbufs[_MAX_PARTS]
+    cdef ellm_linear_part cparts[_MAX_PARTS]
+    cdef int acquired = 0, i, st = 0, qtype
+    cdef float[:, :] o
+    cdef size_t need
+    cdef _Scratch s
+    outs = []  # keeps the out views alive while C writes through their pointers
+    try:
+        for i in range(n):
+            part = parts[i]
+            if not isinstance(part, tuple) or len(part) not in (3, 4):
+                raise ValueError(f"linear_multi_exact: part {i} must be a (w, qtype, out) or "
+                                 f"(w, qtype, out, bias) tuple")
+            w, qtype, out = part[:3]
+            _check_type(qtype, "linear_multi_exact")
+            _get_weights(w, qtype, K, f"linear_multi_exact part {i}", &wbufs[i])
+            acquired += 1
+            try:
+                o = out
+            except (ValueError, TypeError, BufferError) as e:
+                raise ValueError(f"linear_multi_exact part {i}: out must be a writable 2-D "
+                                 f"float32 array ({e})") from None
+            outs.append(o)
+            cparts[i].qtype = qtype
+            cparts[i].w = <const uint8_t *>wbufs[i].buf
+            cparts[i].w_bytes = <size_t>wbufs[i].len
+            cparts[i].N = wbufs[i].shape[0]
+            _out_pointer(o, T, wbufs[i].shape[0], i, &cparts[i])
+            bias = part[3] if len(part) == 4 else None
+            cparts[i].bias = _bias_pointer(bias, cparts[i].N, cparts[i].y, T if cparts[i].y else 0,
+                                           cparts[i].ldy, f"linear_multi_exact part {i}")
+            outs.append(bias)
+        if T == 0:
+            return
+        need = ellm_linear_exact_scratch_bytes(K, ellm_num_threads())
+        if need == 0 and K > 0:
+            raise ValueError(f"linear_multi_exact: K={K} is too large")
+        s = _scratch()
+        s.reserve(need)
+        with nogil:
+            st = ellm_linear_multi_exact(&x[0, 0] if K else NULL, T, K, cparts, n, s.ptr, s.cap)
+    finally:
+        for i in range(acquired):
+            PyBuffer_Release(&wbufs[i])
+    _raise_status(st, "linear_multi_exact")

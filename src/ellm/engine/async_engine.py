@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..sampling_params import SamplingParams
-from .engine import POOLINGS, Engine, RequestError
+from .engine import POOLINGS, Engine, RequestError, SequenceError
 from .sequence import RequestOutput, TokenLogprob
 
 log = logging.getLogger("ellm.engine")
@@ -80,6 +80,7 @@ class FinalOutput:
     prompt_token_ids: list[int]
     logprobs: list[TokenLogprob]
     num_cached_tokens: int
+    error: str | None = None         # why, when finish_reason is "error"
 
 
 class _Sink:
@@ -206,7 +207,7 @@ class BlockingRequestStream:
 
 def _final(out: RequestOutput, logprobs: list[TokenLogprob]) -> FinalOutput:
     return FinalOutput(out.request_id, out.text, list(out.token_ids), out.finish_reason,
-                       list(out.prompt_token_ids), logprobs, out.num_cached_tokens)
+                       list(out.prompt_token_ids), logprobs, out.num_cached_tokens, out.error)
 
 
 class AsyncEngine:
@@ -538,6 +539,9 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue   # aborted by its consumer meanwhile
+            if out.error is not None:  # this request alone failed inside step()
+                self._fail(out.request_id, SequenceError(out.error), in_engine=False)
+                continue
             self._fix_delta(sink, out)
             if out.finished:
                 del self._sinks[out.request_id]

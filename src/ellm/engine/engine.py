@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..models.batch import Batch
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, check_token_ids
 from .kv_cache import BlockManager, KVCache
 from .sampler import SequenceSampler, sample_batch
 from .scheduler import Scheduler
@@ -31,6 +31,11 @@ POOLINGS = ("mean", "last", "cls")
 
 class RequestError(ValueError):
     """A request the engine cannot run (too long, bad ids); the message says why."""
+
+
+class SequenceError(RuntimeError):
+    """A request failed while it ran (its sampling or detokenizing raised); it alone was
+    finished, with finish_reason "error", and the other requests went on."""
 
 
 @dataclass
@@ -78,12 +83,12 @@ class Engine:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already running")
         vocab = self.model.config.vocab_size
-        prompt_ids = [int(t) for t in prompt_ids]
+        try:
+            prompt_ids = check_token_ids(prompt_ids, vocab)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         if not prompt_ids:
             raise RequestError("the prompt is empty (no tokens)")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
         limit = self.cfg.max_model_len
         if len(prompt_ids) >= limit:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context allows "
@@ -146,9 +151,22 @@ class Engine:
                 self.blocks.cache_prefix(seq.request_id, seq.prompt_ids, seq.num_computed)
         if masks is not None:  # [structured]
             sampled, logits, masks = self._drop_failed_grammars(sampled, logits, masks, outputs)
-        results = sample_batch([s.sampler for s in sampled], logits, masks)
-        for seq, res in zip(sampled, results):
-            self._append(seq, res)
+        # The error boundary of one request: whatever its sampler or detokenizer raises (a
+        # value no check foresaw, a NaN row) finishes that sequence with an error; the
+        # others in the batch go on. When every row is a bare argmax (nothing per request
+        # can fail there) one batched argmax serves them; otherwise rows are sampled one by
+        # one, so a failure cannot cost a neighbour its random draw (seeded requests stay
+        # batch-invariant).
+        samplers = [seq.sampler for seq in sampled]
+        batched = sample_batch(samplers, logits, masks) if all(s.plain_greedy for s in samplers) else None
+        for b, seq in enumerate(sampled):
+            try:
+                res = batched[b] if batched is not None else sample_batch(
+                    [seq.sampler], logits[b:b + 1], None if masks is None else [masks[b]])[0]
+                self._append(seq, res)
+            except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
+                seq.error = f"sampling failed: {type(e).__name__}: {e}"
+                self._finish(seq, "error")
             if seq.status is SeqStatus.FINISHED or seq.pending_ids:
                 outputs.append(seq.take_output())
         return outputs

@@ -166,6 +166,11 @@ class SequenceSampler:
             self._hist = np.empty(_TOP_P_BINS, np.float64)
             self._bin_bufs = self._bin_buffers(256)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """True when this sampler is a bare argmax (no penalties, bias or logprobs)."""
+        return self._plain_greedy
+
     # -- state -------------------------------------------------------------------------
 
     def append(self, token_id: int) -> None:

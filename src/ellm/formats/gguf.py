@@ -1,7 +1,17 @@
 """GGUF files (versions 2 and 3): metadata and tensors as views into a read-only map.
 
 Every length, count and offset read from the file is checked against the file size
-before it is used, so a damaged file raises FormatError instead of reading past the map.
+before it is used, so a damaged file raises FormatError instead of reading past the map,
+and nothing is allocated that the file's own bytes do not pay for: each count is bounded
+by the bytes left (a metadata entry takes at least 13 bytes, a tensor entry 32, a string
+8, a nested array 12), arrays nest at most MAX_ARRAY_DEPTH deep, and tensors must lie
+inside the data section without overlapping.
+
+The file is memory-mapped, so a file truncated by another process *while it is mapped*
+makes the next read of a page past the new end raise SIGBUS, which kills the process (no
+reader of a shared map can catch that). The size is checked again when a tensor is first
+handed out (`raw`, `array`), which catches a truncation between opening and loading;
+after that, do not truncate model files in place (replace them by rename instead).
 """
 from __future__ import annotations
 
@@ -14,6 +24,7 @@ import numpy as np
 
 from .._native._core import MappedFile
 from .errors import FormatError
+from .files import regular_file_size
 from .ggml_types import BLOCK_LAYOUT, GGMLType
 
 GGUF_MAGIC = b"GGUF"
@@ -23,6 +34,17 @@ MAX_DIMS = 4
 MAX_STRING_BYTES = 1 << 30
 MAX_KV_COUNT = 1 << 20
 MAX_TENSOR_COUNT = 1 << 20
+# Arrays of arrays: no known writer makes them deeper than this; bounding the depth keeps
+# the parser's recursion far from Python's limit.
+MAX_ARRAY_DEPTH = 3
+# Arrays inside arrays, over the whole file: each costs a Python object (~100 bytes) for
+# 12 bytes of file, so millions of empty ones would cost gigabytes. Real files have none.
+MAX_NESTED_ARRAYS = 1 << 12
+# The fewest bytes one entry of each kind takes in the file (the counts are checked
+# against the bytes left before anything is built).
+_MIN_KV_BYTES = 8 + 4 + 1           # key length, value type, a one-byte value
+_MIN_TENSOR_BYTES = 8 + 4 + 8 + 4 + 8  # name length, rank, one dim, type, offset
+_MIN_ELEMENT_BYTES = {8: 8, 9: 4 + 8}  # a string's length; a nested array's type + count
 
 # metadata value type -> (struct format, size) for the scalar types
 _SCALARS: dict[int, tuple[str, int]] = {
@@ -54,6 +76,11 @@ class _Cursor:
 
     def __init__(self, path: Path, buf: memoryview) -> None:
         self.path, self.buf, self.pos = path, buf, 0
+        self.depth = 0  # arrays open around the value being read
+        self.nested_arrays = 0  # arrays read inside other arrays so far
+
+    def remaining(self) -> int:
+        return len(self.buf) - self.pos
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > len(self.buf):
@@ -75,9 +102,9 @@ class _Cursor:
 
     def string(self, what: str) -> str:
         n = self.u64(f"{what} length")
-        if n > MAX_STRING_BYTES:
-            raise FormatError(self.path, f"{what} claims {n} bytes")
-        self.need(n, what)
+        if n > MAX_STRING_BYTES or n > self.remaining():
+            raise FormatError(self.path, f"{what} claims {n} bytes, more than the {self.remaining()} "
+                                         "bytes left in the file")
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         try:
@@ -96,21 +123,31 @@ class _Cursor:
         raise FormatError(self.path, f"{what} has unknown value type {vtype}")
 
     def array(self, what: str) -> Any:
+        if self.depth >= MAX_ARRAY_DEPTH:
+            raise FormatError(self.path, f"{what}: arrays nested more than {MAX_ARRAY_DEPTH} deep")
+        if self.depth:
+            self.nested_arrays += 1
+            if self.nested_arrays > MAX_NESTED_ARRAYS:
+                raise FormatError(self.path, f"{what}: more than {MAX_NESTED_ARRAYS} arrays inside arrays")
         etype = self.u32(f"{what} element type")
         count = self.u64(f"{what} element count")
         if etype in _SCALAR_DTYPES:
             size = _SCALARS[etype][1]
-            if count > len(self.buf):
-                raise FormatError(self.path, f"{what} claims {count} elements")
-            self.need(count * size, what)
+            if count * size > self.remaining():
+                raise FormatError(self.path, f"{what} claims {count} elements of {size} bytes, "
+                                             f"more than the {self.remaining()} bytes left in the file")
             arr = np.frombuffer(self.buf, dtype=_SCALAR_DTYPES[etype], count=count, offset=self.pos)
             self.pos += count * size
             return arr
-        if etype in (_STRING, _ARRAY):
-            # each element takes at least 8 bytes (a length or a type+count)
-            if count * 8 > len(self.buf) - self.pos:
-                raise FormatError(self.path, f"{what} claims {count} elements, more than the file holds")
-            return [self.value(etype, f"{what}[{i}]") for i in range(count)]
+        if etype in _MIN_ELEMENT_BYTES:
+            if count * _MIN_ELEMENT_BYTES[etype] > self.remaining():
+                raise FormatError(self.path, f"{what} claims {count} elements, more than the "
+                                             f"{self.remaining()} bytes left in the file hold")
+            self.depth += 1
+            try:
+                return [self.value(etype, f"{what}[{i}]") for i in range(count)]
+            finally:
+                self.depth -= 1
         raise FormatError(self.path, f"{what} has unknown element type {etype}")
 
 
@@ -120,11 +157,13 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        regular_file_size(self.path)  # a FIFO or device is refused before open() could block
         try:
             self._map = MappedFile(str(self.path))
         except OSError as e:
             raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
         self._buf = memoryview(self._map)
+        self._size_checked = False
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._parse()
@@ -146,6 +185,10 @@ class GGUFFile:
         n_kv = c.u64("metadata count")
         if n_tensors > MAX_TENSOR_COUNT or n_kv > MAX_KV_COUNT:
             raise FormatError(self.path, f"absurd counts: {n_tensors} tensors, {n_kv} metadata keys")
+        if n_tensors * _MIN_TENSOR_BYTES + n_kv * _MIN_KV_BYTES > c.remaining():
+            raise FormatError(self.path, f"truncated or corrupt: tensor count {n_tensors} and metadata "
+                                         f"count {n_kv} need more "
+                                         f"than the {c.remaining()} bytes left in the file")
         for i in range(n_kv):
             key = c.string(f"metadata key #{i}")
             vtype = c.u32(f"type of {key!r}")
@@ -167,6 +210,11 @@ class GGUFFile:
         self.data_offset = -(-c.pos // alignment) * alignment
         for name, dims, raw_type, offset in infos:
             self.tensors[name] = self._check_tensor(name, dims, raw_type, offset)
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
+        for (_, end0, name0), (begin1, _, name1) in zip(spans, spans[1:]):
+            if begin1 < end0:
+                raise FormatError(self.path, f"tensors {name0!r} and {name1!r} overlap (bytes "
+                                             f"{begin1}..{end0} belong to both)")
 
     def _check_tensor(self, name: str, dims: list[int], raw_type: int, offset: int) -> TensorInfo:
         try:
@@ -177,6 +225,9 @@ class GGUFFile:
             raise FormatError(self.path, f"tensor {name!r} has unsupported type {qtype.name}")
         if name in self.tensors:
             raise FormatError(self.path, f"tensor {name!r} appears twice")
+        if offset > self.file_size:
+            raise FormatError(self.path, f"tensor {name!r} offset {offset} is past the end of the "
+                                         f"file ({self.file_size})")
         if any(d <= 0 for d in dims):
             raise FormatError(self.path, f"tensor {name!r} has shape {dims}")
         n = 1
@@ -197,8 +248,25 @@ class GGUFFile:
                                          f"end of the file ({self.file_size})")
         return TensorInfo(name, tuple(reversed(dims)), qtype, start, nbytes)
 
+    def check_size(self) -> None:
+        """FormatError if the file on disk is now shorter than the map (truncated since it
+        was opened): reading the missing pages would kill the process with SIGBUS."""
+        try:
+            now = regular_file_size(self.path)
+        except FormatError as e:
+            raise FormatError(self.path, f"changed since it was opened: {e.problem}") from None
+        if now < self.file_size:
+            raise FormatError(self.path, f"was truncated to {now} bytes since it was mapped "
+                                         f"({self.file_size}); reading it would crash the process")
+
+    def _first_use(self) -> None:
+        if not self._size_checked:  # one stat() per file, before the first tensor is read
+            self.check_size()
+            self._size_checked = True
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a (rows, row_bytes) uint8 view into the map."""
+        self._first_use()
         info = self.tensors[name]
         rows = info.n_elements // info.shape[-1]
         return np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes,
@@ -206,6 +274,7 @@ class GGUFFile:
 
     def array(self, name: str) -> np.ndarray:
         """A plain-dtype tensor (F32, F16, BF16 as uint16, ints) as a zero-copy view."""
+        self._first_use()
         info = self.tensors[name]
         dtypes = {GGMLType.F32: "<f4", GGMLType.F16: "<f2", GGMLType.BF16: "<u2",
                   GGMLType.F64: "<f8", GGMLType.I8: "<i1", GGMLType.I16: "<i2",
@@ -219,7 +288,11 @@ class GGUFFile:
         """The tensor as a new float32 array of its logical shape."""
         from .dequant import dequantize
         info = self.tensors[name]
-        return dequantize(self.raw(name), info.qtype, info.shape)
+        raw = self.raw(name)
+        try:
+            return dequantize(raw, info.qtype, info.shape)
+        except ValueError as e:  # a valid file with a type the kernels do not convert
+            raise FormatError(self.path, f"tensor {name!r} ({info.qtype.name}) cannot be dequantized: {e}") from None
 
     def drop_metadata(self, prefix: str) -> None:
         """Forgets metadata keys starting with prefix (the vocabulary, once a tokenizer

@@ -2,7 +2,17 @@
 
 Layout: an 8-byte little-endian header length N, N bytes of JSON naming each tensor's
 dtype, shape and [begin, end) byte range relative to the end of the header, then the data.
-Everything in the header is checked against the file size before any view is made.
+Everything in the header is checked against the file size before any view is made:
+the header length against the bytes the file has, every dtype, shape and offset for its
+type and range (an entry that is not what the format says is a FormatError naming the
+tensor and the field, never a TypeError), and no two tensors may share bytes. Only
+regular files are opened (see formats/files.py), so a FIFO named `*.safetensors` cannot
+block the load.
+
+The files are memory-mapped: a file truncated by another process while it is mapped
+kills the process with SIGBUS on the next read past the new end. The size is checked
+again before the first tensor is handed out; after that, replace model files by rename,
+never truncate them in place.
 """
 from __future__ import annotations
 
@@ -15,6 +25,7 @@ import numpy as np
 
 from .._native._core import MappedFile
 from .errors import FormatError
+from .files import read_regular_file, regular_file_size
 
 # safetensors dtype -> (numpy dtype of the stored bits, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -23,6 +34,7 @@ DTYPES: dict[str, tuple[str, int]] = {
     "U8": ("<u1", 1), "BOOL": ("?", 1),
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_INDEX_BYTES = 64 * 1024 * 1024  # model.safetensors.index.json (real ones are < 1 MB)
 
 
 @dataclass(frozen=True)
@@ -43,11 +55,13 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        regular_file_size(self.path)  # a FIFO or device is refused before open() could block
         try:
             self._map = MappedFile(str(self.path))
         except OSError as e:
             raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
         self._buf = memoryview(self._map)
+        self._size_checked = False
         self.metadata: dict[str, str] = {}
         self.tensors: dict[str, SafeTensorInfo] = {}
         self._parse()
@@ -63,14 +77,18 @@ class SafetensorsFile:
             header = json.loads(bytes(self._buf[8:8 + n]).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FormatError(self.path, f"header is not valid JSON ({e})") from None
+        except RecursionError:
+            raise FormatError(self.path, "header nests JSON too deeply") from None
+        except ValueError as e:  # e.g. an integer with more digits than Python converts
+            raise FormatError(self.path, f"header holds a value out of range ({e})") from None
         if not isinstance(header, dict):
             raise FormatError(self.path, "header is not a JSON object")
         data_start = 8 + n
         data_size = size - data_start
         meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict):
-            raise FormatError(self.path, "__metadata__ is not an object")
-        self.metadata = {str(k): str(v) for k, v in meta.items()}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise FormatError(self.path, "__metadata__ is not an object of strings")
+        self.metadata = dict(meta)
         spans = []
         for name, entry in header.items():
             info = self._check_entry(name, entry, data_start, data_size)
@@ -85,16 +103,19 @@ class SafetensorsFile:
         if not isinstance(entry, dict):
             raise FormatError(self.path, f"tensor {name!r}: entry is not an object")
         dtype = entry.get("dtype")
-        if dtype not in DTYPES:
-            raise FormatError(self.path, f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:  # (a list or dict is unhashable)
+            raise FormatError(self.path, f"tensor {name!r}: field 'dtype' is {_short(dtype)}, "
+                                         f"not one of {', '.join(DTYPES)}")
         shape = entry.get("shape")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
-            raise FormatError(self.path, f"tensor {name!r}: bad shape {shape!r}")
+            raise FormatError(self.path, f"tensor {name!r}: field 'shape' is {_short(shape)}, "
+                                         "not a list of ints >= 0")
         offsets = entry.get("data_offsets")
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-            raise FormatError(self.path, f"tensor {name!r}: bad data_offsets {offsets!r}")
+            raise FormatError(self.path, f"tensor {name!r}: field 'data_offsets' is {_short(offsets)}, "
+                                         "not a list of two ints")
         begin, end = offsets
         if not 0 <= begin <= end <= data_size:
             raise FormatError(self.path, f"tensor {name!r}: data_offsets {offsets} outside the data "
@@ -108,7 +129,21 @@ class SafetensorsFile:
                                          f"{count * itemsize} bytes, data_offsets span {end - begin}")
         return SafeTensorInfo(name, dtype, tuple(shape), data_start + begin, end - begin)
 
+    def check_size(self) -> None:
+        """FormatError if the file on disk is now shorter than the map (truncated since it
+        was opened): reading the missing pages would kill the process with SIGBUS."""
+        try:
+            now = regular_file_size(self.path)
+        except FormatError as e:
+            raise FormatError(self.path, f"changed since it was opened: {e.problem}") from None
+        if now < len(self._buf):
+            raise FormatError(self.path, f"was truncated to {now} bytes since it was mapped "
+                                         f"({len(self._buf)}); reading it would crash the process")
+
     def array(self, name: str) -> np.ndarray:
+        if not self._size_checked:  # one stat() per file, before the first tensor is read
+            self.check_size()
+            self._size_checked = True
         info = self.tensors[name]
         np_dtype, itemsize = DTYPES[info.dtype]
         return np.frombuffer(self._buf, dtype=np_dtype, count=info.nbytes // itemsize,
@@ -122,10 +157,7 @@ class SafetensorsFolder:
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise FormatError(index, f"invalid index ({e})") from None
+            weight_map = _read_weight_map(index)
             shard_names = sorted(set(weight_map.values()))
         else:
             shard_names = sorted(p.name for p in self.folder.glob("*.safetensors"))
@@ -159,3 +191,31 @@ class SafetensorsFolder:
 
     def array(self, name: str) -> np.ndarray:
         return self.location[name].array(name)
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """repr of a header value, cut short: the value may be megabytes of JSON."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The "weight_map" of a sharded model's index: tensor name -> shard file name."""
+    try:
+        doc = json.loads(read_regular_file(index, MAX_INDEX_BYTES))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(index, f"invalid index ({e})") from None
+    except RecursionError:
+        raise FormatError(index, "invalid index (JSON nested too deeply)") from None
+    except ValueError as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(index, f"invalid index ({e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise FormatError(index, "invalid index: field 'weight_map' is missing or not an object")
+    bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise FormatError(index, f"invalid index: weight_map[{bad!r}] is {_short(weight_map[bad])}, "
+                                 "not a file name")
+    return weight_map

@@ -12,7 +12,8 @@ as transformers up to original_max_position_embeddings (4096 for Phi-3.5-mini an
 Phi-4-mini); past it ellm goes on with the short factors where transformers (and
 llama.cpp with a context larger than that) would use the long ones, so quality past
 there is the short factors' extrapolation. The attention factor is applied either way,
-as transformers does.
+as transformers does. (llama.cpp pads its context to a multiple of 256 and takes the long
+factors whenever that exceeds the original length.)
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ class Args(ModelConfig):
         kwargs["partial_rotary_factor"] = meta.int("rope.dimension_count", head_dim, hi=head_dim) / head_dim
         kwargs["original_max_position_embeddings"] = meta.int("rope.scaling.original_context_length",
                                                               kwargs["max_position_embeddings"])
-        if meta.raw("attention.sliding_window"):
-            kwargs["sliding_window"] = meta.int("attention.sliding_window")
+        # phi3.attention.sliding_window is written by the converter but llama.cpp (0.3.36)
+        # disables Phi-3's window ("Phi SWA is currently disabled"): a GGUF means full
+        # attention, so the key is not read here
         if "rope_factors_short.weight" in meta.tensors:
             # the factors are tensors of the file: Model reads them (weights_factors)
             kwargs["rope_scaling"] = {"rope_type": "longrope", "factors_in_weights": True,

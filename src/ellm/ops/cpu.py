@@ -22,10 +22,12 @@ class CpuOps:
     # linear / linear_multi add Linear.bias themselves (models/blocks.py asks)
     linear_adds_bias = True
 
-    def __init__(self) -> None:
+    def __init__(self, activations: str = "int8") -> None:
         # id(Experts) -> (the Experts, its (gate, up, down) pointer tables), made once per
         # layer; the Experts is held so its id cannot be reused
         self._expert_stacks: dict[int, tuple[Experts, tuple[_moe.ExpertStack, ...]]] = {}
+        # "f32": quantized weights meet unrounded activations (ops.get_ops)
+        self.exact_activations = activations == "f32"
 
     def embed(self, w, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
@@ -35,14 +37,19 @@ class CpuOps:
 
     def linear(self, x: np.ndarray, w, out: np.ndarray | None = None) -> np.ndarray:
         out = _out(out, (x.shape[0], w.out_features))
+        if self.exact_activations:
+            _quant.linear_multi_exact(np.ascontiguousarray(x, dtype=np.float32),
+                                      [(w.data, int(w.qtype), out, w.bias)])
+            return out
         _quant.linear(np.ascontiguousarray(x, dtype=np.float32), w.data, int(w.qtype), out,
                       w.bias)
         return out
 
     def linear_multi(self, x: np.ndarray, parts: Sequence[tuple]) -> list[np.ndarray]:
         """[(w, out), ...] -> outs: several matrices against one x, x quantized once."""
-        _quant.linear_multi(np.ascontiguousarray(x, dtype=np.float32),
-                            [(w.data, int(w.qtype), o, w.bias) for w, o in parts])
+        run = _quant.linear_multi_exact if self.exact_activations else _quant.linear_multi
+        run(np.ascontiguousarray(x, dtype=np.float32),
+            [(w.data, int(w.qtype), o, w.bias) for w, o in parts])
         return [o for _, o in parts]
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
@@ -92,7 +99,23 @@ class CpuOps:
         weights = np.empty((T, top_k), np.float32)
         _moe.route(logits, int(top_k), bool(norm_topk_prob), ids, weights)
         out = _out(out, x.shape)
+        if self.exact_activations:
+            return self._moe_experts_exact(x, ids, weights, experts, out)
         _moe.experts(x, ids, weights, *self._stacks(experts), out)
+        return out
+
+    def _moe_experts_exact(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                           experts: Experts, out: np.ndarray) -> np.ndarray:
+        """The experts on the f32-activation kernels: one batched call per expert for the
+        tokens routed to it (a loop over experts, not tokens), each token's terms added in
+        ascending expert id as reference.moe_experts adds them."""
+        out[...] = 0.0
+        for e in np.unique(ids):
+            rows, slot = np.nonzero(ids == e)          # rows ascend; a token picks e once
+            xe = np.ascontiguousarray(x[rows])
+            gate, up = self.linear(xe, experts.gate[e]), self.linear(xe, experts.up[e])
+            h = self.linear(self.swiglu(gate, up), experts.down[e])
+            out[rows] += weights[rows, slot][:, None] * h
         return out
 
     def _stacks(self, experts: Experts) -> tuple[_moe.ExpertStack, ...]:

@@ -13,6 +13,14 @@ their KV blocks.
 Nothing a request does can stop the server: every exception becomes an OpenAI-shaped
 error response ({"error": {"message", "type", "param", "code"}}), or an error event on
 a stream that has already started.
+
+Nor can one client starve the others: tokenizing and chat-template rendering run in a
+small thread pool (the event loop keeps answering; the tokenizer's batch call releases
+the GIL), prompts are limited in characters before tokenizing, and every text is checked
+to be valid Unicode first (a lone surrogate is a 400). A body that stops arriving is a
+408 after read_timeout; a response the client stops reading is given up after
+write_timeout, which aborts its generation. Header deadlines are the protocol's
+(server/timeouts.py).
 """
 from __future__ import annotations
 
@@ -20,10 +28,12 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +47,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from ..engine.engine import RequestError
+from ..engine.engine import RequestError, SequenceError
 from ..engine.sequence import RequestOutput, TokenLogprob
 from ..sampling_params import SamplingParams
 from . import protocol as P
@@ -63,6 +73,14 @@ class ServerConfig:
     api_key: str | None = None      # when set, every route but /health and /openapi.json needs it
     source: str = ""                # where the model came from (shown by /v1/models)
     allowed_origins: Sequence[str] = field(default_factory=tuple)   # CORS; empty: no CORS headers
+    # Hostile clients: a prompt (or rendered chat) longer than this many characters is
+    # refused before it is tokenized (tokenizing 1M characters takes seconds of CPU);
+    # a request body that stops arriving, or a response the client stops reading, is
+    # given up after these many seconds (the generation of an abandoned stream is aborted).
+    max_prompt_chars: int = 1_000_000
+    read_timeout: float = 30.0
+    write_timeout: float = 30.0
+    tokenizer_threads: int = 2      # tokenizing and template rendering run here, off the event loop
 
     def __post_init__(self) -> None:
         self.model_names = tuple(dict.fromkeys(self.model_names))   # unique, in order
@@ -109,6 +127,30 @@ class Server:
         self.metrics = Metrics(config.model_name)
         self.token_text = R.TokenText(tokenizer)
         self.created = int(time.time())
+        self._cpu = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="ellm-tokenize")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) in the tokenizer threads: tokenizing and template rendering are CPU
+        work that would otherwise stall every other client (and /health) for its length."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, functools.partial(fn, *args))
+
+    def encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of text, after the checks every text gets before the tokenizer:
+        its length (max_prompt_chars) and that it is valid Unicode (a lone UTF-16
+        surrogate, which JSON can carry as "\\ud800", is not and cannot be tokenized)."""
+        limit = self.cfg.max_prompt_chars
+        if len(text) > limit:
+            raise APIError(400, f"the {param} has {len(text)} characters; this server takes at most {limit}",
+                           param=param, code="prompt_too_long")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"the {param} holds a lone UTF-16 surrogate ({text[e.start]!a} at character "
+                                f"{e.start}), which is not valid Unicode", param=param) from None
+        batch = getattr(self.tokenizer, "encode_batch", None)
+        if batch is not None:  # (the batch call releases the GIL while Rust works; encode does not)
+            return list(batch([text], add_special_tokens=add_special_tokens)[0])
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     # -- checks -----------------------------------------------------------------------
 
@@ -127,7 +169,7 @@ class Server:
 
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            ids = self.encode(prompt, param, add_special_tokens=True)
         else:
             self._check_ids(prompt, param)
             ids = list(prompt)
@@ -158,7 +200,7 @@ class Server:
             if tools:
                 kwargs["tools"] = tools
         text = self.chat_text(messages, add_generation_prompt, kwargs)
-        ids = list(tok.encode(text, add_special_tokens=False))
+        ids = self.encode(text, "messages", add_special_tokens=False)
         # As LLM.chat: the template may or may not write BOS; a model that wants one gets one.
         bos = getattr(tok, "bos_token_id", None)
         if getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
@@ -224,7 +266,7 @@ class Server:
 
     async def completions(self, request: Request, req: P.CompletionRequest) -> Response:
         self.check_model(req.model)
-        prompts = [self.prompt_ids(p) for p in req.prompts()]
+        prompts = [await self.off_loop(self.prompt_ids, p) for p in req.prompts()]
         return await self._generate(request, req, prompts)
 
     def tool_plan(self, req: P.ChatCompletionRequest) -> ToolPlan | None:
@@ -242,7 +284,7 @@ class Server:
         self.check_model(req.model)
         plan = self.tool_plan(req)
         try:
-            ids = self.chat_ids(req.template_messages(), True, req.chat_template_kwargs, plan)
+            ids = await self.off_loop(self.chat_ids, req.template_messages(), True, req.chat_template_kwargs, plan)
         except ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
         return await self._generate(request, req, [ids], plan)
@@ -253,7 +295,7 @@ class Server:
         if req.dimensions is not None and req.dimensions != size:
             raise APIError(400, f"this model's embeddings have {size} dimensions; other sizes ('dimensions': "
                                 f"{req.dimensions}) are not supported", param="dimensions")
-        prompts = [self.prompt_ids(p, "input") for p in req.inputs()]
+        prompts = [await self.off_loop(self.prompt_ids, p, "input") for p in req.inputs()]
         for ids in prompts:
             self.check_length(ids, "input")
         finished, result = await unless_disconnected(
@@ -284,6 +326,9 @@ class Server:
 
     async def tokenize(self, req: P.TokenizeRequest) -> Response:
         self.check_model(req.model)
+        return await self.off_loop(self._tokenize, req)
+
+    def _tokenize(self, req: P.TokenizeRequest) -> Response:
         if req.messages is not None:
             messages = [m.for_template() for m in req.messages]
             kwargs = req.chat_template_kwargs or {}
@@ -291,9 +336,9 @@ class Server:
                 ids = self.chat_ids(messages, req.add_generation_prompt, kwargs)
             else:
                 text = self.chat_text(messages, req.add_generation_prompt, kwargs)
-                ids = list(self.tokenizer.encode(text, add_special_tokens=req.special_tokens()))
+                ids = self.encode(text, "messages", add_special_tokens=req.special_tokens())
         else:
-            ids = list(self.tokenizer.encode(req.text or "", add_special_tokens=req.special_tokens()))
+            ids = self.encode(req.text or "", "prompt", add_special_tokens=req.special_tokens())
         tokens: list[int] | list[R.TokenPiece] = ids
         if req.with_pieces:
             tokens = [R.TokenPiece(id=t, piece=self.tokenizer.decode([t])) for t in ids]
@@ -413,6 +458,9 @@ class Server:
             return APIError(400, str(e))
         if isinstance(e, EngineDeadError):
             return APIError(503, str(e), type="server_error", code="engine_stopped")
+        if isinstance(e, SequenceError):   # this request alone failed while it ran; the others went on
+            log.error("request failed while it ran: %s", e)
+            return APIError(500, f"the engine failed on this request: {e}", type="server_error", code="engine_error")
         log.error("request failed in the engine", exc_info=e)
         return APIError(500, f"the engine failed on this request: {type(e).__name__}: {e}",
                         type="server_error", code="engine_error")
@@ -546,21 +594,37 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         state = {"status": 500, "started": False}
+        cfg = self.server.cfg
 
         async def send_status(msg: Message) -> None:
             if msg["type"] == "http.response.start":
                 state["status"], state["started"] = msg["status"], True
-            await send(msg)
+            # Bounded write: a client that stops reading fills the socket, and send() then
+            # waits for it forever; past write_timeout it counts as gone (a stream's
+            # generation is then aborted, as on a disconnect).
+            try:
+                await asyncio.wait_for(send(msg), cfg.write_timeout)
+            except asyncio.TimeoutError:
+                raise ConnectionAbortedError(f"the client read nothing for {cfg.write_timeout:g} s") from None
 
         received = 0
+        body_done = False
 
         async def receive_limited() -> Message:
-            nonlocal received
-            msg = await receive()
+            nonlocal received, body_done
+            if body_done:   # afterwards receive() only waits for the disconnect: no deadline
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), cfg.read_timeout)
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {cfg.read_timeout:g} s") from None
             if msg["type"] == "http.request":
                 received += len(msg.get("body", b""))
                 if received > MAX_BODY_BYTES:
                     raise HTTPException(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+                body_done = not msg.get("more_body", False)
+            else:
+                body_done = True
             return msg
 
         try:
@@ -573,6 +637,8 @@ class _Guard:
                     scope, receive, send_status)
             else:
                 await self.app(scope, receive_limited, send_status)
+        except ConnectionAbortedError as e:   # the bounded write gave up on this client
+            log.warning("%s: %s; connection dropped", scope["path"], e)
         except Exception as e:
             log.exception("unhandled error on %s", scope["path"])
             if not state["started"]:

@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+# Seconds a client has to send a request's headers (see server/timeouts.py).
+HEADER_TIMEOUT_S = 10.0
+
+
 def _usage_error(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
@@ -77,8 +81,10 @@ def main(args: argparse.Namespace) -> int:
                      allowed_origins=args.allowed_origins or ())
     shown = ", ".join(repr(n) for n in names)
     print(f"ellm: serving {shown} on http://{_url_host(args.host)}:{args.port}/v1", file=sys.stderr, flush=True)
+    from .timeouts import header_timeout_protocol
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.log_level == "debug", timeout_graceful_shutdown=5)
+                access_log=args.log_level == "debug", timeout_graceful_shutdown=5,
+                http=header_timeout_protocol(HEADER_TIMEOUT_S), timeout_keep_alive=5)
     return 0
 
 

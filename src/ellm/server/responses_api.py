@@ -261,7 +261,7 @@ async def create_response(server: Any, request: Any, body: Any) -> Any:
     server.check_model(req.model)
     plan = server.tool_plan(req)
     try:
-        ids = server.chat_ids(req.template_messages(), True, None, plan)
+        ids = await server.off_loop(server.chat_ids, req.template_messages(), True, None, plan)  # (CPU work)
     except ToolError as e:
         raise APIError(400, str(e), param=e.param) from None
     params = server.sampling_params(req)

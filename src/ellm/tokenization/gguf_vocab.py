@@ -263,9 +263,14 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str]) -> Backend:
     spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
     vocab = dict(zip(spelled, range(len(spelled))))
     merges = []
-    for m in meta.get("tokenizer.ggml.merges") or ():
-        a, sep, b = m.partition(" ")
+    for i, m in enumerate(meta.get("tokenizer.ggml.merges") or ()):
+        a, sep, b = m.partition(" ") if isinstance(m, str) else ("", "", "")
         if sep:
+            # The tokenizers library panics (a Rust panic, not an exception) on some merges
+            # whose parts are not whole tokens, so each is checked here first.
+            if not (a in vocab and b in vocab and a + b in vocab):
+                raise ValueError(f"tokenizer.ggml.merges[{i}] {m!r} does not join two tokens of the "
+                                 "vocabulary into a third")
             merges.append((a, b))
     backend = Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                                  end_of_word_suffix="", fuse_unk=False))

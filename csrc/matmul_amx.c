@@ -1,0 +1,474 @@
+/* AMX int8 tile kernels for many tokens (prefill, batched decode): 16 weight rows x 16
+ * tokens per tile multiply, activations in the 16-token groups of matmul_amx.h.
+ *
+ * How each output is summed (the same as quant_x86.h's qgemm32_tile, so AMX and the
+ * AVX-512 VNNI level agree bit for bit):
+ *   32-element types, per block, in block order:
+ *     isum = q . x_q                       one tile multiply, K = 32 bytes: exact int32
+ *     acc  = fma(float(isum), d * d_x, acc)       cor = fma(c, s_x, cor)
+ *   and y = acc + cor (Q8_0: y = acc). q are the block's values as int8 (Q4: 0..15,
+ *   Q5: 0..31, Q8_0: signed as stored), c its constant term (see quant_x86.h).
+ * The tile unit only forms the exact integer dot; the float steps are the same
+ * instructions in the same order, with the tokens (rather than the rows) in the lanes.
+ *
+ * Built with -mamx-tile -mamx-int8 and the AVX-512 flags; only called at the AMX level,
+ * whose detection (dispatch.c) has asked the kernel for the tile state. Each kernel call
+ * loads its tile configuration and releases the tiles before it returns, so a thread
+ * never holds tile state between calls. */
+#include "matmul_amx.h"
+
+#ifdef __x86_64__
+
+#include <immintrin.h>
+#include <string.h>
+
+#include "quant.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* The tile registers: A = weights (16 rows x K bytes), B = activations (K / 4 rows x 64
+ * bytes: 16 tokens x 4), C = 16 x 16 int32. Two sets, so that one block's multiply can
+ * run while the other's result is taken apart. */
+#define TA0 0
+#define TB0 1
+#define TC0 2
+#define TA1 3
+#define TB1 4
+#define TC1 5
+/* GCC's tile intrinsics paste their register number into the instruction text: these
+ * expand the names above first */
+#define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
+#define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+_Static_assert(sizeof(tile_config) == 64, "the LDTILECFG operand is 64 bytes");
+
+/* A and B tiles for K bytes of depth (a multiple of 4, at most 64): 32 for the 32-element
+ * types and Q4_K's 32-runs, 16 for Q6_K's 16-runs. */
+static void load_tile_config(int k_bytes) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const int a[2] = {TA0, TA1}, b[2] = {TB0, TB1}, c[2] = {TC0, TC1};
+    for (int i = 0; i < 2; i++) {
+        cfg.rows[a[i]] = 16;
+        cfg.colsb[a[i]] = (uint16_t)k_bytes;
+        cfg.rows[b[i]] = (uint8_t)(k_bytes / 4);
+        cfg.colsb[b[i]] = 64;
+        cfg.rows[c[i]] = 16;
+        cfg.colsb[c[i]] = 64;
+    }
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, which lets the
+     * stores above be dropped: spell the instruction out with the whole operand */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+INLINE float f16_at(const uint8_t *p) { return _cvtsh_ss(ellm_rd_u16(p)); }
+
+/* ====================================================================================
+ * Activations into 16-token groups
+ * ==================================================================================== */
+
+void ellm_amx_put_token(int act_block, ellm_act_fn act, const float *x, int64_t nblk,
+                        uint8_t *group, int lane) {
+    if (act_block == QK32) {
+        ellm_act32x16 *g = (ellm_act32x16 *)group;
+        for (int64_t i = 0; i < nblk; i++) {
+            ellm_act32 a;
+            act(x + QK32 * i, QK32, &a);
+            g[i].d[lane] = a.d;
+            g[i].s[lane] = a.s;
+            for (int m = 0; m < QK32 / 4; m++)
+                memcpy(g[i].qs + 4 * (ELLM_AMX_TG * m + lane), a.qs + 4 * m, 4);
+        }
+    } else {
+        ellm_act256x16 *g = (ellm_act256x16 *)group;
+        for (int64_t i = 0; i < nblk; i++) {
+            ellm_act256 a;
+            act(x + QK256 * i, QK256, &a);
+            g[i].d[lane] = a.d;
+            for (int k = 0; k < 8; k++) {
+                g[i].bsums[k][lane][0] = a.bsums[2 * k];
+                g[i].bsums[k][lane][1] = a.bsums[2 * k + 1];
+            }
+            for (int m = 0; m < QK256 / 4; m++)
+                memcpy(g[i].qs + 4 * (ELLM_AMX_TG * m + lane), a.qs + 4 * m, 4);
+        }
+    }
+}
+
+void ellm_amx_zero_lanes(int act_block, int64_t nblk, uint8_t *group, int used) {
+    const int pad = ELLM_AMX_TG - used;
+    if (pad <= 0) return;
+    if (act_block == QK32) {
+        ellm_act32x16 *g = (ellm_act32x16 *)group;
+        for (int64_t i = 0; i < nblk; i++) {
+            for (int m = 0; m < QK32 / 4; m++)
+                memset(g[i].qs + 4 * (ELLM_AMX_TG * m + used), 0, (size_t)(4 * pad));
+            memset(g[i].d + used, 0, (size_t)pad * sizeof(float));
+            memset(g[i].s + used, 0, (size_t)pad * sizeof(float));
+        }
+    } else {
+        ellm_act256x16 *g = (ellm_act256x16 *)group;
+        for (int64_t i = 0; i < nblk; i++) {
+            for (int m = 0; m < QK256 / 4; m++)
+                memset(g[i].qs + 4 * (ELLM_AMX_TG * m + used), 0, (size_t)(4 * pad));
+            for (int k = 0; k < 8; k++) memset(g[i].bsums[k][used], 0, (size_t)pad * 2 * sizeof(int16_t));
+            memset(g[i].d + used, 0, (size_t)pad * sizeof(float));
+        }
+    }
+}
+
+/* ====================================================================================
+ * 32-element types
+ * ==================================================================================== */
+
+INLINE int bytes32(int type) {
+    switch (type) {
+    case ELLM_T_Q4_0: return Q4_0_BYTES;
+    case ELLM_T_Q4_1: return Q4_1_BYTES;
+    case ELLM_T_Q5_0: return Q5_0_BYTES;
+    case ELLM_T_Q5_1: return Q5_1_BYTES;
+    default: return Q8_0_BYTES;
+    }
+}
+
+/* 16 bytes of nibbles -> 32 values, low nibbles first (the 32-block element order) */
+INLINE __m256i nibbles32(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* bit j of bits -> 0x10 in byte j (the fifth bit of the Q5 values) */
+INLINE __m256i fifth_bits(uint32_t bits) {
+    const __mmask32 k = (__mmask32)bits;
+    return _mm256_maskz_mov_epi8(k, _mm256_set1_epi8(0x10));
+}
+
+/* The block's 32 values as int8, in element order */
+INLINE __m256i values32(int type, const uint8_t *b) {
+    switch (type) {
+    case ELLM_T_Q4_0: return nibbles32(b + 2);
+    case ELLM_T_Q4_1: return nibbles32(b + 4);
+    case ELLM_T_Q5_0: return _mm256_or_si256(nibbles32(b + 6), fifth_bits(ellm_rd_u32(b + 2)));
+    case ELLM_T_Q5_1: return _mm256_or_si256(nibbles32(b + 8), fifth_bits(ellm_rd_u32(b + 4)));
+    default: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    }
+}
+
+/* The constant term, as quant_x86.h's const32 forms it */
+INLINE float const32(int type, float d, float m) {
+    switch (type) {
+    case ELLM_T_Q4_0: return -8.0f * d;
+    case ELLM_T_Q5_0: return -16.0f * d;
+    case ELLM_T_Q4_1:
+    case ELLM_T_Q5_1: return m;
+    default: return 0.0f;
+    }
+}
+
+/* Blocks unpacked per chunk (16 rows x 32 bytes each: 16 KiB of L1 at 32) */
+#define A32_CHUNK 32
+/* Token groups sharing one unpacking of the weights */
+#define A32_GROUPS 4
+/* Blocks in flight between a tile multiply and its fold, and the result buffers */
+#define A32_LAG 2
+#define A32_BUFS 4
+
+typedef struct {
+    int8_t q[A32_CHUNK][16][32] __attribute__((aligned(64)));
+    float d[A32_CHUNK][16] __attribute__((aligned(64)));
+    float c[A32_CHUNK][16] __attribute__((aligned(64)));
+} wchunk32;
+
+/* acc[r] (lanes = 16 tokens) += the block's term, for each of the 16 rows; isum: the
+ * tile's 16 x 16 int32 (row r = weight row r) */
+INLINE void fold_block32(const int32_t isum[16][16], const float *dw, __m512 dx, __m512 acc[16]) {
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < 16; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(isum[r])),
+                                 _mm512_mul_ps(_mm512_set1_ps(dw[r]), dx), acc[r]);
+}
+
+INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr,
+                        const uint8_t *x, size_t xs, int64_t nt, float *y, size_t ys) {
+    const int bs = bytes32(type);
+    const int has_c = type != ELLM_T_Q8_0;
+    wchunk32 wc;
+    int32_t ib[A32_BUFS][16][16] __attribute__((aligned(64)));
+    __m512 acc_mem[A32_GROUPS][16], cor_mem[A32_GROUPS][16];
+    const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
+    load_tile_config(32);
+    for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+        const int rows = nr - r0 < 16 ? (int)(nr - r0) : 16;
+        for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
+            const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
+            for (int g = 0; g < ng; g++)
+                for (int r = 0; r < 16; r++) acc_mem[g][r] = cor_mem[g][r] = _mm512_setzero_ps();
+            for (int64_t i0 = 0; i0 < nb; i0 += A32_CHUNK) {
+                const int nc = nb - i0 < A32_CHUNK ? (int)(nb - i0) : A32_CHUNK;
+                /* unpack: rows past nr repeat the last row (computed, never stored) */
+                for (int ii = 0; ii < nc; ii++)
+                    for (int r = 0; r < 16; r++) {
+                        const uint8_t *b = w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws +
+                                           (size_t)(i0 + ii) * (size_t)bs;
+                        const float d = f16_at(b);
+                        wc.d[ii][r] = d;
+                        wc.c[ii][r] = const32(type, d, f16_at(b + 2));
+                        _mm256_store_si256((__m256i *)wc.q[ii][r], values32(type, b));
+                    }
+                for (int g = 0; g < ng; g++) {
+                    const ellm_act32x16 *xg = (const ellm_act32x16 *)(x + (size_t)(g0 + g) * xs) + i0;
+                    __m512 acc[16];
+                    _Pragma("GCC unroll 16")
+                    for (int r = 0; r < 16; r++) acc[r] = acc_mem[g][r];
+                    /* software-pipelined: block ii's multiply is issued A32_LAG blocks
+                     * before its fold, so the tile unit and the stores run under the
+                     * folds of earlier blocks (which still happen in block order) */
+                    for (int ii = 0; ii < nc + A32_LAG; ii++) {
+                        if (ii < nc && (ii & 1) == 0) {
+                            TILE_LOAD(TA0, wc.q[ii], 32);
+                            TILE_LOAD(TB0, xg[ii].qs, 64);
+                            TILE_ZERO(TC0);
+                            TILE_DPBSSD(TC0, TA0, TB0);
+                            TILE_STORE(TC0, ib[ii % A32_BUFS], 64);
+                        } else if (ii < nc) {
+                            TILE_LOAD(TA1, wc.q[ii], 32);
+                            TILE_LOAD(TB1, xg[ii].qs, 64);
+                            TILE_ZERO(TC1);
+                            TILE_DPBSSD(TC1, TA1, TB1);
+                            TILE_STORE(TC1, ib[ii % A32_BUFS], 64);
+                        }
+                        if (ii >= A32_LAG) {
+                            const int jj = ii - A32_LAG;
+                            fold_block32(ib[jj % A32_BUFS], wc.d[jj], _mm512_loadu_ps(xg[jj].d), acc);
+                        }
+                    }
+                    _Pragma("GCC unroll 16")
+                    for (int r = 0; r < 16; r++) acc_mem[g][r] = acc[r];
+                    if (has_c) {
+                        __m512 cor[16];
+                        _Pragma("GCC unroll 16")
+                        for (int r = 0; r < 16; r++) cor[r] = cor_mem[g][r];
+                        for (int j = 0; j < nc; j++) {
+                            const __m512 sx = _mm512_loadu_ps(xg[j].s);
+                            _Pragma("GCC unroll 16")
+                            for (int r = 0; r < 16; r++)
+                                cor[r] = _mm512_fmadd_ps(_mm512_set1_ps(wc.c[j][r]), sx, cor[r]);
+                        }
+                        _Pragma("GCC unroll 16")
+                        for (int r = 0; r < 16; r++) cor_mem[g][r] = cor[r];
+                    }
+                }
+            }
+            for (int g = 0; g < ng; g++) {
+                float out[16][16] __attribute__((aligned(64)));
+                for (int r = 0; r < 16; r++)
+                    _mm512_store_ps(out[r], has_c ? _mm512_add_ps(acc_mem[g][r], cor_mem[g][r])
+                                                  : acc_mem[g][r]);
+                const int64_t t0 = (g0 + g) * ELLM_AMX_TG;
+                const int n = nt - t0 < ELLM_AMX_TG ? (int)(nt - t0) : ELLM_AMX_TG;
+                for (int t = 0; t < n; t++)
+                    for (int r = 0; r < rows; r++) y[(size_t)(t0 + t) * ys + (size_t)(r0 + r)] = out[r][t];
+            }
+        }
+    }
+    _tile_release();
+}
+
+#define DEFINE_QGEMM32_AMX(name, TYPE)                                                       \
+    static void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,   \
+                     size_t xs, int64_t nt, float *y, size_t ys) {                            \
+        qgemm32_amx(TYPE, nb, w, ws, nr, x, xs, nt, y, ys);                                  \
+    }
+
+DEFINE_QGEMM32_AMX(amx_q4_0, ELLM_T_Q4_0)
+DEFINE_QGEMM32_AMX(amx_q4_1, ELLM_T_Q4_1)
+DEFINE_QGEMM32_AMX(amx_q5_0, ELLM_T_Q5_0)
+DEFINE_QGEMM32_AMX(amx_q5_1, ELLM_T_Q5_1)
+DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
+
+/* ====================================================================================
+ * Q4_K and Q6_K: one tile multiply per run of values sharing a scale (Q4_K: 8 runs of 32,
+ * K = 32 bytes; Q6_K: 16 runs of 16, K = 16), its exact int32 result scaled by the run's
+ * scale in integers and summed over the runs; then per block the float steps of
+ * quant_x86.h's qgemmk_tile:
+ *   Q4_K  acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
+ *   Q6_K  isum -= 32 sum_g sc[g] bsum[g];      acc = fma(float(isum), d d_x, acc)
+ * with msum / the Q6_K offset from the per-16 sums of x (integers too).
+ * ==================================================================================== */
+
+#define AK_CHUNK 4 /* blocks unpacked per chunk: 16 rows x 256 bytes each */
+
+typedef struct {
+    int8_t q[AK_CHUNK][16][256] __attribute__((aligned(64))); /* values, element order */
+    int32_t sc[AK_CHUNK][16][16];  /* per-run scales */
+    int32_t pair[AK_CHUNK][16][8]; /* int16 pairs for the bsums madd: (mn, mn) / (sc, sc') */
+    float d[AK_CHUNK][16], m[AK_CHUNK][16];
+} wchunkk;
+
+/* One row's block into the chunk (the unpacking of qgemmk_tile) */
+INLINE void unpack_k(int q4, const uint8_t *b, wchunkk *wc, int ii, int r) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    int8_t *v = wc->q[ii][r];
+    if (q4) {
+        uint8_t sc[8], mn[8];
+        ellm_unpack_k4_scales(b + 4, sc, mn);
+        for (int j = 0; j < 8; j++) {
+            wc->sc[ii][r][j] = sc[j];
+            wc->pair[ii][r][j] = (int32_t)((uint32_t)mn[j] * 0x10001u);
+        }
+        wc->d[ii][r] = f16_at(b);
+        wc->m[ii][r] = -f16_at(b + 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            _mm256_store_si256((__m256i *)(v + 64 * c), _mm256_and_si256(q, lo4));
+            _mm256_store_si256((__m256i *)(v + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4));
+        }
+    } else {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int g = 0; g < 16; g++) wc->sc[ii][r][g] = sc[g];
+        for (int k = 0; k < 8; k++)
+            wc->pair[ii][r][k] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[2 * k] |
+                                           ((uint32_t)(uint16_t)(int16_t)sc[2 * k + 1] << 16));
+        wc->d[ii][r] = f16_at(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            int8_t *vh = v + 128 * h;
+            _mm256_store_si256((__m256i *)vh, _mm256_or_si256(_mm256_and_si256(ql0, lo4),
+                                                               _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)));
+            _mm256_store_si256((__m256i *)(vh + 32), _mm256_or_si256(_mm256_and_si256(ql1, lo4),
+                                                                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)));
+            _mm256_store_si256((__m256i *)(vh + 64),
+                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4),
+                                               _mm256_and_si256(qh, top2)));
+            _mm256_store_si256((__m256i *)(vh + 96),
+                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4),
+                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)));
+        }
+    }
+}
+
+/* tot[r] += (the tile's row r) * scale[r] */
+INLINE void scale_runs(const int32_t ib[16][16], const int32_t (*sc)[16], int j, __m512i tot[16]) {
+    _Pragma("GCC unroll 16")
+    for (int r = 0; r < 16; r++)
+        tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(_mm512_load_si512(ib[r]),
+                                                             _mm512_set1_epi32(sc[r][j])));
+}
+
+INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr,
+                       const uint8_t *x, size_t xs, int64_t nt, float *y, size_t ys) {
+    const int q4 = type == ELLM_T_Q4_K;
+    const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    const int runs = q4 ? 8 : 16, run_bytes = q4 ? 32 : 16;
+    wchunkk wc;
+    int32_t ib[2][16][16] __attribute__((aligned(64)));
+    __m512 acc_mem[A32_GROUPS][16];
+    const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
+    load_tile_config(run_bytes);
+    for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+        const int rows = nr - r0 < 16 ? (int)(nr - r0) : 16;
+        for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
+            const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
+            for (int g = 0; g < ng; g++)
+                for (int r = 0; r < 16; r++) acc_mem[g][r] = _mm512_setzero_ps();
+            for (int64_t i0 = 0; i0 < nb; i0 += AK_CHUNK) {
+                const int nc = nb - i0 < AK_CHUNK ? (int)(nb - i0) : AK_CHUNK;
+                for (int ii = 0; ii < nc; ii++)
+                    for (int r = 0; r < 16; r++) /* rows past nr repeat the last (never stored) */
+                        unpack_k(q4, w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws +
+                                         (size_t)(i0 + ii) * (size_t)bs, &wc, ii, r);
+                for (int g = 0; g < ng; g++) {
+                    const ellm_act256x16 *xg = (const ellm_act256x16 *)(x + (size_t)(g0 + g) * xs) + i0;
+                    for (int ii = 0; ii < nc; ii++) {
+                        __m512i tot[16];
+                        _Pragma("GCC unroll 16")
+                        for (int r = 0; r < 16; r++) tot[r] = _mm512_setzero_si512();
+                        /* run j: weight bytes [run_bytes j, +run_bytes) of each row; the
+                         * activations' dwords from run_bytes j / 4 on, 64 bytes a dword */
+                        for (int j = 0; j < runs; j += 2) {
+                            TILE_LOAD(TA0, wc.q[ii][0] + run_bytes * j, 256);
+                            TILE_LOAD(TB0, xg[ii].qs + 16 * run_bytes * j, 64);
+                            TILE_ZERO(TC0);
+                            TILE_DPBSSD(TC0, TA0, TB0);
+                            TILE_LOAD(TA1, wc.q[ii][0] + run_bytes * (j + 1), 256);
+                            TILE_LOAD(TB1, xg[ii].qs + 16 * run_bytes * (j + 1), 64);
+                            TILE_ZERO(TC1);
+                            TILE_DPBSSD(TC1, TA1, TB1);
+                            TILE_STORE(TC0, ib[0], 64);
+                            TILE_STORE(TC1, ib[1], 64);
+                            scale_runs(ib[0], wc.sc[ii], j, tot);
+                            scale_runs(ib[1], wc.sc[ii], j + 1, tot);
+                        }
+                        const __m512 dx = _mm512_loadu_ps(xg[ii].d);
+                        __m512i bsum[8];
+                        _Pragma("GCC unroll 8")
+                        for (int k = 0; k < 8; k++) bsum[k] = _mm512_loadu_si512(xg[ii].bsums[k]);
+                        for (int r = 0; r < 16; r++) {
+                            __m512i bsp = _mm512_setzero_si512();
+                            _Pragma("GCC unroll 8")
+                            for (int k = 0; k < 8; k++)
+                                bsp = _mm512_add_epi32(bsp, _mm512_madd_epi16(
+                                    bsum[k], _mm512_set1_epi32(wc.pair[ii][r][k])));
+                            __m512 a = acc_mem[g][r];
+                            if (q4) {
+                                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[r]),
+                                                    _mm512_mul_ps(_mm512_set1_ps(wc.d[ii][r]), dx), a);
+                                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bsp),
+                                                    _mm512_mul_ps(_mm512_set1_ps(wc.m[ii][r]), dx), a);
+                            } else {
+                                const __m512i isum = _mm512_sub_epi32(tot[r], _mm512_slli_epi32(bsp, 5));
+                                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                                    _mm512_mul_ps(_mm512_set1_ps(wc.d[ii][r]), dx), a);
+                            }
+                            acc_mem[g][r] = a;
+                        }
+                    }
+                }
+            }
+            for (int g = 0; g < ng; g++) {
+                float out[16][16] __attribute__((aligned(64)));
+                for (int r = 0; r < 16; r++) _mm512_store_ps(out[r], acc_mem[g][r]);
+                const int64_t t0 = (g0 + g) * ELLM_AMX_TG;
+                const int n = nt - t0 < ELLM_AMX_TG ? (int)(nt - t0) : ELLM_AMX_TG;
+                for (int t = 0; t < n; t++)
+                    for (int r = 0; r < rows; r++) y[(size_t)(t0 + t) * ys + (size_t)(r0 + r)] = out[r][t];
+            }
+        }
+    }
+    _tile_release();
+}
+
+static void amx_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
+                     size_t xs, int64_t nt, float *y, size_t ys) {
+    qgemmk_amx(ELLM_T_Q4_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+
+static void amx_q6_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
+                     size_t xs, int64_t nt, float *y, size_t ys) {
+    qgemmk_amx(ELLM_T_Q6_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+
+ellm_qgemm_fn ellm_qgemm_amx(int qtype) {
+    switch (qtype) {
+    case ELLM_T_Q4_0: return amx_q4_0;
+    case ELLM_T_Q4_1: return amx_q4_1;
+    case ELLM_T_Q5_0: return amx_q5_0;
+    case ELLM_T_Q5_1: return amx_q5_1;
+    case ELLM_T_Q8_0: return amx_q8_0;
+    case ELLM_T_Q4_K: return amx_q4_k;
+    case ELLM_T_Q6_K: return amx_q6_k;
+    default: return NULL;
+    }
+}
+
+#endif /* __x86_64__ */
