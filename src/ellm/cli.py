@@ -1,4 +1,4 @@
-"""The `ellm` command: run | chat | serve | pull | list | bench | info, and --version."""
+"""The `ellm` command: run | chat | serve | pull | list | bench | info | trace | inspect, and --version."""
 from __future__ import annotations
 
 import argparse
@@ -221,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="version, native kernels chosen, threads; with MODEL, its architecture")
     i.add_argument("model", nargs="?", default=None)
     i.set_defaults(func=cmd_info)
+    # -- trace / inspect (ellm/trace/cli.py) --
+    from .trace import cli as trace_cli
+    t = sub.add_parser("trace", help="diff every layer's ops against a reference; name the first that goes wrong")
+    trace_cli.add_trace_arguments(t)
+    t.set_defaults(func=trace_cli.cmd_trace)
+    ins = sub.add_parser("inspect", help="a local web page showing the model's layers at work")
+    trace_cli.add_inspect_arguments(ins)
+    ins.set_defaults(func=trace_cli.cmd_inspect)
     return p
 
 

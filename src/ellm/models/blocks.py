@@ -113,11 +113,15 @@ class Attention:
     rope_mscale: float = 1.0           # multiplies RoPE's cos and sin (Phi-3 LongRoPE's attention factor)
 
     def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, batch: Batch, kv_layer: tuple,
-                 out: np.ndarray) -> np.ndarray:
-        """h (T, H) -> out (T, H); this step's k/v are written into the paged cache."""
+                 out: np.ndarray, rec: Any = None, layer: int = 0) -> np.ndarray:
+        """h (T, H) -> out (T, H); this step's k/v are written into the paged cache.
+        rec: a trace.Recorder (or None), told what `layer` computes."""
         t, nh, nkv, hd = len(h), self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = ws.get("q", t, nh * hd), ws.get("k", t, nkv * hd), ws.get("v", t, nkv * hd)
-        ops.linear_multi(h, [(self.q, q), (self.k, k), (self.v, v)])   # + their biases (Qwen2)
+        parts = [(self.q, q), (self.k, k), (self.v, v)]
+        ops.linear_multi(h, parts)   # + their biases (Qwen2)
+        if rec is not None:   # [trace]
+            rec(layer, "q", q), rec(layer, "k", k), rec(layer, "v", v)
         q3, k3, v3 = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
         if self.q_norm is not None:   # in place
             if self.qk_norm_whole:
@@ -126,12 +130,20 @@ class Attention:
             else:
                 ops.rmsnorm(q3, self.q_norm, self.eps, out=q3)
                 ops.rmsnorm(k3, self.k_norm, self.eps, out=k3)
+            if rec is not None:   # [trace]
+                rec(layer, "q_norm", q), rec(layer, "k_norm", k)
         attn = ws.get("attn", t, nh, hd)
         k_cache, v_cache = kv_layer
         ops.rope_attention(q3, k3, v3, batch.positions, batch.seq_ids, batch.block_tables[self.window],
                            k_cache, v_cache, self.inv_freq, self.interleaved, self.scale,
                            self.window, self.softcap, out=attn, rope_mscale=self.rope_mscale)  # (T, nh, hd)
+        if rec is not None:   # [trace] q after RoPE and the weights are rebuilt from q and the cache
+            rec.attention(layer, q3, k_cache, v_cache, batch.block_tables[self.window], self.inv_freq,
+                          self.interleaved, self.scale, self.window, self.softcap, self.rope_mscale)
+            rec(layer, "attn", attn)
         ops.linear(attn.reshape(t, nh * hd), self.o, out=out)
+        if rec is not None:   # [trace]
+            rec(layer, "o_proj", out)
         return out
 
 
@@ -142,12 +154,16 @@ class MLP:
     down: Linear                       # (H, F)
     act: str = "silu"                  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
 
-    def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, out: np.ndarray,
+                 rec: Any = None, layer: int = 0) -> np.ndarray:
         t, f = len(h), self.gate.out_features
         gate, up, act = ws.get("gate", t, f), ws.get("up", t, f), ws.get("act", t, f)
         ops.linear_multi(h, [(self.gate, gate), (self.up, up)])
         (ops.swiglu if self.act == "silu" else ops.geglu)(gate, up, out=act)
-        return ops.linear(act, self.down, out=out)
+        ops.linear(act, self.down, out=out)
+        if rec is not None:   # [trace]
+            rec(layer, "gate", gate), rec(layer, "up", up), rec(layer, "act", act), rec(layer, "down", out)
+        return out
 
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -196,6 +212,7 @@ class Decoder:
         self.config, self.ops, self.ws = config, ops, Workspace()
         self.embed, self.lm_head, self.layers, self.norm = embed, lm_head, layers, norm
         self.embed_scale, self.logits_scale, self.final_softcap = embed_scale, logits_scale, final_softcap
+        self.recorder: Any = None   # [trace] a trace.Recorder while `ellm trace` / inspect runs
 
     def _add_normed(self, residual: np.ndarray, x: np.ndarray, norm: np.ndarray | None,
                     out: np.ndarray) -> np.ndarray:
@@ -220,16 +237,33 @@ class Decoder:
         residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
         if self.embed_scale != 1.0:
             ops.scale(residual, self.embed_scale)
+        rec = self.recorder   # [trace] None unless tracing: then one comparison per block below
+        if rec is not None:
+            rec(None, "embed", residual)
         first = self.layers[0].input_norm
         h = residual if first is None else ops.rmsnorm(residual, first, c.rms_norm_eps, out=h_buf)
         for i, layer in enumerate(self.layers):
-            layer.attn(ops, ws, h, batch, kv.layer(i), out=proj)
+            if rec is not None and layer.input_norm is not None:   # [trace]
+                rec(i, "attn_norm", h)
+            layer.attn(ops, ws, h, batch, kv.layer(i), out=proj, rec=rec, layer=i)
             self._block_out(proj, layer.post_attn_norm, layer.residual_multiplier)
+            if rec is not None and layer.post_attn_norm is not None:   # [trace]
+                rec(i, "post_attn_norm", proj)
             h = self._add_normed(residual, proj, layer.pre_mlp_norm, h_buf)
-            layer.mlp(ops, ws, h, out=proj)
+            if rec is not None:   # [trace]
+                rec(i, "resid_attn", residual)
+                if layer.pre_mlp_norm is not None:
+                    rec(i, "mlp_norm", h)
+            layer.mlp(ops, ws, h, out=proj, rec=rec, layer=i)
             self._block_out(proj, layer.post_mlp_norm, layer.residual_multiplier)
+            if rec is not None and layer.post_mlp_norm is not None:   # [trace]
+                rec(i, "post_mlp_norm", proj)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             h = self._add_normed(residual, proj, next_norm, h_buf)
+            if rec is not None:   # [trace]
+                rec(i, "resid_mlp", residual)
+        if rec is not None:   # [trace]
+            rec(None, "final_norm", h)
         if r != t:
             h = np.take(h, batch.logits_rows, axis=0, out=ws.get("rows", r, H))
         if hidden_only:

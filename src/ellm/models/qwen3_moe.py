@@ -94,8 +94,12 @@ class MoE:
     top_k: int
     norm_topk_prob: bool
 
-    def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, out: np.ndarray) -> np.ndarray:
-        return ops.moe(h, self.router, self.experts, self.top_k, self.norm_topk_prob, out=out)
+    def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, out: np.ndarray,
+                 rec: Any = None, layer: int = 0) -> np.ndarray:
+        ops.moe(h, self.router, self.experts, self.top_k, self.norm_topk_prob, out=out)
+        if rec is not None:   # [trace] the block's output, under the MLP's name for it
+            rec(layer, "down", out)
+        return out
 
 
 def _gguf_experts(gguf: Any, name: str, E: int, N: int, K: int) -> list[Linear]:

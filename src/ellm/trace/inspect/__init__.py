@@ -1,0 +1,1 @@
+"""`ellm inspect`: the page (static/, shipped as package data) and its JSON API (app.py)."""

@@ -1,0 +1,178 @@
+"""`ellm inspect`: a local page that shows a prompt flowing through the model, and its JSON API.
+
+    GET  /                 the page (static/index.html; app.js and style.css beside it)
+    GET  /api/model        name, layers, heads, vocabulary size, longest prompt
+    POST /api/trace        {"prompt": str, "chat": bool} or {"ids": [int]} ->
+                           tokens, per layer x token the residual norm and logit-lens top
+                           tokens, the next token's distribution, and a trace id
+    GET  /api/attention    ?trace=ID&layer=L&head=H -> that head's weights (tokens x tokens)
+
+Generation step by step is the page sending the ids again with one token more. Every
+trace is one traced prefill (trace.capture.record); the last few are kept for the
+attention requests. The model is used by one request at a time.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ..capture import Recording, record
+from ..lens import attention_map
+
+STATIC = Path(__file__).with_name("static")
+KEEP_TRACES = 8
+LENS_TOP = 5
+NEXT_TOP = 10
+MAX_BODY_BYTES = 1 << 20
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class Inspector:
+    """The state behind the page: the model and the last few recordings."""
+
+    def __init__(self, llm: Any, name: str, max_tokens: int = 256) -> None:
+        self.llm, self.name, self.max_tokens = llm, name, max_tokens
+        self.lock = threading.Lock()
+        self.traces: OrderedDict[str, Recording] = OrderedDict()
+
+    def piece(self, token_id: int) -> str:
+        return self.llm.tokenizer.decode([int(token_id)])
+
+    def model_info(self) -> dict[str, Any]:
+        c = self.llm.config
+        return {"name": self.name, "model_type": c.model_type, "layers": c.num_hidden_layers,
+                "heads": c.num_attention_heads, "vocab_size": c.vocab_size, "max_tokens": self.max_tokens,
+                "chat_template": bool(self.llm.tokenizer.chat_template)}
+
+    def ids_of(self, body: Any) -> list[int]:
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object with 'prompt' or 'ids'")
+        if "ids" in body:
+            ids = body["ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise BadRequest("'ids' must be a list of integers")
+            return ids
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequest("'prompt' must be a non-empty string")
+        tok = self.llm.tokenizer
+        if body.get("chat"):
+            if not tok.chat_template:
+                raise BadRequest("this model has no chat template")
+            return tok.encode_chat([{"role": "user", "content": prompt}])
+        return self.llm.encode_prompt(prompt)
+
+    def trace(self, ids: list[int]) -> dict[str, Any]:
+        with self.lock:
+            try:
+                rec = record(self.llm, ids, max_tokens=self.max_tokens, lens_top_k=LENS_TOP)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+            lens = rec.lens
+        trace_id = secrets.token_hex(8)
+        self.traces[trace_id] = rec
+        while len(self.traces) > KEEP_TRACES:
+            self.traces.popitem(last=False)
+        last = rec.logits[-1].astype(np.float64)
+        p = np.exp(last - last.max())
+        p /= p.sum()
+        top = np.argsort(-p, kind="stable")[:NEXT_TOP]
+        lens_ids = lens["ids"]                                    # (L, T, k)
+        return {
+            "trace": trace_id,
+            "ids": rec.ids,
+            "tokens": [self.piece(t) for t in rec.ids],
+            "layers": int(lens_ids.shape[0]),
+            "heads": self.llm.config.num_attention_heads,
+            "norms": lens["norms"].round(3).tolist(),              # (L, T)
+            "lens": [[[{"id": int(i), "token": self.piece(int(i)), "p": round(float(q), 4)}
+                       for i, q in zip(lens_ids[l, t], lens["probs"][l, t])]
+                      for t in range(lens_ids.shape[1])] for l in range(lens_ids.shape[0])],
+            "next": [{"id": int(i), "token": self.piece(int(i)), "p": round(float(p[i]), 5)} for i in top],
+        }
+
+    def attention(self, trace_id: str, layer: int, head: int) -> dict[str, Any]:
+        rec = self.traces.get(trace_id)
+        if rec is None:
+            raise BadRequest(f"unknown or expired trace {trace_id!r}; run the prompt again")
+        c = self.llm.config
+        if not 0 <= layer < c.num_hidden_layers:
+            raise BadRequest(f"layer must be in 0..{c.num_hidden_layers - 1}, got {layer}")
+        if not 0 <= head < c.num_attention_heads:
+            raise BadRequest(f"head must be in 0..{c.num_attention_heads - 1}, got {head}")
+        m = attention_map(self.llm.model, rec, layer)[head]     # (T, T)
+        return {"layer": layer, "head": head, "tokens": [self.piece(t) for t in rec.ids],
+                "matrix": m.round(4).tolist()}
+
+
+def create_app(inspector: Inspector) -> Starlette:
+    async def index(_: Request) -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    async def model(_: Request) -> Response:
+        return JSONResponse(inspector.model_info())
+
+    async def trace(request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return _bad(f"the body is over {MAX_BODY_BYTES} bytes", 413)
+        try:
+            import json
+            body = json.loads(raw or b"null")
+        except ValueError as e:
+            return _bad(f"the body is not JSON: {e}")
+        try:
+            ids = inspector.ids_of(body)
+            from starlette.concurrency import run_in_threadpool
+            return JSONResponse(await run_in_threadpool(inspector.trace, ids))
+        except BadRequest as e:
+            return _bad(str(e))
+
+    async def attention(request: Request) -> Response:
+        q = request.query_params
+        try:
+            layer, head = int(q.get("layer", "")), int(q.get("head", ""))
+        except ValueError:
+            return _bad("layer and head must be integers")
+        try:
+            return JSONResponse(inspector.attention(q.get("trace", ""), layer, head))
+        except BadRequest as e:
+            return _bad(str(e))
+
+    return Starlette(routes=[
+        Route("/", index),
+        Route("/api/model", model),
+        Route("/api/trace", trace, methods=["POST"]),
+        Route("/api/attention", attention),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ])
+
+
+def _bad(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def serve(model: str | None, host: str = "127.0.0.1", port: int = 8765, device: str = "cpu",
+          max_tokens: int = 256) -> None:
+    import uvicorn
+
+    import ellm
+    from ... import hub
+    resolved = hub.resolve(model)
+    llm = ellm.load(resolved.path, device=device, max_num_seqs=1)
+    app = create_app(Inspector(llm, resolved.name, max_tokens))
+    print(f"ellm inspect: {resolved.name} on http://{host}:{port}/  (Ctrl-C stops)")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
