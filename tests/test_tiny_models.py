@@ -46,8 +46,7 @@ GOLDENS = Path(__file__).parent / "goldens"
 SCRIPT = GOLDENS / "tiny_models.py"
 # llama.cpp's converter writes no dense layer into a qwen3moe file
 GGUF_FAMILIES = [f for f in FAMILIES if f != "qwen3_moe_mixed"]
-# llama.cpp 0.3.36 refuses the vocabulary its converter writes for the tiny Phi-3
-LLAMACPP_FAMILIES = [f for f in GGUF_FAMILIES if f != "phi3"]
+LLAMACPP_FAMILIES = GGUF_FAMILIES
 # the families whose GGUF keeps every setting of the folder (not phi3: llama.cpp ignores
 # Phi-3's window, so its GGUF means full attention)
 GGUF_KEEPS_ALL = ["qwen3", "olmo2", "granite", "qwen3_moe"]

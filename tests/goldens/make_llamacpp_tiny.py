@@ -21,12 +21,12 @@ import numpy as np
 from llama_cpp import Llama, __version__
 
 HERE = Path(__file__).resolve().parent
-# phi3 is left out: llama.cpp 0.3.36 refuses the vocabulary its converter writes for the
-# tiny Phi-3 ("error loading model vocabulary: unordered_map::at").
-FAMILIES = ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "qwen3_moe")
-# Phi-3's LongRoPE: llama.cpp takes the long factors once n_ctx exceeds the tiny model's
-# original_max_position_embeddings (64), transformers and ellm the short ones below it.
+FAMILIES = ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "phi3", "qwen3_moe")
+# llama.cpp rounds n_ctx up to 256 and takes Phi-3's long LongRoPE factors once n_ctx exceeds
+# original_max_position_embeddings, transformers and ellm the short ones below it: the tiny
+# Phi-3's original length is 256, so its n_ctx 256 keeps the short factors.
 N_CTX = 64
+N_CTX_OF = {"phi3": 256}
 OUTTYPES = ("f32", "q8_0")
 GREEDY_TOKENS = 8
 GGML_TYPE_F32 = 0
@@ -36,9 +36,9 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def run_llamacpp(path: Path, ids: list[int]) -> tuple[np.ndarray, list[int], list[float]]:
+def run_llamacpp(path: Path, ids: list[int], n_ctx: int) -> tuple[np.ndarray, list[int], list[float]]:
     """-> logits (len(ids), vocab) at every prompt position, greedy ids, their top-2 margins."""
-    llm = Llama(model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, logits_all=True, verbose=False,
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=2, logits_all=True, verbose=False,
                 type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
     llm.eval(ids)
     logits = np.array(llm.scores[:len(ids)], dtype=np.float32)
@@ -65,7 +65,7 @@ def main(ref_python: str, llama_cpp: str) -> None:
             ids = np.load(tiny / family / "ids.npy").tolist()
             for outtype in OUTTYPES:
                 name = f"{family}-{outtype}"
-                logits, greedy, margins = run_llamacpp(ggufs / f"{name}.gguf", ids)
+                logits, greedy, margins = run_llamacpp(ggufs / f"{name}.gguf", ids, N_CTX_OF.get(family, N_CTX))
                 top2 = np.sort(logits, axis=1)[:, -2:]
                 record["files"][name] = {
                     "sha256": sha256(ggufs / f"{name}.gguf"), "greedy_ids": greedy, "greedy_margins": margins,
