@@ -11,7 +11,7 @@ random mix of:
   hostile     parameters no kernel can represent, wrong types, lone surrogates, integers
               of thousands of digits, bad token ids (each must be a 4xx)
   oversized   prompts over the character limit or the context (4xx, refused before work)
-while a prober asks /health every 50 ms. Afterwards it checks, and prints as JSON:
+while a prober in a process of its own asks /health every 50 ms. Afterwards it checks, and prints as JSON:
   - no answer was a 5xx and no client saw a transport error other than its own cancel;
   - every KV block came back (ellm_kv_blocks_used == 0, nothing running or waiting);
   - the server's RSS is flat: the last quarter's median is within --rss-slack of the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -81,6 +82,21 @@ def _hostile_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
         ("/v1/completions", b"\xff\xfe not json"),
         ("/tokenize", b'{"prompt": "\\udc80"}'),
     ]
+
+
+def _probe_health(url: str, stop: Any, results: Any) -> None:
+    """Asks /health every 50 ms until stop is set; puts (latencies in ms, errors)."""
+    latencies: list[float] = []
+    errors: list[str] = []
+    with httpx.Client(base_url=url, timeout=30) as c:
+        while not stop.is_set():
+            t = time.perf_counter()
+            r = c.get("/health")
+            latencies.append((time.perf_counter() - t) * 1000)
+            if r.status_code != 200:
+                errors.append(f"health: HTTP {r.status_code}")
+            time.sleep(0.05)
+    results.put((latencies, errors))
 
 
 class Soak:
@@ -158,26 +174,27 @@ class Soak:
             prompt = "hello " * (self.args.max_model_len * 2)
         self._count(await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}), "oversized", False)
 
-    async def prober(self, pid: int | None) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=30) as c:
-            last_rss = 0.0
-            while not self.stop.is_set():
-                t = time.perf_counter()
-                r = await c.get("/health")
-                self.health_ms.append((time.perf_counter() - t) * 1000)
-                if r.status_code != 200:
-                    self.errors.append(f"health: HTTP {r.status_code}")
-                if pid is not None and time.monotonic() - last_rss >= 1.0:
-                    last_rss = time.monotonic()
-                    self.rss.append((time.monotonic(), _rss_kb(pid)))
-                await asyncio.sleep(0.05)
+    async def rss_sampler(self, pid: int | None) -> None:
+        while pid is not None and not self.stop.is_set():
+            self.rss.append((time.monotonic(), _rss_kb(pid)))
+            await asyncio.sleep(1.0)
 
     async def run(self, pid: int | None) -> None:
+        # /health is timed from a process of its own: inside this one, the 64 clients'
+        # event loop (parsing streams) would add its own delays to the server's answer.
+        ctx = multiprocessing.get_context("spawn")
+        stop, results = ctx.Event(), ctx.Queue()
+        probe = ctx.Process(target=_probe_health, args=(self.url, stop, results))
+        probe.start()
         tasks = [asyncio.create_task(self.client(i)) for i in range(self.args.clients)]
-        probe = asyncio.create_task(self.prober(pid))
+        sampler = asyncio.create_task(self.rss_sampler(pid))
         await asyncio.sleep(self.args.duration)
         self.stop.set()
-        await asyncio.gather(*tasks, probe)
+        stop.set()
+        await asyncio.gather(*tasks, sampler)
+        self.health_ms, errors = await asyncio.to_thread(results.get, True, 60)
+        self.errors.extend(errors)
+        probe.join(10)
 
 
 def _gauges(url: str) -> dict[str, float]:
