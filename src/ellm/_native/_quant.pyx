@@ -336,36 +336,14 @@ def linear_multi(const float[:, ::1] x not None, parts) -> None:
     cdef int64_t T = x.shape[0], K = x.shape[1]
     cdef Py_buffer wbufs[_MAX_PARTS]
     cdef ellm_linear_part cparts[_MAX_PARTS]
-    cdef int acquired = 0, i, st = 0, qtype
-    cdef float[:, :] o
+    cdef int acquired = 0, i, st = 0
     cdef size_t need
     cdef _Scratch s
-    outs = []  # keeps the out views alive while C writes through their pointers
+    outs = []  # keeps the out views and biases alive while C writes through their pointers
     try:
         for i in range(n):
-            part = parts[i]
-            if not isinstance(part, tuple) or len(part) not in (3, 4):
-                raise ValueError(f"linear_multi: part {i} must be a (w, qtype, out) or "
-                                 f"(w, qtype, out, bias) tuple")
-            w, qtype, out = part[:3]
-            _check_type(qtype, "linear_multi")
-            _get_weights(w, qtype, K, f"linear_multi part {i}", &wbufs[i])
+            _take_part(parts[i], i, T, K, "linear_multi", &wbufs[i], &cparts[i], outs)
             acquired += 1
-            try:
-                o = out
-            except (ValueError, TypeError, BufferError) as e:
-                raise ValueError(f"linear_multi part {i}: out must be a writable 2-D float32 "
-                                 f"array ({e})") from None
-            outs.append(o)
-            cparts[i].qtype = qtype
-            cparts[i].w = <const uint8_t *>wbufs[i].buf
-            cparts[i].w_bytes = <size_t>wbufs[i].len
-            cparts[i].N = wbufs[i].shape[0]
-            _out_pointer(o, T, wbufs[i].shape[0], i, &cparts[i])
-            bias = part[3] if len(part) == 4 else None
-            cparts[i].bias = _bias_pointer(bias, cparts[i].N, cparts[i].y, T if cparts[i].y else 0,
-                                           cparts[i].ldy, f"linear_multi part {i}")
-            outs.append(bias)
         if T == 0:
             return
         need = ellm_linear_multi_scratch_bytes(cparts, n, T, K)
@@ -378,6 +356,37 @@ def linear_multi(const float[:, ::1] x not None, parts) -> None:
             PyBuffer_Release(&wbufs[i])
     _raise_status(st, "linear_multi")
 
+
+
+cdef int _take_part(object part, int i, int64_t T, int64_t K, str fn, Py_buffer *wbuf,
+                    ellm_linear_part *p, list keep) except -1:
+    """Checks one (w, qtype, out[, bias]) part of a linear_multi call and fills p; acquires
+    *wbuf only when every check has passed (the caller releases it). keep holds the out
+    view and the bias alive while C writes through their pointers."""
+    cdef float[:, :] o
+    if not isinstance(part, tuple) or len(part) not in (3, 4):
+        raise ValueError(f"{fn}: part {i} must be a (w, qtype, out) or (w, qtype, out, bias) tuple")
+    w, qtype, out = part[:3]
+    _check_type(qtype, fn)
+    _get_weights(w, qtype, K, f"{fn} part {i}", wbuf)
+    try:
+        try:
+            o = out
+        except (ValueError, TypeError, BufferError) as e:
+            raise ValueError(f"{fn} part {i}: out must be a writable 2-D float32 array ({e})") from None
+        bias = part[3] if len(part) == 4 else None
+        p.qtype = qtype
+        p.w = <const uint8_t *>wbuf.buf
+        p.w_bytes = <size_t>wbuf.len
+        p.N = wbuf.shape[0]
+        _out_pointer(o, T, wbuf.shape[0], i, p)
+        p.bias = _bias_pointer(bias, p.N, p.y, T if p.y else 0, p.ldy, f"{fn} part {i}")
+    except BaseException:
+        PyBuffer_Release(wbuf)
+        raise
+    keep.append(o)
+    keep.append(bias)
+    return 0
 
 cdef int _out_pointer(float[:, :] o, int64_t T, int64_t N, int i,
                       ellm_linear_part *p) except -1:
@@ -461,36 +470,14 @@ def linear_multi_exact(const float[:, ::1] x not None, parts) -> None:
     cdef int64_t T = x.shape[0], K = x.shape[1]
     cdef Py_buffer wbufs[_MAX_PARTS]
     cdef ellm_linear_part cparts[_MAX_PARTS]
-    cdef int acquired = 0, i, st = 0, qtype
-    cdef float[:, :] o
+    cdef int acquired = 0, i, st = 0
     cdef size_t need
     cdef _Scratch s
-    outs = []  # keeps the out views alive while C writes through their pointers
+    outs = []  # keeps the out views and biases alive while C writes through their pointers
     try:
         for i in range(n):
-            part = parts[i]
-            if not isinstance(part, tuple) or len(part) not in (3, 4):
-                raise ValueError(f"linear_multi_exact: part {i} must be a (w, qtype, out) or "
-                                 f"(w, qtype, out, bias) tuple")
-            w, qtype, out = part[:3]
-            _check_type(qtype, "linear_multi_exact")
-            _get_weights(w, qtype, K, f"linear_multi_exact part {i}", &wbufs[i])
+            _take_part(parts[i], i, T, K, "linear_multi_exact", &wbufs[i], &cparts[i], outs)
             acquired += 1
-            try:
-                o = out
-            except (ValueError, TypeError, BufferError) as e:
-                raise ValueError(f"linear_multi_exact part {i}: out must be a writable 2-D "
-                                 f"float32 array ({e})") from None
-            outs.append(o)
-            cparts[i].qtype = qtype
-            cparts[i].w = <const uint8_t *>wbufs[i].buf
-            cparts[i].w_bytes = <size_t>wbufs[i].len
-            cparts[i].N = wbufs[i].shape[0]
-            _out_pointer(o, T, wbufs[i].shape[0], i, &cparts[i])
-            bias = part[3] if len(part) == 4 else None
-            cparts[i].bias = _bias_pointer(bias, cparts[i].N, cparts[i].y, T if cparts[i].y else 0,
-                                           cparts[i].ldy, f"linear_multi_exact part {i}")
-            outs.append(bias)
         if T == 0:
             return
         need = ellm_linear_exact_scratch_bytes(K, ellm_num_threads())
