@@ -70,9 +70,9 @@ def _keys_marked(loc: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _param(loc: Sequence[Any]) -> str | None:
-    """('messages', 0, 'content') -> 'messages[0].content'; a dict key ends the path (it is
-    data, not a field), shape tags are dropped."""
+def _path(loc: Sequence[Any], keys: bool) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content', shape tags dropped. A dict key
+    (data, not a field) is shown as '["5"]' when keys, else it ends the path."""
     out = ""
     for part in _keys_marked(loc):
         if isinstance(part, int):
@@ -80,25 +80,22 @@ def _param(loc: Sequence[Any]) -> str | None:
         elif part in SHAPE_TAGS:
             continue
         elif isinstance(part, _Key) or not str(part).isidentifier():
-            break
-        else:
-            out += f".{part}" if out else str(part)
-    return out or None
-
-
-def _display(loc: Sequence[Any]) -> str:
-    """The full path for a message, dict keys included: 'logit_bias["5"]'."""
-    out = ""
-    for part in _keys_marked(loc):
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in SHAPE_TAGS:
-            continue
-        elif isinstance(part, _Key) or not str(part).isidentifier():
+            if not keys:
+                break
             out += f'["{part}"]'
         else:
             out += f".{part}" if out else str(part)
     return out
+
+
+def _param(loc: Sequence[Any]) -> str | None:
+    """The field a 400 names: the path up to the first dict key."""
+    return _path(loc, keys=False) or None
+
+
+def _display(loc: Sequence[Any]) -> str:
+    """The full path for a message, dict keys included: 'logit_bias["5"]'."""
+    return _path(loc, keys=True)
 
 
 def _shown(v: Any) -> str:
