@@ -107,9 +107,9 @@ def make_smolvlm(out: Path) -> None:
 def make_gemma3(out: Path) -> None:
     tok = _tokenizer(GEMMA3_TOKENS)
     vocab = len(tok)
-    text = tf.Gemma3TextConfig(**dict(TEXT, num_hidden_layers=4), vocab_size=vocab, head_dim=32,
-                               query_pre_attn_scalar=32, sliding_window=8,
-                               layer_types=["sliding_attention", "full_attention"] * 2)
+    # six layers, the sixth global: Gemma 3's own pattern, which a GGUF file implies
+    text = tf.Gemma3TextConfig(**dict(TEXT, num_hidden_layers=6), vocab_size=vocab, head_dim=32,
+                               query_pre_attn_scalar=32, sliding_window=8)
     config = tf.Gemma3Config(text_config=text, vision_config=tf.SiglipVisionConfig(**VISION),
                              mm_tokens_per_image=4, image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"),
                              boi_token_index=tok.convert_tokens_to_ids("<start_of_image>"),
@@ -138,7 +138,7 @@ PREPROCESSOR = {
     "gemma3": {"image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "do_rescale": True,
                "do_normalize": True, "do_convert_rgb": True, "resample": 2, "rescale_factor": 1 / 255,
                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-               "size": {"height": VISION["image_size"], "width": VISION["image_size"]}},
+               "size": {"height": VISION["image_size"], "width": VISION["image_size"]}, "image_seq_length": 4},
 }
 
 
@@ -149,6 +149,13 @@ def _save(folder: Path, model: torch.nn.Module, tok: tf.PreTrainedTokenizerFast,
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR[folder.name], indent=2))
+    if folder.name == "gemma3":   # the tower under vision_tower.vision_model, as in the published checkpoints
+        from safetensors.torch import load_file, save_file
+        path = folder / "model.safetensors"
+        tensors = load_file(path)
+        save_file({("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.")
+                    and not k.startswith("vision_tower.vision_model.") else k): v for k, v in tensors.items()},
+                  path, metadata={"format": "pt"})
     if folder.name == "smolvlm":   # as the published SmolVLM configs: llama.cpp reads the text model by it
         config = json.loads((folder / "config.json").read_text())
         config["text_config"]["architectures"] = ["VLlama3ForCausalLM"]
