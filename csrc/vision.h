@@ -33,7 +33,11 @@ void ellm_full_attention(const float *q, const float *k, const float *v, float *
     void ellm_gelu_tanh_row_##sfx(const float *x, float *out, int64_t n);                     \
     float ellm_dot_row_##sfx(const float *a, const float *b, int64_t n);                      \
     /* y = y * s + a * x */                                                                   \
-    void ellm_scale_axpy_row_##sfx(float *y, float s, float a, const float *x, int64_t n);
+    void ellm_scale_axpy_row_##sfx(float *y, float s, float a, const float *x, int64_t n);    \
+    /* out[r] = q[r] . k for r < 4: four query rows against one key, the key read once */    \
+    void ellm_dot4_row_##sfx(const float *const q[4], const float *k, int64_t n, float out[4]); \
+    /* y[r] += a[r] * x for r < 4 */                                                          \
+    void ellm_axpy4_row_##sfx(float *const y[4], const float a[4], const float *x, int64_t n);
 
 ELLM_VISION_ROW_FUNCS(scalar)
 #if defined(__x86_64__) || defined(__i386__)

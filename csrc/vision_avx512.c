@@ -75,3 +75,33 @@ void ellm_gelu_tanh_row_avx512(const float *x, float *out, int64_t n) {
         for (; i < m; i++) out[i0 + i] = xs[i] / (1.0f + e[i]);
     }
 }
+
+void ellm_dot4_row_avx512(const float *const q[4], const float *k, int64_t n, float out[4]) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 kv = _mm512_loadu_ps(k + i);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q[0] + i), kv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q[1] + i), kv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q[2] + i), kv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q[3] + i), kv, a3);
+    }
+    out[0] = hsum16(a0), out[1] = hsum16(a1), out[2] = hsum16(a2), out[3] = hsum16(a3);
+    for (; i < n; i++)
+        for (int r = 0; r < 4; r++) out[r] += q[r][i] * k[i];
+}
+
+void ellm_axpy4_row_avx512(float *const y[4], const float a[4], const float *x, int64_t n) {
+    __m512 v0 = _mm512_set1_ps(a[0]), v1 = _mm512_set1_ps(a[1]), v2 = _mm512_set1_ps(a[2]),
+           v3 = _mm512_set1_ps(a[3]);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 xv = _mm512_loadu_ps(x + i);
+        _mm512_storeu_ps(y[0] + i, _mm512_fmadd_ps(v0, xv, _mm512_loadu_ps(y[0] + i)));
+        _mm512_storeu_ps(y[1] + i, _mm512_fmadd_ps(v1, xv, _mm512_loadu_ps(y[1] + i)));
+        _mm512_storeu_ps(y[2] + i, _mm512_fmadd_ps(v2, xv, _mm512_loadu_ps(y[2] + i)));
+        _mm512_storeu_ps(y[3] + i, _mm512_fmadd_ps(v3, xv, _mm512_loadu_ps(y[3] + i)));
+    }
+    for (; i < n; i++)
+        for (int r = 0; r < 4; r++) y[r][i] += a[r] * x[i];
+}
