@@ -15,15 +15,6 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-float ellm_dot_row_avx2(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum8(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 void ellm_scale_axpy_row_avx2(float *y, float s, float a, const float *x, int64_t n) {
     __m256 vs = _mm256_set1_ps(s), va = _mm256_set1_ps(a);
     int64_t i = 0;
@@ -81,32 +72,34 @@ void ellm_gelu_tanh_row_avx2(const float *x, float *out, int64_t n) {
     }
 }
 
-void ellm_dot4_row_avx2(const float *const q[4], const float *k, int64_t n, float out[4]) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+
+void ellm_pv4_row_avx2(float *const y[4], const float *const p[4], const float *v, int64_t ldv,
+                         int64_t nb, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 kv = _mm256_loadu_ps(k + i);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[0] + i), kv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q[1] + i), kv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q[2] + i), kv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q[3] + i), kv, a3);
+        __m256 a0 = _mm256_loadu_ps(y[0] + i), a1 = _mm256_loadu_ps(y[1] + i), a2 = _mm256_loadu_ps(y[2] + i),
+               a3 = _mm256_loadu_ps(y[3] + i);
+        for (int64_t j = 0; j < nb; j++) {
+            __m256 x = _mm256_loadu_ps(v + j * ldv + i);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[0][j]), x, a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[1][j]), x, a1);
+            a2 = _mm256_fmadd_ps(_mm256_set1_ps(p[2][j]), x, a2);
+            a3 = _mm256_fmadd_ps(_mm256_set1_ps(p[3][j]), x, a3);
+        }
+        _mm256_storeu_ps(y[0] + i, a0), _mm256_storeu_ps(y[1] + i, a1), _mm256_storeu_ps(y[2] + i, a2),
+            _mm256_storeu_ps(y[3] + i, a3);
     }
-    out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
     for (; i < n; i++)
-        for (int r = 0; r < 4; r++) out[r] += q[r][i] * k[i];
+        for (int r = 0; r < 4; r++)
+            for (int64_t j = 0; j < nb; j++) y[r][i] += p[r][j] * v[j * ldv + i];
 }
 
-void ellm_axpy4_row_avx2(float *const y[4], const float a[4], const float *x, int64_t n) {
-    __m256 v0 = _mm256_set1_ps(a[0]), v1 = _mm256_set1_ps(a[1]), v2 = _mm256_set1_ps(a[2]),
-           v3 = _mm256_set1_ps(a[3]);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 xv = _mm256_loadu_ps(x + i);
-        _mm256_storeu_ps(y[0] + i, _mm256_fmadd_ps(v0, xv, _mm256_loadu_ps(y[0] + i)));
-        _mm256_storeu_ps(y[1] + i, _mm256_fmadd_ps(v1, xv, _mm256_loadu_ps(y[1] + i)));
-        _mm256_storeu_ps(y[2] + i, _mm256_fmadd_ps(v2, xv, _mm256_loadu_ps(y[2] + i)));
-        _mm256_storeu_ps(y[3] + i, _mm256_fmadd_ps(v3, xv, _mm256_loadu_ps(y[3] + i)));
+void ellm_scores64_row_avx2(const float *q, const float *kt, int64_t hd, float out[64]) {
+    __m256 a[8];
+    for (int b = 0; b < 8; b++) a[b] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+        __m256 qd = _mm256_set1_ps(q[d]);
+        for (int b = 0; b < 8; b++) a[b] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * 64 + 8 * b), a[b]);
     }
-    for (; i < n; i++)
-        for (int r = 0; r < 4; r++) y[r][i] += a[r] * x[i];
+    for (int b = 0; b < 8; b++) _mm256_storeu_ps(out + 8 * b, a[b]);
 }

@@ -192,9 +192,11 @@ def test_layernorm_and_gelu_match_reference(simd_level, n) -> None:
     np.testing.assert_array_equal(y, cpu.gelu_tanh(g))
 
 
-@pytest.mark.parametrize("seq_len,heads,hd", [(1, 1, 4), (16, 2, 16), (37, 3, 24), (300, 2, 64)])
+@pytest.mark.parametrize("seq_len,heads,hd", [(1, 1, 4), (6, 1, 8), (16, 2, 16), (37, 3, 24), (300, 2, 64),
+                                             (70, 1, 256)])
 def test_full_attention_matches_reference(simd_level, seq_len, heads, hd) -> None:
-    """300 rows: more keys than one stack block (128), so the online softmax is used."""
+    """Query rows go 32 at a time and keys 64 at a time: short last groups of both, and
+    sequences longer than one key block (the online softmax)."""
     rng = np.random.default_rng(seq_len)
     q, k, v = (rng.standard_normal((3 * seq_len, heads, hd)).astype(np.float32) * 2 for _ in range(3))
     got = get_ops("cpu").full_attention(q, k, v, seq_len, hd ** -0.5)
@@ -232,6 +234,9 @@ def test_vision_ops_refuse_bad_arguments() -> None:
         cpu.full_attention(q, q, q, 4, 1.0)
     with pytest.raises(ValueError, match="overlap"):
         cpu.full_attention(q, q, q, 5, 1.0, out=q)
+    wide = np.zeros((2, 1, 264), np.float32)
+    with pytest.raises(ValueError, match="head_dim 264 is above the 256"):
+        cpu.full_attention(wide, wide, wide, 2, 1.0)
 
 
 # -- through the engine ------------------------------------------------------------------
