@@ -33,6 +33,7 @@ from ellm.ops.reference import Experts, ReferenceOps
 from ellm.ops.workspace import Workspace
 from ellm.sampling_params import SamplingParams
 from ellm.weights import Linear
+from conftest import ops_or_skip
 from opaque_ops import Opaque, OpaqueOps
 
 BACKENDS = ["reference", "cpu", "cpu-f32", "cuda"]
@@ -42,14 +43,9 @@ FLOATS = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 
 
 def backend(name: str) -> Any:
-    """The op set called `name`; a skip naming what is missing when it is not here."""
+    """The op set called `name` ("cpu-f32": f32 activations); cuda skips when absent."""
     device, _, acts = name.partition("-")
-    try:
-        return get_ops(device, activations=acts or ("f32" if device == "cuda" else "int8"))
-    except (ImportError, RuntimeError, ValueError, OSError) as e:
-        if device != "cuda":
-            raise
-        pytest.skip(f"no cuda backend here: {e}")
+    return ops_or_skip(device, acts or ("f32" if device == "cuda" else "int8"))
 
 
 @pytest.fixture(params=BACKENDS, scope="module")
