@@ -247,11 +247,13 @@ def test_workspace_grows_and_reuses(ops) -> None:
     ws = Workspace(ops)
     a = ws.get("x", 4, 8)
     assert tuple(a.shape) == (4, 8)
-    before = ws.nbytes
+    before, gen = ws.nbytes, ws.generation
     ws.get("x", 3, 8)                      # fewer rows: the same buffer
-    assert ws.nbytes == before
+    assert (ws.nbytes, ws.generation) == (before, gen)
     assert tuple(ws.get("x", 9, 8).shape) == (9, 8) and ws.nbytes >= 9 * 8 * 4
+    assert ws.generation == gen + 1        # grown: views taken before are stale
     assert tuple(ws.get("x", 2, 5).shape) == (2, 5)   # another row shape: a buffer of its own
+    assert ws.generation == gen + 2
 
 
 def test_sample_hook_is_none_or_greedy(ops, smollm2_gguf) -> None:
@@ -345,7 +347,8 @@ def test_engine_on_a_backend_numpy_cannot_read(model, smollm2_gguf, gemma3_gguf)
 def test_opaque_arrays_refuse_numpy() -> None:
     """The check above can fail: NumPy on an Opaque array raises."""
     a = Opaque(np.zeros((3, 2), np.float32))
-    for bad in (lambda: np.take(a, [0], axis=0), lambda: np.asarray(a), lambda: a + 1.0, lambda: a[Opaque(np.zeros(1))]):
+    for bad in (lambda: np.take(a, [0], axis=0), lambda: np.asarray(a), lambda: a + 1.0,
+                lambda: a[Opaque(np.zeros(1))]):
         with pytest.raises(TypeError):
             bad()
     with pytest.raises(TypeError, match="never uploaded"):
