@@ -1,0 +1,463 @@
+"""The CUDA backend: the op set of ops/reference.py and the memory interface of
+ops/memory.py on an NVIDIA GPU, through CuPy RawKernels.
+
+Weights are uploaded once (quantized GGUF blocks stay quantized and are dequantized in
+the kernels), activations and the paged KV cache live on the device, sampling runs on
+the device (only token ids come back), and decode steps are replayed as CUDA graphs, one
+per batch-size bucket (ops/cuda_graphs.py). The kernels are the .cu files in csrc/cuda/,
+shipped in the package (ellm/cuda/) and compiled at run time by NVRTC through CuPy's
+RawModule, which caches the result per device: users need no nvcc.
+
+This module imports without CuPy; `CudaOps()` says what is missing (CuPy, a GPU) and
+what to install. docs/gpu.md describes the kernels and what has been checked on hardware.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import math
+import re
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..formats.ggml_types import GGMLType
+from ..models.batch import Batch
+from ..weights import Linear
+from .reference import Experts
+
+# The kernel files, in the order they are compiled, and the kernels each must define
+# (tests/test_cuda_compile.py checks every name against nvcc's PTX).
+WEIGHT_TYPES: dict[GGMLType, str] = {
+    GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.BF16: "bf16",
+    GGMLType.Q4_0: "q4_0", GGMLType.Q4_1: "q4_1", GGMLType.Q8_0: "q8_0",
+    GGMLType.Q4_K: "q4_k", GGMLType.Q5_K: "q5_k", GGMLType.Q6_K: "q6_k",
+}
+KERNELS: dict[str, tuple[str, ...]] = {
+    "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemm", "embed") for t in WEIGHT_TYPES.values()),
+    "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "swiglu_f32", "geglu_f32", "softcap_f32",
+                       "scale_f32", "add_f32", "gather_rows_f32"),
+    "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine"),
+    "sample.cu": ("sample_rows",),
+}
+HEADER = "common.cuh"
+
+# Above this many tokens a product runs on the tensor cores (bf16 inputs); at or below it
+# on the f32 GEMV kernels. A fixed count, so a decode step's results never depend on how
+# many sequences share it (decode batches are at most this large: the graph buckets).
+GEMM_MIN_TOKENS = 64
+GEMV_TOKENS, GEMV_WARPS = 8, 4          # as in linear.cu
+GEMM_TILE = 64                          # as in linear.cu
+# Keys per attention chunk: small for decode (more blocks at batch 1), large for prefill
+# (bounded partial buffers). Fixed per side of GEMM_MIN_TOKENS, like the products.
+DECODE_CHUNK, PREFILL_CHUNK = 64, 512
+HEAD_DIM_MAX = 256
+ELEMENTWISE_THREADS = 256
+_NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
+
+INSTALL_HINT = ("pip install 'ellm[gpu]' (CuPy for CUDA 12) or 'ellm[gpu-cuda13]' (CuPy for CUDA 13), "
+                "matching the CUDA version `nvidia-smi` reports")
+
+
+class CudaUnavailableError(RuntimeError):
+    """device='cuda' was asked for, but CuPy or a GPU is missing (the message says which)."""
+
+
+def import_cupy() -> Any:
+    """CuPy, with a GPU behind it, or CudaUnavailableError saying what is missing."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise CudaUnavailableError(
+            f"device='cuda' needs CuPy, which is not installed ({e}); {INSTALL_HINT}; "
+            "or use device='cpu'") from None
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:   # CUDARuntimeError: no driver, no device, driver too old
+        raise CudaUnavailableError(
+            f"CuPy is installed but finds no usable CUDA GPU ({type(e).__name__}: {e}); check "
+            "`nvidia-smi` and that the CuPy package matches the driver's CUDA version; "
+            "or use device='cpu'") from None
+    if n < 1:
+        raise CudaUnavailableError("CuPy is installed but no CUDA GPU is visible "
+                                   "(CUDA_VISIBLE_DEVICES?); or use device='cpu'")
+    return cupy
+
+
+def kernel_dir() -> Path:
+    """The folder holding the .cu files: the installed package's ellm/cuda/, else (an
+    editable install or a source checkout) the repository's csrc/cuda/."""
+    installed = importlib.resources.files("ellm") / "cuda"
+    if installed.is_dir() and (installed / HEADER).is_file():
+        return Path(str(installed))
+    source = Path(__file__).resolve().parents[3] / "csrc" / "cuda"
+    if (source / HEADER).is_file():
+        return source
+    raise FileNotFoundError(f"the CUDA kernel sources are missing: neither {installed} nor {source} "
+                            f"holds {HEADER} (a broken install?)")
+
+
+def kernel_source(name: str) -> str:
+    """The text of csrc/cuda/<name> with common.cuh pasted in place of its #include, so
+    the source CuPy hashes for its cache covers the header too."""
+    folder = kernel_dir()
+    header = (folder / HEADER).read_text()
+    text = (folder / name).read_text()
+    return re.sub(r'#include\s+"common\.cuh"', lambda _: header, text)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class CudaOps:
+    """The op set on one CUDA device. Arrays are CuPy arrays (float32 activations, int32
+    indices); every op takes an optional `out` and returns it, like ops.cpu.CpuOps."""
+
+    name = "cuda"
+    linear_adds_bias = True   # the product kernels add Linear.bias in their epilogue
+
+    def __init__(self, activations: str = "int8", device_id: int = 0, graphs: bool = True) -> None:
+        cp = self.cp = import_cupy()
+        # Quantized weights always meet f32 activations here (dequantized in the kernel),
+        # so `activations` changes nothing on this backend.
+        self.activations = activations
+        self.device = cp.cuda.Device(device_id)
+        self.device.use()
+        self.graphs = graphs
+        # One blocking stream for everything (kernels, copies, graph replays): a graph can
+        # only be captured on a stream of its own, and a blocking one stays ordered with
+        # CuPy's default stream.
+        self.stream = cp.cuda.Stream(non_blocking=False)
+        self.num_sms = int(self.device.attributes["MultiProcessorCount"])
+        cc = int(self.device.compute_capability)
+        if cc < 80:
+            raise CudaUnavailableError(f"the GPU has compute capability {cc / 10:.1f}; ellm's kernels "
+                                       "need 8.0 or newer (Ampere, Hopper, Blackwell); use device='cpu'")
+        self._modules: dict[str, Any] = {}
+        self._kernels: dict[str, Any] = {}
+        self._scratch: dict[str, Any] = {}
+        self.capture_keep: list[Any] | None = None   # set while a graph is captured
+        # per SequenceSampler: its seed and the draws made so far (device sampling)
+        self._rng_state: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+
+    # -- kernels -----------------------------------------------------------------------
+
+    def kernel(self, name: str) -> Any:
+        k = self._kernels.get(name)
+        if k is None:
+            file = next((f for f, names in KERNELS.items() if name in names), None)
+            if file is None:
+                raise KeyError(f"no CUDA kernel named {name!r}")
+            mod = self._modules.get(file)
+            if mod is None:
+                mod = self.cp.RawModule(code=kernel_source(file), options=("--std=c++17",))
+                self._modules[file] = mod
+            k = self._kernels[name] = mod.get_function(name)
+        return k
+
+    def _launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
+        self.kernel(name)(grid, block, args)
+
+    def _elementwise(self, name: str, n: int, *args: Any) -> None:
+        if n:
+            self._launch(name, (_ceil(n, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args)
+
+    def scratch(self, name: str, size: int, dtype: Any = np.float32) -> Any:
+        """A grow-only device buffer of at least `size` elements (attention partials).
+        While a graph is being captured the buffer is also held by the graph, so a later
+        growth cannot free memory a captured step still writes."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = self._scratch[name] = self.cp.empty(max(size, 1), dtype)
+        if self.capture_keep is not None:
+            self.capture_keep.append(buf)
+        return buf[:size]
+
+    # -- memory (ops/memory.py HostMemory's meaning) ------------------------------------
+
+    def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+        return self.cp.empty(shape, dtype)
+
+    def kv_zeros(self, shape: tuple[int, ...]) -> Any:
+        return self.cp.zeros(shape, np.float32)
+
+    def upload(self, x: np.ndarray) -> Any:
+        return self.cp.asarray(np.ascontiguousarray(x))
+
+    def upload_linear(self, w: Linear) -> Linear:
+        """The matrix on the device in its own type; types without a kernel (Q5_0, Q2_K,
+        ...) are dequantized to f32 on the host first (4 bytes a weight: correct, not fast)."""
+        from dataclasses import replace
+        if isinstance(w.data, self.cp.ndarray):
+            return w
+        bias = None if w.bias is None else self.upload(np.asarray(w.bias, np.float32))
+        if w.qtype not in WEIGHT_TYPES:
+            from ..formats.dequant import dequantize
+            dense = dequantize(w.data, w.qtype, (w.out_features, w.in_features))
+            return replace(w, data=self.cp.asarray(dense), qtype=GGMLType.F32, bias=bias)
+        return replace(w, data=self.cp.asarray(np.ascontiguousarray(w.data)), bias=bias)
+
+    def upload_batch(self, batch: Batch) -> Batch:
+        cp = self.cp
+
+        def dev(a: np.ndarray) -> Any:
+            return cp.asarray(np.ascontiguousarray(a, dtype=np.int32))
+        return Batch(token_ids=dev(batch.token_ids), positions=dev(batch.positions),
+                     seq_ids=dev(batch.seq_ids),
+                     block_tables={w: dev(t) for w, t in batch.block_tables.items()},
+                     logits_rows=dev(batch.logits_rows))
+
+    def gather_rows(self, x: Any, rows: Any, out: Any = None) -> Any:
+        R, H = int(rows.shape[0]), int(x.shape[1])
+        out = self.cp.empty((R, H), np.float32) if out is None else out
+        if R:
+            self._launch("gather_rows_f32", (R,), (256,), (x, rows, out, np.int32(H)))
+        return out
+
+    def to_host(self, x: Any) -> np.ndarray:
+        if isinstance(x, self.cp.ndarray):
+            return self.cp.asnumpy(x, stream=self.stream)   # waits for the stream's work
+        return np.asarray(x)
+
+    def step_executor(self, model: Any, kv: Any, workspace: Any) -> Any:
+        from .cuda_graphs import GraphStep
+        return GraphStep(self, model, kv, workspace, enabled=self.graphs)
+
+    # -- products ----------------------------------------------------------------------
+
+    def _weight(self, w: Linear) -> Any:
+        if not isinstance(w.data, self.cp.ndarray):
+            raise ValueError(f"{w.name or 'a weight'} is not on the GPU: the model's weights must be "
+                             "uploaded (models.build_model does it) before a CUDA forward pass")
+        return w.data
+
+    def linear(self, x: Any, w: Linear, out: Any = None) -> Any:
+        """x (T, K) @ W^T (+ w.bias) -> (T, N)."""
+        data = self._weight(w)
+        T, K, N = int(x.shape[0]), w.in_features, w.out_features
+        if int(x.shape[1]) != K:
+            raise ValueError(f"linear: x has {x.shape[1]} columns, {w.name or 'the weight'} takes {K}")
+        x = self.cp.ascontiguousarray(x, dtype=np.float32)
+        out = self.cp.empty((T, N), np.float32) if out is None else out
+        if T == 0:
+            return out
+        tname = WEIGHT_TYPES[w.qtype]
+        bias = _NULL if w.bias is None else w.bias
+        args = (data, np.int64(data.strides[0]), x, bias, out, np.int32(T), np.int32(K), np.int32(N))
+        if T > GEMM_MIN_TOKENS and K % 32 == 0 and w.qtype != GGMLType.F32:
+            self._launch(f"gemm_{tname}", (_ceil(N, GEMM_TILE), _ceil(T, GEMM_TILE)), (128,), args)
+        else:
+            if K % 8:
+                raise ValueError(f"linear: in_features {K} is not a multiple of 8 (the CUDA kernels need it)")
+            self._launch(f"gemv_{tname}", (_ceil(N, GEMV_WARPS), _ceil(T, GEMV_TOKENS)),
+                         (32 * GEMV_WARPS,), args)
+        return out
+
+    def linear_multi(self, x: Any, parts: Sequence[tuple]) -> list[Any]:
+        return [self.linear(x, w, o) for w, o in parts]
+
+    def embed(self, w: Linear, ids: Any, out: Any = None) -> Any:
+        data = self._weight(w)
+        T, K = int(ids.shape[0]), w.in_features
+        out = self.cp.empty((T, K), np.float32) if out is None else out
+        if T:
+            self._launch(f"embed_{WEIGHT_TYPES[w.qtype]}", (T,), (128,),
+                         (data, np.int64(data.strides[0]), np.int32(w.out_features), ids, out, np.int32(K)))
+        return out
+
+    # -- norms and element-wise ----------------------------------------------------------
+
+    def rmsnorm(self, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
+        H = int(x.shape[-1])
+        out = self.cp.empty(x.shape, np.float32) if out is None else out
+        rows = int(x.size) // H
+        if rows:
+            self._launch("rmsnorm_f32", (rows,), (256,), (x, weight, out, np.int32(H), np.float32(eps)))
+        return out
+
+    def add_rmsnorm(self, residual: Any, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
+        H = int(residual.shape[-1])
+        out = self.cp.empty(residual.shape, np.float32) if out is None else out
+        rows = int(residual.size) // H
+        if rows:
+            self._launch("add_rmsnorm_f32", (rows,), (256,),
+                         (residual, x, weight, out, np.int32(H), np.float32(eps)))
+        return out
+
+    def add(self, a: Any, b: Any) -> Any:
+        self._elementwise("add_f32", int(a.size), a, b, np.int64(a.size))
+        return a
+
+    def swiglu(self, gate: Any, up: Any, out: Any = None) -> Any:
+        out = self.cp.empty(gate.shape, np.float32) if out is None else out
+        self._elementwise("swiglu_f32", int(gate.size), gate, up, out, np.int64(gate.size))
+        return out
+
+    def geglu(self, gate: Any, up: Any, out: Any = None) -> Any:
+        out = self.cp.empty(gate.shape, np.float32) if out is None else out
+        self._elementwise("geglu_f32", int(gate.size), gate, up, out, np.int64(gate.size))
+        return out
+
+    def softcap(self, x: Any, cap: float) -> Any:
+        if cap > 0:
+            self._elementwise("softcap_f32", int(x.size), x, np.int64(x.size), np.float32(cap))
+        return x
+
+    def scale(self, x: Any, s: float) -> Any:
+        self._elementwise("scale_f32", int(x.size), x, np.int64(x.size), np.float32(s))
+        return x
+
+    def moe(self, x: Any, router: Linear, experts: Experts, top_k: int, norm_topk_prob: bool,
+            out: Any = None) -> Any:
+        raise NotImplementedError("mixture-of-experts layers have no CUDA kernels yet (issue 14); "
+                                  "load this model with device='cpu'")
+
+    # -- attention -----------------------------------------------------------------------
+
+    def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
+                       inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,
+                       rope_mscale=1.0):
+        """ops/reference.py rope_attention on the device: q (T, nh, hd), k / v (T, nkv, hd),
+        caches (num_blocks, block_size, nkv, hd), block_tables (B, max_blocks) int32."""
+        cp = self.cp
+        T, nh, hd = (int(s) for s in q.shape)
+        nkv, block_size = int(k.shape[1]), int(k_cache.shape[1])
+        if hd % 32 or hd > HEAD_DIM_MAX or nh % nkv:
+            raise ValueError(f"rope_attention on CUDA needs head_dim a multiple of 32 up to {HEAD_DIM_MAX} "
+                             f"and n_heads a multiple of n_kv_heads; got head_dim {hd}, {nh} / {nkv} heads")
+        out = cp.empty((T, nh, hd), np.float32) if out is None else out
+        if T == 0:
+            return out
+        n_rot = int(inv_freq.shape[0])
+        if n_rot > hd // 2:
+            raise ValueError(f"inv_freq has {n_rot} entries, more than head_dim/2 = {hd // 2}")
+        max_blocks = int(block_tables.shape[1])
+        chunk = DECODE_CHUNK if T <= GEMM_MIN_TOKENS else PREFILL_CHUNK
+        max_chunks = _ceil(max_blocks * block_size, chunk)
+        # enough blocks to fill the GPU at batch 1; a shape-only choice (graph-safe), and
+        # which block takes which chunk does not change any result
+        z = max(1, min(max_chunks, _ceil(2 * self.num_sms, nh * T)))
+        q = cp.ascontiguousarray(q, dtype=np.float32)
+        k = cp.ascontiguousarray(k, dtype=np.float32)
+        v = cp.ascontiguousarray(v, dtype=np.float32)
+        q_rot = self.scratch("q_rot", T * nh * hd)
+        part_ml = self.scratch("part_ml", T * nh * max_chunks * 2)
+        part_o = self.scratch("part_o", T * nh * max_chunks * hd)
+        i32, f32 = np.int32, np.float32
+        self._launch("rope_kv_write", (T, nh + nkv), (hd,),
+                     (q, k, v, positions, seq_ids, block_tables, i32(max_blocks), q_rot, k_cache, v_cache,
+                      inv_freq, i32(n_rot), i32(bool(interleaved)), f32(rope_mscale),
+                      i32(nh), i32(nkv), i32(hd), i32(block_size)))
+        self._launch("attn_partial", (nh, T, z), (128,),
+                     (q_rot, positions, seq_ids, block_tables, i32(max_blocks), k_cache, v_cache,
+                      i32(nh), i32(nkv), i32(hd), i32(block_size), f32(scale), i32(window),
+                      f32(softcap_value), i32(chunk), i32(max_chunks), part_ml, part_o))
+        self._launch("attn_combine", (nh, T), (hd,),
+                     (positions, part_ml, part_o, i32(nh), i32(hd), i32(window), i32(chunk),
+                      i32(max_chunks), out))
+        return out
+
+    # -- sampling on the device ------------------------------------------------------------
+
+    def sample(self, logits: Any, samplers: Sequence[Any]) -> list[Any] | None:
+        """One token per row of logits (B, vocab), chosen on the device (csrc/cuda/sample.cu);
+        None (the host samples) when a row asks for logprobs. Rows are independent; a
+        seeded row draws the same tokens whatever its batch (its own seed and counter)."""
+        from ..engine.sampler import SampleResult
+        B = len(samplers)
+        if B == 0 or any(s.params.logprobs is not None for s in samplers):
+            return None
+        if int(logits.shape[0]) != B:
+            raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
+        V = int(logits.shape[1])
+        rows = _SampleRows(B)
+        for b, s in enumerate(samplers):
+            rows.add(b, s, self._rng_for(s))
+        host = rows.arrays()
+        dev = {name: self.cp.asarray(a) for name, a in host.items()}
+        out_ids = self.cp.empty(B, np.int32)
+        logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
+        with self.stream:
+            self._launch("sample_rows", (B,), (1024,),
+                         (logits, np.int32(V), dev["inv_temp"], dev["top_k"], dev["top_p"],
+                          dev["log_min_p"], dev["rep"], dev["freq"], dev["pres"], dev["bias_off"],
+                          dev["bias_ids"], dev["bias_vals"], dev["pen_off"], dev["pen_ids"],
+                          dev["pen_counts"], dev["seeds"], dev["steps"], out_ids))
+        ids = self.cp.asnumpy(out_ids, stream=self.stream)   # the only copy back: B token ids
+        for b, s in enumerate(samplers):
+            if not (s.params.greedy or s.params.top_k == 1):
+                self._rng_state[s][1] += 1
+        return [SampleResult(int(t), math.nan, None) for t in ids.tolist()]
+
+    def _rng_for(self, sampler: Any) -> list[int]:
+        """[seed, draws so far] of a sampler: its request's seed (with the sibling index
+        folded in by the sampler's own Generator), or one drawn from that Generator."""
+        st = self._rng_state.get(sampler)
+        if st is None:
+            seed = int(sampler._rng.integers(0, 2**63))
+            st = self._rng_state[sampler] = [seed, 0]
+        return st
+
+
+class _SampleRows:
+    """The per-row arrays sample.cu reads, built on the host from the samplers' state:
+    parameters, logit_bias and the penalised ids as offset-indexed lists."""
+
+    def __init__(self, B: int) -> None:
+        self.inv_temp = np.zeros(B, np.float32)
+        self.top_k = np.zeros(B, np.int32)
+        self.top_p = np.zeros(B, np.float32)
+        self.log_min_p = np.full(B, -np.inf, np.float32)
+        self.rep = np.ones(B, np.float32)
+        self.freq = np.zeros(B, np.float32)
+        self.pres = np.zeros(B, np.float32)
+        self.seeds = np.zeros(B, np.uint64)
+        self.steps = np.zeros(B, np.uint64)
+        self.bias: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pens: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def add(self, b: int, s: Any, rng: list[int]) -> None:
+        p = s.params
+        self.inv_temp[b] = s._inv_t
+        self.top_k[b] = 1 if p.top_k == 1 else s._top_k
+        self.top_p[b] = s._top_p
+        if s._log_min_p is not None:
+            self.log_min_p[b] = s._log_min_p
+        self.seeds[b], self.steps[b] = rng[0], rng[1]
+        if s._bias_ids is not None:
+            self.bias.append((s._bias_ids.astype(np.int32), s._bias_vals))
+        else:
+            self.bias.append((np.empty(0, np.int32), np.empty(0, np.float32)))
+        ids, counts = np.empty(0, np.int32), np.empty(0, np.float32)
+        if s._rep or s._freq_pres:
+            self.rep[b] = p.repetition_penalty
+            self.freq[b], self.pres[b] = p.frequency_penalty, p.presence_penalty
+            out = s._out
+            n_out = len(out)
+            if s._rep:   # every id seen (prompt + output), with its output count
+                seen = s._seen
+                ids = seen.ids[:len(seen)].astype(np.int32)
+                counts = np.zeros(len(ids), np.float32)
+                if n_out:
+                    where = {t: i for i, t in enumerate(ids.tolist())}
+                    for t, c in zip(out.ids[:n_out].tolist(), out.counts[:n_out].tolist()):
+                        counts[where[t]] = c
+            else:
+                ids, counts = out.ids[:n_out].astype(np.int32), out.counts[:n_out].astype(np.float32)
+        self.pens.append((ids, counts))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        def csr(lists: list[tuple[np.ndarray, np.ndarray]], vdtype: Any) -> tuple[np.ndarray, ...]:
+            off = np.zeros(len(lists) + 1, np.int32)
+            off[1:] = np.cumsum([len(i) for i, _ in lists])
+            ids = np.concatenate([i for i, _ in lists] + [np.zeros(1, np.int32)]).astype(np.int32)
+            vals = np.concatenate([v for _, v in lists] + [np.zeros(1, vdtype)]).astype(vdtype)
+            return off, ids, vals
+        bias_off, bias_ids, bias_vals = csr(self.bias, np.float32)
+        pen_off, pen_ids, pen_counts = csr(self.pens, np.float32)
+        return dict(inv_temp=self.inv_temp, top_k=self.top_k, top_p=self.top_p, log_min_p=self.log_min_p,
+                    rep=self.rep, freq=self.freq, pres=self.pres, bias_off=bias_off, bias_ids=bias_ids,
+                    bias_vals=bias_vals, pen_off=pen_off, pen_ids=pen_ids, pen_counts=pen_counts,
+                    seeds=self.seeds, steps=self.steps)
