@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def test_sources_paste_the_header_in() -> None:
 
 def _nvrtc() -> ctypes.CDLL | None:
     names = [ctypes.util.find_library("nvrtc")] + glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*") \
-        + glob.glob(os.path.join(os.path.dirname(os.__file__), "site-packages/nvidia/cu*/lib/libnvrtc.so*"))
+        + glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia/cu*/lib/libnvrtc.so*"))
     for n in names:
         if n:
             try:
@@ -72,7 +73,8 @@ def _nvrtc() -> ctypes.CDLL | None:
 NVRTC = _nvrtc()
 
 
-@pytest.mark.skipif(NVRTC is None, reason="no libnvrtc found (optional: the NVRTC compile check)")
+@pytest.mark.skipif(NVRTC is None, reason="no libnvrtc found (optional: pip install nvidia-cuda-nvrtc "
+                                                  "for the NVRTC compile check)")
 @pytest.mark.parametrize("arch", ("compute_80", "compute_90"))
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_nvrtc_compiles(source: Path, arch: str) -> None:
@@ -89,3 +91,14 @@ def test_nvrtc_compiles(source: Path, arch: str) -> None:
     lib.nvrtcGetProgramLog(prog, buf)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     assert rc == 0, buf.value.decode(errors="replace")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_ptxas_sm90_without_register_spills(source: Path, tmp_path: Path) -> None:
+    """ptxas assembles every kernel for Hopper without spilling registers to local memory
+    (a spill in a decode kernel costs far more than the kernel itself)."""
+    proc = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-Xptxas", "-warn-spills,-Werror",
+                           "-o", str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr

@@ -141,6 +141,7 @@ class CudaOps:
         self.capture_keep: list[Any] | None = None   # set while a graph is captured
         # per SequenceSampler: its seed and the draws made so far (device sampling)
         self._rng_state: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+        self._greedy_rows: dict[int, dict[str, Any]] = {}   # B -> device parameters of B greedy rows
 
     # -- kernels -----------------------------------------------------------------------
 
@@ -372,24 +373,41 @@ class CudaOps:
         if int(logits.shape[0]) != B:
             raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
         V = int(logits.shape[1])
-        rows = _SampleRows(B)
-        for b, s in enumerate(samplers):
-            rows.add(b, s, self._rng_for(s))
-        host = rows.arrays()
-        dev = {name: self.cp.asarray(a) for name, a in host.items()}
-        out_ids = self.cp.empty(B, np.int32)
-        logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
         with self.stream:
+            if all(s.plain_greedy for s in samplers):   # the common case: parameters made once per B
+                dev = self._greedy_rows.get(B)
+                if dev is None:
+                    dev = self._greedy_rows[B] = self._upload_packed(_SampleRows(B).arrays())
+            else:
+                rows = _SampleRows(B)
+                for b, s in enumerate(samplers):
+                    rows.add(b, s, self._rng_for(s))
+                dev = self._upload_packed(rows.arrays())
+            out_ids = self.cp.empty(B, np.int32)
+            logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
             self._launch("sample_rows", (B,), (1024,),
                          (logits, np.int32(V), dev["inv_temp"], dev["top_k"], dev["top_p"],
                           dev["log_min_p"], dev["rep"], dev["freq"], dev["pres"], dev["bias_off"],
                           dev["bias_ids"], dev["bias_vals"], dev["pen_off"], dev["pen_ids"],
                           dev["pen_counts"], dev["seeds"], dev["steps"], out_ids))
-        ids = self.cp.asnumpy(out_ids, stream=self.stream)   # the only copy back: B token ids
+            ids = self.cp.asnumpy(out_ids, stream=self.stream)   # the only copy back: B token ids
         for b, s in enumerate(samplers):
             if not (s.params.greedy or s.params.top_k == 1):
                 self._rng_state[s][1] += 1
         return [SampleResult(int(t), math.nan, None) for t in ids.tolist()]
+
+    def _upload_packed(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The sampler's per-row arrays in one host-to-device copy: packed into one byte
+        buffer (each piece 8-byte aligned), then typed views of the device copy."""
+        offsets, total = {}, 0
+        for name, a in arrays.items():
+            offsets[name] = total
+            total += -(-a.nbytes // 8) * 8
+        host = np.zeros(max(total, 8), np.uint8)
+        for name, a in arrays.items():
+            host[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        dev = self.cp.asarray(host)
+        return {name: dev[offsets[name]:offsets[name] + a.nbytes].view(a.dtype) for name, a in arrays.items()}
 
     def _rng_for(self, sampler: Any) -> list[int]:
         """[seed, draws so far] of a sampler: its request's seed (with the sibling index
