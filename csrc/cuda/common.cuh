@@ -57,16 +57,19 @@ __device__ __forceinline__ float warp_max(float v) {
 
 __device__ __forceinline__ void deq8_f32(const u8* row, int k0, float* v) {
     const float* p = (const float*)row + k0;
+    #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = p[i];
 }
 
 __device__ __forceinline__ void deq8_f16(const u8* row, int k0, float* v) {
     const u16* p = (const u16*)row + k0;
+    #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = f16_to_f32(p[i]);
 }
 
 __device__ __forceinline__ void deq8_bf16(const u8* row, int k0, float* v) {
     const u16* p = (const u16*)row + k0;
+    #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = bf16_to_f32(p[i]);
 }
 
@@ -77,6 +80,7 @@ __device__ __forceinline__ void deq8_q4_0(const u8* row, int k0, float* v) {
     float d = rd_f16(b);
     int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
     const u8* qs = b + 2 + (j0 & 15);
+    #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = d * (float)(((qs[i] >> sh) & 15) - 8);
 }
 
@@ -86,6 +90,7 @@ __device__ __forceinline__ void deq8_q4_1(const u8* row, int k0, float* v) {
     float d = rd_f16(b), m = rd_f16(b + 2);
     int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
     const u8* qs = b + 4 + (j0 & 15);
+    #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) + m;
 }
 
@@ -94,6 +99,7 @@ __device__ __forceinline__ void deq8_q8_0(const u8* row, int k0, float* v) {
     const u8* b = row + (k0 >> 5) * 34;
     float d = rd_f16(b);
     const i8* qs = (const i8*)(b + 2) + (k0 & 31);
+    #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = d * (float)qs[i];
 }
 
@@ -121,6 +127,7 @@ __device__ __forceinline__ void deq8_q4_k(const u8* row, int k0, float* v) {
     float d = rd_f16(b) * sc, m = rd_f16(b + 2) * mn;
     const u8* qs = b + 16 + 32 * c + l;
     int sh = hi ? 4 : 0;
+    #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) - m;
 }
 
@@ -134,6 +141,7 @@ __device__ __forceinline__ void deq8_q5_k(const u8* row, int k0, float* v) {
     const u8* qh = b + 16 + l;
     const u8* qs = b + 48 + 32 * c + l;
     int sh = hi ? 4 : 0, bit = 2 * c + hi;
+    #pragma unroll
     for (int i = 0; i < 8; i++) {
         int q = ((qs[i] >> sh) & 15) | (((qh[i] >> bit) & 1) << 4);
         v[i] = d * (float)q - m;
@@ -148,6 +156,7 @@ __device__ __forceinline__ void deq8_q6_k(const u8* row, int k0, float* v) {
     const u8* ql = b + half * 64 + (r & 63);
     const u8* qh = b + 128 + half * 32 + (r & 31);
     int shl = 4 * (r >> 6), shh = 2 * (r >> 5);
+    #pragma unroll
     for (int i = 0; i < 8; i++) {
         int q = ((ql[i] >> shl) & 15) | (((qh[i] >> shh) & 3) << 4);
         v[i] = d * (float)(q - 32);

@@ -72,7 +72,7 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32
 
 // grid (ceil(N / GN), ceil(T / GM)), block 128.
 #define ELLM_GEMM(name, deq)                                                              \
-extern "C" __global__ void __launch_bounds__(128) gemm_##name(                           \
+extern "C" __global__ void __launch_bounds__(128, 4) gemm_##name(                           \
         const u8* __restrict__ W, long long row_bytes,                                    \
         const float* __restrict__ X,     /* (T, K) */                                     \
         const float* __restrict__ bias,  /* (N,) or null */                               \
@@ -85,12 +85,12 @@ extern "C" __global__ void __launch_bounds__(128) gemm_##name(                  
     int m0 = blockIdx.y * GM, n0 = blockIdx.x * GN;                                       \
     int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;                                      \
     float acc[2][4][4];                                                                   \
-    for (int i = 0; i < 2; i++)                                                           \
-        for (int j = 0; j < 4; j++)                                                       \
-            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;                              \
+    _Pragma("unroll") for (int i = 0; i < 2; i++)                                                           \
+        _Pragma("unroll") for (int j = 0; j < 4; j++)                                                       \
+            _Pragma("unroll") for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;                              \
     for (int k0 = 0; k0 < K; k0 += GK) {                                                  \
         /* X tile: 64 x 32 floats, 8 consecutive per thread, two passes */                \
-        for (int p = 0; p < 2; p++) {                                                     \
+        _Pragma("unroll") for (int p = 0; p < 2; p++) {                                 \
             int idx = tid + p * 128, r = idx >> 2, c = (idx & 3) * 8;                     \
             u32* dst = (u32*)&As[r][c];                                                   \
             if (m0 + r < T) {                                                             \
@@ -103,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(128) gemm_##name(                  
             }                                                                             \
         }                                                                                 \
         /* W tile: 64 rows x 32, dequantized 8 at a time */                               \
-        for (int p = 0; p < 2; p++) {                                                     \
+        _Pragma("unroll") for (int p = 0; p < 2; p++) {                                 \
             int idx = tid + p * 128, r = idx >> 2, c = (idx & 3) * 8;                     \
             u32* dst = (u32*)&Bs[r][c];                                                   \
             if (n0 + r < N) {                                                             \
@@ -116,32 +116,32 @@ extern "C" __global__ void __launch_bounds__(128) gemm_##name(                  
             }                                                                             \
         }                                                                                 \
         __syncthreads();                                                                  \
-        for (int kk = 0; kk < GK; kk += 16) {                                             \
+        _Pragma("unroll") for (int kk = 0; kk < GK; kk += 16) {                                             \
             u32 a[2][4], b[4][2];                                                         \
-            for (int i = 0; i < 2; i++) {                                                 \
+            _Pragma("unroll") for (int i = 0; i < 2; i++) {                                                 \
                 int r = wm + i * 16 + g;                                                  \
                 a[i][0] = *(const u32*)&As[r][kk + 2 * q];                                \
                 a[i][1] = *(const u32*)&As[r + 8][kk + 2 * q];                            \
                 a[i][2] = *(const u32*)&As[r][kk + 2 * q + 8];                            \
                 a[i][3] = *(const u32*)&As[r + 8][kk + 2 * q + 8];                        \
             }                                                                             \
-            for (int j = 0; j < 4; j++) {                                                 \
+            _Pragma("unroll") for (int j = 0; j < 4; j++) {                                                 \
                 int r = wn + j * 8 + g;                                                   \
                 b[j][0] = *(const u32*)&Bs[r][kk + 2 * q];                                \
                 b[j][1] = *(const u32*)&Bs[r][kk + 2 * q + 8];                            \
             }                                                                             \
-            for (int i = 0; i < 2; i++)                                                   \
-                for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], a[i], b[j]);        \
+            _Pragma("unroll") for (int i = 0; i < 2; i++)                                                   \
+                _Pragma("unroll") for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], a[i], b[j]);        \
         }                                                                                 \
         __syncthreads();                                                                  \
     }                                                                                     \
-    for (int i = 0; i < 2; i++) {                                                         \
-        for (int j = 0; j < 4; j++) {                                                     \
+    _Pragma("unroll") for (int i = 0; i < 2; i++) {                                                         \
+        _Pragma("unroll") for (int j = 0; j < 4; j++) {                                                     \
             int col = n0 + wn + j * 8 + 2 * q;                                            \
-            for (int h = 0; h < 2; h++) {                                                 \
+            _Pragma("unroll") for (int h = 0; h < 2; h++) {                                                 \
                 int row = m0 + wm + i * 16 + g + 8 * h;                                   \
                 if (row >= T) continue;                                                   \
-                for (int e = 0; e < 2; e++) {                                             \
+                _Pragma("unroll") for (int e = 0; e < 2; e++) {                                             \
                     if (col + e < N) {                                                    \
                         float s = acc[i][j][2 * h + e];                                   \
                         Y[(long long)row * N + col + e] = bias ? s + bias[col + e] : s;   \
