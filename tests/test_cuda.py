@@ -216,17 +216,14 @@ def test_rope_attention_matches_reference(ops, case: str) -> None:
 PROMPT = "The capital of France is Paris. The largest planet of the solar system is"
 
 
-def _models(smollm2_gguf: Path, gemma3_gguf: Path) -> dict[str, Path]:
-    from tests.conftest import hf_folder
-    return {"smollm2-gguf": smollm2_gguf, "gemma3-gguf": gemma3_gguf,
-            "smollm2-bf16": hf_folder("smollm2-135m-instruct", "bf16"),
-            "gemma3-bf16": hf_folder("gemma-3-270m", "bf16")}
+MODEL_FIXTURES = {"smollm2-gguf": "smollm2_gguf", "gemma3-gguf": "gemma3_gguf",
+                  "smollm2-bf16": "smollm2_hf_bf16", "gemma3-bf16": "gemma3_hf_bf16"}
 
 
 @needs_gpu
-@pytest.mark.parametrize("name", ["smollm2-gguf", "gemma3-gguf", "smollm2-bf16", "gemma3-bf16"])
-def test_model_logits_and_greedy_match_cpu_f32(name: str, smollm2_gguf: Path, gemma3_gguf: Path) -> None:
-    src = _models(smollm2_gguf, gemma3_gguf)[name]
+@pytest.mark.parametrize("name", list(MODEL_FIXTURES))
+def test_model_logits_and_greedy_match_cpu_f32(name: str, request: pytest.FixtureRequest) -> None:
+    src = request.getfixturevalue(MODEL_FIXTURES[name])
     cpu = ellm.load(src, device="cpu", activations="f32", max_model_len=512)
     gpu = ellm.load(src, device="cuda", max_model_len=512)
     try:
