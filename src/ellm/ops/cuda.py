@@ -185,7 +185,11 @@ class CudaOps:
         return self.cp.zeros(shape, np.float32)
 
     def upload(self, x: np.ndarray) -> Any:
-        return self.cp.asarray(np.ascontiguousarray(x))
+        """A host array on the device; floating arrays become float32 (what every kernel reads)."""
+        x = np.ascontiguousarray(x)
+        if x.dtype.kind == "f" and x.dtype != np.float32:
+            x = x.astype(np.float32)
+        return self.cp.asarray(x)
 
     def upload_linear(self, w: Linear) -> Linear:
         """The matrix on the device in its own type; types without a kernel (Q5_0, Q2_K,
