@@ -321,3 +321,63 @@ def test_device_sampling_is_reproducible_per_seed(ops) -> None:
         s = SequenceSampler(SamplingParams(temperature=1.0, seed=42), [], V)
         draws.append([ops.sample(ops.upload(row[None, :].copy()), [s])[0].token_id for _ in range(10)])
     assert draws[0] == draws[1] and len(set(draws[0])) > 1
+
+
+# -- host-side parts of the CUDA backend (no GPU needed) ----------------------------------------
+
+def test_graph_buckets_and_decode_shape() -> None:
+    from ellm.ops.cuda_graphs import bucket_for, is_decode_step
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 16, 17, 64, 65)] == [1, 2, 4, 8, 16, 32, 64, None]
+    tables = {0: np.array([[3, 4], [5, -1], [6, -1]], np.int32)}
+    decode = Batch(np.array([7, 8, 9], np.int32), np.array([20, 3, 9], np.int32),
+                   np.arange(3, dtype=np.int32), tables, np.arange(3, dtype=np.int32))
+    assert is_decode_step(decode)
+    prefill = Batch.single(np.array([1, 2, 3], np.int32), 0, {0: tables[0][:1]})
+    assert not is_decode_step(prefill)   # one sequence, three tokens, one logits row
+
+
+def test_graph_inputs_pack_and_unpack_with_padding() -> None:
+    from ellm.ops.cuda_graphs import pack_inputs, unpack_inputs
+    widths = {0: 6, 512: 3}
+    batch = Batch(np.array([7, 8, 9], np.int32), np.array([20, 3, 9], np.int32), np.arange(3, dtype=np.int32),
+                  {0: np.array([[3, 4], [5, -1], [6, 1]], np.int32), 512: np.array([[0], [2], [9]], np.int32)},
+                  np.arange(3, dtype=np.int32))
+    buf = pack_inputs(batch, 4, widths)
+    static = unpack_inputs(buf, 4, widths)
+    assert static.token_ids.tolist() == [7, 8, 9, 0] and static.positions.tolist() == [20, 3, 9, 0]
+    assert static.seq_ids.tolist() == [0, 1, 2, 3] and static.logits_rows.tolist() == [0, 1, 2, 3]
+    assert static.block_tables[0].tolist() == [[3, 4, -1, -1, -1, -1], [5, -1, -1, -1, -1, -1],
+                                               [6, 1, -1, -1, -1, -1], [-1] * 6]
+    assert static.block_tables[512].tolist() == [[0, -1, -1], [2, -1, -1], [9, -1, -1], [-1] * 3]
+    # the views share the buffer: the next step's copy into it changes what the graph reads
+    buf[:] = pack_inputs(None, 4, widths)
+    assert static.token_ids.tolist() == [0, 0, 0, 0] and static.block_tables[0].max() == -1
+
+
+def test_device_sampler_rows_carry_the_host_samplers_state() -> None:
+    from ellm.ops.cuda import _SampleRows
+    V = 100
+    rep = SequenceSampler(SamplingParams(temperature=0.5, repetition_penalty=1.2, frequency_penalty=0.5,
+                                         logit_bias={3: 1.0}, seed=3), [1, 2, 3], V)
+    for t in (5, 5, 2):
+        rep.append(t)
+    freq = SequenceSampler(SamplingParams(temperature=1.0, top_k=7, top_p=0.8, min_p=0.1,
+                                          presence_penalty=0.3), [4], V)
+    freq.append(9)
+    greedy = SequenceSampler(SamplingParams(temperature=0.0), [1], V)
+    rows = _SampleRows(3)
+    for b, (s, rng) in enumerate(((rep, [7, 1]), (freq, [8, 0]), (greedy, [0, 0]))):
+        rows.add(b, s, rng)
+    a = rows.arrays()
+    assert a["inv_temp"].tolist() == [2.0, 1.0, 0.0]
+    assert a["top_k"].tolist() == [0, 7, 0] and np.allclose(a["top_p"], [0, 0.8, 0])
+    assert np.allclose(a["log_min_p"][1], np.log(0.1)) and np.isneginf(a["log_min_p"][[0, 2]]).all()
+    assert a["bias_off"].tolist() == [0, 1, 1, 1] and a["bias_ids"][0] == 3 and a["bias_vals"][0] == 1.0
+    off = a["pen_off"]
+    row0 = dict(zip(a["pen_ids"][off[0]:off[1]].tolist(), a["pen_counts"][off[0]:off[1]].tolist()))
+    assert row0 == {1: 0.0, 2: 1.0, 3: 0.0, 5: 2.0}   # prompt ids count 0, output ids their count
+    row1 = dict(zip(a["pen_ids"][off[1]:off[2]].tolist(), a["pen_counts"][off[1]:off[2]].tolist()))
+    assert row1 == {9: 1.0}   # no repetition penalty: the prompt is not penalised
+    assert off[3] == off[2]
+    assert a["rep"].tolist()[0] == pytest.approx(1.2) and a["pres"][1] == pytest.approx(0.3)
+    assert a["seeds"].tolist() == [7, 8, 0] and a["steps"].tolist() == [1, 0, 0]

@@ -44,6 +44,50 @@ def is_decode_step(batch: Batch) -> bool:
             and all(tbl.shape[0] == t for tbl in batch.block_tables.values()))
 
 
+def input_layout(b: int, widths: dict[int, int]) -> list[tuple[str, Any, int]]:
+    """(name, window or None, element count) of the int32 inputs of bucket b, in the order
+    they sit in its one static buffer; widths: block-table columns per window."""
+    parts: list[tuple[str, Any, int]] = [("token_ids", None, b), ("positions", None, b),
+                                         ("seq_ids", None, b), ("logits_rows", None, b)]
+    return parts + [("table", w, b * widths[w]) for w in sorted(widths)]
+
+
+def pack_inputs(batch: Batch | None, b: int, widths: dict[int, int]) -> np.ndarray:
+    """The int32 host image of bucket b's static buffer for a decode `batch` (host
+    arrays; None: all padding). Padding rows: token 0 at position 0, block tables of -1."""
+    t = 0 if batch is None else len(batch.token_ids)
+    chunks = []
+    for name, w, n in input_layout(b, widths):
+        if name == "table":
+            a = np.full((b, widths[w]), -1, np.int32)
+            if batch is not None:
+                tbl = batch.block_tables[w]
+                a[:t, :tbl.shape[1]] = tbl
+        elif name in ("seq_ids", "logits_rows"):
+            a = np.arange(b, dtype=np.int32)
+        else:
+            a = np.zeros(b, np.int32)
+            if batch is not None:
+                a[:t] = getattr(batch, name)
+        chunks.append(a.reshape(-1))
+    return np.concatenate(chunks)
+
+
+def unpack_inputs(buf: Any, b: int, widths: dict[int, int]) -> Batch:
+    """The Batch of views into a packed buffer (device or host) of bucket b."""
+    views: dict[str, Any] = {}
+    tables: dict[int, Any] = {}
+    off = 0
+    for name, w, n in input_layout(b, widths):
+        v = buf[off:off + n]
+        off += n
+        if name == "table":
+            tables[w] = v.reshape(b, widths[w])
+        else:
+            views[name] = v
+    return Batch(views["token_ids"], views["positions"], views["seq_ids"], tables, views["logits_rows"])
+
+
 class _Graph:
     """One bucket's captured step: its static inputs, its graph and its output view."""
 
@@ -85,45 +129,11 @@ class GraphStep:
 
     # -- static inputs ---------------------------------------------------------------------
 
-    def _layout(self, b: int) -> list[tuple[str, Any, int]]:
-        """(name, window or None, element count) of the int32 inputs of bucket b, in the
-        order they sit in its one static buffer."""
-        parts: list[tuple[str, Any, int]] = [("token_ids", None, b), ("positions", None, b),
-                                             ("seq_ids", None, b), ("logits_rows", None, b)]
-        parts += [("table", w, b * self.widths[w]) for w in sorted(self.widths)]
-        return parts
-
     def _host_inputs(self, batch: Batch | None, b: int) -> np.ndarray:
-        """The int32 host image of bucket b's static buffer for `batch` (None: all padding)."""
-        t = 0 if batch is None else len(batch.token_ids)
-        chunks = []
-        for name, w, n in self._layout(b):
-            if name == "table":
-                a = np.full((b, self.widths[w]), -1, np.int32)
-                if batch is not None:
-                    tbl = batch.block_tables[w]
-                    a[:t, :tbl.shape[1]] = tbl
-            elif name in ("seq_ids", "logits_rows"):
-                a = np.arange(b, dtype=np.int32)
-            else:
-                a = np.zeros(b, np.int32)
-                if batch is not None:
-                    a[:t] = getattr(batch, name)
-            chunks.append(a.reshape(-1))
-        return np.concatenate(chunks)
+        return pack_inputs(batch, b, self.widths)
 
     def _static_batch(self, ints_dev: Any, b: int) -> Batch:
-        views: dict[str, Any] = {}
-        tables: dict[int, Any] = {}
-        off = 0
-        for name, w, n in self._layout(b):
-            v = ints_dev[off:off + n]
-            off += n
-            if name == "table":
-                tables[w] = v.reshape(b, self.widths[w])
-            else:
-                views[name] = v
-        return Batch(views["token_ids"], views["positions"], views["seq_ids"], tables, views["logits_rows"])
+        return unpack_inputs(ints_dev, b, self.widths)
 
     # -- capture and replay ------------------------------------------------------------------
 
