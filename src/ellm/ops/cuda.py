@@ -60,8 +60,9 @@ INSTALL_HINT = ("pip install 'ellm[gpu]' (CuPy for CUDA 12) or 'ellm[gpu-cuda13]
                 "matching the CUDA version `nvidia-smi` reports")
 
 
-class CudaUnavailableError(RuntimeError):
-    """device='cuda' was asked for, but CuPy or a GPU is missing (the message says which)."""
+class CudaUnavailableError(ValueError, RuntimeError):
+    """device="cuda" was asked for, but CuPy or a GPU is missing (the message says which).
+    A ValueError, so the CLI and the server report it like any bad option."""
 
 
 def import_cupy() -> Any:
