@@ -74,7 +74,7 @@ timeout 150 $PY tests/goldens/make.py --folders "$ELLM_HOME/hf" --models "${MODE
   || say "  making the folders failed: the folder tests and benchmarks will say so"
 
 say "4. GPU tests"
-timeout 200 $PY -m pytest tests/test_cuda_compile.py tests/test_cuda.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+timeout 200 $PY -m pytest tests/test_cuda_compile.py tests/test_cuda.py tests/test_backends.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
 say "  pytest exit ${PIPESTATUS[0]}"
 
 say "5. benchmark"

@@ -342,6 +342,8 @@ class CudaOps:
         max_blocks = int(block_tables.shape[1])
         chunk = DECODE_CHUNK if T <= GEMM_MIN_TOKENS else PREFILL_CHUNK
         max_chunks = _ceil(max_blocks * block_size, chunk)
+        if window > 0:   # a token's keys [p - window + 1, p] span at most this many chunks
+            max_chunks = min(max_chunks, (window - 1) // chunk + 1)
         # enough blocks to fill the GPU at batch 1; a shape-only choice (graph-safe), and
         # which block takes which chunk does not change any result
         z = max(1, min(max_chunks, _ceil(2 * self.num_sms, nh * T)))
