@@ -125,7 +125,8 @@ extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS) attn_partial(
             sm_m[warp] = m;
             sm_l[warp] = l;
         }
-        for (int j = 0; j < D; j++) sm_o[warp][lane + 32 * j] = o[j];
+        for (int j = 0; j < HD_MAX / 32; j++)   // a fixed bound keeps o[] in registers
+            if (j < D) sm_o[warp][lane + 32 * j] = o[j];
         __syncthreads();
         long long part = ((long long)t * nh + h) * max_chunks + c;
         float M = ELLM_NEG_INF;

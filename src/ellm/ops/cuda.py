@@ -246,6 +246,8 @@ class CudaOps:
         if int(x.shape[1]) != K:
             raise ValueError(f"linear: x has {x.shape[1]} columns, {w.name or 'the weight'} takes {K}")
         x = self.cp.ascontiguousarray(x, dtype=np.float32)
+        if x.data.ptr % 16:   # the kernels read x as float4: a view starting mid-vector is copied
+            x = x.copy()
         out = self.cp.empty((T, N), np.float32) if out is None else out
         if T == 0:
             return out
