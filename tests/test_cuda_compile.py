@@ -82,7 +82,7 @@ def test_nvrtc_compiles(source: Path, arch: str) -> None:
     prog = ctypes.c_void_p()
     text = cuda_ops.kernel_source(source.name).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.name.encode(), 0, None, None) == 0
-    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+    opts = [f"--gpu-architecture={arch}".encode(), b"-ftz=true"] + [o.encode() for o in cuda_ops.NVRTC_OPTIONS]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
     size = ctypes.c_size_t()

@@ -13,6 +13,7 @@ what to install. docs/gpu.md describes the kernels and what has been checked on 
 """
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import math
 import re
@@ -42,6 +43,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "sample.cu": ("sample_rows",),
 }
 HEADER = "common.cuh"
+# Given to NVRTC through CuPy, which adds the architecture and -ftz=true (denormals flush
+# to zero); tests/test_cuda_compile.py compiles with the same.
+NVRTC_OPTIONS: tuple[str, ...] = ()
 
 # Above this many tokens a product runs on the tensor cores (bf16 inputs); at or below it
 # on the f32 GEMV kernels. A fixed count, so a decode step's results never depend on how
@@ -108,6 +112,16 @@ def kernel_source(name: str) -> str:
     return re.sub(r'#include\s+"common\.cuh"', lambda _: header, text)
 
 
+def _on_stream(method: Any) -> Any:
+    """Runs an op on the backend's stream, whoever calls it (the engine thread, a test),
+    so every copy and kernel of the backend is ordered on that one stream."""
+    @functools.wraps(method)
+    def run(self: "CudaOps", *args: Any, **kwargs: Any) -> Any:
+        with self.stream:
+            return method(self, *args, **kwargs)
+    return run
+
+
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -127,10 +141,9 @@ class CudaOps:
         self.device = cp.cuda.Device(device_id)
         self.device.use()
         self.graphs = graphs
-        # One blocking stream for everything (kernels, copies, graph replays): a graph can
-        # only be captured on a stream of its own, and a blocking one stays ordered with
-        # CuPy's default stream.
-        self.stream = cp.cuda.Stream(non_blocking=False)
+        # One stream for everything (kernels, copies, graph replays; see _on_stream): a
+        # graph is captured on a stream of its own, non-blocking as CuPy advises.
+        self.stream = cp.cuda.Stream(non_blocking=True)
         self.num_sms = int(self.device.attributes["MultiProcessorCount"])
         cc = int(self.device.compute_capability)
         if cc < 80:
@@ -154,7 +167,7 @@ class CudaOps:
                 raise KeyError(f"no CUDA kernel named {name!r}")
             mod = self._modules.get(file)
             if mod is None:
-                mod = self.cp.RawModule(code=kernel_source(file), options=("--std=c++17",))
+                mod = self.cp.RawModule(code=kernel_source(file), options=NVRTC_OPTIONS)
                 self._modules[file] = mod
             k = self._kernels[name] = mod.get_function(name)
         return k
@@ -182,9 +195,11 @@ class CudaOps:
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         return self.cp.empty(shape, dtype)
 
+    @_on_stream
     def kv_zeros(self, shape: tuple[int, ...]) -> Any:
         return self.cp.zeros(shape, np.float32)
 
+    @_on_stream
     def upload(self, x: np.ndarray) -> Any:
         """A host array on the device; floating arrays become float32 (what every kernel reads)."""
         x = np.ascontiguousarray(x)
@@ -192,6 +207,7 @@ class CudaOps:
             x = x.astype(np.float32)
         return self.cp.asarray(x)
 
+    @_on_stream
     def upload_linear(self, w: Linear) -> Linear:
         """The matrix on the device in its own type; types without a kernel (Q5_0, Q2_K,
         ...) are dequantized to f32 on the host first (4 bytes a weight: correct, not fast)."""
@@ -205,6 +221,7 @@ class CudaOps:
             return replace(w, data=self.cp.asarray(dense), qtype=GGMLType.F32, bias=bias)
         return replace(w, data=self.cp.asarray(np.ascontiguousarray(w.data)), bias=bias)
 
+    @_on_stream
     def upload_batch(self, batch: Batch) -> Batch:
         cp = self.cp
 
@@ -215,6 +232,7 @@ class CudaOps:
                      block_tables={w: dev(t) for w, t in batch.block_tables.items()},
                      logits_rows=dev(batch.logits_rows))
 
+    @_on_stream
     def gather_rows(self, x: Any, rows: Any, out: Any = None) -> Any:
         R, H = int(rows.shape[0]), int(x.shape[1])
         out = self.cp.empty((R, H), np.float32) if out is None else out
@@ -239,6 +257,7 @@ class CudaOps:
                              "uploaded (models.build_model does it) before a CUDA forward pass")
         return w.data
 
+    @_on_stream
     def linear(self, x: Any, w: Linear, out: Any = None) -> Any:
         """x (T, K) @ W^T (+ w.bias) -> (T, N)."""
         data = self._weight(w)
@@ -266,6 +285,7 @@ class CudaOps:
     def linear_multi(self, x: Any, parts: Sequence[tuple]) -> list[Any]:
         return [self.linear(x, w, o) for w, o in parts]
 
+    @_on_stream
     def embed(self, w: Linear, ids: Any, out: Any = None) -> Any:
         data = self._weight(w)
         T, K = int(ids.shape[0]), w.in_features
@@ -277,6 +297,7 @@ class CudaOps:
 
     # -- norms and element-wise ----------------------------------------------------------
 
+    @_on_stream
     def rmsnorm(self, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
         H = int(x.shape[-1])
         out = self.cp.empty(x.shape, np.float32) if out is None else out
@@ -285,6 +306,7 @@ class CudaOps:
             self._launch("rmsnorm_f32", (rows,), (256,), (x, weight, out, np.int32(H), np.float32(eps)))
         return out
 
+    @_on_stream
     def add_rmsnorm(self, residual: Any, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
         H = int(residual.shape[-1])
         out = self.cp.empty(residual.shape, np.float32) if out is None else out
@@ -294,25 +316,30 @@ class CudaOps:
                          (residual, x, weight, out, np.int32(H), np.float32(eps)))
         return out
 
+    @_on_stream
     def add(self, a: Any, b: Any) -> Any:
         self._elementwise("add_f32", int(a.size), a, b, np.int64(a.size))
         return a
 
+    @_on_stream
     def swiglu(self, gate: Any, up: Any, out: Any = None) -> Any:
         out = self.cp.empty(gate.shape, np.float32) if out is None else out
         self._elementwise("swiglu_f32", int(gate.size), gate, up, out, np.int64(gate.size))
         return out
 
+    @_on_stream
     def geglu(self, gate: Any, up: Any, out: Any = None) -> Any:
         out = self.cp.empty(gate.shape, np.float32) if out is None else out
         self._elementwise("geglu_f32", int(gate.size), gate, up, out, np.int64(gate.size))
         return out
 
+    @_on_stream
     def softcap(self, x: Any, cap: float) -> Any:
         if cap > 0:
             self._elementwise("softcap_f32", int(x.size), x, np.int64(x.size), np.float32(cap))
         return x
 
+    @_on_stream
     def scale(self, x: Any, s: float) -> Any:
         self._elementwise("scale_f32", int(x.size), x, np.int64(x.size), np.float32(s))
         return x
@@ -324,6 +351,7 @@ class CudaOps:
 
     # -- attention -----------------------------------------------------------------------
 
+    @_on_stream
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                        inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,
                        rope_mscale=1.0):
