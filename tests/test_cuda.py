@@ -143,6 +143,26 @@ def test_decode_products_are_batch_invariant(ops) -> None:
 
 
 @needs_gpu
+@pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q6_K], ids=lambda q: q.name)
+def test_linear_multi_is_linear_bit_for_bit(ops, qtype: GGMLType) -> None:
+    """q/k/v in one launch (gemv3) give each matrix's gemv bits; two parts, a bias, and
+    parts of mixed types (separate launches) too."""
+    rng = np.random.default_rng(int(qtype))
+    x = ops.upload(rng.standard_normal((6, 256)).astype(np.float32))
+    ws = [random_linear(rng, qtype, n, 256) for n in (128, 32, 32)]
+    ws[1] = replace(ws[1], bias=rng.standard_normal(32).astype(np.float32))
+    ws = [ops.upload_linear(w) for w in ws]
+    alone = [ops.to_host(ops.linear(x, w)) for w in ws]
+    for chosen in (ws, ws[:2]):
+        outs = ops.linear_multi(x, [(w, ops.empty((6, w.out_features))) for w in chosen])
+        for got, want in zip(outs, alone):
+            assert np.array_equal(ops.to_host(got), want)
+    mixed = [ws[0], ops.upload_linear(random_linear(rng, GGMLType.Q8_0, 32, 256))]
+    outs = ops.linear_multi(x, [(w, ops.empty((6, w.out_features))) for w in mixed])
+    assert np.array_equal(ops.to_host(outs[0]), alone[0])
+
+
+@needs_gpu
 def test_norms_and_elementwise_match_reference(ops) -> None:
     rng = np.random.default_rng(1)
     ref = ReferenceOps()

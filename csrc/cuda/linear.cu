@@ -1,7 +1,7 @@
 // Matrix products Y (T, N) = X (T, K) @ W^T (+ bias) for every weight type, and the
 // embedding gather. W is (N, row_bytes) GGML rows (common.cuh), dequantized in the kernel.
 //
-//   gemv_<type>   few tokens (decode): one warp per output row, the row read once for up
+//   gemv_<type>   few tokens (decode; gemv3_<type>: up to three matrices at once): one warp per output row, the row read once for up
 //                 to GEMV_TOKENS tokens; f32 accumulation in a fixed order per output
 //                 element, so a token's result does not depend on its batch (the batch
 //                 invariance contract, DESIGN.md).
@@ -15,6 +15,38 @@
 #define GEMV_TOKENS 8      // tokens sharing one read of a weight row
 #define GEMV_WARPS 4       // output rows per block
 
+// One warp: row n of W (row_bytes per row) against tokens t0 .. t0+GEMV_TOKENS-1 of X;
+// Y[t][n] (row stride ldy) = the sum (+ bias[n]). The order of the sum is fixed per
+// output element, so gemv and gemv3 give the same bits.
+#define ELLM_GEMV_ROW(name, deq)                                                          \
+__device__ __forceinline__ void gemv_row_##name(                                          \
+        const u8* __restrict__ row, const float* __restrict__ X,                          \
+        const float* __restrict__ bias, float* __restrict__ Y,                            \
+        int T, int K, int n, int ldy, int t0, int lane) {                                 \
+    int nt = min(GEMV_TOKENS, T - t0);                                                    \
+    float acc[GEMV_TOKENS];                                                               \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;                \
+    for (int c = lane; c < (K >> 3); c += 32) {                                           \
+        float w[8];                                                                       \
+        deq(row, c << 3, w);                                                              \
+        _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                         \
+            if (t < nt) {                                                                 \
+                const float4* xp = (const float4*)(X + (long long)(t0 + t) * K + (c << 3)); \
+                float4 a = xp[0], b = xp[1];                                              \
+                acc[t] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w               \
+                        + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;              \
+            }                                                                             \
+        }                                                                                 \
+    }                                                                                     \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
+        if (t < nt) {                                                                     \
+            float s = warp_sum(acc[t]);                                                   \
+            if (lane == 0) Y[(long long)(t0 + t) * ldy + n] = bias ? s + bias[n] : s;     \
+        }                                                                                 \
+    }                                                                                     \
+}
+ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV_ROW)
+
 // grid (ceil(N / GEMV_WARPS), ceil(T / GEMV_TOKENS)), block 32 * GEMV_WARPS. K % 8 == 0.
 #define ELLM_GEMV(name, deq)                                                              \
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_##name(               \
@@ -24,34 +56,36 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_##name(      
         const float* __restrict__ bias,  /* (N,) or null */                               \
         float* __restrict__ Y,           /* (T, N) */                                     \
         int T, int K, int N) {                                                            \
-    int lane = threadIdx.x & 31;                                                          \
     int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);                                 \
-    int t0 = blockIdx.y * GEMV_TOKENS;                                                    \
     if (n >= N) return;                                                                   \
-    int nt = min(GEMV_TOKENS, T - t0);                                                    \
-    const u8* row = W + (long long)n * row_bytes;                                         \
-    float acc[GEMV_TOKENS];                                                               \
-    for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;                                  \
-    for (int c = lane; c < (K >> 3); c += 32) {                                           \
-        float w[8];                                                                       \
-        deq(row, c << 3, w);                                                              \
-        for (int t = 0; t < GEMV_TOKENS; t++) {                                           \
-            if (t < nt) {                                                                 \
-                const float4* xp = (const float4*)(X + (long long)(t0 + t) * K + (c << 3)); \
-                float4 a = xp[0], b = xp[1];                                              \
-                acc[t] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w               \
-                        + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;              \
-            }                                                                             \
-        }                                                                                 \
-    }                                                                                     \
-    for (int t = 0; t < GEMV_TOKENS; t++) {                                               \
-        if (t < nt) {                                                                     \
-            float s = warp_sum(acc[t]);                                                   \
-            if (lane == 0) Y[(long long)(t0 + t) * N + n] = bias ? s + bias[n] : s;       \
-        }                                                                                 \
-    }                                                                                     \
+    gemv_row_##name(W + (long long)n * row_bytes, X, bias, Y, T, K, n, N,                 \
+                    blockIdx.y * GEMV_TOKENS, threadIdx.x & 31);                          \
 }
 ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV)
+
+// Three matrices of one type against the same X in one launch (q/k/v, gate/up: fewer
+// launches per decode step); N2 = 0 for two. grid (ceil((N0+N1+N2) / GEMV_WARPS), ...).
+#define ELLM_GEMV3(name, deq)                                                             \
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv3_##name(              \
+        const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,  \
+        long long rb0, long long rb1, long long rb2,                                      \
+        const float* __restrict__ b0, const float* __restrict__ b1,                       \
+        const float* __restrict__ b2,                                                     \
+        float* __restrict__ Y0, float* __restrict__ Y1, float* __restrict__ Y2,           \
+        const float* __restrict__ X, int T, int K, int N0, int N1, int N2) {              \
+    int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);                                 \
+    int t0 = blockIdx.y * GEMV_TOKENS, lane = threadIdx.x & 31;                           \
+    if (n < N0) {                                                                         \
+        gemv_row_##name(W0 + (long long)n * rb0, X, b0, Y0, T, K, n, N0, t0, lane);       \
+    } else if (n < N0 + N1) {                                                             \
+        n -= N0;                                                                          \
+        gemv_row_##name(W1 + (long long)n * rb1, X, b1, Y1, T, K, n, N1, t0, lane);       \
+    } else if (n < N0 + N1 + N2) {                                                        \
+        n -= N0 + N1;                                                                     \
+        gemv_row_##name(W2 + (long long)n * rb2, X, b2, Y2, T, K, n, N2, t0, lane);       \
+    }                                                                                     \
+}
+ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV3)
 
 // ---------------------------------------------------------------------------------
 // Tensor-core GEMM. Block tile 64 tokens x 64 outputs, k-step 32; 4 warps, each a

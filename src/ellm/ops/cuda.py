@@ -36,7 +36,7 @@ WEIGHT_TYPES: dict[GGMLType, str] = {
     GGMLType.Q4_K: "q4_k", GGMLType.Q5_K: "q5_k", GGMLType.Q6_K: "q6_k",
 }
 KERNELS: dict[str, tuple[str, ...]] = {
-    "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemm", "embed") for t in WEIGHT_TYPES.values()),
+    "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed") for t in WEIGHT_TYPES.values()),
     "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "swiglu_f32", "geglu_f32", "softcap_f32",
                        "scale_f32", "add_f32", "gather_rows_f32"),
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine"),
@@ -282,8 +282,32 @@ class CudaOps:
                          (32 * GEMV_WARPS,), args)
         return out
 
+    @_on_stream
     def linear_multi(self, x: Any, parts: Sequence[tuple]) -> list[Any]:
-        return [self.linear(x, w, o) for w, o in parts]
+        """[(w, out), ...] -> outs: several matrices against one x. Decode-sized x and two
+        or three matrices of one type run as one launch (gemv3, the same bits as gemv)."""
+        T = int(x.shape[0])
+        ws = [w for w, _ in parts]
+        if (not 2 <= len(parts) <= 3 or T == 0 or T > GEMM_MIN_TOKENS
+                or len({(w.qtype, w.in_features) for w in ws}) != 1 or int(x.shape[1]) != ws[0].in_features
+                or ws[0].in_features % 8
+                or any(o is None or not o.flags.c_contiguous or tuple(o.shape) != (T, w.out_features)
+                       for w, o in parts)):
+            return [self.linear(x, w, o) for w, o in parts]
+        x = self.cp.ascontiguousarray(x, dtype=np.float32)
+        if x.data.ptr % 16:
+            x = x.copy()
+        datas = [self._weight(w) for w in ws]
+        outs = [o for _, o in parts]
+        ns = [w.out_features for w in ws]
+        if len(parts) == 2:   # a third part of no rows
+            datas, outs, ns, ws = datas + [datas[0]], outs + [outs[0]], ns + [0], ws + [ws[0]]
+        biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
+        self._launch(f"gemv3_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), GEMV_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (32 * GEMV_WARPS,),
+                     (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x,
+                      np.int32(T), np.int32(ws[0].in_features), *(np.int32(n) for n in ns)))
+        return [o for _, o in parts]
 
     @_on_stream
     def embed(self, w: Linear, ids: Any, out: Any = None) -> Any:
