@@ -13,7 +13,8 @@ cd "$(git rev-parse --show-toplevel)"
 which="${1:-all}"
 OUT=.gpu-carry
 PART_MB=56
-grep -qxF "/$OUT/" .git/info/exclude 2>/dev/null || echo "/$OUT/" >> "$(git rev-parse --git-common-dir)/info/exclude"
+EXCLUDE="$(git rev-parse --git-common-dir)/info/exclude"
+grep -qxF "/$OUT/" "$EXCLUDE" 2>/dev/null || echo "/$OUT/" >> "$EXCLUDE"
 rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/split"
 CACHE="${ELLM_HOME:-$HOME/.cache/ellm}"
 
