@@ -101,3 +101,16 @@ extern "C" __global__ void gather_rows_f32(const float* __restrict__ x,   // (T,
     float* dst = out + (long long)blockIdx.x * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
 }
+
+// out[rows[r]] += w[r] * h[r] (one expert's MLP outputs into their tokens' rows; a token
+// picks an expert once, so the rows of one launch are distinct). grid R, block 256.
+extern "C" __global__ void scatter_add_rows_f32(float* __restrict__ out,        // (T, H)
+                                                const int* __restrict__ rows,   // (R,)
+                                                const float* __restrict__ w,    // (R,)
+                                                const float* __restrict__ h,    // (R, H)
+                                                int H) {
+    float* dst = out + (long long)rows[blockIdx.x] * H;
+    const float* src = h + (long long)blockIdx.x * H;
+    float s = w[blockIdx.x];
+    for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] += s * src[i];
+}

@@ -38,7 +38,7 @@ WEIGHT_TYPES: dict[GGMLType, str] = {
 KERNELS: dict[str, tuple[str, ...]] = {
     "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed") for t in WEIGHT_TYPES.values()),
     "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "swiglu_f32", "geglu_f32", "softcap_f32",
-                       "scale_f32", "add_f32", "gather_rows_f32"),
+                       "scale_f32", "add_f32", "gather_rows_f32", "scatter_add_rows_f32"),
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine"),
     "sample.cu": ("sample_rows",),
 }
@@ -368,10 +368,33 @@ class CudaOps:
         self._elementwise("scale_f32", int(x.size), x, np.int64(x.size), np.float32(s))
         return x
 
+    @_on_stream
     def moe(self, x: Any, router: Linear, experts: Experts, top_k: int, norm_topk_prob: bool,
             out: Any = None) -> Any:
-        raise NotImplementedError("mixture-of-experts layers have no CUDA kernels yet (issue 14); "
-                                  "load this model with device='cpu'")
+        """x (T, H) -> (T, H): router logits on the device, the routing on the host
+        (reference.moe_route on the (T, E) logits: a copy back, so a step with MoE layers
+        is not captured as a graph and runs eagerly), then per chosen expert one batched
+        SwiGLU MLP over its tokens, added into their rows in ascending expert id. Correct,
+        not fast: no grouped-expert kernel yet."""
+        from .reference import moe_route
+        cp = self.cp
+        T, H = int(x.shape[0]), int(x.shape[1])
+        out = cp.empty((T, H), np.float32) if out is None else out
+        out.fill(0)
+        if T == 0:
+            return out
+        ids, weights = moe_route(self.to_host(self.linear(x, router)), top_k, norm_topk_prob)
+        for e in np.unique(ids).tolist():
+            rows, slot = np.nonzero(ids == e)          # rows ascend; a token picks e once
+            rows_d = cp.asarray(rows.astype(np.int32))
+            xe = self.gather_rows(x, rows_d)
+            F = experts.gate[e].out_features
+            gate, up = self.linear_multi(xe, [(experts.gate[e], cp.empty((len(rows), F), np.float32)),
+                                              (experts.up[e], cp.empty((len(rows), F), np.float32))])
+            h = self.linear(self.swiglu(gate, up), experts.down[e])
+            self._launch("scatter_add_rows_f32", (len(rows),), (256,),
+                         (out, rows_d, cp.asarray(weights[rows, slot].astype(np.float32)), h, np.int32(H)))
+        return out
 
     # -- attention -----------------------------------------------------------------------
 
