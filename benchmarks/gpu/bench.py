@@ -188,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"] = time.perf_counter() - t0
         rows.append({"model": model, "weights": weights, "engine": engine, "result": result})
         print(json.dumps(rows[-1]), flush=True)
+        write()   # after every row, so a run cut short by its time limit still leaves its tables
+
+    def write() -> str:
+        report = table(rows) + "\n" + ratios(rows) + "\n"
+        (args.out / "gpu_bench.md").write_text(report)
+        (args.out / "gpu_bench.json").write_text(json.dumps(rows, indent=1))
+        return report
 
     sources = [(spec.split("=", 1), "gguf") for spec in args.gguf] + \
               [(spec.split("=", 1), "bf16 folder") for spec in args.folder]
@@ -197,10 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                    lambda: bench_ellm(Path(path), graphs))
         if kind == "bf16 folder" and not args.no_transformers:
             record(name, "bf16 folder", "transformers", lambda: bench_transformers(Path(path)))
-    report = table(rows) + "\n" + ratios(rows) + "\n"
-    print(report)
-    (args.out / "gpu_bench.md").write_text(report)
-    (args.out / "gpu_bench.json").write_text(json.dumps(rows, indent=1))
+    print(write())
     return 0
 
 

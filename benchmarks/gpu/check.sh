@@ -8,7 +8,8 @@
 #   2. ellm installed from the carried cp312 wheel (or built from this checkout if there
 #      is none and gcc + cmake are there), llguidance and gguf from carried wheels
 #   3. the bf16 Hugging Face folders made from the GGUFs (tests/goldens/make.py)
-#   4. the GPU tests: tests/test_cuda_compile.py (nvcc + NVRTC) and tests/test_cuda.py
+#   4. the GPU tests: tests/test_cuda_compile.py (nvcc + NVRTC), tests/test_cuda.py and the
+#      cuda rows of tests/test_backends.py
 #      (every op against the CPU reference by NMSE, both models' logits against the CPU
 #      f32 path, greedy ids up to small-margin steps, batched == single, graphs == eager,
 #      the device sampler)
@@ -74,8 +75,11 @@ timeout 150 $PY tests/goldens/make.py --folders "$ELLM_HOME/hf" --models "${MODE
   || say "  making the folders failed: the folder tests and benchmarks will say so"
 
 say "4. GPU tests"
-timeout 200 $PY -m pytest tests/test_cuda_compile.py tests/test_cuda.py tests/test_backends.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+timeout 200 $PY -m pytest tests/test_cuda_compile.py tests/test_cuda.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
 say "  pytest exit ${PIPESTATUS[0]}"
+# the backend suite's cuda rows (every op and memory method, the runner against the reference)
+timeout 90 $PY -m pytest tests/test_backends.py -k cuda -q -rs -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest.log"
+say "  pytest (backends) exit ${PIPESTATUS[0]}"
 
 say "5. benchmark"
 bargs=()
