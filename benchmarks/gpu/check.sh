@@ -57,8 +57,8 @@ mkdir -p "$SITE"
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY"/*.whl \
   || { say "FAIL: installing the carried wheels"; exit 2; }
 export PYTHONPATH="$SITE"
-if ! $PY -c "import ellm._native._core" 2>/dev/null; then
-  say "  no ellm wheel for this Python: building from source"
+if ! ls "$CARRY"/ellm-*-cp312-*.whl >/dev/null 2>&1; then
+  say "  no ellm wheel for CPython 3.12 was carried: building from source"
   if command -v gcc >/dev/null && command -v cmake >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" . \
       || { say "FAIL: building ellm here"; exit 2; }
