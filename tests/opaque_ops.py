@@ -11,7 +11,7 @@ replay would, so the engine's hooks for both are exercised too.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -77,8 +77,12 @@ class OpaqueOps:
         return replace(w, data=self.upload(w.data), bias=None if w.bias is None else self.upload(w.bias))
 
     def upload_batch(self, batch: Batch) -> Batch:
-        return Batch(self.upload(batch.token_ids), self.upload(batch.positions), self.upload(batch.seq_ids),
-                     {w: self.upload(t) for w, t in batch.block_tables.items()}, self.upload(batch.logits_rows))
+        """Every array field (and dict of arrays: block_tables) of the batch, uploaded."""
+        def up(v: Any) -> Any:
+            if isinstance(v, np.ndarray):
+                return self.upload(v)
+            return {k: up(x) for k, x in v.items()} if isinstance(v, dict) else v
+        return replace(batch, **{f.name: up(getattr(batch, f.name)) for f in fields(batch)})
 
     def gather_rows(self, x: Opaque, rows: Opaque, out: Opaque | None = None) -> Opaque:
         got = self.inner.gather_rows(self._unbox(x), self._unbox(rows), self._unbox(out))

@@ -33,6 +33,7 @@ from ellm.ops.reference import Experts, ReferenceOps
 from ellm.ops.workspace import Workspace
 from ellm.sampling_params import SamplingParams
 from ellm.weights import Linear
+from conftest import ops_or_skip
 from opaque_ops import Opaque, OpaqueOps
 
 BACKENDS = ["reference", "cpu", "cpu-f32", "cuda"]
@@ -42,14 +43,9 @@ FLOATS = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 
 
 def backend(name: str) -> Any:
-    """The op set called `name`; a skip naming what is missing when it is not here."""
+    """The op set called `name` ("cpu-f32": f32 activations); cuda skips when absent."""
     device, _, acts = name.partition("-")
-    try:
-        return get_ops(device, activations=acts or ("f32" if device == "cuda" else "int8"))
-    except (ImportError, RuntimeError, ValueError, OSError) as e:
-        if device != "cuda":
-            raise
-        pytest.skip(f"no cuda backend here: {e}")
+    return ops_or_skip(device, acts or ("f32" if device == "cuda" else "int8"))
 
 
 @pytest.fixture(params=BACKENDS, scope="module")
@@ -251,11 +247,13 @@ def test_workspace_grows_and_reuses(ops) -> None:
     ws = Workspace(ops)
     a = ws.get("x", 4, 8)
     assert tuple(a.shape) == (4, 8)
-    before = ws.nbytes
+    before, gen = ws.nbytes, ws.generation
     ws.get("x", 3, 8)                      # fewer rows: the same buffer
-    assert ws.nbytes == before
+    assert (ws.nbytes, ws.generation) == (before, gen)
     assert tuple(ws.get("x", 9, 8).shape) == (9, 8) and ws.nbytes >= 9 * 8 * 4
+    assert ws.generation == gen + 1        # grown: views taken before are stale
     assert tuple(ws.get("x", 2, 5).shape) == (2, 5)   # another row shape: a buffer of its own
+    assert ws.generation == gen + 2
 
 
 def test_sample_hook_is_none_or_greedy(ops, smollm2_gguf) -> None:
@@ -349,7 +347,8 @@ def test_engine_on_a_backend_numpy_cannot_read(model, smollm2_gguf, gemma3_gguf)
 def test_opaque_arrays_refuse_numpy() -> None:
     """The check above can fail: NumPy on an Opaque array raises."""
     a = Opaque(np.zeros((3, 2), np.float32))
-    for bad in (lambda: np.take(a, [0], axis=0), lambda: np.asarray(a), lambda: a + 1.0, lambda: a[Opaque(np.zeros(1))]):
+    for bad in (lambda: np.take(a, [0], axis=0), lambda: np.asarray(a), lambda: a + 1.0,
+                lambda: a[Opaque(np.zeros(1))]):
         with pytest.raises(TypeError):
             bad()
     with pytest.raises(TypeError, match="never uploaded"):

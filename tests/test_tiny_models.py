@@ -40,6 +40,7 @@ from ellm.models.batch import Batch
 from ellm.ops import get_ops
 from ellm.sampling_params import SamplingParams
 from ellm.weights import GGUFWeights, SafetensorsWeights
+from conftest import ops_or_skip
 
 ARCHS = ["llama", "gemma", "gemma2", "gemma3_text"]
 FAMILIES = ["qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "phi3", "qwen3_moe", "qwen3_moe_mixed"]
@@ -70,7 +71,7 @@ def _ops(device: str):
     if device == "opaque":
         from opaque_ops import OpaqueOps
         return OpaqueOps(get_ops("cpu"))
-    return get_ops(device)
+    return ops_or_skip(device)
 
 
 def _forward(folder: Path, device: str, chunks: list[int], gguf: Path | None = None) -> np.ndarray:
@@ -108,7 +109,7 @@ def test_forward_uses_only_ops(tiny_dir, arch) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("device", ["cpu", "reference"])
+@pytest.mark.parametrize("device", ["cpu", "reference", "cuda"])
 def test_tiny_model_matches_transformers(tiny_dir, arch, device) -> None:
     want = np.load(tiny_dir / arch / "logits.npy")
     got = _forward(tiny_dir / arch, device, [40])
@@ -131,7 +132,7 @@ def _assert_close_relative(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-@pytest.mark.parametrize("device", ["cpu", "reference"])
+@pytest.mark.parametrize("device", ["cpu", "reference", "cuda"])
 @pytest.mark.parametrize("chunks", [[40], CHUNKS], ids=["one-pass", "chunked+decode"])
 def test_family_matches_transformers(tiny_dir, arch, device, chunks) -> None:
     want = np.load(tiny_dir / arch / "logits.npy")

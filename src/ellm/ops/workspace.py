@@ -2,7 +2,9 @@
 
 A buffer is made once per name, by the backend (`ops.empty`), and grown only when a
 batch has more rows than any before it; each forward takes views of the first rows.
-Views stay valid until the next forward pass writes the same buffer.
+Views stay valid until the next forward pass writes the same buffer. `generation` counts
+the buffers made: a captured CUDA graph holds buffer addresses, so a step executor that
+replays one captures it again when the generation has moved.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ class Workspace:
     def __init__(self, ops: Any) -> None:
         self.ops = ops   # whose `empty` makes the buffers (host or device memory)
         self._bufs: dict[str, Any] = {}
+        self.generation = 0   # buffers made so far (a new one moves every later view)
 
     def get(self, name: str, rows: int, *tail: int) -> Any:
         """A float32 (rows, *tail) view of the buffer `name`."""
@@ -24,6 +27,7 @@ class Workspace:
             grown = max(rows, 2 * buf.shape[0]) if same_tail else rows
             buf = self.ops.empty((grown, *tail), np.float32)
             self._bufs[name] = buf
+            self.generation += 1
         return buf[:rows]
 
     @property
