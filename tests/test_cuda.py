@@ -192,6 +192,7 @@ ATTN_CASES = {
     "partial_rotary_mscale": (4, 4, 96, 16, 0, 0.0, False, 1.19, [70, 12], 2),
     "prefill": (9, 3, 64, 32, 0, 0.0, False, 1.0, [0, 0], 150),
     "prefill_window": (4, 1, 256, 128, 100, 0.0, False, 1.0, [0], 300),
+    "tiny_head_dims": (4, 2, 24, 12, 0, 0.0, False, 1.0, [20, 3], 2),   # head_dim not a multiple of 32
 }
 
 

@@ -17,7 +17,7 @@
 #include "common.cuh"
 
 #define ATTN_WARPS 4
-#define HD_MAX 256   // head_dim % 32 == 0 and <= HD_MAX (checked in ops/cuda.py)
+#define HD_MAX 256   // head_dim <= HD_MAX (checked in ops/cuda.py)
 
 // grid (T, nh + nkv), block hd.
 extern "C" __global__ void rope_kv_write(
@@ -93,11 +93,11 @@ extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS) attn_partial(
     int p = positions[t];
     int lo = window > 0 ? max(0, p - window + 1) : 0;
     int n_chunks = min((p - lo) / chunk + 1, max_chunks);
-    int kvh = h / (nh / nkv), D = hd >> 5;
+    int kvh = h / (nh / nkv), D = (hd + 31) >> 5;   // dims lane + 32 j, j < D, of each head
     const int* table = block_tables + (long long)seq_ids[t] * max_blocks;
     float qd[HD_MAX / 32];
     const float* qp = q_rot + ((long long)t * nh + h) * hd;
-    for (int j = 0; j < HD_MAX / 32; j++) qd[j] = j < D ? qp[lane + 32 * j] : 0.0f;
+    for (int j = 0; j < HD_MAX / 32; j++) qd[j] = j < D && lane + 32 * j < hd ? qp[lane + 32 * j] : 0.0f;
 
     for (int c = blockIdx.z; c < n_chunks; c += gridDim.z) {
         int k_lo = lo + c * chunk, k_hi = min(k_lo + chunk, p + 1);
@@ -111,14 +111,14 @@ extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS) attn_partial(
             const float* vp = v_cache + base;
             float dot = 0.0f;
             for (int j = 0; j < HD_MAX / 32; j++)
-                if (j < D) dot += qd[j] * kp[lane + 32 * j];
+                if (j < D && lane + 32 * j < hd) dot += qd[j] * kp[lane + 32 * j];
             float s = warp_sum(dot) * scale;
             if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
             float m_new = fmaxf(m, s);
             float corr = expf(m - m_new), w = expf(s - m_new);
             l = l * corr + w;
             for (int j = 0; j < HD_MAX / 32; j++)
-                if (j < D) o[j] = o[j] * corr + w * vp[lane + 32 * j];
+                if (j < D && lane + 32 * j < hd) o[j] = o[j] * corr + w * vp[lane + 32 * j];
             m = m_new;
         }
         if (lane == 0) {
@@ -126,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS) attn_partial(
             sm_l[warp] = l;
         }
         for (int j = 0; j < HD_MAX / 32; j++)   // a fixed bound keeps o[] in registers
-            if (j < D) sm_o[warp][lane + 32 * j] = o[j];
+            if (j < D && lane + 32 * j < hd) sm_o[warp][lane + 32 * j] = o[j];
         __syncthreads();
         long long part = ((long long)t * nh + h) * max_chunks + c;
         float M = ELLM_NEG_INF;

@@ -407,9 +407,9 @@ class CudaOps:
         cp = self.cp
         T, nh, hd = (int(s) for s in q.shape)
         nkv, block_size = int(k.shape[1]), int(k_cache.shape[1])
-        if hd % 32 or hd > HEAD_DIM_MAX or nh % nkv:
-            raise ValueError(f"rope_attention on CUDA needs head_dim a multiple of 32 up to {HEAD_DIM_MAX} "
-                             f"and n_heads a multiple of n_kv_heads; got head_dim {hd}, {nh} / {nkv} heads")
+        if hd > HEAD_DIM_MAX or nh % nkv:
+            raise ValueError(f"rope_attention on CUDA needs head_dim <= {HEAD_DIM_MAX} and n_heads a "
+                             f"multiple of n_kv_heads; got head_dim {hd}, {nh} / {nkv} heads")
         out = cp.empty((T, nh, hd), np.float32) if out is None else out
         if T == 0:
             return out
