@@ -73,7 +73,7 @@ extern "C" __global__ void rope_kv_write(
 
 // grid (nh, T, Z), block 32 * ATTN_WARPS. part_ml (T, nh, max_chunks, 2): max, sum;
 // part_o (T, nh, max_chunks, hd).
-extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS) attn_partial(
+extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 8) attn_partial(
         const float* __restrict__ q_rot,        // (T, nh, hd)
         const int* __restrict__ positions,
         const int* __restrict__ seq_ids,
