@@ -14,6 +14,8 @@
 #      f32 path, greedy ids up to small-margin steps, batched == single, graphs == eager,
 #      the device sampler)
 #   5. benchmarks/gpu/bench.py: ellm (graphs / eager) and transformers side by side
+#   6. with the time left: tests/test_tiny_models.py's cuda rows (every family, tiny random
+#      models, against transformers in a subprocess)
 # Everything goes to $OUT (check.log, pytest.log, gpu_bench.md, gpu_bench.json).
 set -uo pipefail
 T0=$(date +%s)
@@ -88,7 +90,14 @@ for m in "${MODELS[@]}"; do
   bargs+=(--gguf "$short=$(ls "$ELLM_HOME/models/$m"/*.gguf)")
   [ -d "$ELLM_HOME/hf/$m-bf16" ] && bargs+=(--folder "$short=$ELLM_HOME/hf/$m-bf16")
 done
-left=$(( 470 - ($(date +%s) - T0) ))
+left=$(( 430 - ($(date +%s) - T0) ))
 timeout "$(( left > 60 ? left : 60 ))" $PY benchmarks/gpu/bench.py "${bargs[@]}" --out "$OUT"
 say "  bench exit $?"
+
+say "6. tiny models of every family on cuda against transformers (whatever time is left)"
+left=$(( 475 - ($(date +%s) - T0) ))
+if [ "$left" -gt 20 ]; then
+  ELLM_REF_PYTHON=$PY timeout "$left" $PY -m pytest tests/test_tiny_models.py -k cuda -q -rs -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_tiny.log" | tail -15
+fi
 say "done"
