@@ -63,6 +63,16 @@ def test_cuda_unavailable_load_fails_before_reading_weights(smollm2_gguf: Path) 
         ellm.load(smollm2_gguf, device="cuda")
 
 
+@pytest.mark.skipif(GPU_REASON is None, reason="a GPU is present")
+def test_cuda_unavailable_cli_says_so_without_a_traceback(smollm2_gguf: Path) -> None:
+    import subprocess
+    import sys
+    for cmd in (["run", "--device", "cuda", str(smollm2_gguf), "hi"], ["bench", "--device", "cuda", str(smollm2_gguf)]):
+        proc = subprocess.run([sys.executable, "-m", "ellm", *cmd], capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0, cmd
+        assert "Traceback" not in proc.stderr and ("CuPy" in proc.stderr or "GPU" in proc.stderr), proc.stderr
+
+
 # -- helpers ---------------------------------------------------------------------------------
 
 def nmse(got: np.ndarray, want: np.ndarray) -> float:
