@@ -232,6 +232,12 @@ def test_memory_round_trips(ops) -> None:
     rows = np.array([4, 0, 4], np.int32)
     got = ops.gather_rows(ops.upload(x), ops.upload(rows), out=ops.empty((3, 8)))
     assert np.array_equal(host(ops, got), x[rows])
+    dst = ops.upload(x.copy())
+    vals = rand(rng, 2, 8)
+    got = ops.scatter_rows(dst, ops.upload(np.array([3, 1], np.int32)), ops.upload(vals))
+    want = x.copy()
+    want[[3, 1]] = vals
+    assert np.array_equal(host(ops, got), want) and np.array_equal(host(ops, dst), want)
     w = Linear(x, GGMLType.F32, 5, 8, "w", bias=rand(rng, 5))
     dw = ops.upload_linear(w)
     assert (dw.qtype, dw.out_features, dw.in_features) == (w.qtype, 5, 8)

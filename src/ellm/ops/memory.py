@@ -3,8 +3,8 @@
 A backend owns its memory. The model runner (engine/runner.py) and the model ask the op
 set, never NumPy, for every buffer: the workspace's activations (`empty`), the paged KV
 cache (`kv_zeros`), the weights (`upload`, `upload_linear`, once at load), the step's
-index arrays (`upload_batch`), the rows whose logits are wanted (`gather_rows`), and the
-logits the host sampler reads (`to_host`). A backend that can sample on its device says
+index arrays (`upload_batch`), the rows whose logits are wanted (`gather_rows`) or that
+are given (`scatter_rows`), and the logits the host sampler reads (`to_host`). A backend that can sample on its device says
 so in `sample`; one that can replay a captured decode step returns its own executor from
 `step_executor`.
 
@@ -78,13 +78,19 @@ class HostMemory:
         return w
 
     def upload_batch(self, batch: "Batch") -> "Batch":
-        """The Batch with its index arrays (token_ids, positions, seq_ids, block_tables,
-        logits_rows) on the backend. Host backends: batch itself."""
+        """The Batch with every array field (token_ids, positions, seq_ids, block_tables,
+        logits_rows, and any other a Batch carries) on the backend. Host backends: batch itself."""
         return batch
 
     def gather_rows(self, x: np.ndarray, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """x (T, ...) -> x[rows] (R, ...), into out when given."""
         return np.take(x, rows, axis=0, out=out)
+
+    def scatter_rows(self, x: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """x[rows] = values (R, ...) in place (rows distinct) -> x. (Image embeddings put
+        into the batch's residual rows.)"""
+        x[rows] = values
+        return x
 
     def to_host(self, x: Any) -> np.ndarray:
         """A backend array as a host NumPy array (host backends: x itself, no copy; like
