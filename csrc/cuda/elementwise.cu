@@ -114,3 +114,14 @@ extern "C" __global__ void scatter_add_rows_f32(float* __restrict__ out,        
     float s = w[blockIdx.x];
     for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] += s * src[i];
 }
+
+// x[rows[r]] = values[r] (rows distinct: image embeddings into the batch's rows).
+// grid R, block 256.
+extern "C" __global__ void scatter_rows_f32(float* __restrict__ x,             // (T, H)
+                                            const int* __restrict__ rows,      // (R,)
+                                            const float* __restrict__ values,  // (R, H)
+                                            int H) {
+    float* dst = x + (long long)rows[blockIdx.x] * H;
+    const float* src = values + (long long)blockIdx.x * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
+}

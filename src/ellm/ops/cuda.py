@@ -38,7 +38,8 @@ WEIGHT_TYPES: dict[GGMLType, str] = {
 KERNELS: dict[str, tuple[str, ...]] = {
     "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed") for t in WEIGHT_TYPES.values()),
     "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "swiglu_f32", "geglu_f32", "softcap_f32",
-                       "scale_f32", "add_f32", "gather_rows_f32", "scatter_add_rows_f32"),
+                       "scale_f32", "add_f32", "gather_rows_f32", "scatter_rows_f32",
+                       "scatter_add_rows_f32"),
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine"),
     "sample.cu": ("sample_rows",),
 }
@@ -223,22 +224,39 @@ class CudaOps:
 
     @_on_stream
     def upload_batch(self, batch: Batch) -> Batch:
-        cp = self.cp
+        """The Batch with every array field (and dict of arrays: the block tables) on the
+        device; index arrays as int32, float arrays as float32 (fields added later, e.g.
+        image rows, come along)."""
+        from dataclasses import fields, replace
 
-        def dev(a: np.ndarray) -> Any:
-            return cp.asarray(np.ascontiguousarray(a, dtype=np.int32))
-        return Batch(token_ids=dev(batch.token_ids), positions=dev(batch.positions),
-                     seq_ids=dev(batch.seq_ids),
-                     block_tables={w: dev(t) for w, t in batch.block_tables.items()},
-                     logits_rows=dev(batch.logits_rows))
+        def dev(a: Any) -> Any:
+            if isinstance(a, np.ndarray):
+                kind = np.int32 if a.dtype.kind in "iub" else np.float32
+                return self.cp.asarray(np.ascontiguousarray(a, dtype=kind))
+            if isinstance(a, dict):
+                return {k: dev(v) for k, v in a.items()}
+            return a
+        return replace(batch, **{f.name: dev(getattr(batch, f.name)) for f in fields(batch)})
 
     @_on_stream
     def gather_rows(self, x: Any, rows: Any, out: Any = None) -> Any:
-        R, H = int(rows.shape[0]), int(x.shape[1])
-        out = self.cp.empty((R, H), np.float32) if out is None else out
+        R, H = int(rows.shape[0]), int(x.size) // max(int(x.shape[0]), 1)
+        out = self.cp.empty((R, *x.shape[1:]), np.float32) if out is None else out
         if R:
             self._launch("gather_rows_f32", (R,), (256,), (x, rows, out, np.int32(H)))
         return out
+
+    @_on_stream
+    def scatter_rows(self, x: Any, rows: Any, values: Any) -> Any:
+        """x[rows] = values (R, ...) in place (rows distinct) -> x."""
+        R = int(rows.shape[0])
+        H = int(x.size) // max(int(x.shape[0]), 1)
+        values = self.cp.ascontiguousarray(values, dtype=np.float32)
+        if int(values.size) != R * H:
+            raise ValueError(f"scatter_rows: {R} rows of {H} values expected, got {values.shape}")
+        if R:
+            self._launch("scatter_rows_f32", (R,), (256,), (x, rows, values, np.int32(H)))
+        return x
 
     def to_host(self, x: Any) -> np.ndarray:
         if isinstance(x, self.cp.ndarray):
