@@ -188,7 +188,8 @@ def test_both_replicas_serve(cluster: str) -> None:
 # a replica dies under load
 # ---------------------------------------------------------------------------------------
 
-async def _stream(c: httpx.AsyncClient, i: int, deadline: float) -> str:
+async def _stream(c: httpx.AsyncClient, i: int, deadline: float, started: asyncio.Event | None = None,
+                  streaming: list[int] | None = None) -> str:
     """One streamed chat -> "done" (finish_reason and [DONE]), "error" (an error event,
     then [DONE]), "hung" (nothing ended it within deadline) or "broken" (anything else)."""
     body = {"model": NAME, "messages": [{"role": "user", "content": f"Story {i}: tell me about the number {i}."}],
@@ -211,6 +212,12 @@ async def _stream(c: httpx.AsyncClient, i: int, deadline: float) -> str:
                     seen["errored"] = event["error"]["type"] == "server_error"
                 elif any(ch.get("finish_reason") for ch in event["choices"]):
                     seen["finished"] = True
+                elif streaming is not None and started is not None and any(
+                        ch["delta"].get("content") for ch in event["choices"]) and not seen.get("counted"):
+                    seen["counted"] = True
+                    streaming[0] += 1
+                    if streaming[0] >= 16:
+                        started.set()
         return None
 
     try:
@@ -253,17 +260,23 @@ def test_replica_killed_under_load(cluster: str) -> None:
         async with httpx.AsyncClient(base_url=cluster, headers={"authorization": f"Bearer {API_KEY}"},
                                      timeout=httpx.Timeout(120, connect=10),
                                      limits=httpx.Limits(max_connections=64)) as c:
-            tasks = [asyncio.ensure_future(_stream(c, i, deadline=120)) for i in range(32)]
-            await asyncio.sleep(2.0)   # streams are running on both replicas
+            started, streaming = asyncio.Event(), [0]
+            tasks = [asyncio.ensure_future(_stream(c, i, 120, started, streaming)) for i in range(32)]
+            # Half the clients have content: streams are running on both replicas.
+            await asyncio.wait_for(started.wait(), 90)
             os.kill(victim, signal.SIGKILL)
             return list(await asyncio.gather(*tasks))
 
     outcomes = asyncio.run(load())
     counts = {k: outcomes.count(k) for k in set(outcomes)}
-    print("outcomes after killing one replica of two, 32 clients:", counts)
+    text = _metrics(cluster)
+    retried = _total(text, "ellm_requests_retried_total")
+    print(f"killing one replica of two under 32 streaming clients: {counts}; "
+          f"{retried:.0f} requests sent again (nothing streamed yet)")
     assert counts.get("hung", 0) == 0, counts
     assert set(counts) <= {"done", "error"}, counts
     assert counts.get("done", 0) > 0
+    assert counts.get("error", 0) + retried > 0, "the kill touched no request"
 
     # Later requests all succeed (on the survivor, then on the replica Serve restarts).
     with _client(cluster) as c:
