@@ -289,6 +289,25 @@ def test_replica_killed_under_load(cluster: str) -> None:
         time.sleep(1)
 
 
+def test_delete_drains_running_streams(cluster: str, smollm2_gguf: Path) -> None:
+    """serve.delete (what `ellm serve --replicas` does on SIGTERM) lets a running stream
+    finish before the replicas go."""
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=cluster, headers={"authorization": f"Bearer {API_KEY}"},
+                                     timeout=120) as c:
+            started, streaming = asyncio.Event(), [0]
+            tasks = [asyncio.ensure_future(_stream(c, 100 + i, 120, started, streaming)) for i in range(16)]
+            await asyncio.wait_for(started.wait(), 90)    # all 16 are streaming
+            await asyncio.get_running_loop().run_in_executor(None, serve.delete, ray_serve.APP_NAME)
+            return list(await asyncio.gather(*tasks))
+
+    try:
+        outcomes = asyncio.run(run())
+    finally:
+        _deploy(smollm2_gguf, "prefix")
+    assert outcomes == ["done"] * 16, outcomes
+
+
 # ---------------------------------------------------------------------------------------
 # prefix affinity vs round robin
 # ---------------------------------------------------------------------------------------
