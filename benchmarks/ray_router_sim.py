@@ -81,8 +81,9 @@ class Sim:
             i, j = self.rng.sample(range(n), 2)
             choice = i if self.replicas[i].load <= self.replicas[j].load else j
             if self.router == "prefix":
-                owner = self.table.owner_of(ids, range(n))
-                if owner is not None:
+                owners = self.table.owners_of(ids, range(n))
+                if owners:
+                    owner = min(owners, key=lambda k: self.replicas[k].load)
                     shortest = min(r.load for r in self.replicas)   # as the router: over all replicas
                     if self.replicas[owner].load - shortest <= self.a.imbalance:
                         choice = owner
@@ -157,7 +158,7 @@ class Sim:
             1e-9, statistics.fmean(x for _, x in self.load_samples))
         return {"requests": len(lat), "hit_rate": self.hit_tokens / max(1, self.prompt_tokens),
                 "p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99)], "busiest": busiest,
-                "route_us": statistics.median(self.route_cost) * 1e6, "table": len(self.table.owner)}
+                "route_us": statistics.median(self.route_cost) * 1e6, "table": len(self.table.owners)}
 
 
 def main() -> int:

@@ -107,6 +107,46 @@ def _total(text: str, name: str) -> float:
     return sum(v for _, v in _samples(text, name))
 
 
+# ---------------------------------------------------------------------------------------
+# no cluster needed
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, field", [({"replicas": 0}, "replicas"), ({"replicas": True}, "replicas"),
+                                           ({"threads_per_replica": 0}, "threads_per_replica"),
+                                           ({"router": "random"}, "router"), ({"max_queue": 0}, "max_queue")])
+def test_build_app_names_the_bad_argument(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ray_serve.build_app("smollm2-135m-instruct", **kwargs)
+
+
+def test_cli_refuses_bad_replica_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    from ellm.cli import main
+    assert main(["serve", "smollm2-135m-instruct", "--replicas", "0"]) == 2
+    assert "--replicas" in capsys.readouterr().err
+
+
+def test_prefix_table_longest_prefix_of_a_living_replica() -> None:
+    table = ray_serve.PrefixTable(max_blocks=1000)
+    system = list(range(64))                      # four full blocks
+    table.record(system + [500] * 20, "a")
+    table.record(system + [600] * 40, "b")        # shares the four system blocks, then its own
+    assert table.owner_of(system + [600] * 40 + [7], {"a", "b"}) == "b"
+    assert table.owner_of(system + [500] * 20 + [7], {"a", "b"}) == "a"
+    assert table.owners_of(system + [9] * 16, {"a", "b"}) == ["b", "a"]   # both hold the system blocks
+    assert table.owner_of(system + [600] * 40 + [7], {"a"}) == "a"  # b is gone: a holds the system part
+    table.forget("a")
+    assert table.owners_of(system + [500] * 20 + [7], {"a", "b"}) == ["b"]
+    assert table.owner_of(list(range(1000, 1100)), {"a", "b"}) is None
+    small = ray_serve.PrefixTable(max_blocks=3, owners_per_block=2)
+    for r in "xyz":
+        small.record(list(range(33)), r)
+    assert small.owners_of(list(range(33)), {"x", "y", "z"}) == ["z", "y"]
+    small.record(list(range(100, 150)), "x")                     # 3 more blocks: the LRU drops the first two
+    assert len(small.owners) == 3
+    assert ray_serve.block_hashes(list(range(16))) == []          # the last token's block is never cached
+    assert len(ray_serve.block_hashes(list(range(33)))) == 2
+
+
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Name three colours."}],
         "max_tokens": 24, "temperature": 0}
 

@@ -209,40 +209,60 @@ def _prompt_of(pending: PendingRequest | None) -> list[int] | None:
 
 
 class PrefixTable:
-    """Which replica was last sent each known prompt prefix, in KV blocks: the state of
+    """Which replicas were last sent each known prompt prefix, in KV blocks: the state of
     PrefixAffinityRouter, apart from Ray so that it can be simulated at scale
-    (benchmarks/ray_router_sim.py). An LRU of block hash -> replica, max_blocks long."""
+    (benchmarks/ray_router_sim.py). An LRU of block hash -> its last `owners_per_block`
+    replicas (most recent last), max_blocks long. Several owners let a hot prefix (a
+    shared system prompt) that spilled to other replicas stay a hit on all of them."""
 
-    def __init__(self, max_blocks: int = 200_000) -> None:
+    def __init__(self, max_blocks: int = 200_000, owners_per_block: int = 4) -> None:
         self.max_blocks = max_blocks
-        self.owner: OrderedDict[int, Any] = OrderedDict()
+        self.owners_per_block = owners_per_block
+        self.owners: OrderedDict[int, list[Any]] = OrderedDict()
+
+    def owners_of(self, ids: Sequence[int], alive: Any) -> list[Any]:
+        """The replicas (those in `alive`) last sent the longest prefix of ids that any
+        living replica was sent, most recent first; [] when none."""
+        for h in reversed(block_hashes(ids)):
+            found = [r for r in reversed(self.owners.get(h, ())) if r in alive]
+            if found:
+                return found
+        return []
 
     def owner_of(self, ids: Sequence[int], alive: Any) -> Any:
-        """The replica (one in `alive`) last sent the longest prefix of ids, or None."""
-        for h in reversed(block_hashes(ids)):
-            r = self.owner.get(h)
-            if r is not None and r in alive:
-                return r
-        return None
+        """The most recent of owners_of, or None."""
+        found = self.owners_of(ids, alive)
+        return found[0] if found else None
 
     def record(self, ids: Sequence[int], replica: Any) -> None:
         for h in block_hashes(ids):
-            self.owner[h] = replica
-            self.owner.move_to_end(h)
-        while len(self.owner) > self.max_blocks:
-            self.owner.popitem(last=False)
+            owners = self.owners.get(h)
+            if owners is None:
+                self.owners[h] = [replica]
+            else:
+                if replica in owners:
+                    owners.remove(replica)
+                owners.append(replica)
+                del owners[:-self.owners_per_block]
+                self.owners.move_to_end(h)
+        while len(self.owners) > self.max_blocks:
+            self.owners.popitem(last=False)
 
     def forget(self, replica: Any) -> None:
-        """A replica died: its cache died with it, so its prefixes may go anywhere."""
-        for h in [h for h, r in self.owner.items() if r == replica]:
-            del self.owner[h]
+        """A replica died: its cache died with it."""
+        for h in list(self.owners):
+            owners = self.owners[h]
+            if replica in owners:
+                owners.remove(replica)
+                if not owners:
+                    del self.owners[h]
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    """Sends a prompt to the replica that was last sent its longest known prefix (in KV
-    blocks), unless that replica's queue is longer than the shortest one by more than
-    `imbalance` requests; otherwise, and for new prefixes, to the less busy of two random
-    replicas (Serve probes their queue lengths)."""
+    """Sends a prompt to the least busy of the replicas last sent its longest known
+    prefix (in KV blocks), unless that replica's queue is longer than the shortest one by
+    more than `imbalance` requests; otherwise, and for new prefixes, to the less busy of
+    two random replicas (Serve probes their queue lengths)."""
 
     def initialize_state(self, imbalance: int = 8, max_blocks: int = 200_000, **kwargs: Any) -> None:
         self.imbalance = imbalance
@@ -264,8 +284,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         ids = _prompt_of(pending_request)
         if ids:
             by_id = {r.replica_id: r for r in candidate_replicas}
-            owner = by_id.get(self.table.owner_of(ids, by_id))
-            if owner is not None:
+            owners = [by_id[o] for o in self.table.owners_of(ids, by_id)]
+            if owners:
+                owner = min(owners, key=self._queue_len)   # of those holding the prefix, the least busy
                 shortest = min(self._queue_len(r) for r in candidate_replicas)
                 if self._queue_len(owner) - shortest <= self.imbalance:
                     self.affine_routes += 1
