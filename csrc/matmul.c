@@ -65,8 +65,9 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
 #define ROW_TILE 16
 #define TOK_TILE 32
 _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
-/* Items of the AMX kernels: more tokens per unpacking of a weight tile (4 tile groups) */
-#define AMX_TOK_TILE 64
+/* Items of the AMX kernels: more tokens per unpacking of a weight tile (8 tile groups:
+ * the unpacking cost as much as the folds at 4) */
+#define AMX_TOK_TILE 128
 _Static_assert(AMX_TOK_TILE % ELLM_AMX_TG == 0 && ELLM_AMX_TG % ELLM_TG == 0,
                "AMX items start on a 16-token group; padding to 16 covers groups of 8");
 _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
