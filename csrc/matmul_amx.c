@@ -211,6 +211,17 @@ INLINE float const32(int type, float d, float m) {
     }
 }
 
+/* const32 for 16 rows at once (the same products, so the same floats) */
+INLINE __m512 const32x16(int type, __m512 d, __m512 m) {
+    switch (type) {
+    case ELLM_T_Q4_0: return _mm512_mul_ps(_mm512_set1_ps(-8.0f), d);
+    case ELLM_T_Q5_0: return _mm512_mul_ps(_mm512_set1_ps(-16.0f), d);
+    case ELLM_T_Q4_1:
+    case ELLM_T_Q5_1: return m;
+    default: return _mm512_setzero_ps();
+    }
+}
+
 /* Blocks unpacked per chunk (16 rows x 32 bytes each: 16 KiB of L1 at 32) */
 #define A32_CHUNK 32
 /* Token groups sharing one unpacking of the weights */
@@ -242,9 +253,15 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
     int32_t ib[A32_BUFS][16][16] __attribute__((aligned(64)));
     __m512 acc_mem[A32_GROUPS][16], cor_mem[A32_GROUPS][16];
     const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
+    /* a block's first dword holds d (and m for the _1 types) as two halves: gathered for
+     * the 16 rows at once where the row offsets fit the gather's int32 indices */
+    const int gather = ws <= (size_t)INT32_MAX / 16;
     load_tile_config(32);
     for (int64_t r0 = 0; r0 < nr; r0 += 16) {
         const int rows = nr - r0 < 16 ? (int)(nr - r0) : 16;
+        int32_t offs[16] __attribute__((aligned(64)));
+        for (int r = 0; r < 16; r++) offs[r] = gather ? (int32_t)((size_t)(r < rows ? r : rows - 1) * ws) : 0;
+        const __m512i row_off = _mm512_load_si512(offs);
         for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
             const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
             for (int g = 0; g < ng; g++)
@@ -252,15 +269,25 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
             for (int64_t i0 = 0; i0 < nb; i0 += A32_CHUNK) {
                 const int nc = nb - i0 < A32_CHUNK ? (int)(nb - i0) : A32_CHUNK;
                 /* unpack: rows past nr repeat the last row (computed, never stored) */
-                for (int ii = 0; ii < nc; ii++)
+                for (int ii = 0; ii < nc; ii++) {
+                    const uint8_t *b0 = w + (size_t)r0 * ws + (size_t)(i0 + ii) * (size_t)bs;
+                    if (gather) { /* the 16 rows' (d, m) halves in one gather */
+                        const __m512i dm = _mm512_i32gather_epi32(row_off, (const void *)b0, 1);
+                        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+                        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+                        _mm512_store_ps(wc.d[ii], d);
+                        _mm512_store_ps(wc.c[ii], const32x16(type, d, m));
+                    }
                     for (int r = 0; r < 16; r++) {
-                        const uint8_t *b = w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws +
-                                           (size_t)(i0 + ii) * (size_t)bs;
-                        const float d = f16_at(b);
-                        wc.d[ii][r] = d;
-                        wc.c[ii][r] = const32(type, d, f16_at(b + 2));
+                        const uint8_t *b = b0 + (size_t)(r < rows ? r : rows - 1) * ws;
+                        if (!gather) {
+                            const float d = f16_at(b);
+                            wc.d[ii][r] = d;
+                            wc.c[ii][r] = const32(type, d, f16_at(b + 2));
+                        }
                         _mm256_store_si256((__m256i *)wc.q[ii][r], values32(type, b));
                     }
+                }
                 for (int g = 0; g < ng; g++) {
                     const ellm_act32x16 *xg = (const ellm_act32x16 *)(x + (size_t)(g0 + g) * xs) + i0;
                     __m512 acc[16];
