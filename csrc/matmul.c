@@ -65,9 +65,10 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
 #define ROW_TILE 16
 #define TOK_TILE 32
 _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
-/* Items of the AMX kernels: more tokens per unpacking of a weight tile (8 tile groups:
- * the unpacking cost as much as the folds at 4) */
-#define AMX_TOK_TILE 128
+/* Items of the AMX kernels: more tokens per unpacking of a weight tile (4 tile groups; 8
+ * were slower on the K = 576 / 640 matrices of both models, their activations then
+ * spilling from L1: Q4_1 960x576 at T=512, one thread, 210-255 against 282-304 GFLOP/s) */
+#define AMX_TOK_TILE 64
 _Static_assert(AMX_TOK_TILE % ELLM_AMX_TG == 0 && ELLM_AMX_TG % ELLM_TG == 0,
                "AMX items start on a 16-token group; padding to 16 covers groups of 8");
 _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&

@@ -225,7 +225,7 @@ INLINE __m512 const32x16(int type, __m512 d, __m512 m) {
 /* Blocks unpacked per chunk (16 rows x 32 bytes each: 16 KiB of L1 at 32) */
 #define A32_CHUNK 32
 /* Token groups sharing one unpacking of the weights */
-#define A32_GROUPS 8
+#define A32_GROUPS 4
 /* Result buffers of the tile multiplies in flight (a block is folded one block after
  * its result is stored) */
 #define A32_BUFS 4
