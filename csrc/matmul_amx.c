@@ -262,6 +262,9 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
         int32_t offs[16] __attribute__((aligned(64)));
         for (int r = 0; r < 16; r++) offs[r] = gather ? (int32_t)((size_t)(r < rows ? r : rows - 1) * ws) : 0;
         const __m512i row_off = _mm512_load_si512(offs);
+        /* Q8_0's values are int8 as stored: a full tile of rows is loaded straight from
+         * the weights (row stride ws) rather than copied into the chunk first */
+        const int direct = type == ELLM_T_Q8_0 && rows == 16;
         for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
             const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
             for (int g = 0; g < ng; g++)
@@ -278,16 +281,21 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                         _mm512_store_ps(wc.d[ii], d);
                         _mm512_store_ps(wc.c[ii], const32x16(type, d, m));
                     }
-                    for (int r = 0; r < 16; r++) {
+                    for (int r = 0; r < 16 && !(gather && direct); r++) {
                         const uint8_t *b = b0 + (size_t)(r < rows ? r : rows - 1) * ws;
                         if (!gather) {
                             const float d = f16_at(b);
                             wc.d[ii][r] = d;
                             wc.c[ii][r] = const32(type, d, f16_at(b + 2));
                         }
-                        _mm256_store_si256((__m256i *)wc.q[ii][r], values32(type, b));
+                        if (!direct) _mm256_store_si256((__m256i *)wc.q[ii][r], values32(type, b));
                     }
                 }
+                /* block ii's weight tile: (16 rows, 32 bytes) at a_ptr(ii), rows a_stride apart */
+                const uint8_t *a_base = direct ? w + (size_t)r0 * ws + (size_t)i0 * (size_t)bs + 2
+                                               : (const uint8_t *)wc.q[0];
+                const size_t a_step = direct ? (size_t)bs : sizeof wc.q[0];
+                const size_t a_stride = direct ? ws : 32;
                 for (int g = 0; g < ng; g++) {
                     const ellm_act32x16 *xg = (const ellm_act32x16 *)(x + (size_t)(g0 + g) * xs) + i0;
                     __m512 acc[16];
@@ -297,7 +305,7 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                      * ii's result is stored, and block ii is folded one block later, so
                      * the tile unit, the tile stores and the folds (still in block order)
                      * overlap rather than wait on one another */
-                    TILE_LOAD(TA0, wc.q[0], 32);
+                    TILE_LOAD(TA0, a_base, a_stride);
                     TILE_LOAD(TB0, xg[0].qs, 64);
                     TILE_ZERO(TC0);
                     TILE_DPBSSD(TC0, TA0, TB0);
@@ -305,7 +313,7 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                         const int nx = ii + 1;
                         if ((ii & 1) == 0) {
                             if (nx < nc) {
-                                TILE_LOAD(TA1, wc.q[nx], 32);
+                                TILE_LOAD(TA1, a_base + (size_t)nx * a_step, a_stride);
                                 TILE_LOAD(TB1, xg[nx].qs, 64);
                                 TILE_ZERO(TC1);
                                 TILE_DPBSSD(TC1, TA1, TB1);
@@ -313,7 +321,7 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                             TILE_STORE(TC0, ib[ii % A32_BUFS], 64);
                         } else {
                             if (nx < nc) {
-                                TILE_LOAD(TA0, wc.q[nx], 32);
+                                TILE_LOAD(TA0, a_base + (size_t)nx * a_step, a_stride);
                                 TILE_LOAD(TB0, xg[nx].qs, 64);
                                 TILE_ZERO(TC0);
                                 TILE_DPBSSD(TC0, TA0, TB0);
