@@ -150,15 +150,27 @@ int ellm_rope_attention_check(const ellm_attn_args *a, char *err, size_t len) {
                      (long long)t, (long long)p, (long long)max_pos, (long long)a->max_blocks, (long long)bs);
             return fail(err, len, msg);
         }
+        int64_t e = p;
+        if (a->key_limit) {
+            e = a->key_limit[t];
+            if (e < p || e >= max_pos) {
+                snprintf(msg, sizeof msg,
+                         "key_limit[%lld] = %lld must be in [positions[%lld] = %lld, %lld) (max_blocks %lld * "
+                         "block_size %lld)",
+                         (long long)t, (long long)e, (long long)t, (long long)p, (long long)max_pos,
+                         (long long)a->max_blocks, (long long)bs);
+                return fail(err, len, msg);
+            }
+        }
         const int64_t lo = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
         const int32_t *row = a->block_tables + s * a->max_blocks;
-        for (int64_t b = lo / bs; b <= p / bs; b++) {
+        for (int64_t b = lo / bs; b <= e / bs; b++) {
             if (row[b] < 0 || row[b] >= a->num_blocks) {
                 snprintf(msg, sizeof msg,
                          "block_tables[%lld, %lld] = %d is outside [0, %lld) (token %lld at position %lld "
                          "reads positions %lld..%lld)",
                          (long long)s, (long long)b, row[b], (long long)a->num_blocks, (long long)t,
-                         (long long)p, (long long)lo, (long long)p);
+                         (long long)p, (long long)lo, (long long)e);
                 return fail(err, len, msg);
             }
         }
@@ -173,9 +185,14 @@ static inline int64_t first_key(int64_t p, int32_t window) {
     return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
 }
 
-/* Chunks a token at p reads: [first_key / CHUNK, p / CHUNK]. */
-static inline int64_t chunk_count(int64_t p, int32_t window) {
-    return p / CHUNK - first_key(p, window) / CHUNK + 1;
+/* Last key position token t sees: its key_limit, or its own position (causal). */
+static inline int64_t last_key(const ellm_attn_args *a, int64_t t) {
+    return a->key_limit ? a->key_limit[t] : a->positions[t];
+}
+
+/* Chunks a token at p whose last key is e reads: [first_key / CHUNK, e / CHUNK]. */
+static inline int64_t chunk_count(int64_t p, int64_t e, int32_t window) {
+    return e / CHUNK - first_key(p, window) / CHUNK + 1;
 }
 
 /* Query rows per pass: a run of tokens of one sequence, all heads of the group, when the
@@ -196,9 +213,9 @@ static int64_t split_plan(const ellm_attn_args *a, int threads, int64_t *max_chu
     if (pairs >= SPLIT_PAIRS * (int64_t)threads) return 0;
     const int64_t max_pos = a->max_blocks * a->block_size;
     for (int64_t t = 0; t < a->T; t++) {
-        const int64_t p = a->positions[t];
-        if (p < 0 || p >= max_pos) continue;
-        const int64_t n = chunk_count(p, a->window);
+        const int64_t p = a->positions[t], e = last_key(a, t);
+        if (p < 0 || p >= max_pos || e < p || e >= max_pos) continue;
+        const int64_t n = chunk_count(p, e, a->window);
         if (n > *max_chunks) *max_chunks = n;
     }
     if (*max_chunks <= 1) return 0;
@@ -384,7 +401,7 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
     for (int i = 0; i < nq; i++) {
         const int64_t p = a->positions[t0 + i];
         lo[i] = first_key(p, a->window);
-        hi[i] = p + 1;
+        hi[i] = last_key(a, t0 + i) + 1;
         if (lo[i] < klo) klo = lo[i];
         if (hi[i] > khi) khi = hi[i];
     }
@@ -480,10 +497,10 @@ static void phase2b(void *p, int64_t i0, int64_t i1, int tid) {
     for (int64_t item = i0; item < i1; item++) {
         const int64_t t = item / (nkv * NC), ci = item % NC;
         const int kvh = (int)(item / NC % nkv);
-        const int64_t pos = a->positions[t], lo = first_key(pos, a->window);
+        const int64_t pos = a->positions[t], lo = first_key(pos, a->window), end = last_key(a, t);
         const int64_t c0 = (lo / CHUNK + ci) * CHUNK;
-        if (c0 > pos) continue; /* this token has fewer chunks */
-        const int64_t k0 = lo > c0 ? lo : c0, k1 = c0 + CHUNK < pos + 1 ? c0 + CHUNK : pos + 1;
+        if (c0 > end) continue; /* this token has fewer chunks */
+        const int64_t k0 = lo > c0 ? lo : c0, k1 = c0 + CHUNK < end + 1 ? c0 + CHUNK : end + 1;
         const int32_t *row = a->block_tables + (int64_t)a->seq_ids[t] * a->max_blocks;
         float *slot = c->partial + item * stride;
         for (int h0 = 0; h0 < g; h0 += MAX_ROWS) {
@@ -501,7 +518,7 @@ static void phase3(void *p, int64_t i0, int64_t i1, int tid) {
     const int hd = a->hd, nkv = a->nkv, g = a->nh / a->nkv;
     const int64_t NC = c->max_chunks, stride = 2 * (int64_t)g + (int64_t)g * hd;
     for (int64_t pair = i0; pair < i1; pair++) {
-        const int64_t t = pair / nkv, n = chunk_count(a->positions[t], a->window);
+        const int64_t t = pair / nkv, n = chunk_count(a->positions[t], last_key(a, t), a->window);
         const int kvh = (int)(pair % nkv);
         const float *base = c->partial + pair * NC * stride;
         for (int h = 0; h < g; h++) {

@@ -27,6 +27,10 @@ typedef struct {
     int64_t q_stride, k_stride, v_stride;
     const int32_t *positions;     /* (T,) position of each token in its sequence */
     const int32_t *seq_ids;       /* (T,) each token's row in block_tables */
+    const int32_t *key_limit;     /* (T,) last position each token sees, >= its own (the
+                                     later ones must be written in this call or before:
+                                     an image's tokens seeing the whole image); NULL:
+                                     causal, each token sees up to its own position */
     const int32_t *block_tables;  /* (B, max_blocks), -1 where unused */
     float *k_cache;               /* (num_blocks, block_size, nkv, hd), written in place */
     float *v_cache;               /* (num_blocks, block_size, nkv, hd), written in place */
@@ -37,7 +41,8 @@ typedef struct {
     int32_t n_rot;                /* rotated pairs, 0..hd/2: dims [0, 2 n_rot) of each head
                                      rotate, the rest pass through (partial rotary) */
     int32_t interleaved;          /* 1: pairs (2i, 2i+1); 0: pairs (i, i + n_rot) */
-    int32_t window;               /* > 0: a token at p sees positions > p - window */
+    int32_t window;               /* > 0: a token at p sees positions > p - window (and
+                                     still up to its key_limit) */
     float scale;                  /* on q.k before the softcap */
     float softcap;                /* > 0: scores = softcap * tanh(scores / softcap) */
     float rope_mscale;            /* multiplies cos and sin (1: plain RoPE; longrope's

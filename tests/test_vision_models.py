@@ -69,12 +69,34 @@ def _model(folder: Path, device: str):
     return build_model(config, SafetensorsWeights(SafetensorsFolder(folder)), get_ops(device))
 
 
-def _forward(model, ids: np.ndarray, images: list[ImageInput] | None, chunks: list[int]) -> np.ndarray:
+def _image_runs(ids: np.ndarray, image_token: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive image tokens (transformers' image groups)."""
+    is_image = np.concatenate([[0], (ids == image_token).astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(is_image))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def _key_limit(ids: np.ndarray, image_token: int, start: int, n: int) -> np.ndarray:
+    """Batch.key_limit for tokens start..start+n-1: an image token sees its whole run."""
+    limit = np.arange(start, start + n, dtype=np.int32)
+    for a, b in _image_runs(ids, image_token):
+        lo, hi = max(a, start), min(b, start + n)
+        if lo < hi:
+            assert a >= start and b <= start + n, "a chunk must hold a whole image"
+            limit[lo - start:hi - start] = b - 1
+    return limit
+
+
+def _forward(model, ids: np.ndarray, images: list[ImageInput] | None, chunks: list[int],
+             bidirectional: bool | None = None) -> np.ndarray:
     """Logits at every position, the prompt fed in the given chunk sizes, image rows
-    spliced where the image tokens are (none when images is None)."""
+    spliced where the image tokens are (none when images is None); an image's tokens
+    see each other both ways when bidirectional (default: as the model declares)."""
     config = model.config
     rows = model.encode_images(images) if images else None
     slots = np.flatnonzero(ids == config.image_token_id)
+    if bidirectional is None:
+        bidirectional = getattr(model, "bidirectional_images", False)
     kv = KVCache(config, num_blocks=32, block_size=4)
     blocks = BlockManager(kv, enable_prefix_caching=False)
     assert blocks.allocate("s", len(ids))
@@ -87,6 +109,8 @@ def _forward(model, ids: np.ndarray, images: list[ImageInput] | None, chunks: li
         if rows is not None and inside.any():
             batch.embed_rows = (slots[inside] - start).astype(np.int32)
             batch.embed_values = rows[inside]
+        if bidirectional and inside.any():
+            batch.key_limit = _key_limit(ids, config.image_token_id, start, n)
         out.append(model.forward(batch, kv).copy())
         start += n
     assert start == len(ids)
@@ -113,14 +137,40 @@ def test_image_prompt_logits_match_transformers(vision_dir, name, device) -> Non
     assert np.abs(blind[first:] - want[first:]).max() > 0.05 * float(np.abs(want).max())
 
 
+@pytest.mark.parametrize("device", ["cpu", "reference"])
+def test_gemma3_image_tokens_attend_both_ways(vision_dir, device) -> None:
+    """Gemma 3 is compared with transformers given the processor's token_type_ids (an
+    image's tokens see each other both ways); attending causally instead matches
+    transformers run without them, and is far from the processor path. SmolVLM (Idefics3)
+    stays causal."""
+    folder = vision_dir / "gemma3"
+    model = _model(folder, device)
+    assert model.bidirectional_images and not _model(vision_dir / "smolvlm", device).bidirectional_images
+    ids, want, causal = (np.load(folder / f) for f in ("ids.npy", "logits.npy", "logits_causal.npy"))
+    both_ways = _forward(model, ids, _images(folder), [len(ids)])
+    one_way = _forward(model, ids, _images(folder), [len(ids)], bidirectional=False)
+    _assert_close_relative(both_ways, want)
+    _assert_close_relative(one_way, causal)
+    first = int(np.flatnonzero(ids == model.config.image_token_id)[0])
+    assert np.abs(one_way - want).max() > 0.05 * float(np.abs(want).max())
+    np.testing.assert_array_equal(both_ways[:first], one_way[:first])   # the text before the image
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_chunk_boundaries_inside_images(vision_dir, name) -> None:
     """Prefill in chunks that cut through the images: the logits of one pass."""
     folder = vision_dir / name
     model = _model(folder, "cpu")
     ids, want = np.load(folder / "ids.npy"), np.load(folder / "logits.npy")
-    rest = len(ids) - 5 - 9 - 3
-    _assert_close_relative(_forward(model, ids, _images(folder), [5, 9, 3, rest]), want)
+    if model.bidirectional_images:   # Gemma 3: chunks end before, at and after an image, not inside
+        (a, b), (c, _) = _image_runs(ids, model.config.image_token_id)
+        chunks = [5, a - 5, b - a, 3, c - b - 3]
+    else:
+        chunks = [5, 9, 3]
+    full = _forward(model, ids, _images(folder), [len(ids)])
+    got = _forward(model, ids, _images(folder), chunks + [len(ids) - sum(chunks)])
+    _assert_close_relative(got, want)
+    np.testing.assert_array_equal(got, full)   # batch invariance: chunking changes no bit
 
 
 # -- GGUF text file + llama.cpp's mmproj file -------------------------------------------

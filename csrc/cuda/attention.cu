@@ -10,8 +10,10 @@
 //                      into chunks of `chunk`; each chunk gives an unnormalised partial
 //                      (max, sum, weighted values). Blocks of grid z take chunks z, z + Z, ...
 //   attn_combine       the partials of a token, merged in chunk order.
-// A token's chunks depend only on its position, the window and `chunk`, never on the
-// other tokens of the batch, so its result does not either (batch invariance).
+// A token's chunks depend only on its position, its key limit, the window and `chunk`,
+// never on the other tokens of the batch, so its result does not either (batch invariance).
+// key_limit (T,): the last position each token sees, >= its own (an image's tokens see the
+// whole image); ops/cuda.py passes positions itself for causal attention.
 //
 // Cache layout: (num_blocks, block_size, nkv, hd) f32; block_tables (B, max_blocks) int32.
 #include "common.cuh"
@@ -76,6 +78,7 @@ extern "C" __global__ void rope_kv_write(
 extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 8) attn_partial(
         const float* __restrict__ q_rot,        // (T, nh, hd)
         const int* __restrict__ positions,
+        const int* __restrict__ key_limit,      // (T,)
         const int* __restrict__ seq_ids,
         const int* __restrict__ block_tables,
         int max_blocks,
@@ -90,9 +93,9 @@ extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 8) attn_partial(
     __shared__ float sm_o[ATTN_WARPS][HD_MAX];
     int h = blockIdx.x, t = blockIdx.y;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int p = positions[t];
+    int p = positions[t], e = key_limit[t];
     int lo = window > 0 ? max(0, p - window + 1) : 0;
-    int n_chunks = min((p - lo) / chunk + 1, max_chunks);
+    int n_chunks = min((e - lo) / chunk + 1, max_chunks);
     int kvh = h / (nh / nkv), D = (hd + 31) >> 5;   // dims lane + 32 j, j < D, of each head
     const int* table = block_tables + (long long)seq_ids[t] * max_blocks;
     float qd[HD_MAX / 32];
@@ -100,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 8) attn_partial(
     for (int j = 0; j < HD_MAX / 32; j++) qd[j] = j < D && lane + 32 * j < hd ? qp[lane + 32 * j] : 0.0f;
 
     for (int c = blockIdx.z; c < n_chunks; c += gridDim.z) {
-        int k_lo = lo + c * chunk, k_hi = min(k_lo + chunk, p + 1);
+        int k_lo = lo + c * chunk, k_hi = min(k_lo + chunk, e + 1);
         float m = ELLM_NEG_INF, l = 0.0f, o[HD_MAX / 32];
         for (int j = 0; j < HD_MAX / 32; j++) o[j] = 0.0f;
         for (int pos = k_lo + warp; pos < k_hi; pos += ATTN_WARPS) {
@@ -151,15 +154,16 @@ extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 8) attn_partial(
 // grid (nh, T), block hd. out (T, nh, hd).
 extern "C" __global__ void attn_combine(
         const int* __restrict__ positions,
+        const int* __restrict__ key_limit,      // (T,)
         const float* __restrict__ part_ml,
         const float* __restrict__ part_o,
         int nh, int hd, int window, int chunk, int max_chunks,
         float* __restrict__ out) {
     int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
     if (d >= hd) return;
-    int p = positions[t];
+    int p = positions[t], e = key_limit[t];
     int lo = window > 0 ? max(0, p - window + 1) : 0;
-    int n_chunks = min((p - lo) / chunk + 1, max_chunks);
+    int n_chunks = min((e - lo) / chunk + 1, max_chunks);
     long long base = ((long long)t * nh + h) * max_chunks;
     float M = ELLM_NEG_INF;
     for (int c = 0; c < n_chunks; c++) M = fmaxf(M, part_ml[(base + c) * 2]);

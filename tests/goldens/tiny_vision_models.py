@@ -10,7 +10,8 @@ Hugging Face folder (f32 safetensors, config.json, a tokenizer carrying the imag
 and beside it pixel_values.npy (the tiles of every image, (n_tiles, 3, 32, 32) f32, as a
 processor would hand them over), tiles.npy (how many tiles each image has), ids.npy (a
 prompt with the expanded image tokens) and logits.npy (transformers' logits at every
-position of that prompt).
+position of that prompt; for gemma3 with the processor's token_type_ids, so an image's
+tokens attend to each other both ways, and logits_causal.npy without them).
 
 The weights are drawn wide (initializer_range 0.15, random norms and biases) and Gemma 3's
 multi-modal projector, which transformers starts at zero, is filled, so the image changes
@@ -121,9 +122,11 @@ def make_gemma3(out: Path) -> None:
     boi, soft, eoi = (tok.convert_tokens_to_ids(s) for s in GEMMA3_TOKENS)
     words = tok(" The small model reads", add_special_tokens=False)["input_ids"]
     ids = [tok.bos_token_id] + words + [boi] + [soft] * 4 + [eoi] + words + [boi] + [soft] * 4 + [eoi] + words
-    # no token_type_ids: transformers attends causally over the image tokens too (what
-    # ellm does; with token_type_ids an image's tokens would see each other both ways)
-    _save(out / "gemma3", model, tok, ids, [1, 1], lambda pv: dict(pixel_values=pv))
+    # token_type_ids as Gemma3Processor gives them (1 on the image tokens): an image's
+    # tokens see each other both ways. logits_causal.npy is the run without them.
+    types = torch.tensor([[int(t == soft) for t in ids]])
+    _save(out / "gemma3", model, tok, ids, [1, 1], lambda pv: dict(pixel_values=pv, token_type_ids=types),
+          causal_kwargs=lambda pv: dict(pixel_values=pv))
 
 
 # What the processors would be configured with (written by hand: transformers' image
@@ -143,7 +146,7 @@ PREPROCESSOR = {
 
 
 def _save(folder: Path, model: torch.nn.Module, tok: tf.PreTrainedTokenizerFast, ids: list[int],
-          tiles: list[int], pixel_kwargs) -> None:
+          tiles: list[int], pixel_kwargs, causal_kwargs=None) -> None:
     g = torch.Generator().manual_seed(5)
     pv = torch.rand((sum(tiles), 3, VISION["image_size"], VISION["image_size"]), generator=g) * 2 - 1
     model.save_pretrained(folder, safe_serialization=True)
@@ -162,6 +165,9 @@ def _save(folder: Path, model: torch.nn.Module, tok: tf.PreTrainedTokenizerFast,
         (folder / "config.json").write_text(json.dumps(config, indent=2))
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids]), **pixel_kwargs(pv)).logits[0].numpy()
+        if causal_kwargs is not None:
+            causal = model(input_ids=torch.tensor([ids]), **causal_kwargs(pv)).logits[0].numpy()
+            np.save(folder / "logits_causal.npy", causal.astype(np.float32))
     np.save(folder / "ids.npy", np.asarray(ids, np.int32))
     np.save(folder / "pixel_values.npy", pv.numpy().astype(np.float32))
     np.save(folder / "tiles.npy", np.asarray(tiles, np.int32))

@@ -60,6 +60,7 @@ cdef extern from "attention.h":
         int64_t q_stride, k_stride, v_stride
         const int32_t *positions
         const int32_t *seq_ids
+        const int32_t *key_limit
         const int32_t *block_tables
         float *k_cache
         float *v_cache
@@ -347,7 +348,7 @@ cdef void _check_rows3(const float[:, :, :] a, str name, Py_ssize_t nheads, Py_s
 
 def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, inv_freq,
                    bint interleaved, double scale, int window=0, double softcap=0.0, out=None,
-                   scratch=None, double rope_mscale=1.0):
+                   scratch=None, double rope_mscale=1.0, key_limit=None):
     """RoPE on q and k, k/v written into the paged cache, then causal attention
     (reference.rope_attention).
 
@@ -362,6 +363,8 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     rope_mscale multiplies cos and sin (longrope's attention factor; 1.0 for plain RoPE);
     scale on q.k; window > 0: a token at p sees positions > p - window;
     softcap > 0: scores = softcap * tanh(scores / softcap);
+    key_limit (T,) int32 or None: the last position each token sees, >= its own (an image
+        token seeing its whole image); None is causal;
     out (T, nh, hd) float32 C-contiguous or None (allocated); must not overlap the caches.
     scratch: optional float32 buffer of at least attention_scratch_bytes(T, nh, nkv, hd, 1) / 4
     elements; by default an internal one is reused (and grown as the call wants). Returns out.
@@ -375,7 +378,7 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     is checked first; a bad one raises ValueError and nothing is written."""
     cdef str fn = "rope_attention"
     cdef const float[:, :, :] qv, kv, vv
-    cdef const int32_t[::1] pv, sv
+    cdef const int32_t[::1] pv, sv, lv
     cdef const int32_t[:, ::1] bt
     cdef float[:, :, :, ::1] kc, vc
     cdef const float[::1] fv
@@ -392,6 +395,11 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
         sv = seq_ids
     except (ValueError, TypeError, BufferError) as e:
         raise ValueError(f"{fn}: positions and seq_ids must be contiguous 1-D int32 arrays ({e})") from None
+    if key_limit is not None:
+        try:
+            lv = key_limit
+        except (ValueError, TypeError, BufferError) as e:
+            raise ValueError(f"{fn}: key_limit must be a contiguous 1-D int32 array or None ({e})") from None
     try:
         bt = block_tables
     except (ValueError, TypeError, BufferError) as e:
@@ -418,6 +426,8 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     if kv.shape[0] != T or vv.shape[0] != T or pv.shape[0] != T or sv.shape[0] != T:
         raise ValueError(f"{fn}: q has {T} tokens but k {kv.shape[0]}, v {vv.shape[0]}, positions "
                          f"{pv.shape[0]}, seq_ids {sv.shape[0]}")
+    if key_limit is not None and lv.shape[0] != T:
+        raise ValueError(f"{fn}: key_limit has {lv.shape[0]} elements, q has {T} tokens")
     if (kc.shape[0] != vc.shape[0] or kc.shape[1] != vc.shape[1] or kc.shape[2] != nkv or vc.shape[2] != nkv
             or kc.shape[3] != hd or vc.shape[3] != hd):
         raise ValueError(f"{fn}: k_cache {tuple(np.shape(k_cache))} and v_cache {tuple(np.shape(v_cache))} must "
@@ -458,6 +468,7 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     a.v_stride = vv.strides[0] // 4 if T > 1 else nkv * hd
     a.positions = &pv[0]
     a.seq_ids = &sv[0]
+    a.key_limit = &lv[0] if key_limit is not None else NULL
     a.block_tables = &bt[0, 0]
     a.k_cache = &kc[0, 0, 0, 0]
     a.v_cache = &vc[0, 0, 0, 0]

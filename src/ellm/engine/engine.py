@@ -90,7 +90,8 @@ class Engine:
         if len(prompt_ids) >= limit:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context allows "
                                f"{limit} (prompt + output), so at most {limit - 1} prompt tokens")
-        image_positions, image_keys = self._image_slots(prompt_ids, images)   # [vision]
+        image_positions, image_keys, counts = self._image_slots(prompt_ids, images)   # [vision]
+        image_spans = self._bidirectional_spans(image_positions, counts)          # [vision]
         grammar = self._grammar_state(params)  # [structured] one matcher per constrained sequence
         seq = Sequence(
             request_id=request_id, prompt_ids=prompt_ids, params=params, grammar=grammar,
@@ -102,6 +103,9 @@ class Engine:
         )
         if images:   # [vision]
             seq.images, seq.image_positions, seq.image_keys = list(images), image_positions, image_keys
+            if image_spans:
+                seq.image_spans = image_spans
+                seq.image_limits = np.concatenate([np.full(e - s, e - 1, np.int32) for s, e in image_spans])
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -185,12 +189,15 @@ class Engine:
         seq_ids = np.empty(total, np.int32)
         rows, sampled = [], []
         spliced: list[tuple[np.ndarray, np.ndarray]] = []   # [vision] (batch rows, image rows)
+        limits: list[tuple[np.ndarray, np.ndarray]] = []    # [vision] (batch rows, last key seen)
         t = 0
         for b, (seq, n) in enumerate(plan):
             start = seq.num_computed
             ids = seq.all_ids
             if seq.images:   # [vision]
                 spliced += self._image_rows_in(seq, start, n, t)
+                if seq.image_limits is not None:
+                    limits += self._image_rows_in(seq, start, n, t, seq.image_limits)
             token_ids[t:t + n] = ids[start:start + n]
             positions[t:t + n] = np.arange(start, start + n, dtype=np.int32)
             seq_ids[t:t + n] = b
@@ -211,19 +218,23 @@ class Engine:
         if spliced:   # [vision]
             batch.embed_rows = np.concatenate([r for r, _ in spliced])
             batch.embed_values = np.concatenate([v for _, v in spliced])
+        if limits:   # [vision] an image's tokens see the whole image (the chunk holds all of it)
+            batch.key_limit = positions.copy()
+            for r, lim in limits:
+                batch.key_limit[r] = lim
         return batch, sampled
 
     # -- [vision] images in the prompt ----------------------------------------------
 
-    def _image_slots(self, prompt_ids: list[int], images: list[Any] | None) -> tuple[Any, Any]:
+    def _image_slots(self, prompt_ids: list[int], images: list[Any] | None) -> tuple[Any, Any, list[int]]:
         """Checks that the prompt's image tokens and the images' token counts agree; ->
-        (positions of the image tokens, the prompt keyed for the prefix cache), or
-        (None, None) for a prompt without images."""
+        (positions of the image tokens, the prompt keyed for the prefix cache, each image's
+        token count), or (None, None, []) for a prompt without images."""
         image_token = getattr(self.model.config, "image_token_id", None)
         if image_token is None or not getattr(self.model, "takes_images", False):
             if images:
                 raise RequestError("this model takes no images (it has no vision tower)")
-            return None, None
+            return None, None, []
         ids = np.asarray(prompt_ids, np.int64)
         positions = np.flatnonzero(ids == image_token).astype(np.int32)
         images = list(images or [])
@@ -239,25 +250,51 @@ class Engine:
             raise RequestError(f"the prompt holds {len(positions)} image tokens (id {image_token}), the "
                                f"{len(images)} image(s) need {sum(counts)} ({'+'.join(map(str, counts)) or '0'})")
         if not images:
-            return None, None
+            return None, None, []
         keys: list[Any] = list(prompt_ids)
         k = 0
         for image, count in zip(images, counts):
             for j in range(count):
                 keys[positions[k]] = (image_token, image.content_hash, j)
                 k += 1
-        return positions, keys
+        return positions, keys, counts
 
-    def _image_rows_in(self, seq: Sequence, start: int, n: int, offset: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _bidirectional_spans(self, positions: Any, counts: list[int]) -> list[tuple[int, int]] | None:
+        """For a model whose image tokens attend to their whole image (Gemma 3, as
+        transformers with token_type_ids and llama.cpp): the [start, end) runs of
+        consecutive image tokens of each image, which a prefill chunk must hold whole."""
+        if positions is None or not getattr(self.model, "bidirectional_images", False):
+            return None
+        spans: list[tuple[int, int]] = []
+        k = 0
+        for count in counts:
+            pos = positions[k:k + count]
+            k += count
+            cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+            for run in np.split(pos, cuts):
+                if len(run):
+                    spans.append((int(run[0]), int(run[-1]) + 1))
+        longest = max((e - s for s, e in spans), default=0)
+        if longest > self.cfg.max_batch_tokens:
+            raise RequestError(f"an image of {longest} tokens must be prefilled in one chunk, but "
+                               f"max_batch_tokens is {self.cfg.max_batch_tokens}; raise it to at least {longest}")
+        return spans
+
+    def _image_rows_in(self, seq: Sequence, start: int, n: int, offset: int,
+                       per_token: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """The image rows for seq's tokens start..start+n-1, placed at batch rows offset+...;
-        the images are encoded once, at the first chunk that needs them."""
+        the images are encoded once, at the first chunk that needs them. per_token: those
+        tokens' entries of this (M,) array instead of the image rows."""
         pos = seq.image_positions
         lo, hi = np.searchsorted(pos, start), np.searchsorted(pos, start + n)
         if lo == hi:
             return []
+        rows = (pos[lo:hi] - start + offset).astype(np.int32)
+        if per_token is not None:
+            return [(rows, per_token[lo:hi])]
         if seq.image_rows is None:
             seq.image_rows = self.model.encode_images(seq.images)
-        return [((pos[lo:hi] - start + offset).astype(np.int32), seq.image_rows[lo:hi])]
+        return [(rows, seq.image_rows[lo:hi])]
 
     def _append(self, seq: Sequence, res: Any) -> None:
         tok = int(res.token_id)

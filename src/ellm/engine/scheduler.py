@@ -63,7 +63,9 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted while growing another
                 continue
-            n = 1 if not seq.in_prefill else min(seq.num_tokens - seq.num_computed, budget)
+            n = 1 if not seq.in_prefill else _chunk(seq, budget)
+            if n == 0:   # [vision] the next image does not fit in what is left of this step
+                continue
             if not self._grow(seq, seq.num_computed + n):
                 too_big.append(seq)
                 continue
@@ -74,7 +76,9 @@ class Scheduler:
             if seq.request_id not in self.blocks.tables:
                 seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prefix_keys)  # [vision] keys
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = _chunk(seq, budget)
+            if n == 0:   # [vision] its next image waits for a step with room for all of it
+                break
             if not self.blocks.allocate(seq.request_id, seq.num_computed + n):
                 if not self.running and not plan:
                     self.waiting.popleft()
@@ -87,3 +91,18 @@ class Scheduler:
             plan.append((seq, n))
             budget -= n
         return plan, too_big
+
+
+def _chunk(seq: Sequence, budget: int) -> int:
+    """Tokens of seq to prefill now, at most budget. [vision] A chunk never ends inside a
+    run of image tokens that attend to each other (seq.image_spans): it stops before the
+    run, or, starting at or inside it, reaches its end or waits (0)."""
+    start = seq.num_computed
+    n = min(seq.num_tokens - start, budget)
+    end = start + n
+    for s, e in seq.image_spans or ():
+        if s < end < e:
+            if start < s:
+                return s - start
+            return e - start if e - start <= budget else 0
+    return n

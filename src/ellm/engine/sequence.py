@@ -65,6 +65,11 @@ class Sequence:
     image_positions: Any = None
     image_rows: Any = None
     image_keys: list[Any] | None = None
+    # [vision] models with bidirectional images (Gemma 3): each image token's last visible
+    # position ((M,) int32, the end of its run of image tokens), and those runs as
+    # [start, end) positions, which a prefill chunk must not cut; None otherwise
+    image_limits: Any = None
+    image_spans: list[tuple[int, int]] | None = None
 
     @property
     def all_ids(self) -> list[int]:

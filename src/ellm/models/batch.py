@@ -17,6 +17,9 @@ class Batch:
     # embeddings: (M,) int32 indices into token_ids, (M, H) f32; None: every row is embedded
     embed_rows: np.ndarray | None = None
     embed_values: np.ndarray | None = None
+    # [vision] (T,) int32 last position each token attends to (>= its own): an image token
+    # of a model with bidirectional images sees its whole image; None: causal everywhere
+    key_limit: np.ndarray | None = None
 
     @classmethod
     def single(cls, token_ids: np.ndarray, start: int, block_tables: dict[int, np.ndarray],

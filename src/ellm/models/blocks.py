@@ -138,7 +138,8 @@ class Attention:
         k_cache, v_cache = kv_layer
         ops.rope_attention(q3, k3, v3, batch.positions, batch.seq_ids, batch.block_tables[self.window],
                            k_cache, v_cache, self.inv_freq, self.interleaved, self.scale,
-                           self.window, self.softcap, out=attn, rope_mscale=self.rope_mscale)  # (T, nh, hd)
+                           self.window, self.softcap, out=attn, rope_mscale=self.rope_mscale,
+                           key_limit=batch.key_limit)  # (T, nh, hd)
         if rec is not None:   # [trace] q after RoPE and the weights are rebuilt from q and the cache
             rec.attention(layer, q3, k_cache, v_cache, batch.block_tables[self.window], self.inv_freq,
                           self.interleaved, self.scale, self.window, self.softcap, self.rope_mscale)
@@ -207,6 +208,10 @@ class DecoderLayer:
 class Decoder:
     """A decoder-only transformer: embedding, layers, final norm, head. The `Model` of
     most families is this, built from its weights."""
+
+    # [vision] True: an image's tokens attend to each other both ways (Gemma 3); the
+    # engine then gives the batch a key_limit and keeps each image in one prefill chunk
+    bidirectional_images: bool = False
 
     def __init__(self, config: ModelConfig, ops: Any, embed: Linear, lm_head: Linear,
                  layers: list[DecoderLayer], norm: np.ndarray, embed_scale: float = 1.0,

@@ -178,6 +178,9 @@ class Model(Decoder):
                          embed_scale=float(np.float32(H ** 0.5)), final_softcap=c.final_logit_softcapping or 0.0)
         # [vision] Gemma 3's SigLIP tower and projector, when the file has them
         self.takes_images = c.vision is not None and VISION_TOWER + "post_layernorm.weight" in weights
+        # an image's tokens attend to each other both ways (transformers' token_type_ids
+        # mask, llama.cpp): the engine gives them Batch.key_limit
+        self.bidirectional_images = self.takes_images
         if self.takes_images:
             v = c.vision
             self.tower = SiglipEncoder(v, weights, ops, VISION_TOWER)

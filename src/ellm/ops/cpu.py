@@ -146,9 +146,10 @@ class CpuOps(HostMemory):
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                        inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,
-                       rope_mscale=1.0):
+                       rope_mscale=1.0, key_limit=None):
         out = _out(out, q.shape)
         _kernels.rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                                 inv_freq, bool(interleaved), float(scale), int(window),
-                                float(softcap_value), out, rope_mscale=float(rope_mscale))
+                                float(softcap_value), out, rope_mscale=float(rope_mscale),
+                                key_limit=key_limit)
         return out

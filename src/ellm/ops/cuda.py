@@ -419,9 +419,11 @@ class CudaOps:
     @_on_stream
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                        inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,
-                       rope_mscale=1.0):
+                       rope_mscale=1.0, key_limit=None):
         """ops/reference.py rope_attention on the device: q (T, nh, hd), k / v (T, nkv, hd),
-        caches (num_blocks, block_size, nkv, hd), block_tables (B, max_blocks) int32."""
+        caches (num_blocks, block_size, nkv, hd), block_tables (B, max_blocks) int32;
+        key_limit (T,) int32 or None (causal: the kernels then read positions as the limit).
+        The kernels trust key_limit >= positions (the engine builds it)."""
         cp = self.cp
         T, nh, hd = (int(s) for s in q.shape)
         nkv, block_size = int(k.shape[1]), int(k_cache.shape[1])
@@ -437,8 +439,9 @@ class CudaOps:
         max_blocks = int(block_tables.shape[1])
         chunk = DECODE_CHUNK if T <= GEMM_MIN_TOKENS else PREFILL_CHUNK
         max_chunks = _ceil(max_blocks * block_size, chunk)
-        if window > 0:   # a token's keys [p - window + 1, p] span at most this many chunks
+        if window > 0 and key_limit is None:   # keys [p - window + 1, p]: at most this many chunks
             max_chunks = min(max_chunks, (window - 1) // chunk + 1)
+        limit = positions if key_limit is None else key_limit
         # enough blocks to fill the GPU at batch 1; a shape-only choice (graph-safe), and
         # which block takes which chunk does not change any result
         z = max(1, min(max_chunks, _ceil(2 * self.num_sms, nh * T)))
@@ -454,11 +457,11 @@ class CudaOps:
                       inv_freq, i32(n_rot), i32(bool(interleaved)), f32(rope_mscale),
                       i32(nh), i32(nkv), i32(hd), i32(block_size)))
         self._launch("attn_partial", (nh, T, z), (128,),
-                     (q_rot, positions, seq_ids, block_tables, i32(max_blocks), k_cache, v_cache,
+                     (q_rot, positions, limit, seq_ids, block_tables, i32(max_blocks), k_cache, v_cache,
                       i32(nh), i32(nkv), i32(hd), i32(block_size), f32(scale), i32(window),
                       f32(softcap_value), i32(chunk), i32(max_chunks), part_ml, part_o))
         self._launch("attn_combine", (nh, T), (hd,),
-                     (positions, part_ml, part_o, i32(nh), i32(hd), i32(window), i32(chunk),
+                     (positions, limit, part_ml, part_o, i32(nh), i32(hd), i32(window), i32(chunk),
                       i32(max_chunks), out))
         return out
 

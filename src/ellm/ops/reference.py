@@ -107,11 +107,15 @@ def rope_attention(
     window: int = 0,           # > 0: a token at position p sees positions > p - window
     softcap_value: float = 0.0,
     rope_mscale: float = 1.0,  # multiplies cos and sin (longrope's attention factor)
+    key_limit: np.ndarray | None = None,  # (T,) int32: last position each token sees
 ) -> np.ndarray:
     """RoPE on q and k, k/v written to the paged cache, then causal attention. -> (T, nh, hd).
 
     All of this step's k/v are written before any attention is computed, so a token sees
     every earlier token of its sequence, whether cached before or new in this batch.
+    key_limit lets a token see later positions too, up to key_limit[t] >= positions[t]
+    (Gemma 3: an image's tokens see the whole image); those must be written in this call
+    or an earlier one. A window still bounds the first key: (p - window, key_limit[t]].
     """
     T, nh, hd = q.shape
     nkv = k.shape[1]
@@ -124,10 +128,12 @@ def rope_attention(
         k_cache[blk, positions[t] % block_size] = k[t]
         v_cache[blk, positions[t] % block_size] = v[t]
     out = np.empty_like(q)
+    if key_limit is not None and (np.shape(key_limit) != (T,) or np.any(key_limit < positions)):
+        raise ValueError(f"key_limit must be (T,) = ({T},) with key_limit[t] >= positions[t]")
     for t in range(T):
         p = int(positions[t])
         lo = max(0, p - window + 1) if window > 0 else 0
-        pos = np.arange(lo, p + 1)
+        pos = np.arange(lo, (p if key_limit is None else int(key_limit[t])) + 1)
         table = block_tables[seq_ids[t]]
         keys = k_cache[table[pos // block_size], pos % block_size]    # (L, nkv, hd)
         vals = v_cache[table[pos // block_size], pos % block_size]
@@ -339,7 +345,7 @@ class ReferenceOps(HostMemory):
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                        inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,
-                       rope_mscale=1.0):
+                       rope_mscale=1.0, key_limit=None):
         return _into(out, rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                                          inv_freq, interleaved, scale, window, softcap_value,
-                                         rope_mscale))
+                                         rope_mscale, key_limit))
