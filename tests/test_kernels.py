@@ -895,3 +895,109 @@ def test_moe_f32_activations_match_reference(qtype) -> None:
     assert err <= 2e-5 * float(np.abs(want).max()), f"max abs error {err:.3g}"
     alone = np.concatenate([ops.moe(x[t:t + 1], router, experts, 3, True) for t in range(0, T, 5)])
     assert_bits(got[::5], alone, "batched vs alone")
+
+
+# ------------------- key_limit: tokens that see later ones (an image) -------------------
+
+def image_limits(batch, runs):
+    """key_limit for batch: causal, except runs (seq, first, end) of new positions whose
+    tokens see up to end - 1 (Gemma 3's image tokens seeing their whole image)."""
+    limit = batch["positions"].copy()
+    for seq, first, end in runs:
+        rows = (batch["seq_ids"] == seq) & (batch["positions"] >= first) & (batch["positions"] < end)
+        limit[rows] = end - 1
+    return limit
+
+
+def run_limited(batch, limit, window=0, cap=0.0, interleaved=False):
+    """(kernel out, reference out) with key_limit, on copies of the batch."""
+    kb = {n: a.copy() for n, a in batch.items()}
+    rb = {n: a.copy() for n, a in batch.items()}
+    scale = batch["q"].shape[2] ** -0.5
+    got = K.rope_attention(*kb.values(), interleaved, scale, window, cap, key_limit=limit)
+    want = ref.rope_attention(*rb.values(), interleaved, scale, window, cap, key_limit=limit)
+    np.testing.assert_allclose(kb["k_cache"], rb["k_cache"], rtol=0, atol=2e-6)
+    return got, want
+
+
+def run_limited_caches(batch, limit):
+    """The kernel's caches after a call on a copy of batch with key_limit."""
+    kb = {n: a.copy() for n, a in batch.items()}
+    n = len(limit)
+    K.rope_attention(kb["q"][:n], kb["k"][:n], kb["v"][:n], kb["positions"][:n], kb["seq_ids"][:n],
+                     kb["block_tables"], kb["k_cache"], kb["v_cache"], kb["inv_freq"], False,
+                     batch["q"].shape[2] ** -0.5, key_limit=limit)
+    return kb["k_cache"], kb["v_cache"]
+
+
+# (new, before, image runs): an image inside a prefill chunk, one that starts the chunk,
+# one across a 64-key tile and a 256-key chunk boundary, and decoding neighbours
+LIMITED = [
+    (dict(new=[17, 1, 1], before=[0, 700, 1234]), [(0, 3, 11)]),
+    (dict(new=[12, 30], before=[5, 240]), [(0, 5, 9), (0, 12, 17), (1, 250, 262)]),
+    (dict(new=[70], before=[0]), [(0, 1, 67)]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(LIMITED)))
+@pytest.mark.parametrize("window", [0, 6, 300])
+@pytest.mark.parametrize("heads", [(4, 2, 16), (34, 2, 8)], ids=["gqa", "large-group"])
+def test_attention_key_limit_matches_reference(simd, case, window, heads) -> None:
+    shape, runs = LIMITED[case]
+    nh, nkv, hd = heads
+    batch = make_batch(nh, nkv, hd, **shape, seed=case + window)
+    limit = image_limits(batch, runs)
+    got, want = run_limited(batch, limit, window, cap=30.0 if window == 6 else 0.0, interleaved=case == 1)
+    assert_close(got, want, 2e-5, 1e-11)
+    # the limit changes what the image's tokens see, and nothing else
+    causal = run_both(batch, case == 1, hd ** -0.5, window, 30.0 if window == 6 else 0.0)[0]
+    sees_more = limit > batch["positions"]
+    np.testing.assert_array_equal(got[~sees_more], causal[~sees_more])
+    assert np.abs(got[sees_more] - causal[sees_more]).max() > 1e-3
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_attention_key_limit_is_batch_invariant(simd, threads) -> None:
+    """An image's rows are bit-identical alone, beside other sequences, on any thread count
+    (small batches split keys over threads), and key_limit = positions is causal."""
+    before = K.num_threads()
+    K.set_num_threads(threads)
+    try:
+        batch = make_batch(4, 2, 16, new=[6, 1, 1], before=[300, 500, 40], seed=3)
+        limit = image_limits(batch, [(0, 301, 305)])
+        got, want = run_limited(batch, limit)
+        assert_close(got, want, 2e-5, 1e-11)
+        alone = {n: (a[:6] if n in ("q", "k", "v", "positions", "seq_ids") else a) for n, a in batch.items()}
+        np.testing.assert_array_equal(run_limited(alone, limit[:6])[0], got[:6])
+        others = {n: (a[6:] if n in ("q", "k", "v", "positions", "seq_ids") else a) for n, a in batch.items()}
+        np.testing.assert_array_equal(run_limited(others, limit[6:])[0], got[6:])
+        # the token after the image, alone, the image's k/v cached by an earlier call
+        last = {n: (a[5:6] if n in ("q", "k", "v", "positions", "seq_ids") else a) for n, a in batch.items()}
+        last["k_cache"], last["v_cache"] = run_limited_caches(alone, limit[:5])
+        np.testing.assert_array_equal(run_limited(last, limit[5:6])[0], got[5:6])
+        plain = run_both(batch, False, 16 ** -0.5, 0, 0.0)[0]
+        np.testing.assert_array_equal(run_limited(batch, batch["positions"].copy())[0], plain)
+    finally:
+        K.set_num_threads(before)
+
+
+def test_attention_key_limit_refused_when_bad(small_batch) -> None:
+    pos = small_batch["positions"]
+    scale = 0.125
+    with pytest.raises(ValueError, match=r"key_limit\[0\] = -1 must be in \[positions\[0\]"):
+        K.rope_attention(*small_batch.values(), False, scale, key_limit=pos - 1)
+    far = pos.copy()
+    far[3] = 10_000
+    with pytest.raises(ValueError, match=r"key_limit\[3\] = 10000"):
+        K.rope_attention(*small_batch.values(), False, scale, key_limit=far)
+    with pytest.raises(ValueError, match="key_limit has 2 elements"):
+        K.rope_attention(*small_batch.values(), False, scale, key_limit=pos[:2].copy())
+    with pytest.raises(ValueError, match="key_limit must be a contiguous 1-D int32"):
+        K.rope_attention(*small_batch.values(), False, scale, key_limit=pos.astype(np.int64))
+    # a limit into a block the table does not hold
+    unmapped = pos.copy()
+    unmapped[0] = small_batch["block_tables"].shape[1] * BLOCK - 1
+    with pytest.raises(ValueError, match="block_tables"):
+        K.rope_attention(*small_batch.values(), False, scale, key_limit=unmapped)
+    with pytest.raises(ValueError, match="key_limit"):
+        ref.rope_attention(*small_batch.values(), False, scale, key_limit=pos - 1)

@@ -376,3 +376,59 @@ def test_bad_image_requests_are_refused(vlm) -> None:
     with pytest.raises(RequestError, match="NaN"):
         engine.add_request(ids, params, images=[images[0], ImageInput(nan, "y")])
     assert not engine.has_unfinished()
+
+
+# -- Gemma 3: a prefill chunk holds a whole image ------------------------------------------
+
+@pytest.fixture(scope="module")
+def gemma3(vision_dir):
+    folder = vision_dir / "gemma3"
+    return _model(folder, "cpu"), Tokenizer.from_folder(folder), folder
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 7, 16])
+def test_chunks_never_split_a_gemma3_image(gemma3, chunk) -> None:
+    """With chunks of 4..16 tokens (an image is 4), every step ends outside the images and
+    the first token's logprob is transformers' (processor path, token_type_ids)."""
+    model, _, folder = gemma3
+    ids, want = np.load(folder / "ids.npy").tolist(), np.load(folder / "logits.npy")
+    runs = _image_runs(np.asarray(ids), model.config.image_token_id)
+    engine = _engine(gemma3, max_batch_tokens=chunk)
+    rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=1, logprobs=1), images=_images(folder))
+    seq, ends, outs = engine.seqs[rid], [], []
+    while engine.has_unfinished():
+        outs += engine.step()
+        ends.append(seq.num_computed)
+    assert not [e for e in ends for a, b in runs if a < e < b], (ends, runs)
+    assert len(ends) >= len(ids) // chunk   # it was chunked
+    ref = want[-1].astype(np.float64)
+    lp = outs[-1].new_logprobs[0]
+    assert lp.token_id == int(ref.argmax())
+    assert abs(lp.logprob - (ref.max() - (ref.max() + np.log(np.exp(ref - ref.max()).sum())))) < 1e-3 * np.abs(ref).max()
+
+
+def test_gemma3_image_longer_than_a_chunk_is_refused(gemma3) -> None:
+    _, _, folder = gemma3
+    ids = np.load(folder / "ids.npy").tolist()
+    with pytest.raises(RequestError, match="an image of 4 tokens must be prefilled in one chunk, but "
+                                           "max_batch_tokens is 3"):
+        _engine(gemma3, max_batch_tokens=3).add_request(ids, SamplingParams(max_tokens=1), images=_images(folder))
+
+
+def test_gemma3_prefix_hit_inside_an_image(gemma3) -> None:
+    """A second prompt shares the first up to inside an image's last block: the cache hit
+    ends mid-image, the chunk from there reaches the image's end, and the result is the
+    bits of a run without the cache."""
+    model, _, folder = gemma3
+    ids = np.load(folder / "ids.npy").tolist()
+    (a, b), _ = _image_runs(np.asarray(ids), model.config.image_token_id)
+    # blocks of 4: the hit covers whole blocks up to the one holding the image's end
+    cut = (b - 1) // 4 * 4
+    assert a < cut < b
+    second = ids[:b + 1] + [ids[-1]] * 3 + ids[b + 1:]
+    engine = _engine(gemma3, max_batch_tokens=64)
+    _run(engine, [(ids, _images(folder))])
+    cached = _run(engine, [(second, _images(folder))])[0]
+    assert cached[2] == cut
+    fresh = _run(_engine(gemma3, max_batch_tokens=64, enable_prefix_caching=False), [(second, _images(folder))])[0]
+    assert cached[:2] == fresh[:2]
