@@ -175,10 +175,13 @@ def test_norms_and_activations(ops, shape) -> None:
         assert np.array_equal(host(ops, ops.softcap(up(x), 0.0)), x)   # cap 0: untouched
 
 
-@pytest.mark.parametrize("window, cap, interleaved", [(0, 0.0, False), (5, 0.0, True), (0, 30.0, False)])
-def test_rope_attention_paged(ops, window, cap, interleaved) -> None:
+@pytest.mark.parametrize("window, cap, interleaved, image", [(0, 0.0, False, False), (5, 0.0, True, False),
+                                                             (0, 30.0, False, False), (0, 0.0, False, True),
+                                                             (3, 0.0, True, True)])
+def test_rope_attention_paged(ops, window, cap, interleaved, image) -> None:
     """Two sequences in one batch: one prefilling 6 tokens from position 3 (3 cached),
-    one decoding at position 9; caches from ops.kv_zeros, blocks out of order."""
+    one decoding at position 9; caches from ops.kv_zeros, blocks out of order. image:
+    positions 4..7 see each other both ways (key_limit, Gemma 3's image tokens)."""
     rng = np.random.default_rng(17 + window)
     nh, nkv, hd, bs, nb = 6, 2, 16, 4, 12
     positions = np.array([3, 4, 5, 6, 7, 8, 9], np.int32)
@@ -188,15 +191,20 @@ def test_rope_attention_paged(ops, window, cap, interleaved) -> None:
     q, k, v = rand(rng, 7, nh, hd), rand(rng, 7, nkv, hd), rand(rng, 7, nkv, hd)
     inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
     want_k, want_v = kc.copy(), vc.copy()
+    limit = None
+    if image:
+        limit = positions.copy()
+        limit[1:5] = 7
     want = REF.rope_attention(q, k, v, positions, seq_ids, tables, want_k, want_v, inv_freq, interleaved,
-                              hd ** -0.5, window, cap)
+                              hd ** -0.5, window, cap, key_limit=limit)
     dk, dv = ops.kv_zeros(kc.shape), ops.kv_zeros(vc.shape)   # (the reference's inputs stay untouched)
     assert not host(ops, dk).any()
     for dst, src in ((dk, kc), (dv, vc)):   # the cached positions, through a device copy
         ops.add(dst, ops.upload(src))
     up = ops.upload
     got = ops.rope_attention(up(q), up(k), up(v), up(positions), up(seq_ids), up(tables), dk, dv, up(inv_freq),
-                             interleaved, hd ** -0.5, window, cap, out=ops.empty(q.shape))
+                             interleaved, hd ** -0.5, window, cap, out=ops.empty(q.shape),
+                             key_limit=None if limit is None else up(limit))
     assert_near(host(ops, got), want, what="attention")
     assert_near(host(ops, dk), want_k, what="k cache")
     assert_near(host(ops, dv), want_v, what="v cache")
