@@ -179,14 +179,35 @@ def decode_bytes(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, what: str
         # open() reads only the header; the pixels are decoded by load() in _from_pil,
         # after the dimensions were checked.
         img = pil.Image.open(io.BytesIO(data), formats=list(SUPPORTED_FORMATS))
-    except pil.Image.DecompressionBombError as e:
-        raise ImageError(f"{what} is too large to decode: {e}") from None
+    except pil.Image.DecompressionBombError as e:   # Pillow's own bound (2 x 89 megapixels) came first
+        raise ImageError(f"{what} is too large to decode (at most {limits.max_pixels} pixels are "
+                         f"accepted): {e}") from None
     except pil.UnidentifiedImageError:
+        fmt = _signature(data)
+        if fmt is not None:   # the right magic, but the plugin refused the header (e.g. a bad CRC)
+            raise ImageError(f"{what} is a corrupt {fmt} file (its header does not parse)") from None
         raise ImageError(f"{what} is not an image in a supported format ({', '.join(SUPPORTED_FORMATS)}); "
                          f"it starts with {data[:8]!r}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:   # Pillow's ways of saying "corrupt header"
         raise ImageError(f"{what} has a corrupt header: {e}") from None
     return _from_pil(img, img.format, limits, what)
+
+
+def _signature(data: bytes) -> str | None:
+    """The supported format whose magic bytes `data` starts with."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if data.startswith((b"GIF87a", b"GIF89a")):
+        return "GIF"
+    if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data.startswith((b"II*\0", b"MM\0*")):
+        return "TIFF"
+    if data.startswith(b"BM"):
+        return "BMP"
+    return None
 
 
 def _from_pil(img: Any, fmt: str | None, limits: ImageLimits, what: str) -> DecodedImage:
