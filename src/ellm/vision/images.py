@@ -35,7 +35,12 @@ import numpy as np
 
 
 class ImageError(ValueError):
-    """An image that cannot be used; the message names what is wrong with it."""
+    """An image that cannot be used; the message names what is wrong with it, `param`
+    where it was (e.g. "messages[0].content[1]") when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 # What callers may hand us as one image.
