@@ -83,25 +83,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {args.model or llm.source} takes no images (it has no vision tower); drop --image",
               file=sys.stderr)
         return 2
-    from .vision.images import ImageError
-    try:
-        if chat:
-            content: Any = prompt
-            if images:   # the images first, then the question, as the models' own examples do
-                content = [{"type": "image", "image": f} for f in images] + [{"type": "text", "text": prompt}]
-            messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                [{"role": "user", "content": content}]
-            pieces = llm.chat_stream(messages, params)
-        elif images:
-            # raw: the prompt says where the images go; without placeholders they go first
-            mark = llm.processing.placeholder
-            text = prompt if mark in prompt else mark * len(images) + prompt
-            pieces = llm.stream(text, params, images=images)
-        else:
-            pieces = llm.stream(prompt, params)
-    except ImageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if chat:
+        content: Any = prompt
+        if images:   # the images first, then the question, as the models' own examples do
+            content = [{"type": "image", "image": f} for f in images] + [{"type": "text", "text": prompt}]
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": content}]
+        pieces = llm.chat_stream(messages, params)
+    elif images:
+        # raw: the prompt says where the images go; without placeholders they go first
+        mark = llm.processing.placeholder
+        text = prompt if mark in prompt else mark * len(images) + prompt
+        pieces = llm.stream(text, params, images=images)
+    else:
+        pieces = llm.stream(prompt, params)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -260,7 +255,14 @@ def _missing_server() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .hub import PullError
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `ellm run MODEL --image FILE PROMPT`: argparse ends the positionals at the first
+    # option, so words after the options come back here; they are the rest of [MODEL] PROMPT.
+    if extra and args.command == "run" and not any(w.startswith("-") for w in extra):
+        args.words += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -459,19 +459,17 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     release_freed_memory()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_batch_tokens=max_batch_tokens)
-    processing = _image_processing(model, resolved)   # [vision]
+    processing = _image_processing(model, resolved, mmproj)   # [vision]
     return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, processing)
 
 
-def _image_processing(model: Any, resolved: Any) -> Any:
+def _image_processing(model: Any, resolved: Any, mmproj: str | Path | None) -> Any:
     """[vision] The image processor of a model with a vision tower: from its folder's
-    processor files, or from the GGUF mmproj the model was given (model.mmproj_metadata)."""
+    processor files, or from the clip.vision.* metadata of the GGUF mmproj it was given."""
     if not getattr(model, "takes_images", False):
         return None
     from .vision.preprocess import load_processing, processing_from_mmproj
-    meta = getattr(model, "mmproj_metadata", None)
-    if meta is not None:
-        return processing_from_mmproj(meta, where=str(getattr(model, "mmproj_path", "mmproj")))
-    if resolved.kind == "gguf":
-        return None
+    if mmproj is not None:
+        from .formats.gguf import GGUFFile
+        return processing_from_mmproj(GGUFFile(Path(mmproj)).metadata, where=str(mmproj))
     return load_processing(resolved.path)

@@ -10,6 +10,11 @@ on PYTHONPATH): the image processors' pixel values and the processors' expanded 
     python vision_ref.py expand JOB.json OUT.json
         JOB: {"cases": [{"name", "folder", "family", "text" | "messages", "images": [paths]}]}
         OUT: {name: input_ids}
+    python vision_ref.py generate JOB.json OUT.json
+        JOB: {"folder", "family", "chat_template", "max_new_tokens",
+              "cases": [{"name", "text" | "messages", "images": [paths]}]}
+        the tiny models of tests/goldens/tiny_vision_models.py, run by transformers on what its
+        processor makes of the images: OUT {name: {"ids", "greedy", "top_ids", "top_logprobs"}}
 
 Images are opened with Pillow and turned upright with ImageOps.exif_transpose, as
 transformers' load_image does; the image processor converts them to RGB itself.
@@ -123,5 +128,52 @@ def expand(job_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(out))
 
 
+def _tiny_processor(folder: str, family: str, chat_template: str | None):
+    from transformers import AutoTokenizer, Gemma3Processor, Idefics3Processor
+    kwargs = json.loads((Path(folder) / "preprocessor_config.json").read_text())
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("image_processor_type", "image_seq_length")}
+    ip = _image_processor("idefics3" if family == "smolvlm" else "gemma3", kwargs)
+    if family == "smolvlm":
+        # SmolVLMProcessor needs torchvision for its video half; Idefics3Processor expands
+        # images with the same strings (transformers' SmolVLM and Idefics3 processors).
+        return Idefics3Processor(image_processor=ip, tokenizer=AutoTokenizer.from_pretrained(folder),
+                                 image_seq_len=4, chat_template=chat_template)
+    tok = AutoTokenizer.from_pretrained(folder, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    return Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=4, chat_template=chat_template)
+
+
+def generate(job_path: str, out_path: str) -> None:
+    import torch
+    import transformers as tf
+    job = json.loads(Path(job_path).read_text())
+    family = job["family"]
+    proc = _tiny_processor(job["folder"], family, job.get("chat_template"))
+    cls = tf.SmolVLMForConditionalGeneration if family == "smolvlm" else tf.Gemma3ForConditionalGeneration
+    model = cls.from_pretrained(job["folder"], dtype=torch.float32, attn_implementation="eager").eval()
+    out = {}
+    for case in job["cases"]:
+        images = [_open(p) for p in case["images"]]
+        if "messages" in case:
+            text = proc.apply_chat_template(case["messages"], add_generation_prompt=True, tokenize=False)
+            enc = proc(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")
+        else:
+            enc = proc(text=[case["text"]], images=[images], return_tensors="pt")
+        # ellm (like the goldens of tiny_vision_models.py) attends causally over image
+        # tokens; Gemma 3's token_type_ids would make them attend both ways
+        enc.pop("token_type_ids", None)
+        enc.pop("mm_token_type_ids", None)
+        with torch.no_grad():
+            gen = model.generate(**enc, max_new_tokens=job["max_new_tokens"], do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+        first = torch.log_softmax(gen.scores[0][0].float(), -1)
+        top = torch.topk(first, 5)
+        n = enc["input_ids"].shape[1]
+        out[case["name"]] = {"ids": enc["input_ids"][0].tolist(), "greedy": gen.sequences[0, n:].tolist(),
+                             "top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist()}
+    Path(out_path).write_text(json.dumps(out))
+
+
 if __name__ == "__main__":
-    {"pixels": pixels, "processors": processors, "expand": expand}[sys.argv[1]](*sys.argv[2:])
+    {"pixels": pixels, "processors": processors, "expand": expand,
+     "generate": generate}[sys.argv[1]](*sys.argv[2:])
