@@ -321,3 +321,43 @@ def test_fetch_is_bounded(image_host, pictures):
     assert time.monotonic() - t0 < 30   # it gave up (a generous bound: this host is shared)
     with pytest.raises(ImageError, match="only http"):
         fetch_image("file:///etc/passwd")
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF + mmproj: the processor's settings from the mmproj's clip.vision.* metadata
+# ---------------------------------------------------------------------------------------
+
+def test_mmproj_gives_the_folders_preprocessing(tiny, pictures):
+    import os
+    from ellm.formats.gguf import GGUFFile
+    from ellm.vision.images import decode_image
+    from ellm.vision.preprocess import load_processing, processing_from_mmproj
+    llama_cpp = os.environ.get("ELLM_LLAMA_CPP_DIR")
+    if not llama_cpp or not (Path(llama_cpp) / "convert_hf_to_gguf.py").is_file():
+        pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
+                    "`bash tests/run.sh`", pytrace=False)
+    out = tiny / "gguf-visionio"
+    subprocess.run([ref_python(), str(GOLDENS / "convert_tiny.py"), llama_cpp, str(out),
+                    str(tiny / "smolvlm"), str(tiny / "gemma3"), "--outtypes", "f32", "--mmproj"],
+                   check=True, capture_output=True, text=True)
+    for name in ("smolvlm", "gemma3"):
+        path = out / f"mmproj-{name}-f32.gguf"
+        from_gguf = processing_from_mmproj(GGUFFile(path).metadata, where=str(path))
+        from_folder = load_processing(tiny / name)
+        assert type(from_gguf) is type(from_folder)
+        for image in pictures.values():
+            a = from_gguf.preprocess(decode_image(image))
+            b = from_folder.preprocess(decode_image(image))
+            np.testing.assert_array_equal(a.pixel_values, b.pixel_values)
+            assert from_gguf.prompt_text(a) == from_folder.prompt_text(b)
+        # and through ellm.load(gguf, mmproj=): the same prompt ids as the folder gives
+        text = f"A picture {PLACEHOLDER[name]} of a"
+        llm = ellm.load(str(out / f"{name}-f32.gguf"), mmproj=str(path), max_model_len=1024, progress=False)
+        ref = ellm.load(str(tiny / name), max_model_len=1024, progress=False)
+        try:
+            ids, _ = llm.encode_prompt_with_images(text, [pictures["photo"]])
+            want, _ = ref.encode_prompt_with_images(text, [pictures["photo"]])
+            assert ids == want
+        finally:
+            llm.close()
+            ref.close()

@@ -272,7 +272,8 @@ class TextPart(_Strict):
 class ImageURL(_Strict):
     """[vision] OpenAI's image_url object. detail is accepted for compatibility; ellm's
     processors have one resolution per model, so it changes nothing (docs/vision.md)."""
-    url: str = Field(description="data:image/<type>;base64,... (http(s) only with --allow-image-urls)")
+    url: str = Field(description="data:image/<type>;base64,... (http(s) only with --allow-image-urls)",
+                     json_schema_extra={"pattern": "^(data:|https?://)"})
     detail: Literal["auto", "low", "high"] | None = None
 
     @field_validator("url")

@@ -292,6 +292,8 @@ def _triple(cfg: Mapping[str, Any], key: str, default: tuple[float, float, float
     v = cfg.get(key)
     if v is None:
         return default
+    if isinstance(v, np.ndarray):   # a GGUF array
+        v = v.tolist()
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         v = [v] * 3
     if (not isinstance(v, (list, tuple)) or len(v) != 3
@@ -396,7 +398,12 @@ def processing_from_mmproj(meta: Mapping[str, Any], *, where: str = "mmproj") ->
         return Idefics3Processing(tile=image_size, size=meta.get("clip.vision.preproc_image_size", 4 * image_size),
                                   image_seq_len=int((image_size // patch) ** 2 / scale ** 2), normalize=norm)
     if ptype == "gemma3":
-        # Gemma 3's projector pools the patch grid down to 16 x 16 = 256 tokens
-        return Gemma3Processing(size=image_size, normalize=norm)
+        # Gemma 3's projector average-pools the patch grid by scale_factor (llama.cpp's
+        # default 4: 896 / 14 = 64 patches a side -> 16 x 16 = 256 tokens)
+        pool = meta.get("clip.vision.projector.scale_factor", 4)
+        _check_positive(f"{where}: clip.vision.projector.scale_factor", pool)
+        side = image_size // patch // pool
+        _check_positive(f"{where}: image tokens a side (image_size / patch_size / scale_factor)", side)
+        return Gemma3Processing(size=image_size, normalize=norm, image_seq_len=side * side)
     raise ProcessorConfigError(f"{where}: clip.projector_type {ptype!r} is not supported "
                                f"(ellm reads 'idefics3' and 'gemma3')")
