@@ -22,7 +22,9 @@ void ellm_gelu_tanh(const float *x, int64_t ldx, float *out, int64_t ldo, int64_
 
 /* q, k, v, out (T, nh, hd) contiguous, T = n_seqs * seq_len: each block of seq_len rows
  * is one sequence, every query row attends to all seq_len rows of its own block:
- * out = softmax(q k^T * scale) v per head. out must not overlap q, k or v. */
+ * out = softmax(q k^T * scale) v per head. out must not overlap q, k or v;
+ * hd <= ELLM_FULL_ATTENTION_MAX_HD (nothing is done otherwise). */
+#define ELLM_FULL_ATTENTION_MAX_HD 256
 void ellm_full_attention(const float *q, const float *k, const float *v, float *out, int64_t T,
                          int64_t nh, int64_t hd, int64_t seq_len, float scale);
 
@@ -31,9 +33,15 @@ void ellm_full_attention(const float *q, const float *k, const float *v, float *
     void ellm_layernorm_row_##sfx(const float *x, const float *w, const float *b, float eps, \
                                   float *out, int64_t n);                                     \
     void ellm_gelu_tanh_row_##sfx(const float *x, float *out, int64_t n);                     \
-    float ellm_dot_row_##sfx(const float *a, const float *b, int64_t n);                      \
     /* y = y * s + a * x */                                                                   \
-    void ellm_scale_axpy_row_##sfx(float *y, float s, float a, const float *x, int64_t n);
+    void ellm_scale_axpy_row_##sfx(float *y, float s, float a, const float *x, int64_t n);    \
+    /* y[r] += sum_j p[r][j] * v[j * ldv + :n] for r < 4, j < nb: four queries' weighted    \
+     * sums of nb value rows, each value row read once for the four */                       \
+    void ellm_pv4_row_##sfx(float *const y[4], const float *const p[4], const float *v,       \
+                            int64_t ldv, int64_t nb, int64_t n);                               \
+    /* out[j] = sum_d q[d] * kt[d * 64 + j] for j < 64: one query against 64 keys stored     \
+     * transposed (hd, 64) */                                                                  \
+    void ellm_scores64_row_##sfx(const float *q, const float *kt, int64_t hd, float out[64]);
 
 ELLM_VISION_ROW_FUNCS(scalar)
 #if defined(__x86_64__) || defined(__i386__)

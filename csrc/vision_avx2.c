@@ -15,15 +15,6 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-float ellm_dot_row_avx2(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum8(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 void ellm_scale_axpy_row_avx2(float *y, float s, float a, const float *x, int64_t n) {
     __m256 vs = _mm256_set1_ps(s), va = _mm256_set1_ps(a);
     int64_t i = 0;
@@ -79,4 +70,36 @@ void ellm_gelu_tanh_row_avx2(const float *x, float *out, int64_t n) {
                                                          _mm256_add_ps(one, _mm256_loadu_ps(e + i))));
         for (; i < m; i++) out[i0 + i] = xs[i] / (1.0f + e[i]);
     }
+}
+
+
+void ellm_pv4_row_avx2(float *const y[4], const float *const p[4], const float *v, int64_t ldv,
+                         int64_t nb, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a0 = _mm256_loadu_ps(y[0] + i), a1 = _mm256_loadu_ps(y[1] + i), a2 = _mm256_loadu_ps(y[2] + i),
+               a3 = _mm256_loadu_ps(y[3] + i);
+        for (int64_t j = 0; j < nb; j++) {
+            __m256 x = _mm256_loadu_ps(v + j * ldv + i);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[0][j]), x, a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(p[1][j]), x, a1);
+            a2 = _mm256_fmadd_ps(_mm256_set1_ps(p[2][j]), x, a2);
+            a3 = _mm256_fmadd_ps(_mm256_set1_ps(p[3][j]), x, a3);
+        }
+        _mm256_storeu_ps(y[0] + i, a0), _mm256_storeu_ps(y[1] + i, a1), _mm256_storeu_ps(y[2] + i, a2),
+            _mm256_storeu_ps(y[3] + i, a3);
+    }
+    for (; i < n; i++)
+        for (int r = 0; r < 4; r++)
+            for (int64_t j = 0; j < nb; j++) y[r][i] += p[r][j] * v[j * ldv + i];
+}
+
+void ellm_scores64_row_avx2(const float *q, const float *kt, int64_t hd, float out[64]) {
+    __m256 a[8];
+    for (int b = 0; b < 8; b++) a[b] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+        __m256 qd = _mm256_set1_ps(q[d]);
+        for (int b = 0; b < 8; b++) a[b] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * 64 + 8 * b), a[b]);
+    }
+    for (int b = 0; b < 8; b++) _mm256_storeu_ps(out + 8 * b, a[b]);
 }

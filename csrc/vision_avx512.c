@@ -10,15 +10,6 @@ enum { CHUNK = 256 };
 
 static inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-float ellm_dot_row_avx512(const float *a, const float *b, int64_t n) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    float s = hsum16(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 void ellm_scale_axpy_row_avx512(float *y, float s, float a, const float *x, int64_t n) {
     __m512 vs = _mm512_set1_ps(s), va = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -74,4 +65,42 @@ void ellm_gelu_tanh_row_avx512(const float *x, float *out, int64_t n) {
                                                          _mm512_add_ps(one, _mm512_loadu_ps(e + i))));
         for (; i < m; i++) out[i0 + i] = xs[i] / (1.0f + e[i]);
     }
+}
+
+
+void ellm_pv4_row_avx512(float *const y[4], const float *const p[4], const float *v, int64_t ldv,
+                         int64_t nb, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 a0 = _mm512_loadu_ps(y[0] + i), a1 = _mm512_loadu_ps(y[1] + i), a2 = _mm512_loadu_ps(y[2] + i),
+               a3 = _mm512_loadu_ps(y[3] + i);
+        for (int64_t j = 0; j < nb; j++) {
+            __m512 x = _mm512_loadu_ps(v + j * ldv + i);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[0][j]), x, a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[1][j]), x, a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[2][j]), x, a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[3][j]), x, a3);
+        }
+        _mm512_storeu_ps(y[0] + i, a0), _mm512_storeu_ps(y[1] + i, a1), _mm512_storeu_ps(y[2] + i, a2),
+            _mm512_storeu_ps(y[3] + i, a3);
+    }
+    for (; i < n; i++)
+        for (int r = 0; r < 4; r++)
+            for (int64_t j = 0; j < nb; j++) y[r][i] += p[r][j] * v[j * ldv + i];
+}
+
+void ellm_scores64_row_avx512(const float *q, const float *kt, int64_t hd, float out[64]) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < hd; d++) {
+        __m512 qd = _mm512_set1_ps(q[d]);
+        const float *k = kt + d * 64;
+        a0 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k), a0);
+        a1 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 16), a1);
+        a2 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 32), a2);
+        a3 = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + 48), a3);
+    }
+    _mm512_storeu_ps(out, a0);
+    _mm512_storeu_ps(out + 16, a1);
+    _mm512_storeu_ps(out + 32, a2);
+    _mm512_storeu_ps(out + 48, a3);
 }

@@ -192,9 +192,11 @@ def test_layernorm_and_gelu_match_reference(simd_level, n) -> None:
     np.testing.assert_array_equal(y, cpu.gelu_tanh(g))
 
 
-@pytest.mark.parametrize("seq_len,heads,hd", [(1, 1, 4), (16, 2, 16), (37, 3, 24), (300, 2, 64)])
+@pytest.mark.parametrize("seq_len,heads,hd", [(1, 1, 4), (6, 1, 8), (16, 2, 16), (37, 3, 24), (300, 2, 64),
+                                             (70, 1, 256)])
 def test_full_attention_matches_reference(simd_level, seq_len, heads, hd) -> None:
-    """300 rows: more keys than one stack block (128), so the online softmax is used."""
+    """Query rows go 32 at a time and keys 64 at a time: short last groups of both, and
+    sequences longer than one key block (the online softmax)."""
     rng = np.random.default_rng(seq_len)
     q, k, v = (rng.standard_normal((3 * seq_len, heads, hd)).astype(np.float32) * 2 for _ in range(3))
     got = get_ops("cpu").full_attention(q, k, v, seq_len, hd ** -0.5)
@@ -232,18 +234,21 @@ def test_vision_ops_refuse_bad_arguments() -> None:
         cpu.full_attention(q, q, q, 4, 1.0)
     with pytest.raises(ValueError, match="overlap"):
         cpu.full_attention(q, q, q, 5, 1.0, out=q)
+    wide = np.zeros((2, 1, 264), np.float32)
+    with pytest.raises(ValueError, match="head_dim 264 is above the 256"):
+        cpu.full_attention(wide, wide, wide, 2, 1.0)
 
 
 # -- through the engine ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smolvlm(vision_dir):
-    folder = vision_dir / "smolvlm"
+@pytest.fixture(scope="module", params=MODELS)
+def vlm(vision_dir, request):
+    folder = vision_dir / request.param
     return _model(folder, "cpu"), Tokenizer.from_folder(folder), folder
 
 
-def _engine(smolvlm, **cfg) -> Engine:
-    model, tokenizer, _ = smolvlm
+def _engine(vlm, **cfg) -> Engine:
+    model, tokenizer, _ = vlm
     return Engine(model, tokenizer, EngineConfig(max_model_len=256, block_size=4, **cfg))
 
 
@@ -261,11 +266,11 @@ def _run(engine: Engine, requests: list[tuple[list[int], list[ImageInput]]], max
     return [done[r] for r in rids]
 
 
-def test_engine_first_token_matches_transformers(smolvlm) -> None:
-    model, _, folder = smolvlm
+def test_engine_first_token_matches_transformers(vlm) -> None:
+    model, _, folder = vlm
     ids, want = np.load(folder / "ids.npy").tolist(), np.load(folder / "logits.npy")
     # chunks of 7 tokens: boundaries fall inside the images
-    (tokens, logprobs, _), = _run(_engine(smolvlm, max_batch_tokens=7), [(ids, _images(folder))], max_tokens=1)
+    (tokens, logprobs, _), = _run(_engine(vlm, max_batch_tokens=7), [(ids, _images(folder))], max_tokens=1)
     assert tokens == [int(want[-1].argmax())]
     ref = want[-1].astype(np.float64)
     ref_lp = ref[tokens[0]] - (ref.max() + np.log(np.exp(ref - ref.max()).sum()))
@@ -278,20 +283,20 @@ def _other_images(folder: Path) -> list[ImageInput]:
             for i, im in enumerate(_images(folder))]
 
 
-def test_batched_images_equal_each_alone(smolvlm) -> None:
-    _, _, folder = smolvlm
+def test_batched_images_equal_each_alone(vlm) -> None:
+    _, _, folder = vlm
     ids = np.load(folder / "ids.npy").tolist()
     a, b = (ids, _images(folder)), (ids[:-2], _other_images(folder))
-    alone = [_run(_engine(smolvlm, max_batch_tokens=11, enable_prefix_caching=False), [r])[0] for r in (a, b)]
-    together = _run(_engine(smolvlm, max_batch_tokens=11, enable_prefix_caching=False), [a, b])
+    alone = [_run(_engine(vlm, max_batch_tokens=11, enable_prefix_caching=False), [r])[0] for r in (a, b)]
+    together = _run(_engine(vlm, max_batch_tokens=11, enable_prefix_caching=False), [a, b])
     assert together == alone   # ids and every logprob, bit for bit
     assert alone[0][0] != alone[1][0] or alone[0][1] != alone[1][1]
 
 
-def test_prefix_cache_keys_include_the_image(smolvlm) -> None:
-    _, _, folder = smolvlm
+def test_prefix_cache_keys_include_the_image(vlm) -> None:
+    _, _, folder = vlm
     ids = np.load(folder / "ids.npy").tolist()
-    engine = _engine(smolvlm, max_batch_tokens=64)
+    engine = _engine(vlm, max_batch_tokens=64)
     first = _run(engine, [(ids, _images(folder))])[0]
     again = _run(engine, [(ids, _images(folder, salt=""))])[0]
     assert again[2] >= len(ids) - 4 and again[:2] == first[:2]   # all but the last block from the cache
@@ -299,14 +304,14 @@ def test_prefix_cache_keys_include_the_image(smolvlm) -> None:
     other = _run(engine, [(ids, _other_images(folder))])[0]
     first_image_token = ids.index(engine.model.config.image_token_id)
     assert other[2] <= first_image_token
-    fresh = _run(_engine(smolvlm, max_batch_tokens=64), [(ids, _other_images(folder))])[0]
+    fresh = _run(_engine(vlm, max_batch_tokens=64), [(ids, _other_images(folder))])[0]
     assert other[:2] == fresh[:2]
 
 
-def test_bad_image_requests_are_refused(smolvlm) -> None:
-    _, _, folder = smolvlm
+def test_bad_image_requests_are_refused(vlm) -> None:
+    _, _, folder = vlm
     ids = np.load(folder / "ids.npy").tolist()
-    engine = _engine(smolvlm)
+    engine = _engine(vlm)
     images = _images(folder)
     params = SamplingParams(max_tokens=2)
     with pytest.raises(RequestError, match="image tokens"):

@@ -18,6 +18,7 @@ cdef extern from "vision.h":
     void ellm_gelu_tanh(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t rows, int64_t n) nogil
     void ellm_full_attention(const float *q, const float *k, const float *v, float *out, int64_t T,
                              int64_t nh, int64_t hd, int64_t seq_len, float scale) nogil
+    int ELLM_FULL_ATTENTION_MAX_HD
 
 
 cdef object _rows(object a, str fn, str name, bint writable):
@@ -106,12 +107,15 @@ cdef object _thd(object a, str name, tuple shape):
 
 def full_attention(q, k, v, Py_ssize_t seq_len, double scale, out=None):
     """q, k, v (T, nh, hd) float32, T a multiple of seq_len: each block of seq_len rows is
-    one sequence whose rows all see each other. -> out (T, nh, hd) = softmax(q k^T scale) v."""
+    one sequence whose rows all see each other; hd <= 256.
+    -> out (T, nh, hd) = softmax(q k^T scale) v."""
     _thd(q, "q", ())
     shape = tuple(q.shape)
     _thd(k, "k", shape)
     _thd(v, "v", shape)
     cdef Py_ssize_t T = shape[0], nh = shape[1], hd = shape[2]
+    if hd > ELLM_FULL_ATTENTION_MAX_HD:
+        raise ValueError(f"full_attention: head_dim {hd} is above the {ELLM_FULL_ATTENTION_MAX_HD} supported")
     if seq_len < 1 or T % seq_len:
         raise ValueError(f"full_attention: {T} rows are not a whole number of sequences of {seq_len}")
     if out is None:

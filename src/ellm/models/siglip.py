@@ -47,6 +47,9 @@ class VisionConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"vision_config.hidden_size ({self.hidden_size}) is not a multiple of "
                               f"num_attention_heads ({self.num_attention_heads})")
+        if self.hidden_size // self.num_attention_heads > 256:
+            raise ConfigError(f"vision_config: heads of {self.hidden_size // self.num_attention_heads} dims "
+                              f"are wider than the 256 the attention kernel takes")
         if self.image_size % self.patch_size:
             raise ConfigError(f"vision_config.image_size ({self.image_size}) is not a multiple of "
                               f"patch_size ({self.patch_size})")
