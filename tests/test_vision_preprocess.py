@@ -22,7 +22,7 @@ from PIL import Image  # noqa: E402
 
 from ellm.tokenizer import Tokenizer  # noqa: E402
 from ellm.vision.images import decode_image  # noqa: E402
-from ellm.vision.preprocess import (Gemma3Processing, Idefics3Processing, _Normalize,  # noqa: E402
+from ellm.vision.preprocess import (Gemma3Processing, Idefics3Processing, Normalization,  # noqa: E402
                                     expand_prompt, load_processing)
 from vision_data import PHOTOS, run_ref, skimage_photos  # noqa: E402
 
@@ -75,7 +75,7 @@ SETTINGS = {
                                       "image_mean": [0.48145466, 0.4578275, 0.40821073],
                                       "image_std": [0.26862954, 0.26130258, 0.27577711]},
                          Idefics3Processing(tile=224, size=512, do_image_splitting=False, image_seq_len=9,
-                                            normalize=_Normalize(image_mean=(0.48145466, 0.4578275, 0.40821073),
+                                            normalize=Normalization(image_mean=(0.48145466, 0.4578275, 0.40821073),
                                                                  image_std=(0.26862954, 0.26130258, 0.27577711)))),
     "gemma3": ("gemma3", {"size": {"height": 896, "width": 896}}, Gemma3Processing()),
 }

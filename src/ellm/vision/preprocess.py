@@ -51,7 +51,7 @@ class ProcessorConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class _Normalize:
+class Normalization:
     """Rescale then normalize, with transformers' arithmetic: uint8 -> float64 * factor ->
     float32, then (x - mean) / std in float32."""
     do_rescale: bool = True
@@ -128,7 +128,7 @@ class Idefics3Processing:
     do_image_splitting: bool = True
     resample: int = 1                    # LANCZOS
     image_seq_len: int = 169             # <image> tokens per tile
-    normalize: _Normalize = field(default_factory=_Normalize)
+    normalize: Normalization = field(default_factory=Normalization)
     image_token: str = "<image>"
     fake_image_token: str = "<fake_token_around_image>"
     global_image_token: str = "<global-img>"
@@ -204,7 +204,7 @@ class Gemma3Processing:
     size: int = 896
     resample: int = 2                    # BILINEAR
     image_seq_len: int = 256             # mm_tokens_per_image
-    normalize: _Normalize = field(default_factory=_Normalize)
+    normalize: Normalization = field(default_factory=Normalization)
     boi_token: str = "<start_of_image>"
     eoi_token: str = "<end_of_image>"
     image_token: str = "<image_soft_token>"
@@ -304,11 +304,11 @@ def _triple(cfg: Mapping[str, Any], key: str, default: tuple[float, float, float
     return (float(v[0]), float(v[1]), float(v[2]))
 
 
-def _normalize_from(cfg: Mapping[str, Any], where: str) -> _Normalize:
+def _normalize_from(cfg: Mapping[str, Any], where: str) -> Normalization:
     factor = cfg.get("rescale_factor", 1 / 255)
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor):
         raise ProcessorConfigError(f"{where}: rescale_factor must be a finite number, got {factor!r}")
-    return _Normalize(do_rescale=bool(cfg.get("do_rescale", True)), rescale_factor=float(factor),
+    return Normalization(do_rescale=bool(cfg.get("do_rescale", True)), rescale_factor=float(factor),
                       do_normalize=bool(cfg.get("do_normalize", True)),
                       image_mean=_triple(cfg, "image_mean", STANDARD_MEAN, where),
                       image_std=_triple(cfg, "image_std", STANDARD_STD, where))
@@ -386,7 +386,7 @@ def processing_from_mmproj(meta: Mapping[str, Any], *, where: str = "mmproj") ->
     .image_mean, .image_std, .projector.scale_factor). The resampling filter and the
     token strings are not stored there: the HF processor's defaults are used."""
     ptype = meta.get("clip.projector_type")
-    norm = _Normalize(image_mean=_triple(meta, "clip.vision.image_mean", STANDARD_MEAN, where),
+    norm = Normalization(image_mean=_triple(meta, "clip.vision.image_mean", STANDARD_MEAN, where),
                       image_std=_triple(meta, "clip.vision.image_std", STANDARD_STD, where))
     image_size = meta.get("clip.vision.image_size")
     patch = meta.get("clip.vision.patch_size")
