@@ -177,6 +177,8 @@ def test_bad_sources(tmp_path):
         decode_image(tmp_path / "missing.png")
     with pytest.raises(ImageError, match="not a file"):
         decode_image(tmp_path)
+    with pytest.raises(ImageError, match="does not fetch"):
+        decode_image("https://example.invalid/cat.png")
     with pytest.raises(ImageError, match="not int"):
         decode_image(42)   # type: ignore[arg-type]
     with pytest.raises(ImageError, match="each side"):

@@ -114,6 +114,9 @@ def decode_image(source: ImageSource, limits: ImageLimits = DEFAULT_LIMITS, *,
         return decode_bytes(bytes(source), limits, what=what)
     if isinstance(source, str) and source.startswith("data:"):
         return decode_bytes(parse_data_url(source, limits, what=what), limits, what=what)
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise ImageError(f"{what} is an http(s) URL; ellm does not fetch images itself (the server does "
+                         f"with --allow-image-urls): pass the bytes, a path or a data: URL", param=what)
     if isinstance(source, (str, os.PathLike)):
         return decode_bytes(_read_file(Path(source), limits, what), limits, what=what)
     raise ImageError(f"{what} must be a Pillow image, a path, bytes or a data: URL, "
