@@ -224,6 +224,11 @@ def test_server_answers_a_base64_image_as_llm_chat_does(served, tiny, pictures):
     assert resp.choices[0].message.content == want.text
     assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
     assert resp.usage.prompt_tokens > 4 * 5   # 2 x 2 tiles + the global image, 4 tokens each
+    import httpx
+    tok = httpx.post(served + "/tokenize", json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+        {"type": "text", "text": "What is it?"}]}]}, timeout=60).json()
+    assert tok["tokens"] == want.prompt_token_ids
 
     bad = [({"url": "data:image/png;base64,@@@"}, "messages[0].content[0]", "base64"),
            ({"url": "data:image/png;base64," + base64.b64encode(b"%PDF-1.4 x").decode()}, "messages[0].content[0]", "PDF"),
