@@ -252,7 +252,7 @@ class Decoder:
         if self.embed_scale != 1.0:
             ops.scale(residual, self.embed_scale)
         if batch.embed_rows is not None:   # [vision] image rows replace the image tokens' embeddings
-            residual[batch.embed_rows] = batch.embed_values
+            ops.scatter_rows(residual, batch.embed_rows, batch.embed_values)
         rec = self.recorder   # [trace] None unless tracing: then one comparison per block below
         if rec is not None:
             rec(None, "embed", residual)

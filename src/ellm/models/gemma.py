@@ -97,8 +97,13 @@ class Args(ModelConfig):
         return super().inv_freq(layer)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "norm": "(1 + w)", "mlp": "GeGLU",
-                "softcap": (self.attn_logit_softcapping, self.final_logit_softcapping)}
+        out = {**super().describe(), "norm": "(1 + w)", "mlp": "GeGLU",
+               "softcap": (self.attn_logit_softcapping, self.final_logit_softcapping)}
+        if self.vision is not None:   # [vision]
+            v = self.vision
+            out["vision"] = (f"SigLIP {v.num_hidden_layers} layers x {v.hidden_size}, {v.image_size}px, "
+                             f"{self.mm_tokens_per_image} tokens per image")
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "Args":
