@@ -116,8 +116,11 @@ def expand(job_path: str, out_path: str) -> None:
     from transformers import AutoProcessor
     job = json.loads(Path(job_path).read_text())
     out = {}
+    procs: dict[str, object] = {}
     for case in job["cases"]:
-        proc = AutoProcessor.from_pretrained(case["folder"])
+        if case["folder"] not in procs:   # loading a 262k-token tokenizer takes seconds
+            procs[case["folder"]] = AutoProcessor.from_pretrained(case["folder"])
+        proc = procs[case["folder"]]
         images = [_open(p) for p in case["images"]]
         if "messages" in case:
             text = proc.apply_chat_template(case["messages"], add_generation_prompt=True, tokenize=False)
