@@ -162,10 +162,11 @@ def generate(job_path: str, out_path: str) -> None:
             enc = proc(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")
         else:
             enc = proc(text=[case["text"]], images=[images], return_tensors="pt")
-        # ellm (like the goldens of tiny_vision_models.py) attends causally over image
-        # tokens; Gemma 3's token_type_ids would make them attend both ways
-        enc.pop("token_type_ids", None)
-        enc.pop("mm_token_type_ids", None)
+        # Gemma 3's token_type_ids make an image's tokens attend to each other both ways,
+        # as ellm does; SmolVLM (Idefics3) is causal and takes none
+        if family == "smolvlm":
+            enc.pop("token_type_ids", None)
+            enc.pop("mm_token_type_ids", None)
         with torch.no_grad():
             gen = model.generate(**enc, max_new_tokens=job["max_new_tokens"], do_sample=False,
                                  output_scores=True, return_dict_in_generate=True)
