@@ -58,6 +58,7 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     grammar: Any = None          # a structured.GrammarState when the output is constrained
     error: str | None = None     # why the sequence finished with reason "error"
+    draft_ids: list[int] = field(default_factory=list)  # [spec] guesses checked this step
 
     @property
     def all_ids(self) -> list[int]:
