@@ -252,6 +252,7 @@ class Engine:
         room = cfg.max_batch_tokens - sum(n for _, n in plan)
         cands = []
         for seq, n in plan:
+            seq.draft_ids = []   # none left over from a step that raised
             if n != 1 or seq.num_computed != seq.num_tokens - 1 or seq.grammar is not None:
                 continue
             cap = min(room, cfg.max_model_len - 1 - seq.num_tokens)
