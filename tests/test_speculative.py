@@ -295,3 +295,29 @@ def test_cli_reports_a_bad_config(smollm2_gguf, capsys) -> None:
     rc = main(["run", str(smollm2_gguf), "hi", "--speculative-config", json.dumps({"method": "nope"})])
     assert rc != 0
     assert "method must be one of" in capsys.readouterr().err
+
+
+def test_serve_reports_a_bad_config(smollm2_gguf, capsys) -> None:
+    from ellm.cli import main
+    rc = main(["serve", str(smollm2_gguf), "--port", "1", "--speculative-config", '{"method": "ngram"}'])
+    assert rc == 2
+    assert "num_speculative_tokens must be an int" in capsys.readouterr().err
+
+
+def test_metrics_report_the_counts(smollm2_gguf) -> None:
+    from starlette.testclient import TestClient
+
+    from ellm.server import create_app
+
+    # an LLM of its own: the app's lifespan stops the engine loop it serves
+    spec = ellm.load(smollm2_gguf, max_model_len=2048, progress=False, speculative_config=NGRAM)
+    with TestClient(create_app(spec, served_model_name=["m"])) as http:
+        r = http.post("/v1/chat/completions", json={"model": "m", "messages": GROUNDED, "max_tokens": 24,
+                                                     "temperature": 0})
+        assert r.status_code == 200, r.text
+        text = http.get("/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("ellm_spec_")}
+    st = spec.engine.stats
+    assert values["ellm_spec_proposed_tokens_total"] == st["spec_proposed_tokens"] > 0
+    assert values["ellm_spec_accepted_tokens_total"] == st["spec_accepted_tokens"] > 0
