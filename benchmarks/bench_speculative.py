@@ -51,6 +51,9 @@ def prompts(tokenizer, n_input: int) -> dict[str, list[dict]]:
     }
 
 
+CLOCK = time.perf_counter
+
+
 def timed(llm, ids: list[int], params: SamplingParams) -> tuple[float, list[int]]:
     """-> (decode tok/s after the first output, generated ids)."""
     stream = llm._loop().submit_blocking(ids, params)
@@ -60,10 +63,10 @@ def timed(llm, ids: list[int], params: SamplingParams) -> tuple[float, list[int]
     try:
         for out in stream:
             if first is None and out.new_token_ids:
-                first, n_first = time.perf_counter(), len(out.new_token_ids)
+                first, n_first = CLOCK(), len(out.new_token_ids)
             if out.finished:
                 break
-        end = time.perf_counter()
+        end = CLOCK()
     finally:
         stream.close()
     n = len(out.token_ids)
@@ -76,7 +79,7 @@ def bench(args: argparse.Namespace) -> int:
     on = ellm.load(args.model, threads=args.threads, progress=False, speculative_config=spec_cfg)
     chats = prompts(off.tokenizer, args.input_tokens)
     ids = {name: off.encode_chat(m) for name, m in chats.items()}
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.eos)
     for llm in (off, on):   # warm up: page the weights in, fill the prefix cache
         for v in ids.values():
             timed(llm, v, SamplingParams(temperature=0, max_tokens=4))
@@ -91,9 +94,17 @@ def bench(args: argparse.Namespace) -> int:
                 rates[name][label].append(rate)
                 got[label] = toks
             same &= got["on"] == got["off"]
+    if args.batch > 1:   # open-ended requests together: aggregate tok/s (guesses should back off)
+        together = [ids["open-story"], ids["open-explain"]] * (args.batch // 2)
+        agg: dict[str, list[float]] = {"off": [], "on": []}
+        for r in range(args.rounds):
+            for label, llm in ((("off", off), ("on", on)) if r % 2 == 0 else (("on", on), ("off", off))):
+                t0 = CLOCK()
+                outs = llm.generate(together, params)
+                agg[label].append(sum(len(o.token_ids) for o in outs) / (CLOCK() - t0))
     st = on.engine.stats
     print(f"model {args.model or 'default'}, {args.threads} threads, speculative_config {json.dumps(spec_cfg)}")
-    print(f"{args.max_tokens} new tokens, greedy, {args.rounds} rounds, medians; loadavg "
+    print(f"{args.max_tokens} new tokens, greedy, {args.rounds} rounds, medians, EOS {'honoured' if args.eos else 'ignored'}, {'CPU' if args.cpu_time else 'wall'} time; loadavg "
           f"{open('/proc/loadavg').read().split()[0]}")
     print(f"{'prompt':14} {'prompt tok':>10} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7}")
     ratios: dict[str, list[float]] = {"grounded": [], "open": []}
@@ -103,6 +114,10 @@ def bench(args: argparse.Namespace) -> int:
         print(f"{name:14} {len(v):10d} {a:10.1f} {b:10.1f} {b / a:7.2f}")
     for group, rs in ratios.items():
         print(f"{group}: geometric mean ratio {float(np.exp(np.mean(np.log(rs)))):.2f}")
+    if args.batch > 1:
+        a, b = statistics.median(agg["off"]), statistics.median(agg["on"])
+        print(f"{len(together)} open-ended requests at once: off {a:.1f}, on {b:.1f} tok/s (with prefill), "
+              f"ratio {b / a:.2f}")
     acc = st["spec_accepted_tokens"] / max(1, st["spec_proposed_tokens"])
     print(f"guesses checked {st['spec_proposed_tokens']}, kept {st['spec_accepted_tokens']} ({acc:.0%}); "
           f"greedy ids identical: {same}")
@@ -146,8 +161,15 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--input-tokens", type=int, default=512)
     p.add_argument("--speculative-config", default=None, metavar="JSON")
+    p.add_argument("--batch", type=int, default=16, help="open-ended requests run together (0: skip)")
+    p.add_argument("--eos", action="store_true", help="stop at EOS (default: always max-tokens)")
     p.add_argument("--cost", action="store_true", help="forward time vs tokens, then exit")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="rates by this process's CPU time (all threads), less hurt by a shared host")
     args = p.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
     return cost(args) if args.cost else bench(args)
 
 
