@@ -91,6 +91,23 @@ def gemma3_hf_bf16() -> Path:
 
 
 # ---------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------
+
+
+def ops_or_skip(device: str, activations: str = "int8") -> Any:
+    """ellm.ops.get_ops(device); for "cuda", a skip saying what is missing (ellm.ops.cuda,
+    CuPy, a GPU) when the backend cannot start here. cpu and reference must always start."""
+    from ellm.ops import get_ops
+    try:
+        return get_ops(device, activations=activations)
+    except (ImportError, RuntimeError, ValueError, OSError) as e:
+        if device != "cuda":
+            raise
+        pytest.skip(f"no cuda backend here: {e}")
+
+
+# ---------------------------------------------------------------------------
 # Goldens
 # ---------------------------------------------------------------------------
 

@@ -30,7 +30,9 @@ import pytest
 
 import ellm
 from ellm.config import ModelConfig
+from ellm.engine.engine import EngineConfig
 from ellm.engine.kv_cache import BlockManager, KVCache
+from ellm.engine.runner import ModelRunner
 from ellm.formats.gguf import GGUFFile
 from ellm.formats.safetensors import SafetensorsFolder
 from ellm.models import build_model
@@ -38,6 +40,7 @@ from ellm.models.batch import Batch
 from ellm.ops import get_ops
 from ellm.sampling_params import SamplingParams
 from ellm.weights import GGUFWeights, SafetensorsWeights
+from conftest import ops_or_skip
 
 ARCHS = ["llama", "gemma", "gemma2", "gemma3_text"]
 FAMILIES = ["qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "phi3", "qwen3_moe", "qwen3_moe_mixed"]
@@ -63,31 +66,50 @@ def tiny_dir(tmp_path_factory) -> Path:
     return out
 
 
+def _ops(device: str):
+    """The backend `device`; "opaque": the cpu backend behind arrays NumPy cannot read."""
+    if device == "opaque":
+        from opaque_ops import OpaqueOps
+        return OpaqueOps(get_ops("cpu"))
+    return ops_or_skip(device)
+
+
 def _forward(folder: Path, device: str, chunks: list[int], gguf: Path | None = None) -> np.ndarray:
     """Logits at every position, feeding the tokens in the given chunk sizes (of the
-    folder's model, or of the GGUF file when one is given)."""
+    folder's model, or of the GGUF file when one is given), through a model runner whose
+    KV cache (16 blocks of 4) and workspace the backend allocates."""
     if gguf is None:
         config = ModelConfig.from_folder(folder)
         weights = SafetensorsWeights(SafetensorsFolder(folder))
     else:
         config = ModelConfig.from_gguf(GGUFFile(gguf))
         weights = GGUFWeights(GGUFFile(gguf))
-    model = build_model(config, weights, get_ops(device))
+    model = build_model(config, weights, _ops(device))
     ids = np.load(folder / "ids.npy")
-    kv = KVCache(config, num_blocks=16, block_size=4)
+    runner = ModelRunner(model, EngineConfig(kv_cache_tokens=64, block_size=4, max_num_seqs=1))
+    kv = runner.kv
     blocks = BlockManager(kv, enable_prefix_caching=False)
     assert blocks.allocate("s", len(ids))
     out, start = [], 0
     for n in chunks:
         blocks.release_out_of_window("s", start)
         tables = {w: np.asarray([blocks.table("s", w)], np.int32) for w in kv.windows}
-        out.append(model.forward(Batch.single(ids[start:start + n], start, tables, all_logits=True), kv).copy())
+        out.append(runner.forward(Batch.single(ids[start:start + n], start, tables, all_logits=True)).copy())
         start += n
     return np.concatenate(out)
 
 
+@pytest.mark.parametrize("arch", ARCHS + FAMILIES)
+def test_forward_uses_only_ops(tiny_dir, arch) -> None:
+    """Every family, chunked prefill then decode, on a backend whose arrays NumPy cannot
+    read (tests/opaque_ops.py): the cpu backend's logits bit for bit, so no model code
+    computes or allocates with NumPy (a device backend is an added file)."""
+    got = _forward(tiny_dir / arch, "opaque", CHUNKS)
+    assert got.tobytes() == _forward(tiny_dir / arch, "cpu", CHUNKS).tobytes()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("device", ["cpu", "reference"])
+@pytest.mark.parametrize("device", ["cpu", "reference", "cuda"])
 def test_tiny_model_matches_transformers(tiny_dir, arch, device) -> None:
     want = np.load(tiny_dir / arch / "logits.npy")
     got = _forward(tiny_dir / arch, device, [40])
@@ -110,7 +132,7 @@ def _assert_close_relative(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-@pytest.mark.parametrize("device", ["cpu", "reference"])
+@pytest.mark.parametrize("device", ["cpu", "reference", "cuda"])
 @pytest.mark.parametrize("chunks", [[40], CHUNKS], ids=["one-pass", "chunked+decode"])
 def test_family_matches_transformers(tiny_dir, arch, device, chunks) -> None:
     want = np.load(tiny_dir / arch / "logits.npy")

@@ -328,11 +328,11 @@ def test_decode_allocates_nothing_with_tracing_off(smollm2_gguf: Path) -> None:
     batch = Batch.single(np.array([504], np.int32), 3, tables)
 
     def peak_of_five_steps() -> int:
-        model.forward(batch, engine.kv)          # buffers sized before measuring
+        engine.runner.forward(batch)             # buffers sized before measuring
         tracemalloc.start()
         try:
             for _ in range(5):
-                model.forward(batch, engine.kv)
+                engine.runner.forward(batch)
             return tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

@@ -1,7 +1,8 @@
 """The engine: requests in, one batched forward per step(), text out.
 
-Engine.step() = schedule -> build one Batch for all scheduled sequences -> model.forward
--> sample the sequences whose logits are due -> detokenize, check stops, finish. Every
+Engine.step() = schedule -> build one Batch for all scheduled sequences -> the model
+runner (engine/runner.py: the backend's KV cache, workspace and step executor) -> sample
+the sequences whose logits are due -> detokenize, check stops, finish. Every
 user-facing call (generate, stream, chat, the server) is a loop over step(), run by one
 AsyncEngine thread (engine/async_engine.py): the Engine itself is not thread-safe.
 logits() and embed() run whole prompts through the model outside the scheduler, between
@@ -17,7 +18,8 @@ import numpy as np
 
 from ..models.batch import Batch
 from ..sampling_params import SamplingParams, check_token_ids
-from .kv_cache import BlockManager, KVCache
+from .kv_cache import BlockManager
+from .runner import ModelRunner
 from .sampler import SequenceSampler, sample_batch
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SeqStatus, TokenLogprob
@@ -56,14 +58,8 @@ class Engine:
         self.cfg = cfg = config or EngineConfig()
         mc = model.config
         cfg.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings)
-        total_tokens = cfg.kv_cache_tokens or max(cfg.max_model_len, 16384)
-        num_blocks = -(-total_tokens // cfg.block_size)
-        windows = {mc.layer_window(i) for i in range(mc.num_hidden_layers)} - {0}
-        sliding_blocks = None
-        if windows:  # each running sequence needs at most window + 2 blocks per sliding layer
-            per_seq = -(-max(windows) // cfg.block_size) + 2 + -(-cfg.max_batch_tokens // cfg.block_size)
-            sliding_blocks = min(num_blocks, per_seq * cfg.max_num_seqs)
-        self.kv = KVCache(mc, num_blocks, cfg.block_size, sliding_blocks)
+        self.runner = ModelRunner(model, cfg)   # [runner] owns the KV cache and workspace on the backend
+        self.kv = self.runner.kv
         self.blocks = BlockManager(self.kv, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_batch_tokens)
         self.seqs: dict[str, Sequence] = {}
@@ -152,7 +148,7 @@ class Engine:
         # [structured] grammar masks are filled in a worker thread while the forward runs
         pending = self._masks.start([s.grammar for s in sampled]) if self._masks else None
         try:
-            logits = self.model.forward(batch, self.kv)      # (len(sampled), vocab)
+            logits = self.runner.execute(batch)      # [runner] (len(sampled), vocab), the backend's array
         finally:
             masks = pending.wait() if pending else None
         self.stats["steps"] += 1
@@ -161,8 +157,12 @@ class Engine:
             if seq.num_computed >= len(seq.prompt_ids):
                 self.blocks.cache_prefix(seq.request_id, seq.prompt_ids, seq.num_computed)
         if self.spec is not None and any(seq.draft_ids for seq in sampled):  # [spec] rows of guesses
-            self._sample_checked(sampled, logits, masks, outputs)
+            self._sample_checked(sampled, self.runner.to_host(logits), masks, outputs)
             return outputs
+        # [runner] a device backend may choose unconstrained tokens itself (only ids cross the bus)
+        batched = self.runner.sample(logits, [s.sampler for s in sampled]) if masks is None else None
+        if batched is None:
+            logits = self.runner.to_host(logits)   # [runner]
         if masks is not None:  # [structured]
             sampled, logits, masks = self._drop_failed_grammars(sampled, logits, masks, outputs)
         # The error boundary of one request: whatever its sampler or detokenizer raises (a
@@ -172,7 +172,8 @@ class Engine:
         # one, so a failure cannot cost a neighbour its random draw (seeded requests stay
         # batch-invariant).
         samplers = [seq.sampler for seq in sampled]
-        batched = sample_batch(samplers, logits, masks) if all(s.plain_greedy for s in samplers) else None
+        if batched is None and all(s.plain_greedy for s in samplers):
+            batched = sample_batch(samplers, logits, masks)
         for b, seq in enumerate(sampled):
             try:
                 res = batched[b] if batched is not None else sample_batch(
@@ -403,8 +404,7 @@ class Engine:
                 self.blocks.release_out_of_window(key, s)
                 tables = {w: np.asarray([self.blocks.table(key, w)], np.int32) for w in self.kv.windows}
                 batch = Batch.single(np.asarray(ids[s:e], np.int32), s, tables, all_logits=True)
-                out[s:e] = self.model.forward(batch, self.kv, hidden_only=True) if hidden_only \
-                    else self.model.forward(batch, self.kv)
+                out[s:e] = self.runner.forward(batch, hidden_only=hidden_only)   # [runner]
         finally:
             self.blocks.free(key)
         return out
@@ -466,7 +466,7 @@ class Engine:
                     arr[b, :len(tbl)] = tbl
                 tables[w] = arr
             batch = Batch(token_ids, positions, seq_ids, tables, np.arange(len(token_ids), dtype=np.int32))
-            h = self.model.forward(batch, self.kv, hidden_only=True)
+            h = self.runner.forward(batch, hidden_only=True)   # [runner]
             bounds = np.cumsum([0] + [len(p) for p in prompts])
             return [np.array(h[bounds[b]:bounds[b + 1]]) for b in range(len(prompts))]
         finally:

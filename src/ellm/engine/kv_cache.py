@@ -13,20 +13,23 @@ used first, when a pool runs dry.
 """
 from __future__ import annotations
 
-import mmap
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ..config import ModelConfig
+from ..ops.memory import host_kv_zeros
 
 
 class KVCache:
-    """The K/V arrays: per layer a pair (num_blocks, block_size, nkv, hd) float32."""
+    """The K/V storage: per layer a pair (num_blocks, block_size, nkv, hd) float32, made
+    by the backend (`ops.kv_zeros`: host memory committed page by page, or device memory);
+    no ops: host memory."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 sliding_num_blocks: int | None = None) -> None:
+                 sliding_num_blocks: int | None = None, ops: Any = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.block_size = block_size
@@ -39,23 +42,16 @@ class KVCache:
                 self.num_blocks[w] = num_blocks
         self.layer_window = [config.layer_window(i) for i in range(config.num_hidden_layers)]
         shape_tail = (block_size, config.num_key_value_heads, config.head_dim)
-        self.k = [_lazy_zeros((self.num_blocks[w],) + shape_tail) for w in self.layer_window]
-        self.v = [_lazy_zeros((self.num_blocks[w],) + shape_tail) for w in self.layer_window]
+        zeros = host_kv_zeros if ops is None else ops.kv_zeros
+        self.k = [zeros((self.num_blocks[w],) + shape_tail) for w in self.layer_window]
+        self.v = [zeros((self.num_blocks[w],) + shape_tail) for w in self.layer_window]
 
-    def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    def layer(self, i: int) -> tuple[Any, Any]:
         return self.k[i], self.v[i]
 
     @property
     def bytes_per_token(self) -> int:
-        return sum(k.strides[1] * 2 for k in self.k)
-
-
-def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 zero array whose memory is committed 4 KiB page by page as blocks are
-    written. (np.zeros would do the same but asks for transparent huge pages on large
-    arrays, so one written block could commit 2 MiB, and RSS would depend on luck.)"""
-    n = int(np.prod(shape)) * 4
-    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=np.float32, count=n // 4).reshape(shape)
+        return sum(int(k.strides[1]) * 2 for k in self.k)
 
 
 @dataclass

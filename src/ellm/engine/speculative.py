@@ -276,19 +276,19 @@ class DraftModel:
     forwards of all guessing sequences together. After the target's check the count moves
     back to the tokens that were kept (rollback)."""
 
-    def __init__(self, model: Any, *, max_model_len: int, max_num_seqs: int, max_batch_tokens: int,
-                 block_size: int, relative_cost: float) -> None:
-        from ..models.batch import Batch  # noqa: F401 - checked importable here, used below
-        from .kv_cache import BlockManager, KVCache
+    def __init__(self, model: Any, engine_config: Any, relative_cost: float) -> None:
+        from dataclasses import replace
+
+        from .kv_cache import BlockManager
+        from .runner import ModelRunner
 
         self.model = model
         self.max_positions = model.config.max_position_embeddings
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens = engine_config.max_batch_tokens
         self.relative_cost = relative_cost
-        # Room for every running sequence's whole context would be max_num_seqs *
-        # max_model_len; the cache is lazily committed, so only blocks written cost memory.
-        tokens = max(max_model_len, 16384)
-        self.kv = KVCache(model.config, -(-tokens // block_size), block_size)
+        # the draft's own KV cache and workspace on its backend, sized like the target's
+        self.runner = ModelRunner(model, replace(engine_config, speculative=None))
+        self.kv = self.runner.kv
         self.blocks = BlockManager(self.kv, enable_prefix_caching=False)
         self.computed: dict[str, int] = {}
 
@@ -309,7 +309,7 @@ class DraftModel:
                 arr[b, :len(tbl)] = tbl
             tables[w] = arr
         batch = Batch(token_ids, positions, seq_ids, tables, ends[want].astype(np.int32))
-        return self.model.forward(batch, self.kv)
+        return self.runner.forward(batch)
 
     def propose(self, wanted: list[tuple[str, np.ndarray, int]]) -> dict[str, list[int]]:
         """wanted: (key, the sequence's tokens so far, k) -> key -> up to k guesses."""
@@ -400,8 +400,6 @@ def make_speculator(engine_config: Any, model: Any, draft_model: Any = None) -> 
         return Speculator(cfg)
     if draft_model is None:
         raise ValueError("speculative_config: method 'draft_model' needs the draft model loaded")
-    draft = DraftModel(draft_model, max_model_len=engine_config.max_model_len,
-                       max_num_seqs=engine_config.max_num_seqs, max_batch_tokens=engine_config.max_batch_tokens,
-                       block_size=engine_config.block_size,
+    draft = DraftModel(draft_model, engine_config,
                        relative_cost=_weight_elements(draft_model.config) / _weight_elements(model.config))
     return Speculator(cfg, draft)

@@ -85,4 +85,6 @@ def build_model(config: ModelConfig, weights: WeightSource, ops: Any) -> Any:
     sanitize = getattr(family, "sanitize", None)
     if sanitize is not None:
         weights = weights.renamed(sanitize)
-    return family.Model(config, weights, ops)
+    model = family.Model(config, weights, ops)
+    model.upload_weights()   # the backend's copy of every weight (host backends: the same arrays)
+    return model

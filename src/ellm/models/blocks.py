@@ -6,12 +6,14 @@ scale), the gated MLP (SwiGLU or GeGLU), and a pre-/post-norm decoder layer stac
 embedding / residual / logits multipliers. Also the weight-loading helpers and the
 llama.cpp tensor names most families share.
 
-Blocks only call the op set (`ops`); their buffers come from the model's Workspace, so a
-decode step allocates nothing.
+Blocks only call the op set (`ops`), never NumPy: their buffers come from a Workspace
+the backend allocates (the model runner's), so a decode step allocates nothing and the
+same code runs on every backend. `upload_weights` puts a built model's weights on its
+backend once, at load.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -209,7 +211,8 @@ class Decoder:
     def __init__(self, config: ModelConfig, ops: Any, embed: Linear, lm_head: Linear,
                  layers: list[DecoderLayer], norm: np.ndarray, embed_scale: float = 1.0,
                  logits_scale: float = 1.0, final_softcap: float = 0.0) -> None:
-        self.config, self.ops, self.ws = config, ops, Workspace()
+        self.config, self.ops = config, ops
+        self._ws: Workspace | None = None   # for callers that pass none (the runner passes its own)
         self.embed, self.lm_head, self.layers, self.norm = embed, lm_head, layers, norm
         self.embed_scale, self.logits_scale, self.final_softcap = embed_scale, logits_scale, final_softcap
         self.recorder: Any = None   # [trace] a trace.Recorder while `ellm trace` / inspect runs
@@ -227,11 +230,22 @@ class Decoder:
         if multiplier != 1.0:
             self.ops.scale(x, multiplier)
 
-    def forward(self, batch: Batch, kv: Any, hidden_only: bool = False) -> np.ndarray:
+    def upload_weights(self) -> None:
+        """Puts every weight on the backend (ops.upload / ops.upload_linear; the identity on
+        the host backends). Called once by models.build_model."""
+        memo: dict[int, Any] = {}
+        self.embed, self.lm_head, self.norm, self.layers = (
+            upload_weights(self.ops, x, memo) for x in (self.embed, self.lm_head, self.norm, self.layers))
+
+    def forward(self, batch: Batch, kv: Any, hidden_only: bool = False,
+                ws: Workspace | None = None) -> np.ndarray:
         """-> logits (len(batch.logits_rows), vocab) float32, or with hidden_only the final-
-        normed hidden states (len(batch.logits_rows), H); a workspace view that stays valid
-        until the next forward."""
-        c, ops, ws = self.config, self.ops, self.ws
+        normed hidden states (len(batch.logits_rows), H): a backend array, a view of the
+        workspace `ws` that stays valid until the next forward. The batch's arrays and the
+        KV cache `kv` are the backend's (ops.upload_batch, ops.kv_zeros)."""
+        if ws is None:
+            ws = self._ws = self._ws or Workspace(self.ops)
+        c, ops = self.config, self.ops
         t, r, H = len(batch.token_ids), len(batch.logits_rows), c.hidden_size
         proj, h_buf = ws.get("proj", t, H), ws.get("h", t, H)
         residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
@@ -265,7 +279,7 @@ class Decoder:
         if rec is not None:   # [trace]
             rec(None, "final_norm", h)
         if r != t:
-            h = np.take(h, batch.logits_rows, axis=0, out=ws.get("rows", r, H))
+            h = ops.gather_rows(h, batch.logits_rows, out=ws.get("rows", r, H))
         if hidden_only:
             return h
         logits = ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))
@@ -274,6 +288,31 @@ class Decoder:
         if self.final_softcap > 0:
             ops.softcap(logits, self.final_softcap)
         return logits
+
+
+def upload_weights(ops: Any, x: Any, memo: dict[int, Any]) -> Any:
+    """x with every Linear (ops.upload_linear) and float array (ops.upload) in it, through
+    dataclass fields, lists and tuples, on the backend. memo (id -> uploaded) uploads a
+    shared weight once (tied embeddings); an object nothing in which changed is returned
+    as it is (so the host backends keep every object, and its identity, unchanged)."""
+    key = id(x)
+    if key in memo:
+        return memo[key][1]
+    if isinstance(x, Linear):
+        new: Any = ops.upload_linear(x)
+    elif isinstance(x, np.ndarray):
+        new = ops.upload(x)
+    elif isinstance(x, (list, tuple)):
+        items = [upload_weights(ops, v, memo) for v in x]
+        new = x if all(a is b for a, b in zip(items, x)) else type(x)(items)
+    elif is_dataclass(x) and not isinstance(x, type):
+        changed = {f.name: v for f in fields(x) if (v := upload_weights(ops, getattr(x, f.name), memo))
+                   is not getattr(x, f.name)}
+        new = replace(x, **changed) if changed else x
+    else:
+        new = x   # numbers, strings, None
+    memo[key] = (x, new)   # x is held so its id cannot be reused during the walk
+    return new
 
 
 def standard_layers(weights: WeightSource, config: ModelConfig, plus_one: bool = False,

@@ -1,14 +1,18 @@
 """Op backends. A model calls only these ops; `get_ops(device)` picks the backend.
 
 Every backend implements the methods of `ops.reference.ReferenceOps` with the same
-shapes and semantics (reference.py is the specification).
+shapes and semantics (reference.py is the specification of the compute ops,
+ops/memory.py HostMemory of the memory ones). A backend is one module here: reference,
+cpu, and cuda (imported only when asked for, so CuPy is never needed otherwise).
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 
 ACTIVATIONS = ("int8", "f32")
+DEVICES = ("cpu", "reference", "cuda")
 
 
 def get_ops(device: str = "cpu", activations: str = "int8") -> Any:
@@ -23,5 +27,13 @@ def get_ops(device: str = "cpu", activations: str = "int8") -> Any:
         from .reference import ReferenceOps
         return ReferenceOps()
     if device in ("cuda", "gpu"):
-        raise ValueError("device='cuda' is not available in this build yet; use device='cpu'")
-    raise ValueError(f"unknown device {device!r}; expected 'cpu' or 'cuda'")
+        # ops/cuda.py says itself what is missing (CuPy, a GPU) and what to install
+        try:
+            cuda = importlib.import_module(f"{__name__}.cuda")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.cuda":
+                raise
+            raise ValueError("device='cuda' is not available in this build (no ellm.ops.cuda); "
+                             "use device='cpu'") from None
+        return cuda.CudaOps(activations=activations)
+    raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")

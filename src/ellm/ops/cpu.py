@@ -1,7 +1,8 @@
 """The CPU backend: the op set of reference.py on the C kernels (csrc/ through Cython).
 
 Every op takes an optional `out` (the model passes workspace views, so decode allocates
-nothing) and returns it.
+nothing) and returns it. Its arrays are host NumPy arrays: the memory methods are
+ops.memory.HostMemory's.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from .._native import _kernels, _moe, _quant
+from .memory import HostMemory
 from .reference import Experts
 
 
@@ -17,7 +19,7 @@ def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     return np.empty(shape, np.float32) if out is None else out
 
 
-class CpuOps:
+class CpuOps(HostMemory):
     name = "cpu"
     # linear / linear_multi add Linear.bias themselves (models/blocks.py asks)
     linear_adds_bias = True

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .memory import HostMemory
+
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x (..., H) f32, weight (H,) -> x / sqrt(mean(x^2) + eps) * weight, in f32."""
@@ -226,10 +228,12 @@ def _into(out: np.ndarray | None, value: np.ndarray) -> np.ndarray:
     return out
 
 
-class ReferenceOps:
+class ReferenceOps(HostMemory):
     """The model op set in plain NumPy (slow): the oracle the fast backends are tested against.
 
-    Same signatures as ops.cpu.CpuOps (an optional `out` on every op that makes an array)."""
+    Same signatures as ops.cpu.CpuOps (an optional `out` on every op that makes an array).
+    The memory methods (empty, kv_zeros, upload, upload_linear, upload_batch, gather_rows,
+    to_host, sample, step_executor) come from ops.memory.HostMemory, their specification."""
 
     name = "reference"
     # linear / linear_multi add Linear.bias themselves (models/blocks.py asks)

@@ -70,7 +70,7 @@ def _traced_pass(engine: Any, model: Any, ids: list[int], rec: Recorder, lens_to
         rec.start(batch)
         model.recorder = rec
         try:
-            logits = np.array(model.forward(batch, engine.kv), np.float32)   # (T, vocab), copied
+            logits = np.array(engine.runner.forward(batch), np.float32)   # (T, vocab), copied
         finally:
             model.recorder = None
         rec(None, "logits", logits)

@@ -1,0 +1,61 @@
+"""The model runner: between the engine's host-side batches and the backend's memory.
+
+The engine (scheduler, block manager, sampler) is pure host-side policy; the runner owns
+what lives on the backend: the paged KV cache and the activation workspace, both
+allocated by the op set (ops.kv_zeros, ops.empty), and the step executor that runs a
+Batch through the model (ops.step_executor: eager here, a CUDA-graph replay on a backend
+that captures its decode steps). It hands back logits on the host for the sampler, or
+lets the backend sample on its device so that only token ids cross the bus.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ..models.batch import Batch
+from ..ops.workspace import Workspace
+from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .engine import EngineConfig
+    from .sampler import SampleResult, SequenceSampler
+
+
+class ModelRunner:
+    """Runs batches of `model` on its backend (model.ops) with a KV cache sized by `config`."""
+
+    def __init__(self, model: Any, config: "EngineConfig") -> None:
+        self.model, self.ops = model, model.ops
+        mc = model.config
+        num_blocks = -(-(config.kv_cache_tokens or max(config.max_model_len, 16384)) // config.block_size)
+        windows = {mc.layer_window(i) for i in range(mc.num_hidden_layers)} - {0}
+        sliding_blocks = None
+        if windows:  # each running sequence needs at most window + 2 blocks per sliding layer
+            per_seq = (-(-max(windows) // config.block_size) + 2
+                       + -(-config.max_batch_tokens // config.block_size))
+            sliding_blocks = min(num_blocks, per_seq * config.max_num_seqs)
+        self.kv = KVCache(mc, num_blocks, config.block_size, sliding_blocks, ops=self.ops)
+        self.workspace = Workspace(self.ops)
+        # the one place a backend may swap in another way of running a step (CUDA graphs)
+        self.executor = self.ops.step_executor(model, self.kv, self.workspace)
+
+    def execute(self, batch: Batch, hidden_only: bool = False) -> Any:
+        """One forward pass -> the backend's array: logits (R, vocab), or with hidden_only
+        the final-normed hidden states (R, H), R = len(batch.logits_rows). A workspace view,
+        valid until the next pass."""
+        return self.executor(batch, hidden_only)
+
+    def sample(self, logits: Any, samplers: Sequence["SequenceSampler"]) -> list["SampleResult"] | None:
+        """The tokens chosen on the device for every row of logits, or None: sample on the
+        host (to_host, then the engine's sampler). Host backends always say None."""
+        return self.ops.sample(logits, samplers)
+
+    def to_host(self, x: Any) -> np.ndarray:
+        """A backend array as a host float32 array (host backends: the same array)."""
+        return self.ops.to_host(x)
+
+    def forward(self, batch: Batch, hidden_only: bool = False) -> np.ndarray:
+        """execute + to_host: host float32 logits (R, vocab) or hidden states (R, H), valid
+        until the next pass (the meaning `model.forward(batch, kv, hidden_only)` had)."""
+        return self.to_host(self.execute(batch, hidden_only))

@@ -1,0 +1,108 @@
+"""The memory half of the op set: where a backend's arrays live and how data gets there.
+
+A backend owns its memory. The model runner (engine/runner.py) and the model ask the op
+set, never NumPy, for every buffer: the workspace's activations (`empty`), the paged KV
+cache (`kv_zeros`), the weights (`upload`, `upload_linear`, once at load), the step's
+index arrays (`upload_batch`), the rows whose logits are wanted (`gather_rows`) or that
+are given (`scatter_rows`), and the logits the host sampler reads (`to_host`). A backend that can sample on its device says
+so in `sample`; one that can replay a captured decode step returns its own executor from
+`step_executor`.
+
+`HostMemory` is that interface for the backends whose arrays are NumPy arrays in host
+memory (reference, cpu): uploads are the identity (the weights stay mmapped views, never
+copied), and sampling is left to the host sampler. It is also the specification: a
+device backend (ops/cuda.py) implements the same methods with the same meaning.
+"""
+from __future__ import annotations
+
+import mmap
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:   # types only: ops sits below models and engine
+    from ..engine.sampler import SampleResult, SequenceSampler
+    from ..models.batch import Batch
+    from ..weights import Linear
+    from .workspace import Workspace
+
+
+class StepExecutor(Protocol):
+    """Runs one forward pass of a host-side Batch -> the backend's array (R, vocab) of
+    logits, or (R, H) final hidden states with hidden_only. R = len(batch.logits_rows)."""
+
+    def __call__(self, batch: "Batch", hidden_only: bool = False) -> Any: ...
+
+
+class EagerStep:
+    """The plain executor: the batch's index arrays to the backend, then model.forward.
+    (A CUDA backend replaces it with one that replays a captured graph for decode steps
+    of a known batch-size bucket, copying the step's ids, positions and block tables into
+    the graph's static input buffers first.)"""
+
+    def __init__(self, ops: Any, model: Any, kv: Any, workspace: "Workspace") -> None:
+        self.ops, self.model, self.kv, self.workspace = ops, model, kv, workspace
+
+    def __call__(self, batch: "Batch", hidden_only: bool = False) -> Any:
+        return self.model.forward(self.ops.upload_batch(batch), self.kv, hidden_only=hidden_only,
+                                  ws=self.workspace)
+
+
+def host_kv_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 zero array whose memory is committed 4 KiB page by page as blocks are
+    written. (np.zeros would do the same but asks for transparent huge pages on large
+    arrays, so one written block could commit 2 MiB, and RSS would depend on luck.)"""
+    n = int(np.prod(shape)) * 4
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=np.float32, count=n // 4).reshape(shape)
+
+
+class HostMemory:
+    """Memory methods of the host backends (mixed into ReferenceOps and CpuOps)."""
+
+    def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        """An uninitialised buffer of the backend (the Workspace's activations)."""
+        return np.empty(shape, dtype)
+
+    def kv_zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Zeroed float32 storage for one layer's K or V: (num_blocks, block_size, nkv, hd)."""
+        return host_kv_zeros(shape)
+
+    def upload(self, x: np.ndarray) -> np.ndarray:
+        """A constant the forward pass reads (norm weight, inv_freq, bias) as a backend
+        array. Host backends: x itself (no copy)."""
+        return x
+
+    def upload_linear(self, w: "Linear") -> "Linear":
+        """A weight matrix with its data (and bias) on the backend, same qtype and shape.
+        Host backends: w itself (the mmapped view)."""
+        return w
+
+    def upload_batch(self, batch: "Batch") -> "Batch":
+        """The Batch with every array field (token_ids, positions, seq_ids, block_tables,
+        logits_rows, and any other a Batch carries) on the backend. Host backends: batch itself."""
+        return batch
+
+    def gather_rows(self, x: np.ndarray, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x (T, ...) -> x[rows] (R, ...), into out when given."""
+        return np.take(x, rows, axis=0, out=out)
+
+    def scatter_rows(self, x: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """x[rows] = values (R, ...) in place (rows distinct) -> x. (Image embeddings put
+        into the batch's residual rows.)"""
+        x[rows] = values
+        return x
+
+    def to_host(self, x: Any) -> np.ndarray:
+        """A backend array as a host NumPy array (host backends: x itself, no copy; like
+        every workspace view it stays valid until the next forward pass)."""
+        return np.asarray(x)
+
+    def sample(self, logits: Any, samplers: Sequence["SequenceSampler"]) -> list["SampleResult"] | None:
+        """One token per row of logits (B, vocab) chosen on the device, or None: copy the
+        logits to the host and let the host sampler choose (host backends always say None).
+        A device backend returns None for any row it cannot serve (e.g. logprobs asked)."""
+        return None
+
+    def step_executor(self, model: Any, kv: Any, workspace: "Workspace") -> StepExecutor:
+        """The executor the model runner calls for each forward pass."""
+        return EagerStep(self, model, kv, workspace)

@@ -1,0 +1,366 @@
+"""Every op and memory method on every backend present, against ops/reference.py.
+
+The backends: `reference` (NumPy, the specification), `cpu` (C kernels; int8 and f32
+activations) and `cuda` when ellm.ops.cuda, CuPy and a GPU are all there (skipped, with
+the reason, otherwise). Inputs are seeded random arrays and slices of the real models'
+GGUF tensors; each backend gets them through its own upload methods and hands results
+back through to_host, and they are compared with ReferenceOps on the host by NMSE
+(<= 1e-6 in f32; 2e-4 where int8 activations meet quantized weights, as in test_quant).
+
+Then the memory interface itself (empty, kv_zeros, upload*, gather_rows, to_host, the
+Workspace), the model runner on each backend against the reference backend, and
+tests/opaque_ops.py: a backend whose arrays NumPy cannot read, through which whole models
+and the engine must give the cpu backend's numbers bit for bit, proving that models and
+engine use only the op set.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ellm
+from ellm.engine.engine import Engine, EngineConfig
+from ellm.engine.kv_cache import BlockManager
+from ellm.formats.dequant import dequantize
+from ellm.formats.ggml_types import GGMLType
+from ellm.formats.gguf import GGUFFile
+from ellm.models.batch import Batch
+from ellm.ops import get_ops
+from ellm.ops.reference import Experts, ReferenceOps
+from ellm.ops.workspace import Workspace
+from ellm.sampling_params import SamplingParams
+from ellm.weights import Linear
+from conftest import ops_or_skip
+from opaque_ops import Opaque, OpaqueOps
+
+BACKENDS = ["reference", "cpu", "cpu-f32", "cuda"]
+REF = ReferenceOps()
+QUANTIZED = [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K]
+FLOATS = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
+
+
+def backend(name: str) -> Any:
+    """The op set called `name` ("cpu-f32": f32 activations); cuda skips when absent."""
+    device, _, acts = name.partition("-")
+    return ops_or_skip(device, acts or ("f32" if device == "cuda" else "int8"))
+
+
+@pytest.fixture(params=BACKENDS, scope="module")
+def ops(request) -> Any:
+    return backend(request.param)
+
+
+def nmse(got: np.ndarray, want: np.ndarray) -> float:
+    w = want.astype(np.float64)
+    return float(((got.astype(np.float64) - w) ** 2).sum() / max((w ** 2).sum(), 1e-30))
+
+
+def host(ops: Any, x: Any) -> np.ndarray:
+    got = ops.to_host(x)
+    assert isinstance(got, np.ndarray)
+    return got
+
+
+def assert_near(got: np.ndarray, want: np.ndarray, bound: float = 1e-6, what: str = "") -> None:
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{what}: not finite"
+    err = nmse(got, want)
+    assert err <= bound, f"{what}: nmse {err:.2e} > {bound:.0e}"
+
+
+def rand(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def real_weights(smollm2_gguf: Path, gemma3_gguf: Path) -> dict[GGMLType, tuple[str, np.ndarray, int]]:
+    """Per quantized type, (name, its first 40 rows, in_features) of a real tensor."""
+    from ellm.formats.ggml_types import BLOCK_LAYOUT
+    found: dict[GGMLType, tuple[str, np.ndarray, int]] = {}
+    for path in (smollm2_gguf, gemma3_gguf):
+        f = GGUFFile(path)
+        for name, info in f.tensors.items():
+            if info.qtype in QUANTIZED and len(info.shape) == 2 and info.qtype not in found:
+                raw = np.array(f.raw(name)[:40])
+                blk, size = BLOCK_LAYOUT[info.qtype]
+                found[info.qtype] = (name, raw, raw.shape[1] // size * blk)
+    assert set(QUANTIZED) <= set(found)
+    return found
+
+
+def weight(qtype: GGMLType, real_weights: dict, rng: np.random.Generator, bias: bool = False) -> Linear:
+    if qtype in FLOATS:
+        w = rand(rng, 40, 96, scale=0.1)
+        data = {GGMLType.F32: w, GGMLType.F16: w.astype(np.float16).view(np.uint16),
+                GGMLType.BF16: (w.view(np.uint32) >> 16).astype(np.uint16)}[qtype]
+        n, k = w.shape
+    else:
+        _, data, k = real_weights[qtype]
+        n = data.shape[0]
+    b = rand(rng, n) if bias else None
+    return Linear(data, qtype, n, k, f"test-{qtype.name}", bias=b)
+
+
+def matmul_bound(ops: Any, qtype: GGMLType) -> float:
+    int8 = ops.name == "cpu" and not ops.exact_activations
+    return 2e-4 if int8 and qtype not in FLOATS else 1e-6
+
+
+# ====================================== compute ops ======================================
+
+@pytest.mark.parametrize("qtype", QUANTIZED + FLOATS, ids=lambda t: t.name)
+def test_linear(ops, qtype, real_weights) -> None:
+    rng = np.random.default_rng(int(qtype))
+    w = weight(qtype, real_weights, rng, bias=qtype in (GGMLType.Q8_0, GGMLType.F32))
+    dw = ops.upload_linear(w)
+    for t in (1, 5, 33):
+        x = rand(rng, t, w.in_features)
+        want = REF.linear(x, w)
+        assert_near(host(ops, ops.linear(ops.upload(x), dw)), want, matmul_bound(ops, qtype), f"T={t}")
+        out = ops.empty((t, w.out_features))
+        got = ops.linear(ops.upload(x), dw, out=out)
+        assert_near(host(ops, got), want, matmul_bound(ops, qtype), f"T={t} into out")
+        assert np.array_equal(host(ops, out), host(ops, got))
+
+
+def test_linear_multi_equals_linear(ops, real_weights) -> None:
+    rng = np.random.default_rng(3)
+    from ellm._native import _quant
+    k = 128
+    parts = [Linear(_quant.quantize(rand(rng, n, k, scale=0.1), int(q)), q, n, k, q.name, bias=b)
+             for q, n, b in ((GGMLType.Q8_0, 40, None), (GGMLType.Q4_0, 33, rand(rng, 33)))]
+    parts.append(Linear(rand(rng, 24, k, scale=0.1), GGMLType.F32, 24, k, "f32"))
+    x = ops.upload(rand(rng, 7, k))
+    dparts = [ops.upload_linear(w) for w in parts]
+    outs = ops.linear_multi(x, [(w, ops.empty((7, w.out_features))) for w in dparts])
+    for w, o in zip(dparts, outs):
+        assert np.array_equal(host(ops, o), host(ops, ops.linear(x, w))), w.name
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q6_K, GGMLType.BF16, GGMLType.F32],
+                         ids=lambda t: t.name)
+def test_embed(ops, qtype, real_weights) -> None:
+    rng = np.random.default_rng(5)
+    w = weight(qtype, real_weights, rng)
+    ids = np.array([3, 0, 39, 3, 17], np.int32)
+    got = host(ops, ops.embed(ops.upload_linear(w), ops.upload(ids), out=ops.empty((5, w.in_features))))
+    want = dequantize(np.ascontiguousarray(w.data), qtype, (w.out_features, w.in_features))[ids]
+    assert np.array_equal(got, want)   # a row lookup is exact on every backend
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 576), (3, 4, 16)])
+def test_norms_and_activations(ops, shape) -> None:
+    rng = np.random.default_rng(11)
+    x, y, wt = rand(rng, *shape, scale=3.0), rand(rng, *shape, scale=3.0), rand(rng, shape[-1])
+    def up(a: np.ndarray) -> Any:   # a copy: on the host, upload is x itself and some ops work in place
+        return ops.upload(a.copy())
+    assert_near(host(ops, ops.rmsnorm(up(x), up(wt), 1e-6, out=ops.empty(shape))), REF.rmsnorm(x, wt, 1e-6),
+                what="rmsnorm")
+    if len(shape) == 2:
+        res = up(x)
+        normed = ops.add_rmsnorm(res, up(y), up(wt), 1e-5, out=ops.empty(shape))
+        want_res = x + y
+        assert_near(host(ops, res), want_res, what="add_rmsnorm residual")
+        assert_near(host(ops, normed), REF.rmsnorm(want_res, wt, 1e-5), what="add_rmsnorm")
+        for name in ("swiglu", "geglu"):
+            got = getattr(ops, name)(up(x), up(y), out=ops.empty(shape))
+            assert_near(host(ops, got), getattr(REF, name)(x, y), what=name)
+        a = up(x)
+        assert_near(host(ops, ops.add(a, up(y))), x + y, what="add")
+        assert_near(host(ops, ops.scale(up(x), 0.37)), x * np.float32(0.37), what="scale")
+        assert_near(host(ops, ops.softcap(up(x), 2.5)), REF.softcap(x.copy(), 2.5), what="softcap")
+        assert np.array_equal(host(ops, ops.softcap(up(x), 0.0)), x)   # cap 0: untouched
+
+
+@pytest.mark.parametrize("window, cap, interleaved", [(0, 0.0, False), (5, 0.0, True), (0, 30.0, False)])
+def test_rope_attention_paged(ops, window, cap, interleaved) -> None:
+    """Two sequences in one batch: one prefilling 6 tokens from position 3 (3 cached),
+    one decoding at position 9; caches from ops.kv_zeros, blocks out of order."""
+    rng = np.random.default_rng(17 + window)
+    nh, nkv, hd, bs, nb = 6, 2, 16, 4, 12
+    positions = np.array([3, 4, 5, 6, 7, 8, 9], np.int32)
+    seq_ids = np.array([0, 0, 0, 0, 0, 0, 1], np.int32)
+    tables = np.array([[7, 2, 10, -1], [1, 5, 0, -1]], np.int32)
+    kc, vc = rand(rng, nb, bs, nkv, hd), rand(rng, nb, bs, nkv, hd)   # earlier positions' k/v
+    q, k, v = rand(rng, 7, nh, hd), rand(rng, 7, nkv, hd), rand(rng, 7, nkv, hd)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    want_k, want_v = kc.copy(), vc.copy()
+    want = REF.rope_attention(q, k, v, positions, seq_ids, tables, want_k, want_v, inv_freq, interleaved,
+                              hd ** -0.5, window, cap)
+    dk, dv = ops.kv_zeros(kc.shape), ops.kv_zeros(vc.shape)   # (the reference's inputs stay untouched)
+    assert not host(ops, dk).any()
+    for dst, src in ((dk, kc), (dv, vc)):   # the cached positions, through a device copy
+        ops.add(dst, ops.upload(src))
+    up = ops.upload
+    got = ops.rope_attention(up(q), up(k), up(v), up(positions), up(seq_ids), up(tables), dk, dv, up(inv_freq),
+                             interleaved, hd ** -0.5, window, cap, out=ops.empty(q.shape))
+    assert_near(host(ops, got), want, what="attention")
+    assert_near(host(ops, dk), want_k, what="k cache")
+    assert_near(host(ops, dv), want_v, what="v cache")
+
+
+def test_moe(ops) -> None:
+    rng = np.random.default_rng(23)
+    E, H, F = 4, 32, 48
+
+    def lin(n: int, k: int, name: str) -> Linear:
+        return Linear(rand(rng, n, k, scale=0.2), GGMLType.F32, n, k, name)
+    experts = Experts([lin(F, H, "g") for _ in range(E)], [lin(F, H, "u") for _ in range(E)],
+                      [lin(H, F, "d") for _ in range(E)])
+    router = lin(E, H, "router")
+    x = rand(rng, 5, H)
+    want = REF.moe(x, router, experts, 2, True)
+    dexperts = Experts(*([ops.upload_linear(m) for m in mats] for mats in (experts.gate, experts.up, experts.down)))
+    got = ops.moe(ops.upload(x), ops.upload_linear(router), dexperts, 2, True, out=ops.empty(x.shape))
+    assert_near(host(ops, got), want, 1e-6, "moe")
+
+
+# ===================================== memory methods =====================================
+
+def test_memory_round_trips(ops) -> None:
+    rng = np.random.default_rng(29)
+    x = rand(rng, 5, 8)
+    assert np.array_equal(host(ops, ops.upload(x)), x)
+    buf = ops.empty((4, 3, 2))
+    assert tuple(buf.shape) == (4, 3, 2) and buf.dtype == np.float32
+    assert ops.empty((6,), np.int32).dtype == np.int32
+    kv = ops.kv_zeros((3, 4, 2, 8))
+    assert tuple(kv.shape) == (3, 4, 2, 8) and not host(ops, kv).any()
+    rows = np.array([4, 0, 4], np.int32)
+    got = ops.gather_rows(ops.upload(x), ops.upload(rows), out=ops.empty((3, 8)))
+    assert np.array_equal(host(ops, got), x[rows])
+    dst = ops.upload(x.copy())
+    vals = rand(rng, 2, 8)
+    got = ops.scatter_rows(dst, ops.upload(np.array([3, 1], np.int32)), ops.upload(vals))
+    want = x.copy()
+    want[[3, 1]] = vals
+    assert np.array_equal(host(ops, got), want) and np.array_equal(host(ops, dst), want)
+    w = Linear(x, GGMLType.F32, 5, 8, "w", bias=rand(rng, 5))
+    dw = ops.upload_linear(w)
+    assert (dw.qtype, dw.out_features, dw.in_features) == (w.qtype, 5, 8)
+    assert np.array_equal(host(ops, dw.data), x) and np.array_equal(host(ops, dw.bias), w.bias)
+    batch = Batch.single(np.array([5, 6, 7], np.int32), 4, {0: np.array([[2, 0]], np.int32)})
+    db = ops.upload_batch(batch)
+    for name in ("token_ids", "positions", "seq_ids", "logits_rows"):
+        assert np.array_equal(host(ops, getattr(db, name)), getattr(batch, name)), name
+    assert np.array_equal(host(ops, db.block_tables[0]), batch.block_tables[0])
+
+
+def test_workspace_grows_and_reuses(ops) -> None:
+    ws = Workspace(ops)
+    a = ws.get("x", 4, 8)
+    assert tuple(a.shape) == (4, 8)
+    before, gen = ws.nbytes, ws.generation
+    ws.get("x", 3, 8)                      # fewer rows: the same buffer
+    assert (ws.nbytes, ws.generation) == (before, gen)
+    assert tuple(ws.get("x", 9, 8).shape) == (9, 8) and ws.nbytes >= 9 * 8 * 4
+    assert ws.generation == gen + 1        # grown: views taken before are stale
+    assert tuple(ws.get("x", 2, 5).shape) == (2, 5)   # another row shape: a buffer of its own
+    assert ws.generation == gen + 2
+
+
+def test_sample_hook_is_none_or_greedy(ops, smollm2_gguf) -> None:
+    """ops.sample answers None (host sampling) or, for plain-greedy rows, the argmax."""
+    from ellm.engine.sampler import SequenceSampler
+    rng = np.random.default_rng(31)
+    logits = rand(rng, 3, 50)
+    samplers = [SequenceSampler(SamplingParams(temperature=0.0), [1, 2], 50) for _ in range(3)]
+    got = ops.sample(ops.upload(logits), samplers)
+    if got is not None:
+        assert [r.token_id for r in got] == np.argmax(logits, axis=1).tolist()
+
+
+# ====================================== the runner ======================================
+
+def _runner_logits(path: Path, device: str) -> tuple[np.ndarray, np.ndarray]:
+    """Through the model runner of `ellm.load(path, device)`: the logits of a 5-token
+    prompt at every position, then of one decode step that reads its cache."""
+    device, _, acts = device.partition("-")
+    runner = ellm.load(path, device=device, progress=False, max_num_seqs=2, max_model_len=64,
+                       activations=acts or "int8").engine.runner
+    blocks = BlockManager(runner.kv)   # the runner's own cache, from ops.kv_zeros
+    assert blocks.allocate("s", 6)
+    tables = {w: np.asarray([blocks.table("s", w)], np.int32) for w in runner.kv.windows}
+    pre = runner.forward(Batch.single(np.array([1, 504, 3458, 314, 253], np.int32), 0, tables, all_logits=True))
+    pre = pre.copy()   # the next pass reuses the workspace
+    return pre, runner.forward(Batch.single(np.array([42], np.int32), 5, tables)).copy()
+
+
+@pytest.fixture(scope="module")
+def reference_logits(smollm2_gguf) -> tuple[np.ndarray, np.ndarray]:
+    return _runner_logits(smollm2_gguf, "reference")
+
+
+@pytest.mark.parametrize("name", ["cpu", "cpu-f32", "cuda"])
+def test_runner_logits_match_reference(name, smollm2_gguf, reference_logits) -> None:
+    """The model runner on each backend (SmolLM2's Q4_1 GGUF) against the reference
+    backend: prefill and a decode step sharing its cache."""
+    if name == "cuda":
+        backend(name)   # skips without one
+    bound = 2e-3 if name == "cpu" else 1e-6   # int8 activations round every matmul's input
+    for got, want, what in zip(_runner_logits(smollm2_gguf, name), reference_logits, ("prefill", "decode")):
+        assert got.dtype == np.float32
+        assert_near(got, want, bound, what)
+
+
+# ============================ models and engine use only ops ============================
+
+def _engine(path: Path, ops: Any, **cfg: Any) -> Engine:
+    """An engine over the model of `path` built on `ops` (the opaque backend or cpu)."""
+    from ellm.config import ModelConfig
+    from ellm.models import build_model
+    from ellm.tokenizer import Tokenizer
+    from ellm.weights import GGUFWeights
+    f = GGUFFile(path)
+    model = build_model(ModelConfig.from_gguf(f), GGUFWeights(f), ops)
+    return Engine(model, Tokenizer.from_gguf(f), EngineConfig(max_model_len=256, **cfg))
+
+
+def _run_engine(eng: Engine, prompts: list[list[int]]) -> dict[str, Any]:
+    # the seeded request ends first, so the last steps are all greedy (device-sampled)
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=3, ignore_eos=True, logprobs=2)]
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params[i % 2], request_id=f"r{i}")
+    done: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return {"ids": done, "logits": eng.logits(prompts[0]),
+            "embed": eng.embed(prompts, pooling="mean")}
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_engine_on_a_backend_numpy_cannot_read(model, smollm2_gguf, gemma3_gguf) -> None:
+    """Engine steps (batched prefill + decode, greedy and seeded sampling), logits() and
+    embed() through OpaqueOps(cpu) equal plain cpu bit for bit: no model or engine code
+    read a backend array with NumPy; the device-sampling hook chose the greedy rows and
+    decode steps ran from the executor's static buffers."""
+    path = smollm2_gguf if model == "smollm2" else gemma3_gguf
+    prompts = [[2, 818, 5279, 529, 3034, 563], [2, 1437, 1110], [2, 9, 10, 11, 12, 13, 14, 15]]
+    opaque = OpaqueOps(get_ops("cpu"))
+    got = _run_engine(_engine(path, opaque, max_num_seqs=3), prompts)
+    want = _run_engine(_engine(path, get_ops("cpu"), max_num_seqs=3), prompts)
+    assert got["ids"] == want["ids"] and [len(got["ids"][f"r{i}"]) for i in range(3)] == [6, 3, 6]
+    for key in ("logits", "embed"):
+        assert got[key].tobytes() == want[key].tobytes(), key
+    assert opaque.counts["sample"] > 0 and opaque.counts["replayed"] > 0 and opaque.counts["eager"] > 0
+
+
+def test_opaque_arrays_refuse_numpy() -> None:
+    """The check above can fail: NumPy on an Opaque array raises."""
+    a = Opaque(np.zeros((3, 2), np.float32))
+    for bad in (lambda: np.take(a, [0], axis=0), lambda: np.asarray(a), lambda: a + 1.0,
+                lambda: a[Opaque(np.zeros(1))]):
+        with pytest.raises(TypeError):
+            bad()
+    with pytest.raises(TypeError, match="never uploaded"):
+        OpaqueOps(get_ops("cpu")).rmsnorm(np.zeros((1, 4), np.float32), Opaque(np.ones(4, np.float32)), 1e-6)
+
+
+def test_get_ops_names_the_devices() -> None:
+    with pytest.raises(ValueError, match="unknown device 'tpu'.*cpu, reference, cuda"):
+        get_ops("tpu")
