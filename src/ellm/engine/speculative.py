@@ -44,12 +44,13 @@ _KEYS = {
 MAX_SPECULATIVE_TOKENS = 16
 
 # What one more token in a forward costs, as a fraction of a one-token decode step.
-# Measured with benchmarks/bench_speculative.py --cost on SmolLM2-135M Q4_1, 2 threads
-# (Xeon): a 5-token forward of one sequence takes ~1.25x a 1-token one (the weights are
-# read once; each row adds its 8-bit matmul work and attention).
+# Measured with benchmarks/bench_speculative.py --cost on SmolLM2-135M Q4_1, 2 threads, a
+# shared host: forwards of 5 / 9 / 17 tokens of one sequence took 1.12x / 1.69x / 2.37x a
+# 1-token one (the weights are read once; each row adds its matmul work and attention).
 ROW_COST = 0.07
-# Acceptance prior (pseudo-counts accepted / tried) and how fast old evidence fades.
-_PRIOR_ACCEPTED, _PRIOR_TRIED = 1.0, 2.0
+# Acceptance prior (pseudo-counts accepted / tried: 0.3, so a first check is short) and
+# how fast old evidence fades.
+_PRIOR_ACCEPTED, _PRIOR_TRIED = 0.6, 2.0
 _DECAY = 0.7
 
 
@@ -141,7 +142,7 @@ def ngram_proposal(ids: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarra
 
 class AcceptanceTracker:
     """A sequence's recent acceptance rate: guesses accepted / guesses checked (a check
-    stops at the first miss), with old evidence fading, over a prior of 1/2."""
+    stops at the first miss), with old evidence fading, over a prior of 0.3."""
 
     __slots__ = ("accepted", "tried")
 
