@@ -137,15 +137,15 @@ def cost(args: argparse.Namespace) -> int:
     eng.blocks.allocate(key, ctx + 16)
     tables = {w: np.asarray([eng.blocks.table(key, w)], np.int32) for w in eng.kv.windows}
     ids = np.arange(100, 100 + ctx + 16, dtype=np.int32) % llm.config.vocab_size
-    llm.model.forward(Batch.single(ids[:ctx], 0, tables), eng.kv)
+    eng.runner.forward(Batch.single(ids[:ctx], 0, tables))
     base = None
     for T in (1, 2, 3, 5, 9, 17):
         times = []
         for _ in range(args.rounds * 10):
             batch = Batch.single(ids[ctx:ctx + T], ctx, tables, all_logits=True)
-            t0 = time.perf_counter()
-            llm.model.forward(batch, eng.kv)
-            times.append(time.perf_counter() - t0)
+            t0 = CLOCK()
+            eng.runner.forward(batch)
+            times.append(CLOCK() - t0)
         t = statistics.median(times)
         base = base or t
         print(f"T={T:2d}  {t * 1e3:7.2f} ms  x{t / base:5.2f}  per extra row {(t / base - 1) / max(1, T - 1):.3f}")

@@ -22,7 +22,7 @@ import pytest
 import ellm
 from ellm import SamplingParams
 from ellm.engine.kv_cache import BlockManager
-from ellm.engine.speculative import SpeculativeConfig, best_k, ngram_proposal
+from ellm.engine.speculative import ROW_COST, SpeculativeConfig, best_k, ngram_proposal
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 # An input-grounded task (the answer copies the input) and open-ended ones.
@@ -76,9 +76,9 @@ def test_ngram_proposal_matches_a_plain_search() -> None:
 
 
 def test_back_off_chooses_no_guess_when_they_fail_or_cost_too_much() -> None:
-    assert best_k(0.05, 4, 0.07) == 0          # guesses that rarely hold
-    assert best_k(0.9, 4, 0.07) == 4           # guesses that do
-    assert best_k(0.9, 4, 64 * 0.07) == 0      # a batch of 64: a row costs more than it gives
+    assert best_k(0.05, 4, ROW_COST) == 0          # guesses that rarely hold
+    assert best_k(0.9, 4, ROW_COST) == 4           # guesses that do
+    assert best_k(0.9, 4, 64 * ROW_COST) == 0      # a batch of 64: a row costs more than it gives
 
 
 # -- greedy: the same ids ------------------------------------------------------------------

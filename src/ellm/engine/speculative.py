@@ -43,11 +43,12 @@ _KEYS = {
 }
 MAX_SPECULATIVE_TOKENS = 16
 
-# What one more token in a forward costs, as a fraction of a one-token decode step.
-# Measured with benchmarks/bench_speculative.py --cost on SmolLM2-135M Q4_1, 2 threads, a
-# shared host: forwards of 5 / 9 / 17 tokens of one sequence took 1.12x / 1.69x / 2.37x a
-# 1-token one (the weights are read once; each row adds its matmul work and attention).
-ROW_COST = 0.07
+# What one more token in a forward costs, as a fraction of a one-token decode step. On
+# SmolLM2-135M Q4_1 with 2 threads, benchmarks/bench_speculative.py --cost measured 0.05-0.2
+# per extra row for forwards of 3-17 tokens of one sequence (a loaded shared host, so
+# noisy), and the prefill rate (1,077 vs 285 tok/s decode, FACTS) puts a row at ~0.26 of a
+# step for long forwards; 0.15 errs toward guessing less.
+ROW_COST = 0.15
 # Acceptance prior (pseudo-counts accepted / tried: 0.3, so a first check is short) and
 # how fast old evidence fades.
 _PRIOR_ACCEPTED, _PRIOR_TRIED = 0.6, 2.0
