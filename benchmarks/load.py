@@ -10,6 +10,7 @@ client from SSE chunk arrival times).
 
     python benchmarks/load.py                                   # ellm only
     python benchmarks/load.py --llamacpp-python benchmarks/.venv-llamacpp/bin/python
+    python benchmarks/load.py --ray-replicas 2                  # + `ellm serve --replicas 2` (Ray Serve)
 
 Each prompt starts with its own request number, so no request reuses another's prefix
 blocks; both servers compute every prompt in full. llama-cpp-python's server runs one
@@ -207,6 +208,9 @@ def main() -> int:
                    help="a Python with llama-cpp-python[server]; runs the same load against llama_cpp.server")
     p.add_argument("--llamacpp-pythonpath", default=None,
                    help="extra PYTHONPATH for that Python only (e.g. its server extras installed with --target)")
+    p.add_argument("--ray-replicas", type=int, default=0, metavar="N",
+                   help="also run `ellm serve --replicas N` (Ray Serve, needs ellm[ray]) with --threads split "
+                        "between the replicas, alternating with the single process")
     p.add_argument("--log-dir", default="/tmp")
     args = p.parse_args()
     args.clients = [int(x) for x in args.clients.split(",")]
@@ -228,6 +232,16 @@ def main() -> int:
                             "--max-model-len", "2048", "--log-level", "warning"],
                            port, Path(args.log_dir) / "load-ellm.log"))
         servers["ellm"] = f"http://127.0.0.1:{port}"
+        if args.ray_replicas:
+            port = _free_port()
+            per = max(1, args.threads // args.ray_replicas)
+            procs.append(start([sys.executable, "-m", "ellm", "serve", args.model, "--port", str(port),
+                                "--served-model-name", MODEL_NAME, "--replicas", str(args.ray_replicas),
+                                "--threads-per-replica", str(per), "--max-num-seqs", str(max_seqs),
+                                "--max-queue", str(4 * max_seqs), "--max-model-len", "2048",
+                                "--log-level", "warning"],
+                               port, Path(args.log_dir) / "load-ellm-ray.log", timeout=300))
+            servers[f"ray x{args.ray_replicas}"] = f"http://127.0.0.1:{port}"
         if args.llamacpp_python:
             env = dict(os.environ)
             if args.llamacpp_pythonpath:

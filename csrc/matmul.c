@@ -65,7 +65,9 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
 #define ROW_TILE 16
 #define TOK_TILE 32
 _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
-/* Items of the AMX kernels: more tokens per unpacking of a weight tile (4 tile groups) */
+/* Items of the AMX kernels: more tokens per unpacking of a weight tile (4 tile groups; 8
+ * were slower on the K = 576 / 640 matrices of both models, their activations then
+ * spilling from L1: Q4_1 960x576 at T=512, one thread, 210-255 against 282-304 GFLOP/s) */
 #define AMX_TOK_TILE 64
 _Static_assert(AMX_TOK_TILE % ELLM_AMX_TG == 0 && ELLM_AMX_TG % ELLM_TG == 0,
                "AMX items start on a 16-token group; padding to 16 covers groups of 8");
@@ -82,6 +84,11 @@ _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
 
 /* Whether a call of T tokens uses the group layouts and the qgemm kernels. */
 static int takes_token_groups(int64_t T) { return T >= FEW_TOKENS; }
+/* The AMX tiles take a 16-token group in the time the row-layout kernels take about 8
+ * tokens (Q4_1 1536x576, one thread: T=8 0.17 ms on VNNI rows, T=16 0.12-0.15 ms on
+ * tiles), so at the AMX level calls from this many tokens on use them, padded to 16 */
+#define AMX_FEW_TOKENS 8
+_Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS, "tiles start no later than the token groups");
 /* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, and runs at the speed of the
  * hardware prefetcher: each item should be one long sequential stream. Items of
  * 1 / (DECODE_ITEMS_PER_THREAD x threads) of the matrix (within [MIN, MAX] bytes, at
@@ -297,7 +304,7 @@ static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int
         if (!used[f]) continue;
         /* room for the group layout too, which is the rows padded to whole groups
          * (ellm_act32x8 / ellm_act256x8 hold ELLM_TG blocks' bytes, rearranged) */
-        const int64_t rows = takes_token_groups(T) ? (T + ELLM_AMX_TG - 1) / ELLM_AMX_TG * ELLM_AMX_TG : T;
+        const int64_t rows = T >= AMX_FEW_TOKENS ? (T + ELLM_AMX_TG - 1) / ELLM_AMX_TG * ELLM_AMX_TG : T;
         if (stride[f] && (uint64_t)rows > (SIZE_MAX - 64 - at) / stride[f]) return 0;
         at = (at + 63) & ~(size_t)63;
         offset[f] = at;
@@ -355,9 +362,6 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     c->x = x;
     c->T = T;
     c->K = K;
-    const int few = !takes_token_groups(T);
-    c->item_toks = few ? T : TOK_TILE;
-
     size_t offset[N_ACT], stride[N_ACT], need;
     if (!act_layout(parts, n_parts, T, K, offset, stride, &need)) return ELLM_E_SHAPE;
     if (need && (scratch == NULL || scratch_bytes < need || ((uintptr_t)scratch & 63u)))
@@ -372,9 +376,10 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
      * at the level in force (the 32-element types, Q4_K and Q6_K on x86). The kernels
      * are chosen here once, so a level changed meanwhile cannot split the decision. */
     ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS], qamx[ELLM_LINEAR_MAX_PARTS];
-    const int amx_level = !few && ellm_simd_level() == ELLM_SIMD_AMX;
+    const int groups = takes_token_groups(T);
+    const int amx_level = T >= AMX_FEW_TOKENS && ellm_simd_level() == ELLM_SIMD_AMX;
     for (int i = 0; i < n_parts; i++) {
-        qgemm[i] = !few ? ellm_qgemm_select(parts[i].qtype) : NULL;
+        qgemm[i] = groups ? ellm_qgemm_select(parts[i].qtype) : NULL;
         qamx[i] = amx_level ? ellm_qgemm_amx(parts[i].qtype) : NULL;
     }
     for (int f = 0; f < N_ACT; f++) { /* AMX where every part of the format has a kernel */
@@ -388,11 +393,14 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
             if (T % ELLM_AMX_TG)
                 ellm_amx_zero_lanes(blk, K / blk, c->xq[f] + (size_t)(T / ELLM_AMX_TG) * c->act_stride[f],
                                     (int)(T % ELLM_AMX_TG));
-            c->item_toks = AMX_TOK_TILE;
         }
     }
+    /* few: every part reads its weights once in the row layout (decode-sized items) */
+    const int any_amx = c->amx[0] || c->amx[1];
+    const int few = !groups && !any_amx;
+    c->item_toks = few ? T : any_amx ? AMX_TOK_TILE : TOK_TILE;
     for (int f = 0; f < N_ACT; f++) {
-        if (few || !c->xq[f] || c->amx[f]) continue;
+        if (!groups || !c->xq[f] || c->amx[f]) continue;
         c->grouped[f] = 1;
         for (int i = 0; i < n_parts; i++)
             if (parts[i].N > 0 && act_index(parts[i].qtype) == f && !qgemm[i]) c->grouped[f] = 0;
@@ -526,7 +534,7 @@ size_t ellm_linear_groups_scratch_bound(const ellm_linear_part *parts, int n_par
     if (parts == NULL || n_parts < 1 || n_parts > ELLM_LINEAR_MAX_PARTS || n_groups < 1 ||
         n_groups > ELLM_LINEAR_MAX_GROUPS || total_rows < 0 || K < 0)
         return 0;
-    /* per group: each format's rows padded to a whole token group (< ELLM_TG more) and
+    /* per group: each format's rows padded to a whole token group (< ELLM_AMX_TG more) and
      * aligned to 64 bytes, then the group's block aligned again */
     int used[N_ACT] = {0, 0};
     size_t row_bytes = 0;
@@ -538,7 +546,7 @@ size_t ellm_linear_groups_scratch_bound(const ellm_linear_part *parts, int n_par
             row_bytes += ellm_act_row_bytes(parts[i].qtype, K);
         }
     }
-    const uint64_t rows = (uint64_t)total_rows + (uint64_t)(ELLM_TG - 1) * (uint64_t)n_groups;
+    const uint64_t rows = (uint64_t)total_rows + (uint64_t)(ELLM_AMX_TG - 1) * (uint64_t)n_groups;
     if (row_bytes && rows > (SIZE_MAX / 2) / row_bytes) return 0;
     return groups_header_bytes(n_groups) + (size_t)n_groups * 64 * (N_ACT + 1) + row_bytes * (size_t)rows;
 }

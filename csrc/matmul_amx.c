@@ -126,6 +126,44 @@ void ellm_amx_zero_lanes(int act_block, int64_t nblk, uint8_t *group, int used) 
 }
 
 /* ====================================================================================
+ * Results: 16 rows x 16 tokens of accumulators (lanes = tokens) into Y (tokens x rows)
+ * ==================================================================================== */
+
+/* v[i] = row i (lanes j) -> v[j] = column j (lanes i): three rounds of shuffles */
+INLINE void transpose16(__m512 v[16]) {
+    __m512 t[16], u[16];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < 16; i += 2) { /* pairs of rows, 32-bit interleave in each 128-bit lane */
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    _Pragma("GCC unroll 4")
+    for (int q = 0; q < 16; q += 4) { /* u[q + j]: rows q..q+3 of columns j, j+4, j+8, j+12 */
+        u[q] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[q]), _mm512_castps_pd(t[q + 2])));
+        u[q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[q]), _mm512_castps_pd(t[q + 2])));
+        u[q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[q + 1]), _mm512_castps_pd(t[q + 3])));
+        u[q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[q + 1]), _mm512_castps_pd(t[q + 3])));
+    }
+    _Pragma("GCC unroll 4")
+    for (int j = 0; j < 4; j++) { /* gather lane L of u[j], u[4 + j], u[8 + j], u[12 + j] */
+        const __m512 a0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), a1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+        const __m512 b0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88), b1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+        v[j] = _mm512_shuffle_f32x4(a0, b0, 0x88);
+        v[j + 8] = _mm512_shuffle_f32x4(a0, b0, 0xDD);
+        v[j + 4] = _mm512_shuffle_f32x4(a1, b1, 0x88);
+        v[j + 12] = _mm512_shuffle_f32x4(a1, b1, 0xDD);
+    }
+}
+
+/* y[t][r] = v[r] lane t for t < n tokens, r < rows: a transpose, then one masked store a
+ * token (rows past `rows` are never written) */
+INLINE void store_tile(__m512 v[16], int rows, int n, float *y, size_t ys) {
+    transpose16(v);
+    const __mmask16 m = (__mmask16)((1u << rows) - 1u);
+    for (int t = 0; t < n; t++) _mm512_mask_storeu_ps(y + (size_t)t * ys, m, v[t]);
+}
+
+/* ====================================================================================
  * 32-element types
  * ==================================================================================== */
 
@@ -173,12 +211,23 @@ INLINE float const32(int type, float d, float m) {
     }
 }
 
+/* const32 for 16 rows at once (the same products, so the same floats) */
+INLINE __m512 const32x16(int type, __m512 d, __m512 m) {
+    switch (type) {
+    case ELLM_T_Q4_0: return _mm512_mul_ps(_mm512_set1_ps(-8.0f), d);
+    case ELLM_T_Q5_0: return _mm512_mul_ps(_mm512_set1_ps(-16.0f), d);
+    case ELLM_T_Q4_1:
+    case ELLM_T_Q5_1: return m;
+    default: return _mm512_setzero_ps();
+    }
+}
+
 /* Blocks unpacked per chunk (16 rows x 32 bytes each: 16 KiB of L1 at 32) */
 #define A32_CHUNK 32
 /* Token groups sharing one unpacking of the weights */
 #define A32_GROUPS 4
-/* Blocks in flight between a tile multiply and its fold, and the result buffers */
-#define A32_LAG 2
+/* Result buffers of the tile multiplies in flight (a block is folded one block after
+ * its result is stored) */
 #define A32_BUFS 4
 
 typedef struct {
@@ -204,9 +253,18 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
     int32_t ib[A32_BUFS][16][16] __attribute__((aligned(64)));
     __m512 acc_mem[A32_GROUPS][16], cor_mem[A32_GROUPS][16];
     const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
+    /* a block's first dword holds d (and m for the _1 types) as two halves: gathered for
+     * the 16 rows at once where the row offsets fit the gather's int32 indices */
+    const int gather = ws <= (size_t)INT32_MAX / 16;
     load_tile_config(32);
     for (int64_t r0 = 0; r0 < nr; r0 += 16) {
         const int rows = nr - r0 < 16 ? (int)(nr - r0) : 16;
+        int32_t offs[16] __attribute__((aligned(64)));
+        for (int r = 0; r < 16; r++) offs[r] = gather ? (int32_t)((size_t)(r < rows ? r : rows - 1) * ws) : 0;
+        const __m512i row_off = _mm512_load_si512(offs);
+        /* Q8_0's values are int8 as stored: a full tile of rows is loaded straight from
+         * the weights (row stride ws) rather than copied into the chunk first */
+        const int direct = type == ELLM_T_Q8_0 && rows == 16;
         for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
             const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
             for (int g = 0; g < ng; g++)
@@ -214,42 +272,68 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
             for (int64_t i0 = 0; i0 < nb; i0 += A32_CHUNK) {
                 const int nc = nb - i0 < A32_CHUNK ? (int)(nb - i0) : A32_CHUNK;
                 /* unpack: rows past nr repeat the last row (computed, never stored) */
-                for (int ii = 0; ii < nc; ii++)
-                    for (int r = 0; r < 16; r++) {
-                        const uint8_t *b = w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws +
-                                           (size_t)(i0 + ii) * (size_t)bs;
-                        const float d = f16_at(b);
-                        wc.d[ii][r] = d;
-                        wc.c[ii][r] = const32(type, d, f16_at(b + 2));
-                        _mm256_store_si256((__m256i *)wc.q[ii][r], values32(type, b));
+                for (int ii = 0; ii < nc; ii++) {
+                    const uint8_t *b0 = w + (size_t)r0 * ws + (size_t)(i0 + ii) * (size_t)bs;
+                    if (gather) { /* the 16 rows' (d, m) halves in one gather */
+                        const __m512i dm = _mm512_i32gather_epi32(row_off, (const void *)b0, 1);
+                        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+                        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+                        _mm512_store_ps(wc.d[ii], d);
+                        _mm512_store_ps(wc.c[ii], const32x16(type, d, m));
                     }
+                    for (int r = 0; r < 16 && !(gather && direct); r++) {
+                        const uint8_t *b = b0 + (size_t)(r < rows ? r : rows - 1) * ws;
+                        if (!gather) {
+                            const float d = f16_at(b);
+                            wc.d[ii][r] = d;
+                            wc.c[ii][r] = const32(type, d, f16_at(b + 2));
+                        }
+                        if (!direct) _mm256_store_si256((__m256i *)wc.q[ii][r], values32(type, b));
+                    }
+                }
+                /* block ii's weight tile: (16 rows, 32 bytes) at a_ptr(ii), rows a_stride apart */
+                const uint8_t *a_base = direct ? w + (size_t)r0 * ws + (size_t)i0 * (size_t)bs + 2
+                                               : (const uint8_t *)wc.q[0];
+                const size_t a_step = direct ? (size_t)bs : sizeof wc.q[0];
+                const size_t a_stride = direct ? ws : 32;
                 for (int g = 0; g < ng; g++) {
                     const ellm_act32x16 *xg = (const ellm_act32x16 *)(x + (size_t)(g0 + g) * xs) + i0;
                     __m512 acc[16];
                     _Pragma("GCC unroll 16")
                     for (int r = 0; r < 16; r++) acc[r] = acc_mem[g][r];
-                    /* software-pipelined: block ii's multiply is issued A32_LAG blocks
-                     * before its fold, so the tile unit and the stores run under the
-                     * folds of earlier blocks (which still happen in block order) */
-                    for (int ii = 0; ii < nc + A32_LAG; ii++) {
-                        if (ii < nc && (ii & 1) == 0) {
-                            TILE_LOAD(TA0, wc.q[ii], 32);
-                            TILE_LOAD(TB0, xg[ii].qs, 64);
-                            TILE_ZERO(TC0);
-                            TILE_DPBSSD(TC0, TA0, TB0);
+                    /* software-pipelined: block ii + 1's multiply is issued before block
+                     * ii's result is stored, and block ii is folded one block later, so
+                     * the tile unit, the tile stores and the folds (still in block order)
+                     * overlap rather than wait on one another */
+                    TILE_LOAD(TA0, a_base, a_stride);
+                    TILE_LOAD(TB0, xg[0].qs, 64);
+                    TILE_ZERO(TC0);
+                    TILE_DPBSSD(TC0, TA0, TB0);
+                    for (int ii = 0; ii < nc; ii++) {
+                        const int nx = ii + 1;
+                        if ((ii & 1) == 0) {
+                            if (nx < nc) {
+                                TILE_LOAD(TA1, a_base + (size_t)nx * a_step, a_stride);
+                                TILE_LOAD(TB1, xg[nx].qs, 64);
+                                TILE_ZERO(TC1);
+                                TILE_DPBSSD(TC1, TA1, TB1);
+                            }
                             TILE_STORE(TC0, ib[ii % A32_BUFS], 64);
-                        } else if (ii < nc) {
-                            TILE_LOAD(TA1, wc.q[ii], 32);
-                            TILE_LOAD(TB1, xg[ii].qs, 64);
-                            TILE_ZERO(TC1);
-                            TILE_DPBSSD(TC1, TA1, TB1);
+                        } else {
+                            if (nx < nc) {
+                                TILE_LOAD(TA0, a_base + (size_t)nx * a_step, a_stride);
+                                TILE_LOAD(TB0, xg[nx].qs, 64);
+                                TILE_ZERO(TC0);
+                                TILE_DPBSSD(TC0, TA0, TB0);
+                            }
                             TILE_STORE(TC1, ib[ii % A32_BUFS], 64);
                         }
-                        if (ii >= A32_LAG) {
-                            const int jj = ii - A32_LAG;
+                        if (ii >= 1) {
+                            const int jj = ii - 1;
                             fold_block32(ib[jj % A32_BUFS], wc.d[jj], _mm512_loadu_ps(xg[jj].d), acc);
                         }
                     }
+                    fold_block32(ib[(nc - 1) % A32_BUFS], wc.d[nc - 1], _mm512_loadu_ps(xg[nc - 1].d), acc);
                     _Pragma("GCC unroll 16")
                     for (int r = 0; r < 16; r++) acc_mem[g][r] = acc[r];
                     if (has_c) {
@@ -268,14 +352,13 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                 }
             }
             for (int g = 0; g < ng; g++) {
-                float out[16][16] __attribute__((aligned(64)));
+                __m512 out[16];
+                _Pragma("GCC unroll 16")
                 for (int r = 0; r < 16; r++)
-                    _mm512_store_ps(out[r], has_c ? _mm512_add_ps(acc_mem[g][r], cor_mem[g][r])
-                                                  : acc_mem[g][r]);
+                    out[r] = has_c ? _mm512_add_ps(acc_mem[g][r], cor_mem[g][r]) : acc_mem[g][r];
                 const int64_t t0 = (g0 + g) * ELLM_AMX_TG;
                 const int n = nt - t0 < ELLM_AMX_TG ? (int)(nt - t0) : ELLM_AMX_TG;
-                for (int t = 0; t < n; t++)
-                    for (int r = 0; r < rows; r++) y[(size_t)(t0 + t) * ys + (size_t)(r0 + r)] = out[r][t];
+                store_tile(out, rows, n, y + (size_t)t0 * ys + (size_t)r0, ys);
             }
         }
     }
@@ -371,7 +454,7 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
     const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
     const int runs = q4 ? 8 : 16, run_bytes = q4 ? 32 : 16;
     wchunkk wc;
-    int32_t ib[2][16][16] __attribute__((aligned(64)));
+    int32_t ib[3][16][16] __attribute__((aligned(64)));
     __m512 acc_mem[A32_GROUPS][16];
     const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
     load_tile_config(run_bytes);
@@ -395,20 +478,30 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
                         for (int r = 0; r < 16; r++) tot[r] = _mm512_setzero_si512();
                         /* run j: weight bytes [run_bytes j, +run_bytes) of each row; the
                          * activations' dwords from run_bytes j / 4 on, 64 bytes a dword */
+                        /* run j + 1's multiply is issued before run j's result is
+                         * stored, and run j is scaled one run later (the sum of the
+                         * runs is exact in int32, so only its terms' order is fixed) */
+                        TILE_LOAD(TA0, wc.q[ii][0], 256);
+                        TILE_LOAD(TB0, xg[ii].qs, 64);
+                        TILE_ZERO(TC0);
+                        TILE_DPBSSD(TC0, TA0, TB0);
                         for (int j = 0; j < runs; j += 2) {
-                            TILE_LOAD(TA0, wc.q[ii][0] + run_bytes * j, 256);
-                            TILE_LOAD(TB0, xg[ii].qs + 16 * run_bytes * j, 64);
-                            TILE_ZERO(TC0);
-                            TILE_DPBSSD(TC0, TA0, TB0);
                             TILE_LOAD(TA1, wc.q[ii][0] + run_bytes * (j + 1), 256);
                             TILE_LOAD(TB1, xg[ii].qs + 16 * run_bytes * (j + 1), 64);
                             TILE_ZERO(TC1);
                             TILE_DPBSSD(TC1, TA1, TB1);
-                            TILE_STORE(TC0, ib[0], 64);
-                            TILE_STORE(TC1, ib[1], 64);
-                            scale_runs(ib[0], wc.sc[ii], j, tot);
-                            scale_runs(ib[1], wc.sc[ii], j + 1, tot);
+                            TILE_STORE(TC0, ib[j % 3], 64);
+                            if (j >= 1) scale_runs(ib[(j - 1) % 3], wc.sc[ii], j - 1, tot);
+                            if (j + 2 < runs) {
+                                TILE_LOAD(TA0, wc.q[ii][0] + run_bytes * (j + 2), 256);
+                                TILE_LOAD(TB0, xg[ii].qs + 16 * run_bytes * (j + 2), 64);
+                                TILE_ZERO(TC0);
+                                TILE_DPBSSD(TC0, TA0, TB0);
+                            }
+                            TILE_STORE(TC1, ib[(j + 1) % 3], 64);
+                            scale_runs(ib[j % 3], wc.sc[ii], j, tot);
                         }
+                        scale_runs(ib[(runs - 1) % 3], wc.sc[ii], runs - 1, tot);
                         const __m512 dx = _mm512_loadu_ps(xg[ii].d);
                         __m512i bsum[8];
                         _Pragma("GCC unroll 8")
@@ -436,12 +529,9 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
                 }
             }
             for (int g = 0; g < ng; g++) {
-                float out[16][16] __attribute__((aligned(64)));
-                for (int r = 0; r < 16; r++) _mm512_store_ps(out[r], acc_mem[g][r]);
                 const int64_t t0 = (g0 + g) * ELLM_AMX_TG;
                 const int n = nt - t0 < ELLM_AMX_TG ? (int)(nt - t0) : ELLM_AMX_TG;
-                for (int t = 0; t < n; t++)
-                    for (int r = 0; r < rows; r++) y[(size_t)(t0 + t) * ys + (size_t)(r0 + r)] = out[r][t];
+                store_tile(acc_mem[g], rows, n, y + (size_t)t0 * ys + (size_t)r0, ys);
             }
         }
     }

@@ -729,10 +729,13 @@ def test_get_rows_bad_index_raises() -> None:
 # at the AMX level, which the level-parametrized tests above cover
 AMX_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
              GGMLType.Q4_K, GGMLType.Q6_K]
-# (T, N, K-blocks): T below, at and past 16-token groups and 64-token items, N below and
-# past a 16-row tile, K past one unpacking chunk (32 blocks of 32, 4 blocks of 256)
-AMX_SHAPES = {32: [(16, 16, 1), (17, 5, 3), (31, 33, 2), (64, 16, 33), (100, 37, 7), (257, 48, 18)],
-              256: [(16, 16, 1), (17, 5, 2), (31, 33, 1), (64, 16, 5), (100, 37, 3), (257, 48, 3)]}
+# (T, N, K-blocks): T from 8 (tiles take calls from 8 tokens on, padded to 16), below, at
+# and past 16-token groups and 64-token items, N below and past a 16-row tile, K past one
+# unpacking chunk (32 blocks of 32, 4 blocks of 256)
+AMX_SHAPES = {32: [(8, 16, 2), (13, 21, 3), (16, 16, 1), (17, 5, 3), (31, 33, 2), (64, 16, 33),
+                   (100, 37, 7), (257, 48, 18)],
+              256: [(8, 16, 1), (13, 21, 2), (16, 16, 1), (17, 5, 2), (31, 33, 1), (64, 16, 5),
+                    (100, 37, 3), (257, 48, 3)]}
 
 
 def needs_amx() -> None:

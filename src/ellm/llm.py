@@ -310,7 +310,7 @@ def _set_threads(threads: int | None) -> None:
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
          threads: int | None = None, chat_template: str | None = None,
-         progress: bool = True, activations: str = "int8",
+         progress: bool = True, activations: str = "int8", mmproj: str | Path | None = None,
          speculative_config: dict[str, Any] | str | None = None) -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
 
@@ -321,7 +321,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     the model's own by chat() and the server.
     activations: "int8" (default) rounds a quantized matmul's input to 8-bit blocks;
     "f32" multiplies the dequantized weights by it unrounded (see ops.get_ops).
-    speculative_config: speculative decoding, vLLM's names (docs/speculative-decoding.md):
+    mmproj: [vision] llama.cpp's separate vision file (`convert_hf_to_gguf.py --mmproj`) for
+    a .gguf text model (SmolVLM / Idefics3 on llama, Gemma 3); given explicitly, never guessed
+    from the folder (docs/vision.md).
+    speculative_config: [spec] speculative decoding, vLLM's names (docs/speculative-decoding.md):
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or
     {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": 4}."""
     from . import hub
@@ -366,6 +369,12 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
         sampling = defaults.from_folder(resolved.path)
+    if mmproj is not None:   # [vision]
+        if resolved.kind != "gguf":
+            raise ValueError(f"mmproj= goes with a .gguf text model; {resolved.describe()} is not one "
+                             "(a folder carries its vision tower itself)")
+        from .models.mmproj import attach_mmproj
+        config, weights = attach_mmproj(config, weights, tokenizer, mmproj)
     if template is not None:
         tokenizer.chat_template = template
         tokenizer.chat_template_builtin = False

@@ -81,7 +81,8 @@ class Engine:
         return f"req-{next(self._ids)}"
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, images: list[Any] | None = None) -> str:
+        """images: [vision] ImageInputs whose rows fill the prompt's image tokens, in order."""
         request_id = request_id or self.new_request_id()
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already running")
@@ -96,6 +97,7 @@ class Engine:
         if len(prompt_ids) >= limit:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context allows "
                                f"{limit} (prompt + output), so at most {limit - 1} prompt tokens")
+        image_positions, image_keys = self._image_slots(prompt_ids, images)   # [vision]
         grammar = self._grammar_state(params)  # [structured] one matcher per constrained sequence
         seq = Sequence(
             request_id=request_id, prompt_ids=prompt_ids, params=params, grammar=grammar,
@@ -105,6 +107,8 @@ class Engine:
             arrival=next(self._arrivals),
             eos_ids=frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_ids),
         )
+        if images:   # [vision]
+            seq.images, seq.image_positions, seq.image_keys = list(images), image_positions, image_keys
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
@@ -155,7 +159,9 @@ class Engine:
         for seq, n in plan:
             seq.num_computed += n
             if seq.num_computed >= len(seq.prompt_ids):
-                self.blocks.cache_prefix(seq.request_id, seq.prompt_ids, seq.num_computed)
+                self.blocks.cache_prefix(seq.request_id, seq.image_keys or seq.prompt_ids,  # [vision] keys
+                                         seq.num_computed)
+                seq.image_rows = None   # [vision] the prompt is in the cache now
         if self.spec is not None and any(seq.draft_ids for seq in sampled):  # [spec] rows of guesses
             self._sample_checked(sampled, self.runner.to_host(logits), masks, outputs)
             return outputs
@@ -192,10 +198,13 @@ class Engine:
         positions = np.empty(total, np.int32)
         seq_ids = np.empty(total, np.int32)
         rows, sampled = [], []
+        spliced: list[tuple[np.ndarray, np.ndarray]] = []   # [vision] (batch rows, image rows)
         t = 0
         for b, (seq, n) in enumerate(plan):
             start = seq.num_computed
             ids = seq.all_ids + seq.draft_ids if seq.draft_ids else seq.all_ids  # [spec]
+            if seq.images:   # [vision]
+                spliced += self._image_rows_in(seq, start, n, t)
             token_ids[t:t + n] = ids[start:start + n]
             positions[t:t + n] = np.arange(start, start + n, dtype=np.int32)
             seq_ids[t:t + n] = b
@@ -213,7 +222,56 @@ class Engine:
                 arr[b, :len(tbl)] = tbl
             tables[w] = arr
         batch = Batch(token_ids, positions, seq_ids, tables, np.asarray(rows, np.int32))
+        if spliced:   # [vision]
+            batch.embed_rows = np.concatenate([r for r, _ in spliced])
+            batch.embed_values = np.concatenate([v for _, v in spliced])
         return batch, sampled
+
+    # -- [vision] images in the prompt ----------------------------------------------
+
+    def _image_slots(self, prompt_ids: list[int], images: list[Any] | None) -> tuple[Any, Any]:
+        """Checks that the prompt's image tokens and the images' token counts agree; ->
+        (positions of the image tokens, the prompt keyed for the prefix cache), or
+        (None, None) for a prompt without images."""
+        image_token = getattr(self.model.config, "image_token_id", None)
+        if image_token is None or not getattr(self.model, "takes_images", False):
+            if images:
+                raise RequestError("this model takes no images (it has no vision tower)")
+            return None, None
+        ids = np.asarray(prompt_ids, np.int64)
+        positions = np.flatnonzero(ids == image_token).astype(np.int32)
+        images = list(images or [])
+        counts = []
+        for i, image in enumerate(images):
+            try:
+                counts.append(self.model.image_token_count(image))
+                if not isinstance(image.content_hash, str) or not image.content_hash:
+                    raise ValueError("its content_hash must be a non-empty string")
+            except (AttributeError, ValueError) as e:
+                raise RequestError(f"image {i}: {e}") from None
+        if len(positions) != sum(counts):
+            raise RequestError(f"the prompt holds {len(positions)} image tokens (id {image_token}), the "
+                               f"{len(images)} image(s) need {sum(counts)} ({'+'.join(map(str, counts)) or '0'})")
+        if not images:
+            return None, None
+        keys: list[Any] = list(prompt_ids)
+        k = 0
+        for image, count in zip(images, counts):
+            for j in range(count):
+                keys[positions[k]] = (image_token, image.content_hash, j)
+                k += 1
+        return positions, keys
+
+    def _image_rows_in(self, seq: Sequence, start: int, n: int, offset: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The image rows for seq's tokens start..start+n-1, placed at batch rows offset+...;
+        the images are encoded once, at the first chunk that needs them."""
+        pos = seq.image_positions
+        lo, hi = np.searchsorted(pos, start), np.searchsorted(pos, start + n)
+        if lo == hi:
+            return []
+        if seq.image_rows is None:
+            seq.image_rows = self.model.encode_images(seq.images)
+        return [((pos[lo:hi] - start + offset).astype(np.int32), seq.image_rows[lo:hi])]
 
     def _append(self, seq: Sequence, res: Any) -> None:
         tok = int(res.token_id)

@@ -72,7 +72,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.request_id not in self.blocks.tables:
-                seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.all_ids)
+                seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prefix_keys)  # [vision] keys
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.allocate(seq.request_id, seq.num_computed + n):

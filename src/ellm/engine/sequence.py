@@ -59,10 +59,22 @@ class Sequence:
     grammar: Any = None          # a structured.GrammarState when the output is constrained
     error: str | None = None     # why the sequence finished with reason "error"
     draft_ids: list[int] = field(default_factory=list)  # [spec] guesses checked this step
+    # [vision] the request's images, where their tokens sit in the prompt ((M,) int32,
+    # ascending), their rows once encoded ((M, H) f32, dropped when the prompt is done),
+    # and the prompt as the prefix cache sees it (image tokens keyed by image content)
+    images: list[Any] = field(default_factory=list)
+    image_positions: Any = None
+    image_rows: Any = None
+    image_keys: list[Any] | None = None
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prefix_keys(self) -> list[Any]:
+        """What the prefix cache hashes: the ids, an image token as (id, image hash, index)."""
+        return (self.image_keys or self.prompt_ids) + self.output_ids
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,8 @@ FAMILIES: dict[str, str] = {
     "granite": "granite",
     "phi3": "phi3",
     "qwen3_moe": "qwen3_moe",
+    "smolvlm": "smolvlm",     # SmolVLM / SmolVLM2: SigLIP + pixel-shuffle connector + Llama
+    "idefics3": "smolvlm",
 }
 # Other names for a model_type (wrappers whose text model is one of the above).
 ALIASES: dict[str, str] = {

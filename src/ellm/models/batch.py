@@ -13,6 +13,10 @@ class Batch:
     seq_ids: np.ndarray        # (T,) int32: each token's row in the block tables
     block_tables: dict[int, np.ndarray]  # window (0 = full) -> (B, max_blocks) int32, -1 unused
     logits_rows: np.ndarray    # (R,) int32: the tokens whose logits are wanted
+    # [vision] rows of the batch whose embeddings are given (image tokens), and those
+    # embeddings: (M,) int32 indices into token_ids, (M, H) f32; None: every row is embedded
+    embed_rows: np.ndarray | None = None
+    embed_values: np.ndarray | None = None
 
     @classmethod
     def single(cls, token_ids: np.ndarray, start: int, block_tables: dict[int, np.ndarray],

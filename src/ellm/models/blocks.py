@@ -251,6 +251,8 @@ class Decoder:
         residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
         if self.embed_scale != 1.0:
             ops.scale(residual, self.embed_scale)
+        if batch.embed_rows is not None:   # [vision] image rows replace the image tokens' embeddings
+            ops.scatter_rows(residual, batch.embed_rows, batch.embed_values)
         rec = self.recorder   # [trace] None unless tracing: then one comparison per block below
         if rec is not None:
             rec(None, "embed", residual)

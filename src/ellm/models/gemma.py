@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from ..config import GGUFMeta, ModelConfig, check_layer_types, check_window, layer_types_window, rope_inv_freq
+from ..config import ConfigError, GGUFMeta, ModelConfig, check_layer_types, check_window, layer_types_window, rope_inv_freq
 from ..weights import WeightSource
 from .blocks import (Decoder, DecoderLayer, embedding_and_head, load_attention, load_mlp, load_norm,
                      maybe_norm)
+from .siglip import SiglipEncoder, VisionConfig, f32_linear
 
 # Gemma 2/3 have four norms per layer; llama.cpp's ffn_norm is the one before the MLP
 # (Gemma 1's single post_attention_layernorm is read as that norm, which it is).
@@ -35,9 +36,22 @@ GGUF_TENSORS = [
 GGUF_VOCAB_STYLE = "gemma"
 
 
+# Gemma3ForConditionalGeneration folders keep the text model under model.language_model
+# (or language_model.model, as transformers 5.24 saves it), and the vision tower and
+# projector under vision_tower / multi_modal_projector, with or without a leading model.
+_PREFIXES = [("model.language_model.", "model."), ("language_model.model.", "model."),
+             ("language_model.lm_head.", "lm_head."), ("model.vision_tower.vision_model.", "vision_tower."),
+             ("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
+             ("model.multi_modal_projector.", "multi_modal_projector.")]
+VISION_TOWER = "vision_tower."
+PROJECTOR = "multi_modal_projector."
+
+
 def sanitize(name: str) -> str:
-    """Gemma3ForConditionalGeneration folders keep the text model under model.language_model."""
-    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 @dataclass
@@ -48,6 +62,11 @@ class Args(ModelConfig):
     rope_local_base_freq: float | None = None
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
+    # [vision] Gemma3ForConditionalGeneration: the SigLIP tower's settings, the image
+    # token, and how many tokens an image becomes (its patches average-pooled)
+    vision_config: dict[str, Any] | None = None
+    image_token_id: int | None = None
+    mm_tokens_per_image: int = 256
 
     gguf_architectures = ("gemma", "gemma2", "gemma3")
 
@@ -55,6 +74,15 @@ class Args(ModelConfig):
         super().__post_init__()
         check_window(self.sliding_window)
         check_layer_types(self.layer_types, self.num_hidden_layers)
+        self.vision = None if self.vision_config is None else VisionConfig.from_dict(self.vision_config)
+        if self.vision is not None:
+            if self.image_token_id is None or not 0 <= self.image_token_id < self.vocab_size:
+                raise ConfigError(f"image_token_index {self.image_token_id} is outside the vocabulary "
+                                  f"({self.vocab_size})")
+            side, g = int(round(self.mm_tokens_per_image ** 0.5)), self.vision.patches_per_side
+            if side * side != self.mm_tokens_per_image or not 0 < side <= g or g % side:
+                raise ConfigError(f"mm_tokens_per_image {self.mm_tokens_per_image} is not a square that "
+                                  f"pools the {g} x {g} patch grid evenly")
 
     @property
     def attention_scale(self) -> float:
@@ -69,13 +97,22 @@ class Args(ModelConfig):
         return super().inv_freq(layer)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "norm": "(1 + w)", "mlp": "GeGLU",
-                "softcap": (self.attn_logit_softcapping, self.final_logit_softcapping)}
+        out = {**super().describe(), "norm": "(1 + w)", "mlp": "GeGLU",
+               "softcap": (self.attn_logit_softcapping, self.final_logit_softcapping)}
+        if self.vision is not None:   # [vision]
+            v = self.vision
+            out["vision"] = (f"SigLIP {v.num_hidden_layers} layers x {v.hidden_size}, {v.image_size}px, "
+                             f"{self.mm_tokens_per_image} tokens per image")
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "Args":
         if raw.get("model_type") == "gemma3" and isinstance(raw.get("text_config"), dict):  # multimodal wrapper
-            raw = {**raw["text_config"], "model_type": "gemma3_text"}
+            image = {"vision_config": raw.get("vision_config"),
+                     "image_token_id": raw.get("image_token_index", raw.get("image_token_id")),
+                     "mm_tokens_per_image": raw.get("mm_tokens_per_image")}
+            raw = {**raw["text_config"], "model_type": "gemma3_text",
+                   **{k: v for k, v in image.items() if v is not None}}
         return super().from_dict(raw, generation)  # type: ignore[return-value]
 
     @classmethod
@@ -139,6 +176,38 @@ class Model(Decoder):
                 post_mlp_norm=maybe_norm(weights, p + "post_feedforward_layernorm.weight", H, True)))
         super().__init__(c, ops, embed, lm_head, layers, load_norm(weights, "model.norm.weight", H, True),
                          embed_scale=float(np.float32(H ** 0.5)), final_softcap=c.final_logit_softcapping or 0.0)
+        # [vision] Gemma 3's SigLIP tower and projector, when the file has them
+        self.takes_images = c.vision is not None and VISION_TOWER + "post_layernorm.weight" in weights
+        if self.takes_images:
+            v = c.vision
+            self.tower = SiglipEncoder(v, weights, ops, VISION_TOWER)
+            self.soft_norm = load_norm(weights, PROJECTOR + "mm_soft_emb_norm.weight", v.hidden_size, True)
+            w = weights.vector(PROJECTOR + "mm_input_projection_weight")        # (D, H)
+            if w.shape != (v.hidden_size, H):
+                raise ValueError(f"{PROJECTOR}mm_input_projection_weight has shape {w.shape}, "
+                                 f"expected ({v.hidden_size}, {H})")
+            self.projection = f32_linear(w.T, PROJECTOR + "mm_input_projection_weight")
+
+    def image_token_count(self, image: Any) -> int:
+        """[vision] An image (one tile) becomes mm_tokens_per_image tokens."""
+        pixels = self.tower.check_pixels(image.pixel_values)
+        if len(pixels) != 1:
+            raise ValueError(f"Gemma 3 takes one {self.config.vision.image_size}px tile per image, got {len(pixels)}")
+        return self.config.mm_tokens_per_image
+
+    def encode_images(self, images: list[Any]) -> np.ndarray:
+        """[vision] ImageInputs -> (n_images * mm_tokens_per_image, hidden_size) f32: the
+        tower's patches average-pooled to a side x side grid (row-major), RMSNorm'd (1 + w),
+        projected to the text width."""
+        c, v = self.config, self.config.vision
+        feats = self.tower(np.concatenate([self.tower.check_pixels(im.pixel_values) for im in images]))
+        n, g, D = len(feats), v.patches_per_side, v.hidden_size
+        side = int(round(c.mm_tokens_per_image ** 0.5))
+        k = g // side
+        pooled = feats.reshape(n, side, k, side, k, D).mean(axis=(2, 4), dtype=np.float32)
+        rows = np.ascontiguousarray(pooled.reshape(n * side * side, D))
+        self.ops.rmsnorm(rows, self.soft_norm, v.layer_norm_eps, out=rows)
+        return self.ops.linear(rows, self.projection, out=np.empty((len(rows), c.hidden_size), np.float32))
 
 
 CHAT_TEMPLATE = """\

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .._native import _kernels, _moe, _quant
+from .._native import _kernels, _moe, _quant, _vision
 from .memory import HostMemory
 from .reference import Experts
 
@@ -89,6 +89,20 @@ class CpuOps(HostMemory):
     def scale(self, x: np.ndarray, s: float) -> np.ndarray:
         _kernels.scale_(x, float(s))
         return x
+
+    # -- vision towers (csrc/vision.c) -----------------------------------------------
+
+    def layernorm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        return _vision.layernorm(x, weight, bias, float(eps), _out(out, x.shape))
+
+    def gelu_tanh(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return _vision.gelu_tanh(x, _out(out, x.shape))
+
+    def full_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_len: int, scale: float,
+                       out: np.ndarray | None = None) -> np.ndarray:
+        """q, k, v (T, nh, hd): T / seq_len independent sequences, no mask. -> (T, nh, hd)."""
+        return _vision.full_attention(q, k, v, int(seq_len), float(scale), _out(out, q.shape))
 
     def moe(self, x: np.ndarray, router, experts: Experts, top_k: int, norm_topk_prob: bool,
             out: np.ndarray | None = None) -> np.ndarray:

@@ -145,6 +145,36 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------
+# Vision towers (SigLIP): layernorm with bias, GELU, attention without a mask
+# ------------------------------------------------------------------------------------
+
+def layernorm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """x (..., D) f32 -> (x - mean) / sqrt(var + eps) * weight + bias over the last axis
+    (the biased variance, as torch.nn.LayerNorm), in f32."""
+    x = x.astype(np.float32)
+    mean = np.mean(x, axis=-1, keepdims=True, dtype=np.float32)
+    d = x - mean
+    var = np.mean(d * d, axis=-1, keepdims=True, dtype=np.float32)
+    return d / np.sqrt(var + np.float32(eps)) * weight.astype(np.float32) + bias.astype(np.float32)
+
+
+def full_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_len: int, scale: float) -> np.ndarray:
+    """q, k, v (T, nh, hd), T = n * seq_len: n independent sequences of seq_len rows each
+    (an image tile's patches), every row attending to every row of its own sequence (no
+    causal mask, no cache). -> (T, nh, hd)."""
+    T, nh, hd = q.shape
+    if seq_len < 1 or T % seq_len:
+        raise ValueError(f"{T} rows are not a whole number of sequences of {seq_len}")
+    out = np.empty((T, nh, hd), np.float32)
+    for s in range(0, T, seq_len):
+        qs, ks, vs = (a[s:s + seq_len].astype(np.float32).transpose(1, 0, 2) for a in (q, k, v))  # (nh, L, hd)
+        w = qs @ ks.transpose(0, 2, 1) * np.float32(scale)                                         # (nh, L, L)
+        w = np.exp(w - w.max(axis=-1, keepdims=True))
+        out[s:s + seq_len] = ((w / w.sum(axis=-1, keepdims=True)) @ vs).transpose(1, 0, 2)
+    return out
+
+
+# ------------------------------------------------------------------------------------
 # Mixture of experts
 # ------------------------------------------------------------------------------------
 
@@ -276,6 +306,19 @@ class ReferenceOps(HostMemory):
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         x[...] = softcap(x, cap)
         return x
+
+    # -- vision towers ------------------------------------------------------------
+
+    def layernorm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        return _into(out, layernorm(x, weight, bias, eps))
+
+    def gelu_tanh(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return _into(out, gelu_tanh(x.astype(np.float32)))
+
+    def full_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_len: int, scale: float,
+                       out: np.ndarray | None = None) -> np.ndarray:
+        return _into(out, full_attention(q, k, v, seq_len, scale))
 
     def scale(self, x: np.ndarray, s: float) -> np.ndarray:
         x *= np.float32(s)

@@ -41,6 +41,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests queued or running before new ones get 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # [ray] scale out: N replicas on Ray Serve behind one ingress (ellm.server.ray_serve)
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas on Ray Serve behind one endpoint (needs 'ellm[ray]')")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379 or 'auto'); default: start a local one")
+    p.add_argument("--threads-per-replica", type=int, default=1, metavar="T",
+                   help="kernel threads (and Ray CPUs) of each replica (default: 1)")
+    p.add_argument("--router", default="prefix", choices=["prefix", "round-robin", "pow2"],
+                   help="how the ingress picks a replica: prefix-cache affinity (default), round robin, or "
+                        "Ray Serve's power of two choices")
 
 
 # Seconds a client has to send a request's headers (see server/timeouts.py).
@@ -71,6 +81,15 @@ def main(args: argparse.Namespace) -> int:
     if api_key is None and not _is_loopback(args.host):
         print(f"warning: serving on {args.host} without an API key (--api-key or ${API_KEY_ENV}): "
               "anyone who can reach it can use it", file=sys.stderr)
+
+    if args.replicas is not None:   # [ray]
+        if args.replicas < 1 or args.threads_per_replica < 1:
+            return _usage_error("--replicas and --threads-per-replica must be >= 1")
+        try:
+            from . import ray_serve
+        except ImportError as e:
+            return _usage_error(f"--replicas needs the ray extra ({e.name} is missing): pip install 'ellm[ray]'")
+        return ray_serve.serve_forever(args, api_key)
 
     import ellm
 

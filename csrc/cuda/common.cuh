@@ -1,0 +1,171 @@
+// Shared device helpers for ellm's CUDA kernels (compiled at run time by NVRTC through
+// CuPy's RawModule, and by nvcc --ptx in the test suite).
+//
+// No CUDA headers are included on purpose: NVRTC then needs no include path and the
+// kernels compile the same wherever CuPy runs. Half-precision conversions and the
+// tensor-core instruction are inline PTX (sm_80+).
+//
+// Weight rows are GGML rows (formats/ggml_types.py): F32, F16, BF16 or quantized blocks
+// of 32 (Q4_0, Q4_1, Q8_0) or 256 elements (Q4_K, Q5_K, Q6_K). Blocks are only 2-byte
+// aligned (a Q4_0 block is 18 bytes), so they are read as bytes and 16-bit halves.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef signed char i8;
+
+#define ELLM_NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    return __uint_as_float(((u32)h) << 16);
+}
+
+// two f32 -> packed bf16x2 (lo in the low half), round to nearest even
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float rd_f16(const u8* p) {
+    return f16_to_f32(*(const u16*)p);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------
+// Dequantize 8 consecutive elements k0 .. k0+7 (k0 % 8 == 0) of one weight row.
+// One function per GGML type; every kernel that reads weights goes through these, so
+// a layout is written once (they mirror csrc/quant.c's dq_* block functions).
+// ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ void deq8_f32(const u8* row, int k0, float* v) {
+    const float* p = (const float*)row + k0;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = p[i];
+}
+
+__device__ __forceinline__ void deq8_f16(const u8* row, int k0, float* v) {
+    const u16* p = (const u16*)row + k0;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = f16_to_f32(p[i]);
+}
+
+__device__ __forceinline__ void deq8_bf16(const u8* row, int k0, float* v) {
+    const u16* p = (const u16*)row + k0;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = bf16_to_f32(p[i]);
+}
+
+// Q4_0: f16 d, 16 bytes; element j < 16 is the low nibble of qs[j], j >= 16 the high
+// nibble of qs[j - 16]; value d * (q - 8).
+__device__ __forceinline__ void deq8_q4_0(const u8* row, int k0, float* v) {
+    const u8* b = row + (k0 >> 5) * 18;
+    float d = rd_f16(b);
+    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    const u8* qs = b + 2 + (j0 & 15);
+    #pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = d * (float)(((qs[i] >> sh) & 15) - 8);
+}
+
+// Q4_1: f16 d, f16 m, 16 bytes of nibbles as Q4_0; value d * q + m.
+__device__ __forceinline__ void deq8_q4_1(const u8* row, int k0, float* v) {
+    const u8* b = row + (k0 >> 5) * 20;
+    float d = rd_f16(b), m = rd_f16(b + 2);
+    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    const u8* qs = b + 4 + (j0 & 15);
+    #pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) + m;
+}
+
+// Q8_0: f16 d, 32 int8; value d * q.
+__device__ __forceinline__ void deq8_q8_0(const u8* row, int k0, float* v) {
+    const u8* b = row + (k0 >> 5) * 34;
+    float d = rd_f16(b);
+    const i8* qs = (const i8*)(b + 2) + (k0 & 31);
+    #pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = d * (float)qs[i];
+}
+
+// The 6-bit scale and min of sub-block s (0..7) of a Q4_K / Q5_K block (12 bytes).
+__device__ __forceinline__ void k4_scale_min(const u8* sc, int s, float* scale, float* mn) {
+    int a, m;
+    if (s < 4) {
+        a = sc[s] & 63;
+        m = sc[s + 4] & 63;
+    } else {
+        a = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+        m = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+    }
+    *scale = (float)a;
+    *mn = (float)m;
+}
+
+// Q4_K (144 bytes / 256): f16 d, f16 dmin, 12 bytes of scales, 128 bytes of nibbles;
+// 64-chunk c keeps sub-block 2c in the low nibbles of qs[32c..], 2c+1 in the high ones.
+__device__ __forceinline__ void deq8_q4_k(const u8* row, int k0, float* v) {
+    const u8* b = row + (k0 >> 8) * 144;
+    int e = k0 & 255, c = e >> 6, hi = (e >> 5) & 1, l = e & 31;
+    float sc, mn;
+    k4_scale_min(b + 4, 2 * c + hi, &sc, &mn);
+    float d = rd_f16(b) * sc, m = rd_f16(b + 2) * mn;
+    const u8* qs = b + 16 + 32 * c + l;
+    int sh = hi ? 4 : 0;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) - m;
+}
+
+// Q5_K (176 bytes / 256): Q4_K's fields plus qh[32] (bit 2c+hi of qh[l] is the fifth bit).
+__device__ __forceinline__ void deq8_q5_k(const u8* row, int k0, float* v) {
+    const u8* b = row + (k0 >> 8) * 176;
+    int e = k0 & 255, c = e >> 6, hi = (e >> 5) & 1, l = e & 31;
+    float sc, mn;
+    k4_scale_min(b + 4, 2 * c + hi, &sc, &mn);
+    float d = rd_f16(b) * sc, m = rd_f16(b + 2) * mn;
+    const u8* qh = b + 16 + l;
+    const u8* qs = b + 48 + 32 * c + l;
+    int sh = hi ? 4 : 0, bit = 2 * c + hi;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) {
+        int q = ((qs[i] >> sh) & 15) | (((qh[i] >> bit) & 1) << 4);
+        v[i] = d * (float)q - m;
+    }
+}
+
+// Q6_K (210 bytes / 256): ql[128], qh[64], int8 scales[16], f16 d; two 128-halves.
+__device__ __forceinline__ void deq8_q6_k(const u8* row, int k0, float* v) {
+    const u8* b = row + (k0 >> 8) * 210;
+    int e = k0 & 255, half = e >> 7, r = e & 127;
+    float d = rd_f16(b + 208) * (float)((const i8*)(b + 192))[e >> 4];
+    const u8* ql = b + half * 64 + (r & 63);
+    const u8* qh = b + 128 + half * 32 + (r & 31);
+    int shl = 4 * (r >> 6), shh = 2 * (r >> 5);
+    #pragma unroll
+    for (int i = 0; i < 8; i++) {
+        int q = ((ql[i] >> shl) & 15) | (((qh[i] >> shh) & 3) << 4);
+        v[i] = d * (float)(q - 32);
+    }
+}
+
+// X(name, deq8 function) for every weight type the kernels take; the names are the
+// suffixes ops/cuda.py asks for (GGMLType names, lower case).
+#define ELLM_FOR_EACH_WEIGHT_TYPE(X) \
+    X(f32, deq8_f32) X(f16, deq8_f16) X(bf16, deq8_bf16) X(q4_0, deq8_q4_0) \
+    X(q4_1, deq8_q4_1) X(q8_0, deq8_q8_0) X(q4_k, deq8_q4_k) X(q5_k, deq8_q5_k) \
+    X(q6_k, deq8_q6_k)

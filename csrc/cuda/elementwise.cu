@@ -1,0 +1,127 @@
+// Row-wise and element-wise ops on f32 activations (ops/reference.py has their meaning):
+// RMSNorm, residual add + RMSNorm, SwiGLU, GeGLU, soft-capping, scaling, adding, and the
+// gather of chosen rows (the rows whose logits are wanted).
+#include "common.cuh"
+
+#define NORM_THREADS 256
+
+// Sum over a block of NORM_THREADS threads, the same order for every row.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < (NORM_THREADS / 32) ? scratch[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
+// grid rows, block NORM_THREADS. out may be x (in place).
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_f32(
+        const float* __restrict__ x,      // (rows, H)
+        const float* __restrict__ w,      // (H,)
+        float* out,                       // (rows, H)
+        int H, float eps) {
+    __shared__ float scratch[32];
+    const float* xr = x + (long long)blockIdx.x * H;
+    float* o = out + (long long)blockIdx.x * H;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < H; i += NORM_THREADS) ss += xr[i] * xr[i];
+    float denom = sqrtf(block_sum(ss, scratch) / (float)H + eps);
+    for (int i = threadIdx.x; i < H; i += NORM_THREADS) o[i] = (xr[i] / denom) * w[i];
+}
+
+// residual += x; out = rmsnorm(residual). grid rows, block NORM_THREADS.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm_f32(
+        float* __restrict__ residual,     // (rows, H), updated
+        const float* __restrict__ x,      // (rows, H)
+        const float* __restrict__ w,      // (H,)
+        float* __restrict__ out,          // (rows, H)
+        int H, float eps) {
+    __shared__ float scratch[32];
+    float* r = residual + (long long)blockIdx.x * H;
+    const float* xr = x + (long long)blockIdx.x * H;
+    float* o = out + (long long)blockIdx.x * H;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < H; i += NORM_THREADS) {
+        float v = r[i] + xr[i];
+        r[i] = v;
+        ss += v * v;
+    }
+    float denom = sqrtf(block_sum(ss, scratch) / (float)H + eps);
+    for (int i = threadIdx.x; i < H; i += NORM_THREADS) o[i] = (r[i] / denom) * w[i];
+}
+
+// out = silu(gate) * up over n elements.
+extern "C" __global__ void swiglu_f32(const float* __restrict__ gate, const float* __restrict__ up,
+                                      float* __restrict__ out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+// out = gelu_tanh(gate) * up over n elements.
+extern "C" __global__ void geglu_f32(const float* __restrict__ gate, const float* __restrict__ up,
+                                     float* __restrict__ out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        const float c = 0.7978845608028654f;   // sqrt(2 / pi)
+        out[i] = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}
+
+// x = cap * tanh(x / cap), in place.
+extern "C" __global__ void softcap_f32(float* x, long long n, float cap) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+
+// x *= s, in place.
+extern "C" __global__ void scale_f32(float* x, long long n, float s) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+
+// a += b, in place.
+extern "C" __global__ void add_f32(float* __restrict__ a, const float* __restrict__ b, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) a[i] += b[i];
+}
+
+// out[r] = x[rows[r]]; grid R, block 256.
+extern "C" __global__ void gather_rows_f32(const float* __restrict__ x,   // (T, H)
+                                           const int* __restrict__ rows,  // (R,)
+                                           float* __restrict__ out,       // (R, H)
+                                           int H) {
+    const float* src = x + (long long)rows[blockIdx.x] * H;
+    float* dst = out + (long long)blockIdx.x * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
+}
+
+// out[rows[r]] += w[r] * h[r] (one expert's MLP outputs into their tokens' rows; a token
+// picks an expert once, so the rows of one launch are distinct). grid R, block 256.
+extern "C" __global__ void scatter_add_rows_f32(float* __restrict__ out,        // (T, H)
+                                                const int* __restrict__ rows,   // (R,)
+                                                const float* __restrict__ w,    // (R,)
+                                                const float* __restrict__ h,    // (R, H)
+                                                int H) {
+    float* dst = out + (long long)rows[blockIdx.x] * H;
+    const float* src = h + (long long)blockIdx.x * H;
+    float s = w[blockIdx.x];
+    for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] += s * src[i];
+}
+
+// x[rows[r]] = values[r] (rows distinct: image embeddings into the batch's rows).
+// grid R, block 256.
+extern "C" __global__ void scatter_rows_f32(float* __restrict__ x,             // (T, H)
+                                            const int* __restrict__ rows,      // (R,)
+                                            const float* __restrict__ values,  // (R, H)
+                                            int H) {
+    float* dst = x + (long long)rows[blockIdx.x] * H;
+    const float* src = values + (long long)blockIdx.x * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
+}

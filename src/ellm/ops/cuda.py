@@ -1,0 +1,583 @@
+"""The CUDA backend: the op set of ops/reference.py and the memory interface of
+ops/memory.py on an NVIDIA GPU, through CuPy RawKernels.
+
+Weights are uploaded once (quantized GGUF blocks stay quantized and are dequantized in
+the kernels), activations and the paged KV cache live on the device, sampling runs on
+the device (only token ids come back), and decode steps are replayed as CUDA graphs, one
+per batch-size bucket (ops/cuda_graphs.py). The kernels are the .cu files in csrc/cuda/,
+shipped in the package (ellm/cuda/) and compiled at run time by NVRTC through CuPy's
+RawModule, which caches the result per device: users need no nvcc.
+
+This module imports without CuPy; `CudaOps()` says what is missing (CuPy, a GPU) and
+what to install. docs/gpu.md describes the kernels and what has been checked on hardware.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import math
+import re
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..formats.ggml_types import GGMLType
+from ..models.batch import Batch
+from ..weights import Linear
+from .reference import Experts
+
+# The kernel files, in the order they are compiled, and the kernels each must define
+# (tests/test_cuda_compile.py checks every name against nvcc's PTX).
+WEIGHT_TYPES: dict[GGMLType, str] = {
+    GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.BF16: "bf16",
+    GGMLType.Q4_0: "q4_0", GGMLType.Q4_1: "q4_1", GGMLType.Q8_0: "q8_0",
+    GGMLType.Q4_K: "q4_k", GGMLType.Q5_K: "q5_k", GGMLType.Q6_K: "q6_k",
+}
+KERNELS: dict[str, tuple[str, ...]] = {
+    "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed") for t in WEIGHT_TYPES.values()),
+    "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "swiglu_f32", "geglu_f32", "softcap_f32",
+                       "scale_f32", "add_f32", "gather_rows_f32", "scatter_rows_f32",
+                       "scatter_add_rows_f32"),
+    "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine"),
+    "sample.cu": ("sample_rows",),
+}
+HEADER = "common.cuh"
+# Given to NVRTC through CuPy, which adds the architecture and -ftz=true (denormals flush
+# to zero); tests/test_cuda_compile.py compiles with the same.
+NVRTC_OPTIONS: tuple[str, ...] = ()
+
+# Above this many tokens a product runs on the tensor cores (bf16 inputs); at or below it
+# on the f32 GEMV kernels. A fixed count, so a decode step's results never depend on how
+# many sequences share it (decode batches are at most this large: the graph buckets).
+GEMM_MIN_TOKENS = 64
+GEMV_TOKENS, GEMV_WARPS = 8, 4          # as in linear.cu
+GEMM_TILE = 64                          # as in linear.cu
+# Keys per attention chunk: small for decode (more blocks at batch 1), large for prefill
+# (bounded partial buffers). Fixed per side of GEMM_MIN_TOKENS, like the products.
+DECODE_CHUNK, PREFILL_CHUNK = 64, 512
+HEAD_DIM_MAX = 256
+ELEMENTWISE_THREADS = 256
+_NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
+
+INSTALL_HINT = ("pip install 'ellm[gpu]' (CuPy for CUDA 12) or 'ellm[gpu-cuda13]' (CuPy for CUDA 13), "
+                "matching the CUDA version `nvidia-smi` reports")
+
+
+class CudaUnavailableError(ValueError, RuntimeError):
+    """device="cuda" was asked for, but CuPy or a GPU is missing (the message says which).
+    A ValueError, so the CLI and the server report it like any bad option."""
+
+
+def import_cupy() -> Any:
+    """CuPy, with a GPU behind it, or CudaUnavailableError saying what is missing."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise CudaUnavailableError(
+            f"device='cuda' needs CuPy, which is not installed ({e}); {INSTALL_HINT}; "
+            "or use device='cpu'") from None
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:   # CUDARuntimeError: no driver, no device, driver too old
+        raise CudaUnavailableError(
+            f"CuPy is installed but finds no usable CUDA GPU ({type(e).__name__}: {e}); check "
+            "`nvidia-smi` and that the CuPy package matches the driver's CUDA version; "
+            "or use device='cpu'") from None
+    if n < 1:
+        raise CudaUnavailableError("CuPy is installed but no CUDA GPU is visible "
+                                   "(CUDA_VISIBLE_DEVICES?); or use device='cpu'")
+    return cupy
+
+
+def kernel_dir() -> Path:
+    """The folder holding the .cu files: the installed package's ellm/cuda/, else (an
+    editable install or a source checkout) the repository's csrc/cuda/."""
+    installed = importlib.resources.files("ellm") / "cuda"
+    if installed.is_dir() and (installed / HEADER).is_file():
+        return Path(str(installed))
+    source = Path(__file__).resolve().parents[3] / "csrc" / "cuda"
+    if (source / HEADER).is_file():
+        return source
+    raise FileNotFoundError(f"the CUDA kernel sources are missing: neither {installed} nor {source} "
+                            f"holds {HEADER} (a broken install?)")
+
+
+def kernel_source(name: str) -> str:
+    """The text of csrc/cuda/<name> with common.cuh pasted in place of its #include, so
+    the source CuPy hashes for its cache covers the header too."""
+    folder = kernel_dir()
+    header = (folder / HEADER).read_text()
+    text = (folder / name).read_text()
+    return re.sub(r'#include\s+"common\.cuh"', lambda _: header, text)
+
+
+def _on_stream(method: Any) -> Any:
+    """Runs an op on the backend's stream, whoever calls it (the engine thread, a test),
+    so every copy and kernel of the backend is ordered on that one stream."""
+    @functools.wraps(method)
+    def run(self: "CudaOps", *args: Any, **kwargs: Any) -> Any:
+        with self.stream:
+            return method(self, *args, **kwargs)
+    return run
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class CudaOps:
+    """The op set on one CUDA device. Arrays are CuPy arrays (float32 activations, int32
+    indices); every op takes an optional `out` and returns it, like ops.cpu.CpuOps."""
+
+    name = "cuda"
+    linear_adds_bias = True   # the product kernels add Linear.bias in their epilogue
+
+    def __init__(self, activations: str = "int8", device_id: int = 0, graphs: bool = True) -> None:
+        cp = self.cp = import_cupy()
+        # Quantized weights always meet f32 activations here (dequantized in the kernel),
+        # so `activations` changes nothing on this backend.
+        self.activations = activations
+        self.device = cp.cuda.Device(device_id)
+        self.device.use()
+        self.graphs = graphs
+        # One stream for everything (kernels, copies, graph replays; see _on_stream): a
+        # graph is captured on a stream of its own, non-blocking as CuPy advises.
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.num_sms = int(self.device.attributes["MultiProcessorCount"])
+        cc = int(self.device.compute_capability)
+        if cc < 80:
+            raise CudaUnavailableError(f"the GPU has compute capability {cc / 10:.1f}; ellm's kernels "
+                                       "need 8.0 or newer (Ampere, Hopper, Blackwell); use device='cpu'")
+        self._modules: dict[str, Any] = {}
+        self._kernels: dict[str, Any] = {}
+        self._scratch: dict[str, Any] = {}
+        self.capture_keep: list[Any] | None = None   # set while a graph is captured
+        # per SequenceSampler: its seed and the draws made so far (device sampling)
+        self._rng_state: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+        self._greedy_rows: dict[int, dict[str, Any]] = {}   # B -> device parameters of B greedy rows
+
+    # -- kernels -----------------------------------------------------------------------
+
+    def kernel(self, name: str) -> Any:
+        k = self._kernels.get(name)
+        if k is None:
+            file = next((f for f, names in KERNELS.items() if name in names), None)
+            if file is None:
+                raise KeyError(f"no CUDA kernel named {name!r}")
+            mod = self._modules.get(file)
+            if mod is None:
+                mod = self.cp.RawModule(code=kernel_source(file), options=NVRTC_OPTIONS)
+                self._modules[file] = mod
+            k = self._kernels[name] = mod.get_function(name)
+        return k
+
+    def _launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
+        self.kernel(name)(grid, block, args)
+
+    def _elementwise(self, name: str, n: int, *args: Any) -> None:
+        if n:
+            self._launch(name, (_ceil(n, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args)
+
+    def scratch(self, name: str, size: int, dtype: Any = np.float32) -> Any:
+        """A grow-only device buffer of at least `size` elements (attention partials).
+        While a graph is being captured the buffer is also held by the graph, so a later
+        growth cannot free memory a captured step still writes."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = self._scratch[name] = self.cp.empty(max(size, 1), dtype)
+        if self.capture_keep is not None:
+            self.capture_keep.append(buf)
+        return buf[:size]
+
+    # -- memory (ops/memory.py HostMemory's meaning) ------------------------------------
+
+    def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+        return self.cp.empty(shape, dtype)
+
+    @_on_stream
+    def kv_zeros(self, shape: tuple[int, ...]) -> Any:
+        return self.cp.zeros(shape, np.float32)
+
+    @_on_stream
+    def upload(self, x: np.ndarray) -> Any:
+        """A host array on the device; floating arrays become float32 (what every kernel reads)."""
+        x = np.ascontiguousarray(x)
+        if x.dtype.kind == "f" and x.dtype != np.float32:
+            x = x.astype(np.float32)
+        return self.cp.asarray(x)
+
+    @_on_stream
+    def upload_linear(self, w: Linear) -> Linear:
+        """The matrix on the device in its own type; types without a kernel (Q5_0, Q2_K,
+        ...) are dequantized to f32 on the host first (4 bytes a weight: correct, not fast)."""
+        from dataclasses import replace
+        if isinstance(w.data, self.cp.ndarray):
+            return w
+        bias = None if w.bias is None else self.upload(np.asarray(w.bias, np.float32))
+        if w.qtype not in WEIGHT_TYPES:
+            from ..formats.dequant import dequantize
+            dense = dequantize(w.data, w.qtype, (w.out_features, w.in_features))
+            return replace(w, data=self.cp.asarray(dense), qtype=GGMLType.F32, bias=bias)
+        return replace(w, data=self.cp.asarray(np.ascontiguousarray(w.data)), bias=bias)
+
+    @_on_stream
+    def upload_batch(self, batch: Batch) -> Batch:
+        """The Batch with every array field (and dict of arrays: the block tables) on the
+        device; index arrays as int32, float arrays as float32 (fields added later, e.g.
+        image rows, come along)."""
+        from dataclasses import fields, replace
+
+        def dev(a: Any) -> Any:
+            if isinstance(a, np.ndarray):
+                kind = np.int32 if a.dtype.kind in "iub" else np.float32
+                return self.cp.asarray(np.ascontiguousarray(a, dtype=kind))
+            if isinstance(a, dict):
+                return {k: dev(v) for k, v in a.items()}
+            return a
+        return replace(batch, **{f.name: dev(getattr(batch, f.name)) for f in fields(batch)})
+
+    @_on_stream
+    def gather_rows(self, x: Any, rows: Any, out: Any = None) -> Any:
+        R, H = int(rows.shape[0]), int(x.size) // max(int(x.shape[0]), 1)
+        out = self.cp.empty((R, *x.shape[1:]), np.float32) if out is None else out
+        if R:
+            self._launch("gather_rows_f32", (R,), (256,), (x, rows, out, np.int32(H)))
+        return out
+
+    @_on_stream
+    def scatter_rows(self, x: Any, rows: Any, values: Any) -> Any:
+        """x[rows] = values (R, ...) in place (rows distinct) -> x."""
+        R = int(rows.shape[0])
+        H = int(x.size) // max(int(x.shape[0]), 1)
+        values = self.cp.ascontiguousarray(values, dtype=np.float32)
+        if int(values.size) != R * H:
+            raise ValueError(f"scatter_rows: {R} rows of {H} values expected, got {values.shape}")
+        if R:
+            self._launch("scatter_rows_f32", (R,), (256,), (x, rows, values, np.int32(H)))
+        return x
+
+    def to_host(self, x: Any) -> np.ndarray:
+        if isinstance(x, self.cp.ndarray):
+            return self.cp.asnumpy(x, stream=self.stream)   # waits for the stream's work
+        return np.asarray(x)
+
+    def step_executor(self, model: Any, kv: Any, workspace: Any) -> Any:
+        from .cuda_graphs import GraphStep
+        return GraphStep(self, model, kv, workspace, enabled=self.graphs)
+
+    # -- products ----------------------------------------------------------------------
+
+    def _weight(self, w: Linear) -> Any:
+        if not isinstance(w.data, self.cp.ndarray):
+            raise ValueError(f"{w.name or 'a weight'} is not on the GPU: the model's weights must be "
+                             "uploaded (models.build_model does it) before a CUDA forward pass")
+        return w.data
+
+    @_on_stream
+    def linear(self, x: Any, w: Linear, out: Any = None) -> Any:
+        """x (T, K) @ W^T (+ w.bias) -> (T, N)."""
+        data = self._weight(w)
+        T, K, N = int(x.shape[0]), w.in_features, w.out_features
+        if int(x.shape[1]) != K:
+            raise ValueError(f"linear: x has {x.shape[1]} columns, {w.name or 'the weight'} takes {K}")
+        x = self.cp.ascontiguousarray(x, dtype=np.float32)
+        if x.data.ptr % 16:   # the kernels read x as float4: a view starting mid-vector is copied
+            x = x.copy()
+        out = self.cp.empty((T, N), np.float32) if out is None else out
+        if T == 0:
+            return out
+        tname = WEIGHT_TYPES[w.qtype]
+        bias = _NULL if w.bias is None else w.bias
+        args = (data, np.int64(data.strides[0]), x, bias, out, np.int32(T), np.int32(K), np.int32(N))
+        if T > GEMM_MIN_TOKENS and K % 32 == 0 and w.qtype != GGMLType.F32:
+            self._launch(f"gemm_{tname}", (_ceil(N, GEMM_TILE), _ceil(T, GEMM_TILE)), (128,), args)
+        else:
+            if K % 8:
+                raise ValueError(f"linear: in_features {K} is not a multiple of 8 (the CUDA kernels need it)")
+            self._launch(f"gemv_{tname}", (_ceil(N, GEMV_WARPS), _ceil(T, GEMV_TOKENS)),
+                         (32 * GEMV_WARPS,), args)
+        return out
+
+    @_on_stream
+    def linear_multi(self, x: Any, parts: Sequence[tuple]) -> list[Any]:
+        """[(w, out), ...] -> outs: several matrices against one x. Decode-sized x and two
+        or three matrices of one type run as one launch (gemv3, the same bits as gemv)."""
+        T = int(x.shape[0])
+        ws = [w for w, _ in parts]
+        if (not 2 <= len(parts) <= 3 or T == 0 or T > GEMM_MIN_TOKENS
+                or len({(w.qtype, w.in_features) for w in ws}) != 1 or int(x.shape[1]) != ws[0].in_features
+                or ws[0].in_features % 8
+                or any(o is None or not o.flags.c_contiguous or tuple(o.shape) != (T, w.out_features)
+                       for w, o in parts)):
+            return [self.linear(x, w, o) for w, o in parts]
+        x = self.cp.ascontiguousarray(x, dtype=np.float32)
+        if x.data.ptr % 16:
+            x = x.copy()
+        datas = [self._weight(w) for w in ws]
+        outs = [o for _, o in parts]
+        ns = [w.out_features for w in ws]
+        if len(parts) == 2:   # a third part of no rows
+            datas, outs, ns, ws = datas + [datas[0]], outs + [outs[0]], ns + [0], ws + [ws[0]]
+        biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
+        self._launch(f"gemv3_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), GEMV_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (32 * GEMV_WARPS,),
+                     (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x,
+                      np.int32(T), np.int32(ws[0].in_features), *(np.int32(n) for n in ns)))
+        return [o for _, o in parts]
+
+    @_on_stream
+    def embed(self, w: Linear, ids: Any, out: Any = None) -> Any:
+        data = self._weight(w)
+        T, K = int(ids.shape[0]), w.in_features
+        out = self.cp.empty((T, K), np.float32) if out is None else out
+        if T:
+            self._launch(f"embed_{WEIGHT_TYPES[w.qtype]}", (T,), (128,),
+                         (data, np.int64(data.strides[0]), np.int32(w.out_features), ids, out, np.int32(K)))
+        return out
+
+    # -- norms and element-wise ----------------------------------------------------------
+
+    @_on_stream
+    def rmsnorm(self, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
+        H = int(x.shape[-1])
+        out = self.cp.empty(x.shape, np.float32) if out is None else out
+        rows = int(x.size) // H
+        if rows:
+            self._launch("rmsnorm_f32", (rows,), (256,), (x, weight, out, np.int32(H), np.float32(eps)))
+        return out
+
+    @_on_stream
+    def add_rmsnorm(self, residual: Any, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
+        H = int(residual.shape[-1])
+        out = self.cp.empty(residual.shape, np.float32) if out is None else out
+        rows = int(residual.size) // H
+        if rows:
+            self._launch("add_rmsnorm_f32", (rows,), (256,),
+                         (residual, x, weight, out, np.int32(H), np.float32(eps)))
+        return out
+
+    @_on_stream
+    def add(self, a: Any, b: Any) -> Any:
+        self._elementwise("add_f32", int(a.size), a, b, np.int64(a.size))
+        return a
+
+    @_on_stream
+    def swiglu(self, gate: Any, up: Any, out: Any = None) -> Any:
+        out = self.cp.empty(gate.shape, np.float32) if out is None else out
+        self._elementwise("swiglu_f32", int(gate.size), gate, up, out, np.int64(gate.size))
+        return out
+
+    @_on_stream
+    def geglu(self, gate: Any, up: Any, out: Any = None) -> Any:
+        out = self.cp.empty(gate.shape, np.float32) if out is None else out
+        self._elementwise("geglu_f32", int(gate.size), gate, up, out, np.int64(gate.size))
+        return out
+
+    @_on_stream
+    def softcap(self, x: Any, cap: float) -> Any:
+        if cap > 0:
+            self._elementwise("softcap_f32", int(x.size), x, np.int64(x.size), np.float32(cap))
+        return x
+
+    @_on_stream
+    def scale(self, x: Any, s: float) -> Any:
+        self._elementwise("scale_f32", int(x.size), x, np.int64(x.size), np.float32(s))
+        return x
+
+    @_on_stream
+    def moe(self, x: Any, router: Linear, experts: Experts, top_k: int, norm_topk_prob: bool,
+            out: Any = None) -> Any:
+        """x (T, H) -> (T, H): router logits on the device, the routing on the host
+        (reference.moe_route on the (T, E) logits: a copy back, so a step with MoE layers
+        is not captured as a graph and runs eagerly), then per chosen expert one batched
+        SwiGLU MLP over its tokens, added into their rows in ascending expert id. Correct,
+        not fast: no grouped-expert kernel yet."""
+        from .reference import moe_route
+        cp = self.cp
+        T, H = int(x.shape[0]), int(x.shape[1])
+        out = cp.empty((T, H), np.float32) if out is None else out
+        out.fill(0)
+        if T == 0:
+            return out
+        ids, weights = moe_route(self.to_host(self.linear(x, router)), top_k, norm_topk_prob)
+        for e in np.unique(ids).tolist():
+            rows, slot = np.nonzero(ids == e)          # rows ascend; a token picks e once
+            rows_d = cp.asarray(rows.astype(np.int32))
+            xe = self.gather_rows(x, rows_d)
+            F = experts.gate[e].out_features
+            gate, up = self.linear_multi(xe, [(experts.gate[e], cp.empty((len(rows), F), np.float32)),
+                                              (experts.up[e], cp.empty((len(rows), F), np.float32))])
+            h = self.linear(self.swiglu(gate, up), experts.down[e])
+            self._launch("scatter_add_rows_f32", (len(rows),), (256,),
+                         (out, rows_d, cp.asarray(weights[rows, slot].astype(np.float32)), h, np.int32(H)))
+        return out
+
+    # -- attention -----------------------------------------------------------------------
+
+    @_on_stream
+    def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
+                       inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,
+                       rope_mscale=1.0):
+        """ops/reference.py rope_attention on the device: q (T, nh, hd), k / v (T, nkv, hd),
+        caches (num_blocks, block_size, nkv, hd), block_tables (B, max_blocks) int32."""
+        cp = self.cp
+        T, nh, hd = (int(s) for s in q.shape)
+        nkv, block_size = int(k.shape[1]), int(k_cache.shape[1])
+        if hd > HEAD_DIM_MAX or nh % nkv:
+            raise ValueError(f"rope_attention on CUDA needs head_dim <= {HEAD_DIM_MAX} and n_heads a "
+                             f"multiple of n_kv_heads; got head_dim {hd}, {nh} / {nkv} heads")
+        out = cp.empty((T, nh, hd), np.float32) if out is None else out
+        if T == 0:
+            return out
+        n_rot = int(inv_freq.shape[0])
+        if n_rot > hd // 2:
+            raise ValueError(f"inv_freq has {n_rot} entries, more than head_dim/2 = {hd // 2}")
+        max_blocks = int(block_tables.shape[1])
+        chunk = DECODE_CHUNK if T <= GEMM_MIN_TOKENS else PREFILL_CHUNK
+        max_chunks = _ceil(max_blocks * block_size, chunk)
+        if window > 0:   # a token's keys [p - window + 1, p] span at most this many chunks
+            max_chunks = min(max_chunks, (window - 1) // chunk + 1)
+        # enough blocks to fill the GPU at batch 1; a shape-only choice (graph-safe), and
+        # which block takes which chunk does not change any result
+        z = max(1, min(max_chunks, _ceil(2 * self.num_sms, nh * T)))
+        q = cp.ascontiguousarray(q, dtype=np.float32)
+        k = cp.ascontiguousarray(k, dtype=np.float32)
+        v = cp.ascontiguousarray(v, dtype=np.float32)
+        q_rot = self.scratch("q_rot", T * nh * hd)
+        part_ml = self.scratch("part_ml", T * nh * max_chunks * 2)
+        part_o = self.scratch("part_o", T * nh * max_chunks * hd)
+        i32, f32 = np.int32, np.float32
+        self._launch("rope_kv_write", (T, nh + nkv), (hd,),
+                     (q, k, v, positions, seq_ids, block_tables, i32(max_blocks), q_rot, k_cache, v_cache,
+                      inv_freq, i32(n_rot), i32(bool(interleaved)), f32(rope_mscale),
+                      i32(nh), i32(nkv), i32(hd), i32(block_size)))
+        self._launch("attn_partial", (nh, T, z), (128,),
+                     (q_rot, positions, seq_ids, block_tables, i32(max_blocks), k_cache, v_cache,
+                      i32(nh), i32(nkv), i32(hd), i32(block_size), f32(scale), i32(window),
+                      f32(softcap_value), i32(chunk), i32(max_chunks), part_ml, part_o))
+        self._launch("attn_combine", (nh, T), (hd,),
+                     (positions, part_ml, part_o, i32(nh), i32(hd), i32(window), i32(chunk),
+                      i32(max_chunks), out))
+        return out
+
+    # -- sampling on the device ------------------------------------------------------------
+
+    def sample(self, logits: Any, samplers: Sequence[Any]) -> list[Any] | None:
+        """One token per row of logits (B, vocab), chosen on the device (csrc/cuda/sample.cu);
+        None (the host samples) when a row asks for logprobs. Rows are independent; a
+        seeded row draws the same tokens whatever its batch (its own seed and counter)."""
+        from ..engine.sampler import SampleResult
+        B = len(samplers)
+        if B == 0 or any(s.params.logprobs is not None for s in samplers):
+            return None
+        if int(logits.shape[0]) != B:
+            raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
+        V = int(logits.shape[1])
+        with self.stream:
+            if all(s.plain_greedy for s in samplers):   # the common case: parameters made once per B
+                dev = self._greedy_rows.get(B)
+                if dev is None:
+                    dev = self._greedy_rows[B] = self._upload_packed(_SampleRows(B).arrays())
+            else:
+                rows = _SampleRows(B)
+                for b, s in enumerate(samplers):
+                    rows.add(b, s, self._rng_for(s))
+                dev = self._upload_packed(rows.arrays())
+            out_ids = self.cp.empty(B, np.int32)
+            logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
+            self._launch("sample_rows", (B,), (1024,),
+                         (logits, np.int32(V), dev["inv_temp"], dev["top_k"], dev["top_p"],
+                          dev["log_min_p"], dev["rep"], dev["freq"], dev["pres"], dev["bias_off"],
+                          dev["bias_ids"], dev["bias_vals"], dev["pen_off"], dev["pen_ids"],
+                          dev["pen_counts"], dev["seeds"], dev["steps"], out_ids))
+            ids = self.cp.asnumpy(out_ids, stream=self.stream)   # the only copy back: B token ids
+        for b, s in enumerate(samplers):
+            if not (s.params.greedy or s.params.top_k == 1):
+                self._rng_state[s][1] += 1
+        return [SampleResult(int(t), math.nan, None) for t in ids.tolist()]
+
+    def _upload_packed(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The sampler's per-row arrays in one host-to-device copy: packed into one byte
+        buffer (each piece 8-byte aligned), then typed views of the device copy."""
+        offsets, total = {}, 0
+        for name, a in arrays.items():
+            offsets[name] = total
+            total += -(-a.nbytes // 8) * 8
+        host = np.zeros(max(total, 8), np.uint8)
+        for name, a in arrays.items():
+            host[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        dev = self.cp.asarray(host)
+        return {name: dev[offsets[name]:offsets[name] + a.nbytes].view(a.dtype) for name, a in arrays.items()}
+
+    def _rng_for(self, sampler: Any) -> list[int]:
+        """[seed, draws so far] of a sampler: its request's seed (with the sibling index
+        folded in by the sampler's own Generator), or one drawn from that Generator."""
+        st = self._rng_state.get(sampler)
+        if st is None:
+            seed = int(sampler._rng.integers(0, 2**63))
+            st = self._rng_state[sampler] = [seed, 0]
+        return st
+
+
+class _SampleRows:
+    """The per-row arrays sample.cu reads, built on the host from the samplers' state:
+    parameters, logit_bias and the penalised ids as offset-indexed lists."""
+
+    def __init__(self, B: int) -> None:
+        self.inv_temp = np.zeros(B, np.float32)
+        self.top_k = np.zeros(B, np.int32)
+        self.top_p = np.zeros(B, np.float32)
+        self.log_min_p = np.full(B, -np.inf, np.float32)
+        self.rep = np.ones(B, np.float32)
+        self.freq = np.zeros(B, np.float32)
+        self.pres = np.zeros(B, np.float32)
+        self.seeds = np.zeros(B, np.uint64)
+        self.steps = np.zeros(B, np.uint64)
+        self.bias: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pens: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def add(self, b: int, s: Any, rng: list[int]) -> None:
+        p = s.params
+        self.inv_temp[b] = s._inv_t
+        self.top_k[b] = 1 if p.top_k == 1 else s._top_k
+        self.top_p[b] = s._top_p
+        if s._log_min_p is not None:
+            self.log_min_p[b] = s._log_min_p
+        self.seeds[b], self.steps[b] = rng[0], rng[1]
+        if s._bias_ids is not None:
+            self.bias.append((s._bias_ids.astype(np.int32), s._bias_vals))
+        else:
+            self.bias.append((np.empty(0, np.int32), np.empty(0, np.float32)))
+        ids, counts = np.empty(0, np.int32), np.empty(0, np.float32)
+        if s._rep or s._freq_pres:
+            self.rep[b] = p.repetition_penalty
+            self.freq[b], self.pres[b] = p.frequency_penalty, p.presence_penalty
+            out = s._out
+            n_out = len(out)
+            if s._rep:   # every id seen (prompt + output), with its output count
+                seen = s._seen
+                ids = seen.ids[:len(seen)].astype(np.int32)
+                counts = np.zeros(len(ids), np.float32)
+                if n_out:
+                    where = {t: i for i, t in enumerate(ids.tolist())}
+                    for t, c in zip(out.ids[:n_out].tolist(), out.counts[:n_out].tolist()):
+                        counts[where[t]] = c
+            else:
+                ids, counts = out.ids[:n_out].astype(np.int32), out.counts[:n_out].astype(np.float32)
+        self.pens.append((ids, counts))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        def csr(lists: list[tuple[np.ndarray, np.ndarray]], vdtype: Any) -> tuple[np.ndarray, ...]:
+            off = np.zeros(len(lists) + 1, np.int32)
+            off[1:] = np.cumsum([len(i) for i, _ in lists])
+            ids = np.concatenate([i for i, _ in lists] + [np.zeros(1, np.int32)]).astype(np.int32)
+            vals = np.concatenate([v for _, v in lists] + [np.zeros(1, vdtype)]).astype(vdtype)
+            return off, ids, vals
+        bias_off, bias_ids, bias_vals = csr(self.bias, np.float32)
+        pen_off, pen_ids, pen_counts = csr(self.pens, np.float32)
+        return dict(inv_temp=self.inv_temp, top_k=self.top_k, top_p=self.top_p, log_min_p=self.log_min_p,
+                    rep=self.rep, freq=self.freq, pres=self.pres, bias_off=bias_off, bias_ids=bias_ids,
+                    bias_vals=bias_vals, pen_off=pen_off, pen_ids=pen_ids, pen_counts=pen_counts,
+                    seeds=self.seeds, steps=self.steps)

@@ -1,0 +1,173 @@
+"""CUDA graphs for decode steps: the step executor ops/cuda.py hands the model runner.
+
+A decode step (one new token per sequence, every row's logits wanted) of B sequences is
+padded to the next bucket (1, 2, 4, ..., 64) and replayed from a graph captured once per
+bucket. A graph's kernel arguments are frozen at capture, so everything that changes
+from step to step lives in static device buffers that the step overwrites before the
+replay: token ids, positions, sequence rows and block tables, copied in with one
+host-to-device copy. Padding rows point at block tables full of -1: they write no cache
+slot and read no key (csrc/cuda/attention.cu), and their logits are never looked at.
+
+Only RawKernels run inside a captured step (CuPy cannot capture cuBLAS, and ellm's ops
+use none), and nothing is allocated during a capture: the graphs share one workspace,
+sized for the largest bucket by an eager warm-up before the first capture. Any other
+batch (prefill, mixed, hidden states) runs eagerly, as does everything when capture is
+unavailable (`enabled=False`, or CuPy without stream capture): the same kernels either
+way, so a step's logits are the same replayed or eager.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from ..models.batch import Batch
+from .workspace import Workspace
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+log = logging.getLogger(__name__)
+
+
+def bucket_for(n: int) -> int | None:
+    """The smallest bucket holding n rows, or None when n is larger than every bucket."""
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+def is_decode_step(batch: Batch) -> bool:
+    """One token per sequence, each its own row of the block tables, every row's logits
+    wanted: the shape a captured graph replays (host arrays)."""
+    t = len(batch.token_ids)
+    return (0 < t <= BUCKETS[-1] and len(batch.logits_rows) == t
+            and np.array_equal(batch.logits_rows, np.arange(t))
+            and np.array_equal(batch.seq_ids, np.arange(t))
+            and all(tbl.shape[0] == t for tbl in batch.block_tables.values()))
+
+
+def input_layout(b: int, widths: dict[int, int]) -> list[tuple[str, Any, int]]:
+    """(name, window or None, element count) of the int32 inputs of bucket b, in the order
+    they sit in its one static buffer; widths: block-table columns per window."""
+    parts: list[tuple[str, Any, int]] = [("token_ids", None, b), ("positions", None, b),
+                                         ("seq_ids", None, b), ("logits_rows", None, b)]
+    return parts + [("table", w, b * widths[w]) for w in sorted(widths)]
+
+
+def pack_inputs(batch: Batch | None, b: int, widths: dict[int, int]) -> np.ndarray:
+    """The int32 host image of bucket b's static buffer for a decode `batch` (host
+    arrays; None: all padding). Padding rows: token 0 at position 0, block tables of -1."""
+    t = 0 if batch is None else len(batch.token_ids)
+    chunks = []
+    for name, w, n in input_layout(b, widths):
+        if name == "table":
+            a = np.full((b, widths[w]), -1, np.int32)
+            if batch is not None:
+                tbl = batch.block_tables[w]
+                a[:t, :tbl.shape[1]] = tbl
+        elif name in ("seq_ids", "logits_rows"):
+            a = np.arange(b, dtype=np.int32)
+        else:
+            a = np.zeros(b, np.int32)
+            if batch is not None:
+                a[:t] = getattr(batch, name)
+        chunks.append(a.reshape(-1))
+    return np.concatenate(chunks)
+
+
+def unpack_inputs(buf: Any, b: int, widths: dict[int, int]) -> Batch:
+    """The Batch of views into a packed buffer (device or host) of bucket b."""
+    views: dict[str, Any] = {}
+    tables: dict[int, Any] = {}
+    off = 0
+    for name, w, n in input_layout(b, widths):
+        v = buf[off:off + n]
+        off += n
+        if name == "table":
+            tables[w] = v.reshape(b, widths[w])
+        else:
+            views[name] = v
+    return Batch(views["token_ids"], views["positions"], views["seq_ids"], tables, views["logits_rows"])
+
+
+class _Graph:
+    """One bucket's captured step: its static inputs, its graph and its output view."""
+
+    def __init__(self, graph: Any, ints_dev: Any, batch: Batch, logits: Any, keep: list[Any]) -> None:
+        self.graph, self.ints_dev, self.batch, self.logits, self.keep = graph, ints_dev, batch, logits, keep
+
+
+class GraphStep:
+    """The runner's step executor on CUDA (ops/memory.py StepExecutor). `use_graphs`
+    can be switched off at any time (the benchmark compares both)."""
+
+    def __init__(self, ops: Any, model: Any, kv: Any, workspace: Workspace, enabled: bool = True) -> None:
+        self.ops, self.model, self.kv, self.workspace = ops, model, kv, workspace
+        self.use_graphs = enabled and hasattr(ops.cp.cuda.Stream, "begin_capture")
+        # static block-table widths: a sequence holds at most its pool's blocks
+        self.widths = {w: int(kv.num_blocks[w]) for w in kv.windows}
+        self.graph_ws: Workspace | None = None
+        self.graphs: dict[int, _Graph] = {}
+        self.stats = {"replays": 0, "eager": 0, "captures": 0}
+
+    def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
+        ops = self.ops
+        with ops.stream:
+            if self.use_graphs and not hidden_only and is_decode_step(batch) and self._fits(batch):
+                try:
+                    return self._replay(batch)
+                except Exception as e:   # capture not supported here: eager from now on
+                    log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly",
+                                type(e).__name__, e)
+                    self.use_graphs = False
+                    self.graphs.clear()
+            self.stats["eager"] += 1
+            return self.model.forward(ops.upload_batch(batch), self.kv, hidden_only=hidden_only,
+                                      ws=self.workspace)
+
+    def _fits(self, batch: Batch) -> bool:
+        return all(w in self.widths and tbl.shape[1] <= self.widths[w]
+                   for w, tbl in batch.block_tables.items())
+
+    # -- static inputs ---------------------------------------------------------------------
+
+    def _host_inputs(self, batch: Batch | None, b: int) -> np.ndarray:
+        return pack_inputs(batch, b, self.widths)
+
+    def _static_batch(self, ints_dev: Any, b: int) -> Batch:
+        return unpack_inputs(ints_dev, b, self.widths)
+
+    # -- capture and replay ------------------------------------------------------------------
+
+    def _replay(self, batch: Batch) -> Any:
+        t = len(batch.token_ids)
+        b = bucket_for(t)
+        g = self.graphs.get(b) or self._capture(b)
+        g.ints_dev.set(self._host_inputs(batch, b), stream=self.ops.stream)
+        g.graph.launch(self.ops.stream)
+        self.stats["replays"] += 1
+        return g.logits[:t]
+
+    def _capture(self, b: int) -> _Graph:
+        ops, cp = self.ops, self.ops.cp
+        if self.graph_ws is None:
+            # size every buffer for the largest bucket first (no allocation during capture)
+            self.graph_ws = Workspace(ops)
+            big = BUCKETS[-1]
+            warm = cp.asarray(self._host_inputs(None, big))
+            self.model.forward(self._static_batch(warm, big), self.kv, ws=self.graph_ws)
+        ints_dev = cp.asarray(self._host_inputs(None, b))
+        static = self._static_batch(ints_dev, b)
+        self.model.forward(static, self.kv, ws=self.graph_ws)   # compiles anything not yet compiled
+        ops.stream.synchronize()
+        keep: list[Any] = []
+        ops.capture_keep = keep
+        try:
+            ops.stream.begin_capture()
+            try:
+                logits = self.model.forward(static, self.kv, ws=self.graph_ws)
+            finally:
+                graph = ops.stream.end_capture()
+        finally:
+            ops.capture_keep = None
+        g = self.graphs[b] = _Graph(graph, ints_dev, static, logits, keep)
+        self.stats["captures"] += 1
+        return g

@@ -1,0 +1,414 @@
+"""The CUDA backend against the CPU: every op against ops/reference.py by NMSE (<= 1e-6
+on the f32 paths, <= 1e-3 where the tensor cores round to bf16), the two real models'
+logits against the CPU f32 path, greedy ids equal up to the first small-margin step,
+batched == single and graphs == eager bit for bit, and the device sampler against the
+host sampler's semantics.
+
+Needs CuPy and an NVIDIA GPU (compute capability >= 8.0); skipped, saying which is
+missing, without them. benchmarks/gpu/check.sh runs this file on a lent GPU machine.
+Without a GPU, `test_cuda_unavailable_*` check the error a user gets instead.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ellm
+from ellm.engine.sampler import SequenceSampler
+from ellm.formats.ggml_types import BLOCK_LAYOUT, GGMLType, row_bytes
+from ellm.models.batch import Batch
+from ellm.ops import reference as R
+from ellm.ops.reference import ReferenceOps
+from ellm.sampling_params import SamplingParams
+from ellm.weights import Linear
+
+
+def _gpu_reason() -> str | None:
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed (pip install 'ellm[gpu]' or 'ellm[gpu-cuda13]')"
+    try:
+        from ellm.ops.cuda import import_cupy
+        import_cupy()
+    except Exception as e:   # CudaUnavailableError: says what is missing
+        return str(e)
+    return None
+
+
+GPU_REASON = _gpu_reason()
+needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"no GPU: {GPU_REASON}")
+
+
+# -- without a GPU: the error a user meets -------------------------------------------------
+
+@pytest.mark.skipif(GPU_REASON is None, reason="a GPU is present")
+def test_cuda_unavailable_error_says_what_is_missing() -> None:
+    from ellm.ops import get_ops
+    with pytest.raises(Exception) as info:
+        get_ops("cuda")
+    msg = str(info.value)
+    if importlib.util.find_spec("cupy") is None:
+        assert "CuPy" in msg and "ellm[gpu]" in msg and "ellm[gpu-cuda13]" in msg
+    else:
+        assert "GPU" in msg
+    assert "device='cpu'" in msg
+
+
+@pytest.mark.skipif(GPU_REASON is None, reason="a GPU is present")
+def test_cuda_unavailable_load_fails_before_reading_weights(smollm2_gguf: Path) -> None:
+    with pytest.raises(Exception, match="CuPy|GPU"):
+        ellm.load(smollm2_gguf, device="cuda")
+
+
+@pytest.mark.skipif(GPU_REASON is None, reason="a GPU is present")
+def test_cuda_unavailable_cli_says_so_without_a_traceback(smollm2_gguf: Path) -> None:
+    import subprocess
+    import sys
+    for cmd in (["run", "--device", "cuda", str(smollm2_gguf), "hi"], ["bench", "--device", "cuda", str(smollm2_gguf)]):
+        proc = subprocess.run([sys.executable, "-m", "ellm", *cmd], capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0, cmd
+        assert "Traceback" not in proc.stderr and ("CuPy" in proc.stderr or "GPU" in proc.stderr), proc.stderr
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def nmse(got: np.ndarray, want: np.ndarray) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.sum((got - want) ** 2) / max(np.sum(want ** 2), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from ellm.ops.cuda import CudaOps
+    return CudaOps()
+
+
+def random_linear(rng: np.random.Generator, qtype: GGMLType, n: int, k: int) -> Linear:
+    """A weight of n x k in qtype with random contents: floats from a normal, quantized
+    blocks of random bytes whose f16 scales are set to small finite values."""
+    if qtype == GGMLType.F32:
+        return Linear(rng.standard_normal((n, k)).astype(np.float32), qtype, n, k)
+    if qtype in (GGMLType.F16, GGMLType.BF16):
+        f = rng.standard_normal((n, k)).astype(np.float32)
+        bits = f.astype(np.float16).view(np.uint16) if qtype == GGMLType.F16 else \
+            (f.view(np.uint32) >> 16).astype(np.uint16)
+        return Linear(bits, qtype, n, k)
+    blk, size = BLOCK_LAYOUT[qtype]
+    raw = rng.integers(0, 256, (n, k // blk, size), dtype=np.uint8)
+    scale_at = {GGMLType.Q4_0: [0], GGMLType.Q4_1: [0, 2], GGMLType.Q8_0: [0], GGMLType.Q4_K: [0, 2],
+                GGMLType.Q5_K: [0, 2], GGMLType.Q6_K: [208]}[qtype]
+    for off in scale_at:
+        d = (rng.uniform(0.001, 0.05, (n, k // blk))).astype(np.float16).view(np.uint8).reshape(n, k // blk, 2)
+        raw[:, :, off:off + 2] = d
+    return Linear(raw.reshape(n, row_bytes(qtype, k)), qtype, n, k)
+
+
+QTYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0,
+          GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+
+
+# -- ops against the reference ------------------------------------------------------------------
+
+@needs_gpu
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("T", [1, 5, 64, 200])
+def test_linear_matches_reference(ops, qtype: GGMLType, T: int) -> None:
+    rng = np.random.default_rng(int(qtype) * 1000 + T)
+    n, k = 136, 512
+    w = random_linear(rng, qtype, n, k)
+    if T == 5:   # the bias epilogue
+        w = replace(w, bias=rng.standard_normal(n).astype(np.float32))
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    want = ReferenceOps().linear(x, w)
+    got = ops.to_host(ops.linear(ops.upload(x), ops.upload_linear(w)))
+    # T <= 64: f32 GEMV; above: tensor cores on bf16 inputs (except f32 weights)
+    limit = 1e-6 if T <= 64 or qtype == GGMLType.F32 else 1e-3
+    assert nmse(got, want) <= limit
+
+
+@needs_gpu
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_embed_matches_reference(ops, qtype: GGMLType) -> None:
+    rng = np.random.default_rng(7)
+    w = random_linear(rng, qtype, 50, 256)
+    ids = np.array([0, 49, 3, 3, 17], np.int32)
+    want = ReferenceOps().embed(w, ids)
+    got = ops.to_host(ops.embed(ops.upload_linear(w), ops.upload(ids)))
+    assert nmse(got, want) <= 1e-12
+
+
+@needs_gpu
+def test_decode_products_are_batch_invariant(ops) -> None:
+    """A token's row of a product is the same bits alone or among 63 others."""
+    rng = np.random.default_rng(3)
+    w = ops.upload_linear(random_linear(rng, GGMLType.Q4_K, 300, 512))
+    x = rng.standard_normal((64, 512)).astype(np.float32)
+    full = ops.to_host(ops.linear(ops.upload(x), w))
+    for t in (0, 9, 63):
+        alone = ops.to_host(ops.linear(ops.upload(x[t:t + 1]), w))
+        assert np.array_equal(alone[0], full[t])
+
+
+@needs_gpu
+@pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q6_K], ids=lambda q: q.name)
+def test_linear_multi_is_linear_bit_for_bit(ops, qtype: GGMLType) -> None:
+    """q/k/v in one launch (gemv3) give each matrix's gemv bits; two parts, a bias, and
+    parts of mixed types (separate launches) too."""
+    rng = np.random.default_rng(int(qtype))
+    x = ops.upload(rng.standard_normal((6, 256)).astype(np.float32))
+    ws = [random_linear(rng, qtype, n, 256) for n in (128, 32, 32)]
+    ws[1] = replace(ws[1], bias=rng.standard_normal(32).astype(np.float32))
+    ws = [ops.upload_linear(w) for w in ws]
+    alone = [ops.to_host(ops.linear(x, w)) for w in ws]
+    for chosen in (ws, ws[:2]):
+        outs = ops.linear_multi(x, [(w, ops.empty((6, w.out_features))) for w in chosen])
+        for got, want in zip(outs, alone):
+            assert np.array_equal(ops.to_host(got), want)
+    mixed = [ws[0], ops.upload_linear(random_linear(rng, GGMLType.Q8_0, 32, 256))]
+    outs = ops.linear_multi(x, [(w, ops.empty((6, w.out_features))) for w in mixed])
+    assert np.array_equal(ops.to_host(outs[0]), alone[0])
+
+
+@needs_gpu
+def test_norms_and_elementwise_match_reference(ops) -> None:
+    rng = np.random.default_rng(1)
+    ref = ReferenceOps()
+    x = rng.standard_normal((7, 640)).astype(np.float32)
+    y = rng.standard_normal((7, 640)).astype(np.float32)
+    w = rng.standard_normal(640).astype(np.float32)
+    up = ops.upload
+    assert nmse(ops.to_host(ops.rmsnorm(up(x), up(w), 1e-6)), ref.rmsnorm(x, w, 1e-6)) <= 1e-12
+    res_h, res_d = x.copy(), up(x)
+    want = ref.add_rmsnorm(res_h, y, w, 1e-5)
+    got = ops.to_host(ops.add_rmsnorm(res_d, up(y), up(w), 1e-5))
+    assert nmse(got, want) <= 1e-12 and nmse(ops.to_host(res_d), res_h) <= 1e-14
+    assert nmse(ops.to_host(ops.swiglu(up(x), up(y))), R.swiglu(x, y)) <= 1e-12
+    assert nmse(ops.to_host(ops.geglu(up(x), up(y))), R.geglu(x, y)) <= 1e-12
+    assert nmse(ops.to_host(ops.softcap(up(x * 40), 30.0)), R.softcap(x * 40, 30.0)) <= 1e-12
+    assert nmse(ops.to_host(ops.scale(up(x), 0.125)), x * np.float32(0.125)) == 0.0
+    assert np.array_equal(ops.to_host(ops.add(up(x), up(y))), x + y)
+    rows = np.array([6, 0, 3], np.int32)
+    assert np.array_equal(ops.to_host(ops.gather_rows(up(x), up(rows))), x[rows])
+
+
+ATTN_CASES = {
+    # name: (nh, nkv, hd, n_rot, window, softcap, interleaved, mscale, prompt lengths, new tokens)
+    "llama_decode": (9, 3, 64, 32, 0, 0.0, False, 1.0, [37, 300], 1),
+    "gemma_sliding": (4, 1, 256, 128, 48, 0.0, False, 1.0, [130, 5], 1),
+    "softcap_interleaved": (8, 2, 128, 64, 0, 50.0, True, 1.0, [90], 3),
+    "partial_rotary_mscale": (4, 4, 96, 16, 0, 0.0, False, 1.19, [70, 12], 2),
+    "prefill": (9, 3, 64, 32, 0, 0.0, False, 1.0, [0, 0], 150),
+    "prefill_window": (4, 1, 256, 128, 100, 0.0, False, 1.0, [0], 300),
+    "tiny_head_dims": (4, 2, 24, 12, 0, 0.0, False, 1.0, [20, 3], 2),   # head_dim not a multiple of 32
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+def test_rope_attention_matches_reference(ops, case: str) -> None:
+    nh, nkv, hd, n_rot, window, cap, inter, msc, lengths, new = ATTN_CASES[case]
+    rng = np.random.default_rng(len(case))
+    bs, blocks = 16, 64
+    k_cache = rng.standard_normal((blocks, bs, nkv, hd)).astype(np.float32)
+    v_cache = rng.standard_normal((blocks, bs, nkv, hd)).astype(np.float32)
+    perm = rng.permutation(blocks).astype(np.int32)
+    width = 24
+    tables = np.full((len(lengths), width), -1, np.int32)
+    used = 0
+    positions, seq_ids = [], []
+    for b, n in enumerate(lengths):
+        need = -(-(n + new) // bs)
+        tables[b, :need] = perm[used:used + need]
+        used += need
+        positions += list(range(n, n + new))
+        seq_ids += [b] * new
+    T = len(positions)
+    pos, sid = np.array(positions, np.int32), np.array(seq_ids, np.int32)
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((T, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((T, nkv, hd)).astype(np.float32)
+    inv_freq = (1.0 / (10000.0 ** (np.arange(n_rot) / n_rot))).astype(np.float32)
+    scale = hd ** -0.5
+    kd, vd = ops.upload(k_cache), ops.upload(v_cache)
+    want = R.rope_attention(q, k, v, pos, sid, tables, k_cache, v_cache, inv_freq, inter, scale,
+                            window, cap, msc)
+    up = ops.upload
+    got = ops.rope_attention(up(q), up(k), up(v), up(pos), up(sid), up(tables), kd, vd, up(inv_freq),
+                             inter, scale, window, cap, rope_mscale=msc)
+    assert nmse(ops.to_host(got), want) <= 1e-6
+    assert nmse(ops.to_host(kd), k_cache) <= 1e-12 and nmse(ops.to_host(vd), v_cache) == 0.0
+
+
+# -- the real models ---------------------------------------------------------------------------
+
+PROMPT = "The capital of France is Paris. The largest planet of the solar system is"
+
+
+MODEL_FIXTURES = {"smollm2-gguf": "smollm2_gguf", "gemma3-gguf": "gemma3_gguf",
+                  "smollm2-bf16": "smollm2_hf_bf16", "gemma3-bf16": "gemma3_hf_bf16"}
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", list(MODEL_FIXTURES))
+def test_model_logits_and_greedy_match_cpu_f32(name: str, request: pytest.FixtureRequest) -> None:
+    src = request.getfixturevalue(MODEL_FIXTURES[name])
+    cpu = ellm.load(src, device="cpu", activations="f32", max_model_len=512)
+    gpu = ellm.load(src, device="cuda", max_model_len=512)
+    try:
+        ids = cpu.encode_prompt(PROMPT)
+        want, got = cpu.logits(ids), gpu.logits(ids)
+        # prompt of < 64 tokens: the f32 GEMV kernels, so close to the CPU's f32 arithmetic
+        rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        assert rel <= 1e-3, rel
+        p = SamplingParams(temperature=0.0, max_tokens=24)
+        g_ids = gpu.generate([ids], p)[0].token_ids
+        c_ids = cpu.generate([ids], p)[0].token_ids
+        # compare up to the first step where the CPU's top-2 margin is small
+        full = cpu.logits(ids + list(c_ids))[len(ids) - 1:]
+        top2 = np.sort(full, axis=1)[:, -2:]
+        margins = top2[:, 1] - top2[:, 0]
+        small = np.flatnonzero(margins < 0.05)
+        upto = int(small[0]) if small.size else len(c_ids)
+        assert list(g_ids[:upto]) == list(c_ids[:upto]), (upto, g_ids, c_ids)
+    finally:
+        cpu.close(), gpu.close()
+
+
+@needs_gpu
+def test_batched_equals_single_and_graphs_equal_eager(smollm2_gguf: Path) -> None:
+    llm = ellm.load(smollm2_gguf, device="cuda", max_model_len=512)
+    try:
+        prompts = ["Once upon a time", "The three primary colours are", "def fibonacci(n):"]
+        p = SamplingParams(temperature=0.0, max_tokens=20)
+        together = [o.token_ids for o in llm.generate(prompts, p)]
+        alone = [llm.generate(q, p).token_ids for q in prompts]
+        assert together == alone
+        executor = llm.engine.runner.executor   # ops/cuda_graphs.py GraphStep
+        assert executor.stats["replays"] > 0, executor.stats
+        executor.use_graphs = False
+        eager = [o.token_ids for o in llm.generate(prompts, p)]
+        assert eager == together
+        # seeded sampling on the device: the same draws in any batch
+        ps = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=11, max_tokens=12)
+        executor.use_graphs = True
+        a = llm.generate(prompts[0], ps).token_ids
+        b = [o.token_ids for o in llm.generate(prompts, ps)][0]
+        assert a == b
+    finally:
+        llm.close()
+
+
+# -- the device sampler ------------------------------------------------------------------------
+
+@needs_gpu
+def test_device_greedy_with_penalties_and_bias_is_argmax_of_host_processing(ops) -> None:
+    rng = np.random.default_rng(5)
+    V = 5000
+    for params in (SamplingParams(temperature=0.0),
+                   SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias={7: 5.0, 9: -3.0}),
+                   SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4)):
+        s = SequenceSampler(params, rng.integers(0, V, 30).tolist(), V)
+        for t in rng.integers(0, V, 12).tolist():
+            s.append(t)
+        row = rng.standard_normal(V).astype(np.float32) * 3
+        want = int(np.argmax(s.process(row)))
+        got = ops.sample(ops.upload(row[None, :].copy()), [s])[0].token_id
+        assert got == want
+
+
+@needs_gpu
+def test_device_sampling_distribution_and_filters(ops) -> None:
+    """Frequencies of many seeded draws against the softmax the filters leave."""
+    V, n = 40, 4000
+    logits = np.linspace(-2.0, 2.0, V).astype(np.float32)[::-1].copy()   # token 0 most likely
+    for params, keep in ((SamplingParams(temperature=0.7, seed=1), V),
+                         (SamplingParams(temperature=1.0, top_k=5, seed=2), 5),
+                         (SamplingParams(temperature=1.0, top_p=0.5, seed=3), None),
+                         (SamplingParams(temperature=1.0, min_p=0.3, seed=4), None)):
+        samplers = [SequenceSampler(params, [], V, sibling=i) for i in range(n)]
+        rows = ops.upload(np.tile(logits, (n, 1)))
+        toks = np.array([r.token_id for r in ops.sample(rows, samplers)])
+        p = np.exp((logits - logits.max()) / params.temperature)
+        p /= p.sum()
+        if keep is None and params.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(p), params.top_p) + 1)
+        if keep is None:
+            keep = int(np.count_nonzero(p >= params.min_p * p.max()))
+        assert toks.max() < keep, (params, toks.max(), keep)
+        q = p[:keep] / p[:keep].sum()
+        freq = np.bincount(toks, minlength=keep)[:keep] / n
+        assert np.max(np.abs(freq - q)) < 0.03, (params, freq, q)
+
+
+@needs_gpu
+def test_device_sampling_is_reproducible_per_seed(ops) -> None:
+    V = 1000
+    row = np.random.default_rng(0).standard_normal(V).astype(np.float32)
+    draws = []
+    for _ in range(2):
+        s = SequenceSampler(SamplingParams(temperature=1.0, seed=42), [], V)
+        draws.append([ops.sample(ops.upload(row[None, :].copy()), [s])[0].token_id for _ in range(10)])
+    assert draws[0] == draws[1] and len(set(draws[0])) > 1
+
+
+# -- host-side parts of the CUDA backend (no GPU needed) ----------------------------------------
+
+def test_graph_buckets_and_decode_shape() -> None:
+    from ellm.ops.cuda_graphs import bucket_for, is_decode_step
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 16, 17, 64, 65)] == [1, 2, 4, 8, 16, 32, 64, None]
+    tables = {0: np.array([[3, 4], [5, -1], [6, -1]], np.int32)}
+    decode = Batch(np.array([7, 8, 9], np.int32), np.array([20, 3, 9], np.int32),
+                   np.arange(3, dtype=np.int32), tables, np.arange(3, dtype=np.int32))
+    assert is_decode_step(decode)
+    prefill = Batch.single(np.array([1, 2, 3], np.int32), 0, {0: tables[0][:1]})
+    assert not is_decode_step(prefill)   # one sequence, three tokens, one logits row
+
+
+def test_graph_inputs_pack_and_unpack_with_padding() -> None:
+    from ellm.ops.cuda_graphs import pack_inputs, unpack_inputs
+    widths = {0: 6, 512: 3}
+    batch = Batch(np.array([7, 8, 9], np.int32), np.array([20, 3, 9], np.int32), np.arange(3, dtype=np.int32),
+                  {0: np.array([[3, 4], [5, -1], [6, 1]], np.int32), 512: np.array([[0], [2], [9]], np.int32)},
+                  np.arange(3, dtype=np.int32))
+    buf = pack_inputs(batch, 4, widths)
+    static = unpack_inputs(buf, 4, widths)
+    assert static.token_ids.tolist() == [7, 8, 9, 0] and static.positions.tolist() == [20, 3, 9, 0]
+    assert static.seq_ids.tolist() == [0, 1, 2, 3] and static.logits_rows.tolist() == [0, 1, 2, 3]
+    assert static.block_tables[0].tolist() == [[3, 4, -1, -1, -1, -1], [5, -1, -1, -1, -1, -1],
+                                               [6, 1, -1, -1, -1, -1], [-1] * 6]
+    assert static.block_tables[512].tolist() == [[0, -1, -1], [2, -1, -1], [9, -1, -1], [-1] * 3]
+    # the views share the buffer: the next step's copy into it changes what the graph reads
+    buf[:] = pack_inputs(None, 4, widths)
+    assert static.token_ids.tolist() == [0, 0, 0, 0] and static.block_tables[0].max() == -1
+
+
+def test_device_sampler_rows_carry_the_host_samplers_state() -> None:
+    from ellm.ops.cuda import _SampleRows
+    V = 100
+    rep = SequenceSampler(SamplingParams(temperature=0.5, repetition_penalty=1.2, frequency_penalty=0.5,
+                                         logit_bias={3: 1.0}, seed=3), [1, 2, 3], V)
+    for t in (5, 5, 2):
+        rep.append(t)
+    freq = SequenceSampler(SamplingParams(temperature=1.0, top_k=7, top_p=0.8, min_p=0.1,
+                                          presence_penalty=0.3), [4], V)
+    freq.append(9)
+    greedy = SequenceSampler(SamplingParams(temperature=0.0), [1], V)
+    rows = _SampleRows(3)
+    for b, (s, rng) in enumerate(((rep, [7, 1]), (freq, [8, 0]), (greedy, [0, 0]))):
+        rows.add(b, s, rng)
+    a = rows.arrays()
+    assert a["inv_temp"].tolist() == [2.0, 1.0, 0.0]
+    assert a["top_k"].tolist() == [0, 7, 0] and np.allclose(a["top_p"], [0, 0.8, 0])
+    assert np.allclose(a["log_min_p"][1], np.log(0.1)) and np.isneginf(a["log_min_p"][[0, 2]]).all()
+    assert a["bias_off"].tolist() == [0, 1, 1, 1] and a["bias_ids"][0] == 3 and a["bias_vals"][0] == 1.0
+    off = a["pen_off"]
+    row0 = dict(zip(a["pen_ids"][off[0]:off[1]].tolist(), a["pen_counts"][off[0]:off[1]].tolist()))
+    assert row0 == {1: 0.0, 2: 1.0, 3: 0.0, 5: 2.0}   # prompt ids count 0, output ids their count
+    row1 = dict(zip(a["pen_ids"][off[1]:off[2]].tolist(), a["pen_counts"][off[1]:off[2]].tolist()))
+    assert row1 == {9: 1.0}   # no repetition penalty: the prompt is not penalised
+    assert off[3] == off[2]
+    assert a["rep"].tolist()[0] == pytest.approx(1.2) and a["pres"][1] == pytest.approx(0.3)
+    assert a["seeds"].tolist() == [7, 8, 0] and a["steps"].tolist() == [1, 0, 0]

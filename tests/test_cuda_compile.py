@@ -1,0 +1,102 @@
+"""The CUDA kernels compile, on machines without a GPU: every csrc/cuda/*.cu through
+nvcc to PTX for sm_80 (Ampere) and sm_90 (Hopper) with warnings as errors, every
+kernel ops/cuda.py launches is an entry of that PTX, and ptxas assembles the sm_90 PTX
+without register spills. Optionally also through NVRTC (the
+compiler CuPy uses at run time) when a libnvrtc is found.
+
+Skipped, saying why, when nvcc is not installed (the GPU tests are tests/test_cuda.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from ellm.ops import cuda as cuda_ops
+
+NVCC = shutil.which("nvcc") or next(iter(glob.glob("/usr/local/cuda*/bin/nvcc")), None)
+ARCHS = ("sm_80", "sm_90")
+SOURCES = sorted(cuda_ops.kernel_dir().glob("*.cu"))
+
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA toolkit) is not installed; "
+                                                     "the kernels' compile check needs it")
+
+
+def test_every_kernel_file_is_known_to_ops_cuda() -> None:
+    assert {p.name for p in SOURCES} == set(cuda_ops.KERNELS), \
+        "csrc/cuda/*.cu and ops/cuda.py KERNELS disagree"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_nvcc_ptx_without_warnings(source: Path, arch: str, tmp_path: Path) -> None:
+    ptx = tmp_path / (source.stem + ".ptx")
+    proc = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
+                           "-o", str(ptx), str(source)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == "", proc.stderr   # not even a note
+    entries = set(re.findall(r"\.entry\s+(\w+)", ptx.read_text()))
+    missing = set(cuda_ops.KERNELS[source.name]) - entries
+    assert not missing, f"{source.name} does not define {sorted(missing)}"
+    if arch == "sm_90":
+        # ptxas assembles it for Hopper without spilling registers to local memory (a
+        # spill in a decode kernel costs more than the kernel itself)
+        ptxas = shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")
+        proc = subprocess.run([ptxas, "-arch=sm_90", "-warn-spills", "-Werror", "-o",
+                               str(tmp_path / "k.cubin"), str(ptx)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_sources_paste_the_header_in() -> None:
+    """What NVRTC is given: one self-contained text per file (CuPy's compile cache is keyed
+    by it, so a changed common.cuh recompiles)."""
+    for src in SOURCES:
+        text = cuda_ops.kernel_source(src.name)
+        assert "#include" not in text, src.name
+        if '"common.cuh"' in src.read_text():
+            assert "deq8_q6_k" in text
+
+
+def _nvrtc() -> ctypes.CDLL | None:
+    names = [ctypes.util.find_library("nvrtc")] + glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*") \
+        + glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia/cu*/lib/libnvrtc.so*"))
+    for n in names:
+        if n:
+            try:
+                return ctypes.CDLL(n)
+            except OSError:
+                continue
+    return None
+
+
+NVRTC = _nvrtc()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="no libnvrtc found (optional: pip install nvidia-cuda-nvrtc "
+                                                  "for the NVRTC compile check)")
+@pytest.mark.parametrize("arch", ("compute_80", "compute_90"))
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_nvrtc_compiles(source: Path, arch: str) -> None:
+    lib = NVRTC
+    prog = ctypes.c_void_p()
+    text = cuda_ops.kernel_source(source.name).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.name.encode(), 0, None, None) == 0
+    opts = [f"--gpu-architecture={arch}".encode(), b"-ftz=true"] + [o.encode() for o in cuda_ops.NVRTC_OPTIONS]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, buf)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert rc == 0, buf.value.decode(errors="replace")
+
