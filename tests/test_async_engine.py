@@ -169,17 +169,17 @@ def test_request_error_comes_out_of_the_stream(llm: ellm.LLM, aengine: AsyncEngi
 
 def test_failing_step_fails_its_batch_and_keeps_serving(llm: ellm.LLM, aengine: AsyncEngine,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    model = llm.engine.model
-    real_forward = model.forward
+    runner = llm.engine.runner   # the engine's one way to the model
+    real_execute = runner.execute
     calls = {"n": 0}
 
-    def flaky(batch: Any, kv: Any) -> Any:
+    def flaky(batch: Any, hidden_only: bool = False) -> Any:
         calls["n"] += 1
         if calls["n"] == 3:
             raise MemoryError("injected failure")
-        return real_forward(batch, kv)
+        return real_execute(batch, hidden_only)
 
-    monkeypatch.setattr(model, "forward", flaky)
+    monkeypatch.setattr(runner, "execute", flaky)
 
     async def go() -> Any:
         with pytest.raises(MemoryError, match="injected"):

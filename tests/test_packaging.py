@@ -26,7 +26,7 @@ import ellm
 # Frameworks ellm must never bring in: the point of the package is to run without them.
 HEAVY = ("torch", "transformers", "tensorflow", "jax", "safetensors.torch")
 # Optional extras: `import ellm` and a CPU generate must not need them.
-EXTRAS = ("cupy", "starlette", "uvicorn", "fastapi", "pydantic", "prometheus_client", "ray")
+EXTRAS = ("cupy", "starlette", "uvicorn", "fastapi", "pydantic", "prometheus_client", "ray", "PIL")
 # qemu's user-mode emulator runs this Python as on an Intel Nehalem: x86-64-v2 (SSE4.2,
 # POPCNT) without AVX. That is numpy 2's own baseline, so the oldest CPU the run-time
 # dependencies support; ellm must pick its scalar kernels there and give the same model.

@@ -434,7 +434,15 @@ BAD: list[tuple[str, Any, int, str | None, str]] = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
      "messages[0].content", "string"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     400, "messages[0].content[0]", "text"),
+     400, "messages[0].content[0].image_url", "image_url"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+     400, "messages[0].content[0]", "text part"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
+     400, "messages[0].content[0].image_url.url", "data: URL"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     400, "messages[0].content[0]", "takes no images"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      400, "top_logprobs", "logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 3},
@@ -650,7 +658,7 @@ GOOD: list[tuple[str, dict[str, Any]]] = [
 # logit_bias key past the vocabulary): the schema cannot say them, so it accepts those
 # bodies. (The served names, the last token id and the embedding size are in the schema.)
 SERVER_SIDE_WORDS = ("context length", "tokens", "for the completion", "not truncated", "at most",
-                     "names token")
+                     "names token", "takes no images")
 
 
 @pytest.fixture(scope="module")

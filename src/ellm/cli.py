@@ -82,10 +82,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {args.model or 'the model'} has no chat template, so --system cannot be used",
               file=sys.stderr)
         return 2
+    images = args.image or []
+    if images and llm.processing is None:   # [vision]
+        print(f"error: {args.model or llm.source} takes no images (it has no vision tower); drop --image",
+              file=sys.stderr)
+        return 2
     if chat:
+        content: Any = prompt
+        if images:   # the images first, then the question, as the models' own examples do
+            content = [{"type": "image", "image": f} for f in images] + [{"type": "text", "text": prompt}]
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-            [{"role": "user", "content": prompt}]
+            [{"role": "user", "content": content}]
         pieces = llm.chat_stream(messages, params)
+    elif images:
+        # raw: the prompt says where the images go; without placeholders they go first
+        mark = llm.processing.placeholder
+        text = prompt if mark in prompt else mark * len(images) + prompt
+        pieces = llm.stream(text, params, images=images)
     else:
         pieces = llm.stream(prompt, params)
     for piece in pieces:
@@ -190,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("words", nargs="+", metavar="[MODEL] PROMPT")
     r.add_argument("--raw", action="store_true",
                    help="do not apply the chat template (models without one in their files run raw)")
+    r.add_argument("--image", action="append", metavar="FILE",
+                   help="an image for a vision model (repeat for several); with --raw the prompt's "
+                        "placeholders (e.g. <image>) say where each goes")
     _add_sampling(r, max_tokens=256)
     r.set_defaults(func=cmd_run)
     c = sub.add_parser("chat", help="interactive chat with the model's template",
@@ -243,7 +259,14 @@ def _missing_server() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .hub import PullError
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `ellm run MODEL --image FILE PROMPT`: argparse ends the positionals at the first
+    # option, so words after the options come back here; they are the rest of [MODEL] PROMPT.
+    if extra and args.command == "run" and not any(w.startswith("-") for w in extra):
+        args.words += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

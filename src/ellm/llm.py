@@ -26,10 +26,13 @@ from .engine.engine import POOLINGS, Engine, EngineConfig
 from .engine.sequence import TokenLogprob
 from .sampling_defaults import SamplingDefaults
 from .sampling_params import SamplingParams
+from .vision.images import DEFAULT_LIMITS, ImageError, ImageLimits, ImageSource
 
 log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
+# One request: prompt ids, its params, and the ImageInputs for its image tokens (or None)
+_Request = tuple[list[int], SamplingParams, Union[list[Any], None]]
 
 
 @dataclass
@@ -48,8 +51,15 @@ class CompletionOutput:
         return self.text
 
 
+@dataclass(frozen=True)
+class _Encoded:
+    """A prompt already turned into ids with its images (chat() with image parts)."""
+    ids: list[int]
+    images: list[Any]
+
+
 def _is_single(prompt: Any) -> bool:
-    if isinstance(prompt, str):
+    if isinstance(prompt, (str, _Encoded)):
         return True
     return isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > 0 and \
         all(isinstance(t, (int, np.integer)) for t in prompt)
@@ -81,8 +91,13 @@ class LLM:
 
     def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, source: str,
                  engine_config: EngineConfig | None = None,
-                 sampling_defaults: SamplingDefaults | None = None, draft_model: Any = None) -> None:
+                 sampling_defaults: SamplingDefaults | None = None, processing: Any = None,
+                 draft_model: Any = None) -> None:
         self.model, self.tokenizer, self.config, self.source = model, tokenizer, config, source
+        # [vision] the image processor (ellm.vision.preprocess) of a model that takes images,
+        # else None; image_limits bound every image given to this LLM
+        self.processing = processing
+        self.image_limits: ImageLimits = DEFAULT_LIMITS
         self.engine = Engine(model, tokenizer, engine_config, draft_model)  # [spec] draft_model
         self.async_engine = AsyncEngine(self.engine, max_queue=None)
         self.defaults = sampling_defaults or SamplingDefaults()
@@ -136,6 +151,37 @@ class LLM:
             ids = [bos] + ids
         return ids
 
+    def encode_chat_with_images(self, messages: list[dict[str, Any]], fetch: Any = None
+                                ) -> tuple[list[int], list[Any] | None]:
+        """encode_chat() for messages that may hold image parts: -> (ids with every image's
+        tokens in place, the ImageInputs in order, or None when there are none). An image
+        for a model without a vision tower is an ImageError."""
+        from .vision.chat import has_images, prepare_messages
+        from .vision.preprocess import expand_prompt
+        if not has_images(messages):
+            return self.encode_chat(messages), None
+        template_messages, images = prepare_messages(messages, self.processing, self.image_limits, fetch,
+                                                     model_name=self.source)
+        prompt = self.tokenizer.apply_chat_template(template_messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(expand_prompt(prompt, self.processing, images), add_special_tokens=False)
+        bos = self.tokenizer.bos_token_id
+        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids, images
+
+    def encode_prompt_with_images(self, prompt: str, images: Sequence[ImageSource]) -> tuple[list[int], list[Any]]:
+        """A text prompt holding one placeholder per image (`llm.processing.placeholder`,
+        e.g. "<image>"): -> (ids with the images' tokens in place, the ImageInputs)."""
+        from .vision.images import decode_image
+        from .vision.preprocess import expand_prompt
+        if not isinstance(prompt, str):
+            raise TypeError("a prompt with images must be a string holding the image placeholders")
+        if self.processing is None:
+            raise ImageError(f"{self.source} takes no images (it has no vision tower)")
+        inputs = [self.processing.preprocess(decode_image(img, self.image_limits, what=f"images[{i}]"))
+                  for i, img in enumerate(images)]
+        return self.tokenizer.encode(expand_prompt(prompt, self.processing, inputs), add_special_tokens=True), inputs
+
     def sampling_params(self, params: SamplingParams | None = None, **kwargs: Any) -> SamplingParams:
         """The SamplingParams a call runs with: params as given, or this model's defaults
         (`llm.defaults`), then keyword overrides. An unknown keyword is a TypeError."""
@@ -145,47 +191,64 @@ class LLM:
             return SamplingParams.from_kwargs(params, **kwargs)
         return SamplingParams.from_kwargs(None, **{**self.defaults.as_dict(), **kwargs})
 
-    def _requests(self, prompts: Any, params: SamplingParams) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
+    def _requests(self, prompts: Any, params: SamplingParams,
+                  images: Sequence[ImageSource] | None = None) -> tuple[list[_Request], bool]:
         single = _is_single(prompts)
+        if images is not None or isinstance(prompts, _Encoded):   # [vision]
+            if not single:
+                raise ValueError("images= goes with one prompt; for several, call once per prompt")
+            ids, inputs = self._prompt_with_images(prompts, images)
+            return [(ids, _choice_params(params, j), inputs) for j in range(params.n)], True
         batch = [prompts] if single else list(prompts)
         encoded = [self.encode_prompt(p) for p in batch]
-        return [(ids, _choice_params(params, j)) for ids in encoded for j in range(params.n)], single
+        return [(ids, _choice_params(params, j), None) for ids in encoded for j in range(params.n)], single
+
+    def _prompt_with_images(self, prompt: Any, images: Any) -> tuple[list[int], list[Any] | None]:
+        if isinstance(prompt, _Encoded):   # chat(): already expanded
+            return prompt.ids, prompt.images
+        return self.encode_prompt_with_images(prompt, list(images))
 
     # -- generation (blocking; any thread) ----------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
-                 **kwargs: Any) -> Any:
+                 *, images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Any:
         """Runs prompts to the end. A string or token-id prompt gives one CompletionOutput;
         a list of prompts gives a list, in order, all run together in one batch. With
         n > 1 each prompt gives a list of n CompletionOutputs instead (seeded: choice i
         uses seed + i), so a list of prompts gives a list of such lists. Strings are
-        encoded as they are (no chat template; use chat() for that). Safe from any thread."""
+        encoded as they are (no chat template; use chat() for that). Safe from any thread.
+        images: for a model with a vision tower, the images (Pillow images, paths, bytes or
+        data: URLs) of ONE string prompt that holds one placeholder per image
+        (`llm.processing.placeholder`)."""
         params = self.sampling_params(params, **kwargs)
-        reqs, single = self._requests(prompts, params)
+        reqs, single = self._requests(prompts, params, images)
         if not reqs:
             return []
         loop = self._loop()
         streams = []
         try:
-            for ids, p in reqs:
-                streams.append(loop.submit_blocking(ids, p))
+            for ids, p, imgs in reqs:
+                streams.append(loop.submit_blocking(ids, p, images=imgs))
             outs = [_completion(s.result(), params) for s in streams]
         finally:
             for s in streams:
                 s.close()
         return _shape(outs, params.n, single)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Iterator[str]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Iterator[str]:
         """Yields the text of one completion piece by piece. Closing the generator (or
-        dropping it) aborts the request and frees its blocks."""
+        dropping it) aborts the request and frees its blocks. images: as in generate()."""
         params = self.sampling_params(params, **kwargs)
         if params.n != 1:
             raise ValueError(f"n={params.n}: stream() yields one completion; use generate() for n > 1")
-        ids = self.encode_prompt(prompt)
-        return self._stream(ids, params)
+        if images is not None or isinstance(prompt, _Encoded):
+            ids, inputs = self._prompt_with_images(prompt, images)
+            return self._stream(ids, params, inputs)
+        return self._stream(self.encode_prompt(prompt), params)
 
-    def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[str]:
-        s = self._loop().submit_blocking(ids, params)
+    def _stream(self, ids: list[int], params: SamplingParams, images: list[Any] | None = None) -> Iterator[str]:
+        s = self._loop().submit_blocking(ids, params, images=images)
         try:
             for out in s:
                 if out.new_text:
@@ -202,8 +265,13 @@ class LLM:
         tools (OpenAI function tools) and tool_choice ("none" | "auto" | "required" |
         {"type": "function", "function": {"name": ...}}): each reply's `tool_calls` holds
         the parsed calls and `content` the text beside them (see ellm.server.tools and
-        docs/structured-output-and-tools.md)."""
+        docs/structured-output-and-tools.md).
+
+        A message's content may be a list of parts, images among them:
+        {"type": "image", "image": <Pillow image | path | bytes | data: URL>} or OpenAI's
+        {"type": "image_url", "image_url": {"url": "data:..."}} (see docs/vision.md)."""
         if tools is not None or tool_choice is not None:  # [tools]
+            self._no_images_with_tools(messages)
             from .server.tools import ToolPlan
             plan = ToolPlan.make(self.tokenizer, tools, tool_choice, parallel_tool_calls)
             sp = plan.sampling(self.sampling_params(params, **kwargs))
@@ -212,25 +280,34 @@ class LLM:
                 o.content, calls = plan.parse(o.text)
                 o.tool_calls = calls or None
             return out
-        return self.generate(self.encode_chat(messages), params, **kwargs)
+        return self.generate(self._chat_prompt(messages), params, **kwargs)
+
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> Any:
+        ids, images = self.encode_chat_with_images(messages)
+        return ids if images is None else _Encoded(ids, images)
+
+    def _no_images_with_tools(self, messages: list[dict[str, Any]]) -> None:
+        from .vision.chat import has_images
+        if has_images(messages):
+            raise ImageError("images together with tools are not supported yet: send them in separate calls")
 
     def chat_stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
                     **kwargs: Any) -> Iterator[str]:
         """stream() of the assistant's reply under the chat template."""
-        return self.stream(self.encode_chat(messages), params, **kwargs)
+        return self.stream(self._chat_prompt(messages), params, **kwargs)
 
     # -- generation (asyncio) -------------------------------------------------------------
 
     async def agenerate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
-                        **kwargs: Any) -> Any:
+                        *, images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Any:
         """generate() for asyncio: the same arguments and return shape. Cancelling the
         awaiting task aborts its requests and frees their blocks before the next step."""
         params = self.sampling_params(params, **kwargs)
-        reqs, single = self._requests(prompts, params)
+        reqs, single = self._requests(prompts, params, images)
         if not reqs:
             return []
         loop = self._loop()
-        tasks = [asyncio.ensure_future(loop.generate(ids, p)) for ids, p in reqs]
+        tasks = [asyncio.ensure_future(loop.generate(ids, p, images=imgs)) for ids, p, imgs in reqs]
         try:
             finals = await asyncio.gather(*tasks)
         except BaseException:
@@ -239,14 +316,18 @@ class LLM:
             raise
         return _shape([_completion(f, params) for f in finals], params.n, single)
 
-    async def astream(self, prompt: Prompt, params: SamplingParams | None = None,
-                      **kwargs: Any) -> AsyncIterator[str]:
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                      images: Sequence[ImageSource] | None = None, **kwargs: Any) -> AsyncIterator[str]:
         """stream() for asyncio (`async for piece in llm.astream(...)`); closing the
         iterator or cancelling its task aborts the request."""
         params = self.sampling_params(params, **kwargs)
         if params.n != 1:
             raise ValueError(f"n={params.n}: astream() yields one completion; use agenerate() for n > 1")
-        s = self._loop().submit(self.encode_prompt(prompt), params)
+        if images is not None or isinstance(prompt, _Encoded):
+            ids, inputs = self._prompt_with_images(prompt, images)
+        else:
+            ids, inputs = self.encode_prompt(prompt), None
+        s = self._loop().submit(ids, params, images=inputs)
         try:
             async for out in s:
                 if out.new_text:
@@ -257,7 +338,7 @@ class LLM:
     async def achat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
                     **kwargs: Any) -> Any:
         """chat() for asyncio."""
-        return await self.agenerate(self.encode_chat(messages), params, **kwargs)
+        return await self.agenerate(self._chat_prompt(messages), params, **kwargs)
 
     # -- direct model access ----------------------------------------------------------
 
@@ -390,7 +471,21 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     release_freed_memory()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_batch_tokens=max_batch_tokens, speculative=spec)
-    return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, draft_model=draft)
+    processing = _image_processing(model, resolved, mmproj)   # [vision]
+    return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, processing,
+               draft_model=draft)
+
+
+def _image_processing(model: Any, resolved: Any, mmproj: str | Path | None) -> Any:
+    """[vision] The image processor of a model with a vision tower: from its folder's
+    processor files, or from the clip.vision.* metadata of the GGUF mmproj it was given."""
+    if not getattr(model, "takes_images", False):
+        return None
+    from .vision.preprocess import load_processing, processing_from_mmproj
+    if mmproj is not None:
+        from .formats.gguf import GGUFFile
+        return processing_from_mmproj(GGUFFile(Path(mmproj)).metadata, where=str(mmproj))
+    return load_processing(resolved.path)
 
 
 def _load_draft(source: str, ops: Any, progress: bool) -> tuple[Any, Any]:

@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from ..engine.engine import RequestError, SequenceError
+from ..vision.chat import has_images
 from ..engine.sequence import RequestOutput, TokenLogprob
 from ..sampling_params import SamplingParams
 from . import protocol as P
@@ -81,6 +82,8 @@ class ServerConfig:
     read_timeout: float = 30.0
     write_timeout: float = 30.0
     tokenizer_threads: int = 2      # tokenizing and template rendering run here, off the event loop
+    # [vision] http(s) image URLs are fetched only when this is set (ellm serve --allow-image-urls)
+    allow_image_urls: bool = False
 
     def __post_init__(self) -> None:
         self.model_names = tuple(dict.fromkeys(self.model_names))   # unique, in order
@@ -119,8 +122,9 @@ class Server:
     defaults (LLM.defaults.params) so that fields a client leaves out get them."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, config: ServerConfig,
-                 make_params: Callable[..., SamplingParams] = SamplingParams) -> None:
+                 make_params: Callable[..., SamplingParams] = SamplingParams, processing: Any = None) -> None:
         self.engine = engine
+        self.processing = processing   # [vision] the model's image processor, None for a text-only model
         self.tokenizer = tokenizer
         self.cfg = config
         self.make_params = make_params
@@ -193,6 +197,32 @@ class Server:
 
     def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                  template_kwargs: dict[str, Any] | None = None, plan: ToolPlan | None = None) -> list[int]:
+        return self.chat_prompt(messages, add_generation_prompt, template_kwargs, plan)[0]
+
+    def prepare_images(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+        """[vision] Decodes and preprocesses the messages' image parts (fetching http(s)
+        URLs only when allowed): -> (messages for the template, ImageInputs in order)."""
+        from ..vision.chat import prepare_messages
+        from ..vision.images import ImageError
+        fetch = None
+        if self.cfg.allow_image_urls:
+            from ..vision.fetch import fetch_image
+            fetch = fetch_image
+        try:
+            return prepare_messages(messages, self.processing, fetch=fetch, model_name=f"the model '{self.cfg.model_name}'")
+        except ImageError as e:
+            raise APIError(400, str(e), param=e.param or "messages", code="invalid_image") from None
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None,
+                    plan: ToolPlan | None = None) -> tuple[list[int], list[Any] | None]:
+        """The ids of a chat, and the ImageInputs its image tokens stand for (None without images)."""
+        from ..vision.chat import has_images
+        images = None
+        if has_images(messages):   # [vision]
+            if plan is not None:
+                raise APIError(400, "images together with tools are not supported yet", param="tools")
+            messages, images = self.prepare_images(messages)
         tok = self.tokenizer
         kwargs = dict(template_kwargs or {})
         if plan is not None:  # [tools] the plan renders tools, calls and results for the template
@@ -200,12 +230,19 @@ class Server:
             if tools:
                 kwargs["tools"] = tools
         text = self.chat_text(messages, add_generation_prompt, kwargs)
+        if images:   # [vision] each placeholder the template wrote gets its image's tokens
+            from ..vision.images import ImageError
+            from ..vision.preprocess import expand_prompt
+            try:
+                text = expand_prompt(text, self.processing, images)
+            except ImageError as e:   # the template wrote more or fewer placeholders than images
+                raise APIError(400, f"the chat template and the images disagree: {e}", param="messages") from None
         ids = self.encode(text, "messages", add_special_tokens=False)
         # As LLM.chat: the template may or may not write BOS; a model that wants one gets one.
         bos = getattr(tok, "bos_token_id", None)
         if getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
-        return ids
+        return ids, images
 
     def check_length(self, ids: list[int], what: str, max_tokens: int | None = None,
                      max_tokens_param: str | None = None) -> None:
@@ -284,10 +321,11 @@ class Server:
         self.check_model(req.model)
         plan = self.tool_plan(req)
         try:
-            ids = await self.off_loop(self.chat_ids, req.template_messages(), True, req.chat_template_kwargs, plan)
+            ids, images = await self.off_loop(self.chat_prompt, req.template_messages(), True,
+                                              req.chat_template_kwargs, plan)
         except ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
-        return await self._generate(request, req, [ids], plan)
+        return await self._generate(request, req, [ids], plan, [images])
 
     async def embeddings(self, request: Request, req: P.EmbeddingRequest) -> Response:
         self.check_model(req.model)
@@ -332,7 +370,7 @@ class Server:
         if req.messages is not None:
             messages = [m.for_template() for m in req.messages]
             kwargs = req.chat_template_kwargs or {}
-            if req.add_special_tokens is None and req.add_special is None:
+            if (req.add_special_tokens is None and req.add_special is None) or has_images(messages):  # [vision]
                 ids = self.chat_ids(messages, req.add_generation_prompt, kwargs)
             else:
                 text = self.chat_text(messages, req.add_generation_prompt, kwargs)
@@ -354,7 +392,7 @@ class Server:
     # -- generation ---------------------------------------------------------------------
 
     async def _generate(self, request: Request, req: P.GenerationRequest, prompts: list[list[int]],
-                        plan: ToolPlan | None = None) -> Response:
+                        plan: ToolPlan | None = None, images: list[Any] | None = None) -> Response:
         chat = isinstance(req, P.ChatCompletionRequest)
         params = self.sampling_params(req)
         if plan is not None:  # [tools] required / named: the call grammar
@@ -387,7 +425,8 @@ class Server:
         try:
             for p, ids in enumerate(prompts):
                 for j in range(req.n):
-                    streams.append(self.engine.submit(ids, _choice_params(params, j), f"{rid}-{p * req.n + j}"))
+                    streams.append(self.engine.submit(ids, _choice_params(params, j), f"{rid}-{p * req.n + j}",
+                                                      images=images[p] if images else None))  # [vision]
         except (QueueFullError, EngineDeadError) as e:
             for s in streams:
                 s.close()

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model as given). A request without 'model' gets this model")
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000, or '*'")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs in chat messages (at most 20 MB and 10 s each); off: data: URLs only")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all this process may use)")
     p.add_argument("--max-model-len", "--ctx-size", "-c", type=int, default=8192,
@@ -100,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
                     chat_template=args.chat_template, speculative_config=args.speculative_config)
     names = args.served_model_name or [args.model if args.model is not None else llm.source]
     app = create_app(llm, served_model_name=names, api_key=api_key, max_queue=args.max_queue,
-                     allowed_origins=args.allowed_origins or ())
+                     allowed_origins=args.allowed_origins or (), allow_image_urls=args.allow_image_urls)
     shown = ", ".join(repr(n) for n in names)
     print(f"ellm: serving {shown} on http://{_url_host(args.host)}:{args.port}/v1", file=sys.stderr, flush=True)
     from .timeouts import header_timeout_protocol

@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 
 # Union members of the request models are tagged by the JSON shape of the value; those
 # tags appear in pydantic's error locations but mean nothing to a client.
-SHAPE_TAGS = frozenset({"string", "strings", "tokens", "token_arrays", "parts"})
+SHAPE_TAGS = frozenset({"string", "strings", "tokens", "token_arrays", "parts", "text_part", "image_part"})
 
 
 class APIError(Exception):

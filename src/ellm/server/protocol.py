@@ -265,14 +265,44 @@ class TextPart(_Strict):
     @classmethod
     def _only_text(cls, v: Any) -> Any:
         if not (isinstance(v, dict) and v.get("type") == "text" and isinstance(v.get("text"), str)):
-            raise phrase('must be a text part: only {"type": "text", "text": ...} parts are supported')
+            raise phrase('must be a text part: {"type": "text", "text": ...}')
         return v
 
 
+class ImageURL(_Strict):
+    """[vision] OpenAI's image_url object. detail is accepted for compatibility; ellm's
+    processors have one resolution per model, so it changes nothing (docs/vision.md)."""
+    url: str = Field(description="data:image/<type>;base64,... (http(s) only with --allow-image-urls)",
+                     json_schema_extra={"pattern": "^(data:|https?://)"})
+    detail: Literal["auto", "low", "high"] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if not v.startswith(("data:", "http://", "https://")):
+            raise phrase("must be a data: URL (data:image/png;base64,...) or an http(s) URL")
+        return v
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _part_tag(v: Any) -> str | None:
+    kind = v.get("type") if isinstance(v, dict) else None
+    return {"text": "text_part", "image_url": "image_part"}.get(kind) if isinstance(kind, str) else None
+
+
+Part = Annotated[Union[Annotated[TextPart, Tag("text_part")], Annotated[ImagePart, Tag("image_part")]],
+                 Discriminator(_part_tag, custom_error_type="phrase",
+                               custom_error_message='must be a text part {"type": "text", "text": ...} or an '
+                                                    'image part {"type": "image_url", "image_url": {"url": ...}}')]
+
 Content = Annotated[
-    Union[Annotated[str, Tag("string")], Annotated[list[TextPart], Tag("parts")]],
+    Union[Annotated[str, Tag("string")], Annotated[list[Part], Tag("parts")]],
     Discriminator(lambda v: "string" if isinstance(v, str) else "parts" if isinstance(v, list) else None,
-                  custom_error_type="phrase", custom_error_message="must be a string or an array of text parts")]
+                  custom_error_type="phrase", custom_error_message="must be a string or an array of content parts")]
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -298,6 +328,9 @@ class ChatMessage(_Strict):
         content = self.content
         if content is None:
             content = ""
+        elif any(isinstance(part, ImagePart) for part in content):   # [vision] the template sees the parts
+            content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
+                       else {"type": "image_url", "image_url": {"url": part.image_url.url}} for part in content]
         elif isinstance(content, list):
             content = "\n".join(part.text for part in content)
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}

@@ -2,6 +2,7 @@
 and the prompt expansion that makes room for an image's tokens."""
 from __future__ import annotations
 
+from .images import ImageError, ImageLimits, decode_image
 from .inputs import ImageInput
 
-__all__ = ["ImageInput"]
+__all__ = ["ImageError", "ImageInput", "ImageLimits", "decode_image"]
