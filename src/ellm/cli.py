@@ -25,6 +25,8 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
                    help="a Jinja chat template (text or file) to use instead of the model's own")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all this process may use)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",  # [spec]
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def _params(args: argparse.Namespace, llm: Any) -> Any:
@@ -44,6 +46,8 @@ def _load(args: argparse.Namespace) -> Any:
         options["max_model_len"] = args.ctx_size
     if getattr(args, "chat_template", None) is not None:
         options["chat_template"] = args.chat_template
+    if getattr(args, "speculative_config", None) is not None:  # [spec]
+        options["speculative_config"] = args.speculative_config
     return ellm.load(args.model, **options)
 
 

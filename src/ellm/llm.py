@@ -91,13 +91,14 @@ class LLM:
 
     def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, source: str,
                  engine_config: EngineConfig | None = None,
-                 sampling_defaults: SamplingDefaults | None = None, processing: Any = None) -> None:
+                 sampling_defaults: SamplingDefaults | None = None, processing: Any = None,
+                 draft_model: Any = None) -> None:
         self.model, self.tokenizer, self.config, self.source = model, tokenizer, config, source
         # [vision] the image processor (ellm.vision.preprocess) of a model that takes images,
         # else None; image_limits bound every image given to this LLM
         self.processing = processing
         self.image_limits: ImageLimits = DEFAULT_LIMITS
-        self.engine = Engine(model, tokenizer, engine_config)
+        self.engine = Engine(model, tokenizer, engine_config, draft_model)  # [spec] draft_model
         self.async_engine = AsyncEngine(self.engine, max_queue=None)
         self.defaults = sampling_defaults or SamplingDefaults()
         self._closed = False
@@ -390,7 +391,8 @@ def _set_threads(threads: int | None) -> None:
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
          threads: int | None = None, chat_template: str | None = None,
-         progress: bool = True, activations: str = "int8", mmproj: str | Path | None = None) -> LLM:
+         progress: bool = True, activations: str = "int8", mmproj: str | Path | None = None,
+         speculative_config: dict[str, Any] | str | None = None) -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
 
     max_model_len: prompt + output tokens per sequence (capped by the model's own limit).
@@ -402,7 +404,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     "f32" multiplies the dequantized weights by it unrounded (see ops.get_ops).
     mmproj: [vision] llama.cpp's separate vision file (`convert_hf_to_gguf.py --mmproj`) for
     a .gguf text model (SmolVLM / Idefics3 on llama, Gemma 3); given explicitly, never guessed
-    from the folder (docs/vision.md)."""
+    from the folder (docs/vision.md).
+    speculative_config: [spec] speculative decoding, vLLM's names (docs/speculative-decoding.md):
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or
+    {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": 4}."""
     from . import hub
     from . import sampling_defaults as defaults
     from ._memory import release_freed_memory
@@ -424,6 +429,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
             raise TypeError(f"chat_template must be a string (template or path), got {type(chat_template).__name__}")
         template = _chat_template_source(chat_template)
         compile_template(template)   # a broken template fails here, not at the first chat
+    from .engine.speculative import SpeculativeConfig, check_same_vocabulary
+    spec = SpeculativeConfig.parse(speculative_config)  # [spec] a bad config fails before loading
     _set_threads(threads)
     ops = get_ops(device, activations=activations)
     resolved = hub.resolve(source, progress=progress)
@@ -456,11 +463,17 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         from .quantize import QuantizedWeights
         weights = QuantizedWeights(weights, quantize)
     model = build_model(config, weights, ops)
+    draft = None
+    if spec is not None and spec.method == "draft_model":  # [spec] the draft: same device, its own file
+        draft_llm_parts = _load_draft(spec.model, ops, progress)
+        check_same_vocabulary(tokenizer, draft_llm_parts[1])
+        draft = draft_llm_parts[0]
     release_freed_memory()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                 max_batch_tokens=max_batch_tokens)
+                                 max_batch_tokens=max_batch_tokens, speculative=spec)
     processing = _image_processing(model, resolved, mmproj)   # [vision]
-    return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, processing)
+    return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, processing,
+               draft_model=draft)
 
 
 def _image_processing(model: Any, resolved: Any, mmproj: str | Path | None) -> Any:
@@ -473,3 +486,28 @@ def _image_processing(model: Any, resolved: Any, mmproj: str | Path | None) -> A
         from .formats.gguf import GGUFFile
         return processing_from_mmproj(GGUFFile(Path(mmproj)).metadata, where=str(mmproj))
     return load_processing(resolved.path)
+
+
+def _load_draft(source: str, ops: Any, progress: bool) -> tuple[Any, Any]:
+    """[spec] A speculative draft model and its tokenizer: (model, tokenizer)."""
+    from . import hub
+    from .formats.gguf import GGUFFile
+    from .formats.safetensors import SafetensorsFolder
+    from .models import build_model
+    from .tokenizer import Tokenizer
+    from .weights import GGUFWeights, SafetensorsWeights
+
+    resolved = hub.resolve(source, progress=progress)
+    if progress:
+        print(f"ellm: loading the draft model {resolved.describe()}", file=sys.stderr, flush=True)
+    if resolved.kind == "gguf":
+        gguf = GGUFFile(resolved.path)
+        config = ModelConfig.from_gguf(gguf)
+        weights: Any = GGUFWeights(gguf)
+        tokenizer = Tokenizer.from_gguf(gguf)
+        gguf.drop_metadata("tokenizer.ggml.")
+    else:
+        config = ModelConfig.from_folder(resolved.path)
+        weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
+        tokenizer = Tokenizer.from_folder(resolved.path)
+    return build_model(config, weights, ops), tokenizer

@@ -68,6 +68,8 @@ class EngineSnapshot:
     steps: int
     num_preemptions: int
     step_errors: int
+    spec_proposed_tokens: int = 0    # [spec] speculative guesses checked, and those kept
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -614,7 +616,9 @@ class AsyncEngine:
             prefix_cache_hits=bm.hits, prefix_cache_queries=bm.queries,
             prompt_tokens=eng.stats["prompt_tokens"], generation_tokens=eng.stats["generation_tokens"],
             steps=eng.stats["steps"], num_preemptions=eng.scheduler.num_preemptions,
-            step_errors=self.step_errors)
+            step_errors=self.step_errors,
+            spec_proposed_tokens=eng.stats.get("spec_proposed_tokens", 0),  # [spec]
+            spec_accepted_tokens=eng.stats.get("spec_accepted_tokens", 0))
 
 
 def _embed_group(prompts: list[list[int]], pooling: str, normalize: bool, engine: Engine) -> np.ndarray:

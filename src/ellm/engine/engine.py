@@ -48,10 +48,12 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_tokens: int = 0         # 0: max(max_model_len, 16384)
     enable_prefix_caching: bool = True
+    speculative: Any = None          # [spec] a speculative.SpeculativeConfig, or None (off)
 
 
 class Engine:
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
+                 draft_model: Any = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.cfg = cfg = config or EngineConfig()
         mc = model.config
@@ -67,6 +69,11 @@ class Engine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self._masks: Any = None  # structured.MaskFiller, made on the first constrained request
         self.loop_owner: Any = None   # the AsyncEngine whose thread steps this engine
+        self.spec: Any = None  # [spec] a speculative.Speculator when speculative decoding is on
+        if cfg.speculative is not None:
+            from .speculative import make_speculator
+            self.spec = make_speculator(cfg, model, draft_model)
+            self.stats.update(spec_proposed_tokens=0, spec_accepted_tokens=0, spec_checks=0)
 
     # -- requests -----------------------------------------------------------------
 
@@ -119,6 +126,8 @@ class Engine:
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = "abort"
+        if self.spec is not None:  # [spec]
+            self.spec.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -141,6 +150,8 @@ class Engine:
             outputs.append(seq.take_output())
         if not plan:
             return outputs
+        if self.spec is not None:  # [spec] decoding sequences may add guesses to check
+            plan = self._add_guesses(plan)
         batch, sampled = self._build_batch(plan)
         # [structured] grammar masks are filled in a worker thread while the forward runs
         pending = self._masks.start([s.grammar for s in sampled]) if self._masks else None
@@ -155,6 +166,9 @@ class Engine:
                 self.blocks.cache_prefix(seq.request_id, seq.image_keys or seq.prompt_ids,  # [vision] keys
                                          seq.num_computed)
                 seq.image_rows = None   # [vision] the prompt is in the cache now
+        if self.spec is not None and any(seq.draft_ids for seq in sampled):  # [spec] rows of guesses
+            self._sample_checked(sampled, self.runner.to_host(logits), masks, outputs)
+            return outputs
         # [runner] a device backend may choose unconstrained tokens itself (only ids cross the bus)
         batched = self.runner.sample(logits, [s.sampler for s in sampled]) if masks is None else None
         if batched is None:
@@ -193,7 +207,7 @@ class Engine:
         t = 0
         for b, (seq, n) in enumerate(plan):
             start = seq.num_computed
-            ids = seq.all_ids
+            ids = seq.all_ids + seq.draft_ids if seq.draft_ids else seq.all_ids  # [spec]
             if seq.images:   # [vision]
                 spliced += self._image_rows_in(seq, start, n, t)
                 if seq.image_limits is not None:
@@ -202,8 +216,8 @@ class Engine:
             positions[t:t + n] = np.arange(start, start + n, dtype=np.int32)
             seq_ids[t:t + n] = b
             self.blocks.release_out_of_window(seq.request_id, start)
-            if start + n == seq.num_tokens:
-                rows.append(t + n - 1)
+            if start + n == seq.num_tokens + len(seq.draft_ids):
+                rows.extend(range(t + n - 1 - len(seq.draft_ids), t + n))  # [spec] a row per guess
                 sampled.append(seq)
             t += n
         tables = {}
@@ -323,6 +337,85 @@ class Engine:
             self._emit(seq, seq.stopper.push(seq.detok.flush())[0] + seq.stopper.flush())
             self._finish(seq, "length")
 
+    # -- [spec] speculative decoding (ellm.engine.speculative) ------------------------
+
+    def _add_guesses(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Gives the decoding sequences the proposer's guesses to check in this step's
+        forward (within the token budget, the output and context limits and the free
+        KV blocks; never by preempting anyone). Constrained sequences do not guess: their
+        grammar mask is one row per step."""
+        cfg = self.cfg
+        room = cfg.max_batch_tokens - sum(n for _, n in plan)
+        cands = []
+        for seq, n in plan:
+            seq.draft_ids = []   # none left over from a step that raised
+            if n != 1 or seq.num_computed != seq.num_tokens - 1 or seq.grammar is not None:
+                continue
+            cap = min(room, cfg.max_model_len - 1 - seq.num_tokens)
+            if seq.params.max_tokens is not None:
+                cap = min(cap, seq.params.max_tokens - len(seq.output_ids) - 1)
+            if cap > 0:
+                cands.append((seq, cap))
+        if not cands:
+            return plan
+        n_out = sum(1 for seq, n in plan if seq.num_computed + n == seq.num_tokens)
+        guesses = self.spec.propose(cands, n_out, sum(n for _, n in plan))
+        out = []
+        for seq, n in plan:
+            g = guesses.get(seq.request_id)
+            if g and room > 0:
+                g = g[:room]
+                if self.blocks.allocate(seq.request_id, seq.num_computed + 1 + len(g)):
+                    seq.draft_ids = g
+                    room -= len(g)
+                    n += len(g)
+            if g and not seq.draft_ids:  # guessed but not checked: the proposer forgets the guesses
+                self.spec.verified(seq.request_id, 0, 0, seq.num_tokens - 1)
+            out.append((seq, n))
+        return out
+
+    def _sample_checked(self, sampled: list[Sequence], logits: np.ndarray, masks: list[Any] | None,
+                        outputs: list[RequestOutput]) -> None:
+        """Sampling for a step in which some sequences check guesses: each sequence's rows
+        in order, its own sampler drawing from each (so penalties count the tokens kept
+        so far, and one random draw is used per output token, as without guesses); a
+        guess is kept while the drawn token equals it (exact: see speculative.py). Then
+        the computed count moves back to the kept tokens and blocks past them are freed."""
+        row = 0
+        for b, seq in enumerate(sampled):
+            guesses, seq.draft_ids = seq.draft_ids, []
+            rows = logits[row:row + 1 + len(guesses)]
+            row += len(rows)
+            mask = None if masks is None else masks[b]
+            st = seq.grammar
+            if st is not None and (st.error is not None or not mask.any()):  # [structured]
+                seq.error = st.error or "the grammar allows no token here"
+                self._finish(seq, "error")
+                outputs.append(seq.take_output())
+                continue
+            kept = 0
+            try:
+                for i in range(len(rows)):
+                    res = seq.sampler.sample(rows[i], mask)
+                    self._append(seq, res)
+                    if seq.status is SeqStatus.FINISHED or i == len(guesses) or int(res.token_id) != guesses[i]:
+                        break
+                    kept += 1
+            except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
+                seq.error = f"sampling failed: {type(e).__name__}: {e}"
+                self._finish(seq, "error")
+            if guesses:
+                self.stats["spec_checks"] += 1
+                self.stats["spec_proposed_tokens"] += len(guesses)
+                self.stats["spec_accepted_tokens"] += kept
+            if seq.status is not SeqStatus.FINISHED:
+                seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+                self.blocks.truncate(seq.request_id, seq.num_tokens)
+                if guesses:
+                    self.spec.verified(seq.request_id, len(guesses), kept, seq.num_tokens - 1)
+            if seq.status is SeqStatus.FINISHED or seq.pending_ids:
+                outputs.append(seq.take_output())
+
     # -- [structured] constrained decoding (ellm.engine.structured) -------------------
 
     def prepare_constraints(self) -> None:
@@ -375,6 +468,8 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
+        if self.spec is not None:  # [spec]
+            self.spec.release(seq.request_id)
 
     # -- direct model access ----------------------------------------------------------
 

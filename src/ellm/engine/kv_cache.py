@@ -142,6 +142,20 @@ class BlockManager:
                 if b >= 0:
                     self._release(w, b)
 
+    def truncate(self, key: object, n_tokens: int) -> None:
+        """[spec] Frees the sequence's blocks past the first n_tokens positions (the slots
+        of rejected speculative tokens; the prefix cache holds prompt blocks only, and a
+        released block it shares keeps the cache's reference)."""
+        tables = self.tables.get(key)
+        if not tables:
+            return
+        keep = -(-n_tokens // self.block_size)
+        for w, blocks in tables.items():
+            for b in blocks[keep:]:
+                if b >= 0:
+                    self._release(w, b)
+            del blocks[keep:]
+
     def release_out_of_window(self, key: object, first_new_position: int) -> None:
         """Sliding layers: drop blocks no token at or after first_new_position can see."""
         tables = self.tables.get(key)

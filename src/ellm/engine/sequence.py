@@ -58,6 +58,7 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     grammar: Any = None          # a structured.GrammarState when the output is constrained
     error: str | None = None     # why the sequence finished with reason "error"
+    draft_ids: list[int] = field(default_factory=list)  # [spec] guesses checked this step
     # [vision] the request's images, where their tokens sit in the prompt ((M,) int32,
     # ascending), their rows once encoded ((M, H) f32, dropped when the prompt is done),
     # and the prompt as the prefix cache sees it (image tokens keyed by image content)

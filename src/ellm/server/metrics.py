@@ -54,6 +54,8 @@ class _EngineCollector(Collector):
             ("prefix_cache_queries", "Prompt blocks looked up in the prefix cache.", snap.prefix_cache_queries),
             ("preemptions", "Sequences preempted for lack of KV blocks.", snap.num_preemptions),
             ("engine_step_errors", "Engine steps that raised (their batch failed).", snap.step_errors),
+            ("spec_proposed_tokens", "Speculative tokens guessed and checked.", snap.spec_proposed_tokens),
+            ("spec_accepted_tokens", "Speculative tokens the check kept.", snap.spec_accepted_tokens),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(f"ellm_{name}", doc, labels=["model"])
