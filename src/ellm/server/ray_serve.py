@@ -146,17 +146,18 @@ class EllmReplica:
         """What the ingress needs to validate requests as this replica would."""
         return {"max_model_len": self.llm.engine.cfg.max_model_len, "vocab_size": self.llm.config.vocab_size,
                 "hidden_size": self.llm.config.hidden_size, "source": self.llm.source,
-                "defaults": self.llm.defaults}
+                "defaults": self.llm.defaults,
+                "processing": getattr(self.llm, "processing", None)}   # [vision] None: text only
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[Delta | Failure | ReplicaStats]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       images: list[Any] | None = None) -> AsyncIterator[Delta | Failure | ReplicaStats]:
         """The request's deltas, then this replica's stats. A cancelled call (the client
         left) closes the engine stream, which aborts the request and frees its blocks."""
         first = True
         try:
             if params.constraint is not None:   # llguidance's tokenizer, off the engine thread
                 await asyncio.get_running_loop().run_in_executor(None, self.llm.engine.prepare_constraints)
-            async for out in self.engine.stream(prompt_ids, params, request_id):
+            async for out in self.engine.stream(prompt_ids, params, request_id, images):
                 yield Delta(out.new_text, list(out.new_token_ids), out.finished, out.finish_reason,
                             list(out.new_logprobs), out.num_cached_tokens, self.name if first else "")
                 first = False
@@ -338,10 +339,11 @@ class RemoteStream:
     errors. Sends the request again (to another replica) when its replica was lost
     before it streamed anything."""
 
-    def __init__(self, pool: ReplicaPool, prompt_ids: list[int], params: SamplingParams, request_id: str) -> None:
+    def __init__(self, pool: ReplicaPool, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 images: list[Any] | None = None) -> None:
         self.request_id = request_id
         self._pool = pool
-        self._args = (list(prompt_ids), params, request_id)
+        self._args = (list(prompt_ids), params, request_id, images)
         self._call: Any = None
         self._streamed = False
         self._tries = 0
@@ -484,11 +486,12 @@ class ReplicaPool:
                                  f"(limit {self.max_queue}); retry later")
 
     # -- requests -----------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RemoteStream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               images: list[Any] | None = None) -> RemoteStream:
         if not self._running:
             raise EngineDeadError("the ingress is shutting down")
         self.check_capacity(1)
-        s = RemoteStream(self, prompt_ids, params, request_id or f"rreq-{id(prompt_ids)}")
+        s = RemoteStream(self, prompt_ids, params, request_id or f"rreq-{id(prompt_ids)}", images)
         self._pending.add(id(s))
         return s
 
@@ -624,7 +627,8 @@ class EllmIngress:
         cfg = ServerConfig(model_names=names, max_model_len=facts["max_model_len"], vocab_size=facts["vocab_size"],
                            embedding_size=facts["hidden_size"], api_key=api_key, source=facts["source"],
                            allowed_origins=tuple(allowed_origins))
-        self.server = Server(self.pool, tokenizer, cfg, facts["defaults"].params)  # type: ignore[arg-type]
+        self.server = Server(self.pool, tokenizer, cfg, facts["defaults"].params,  # type: ignore[arg-type]
+                             processing=facts.get("processing"))
         self.server.metrics.registry.register(ReplicaCollector(self.pool, cfg.model_name))  # type: ignore[arg-type]
 
     def __serve_build_asgi_app__(self) -> Any:
