@@ -286,6 +286,16 @@ def _replica_pids(url: str) -> list[int]:
     return pids
 
 
+def _routes(text: str) -> dict[int, float]:
+    """pid -> the streams its replica has started (ellm_replica_requests_total)."""
+    pid_of = {lab["replica"]: int(lab["pid"]) for lab, _ in _samples(text, "ellm_replica_info")}
+    out: dict[int, float] = {}
+    for lab, v in _samples(text, "ellm_replica_requests_total"):
+        if lab.get("replica") in pid_of:
+            out[pid_of[lab["replica"]]] = out.get(pid_of[lab["replica"]], 0) + v
+    return out
+
+
 def _running_replicas() -> int:
     status = serve.status().applications[ray_serve.APP_NAME].deployments["EllmReplica"]
     return int(status.replica_states.get("RUNNING", 0))
@@ -294,7 +304,7 @@ def _running_replicas() -> int:
 def test_replica_killed_under_load(cluster: str) -> None:
     pids = _replica_pids(cluster)
     assert len(pids) == 2, pids
-    victim = pids[0]
+    before = _routes(_metrics(cluster))
     killed_at: list[float] = []
 
     async def load() -> list[str]:
@@ -305,6 +315,10 @@ def test_replica_killed_under_load(cluster: str) -> None:
             tasks = [asyncio.ensure_future(_stream(c, i, 120, started, streaming)) for i in range(32)]
             # Half the clients have content: streams are running on both replicas.
             await asyncio.wait_for(started.wait(), 90)
+            # The victim is the replica that took the most of these streams (the router
+            # may have sent them all to one), so the kill is sure to cut some.
+            now = _routes((await c.get("/metrics")).text)
+            victim = max(now, key=lambda pid: now[pid] - before.get(pid, 0))
             os.kill(victim, signal.SIGKILL)
             killed_at.append(time.monotonic())
             return list(await asyncio.gather(*tasks))
