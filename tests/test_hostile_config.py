@@ -9,14 +9,12 @@ an allocation sized by a lie fails the test instead of taking the machine's memo
 """
 from __future__ import annotations
 
-import json
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from capped_child import run_capped
 
 from ellm.formats.gguf import GGUFFile
 
@@ -62,16 +60,7 @@ def _patched(tmp_path: Path, src: Path, key: str, value: int | float, stem: str)
 
 def _load_in_child(paths: list[Path]) -> dict[str, dict]:
     """path -> outcome of ellm.load(path), all loaded by one capped child, one by one."""
-    proc = subprocess.run([sys.executable, "-c", _CHILD, "-", str(CAP_MB), *map(str, paths)],
-                          capture_output=True, text=True, timeout=600)
-    got = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            got[rec.pop("path")] = rec
-    missing = [str(p) for p in paths if str(p) not in got]
-    assert not missing, f"child died (rc {proc.returncode}) at {missing[0]}: {proc.stderr[-2000:]}"
-    return got
+    return run_capped(_CHILD, ["-", str(CAP_MB)], paths, timeout=600)
 
 
 # GGUF key (after the architecture) -> the ModelConfig / Hugging Face field it sets: a

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import struct
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+from capped_child import run_capped
 
 pytest.importorskip("PIL", reason="the vision tests need Pillow (pip install 'ellm[vision]')")
 from PIL import Image  # noqa: E402
@@ -49,16 +47,7 @@ for path in sys.argv[2:]:
 
 
 def _decode_in_child(paths: list[Path]) -> dict[str, dict]:
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(CAP_MB), *map(str, paths)],
-                          capture_output=True, text=True, timeout=300)
-    got = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            got[rec.pop("path")] = rec
-    missing = [str(p) for p in paths if str(p) not in got]
-    assert not missing, f"child died (rc {proc.returncode}) at {missing[0]}: {proc.stderr[-2000:]}"
-    return got
+    return run_capped(_CHILD, [str(CAP_MB)], paths, timeout=300)
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
