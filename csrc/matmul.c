@@ -89,19 +89,17 @@ static int takes_token_groups(int64_t T) { return T >= FEW_TOKENS; }
  * tiles), so at the AMX level calls from this many tokens on use them, padded to 16 */
 #define AMX_FEW_TOKENS 8
 _Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS, "tiles start no later than the token groups");
-/* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, and runs at the speed of the
- * hardware prefetcher: each item should be one long sequential stream. Items of
- * 1 / (DECODE_ITEMS_PER_THREAD x threads) of the matrix (within [MIN, MAX] bytes, at
- * least DECODE_MIN_ROWS rows) read the Gemma 3 head at 34-36 GB/s on 2 threads here,
- * where 24 KiB items, claimed by the threads in turn, read it at 21; and with two items
- * per thread, one that loses its core still leaves half its share to the others. */
+/* Decode (T < FEW_TOKENS) is a read of the weights from DRAM: each item should be one
+ * long sequential stream, which the row kernels fetch ahead in software (quant_x86.h).
+ * Items of 1 / (DECODE_ITEMS_PER_THREAD x threads) of the matrix (within [MIN, MAX]
+ * bytes, at least DECODE_MIN_ROWS rows) read the Gemma 3 head at 34-36 GB/s on 2 threads
+ * on an earlier machine, where 24 KiB items, claimed by the threads in turn, read it at
+ * 21; and with two items per thread, one that loses its core still leaves half its share
+ * to the others. */
 #define DECODE_ITEMS_PER_THREAD 2
 #define DECODE_ITEM_MIN_BYTES ((size_t)16 << 10)
 #define DECODE_ITEM_MAX_BYTES ((size_t)1 << 20)
 #define DECODE_MIN_ROWS 4
-/* Decode weights larger than this come from DRAM rather than cache: take the kernel
- * variant that reads one row at a time (same results), which streams best. */
-#define DECODE_STREAM_BYTES ((uint64_t)64 << 20)
 
 static int64_t decode_item_bytes(size_t w_bytes) {
     size_t b = w_bytes / ((size_t)ellm_num_threads() * DECODE_ITEMS_PER_THREAD);
@@ -436,10 +434,6 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
                 p->tg = ELLM_TG;
             } else {
                 p->qdot = ellm_qdot_select(q->qtype);
-            }
-            if (T == 1 && (uint64_t)q->w_bytes > DECODE_STREAM_BYTES) {
-                ellm_qdot_fn s = ellm_qdot_stream_select(q->qtype);
-                if (s) p->qdot = s;
             }
             c->act[f] = ellm_act_select(q->qtype);
         } else {

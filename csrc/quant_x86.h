@@ -76,10 +76,12 @@ INLINE float hmax8(__m256 v) {
 
 INLINE float f16_at(const uint8_t *p) { return _cvtsh_ss(ellm_rd_u16(p)); }
 
-/* Software prefetch distance of the one-row decode kernels: a weight row (and the rows
- * after it, which follow it in memory) is fetched this many bytes ahead of the block
- * being read. benchmarks/bench_stream.py: 2 threads read 14.8 GB/s with the hardware
- * prefetcher alone and 19.2 with 2048 bytes of software prefetch. */
+/* Software prefetch distance of the K-quant decode kernels, which read one row at a time:
+ * a weight row (and the rows after it, which follow it in memory) is fetched this many
+ * bytes ahead of the block being read. benchmarks/bench_stream.py: 2 threads read 14.8
+ * GB/s with the hardware prefetcher alone and 19.2 with 2048 bytes of software prefetch.
+ * (The 32-element types' decode kernel reads 8 rows side by side and fetches the next 8
+ * ahead instead: qdot32_rows8.) */
 #define QX_PF_BYTES 2048
 
 /* Prefetches [p + QX_PF_BYTES, p + QX_PF_BYTES + n) (n > 0), one touch per cache line
@@ -234,44 +236,6 @@ KINLINE void qdot32_rows8(int type, int64_t nb, const uint8_t *w, size_t ws, int
         for (int j = 0; j < nr; j++) y[(size_t)t * ys + (size_t)j] = out[j];
     }
 }
-
-/* Decode, one row at a time: the same sums as qdot32_rows8 (the block's 8 lanes summed
- * in integers first), for weights streamed from DRAM, where one sequential read per
- * thread keeps the hardware prefetcher ahead best. */
-KINLINE void qdot32_row1(int type, int64_t nb, const uint8_t *w, const ellm_act32 *x, float *y) {
-    const int bs = bytes32(type);
-    const int has_c = type != ELLM_T_Q8_0;
-    float acc = 0.0f, cor = 0.0f;
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *b = w + (size_t)i * (size_t)bs;
-        prefetch_ahead(b, 1); /* bs < 64: each line is touched by some block */
-        const ellm_act32 *a = x + i;
-        const __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
-        __m256i sq = _mm256_setzero_si256();
-        const __m256i q = values32(type, b, &sq);
-        const int isum = hsum8_epi32(DOT_US8(q, type == ELLM_T_Q8_0 ? _mm256_sign_epi8(xq, sq) : xq));
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
-        const float d = _mm_cvtss_f32(dm);
-        acc = fmaf((float)isum, d * a->d, acc);
-        if (has_c) cor = fmaf(const32(type, d, _mm_cvtss_f32(_mm_movehdup_ps(dm))), a->s, cor);
-    }
-    *y = has_c ? acc + cor : acc;
-}
-
-#define DEFINE_QDOT32_STREAM(name, TYPE)                                                     \
-    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
-                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
-        for (int64_t t = 0; t < nt; t++)                                                     \
-            for (int64_t r = 0; r < nr; r++)                                                 \
-                qdot32_row1(TYPE, nb, w + (size_t)r * ws, (const ellm_act32 *)(x + (size_t)t * xs), \
-                            y + (size_t)t * ys + (size_t)r);                                 \
-    }
-
-DEFINE_QDOT32_STREAM(qdots_q4_0, ELLM_T_Q4_0)
-DEFINE_QDOT32_STREAM(qdots_q4_1, ELLM_T_Q4_1)
-DEFINE_QDOT32_STREAM(qdots_q5_0, ELLM_T_Q5_0)
-DEFINE_QDOT32_STREAM(qdots_q5_1, ELLM_T_Q5_1)
-DEFINE_QDOT32_STREAM(qdots_q8_0, ELLM_T_Q8_0)
 
 #define DEFINE_QDOT32(name, TYPE)                                                            \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \

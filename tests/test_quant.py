@@ -244,8 +244,8 @@ def test_linear_threads_agree(qtype: GGMLType) -> None:
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_1], ids=lambda t: t.name)
 def test_linear_large_matrix_decode(qtype: GGMLType) -> None:
-    """Decode weights past 64 MiB (an output head) take a kernel variant that reads one
-    row at a time: same results as the batched path, bit for bit, and right."""
+    """Decode weights past 64 MiB (an output head, read from DRAM in long runs of rows
+    with software prefetch): same results as the batched path, bit for bit, and right."""
     rng = np.random.default_rng(7)
     k = 256
     n = (65 << 20) // _quant.row_bytes(int(qtype), k) + 3
