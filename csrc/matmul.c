@@ -98,7 +98,7 @@ _Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS, "tiles start no later than the toke
  * bytes (decode_regions below): each thread reads its region front to back -- one stream,
  * through the parts back to back -- and then takes items from the back of the others'
  * regions, so a thread that loses its core holds up only the item it is in. */
-#define DECODE_ITEMS_PER_REGION 8
+#define DECODE_ITEMS_PER_REGION 4
 #define DECODE_ITEM_MIN_BYTES ((size_t)16 << 10)
 #define DECODE_ITEM_MAX_BYTES ((size_t)256 << 10)
 #define DECODE_MIN_ROWS 4
