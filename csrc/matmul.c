@@ -95,7 +95,7 @@ _Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS, "tiles start no later than the toke
  * parts, one after the other, are cut into items of about the same bytes (1 /
  * (DECODE_ITEMS_PER_REGION x threads) of the call within [MIN, MAX], at least
  * DECODE_MIN_ROWS rows), and the items into one contiguous region per thread, balanced by
- * bytes (decode_regions below): each thread reads its region front to back -- one stream,
+ * bytes (run_decode_regions below): each thread reads its region front to back -- one stream,
  * through the parts back to back -- and then takes items from the back of the others'
  * regions, so a thread that loses its core holds up only the item it is in. */
 #define DECODE_ITEMS_PER_REGION 4
