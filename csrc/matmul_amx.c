@@ -223,7 +223,12 @@ INLINE __m512 const32x16(int type, __m512 d, __m512 m) {
 }
 
 /* Blocks unpacked per chunk (16 rows x 32 bytes each: 16 KiB of L1 at 32) */
-#define A32_CHUNK 32
+#ifndef A32_PREFETCH
+#define A32_PREFETCH 2
+#endif
+#ifndef A32_CHUNK
+#define A32_CHUNK 48
+#endif
 /* Token groups sharing one unpacking of the weights */
 #define A32_GROUPS 4
 /* Result buffers of the tile multiplies in flight (a block is folded one block after
@@ -265,9 +270,15 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
         /* Q8_0's values are int8 as stored: a full tile of rows is loaded straight from
          * the weights (row stride ws) rather than copied into the chunk first */
         const int direct = type == ELLM_T_Q8_0 && rows == 16;
-        for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
-            const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
-            for (int g = 0; g < ng; g++)
+        /* one chunk holds every block (K up to 32 A32_CHUNK): each group is summed from
+         * start to end against the one unpacking and its outputs stored at once, so every
+         * token of the call shares it; more blocks: A32_GROUPS groups per unpacking, their
+         * sums kept between chunks */
+        const int single = nb <= A32_CHUNK;
+        const int64_t gstep = single ? ngroups : A32_GROUPS;
+        for (int64_t g0 = 0; g0 < ngroups; g0 += gstep) {
+            const int ng = ngroups - g0 < gstep ? (int)(ngroups - g0) : (int)gstep;
+            for (int g = 0; g < ng && !single; g++)
                 for (int r = 0; r < 16; r++) acc_mem[g][r] = cor_mem[g][r] = _mm512_setzero_ps();
             for (int64_t i0 = 0; i0 < nb; i0 += A32_CHUNK) {
                 const int nc = nb - i0 < A32_CHUNK ? (int)(nb - i0) : A32_CHUNK;
@@ -299,8 +310,10 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                 for (int g = 0; g < ng; g++) {
                     const ellm_act32x16 *xg = (const ellm_act32x16 *)(x + (size_t)(g0 + g) * xs) + i0;
                     __m512 acc[16];
+                    /* single: the sums of one group at a time, in acc_mem[0] / cor_mem[0] */
+                    const int gm = single ? 0 : g;
                     _Pragma("GCC unroll 16")
-                    for (int r = 0; r < 16; r++) acc[r] = acc_mem[g][r];
+                    for (int r = 0; r < 16; r++) acc[r] = single ? _mm512_setzero_ps() : acc_mem[gm][r];
                     /* software-pipelined: block ii + 1's multiply is issued before block
                      * ii's result is stored, and block ii is folded one block later, so
                      * the tile unit, the tile stores and the folds (still in block order)
@@ -311,6 +324,13 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                     TILE_DPBSSD(TC0, TA0, TB0);
                     for (int ii = 0; ii < nc; ii++) {
                         const int nx = ii + 1;
+                        /* the activations of a call past a few groups are read from L2:
+                         * ask for a block's lines a few blocks ahead of its tile load */
+                        if (ii + A32_PREFETCH < nc) {
+                            const char *pf = (const char *)&xg[ii + A32_PREFETCH];
+                            _Pragma("GCC unroll 10")
+                            for (int l = 0; l < (int)sizeof(ellm_act32x16); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+                        }
                         if ((ii & 1) == 0) {
                             if (nx < nc) {
                                 TILE_LOAD(TA1, a_base + (size_t)nx * a_step, a_stride);
@@ -335,11 +355,11 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                     }
                     fold_block32(ib[(nc - 1) % A32_BUFS], wc.d[nc - 1], _mm512_loadu_ps(xg[nc - 1].d), acc);
                     _Pragma("GCC unroll 16")
-                    for (int r = 0; r < 16; r++) acc_mem[g][r] = acc[r];
+                    for (int r = 0; r < 16; r++) acc_mem[gm][r] = acc[r];
                     if (has_c) {
                         __m512 cor[16];
                         _Pragma("GCC unroll 16")
-                        for (int r = 0; r < 16; r++) cor[r] = cor_mem[g][r];
+                        for (int r = 0; r < 16; r++) cor[r] = single ? _mm512_setzero_ps() : cor_mem[gm][r];
                         for (int j = 0; j < nc; j++) {
                             const __m512 sx = _mm512_loadu_ps(xg[j].s);
                             _Pragma("GCC unroll 16")
@@ -347,11 +367,20 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                                 cor[r] = _mm512_fmadd_ps(_mm512_set1_ps(wc.c[j][r]), sx, cor[r]);
                         }
                         _Pragma("GCC unroll 16")
-                        for (int r = 0; r < 16; r++) cor_mem[g][r] = cor[r];
+                        for (int r = 0; r < 16; r++) cor_mem[gm][r] = cor[r];
+                    }
+                    if (single) {
+                        __m512 out[16];
+                        _Pragma("GCC unroll 16")
+                        for (int r = 0; r < 16; r++)
+                            out[r] = has_c ? _mm512_add_ps(acc_mem[0][r], cor_mem[0][r]) : acc_mem[0][r];
+                        const int64_t t0 = (g0 + g) * ELLM_AMX_TG;
+                        const int n = nt - t0 < ELLM_AMX_TG ? (int)(nt - t0) : ELLM_AMX_TG;
+                        store_tile(out, rows, n, y + (size_t)t0 * ys + (size_t)r0, ys);
                     }
                 }
             }
-            for (int g = 0; g < ng; g++) {
+            for (int g = 0; g < ng && !single; g++) {
                 __m512 out[16];
                 _Pragma("GCC unroll 16")
                 for (int r = 0; r < 16; r++)
