@@ -417,6 +417,9 @@ DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
  * ==================================================================================== */
 
 #define AK_CHUNK 4 /* blocks unpacked per chunk: 16 rows x 256 bytes each */
+/* token groups per unpacking of a chunk: all of a 512-token work item, their sums kept in
+ * memory between chunks (32 KiB) */
+#define AK_GROUPS 32
 
 typedef struct {
     int8_t q[AK_CHUNK][16][256] __attribute__((aligned(64))); /* values, element order */
@@ -484,13 +487,13 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
     const int runs = q4 ? 8 : 16, run_bytes = q4 ? 32 : 16;
     wchunkk wc;
     int32_t ib[3][16][16] __attribute__((aligned(64)));
-    __m512 acc_mem[A32_GROUPS][16];
+    __m512 acc_mem[AK_GROUPS][16];
     const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
     load_tile_config(run_bytes);
     for (int64_t r0 = 0; r0 < nr; r0 += 16) {
         const int rows = nr - r0 < 16 ? (int)(nr - r0) : 16;
-        for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
-            const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
+        for (int64_t g0 = 0; g0 < ngroups; g0 += AK_GROUPS) {
+            const int ng = ngroups - g0 < AK_GROUPS ? (int)(ngroups - g0) : AK_GROUPS;
             for (int g = 0; g < ng; g++)
                 for (int r = 0; r < 16; r++) acc_mem[g][r] = _mm512_setzero_ps();
             for (int64_t i0 = 0; i0 < nb; i0 += AK_CHUNK) {
@@ -502,6 +505,13 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
                 for (int g = 0; g < ng; g++) {
                     const ellm_act256x16 *xg = (const ellm_act256x16 *)(x + (size_t)(g0 + g) * xs) + i0;
                     for (int ii = 0; ii < nc; ii++) {
+                        /* the next block of this group (or the next group's first), from
+                         * L2, asked for while this one multiplies */
+                        const ellm_act256x16 *nx = ii + 1 < nc ? xg + ii + 1
+                                                 : g + 1 < ng ? (const ellm_act256x16 *)(x + (size_t)(g0 + g + 1) * xs) + i0
+                                                              : NULL;
+                        if (nx)
+                            for (size_t l = 0; l < sizeof *nx; l += 64) _mm_prefetch((const char *)nx + l, _MM_HINT_T0);
                         __m512i tot[16];
                         _Pragma("GCC unroll 16")
                         for (int r = 0; r < 16; r++) tot[r] = _mm512_setzero_si512();
