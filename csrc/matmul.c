@@ -65,16 +65,17 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
 #define ROW_TILE 16
 #define TOK_TILE 32
 _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
-/* [amx] Items of the AMX kernels: a weight tile's rows against many tokens, so that one
- * unpacking of the rows serves them all and the per-call costs (tile configuration,
- * transposes) are spread thin; the kernels prefetch the activations, which then come
- * from L2. Up to AMX_TOK_TILE tokens, fewer where their activations would pass
- * AMX_ITEM_ACT_BYTES (L2 is 2 MiB a core here). Q4_1 1536x576 at T=512, one thread: 64-token
- * items 303-323 GFLOP/s, 512-token items 391-436 (matmul_amx.c's prefetch; 180-340 without). */
-#define AMX_TOK_TILE 512
-#define AMX_MIN_TOK_TILE 64
+/* [amx] Items of the AMX kernels. The 32-element types: 64 tokens (4 tile groups), whose
+ * activations stay in L1 from one 16-row item to the next while the weights stream
+ * through (the kernel unpacks each item's rows once for all its tokens); 128 and 512 were
+ * slower in SmolLM2's prefill (linear_multi 330-348 ms against 259 at 64, one thread,
+ * CPU time). The K-quants (only): up to 512 tokens, so that one unpacking of a chunk of
+ * their big blocks serves them all, fewer where their activations would pass
+ * AMX_ITEM_ACT_BYTES (L2 is 2 MiB a core here). */
+#define AMX_TOK_TILE 64
+#define AMX_K_TOK_TILE 512
 #define AMX_ITEM_ACT_BYTES ((size_t)1 << 20)
-_Static_assert(AMX_TOK_TILE % ELLM_AMX_TG == 0 && AMX_MIN_TOK_TILE % ELLM_AMX_TG == 0 &&
+_Static_assert(AMX_TOK_TILE % ELLM_AMX_TG == 0 && AMX_K_TOK_TILE % AMX_TOK_TILE == 0 &&
                    ELLM_AMX_TG % ELLM_TG == 0,
                "AMX items start on a 16-token group; padding to 16 covers groups of 8");
 _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
@@ -405,11 +406,10 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     const int any_amx = c->amx[0] || c->amx[1];
     const int few = !groups && !any_amx;
     c->item_toks = few ? T : any_amx ? AMX_TOK_TILE : TOK_TILE;
-    if (any_amx) { /* [amx] fewer tokens where their activations would crowd L2 */
-        size_t tok_bytes = 0; /* activation bytes of one token, the formats on the tiles */
-        for (int f = 0; f < N_ACT; f++)
-            if (c->amx[f]) tok_bytes += c->act_stride[f] / ELLM_AMX_TG;
-        while (c->item_toks > AMX_MIN_TOK_TILE && (size_t)c->item_toks * tok_bytes > AMX_ITEM_ACT_BYTES)
+    if (any_amx && !c->amx[0]) { /* [amx] K-quants only: more tokens, within L2 */
+        c->item_toks = AMX_K_TOK_TILE;
+        const size_t tok_bytes = c->act_stride[1] / ELLM_AMX_TG;
+        while (c->item_toks > AMX_TOK_TILE && (size_t)c->item_toks * tok_bytes > AMX_ITEM_ACT_BYTES)
             c->item_toks /= 2;
     }
     for (int f = 0; f < N_ACT; f++) {

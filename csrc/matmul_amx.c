@@ -234,6 +234,9 @@ INLINE __m512 const32x16(int type, __m512 d, __m512 m) {
 /* Result buffers of the tile multiplies in flight (a block is folded one block after
  * its result is stored) */
 #define A32_BUFS 4
+#ifndef A32_LAG
+#define A32_LAG 1
+#endif
 
 typedef struct {
     int8_t q[A32_CHUNK][16][32] __attribute__((aligned(64)));
@@ -348,12 +351,13 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                             }
                             TILE_STORE(TC1, ib[ii % A32_BUFS], 64);
                         }
-                        if (ii >= 1) {
-                            const int jj = ii - 1;
+                        if (ii >= A32_LAG) {
+                            const int jj = ii - A32_LAG;
                             fold_block32(ib[jj % A32_BUFS], wc.d[jj], _mm512_loadu_ps(xg[jj].d), acc);
                         }
                     }
-                    fold_block32(ib[(nc - 1) % A32_BUFS], wc.d[nc - 1], _mm512_loadu_ps(xg[nc - 1].d), acc);
+                    for (int jj = nc - A32_LAG < 0 ? 0 : nc - A32_LAG; jj < nc; jj++)
+                        fold_block32(ib[jj % A32_BUFS], wc.d[jj], _mm512_loadu_ps(xg[jj].d), acc);
                     _Pragma("GCC unroll 16")
                     for (int r = 0; r < 16; r++) acc_mem[gm][r] = acc[r];
                     if (has_c) {
