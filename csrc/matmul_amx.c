@@ -278,6 +278,9 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
          * token of the call shares it; more blocks: A32_GROUPS groups per unpacking, their
          * sums kept between chunks */
         const int single = nb <= A32_CHUNK;
+        /* past A32_GROUPS groups the activations no longer stay in L1 from one call to the
+         * next (the driver's 64-token items keep them there; prefetching those costs) */
+        const int prefetch = ngroups > A32_GROUPS;
         const int64_t gstep = single ? ngroups : A32_GROUPS;
         for (int64_t g0 = 0; g0 < ngroups; g0 += gstep) {
             const int ng = ngroups - g0 < gstep ? (int)(ngroups - g0) : (int)gstep;
@@ -327,9 +330,9 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                     TILE_DPBSSD(TC0, TA0, TB0);
                     for (int ii = 0; ii < nc; ii++) {
                         const int nx = ii + 1;
-                        /* the activations of a call past a few groups are read from L2:
-                         * ask for a block's lines a few blocks ahead of its tile load */
-                        if (ii + A32_PREFETCH < nc) {
+                        /* then they are read from L2: ask for a block's lines a few
+                         * blocks ahead of its tile load */
+                        if (prefetch && ii + A32_PREFETCH < nc) {
                             const char *pf = (const char *)&xg[ii + A32_PREFETCH];
                             _Pragma("GCC unroll 10")
                             for (int l = 0; l < (int)sizeof(ellm_act32x16); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
