@@ -222,21 +222,17 @@ INLINE __m512 const32x16(int type, __m512 d, __m512 m) {
     }
 }
 
-/* Blocks unpacked per chunk (16 rows x 32 bytes each: 16 KiB of L1 at 32) */
-#ifndef A32_PREFETCH
-#define A32_PREFETCH 2
-#endif
-#ifndef A32_CHUNK
+/* Blocks unpacked per chunk (16 rows x 32 bytes each: 24 KiB of L1 at 48; K = 1536, the
+ * widest matrix of both models here, is one chunk) */
 #define A32_CHUNK 48
-#endif
+/* Blocks ahead of its tile load that a block's activations are asked for (calls of more
+ * than A32_GROUPS groups) */
+#define A32_PREFETCH 2
 /* Token groups sharing one unpacking of the weights */
 #define A32_GROUPS 4
 /* Result buffers of the tile multiplies in flight (a block is folded one block after
  * its result is stored) */
 #define A32_BUFS 4
-#ifndef A32_LAG
-#define A32_LAG 1
-#endif
 
 typedef struct {
     int8_t q[A32_CHUNK][16][32] __attribute__((aligned(64)));
@@ -273,7 +269,7 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
         /* Q8_0's values are int8 as stored: a full tile of rows is loaded straight from
          * the weights (row stride ws) rather than copied into the chunk first */
         const int direct = type == ELLM_T_Q8_0 && rows == 16;
-        /* one chunk holds every block (K up to 32 A32_CHUNK): each group is summed from
+        /* one chunk holds every block (K up to 32 x A32_CHUNK): each group is summed from
          * start to end against the one unpacking and its outputs stored at once, so every
          * token of the call shares it; more blocks: A32_GROUPS groups per unpacking, their
          * sums kept between chunks */
@@ -354,13 +350,12 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                             }
                             TILE_STORE(TC1, ib[ii % A32_BUFS], 64);
                         }
-                        if (ii >= A32_LAG) {
-                            const int jj = ii - A32_LAG;
+                        if (ii >= 1) {
+                            const int jj = ii - 1;
                             fold_block32(ib[jj % A32_BUFS], wc.d[jj], _mm512_loadu_ps(xg[jj].d), acc);
                         }
                     }
-                    for (int jj = nc - A32_LAG < 0 ? 0 : nc - A32_LAG; jj < nc; jj++)
-                        fold_block32(ib[jj % A32_BUFS], wc.d[jj], _mm512_loadu_ps(xg[jj].d), acc);
+                    fold_block32(ib[(nc - 1) % A32_BUFS], wc.d[nc - 1], _mm512_loadu_ps(xg[nc - 1].d), acc);
                     _Pragma("GCC unroll 16")
                     for (int r = 0; r < 16; r++) acc_mem[gm][r] = acc[r];
                     if (has_c) {
