@@ -177,10 +177,12 @@ INLINE int bytes32(int type) {
     }
 }
 
-/* 16 bytes of nibbles -> 32 values, low nibbles first (the 32-block element order) */
+/* 16 bytes of nibbles -> 32 values, low nibbles first (the 32-block element order): the
+ * bytes in both lanes (a broadcast load), the high lane shifted down 4 bits, one mask */
 INLINE __m256i nibbles32(const uint8_t *p) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    v = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
 /* bit j of bits -> 0x10 in byte j (the fifth bit of the Q5 values) */
