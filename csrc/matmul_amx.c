@@ -439,10 +439,11 @@ INLINE void unpack_k(int q4, const uint8_t *b, wchunkk *wc, int ii, int r) {
     if (q4) {
         uint8_t sc[8], mn[8];
         ellm_unpack_k4_scales(b + 4, sc, mn);
-        for (int j = 0; j < 8; j++) {
-            wc->sc[ii][r][j] = sc[j];
-            wc->pair[ii][r][j] = (int32_t)((uint32_t)mn[j] * 0x10001u);
-        }
+        /* sc as int32; each min in both halves of an int32 (the madd's pair) */
+        const __m256i sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        const __m256i mn32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn));
+        _mm256_storeu_si256((__m256i *)wc->sc[ii][r], sc32);
+        _mm256_storeu_si256((__m256i *)wc->pair[ii][r], _mm256_or_si256(mn32, _mm256_slli_epi32(mn32, 16)));
         wc->d[ii][r] = f16_at(b);
         wc->m[ii][r] = -f16_at(b + 2);
         for (int c = 0; c < 4; c++) {
@@ -451,11 +452,10 @@ INLINE void unpack_k(int q4, const uint8_t *b, wchunkk *wc, int ii, int r) {
             _mm256_store_si256((__m256i *)(v + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4));
         }
     } else {
-        const int8_t *sc = (const int8_t *)(b + 192);
-        for (int g = 0; g < 16; g++) wc->sc[ii][r][g] = sc[g];
-        for (int k = 0; k < 8; k++)
-            wc->pair[ii][r][k] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[2 * k] |
-                                           ((uint32_t)(uint16_t)(int16_t)sc[2 * k + 1] << 16));
+        /* the 16 int8 scales as int32, and as int16 (pairs (sc[2k], sc[2k + 1]) in int32 k) */
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        _mm512_storeu_si512(wc->sc[ii][r], _mm512_cvtepi8_epi32(sc));
+        _mm256_storeu_si256((__m256i *)wc->pair[ii][r], _mm256_cvtepi8_epi16(sc));
         wc->d[ii][r] = f16_at(b + 208);
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
