@@ -493,6 +493,8 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
     int32_t ib[3][16][16] __attribute__((aligned(64)));
     __m512 acc_mem[AK_GROUPS][16];
     const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
+    /* a few groups' activations stay in L1 from one call to the next; more come from L2 */
+    const int prefetch = ngroups > A32_GROUPS;
     load_tile_config(run_bytes);
     for (int64_t r0 = 0; r0 < nr; r0 += 16) {
         const int rows = nr - r0 < 16 ? (int)(nr - r0) : 16;
@@ -514,7 +516,7 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
                         const ellm_act256x16 *nx = ii + 1 < nc ? xg + ii + 1
                                                  : g + 1 < ng ? (const ellm_act256x16 *)(x + (size_t)(g0 + g + 1) * xs) + i0
                                                               : NULL;
-                        if (nx)
+                        if (nx && prefetch)
                             for (size_t l = 0; l < sizeof *nx; l += 64) _mm_prefetch((const char *)nx + l, _MM_HINT_T0);
                         __m512i tot[16];
                         _Pragma("GCC unroll 16")
