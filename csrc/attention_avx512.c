@@ -3,8 +3,12 @@
  * As there, each score has one fixed horizontal-sum order (fold 16 -> 8 lanes, then the
  * 8-lane order), for keys in a group of four and in the tail alike. */
 #include <immintrin.h>
+#include <math.h>
 
 #include "attention.h"
+#include "elementwise.h"
+
+_Static_assert(ELLM_ATTN_TILE == 64, "the fused tile holds a row's scores in four vectors");
 
 static inline __m256 fold16(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
@@ -106,13 +110,13 @@ void ellm_attn_qk_avx512(const float *q, int g, int hd, const float *const *kp, 
 
 /* acc row += p row @ V for columns [d0, hd) of one row: 64, then 16 columns in registers
  * across all keys, then the masked tail. */
-static inline void pv_row(const float *ph, float *ah, const float *const *vp, int n, int hd, int d0) {
+static inline void pv_row(const float *ph, int ks, float *ah, const float *const *vp, int n, int hd, int d0) {
     int d = d0;
     for (; d + 64 <= hd; d += 64) {
         __m512 a0 = _mm512_loadu_ps(ah + d), a1 = _mm512_loadu_ps(ah + d + 16);
         __m512 a2 = _mm512_loadu_ps(ah + d + 32), a3 = _mm512_loadu_ps(ah + d + 48);
         for (int j = 0; j < n; j++) {
-            const __m512 w = _mm512_set1_ps(ph[j]);
+            const __m512 w = _mm512_set1_ps(ph[j * ks]);
             const float *v = vp[j] + d;
             a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
             a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
@@ -127,14 +131,14 @@ static inline void pv_row(const float *ph, float *ah, const float *const *vp, in
     for (; d + 16 <= hd; d += 16) {
         __m512 a0 = _mm512_loadu_ps(ah + d);
         for (int j = 0; j < n; j++)
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(ph[j]), _mm512_loadu_ps(vp[j] + d), a0);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(ph[j * ks]), _mm512_loadu_ps(vp[j] + d), a0);
         _mm512_storeu_ps(ah + d, a0);
     }
     if (d < hd) {
         const __mmask16 tm = (__mmask16)((1u << (hd - d)) - 1u);
         __m512 a0 = _mm512_maskz_loadu_ps(tm, ah + d);
         for (int j = 0; j < n; j++)
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(ph[j]), _mm512_maskz_loadu_ps(tm, vp[j] + d), a0);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(ph[j * ks]), _mm512_maskz_loadu_ps(tm, vp[j] + d), a0);
         _mm512_mask_storeu_ps(ah + d, tm, a0);
     }
 }
@@ -149,7 +153,7 @@ static inline void pv_row(const float *ph, float *ah, const float *const *vp, in
     __m512 a##r##3 = _mm512_loadu_ps(acc + (r) * (int64_t)hd + d + 48);
 #define PV_FMA(r)                                                                             \
     {                                                                                         \
-        const __m512 w = _mm512_set1_ps(p[(r) * ELLM_ATTN_TILE + j]);                         \
+        const __m512 w = _mm512_set1_ps(p[(r) * rs + j * ks]);                                \
         a##r##0 = _mm512_fmadd_ps(w, v0, a##r##0);                                            \
         a##r##1 = _mm512_fmadd_ps(w, v1, a##r##1);                                            \
         a##r##2 = _mm512_fmadd_ps(w, v2, a##r##2);                                            \
@@ -161,7 +165,8 @@ static inline void pv_row(const float *ph, float *ah, const float *const *vp, in
     _mm512_storeu_ps(acc + (r) * (int64_t)hd + d + 32, a##r##2);                              \
     _mm512_storeu_ps(acc + (r) * (int64_t)hd + d + 48, a##r##3);
 #define PV_BLOCK(name, ROWS)                                                                  \
-    static void name(const float *p, float *acc, int hd, const float *const *vp, int n, int d) { \
+    static void name(const float *p, int rs, int ks, float *acc, int hd, const float *const *vp, int n,  \
+                     int d) {                                                                 \
         ROWS(PV_LOAD)                                                                         \
         for (int j = 0; j < n; j++) {                                                         \
             const float *v = vp[j] + d;                                                       \
@@ -175,20 +180,308 @@ PV_BLOCK(pv_rows_64_4, ROWS4)
 PV_BLOCK(pv_rows_64_3, ROWS3)
 PV_BLOCK(pv_rows_64_2, ROWS2)
 
-/* rows [h, h + rb) (rb <= 4) */
-static inline void pv_rows(const float *p, int h, int rb, int hd, const float *const *vp, int n, float *acc) {
+/* rows [h, h + rb) (rb <= 4); p[r * rs + j * ks] is row r's weight of key j */
+static inline void pv_rows(const float *p, int rs, int ks, int h, int rb, int hd, const float *const *vp, int n,
+                           float *acc) {
     const int body = rb > 1 ? hd & ~63 : 0;
+    const float *ph = p + h * rs;
+    float *ah = acc + (int64_t)h * hd;
     for (int d = 0; d < body; d += 64) {
-        const float *ph = p + h * ELLM_ATTN_TILE;
-        float *ah = acc + (int64_t)h * hd;
-        if (rb == 4) pv_rows_64_4(ph, ah, hd, vp, n, d);
-        else if (rb == 3) pv_rows_64_3(ph, ah, hd, vp, n, d);
-        else pv_rows_64_2(ph, ah, hd, vp, n, d);
+        if (rb == 4) pv_rows_64_4(ph, rs, ks, ah, hd, vp, n, d);
+        else if (rb == 3) pv_rows_64_3(ph, rs, ks, ah, hd, vp, n, d);
+        else pv_rows_64_2(ph, rs, ks, ah, hd, vp, n, d);
     }
     if (body < hd)
-        for (int r = h; r < h + rb; r++) pv_row(p + r * ELLM_ATTN_TILE, acc + (int64_t)r * hd, vp, n, hd, body);
+        for (int r = 0; r < rb; r++) pv_row(ph + r * rs, ks, ah + (int64_t)r * hd, vp, n, hd, body);
+}
+
+static void pv_strided(const float *p, int rs, int ks, int g, int hd, const float *const *vp, int n, float *acc) {
+    for (int h = 0; h < g; h += 4) pv_rows(p, rs, ks, h, g - h < 4 ? g - h : 4, hd, vp, n, acc);
 }
 
 void ellm_attn_pv_avx512(const float *p, int g, int hd, const float *const *vp, int n, float *acc) {
-    for (int h = 0; h < g; h += 4) pv_rows(p, h, g - h < 4 ? g - h : 4, hd, vp, n, acc);
+    pv_strided(p, ELLM_ATTN_TILE, 1, g, hd, vp, n, acc);
+}
+
+/* ============================ the fused tile ============================
+ * One pass over a key tile for up to 32 query rows (a run of tokens of one sequence and
+ * all heads of its GQA group, or one token's heads in decode): scores, scale, soft-cap,
+ * each row's mask, the online-softmax update and p @ V.
+ *
+ * The scores are computed with the query rows in the lanes: q comes transposed (hd, 32),
+ * and each key's row is read in place, one element broadcast per step, so a score is
+ * one FMA chain over head_dim in order d = 0, 1, ... with no horizontal sum at all, and
+ * each key row is loaded once for all 32 rows. The softmax runs in the same layout
+ * (a vector per key, 16 rows per vector); a row's sum adds its keys in lane order. A
+ * score sits at the lane of its key in the tile (position - tile start) whoever computes
+ * it; keys a row does not see are -inf before the max and exactly 0 after the exp, so
+ * they add nothing to its sum or to its p @ V (acc + 0 * v == acc). */
+
+enum { QT = ELLM_ATTN_QT }; /* lanes of one column of the transposed q */
+
+#define K8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define ACC2_DECL(i) __m512 a##i = _mm512_setzero_ps(), b##i = _mm512_setzero_ps();
+#define ACC2_FMA(i)                                                                           \
+    {                                                                                         \
+        const __m512 kb = _mm512_set1_ps(k[i][d]);                                            \
+        a##i = _mm512_fmadd_ps(qa, kb, a##i);                                                 \
+        b##i = _mm512_fmadd_ps(qb, kb, b##i);                                                 \
+    }
+#define ACC2_STORE(i)                                                                         \
+    _mm512_storeu_ps(s + (i) * QT, a##i);                                                     \
+    _mm512_storeu_ps(s + (i) * QT + 16, b##i);
+#define ACC1_DECL(i) __m512 a##i = _mm512_setzero_ps();
+#define ACC1_FMA(i) a##i = _mm512_fmadd_ps(qa, _mm512_set1_ps(k[i][d]), a##i);
+#define ACC1_STORE(i) _mm512_storeu_ps(s + (i) * QT, a##i);
+
+/* Scores of rows [0, 32) for the 8 keys k[0..8) into s[i * QT + r]. Not inlined: its
+ * loop wants every general register for the key pointers. */
+__attribute__((noinline)) static void qk_keys8_rows32(const float *qt, int hd, const float *const *k, float *s) {
+    K8(ACC2_DECL)
+#pragma GCC unroll 2
+    for (int d = 0; d < hd; d++) {
+        const __m512 qa = _mm512_loadu_ps(qt + (int64_t)d * QT), qb = _mm512_loadu_ps(qt + (int64_t)d * QT + 16);
+        K8(ACC2_FMA)
+    }
+    K8(ACC2_STORE)
+}
+
+/* Scores of rows [0, 16) for the 8 keys k[0..8). */
+__attribute__((noinline)) static void qk_keys8_rows16(const float *qt, int hd, const float *const *k, float *s) {
+    K8(ACC1_DECL)
+#pragma GCC unroll 2
+    for (int d = 0; d < hd; d++) {
+        const __m512 qa = _mm512_loadu_ps(qt + (int64_t)d * QT);
+        K8(ACC1_FMA)
+    }
+    K8(ACC1_STORE)
+}
+
+/* The same scores for few rows (decode: one token's heads), where rows in the lanes
+ * would leave most lanes idle: the keys go in the lanes instead. Each block of 16 keys x
+ * 16 dims is transposed in registers (64 shuffles), then every row runs its FMA chains
+ * over d in order, 16 keys per vector: fma(q[r][d], k[j][d], acc) -- the very operations
+ * of the rows-in-lanes loop, so the bits are the same. */
+
+/* kt[d * TILE + 16 c + j] = k[j][d0 + d] for the 16 keys k[0..16) and d < nd (<= 16). */
+static void transpose_block(const float *const *k, int d0, int nd, float *kt, int c) {
+    const __mmask16 dm = (__mmask16)(nd >= 16 ? 0xFFFFu : (1u << nd) - 1u);
+    __m512 u[16];
+    for (int i = 0; i < 4; i++) { /* rows 4i..4i+3: column 4L + cc of them in lane L of u[4i + cc] */
+        const __m512 r0 = _mm512_maskz_loadu_ps(dm, k[4 * i] + d0), r1 = _mm512_maskz_loadu_ps(dm, k[4 * i + 1] + d0);
+        const __m512 r2 = _mm512_maskz_loadu_ps(dm, k[4 * i + 2] + d0), r3 = _mm512_maskz_loadu_ps(dm, k[4 * i + 3] + d0);
+        const __m512d lo01 = _mm512_castps_pd(_mm512_unpacklo_ps(r0, r1)), hi01 = _mm512_castps_pd(_mm512_unpackhi_ps(r0, r1));
+        const __m512d lo23 = _mm512_castps_pd(_mm512_unpacklo_ps(r2, r3)), hi23 = _mm512_castps_pd(_mm512_unpackhi_ps(r2, r3));
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo01, lo23));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo01, lo23));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi01, hi23));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi01, hi23));
+    }
+    float *out = kt + 16 * c;
+    for (int cc = 0; cc < 4; cc++) {
+        const __m512 a = _mm512_shuffle_f32x4(u[cc], u[4 + cc], 0x44), b = _mm512_shuffle_f32x4(u[8 + cc], u[12 + cc], 0x44);
+        const __m512 a2 = _mm512_shuffle_f32x4(u[cc], u[4 + cc], 0xEE), b2 = _mm512_shuffle_f32x4(u[8 + cc], u[12 + cc], 0xEE);
+        _mm512_storeu_ps(out + (0 + cc) * ELLM_ATTN_TILE, _mm512_shuffle_f32x4(a, b, 0x88));
+        _mm512_storeu_ps(out + (4 + cc) * ELLM_ATTN_TILE, _mm512_shuffle_f32x4(a, b, 0xDD));
+        _mm512_storeu_ps(out + (8 + cc) * ELLM_ATTN_TILE, _mm512_shuffle_f32x4(a2, b2, 0x88));
+        _mm512_storeu_ps(out + (12 + cc) * ELLM_ATTN_TILE, _mm512_shuffle_f32x4(a2, b2, 0xDD));
+    }
+}
+
+/* Up to 4 rows (q row-major, stride hd) x the groups [c0, c1) (<= 4) over dims [d0, d0 + nd)
+ * of kt: acc (rows, TILE) row-major, continued from what it holds. */
+__attribute__((noinline)) static void qk_transposed_pass(const float *q, int nr, int hd, int d0, int nd,
+                                                         const float *kt, int c0, int c1, float *acc) {
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++)
+            a[r][c] = r < nr && c0 + c < c1 ? _mm512_loadu_ps(acc + r * ELLM_ATTN_TILE + 16 * (c0 + c)) : _mm512_setzero_ps();
+    const int ng = c1 - c0;
+    for (int d = 0; d < nd; d++) {
+        const float *kd = kt + d * ELLM_ATTN_TILE + 16 * c0;
+        for (int r = 0; r < nr; r++) {
+            const __m512 qv = _mm512_set1_ps(q[(int64_t)r * hd + d0 + d]);
+            for (int c = 0; c < ng; c++) a[r][c] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kd + 16 * c), a[r][c]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < ng; c++) _mm512_storeu_ps(acc + r * ELLM_ATTN_TILE + 16 * (c0 + c), a[r][c]);
+}
+
+/* Scores of `rows` rows (q row-major) for the keys of lane groups [c0, c1) into
+ * acc[r * TILE + j] (kk: TILE pointers, every one valid in those groups). */
+static void qk_few_rows(const float *q, int rows, int hd, const float *const *kk, int c0, int c1, float *acc) {
+    float kt[16 * ELLM_ATTN_TILE]; /* (16 dims, TILE keys) */
+    for (int r = 0; r < rows; r++)
+        for (int j = 16 * c0; j < 16 * c1; j++) acc[r * ELLM_ATTN_TILE + j] = 0.0f;
+    for (int d0 = 0; d0 < hd; d0 += 16) {
+        const int nd = hd - d0 < 16 ? hd - d0 : 16;
+        for (int c = c0; c < c1; c++) transpose_block(kk + 16 * c, d0, nd, kt, c);
+        for (int r = 0; r < rows; r += 4)
+            qk_transposed_pass(q + (int64_t)r * hd, rows - r < 4 ? rows - r : 4, hd, d0, nd, kt, c0, c1,
+                               acc + r * ELLM_ATTN_TILE);
+    }
+}
+
+/* e^x for x <= 0 (the shifted scores): the polynomial of elementwise's exp16. */
+static inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.381461741e-03f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.368710056e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166838899e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666652113e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999404e-01f));
+    __m512 e = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    e = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(e, n);
+}
+
+/* lanes [lo, hi) of the 16 starting at lane 16 c */
+static inline __mmask16 lane_mask(int c, int lo, int hi) {
+    const int a = lo - 16 * c < 0 ? 0 : lo - 16 * c, b = hi - 16 * c > 16 ? 16 : hi - 16 * c;
+    if (a >= b) return 0;
+    return (__mmask16)(((1u << b) - 1u) & ~((1u << a) - 1u));
+}
+
+/* sum(e0..e3 lanes) as (e0 + e1) + (e2 + e3), then lanes 8, 4, 2, 1 apart */
+static inline float sum_lanes(__m512 e0, __m512 e1, __m512 e2, __m512 e3) {
+    const __m512 p = _mm512_add_ps(_mm512_add_ps(e0, e1), _mm512_add_ps(e2, e3));
+    const __m256 q = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
+    const __m128 t = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* The online-softmax step of one row over its scores sr[0..TILE) (row-major; lanes
+ * outside [u0, u1) unread): the same operations, lane by lane, as softmax16. */
+static void softmax_row(float *sr, int u0, int u1, int lo, int hi, float scale, float cap, float *m, float *l,
+                        float *corr) {
+    *corr = 1.0f;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
+    __mmask16 mk[4];
+    __m512 x[4];
+    for (int c = 0; c < 4; c++) {
+        const int in = 16 * c < u1 && 16 * c + 16 > u0;
+        mk[c] = in ? lane_mask(c, lo, hi) : 0;
+        x[c] = in ? _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * c), vscale) : ninf;
+    }
+    if (lo >= hi) { /* sees nothing here: p = 0, state untouched */
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(sr + 16 * c, _mm512_setzero_ps());
+        return;
+    }
+    if (cap > 0.0f) {
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(sr + 16 * c, x[c]);
+        ellm_softcap_row_avx512(sr, cap, ELLM_ATTN_TILE);
+        for (int c = 0; c < 4; c++) x[c] = _mm512_loadu_ps(sr + 16 * c);
+    }
+    for (int c = 0; c < 4; c++) x[c] = _mm512_mask_mov_ps(ninf, mk[c], x[c]);
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+    const float m_old = *m, m_new = mx > m_old ? mx : m_old;
+    const __m512 vm = _mm512_set1_ps(m_new);
+    __m512 e[4];
+    for (int c = 0; c < 4; c++) {
+        e[c] = _mm512_maskz_mov_ps(mk[c], exp_neg16(_mm512_sub_ps(x[c], vm)));
+        _mm512_storeu_ps(sr + 16 * c, e[c]);
+    }
+    const float sum = sum_lanes(e[0], e[1], e[2], e[3]);
+    if (m_old == -INFINITY) {
+        *l = sum;
+    } else {
+        const float c = _mm512_cvtss_f32(exp_neg16(_mm512_set1_ps(m_old - m_new)));
+        *l = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(*l), _mm_set_ss(c), _mm_set_ss(sum)));
+        *corr = c;
+    }
+    *m = m_new;
+}
+
+/* The online-softmax step of 16 rows (lanes; `valid` of them real) over the scores
+ * s[j * QT] of lanes [u0, u1): mask, max, exp (written back as p), sum, and the update
+ * of m, l; *corr gets each row's rescale of acc (1 where nothing changes). */
+static void softmax16(float *s, int u0, int u1, const int *lo, const int *hi, __mmask16 valid, float scale,
+                      float cap, float *m, float *l, float *corr) {
+    const __m512i vlo = _mm512_maskz_loadu_epi32(valid, lo), vhi = _mm512_maskz_loadu_epi32(valid, hi);
+    const __mmask16 active = _mm512_mask_cmplt_epi32_mask(valid, vlo, vhi);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
+    const __m512 m_old = _mm512_mask_loadu_ps(ninf, valid, m);
+    __m512 mx = ninf;
+    for (int j = u0; j < u1; j++) {
+        const __m512i vj = _mm512_set1_epi32(j);
+        const __mmask16 sees = _mm512_mask_cmple_epi32_mask(_mm512_cmplt_epi32_mask(vj, vhi), vlo, vj);
+        float *sj = s + j * QT;
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sj), vscale);
+        if (cap > 0.0f) {
+            _mm512_storeu_ps(sj, x);
+            ellm_softcap_row_avx512(sj, cap, 16);
+            x = _mm512_loadu_ps(sj);
+        }
+        x = _mm512_mask_mov_ps(ninf, sees, x);
+        _mm512_storeu_ps(sj, x);
+        mx = _mm512_max_ps(mx, x);
+    }
+    const __m512 m_new = _mm512_mask_max_ps(m_old, active, m_old, mx);
+    __m512 e[ELLM_ATTN_TILE]; /* p of each lane, 0 outside [u0, u1) */
+    for (int j = 0; j < ELLM_ATTN_TILE; j++) {
+        if (j < u0 || j >= u1) {
+            e[j] = _mm512_setzero_ps();
+            continue;
+        }
+        float *sj = s + j * QT;
+        const __m512 x = _mm512_loadu_ps(sj);
+        const __mmask16 sees = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+        e[j] = _mm512_maskz_mov_ps(sees, exp_neg16(_mm512_sub_ps(x, m_new)));
+        _mm512_storeu_ps(sj, e[j]);
+    }
+    /* the sum in the order of sum_lanes (the few-rows path): lanes 16 apart first */
+    __m512 pl[16];
+    for (int j = 0; j < 16; j++) pl[j] = _mm512_add_ps(_mm512_add_ps(e[j], e[j + 16]), _mm512_add_ps(e[j + 32], e[j + 48]));
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) pl[j] = _mm512_add_ps(pl[j], pl[j + w]);
+    const __m512 sum = pl[0];
+    /* rows that had keys before: acc and l scaled by e^(m_old - m_new); the first: 0 */
+    const __mmask16 had = _mm512_mask_cmp_ps_mask(active, m_old, ninf, _CMP_NEQ_OQ);
+    const __m512 c = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), had, exp_neg16(_mm512_sub_ps(m_old, m_new)));
+    const __m512 l_old = _mm512_maskz_loadu_ps(valid, l);
+    const __m512 l_new = _mm512_mask_blend_ps(had, sum, _mm512_fmadd_ps(l_old, c, sum));
+    _mm512_mask_storeu_ps(l, active, l_new);
+    _mm512_mask_storeu_ps(m, active, m_new);
+    _mm512_mask_storeu_ps(corr, valid, c);
+}
+
+void ellm_attn_tile_avx512(const float *q, const float *qt, int rows, int hd, const float *const *kp,
+                           const float *const *vp, int u0, int u1, const int *lo, const int *hi, float scale,
+                           float cap, float *m, float *l, float *acc) {
+    float s[ELLM_ATTN_TILE * QT]; /* (TILE, QT): s[j * QT + r], scores, then p */
+    float corr[QT];
+    if (rows <= ELLM_ATTN_FEW_ROWS) { /* keys in the lanes: s[r * TILE + j] */
+        const float *kk[ELLM_ATTN_TILE];
+        const int c0 = u0 / 16, c1 = (u1 + 15) / 16;
+        for (int j = 16 * c0; j < 16 * c1; j++) kk[j] = j >= u0 && j < u1 ? kp[j] : kp[u0];
+        qk_few_rows(q, rows, hd, kk, c0, c1, s);
+        for (int r = 0; r < rows; r++)
+            softmax_row(s + r * ELLM_ATTN_TILE, u0, u1, lo[r], hi[r], scale, cap, m + r, l + r, corr + r);
+        for (int r = 0; r < rows; r++)
+            if (corr[r] != 1.0f) ellm_scale_row_avx512(acc + (int64_t)r * hd, corr[r], hd);
+        pv_strided(s + u0, ELLM_ATTN_TILE, 1, rows, hd, vp + u0, u1 - u0, acc);
+        return;
+    } else {
+        for (int b = u0 / 8 * 8; b < u1; b += 8) {
+            const float *kk[8];
+            for (int j = 0; j < 8; j++) /* lanes outside [u0, u1): any valid row, masked later */
+                kk[j] = b + j >= u0 && b + j < u1 ? kp[b + j] : kp[u0];
+            if (rows > 16) qk_keys8_rows32(qt, hd, kk, s + b * QT);
+            else qk_keys8_rows16(qt, hd, kk, s + b * QT);
+        }
+    }
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const int nr = rows - r0 < 16 ? rows - r0 : 16;
+        softmax16(s + r0, u0, u1, lo + r0, hi + r0, (__mmask16)((1u << nr) - 1u), scale, cap, m + r0, l + r0,
+                  corr + r0);
+    }
+    for (int r = 0; r < rows; r++)
+        if (corr[r] != 1.0f) ellm_scale_row_avx512(acc + (int64_t)r * hd, corr[r], hd);
+    pv_strided(s + u0 * QT, 1, QT, rows, hd, vp + u0, u1 - u0, acc);
 }
