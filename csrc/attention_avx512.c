@@ -204,124 +204,156 @@ void ellm_attn_pv_avx512(const float *p, int g, int hd, const float *const *vp, 
 }
 
 /* ============================ the fused tile ============================
- * One pass over a key tile for up to 32 query rows (a run of tokens of one sequence and
- * all heads of its GQA group, or one token's heads in decode): scores, scale, soft-cap,
- * each row's mask, the online-softmax update and p @ V.
+ * One pass over a key tile for up to MAX_ROWS query rows (a run of tokens of one
+ * sequence and all heads of its GQA group, or one token's heads in decode): the q.k
+ * scores above, then per row scale, soft-cap, mask, max, exp and sum in registers, the
+ * online-softmax update, and p @ V -- instead of four passes over each row's scores.
  *
- * The scores are computed with the query rows in the lanes: q comes transposed (hd, 32),
- * and each key's row is read in place, one element broadcast per step, so a score is
- * one FMA chain over head_dim in order d = 0, 1, ... with no horizontal sum at all, and
- * each key row is loaded once for all 32 rows. The softmax runs in the same layout
- * (a vector per key, 16 rows per vector); a row's sum adds its keys in lane order. A
- * score sits at the lane of its key in the tile (position - tile start) whoever computes
- * it; keys a row does not see are -inf before the max and exactly 0 after the exp, so
- * they add nothing to its sum or to its p @ V (acc + 0 * v == acc). */
+ * A score sits at the lane of its key in the tile (position - tile start) whoever
+ * computes it; the keys a row does not see are -inf before the max and exactly 0 after
+ * the exp, so they add nothing to its sum or to its p @ V (acc + 0 * v == acc). So the
+ * rows of tokens whose keys end (or start) at different lanes of one tile -- the tile on
+ * the diagonal of a causal prefill -- share one call, and a row's result is the same as
+ * when it is alone (decode). */
 
-enum { QT = ELLM_ATTN_QT }; /* lanes of one column of the transposed q */
+/* ---- the score of one (row, key) ----
+ * 16 partial FMA chains, chain l over dims l, l + 16, l + 32, ... in order (from 0),
+ * folded by one tree: r1_l = p_l + p_{l+8}, r2_l = r1_l + r1_{l+4},
+ * r3_l = r2_l + r2_{l+2}, score = r3_0 + r3_1. Two layouts compute exactly that:
+ * dims in the lanes (few rows: decode), and rows in the lanes (many rows: prefill). */
 
-#define K8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
-#define ACC2_DECL(i) __m512 a##i = _mm512_setzero_ps(), b##i = _mm512_setzero_ps();
-#define ACC2_FMA(i)                                                                           \
-    {                                                                                         \
-        const __m512 kb = _mm512_set1_ps(k[i][d]);                                            \
-        a##i = _mm512_fmadd_ps(qa, kb, a##i);                                                 \
-        b##i = _mm512_fmadd_ps(qb, kb, b##i);                                                 \
-    }
-#define ACC2_STORE(i)                                                                         \
-    _mm512_storeu_ps(s + (i) * QT, a##i);                                                     \
-    _mm512_storeu_ps(s + (i) * QT + 16, b##i);
-#define ACC1_DECL(i) __m512 a##i = _mm512_setzero_ps();
-#define ACC1_FMA(i) a##i = _mm512_fmadd_ps(qa, _mm512_set1_ps(k[i][d]), a##i);
-#define ACC1_STORE(i) _mm512_storeu_ps(s + (i) * QT, a##i);
-
-/* Scores of rows [0, 32) for the 8 keys k[0..8) into s[i * QT + r]. Not inlined: its
- * loop wants every general register for the key pointers. */
-__attribute__((noinline)) static void qk_keys8_rows32(const float *qt, int hd, const float *const *k, float *s) {
-    K8(ACC2_DECL)
-#pragma GCC unroll 2
-    for (int d = 0; d < hd; d++) {
-        const __m512 qa = _mm512_loadu_ps(qt + (int64_t)d * QT), qb = _mm512_loadu_ps(qt + (int64_t)d * QT + 16);
-        K8(ACC2_FMA)
-    }
-    K8(ACC2_STORE)
+/* -- dims in the lanes: lane l of a (row, key) accumulator is chain l; the tree runs
+ * across the keys of a 16-key group (each shuffle-and-add level serves two keys' lanes) */
+static inline __m512 fold1(__m512 a, __m512 b) { /* [a 8 | b 8]: lanes l + l+8 */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
 }
-
-/* Scores of rows [0, 16) for the 8 keys k[0..8). */
-__attribute__((noinline)) static void qk_keys8_rows16(const float *qt, int hd, const float *const *k, float *s) {
-    K8(ACC1_DECL)
-#pragma GCC unroll 2
-    for (int d = 0; d < hd; d++) {
-        const __m512 qa = _mm512_loadu_ps(qt + (int64_t)d * QT);
-        K8(ACC1_FMA)
-    }
-    K8(ACC1_STORE)
+static inline __m512 fold2(__m512 a, __m512 b) { /* 4 keys x 4: lanes l + l+4 */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
 }
-
-/* The same scores for few rows (decode: one token's heads), where rows in the lanes
- * would leave most lanes idle: the keys go in the lanes instead. Each block of 16 keys x
- * 16 dims is transposed in registers (64 shuffles), then every row runs its FMA chains
- * over d in order, 16 keys per vector: fma(q[r][d], k[j][d], acc) -- the very operations
- * of the rows-in-lanes loop, so the bits are the same. */
-
-/* kt[d * TILE + 16 c + j] = k[j][d0 + d] for the 16 keys k[0..16) and d < nd (<= 16). */
-static void transpose_block(const float *const *k, int d0, int nd, float *kt, int c) {
-    const __mmask16 dm = (__mmask16)(nd >= 16 ? 0xFFFFu : (1u << nd) - 1u);
-    __m512 u[16];
-    for (int i = 0; i < 4; i++) { /* rows 4i..4i+3: column 4L + cc of them in lane L of u[4i + cc] */
-        const __m512 r0 = _mm512_maskz_loadu_ps(dm, k[4 * i] + d0), r1 = _mm512_maskz_loadu_ps(dm, k[4 * i + 1] + d0);
-        const __m512 r2 = _mm512_maskz_loadu_ps(dm, k[4 * i + 2] + d0), r3 = _mm512_maskz_loadu_ps(dm, k[4 * i + 3] + d0);
-        const __m512d lo01 = _mm512_castps_pd(_mm512_unpacklo_ps(r0, r1)), hi01 = _mm512_castps_pd(_mm512_unpackhi_ps(r0, r1));
-        const __m512d lo23 = _mm512_castps_pd(_mm512_unpacklo_ps(r2, r3)), hi23 = _mm512_castps_pd(_mm512_unpackhi_ps(r2, r3));
-        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo01, lo23));
-        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo01, lo23));
-        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi01, hi23));
-        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi01, hi23));
-    }
-    float *out = kt + 16 * c;
-    for (int cc = 0; cc < 4; cc++) {
-        const __m512 a = _mm512_shuffle_f32x4(u[cc], u[4 + cc], 0x44), b = _mm512_shuffle_f32x4(u[8 + cc], u[12 + cc], 0x44);
-        const __m512 a2 = _mm512_shuffle_f32x4(u[cc], u[4 + cc], 0xEE), b2 = _mm512_shuffle_f32x4(u[8 + cc], u[12 + cc], 0xEE);
-        _mm512_storeu_ps(out + (0 + cc) * ELLM_ATTN_TILE, _mm512_shuffle_f32x4(a, b, 0x88));
-        _mm512_storeu_ps(out + (4 + cc) * ELLM_ATTN_TILE, _mm512_shuffle_f32x4(a, b, 0xDD));
-        _mm512_storeu_ps(out + (8 + cc) * ELLM_ATTN_TILE, _mm512_shuffle_f32x4(a2, b2, 0x88));
-        _mm512_storeu_ps(out + (12 + cc) * ELLM_ATTN_TILE, _mm512_shuffle_f32x4(a2, b2, 0xDD));
-    }
+static inline __m512 fold3(__m512 a, __m512 b) { /* 8 keys x 2: lanes l + l+2 */
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
 }
+static inline __m512 fold4(__m512 a, __m512 b) { /* 16 keys x 1: lanes l + l+1 */
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+/* accumulator i of a group holds key 4 (i % 4) + i / 4: the folds then leave key L at
+ * lane L */
+static const int KEY_ORDER[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
-/* Up to 4 rows (q row-major, stride hd) x the groups [c0, c1) (<= 4) over dims [d0, d0 + nd)
- * of kt: acc (rows, TILE) row-major, continued from what it holds. */
-__attribute__((noinline)) static void qk_transposed_pass(const float *q, int nr, int hd, int d0, int nd,
-                                                         const float *kt, int c0, int c1, float *acc) {
-    __m512 a[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++)
-            a[r][c] = r < nr && c0 + c < c1 ? _mm512_loadu_ps(acc + r * ELLM_ATTN_TILE + 16 * (c0 + c)) : _mm512_setzero_ps();
-    const int ng = c1 - c0;
-    for (int d = 0; d < nd; d++) {
-        const float *kd = kt + d * ELLM_ATTN_TILE + 16 * c0;
-        for (int r = 0; r < nr; r++) {
-            const __m512 qv = _mm512_set1_ps(q[(int64_t)r * hd + d0 + d]);
-            for (int c = 0; c < ng; c++) a[r][c] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kd + 16 * c), a[r][c]);
+/* 1..4 rows x 4 keys (the old q.k block's loads and FMAs), each row's four accumulators
+ * folded twice into f[r] = (4 keys x 4 partials r2). */
+#define QF_STORE(r) f[r] = fold2(fold1(a##r##0, a##r##1), fold1(a##r##2, a##r##3));
+#define QF_BLOCK(name, ROWS)                                                                  \
+    static void name(const float *q, int hd, int body, __mmask16 tm, const float *const *k, __m512 *f) { \
+        ROWS(QK_DECL)                                                                         \
+        for (int d = 0; d < body; d += 16) {                                                  \
+            const __m512 k0 = _mm512_loadu_ps(k[0] + d), k1 = _mm512_loadu_ps(k[1] + d);      \
+            const __m512 k2 = _mm512_loadu_ps(k[2] + d), k3 = _mm512_loadu_ps(k[3] + d);      \
+            ROWS(QK_BODY)                                                                     \
+        }                                                                                     \
+        if (body < hd) {                                                                      \
+            const __m512 k0 = MASKED(k[0] + body), k1 = MASKED(k[1] + body);                  \
+            const __m512 k2 = MASKED(k[2] + body), k3 = MASKED(k[3] + body);                  \
+            ROWS(QK_TAIL)                                                                     \
+        }                                                                                     \
+        ROWS(QF_STORE)                                                                        \
+    }
+QF_BLOCK(qf_4, ROWS4)
+QF_BLOCK(qf_3, ROWS3)
+QF_BLOCK(qf_2, ROWS2)
+QF_BLOCK(qf_1, ROWS1)
+
+/* Scores of `rows` rows (q row-major) for the 16 keys kk[0..16) into s[r * TILE]. */
+static void qk_dims_in_lanes(const float *q, int rows, int hd, const float *const *kk, float *s) {
+    const int body = hd & ~15;
+    const __mmask16 tm = (__mmask16)((1u << (hd & 15)) - 1u);
+    const float *ko[16];
+    for (int i = 0; i < 16; i++) ko[i] = kk[KEY_ORDER[i]];
+    for (int r = 0; r < rows; r += 4) {
+        const int rb = rows - r < 4 ? rows - r : 4;
+        const float *qr = q + (int64_t)r * hd;
+        __m512 f[4][4]; /* [quarter][row] */
+        for (int qq = 0; qq < 4; qq++) {
+            switch (rb) {
+            case 4: qf_4(qr, hd, body, tm, ko + 4 * qq, f[qq]); break;
+            case 3: qf_3(qr, hd, body, tm, ko + 4 * qq, f[qq]); break;
+            case 2: qf_2(qr, hd, body, tm, ko + 4 * qq, f[qq]); break;
+            default: qf_1(qr, hd, body, tm, ko + 4 * qq, f[qq]); break;
+            }
         }
+        for (int i = 0; i < rb; i++)
+            _mm512_storeu_ps(s + (r + i) * ELLM_ATTN_TILE,
+                             fold4(fold3(f[0][i], f[1][i]), fold3(f[2][i], f[3][i])));
     }
-    for (int r = 0; r < nr; r++)
-        for (int c = 0; c < ng; c++) _mm512_storeu_ps(acc + r * ELLM_ATTN_TILE + 16 * (c0 + c), a[r][c]);
 }
 
-/* Scores of `rows` rows (q row-major) for the keys of lane groups [c0, c1) into
- * acc[r * TILE + j] (kk: TILE pointers, every one valid in those groups). */
-static void qk_few_rows(const float *q, int rows, int hd, const float *const *kk, int c0, int c1, float *acc) {
-    float kt[16 * ELLM_ATTN_TILE]; /* (16 dims, TILE keys) */
-    for (int r = 0; r < rows; r++)
-        for (int j = 16 * c0; j < 16 * c1; j++) acc[r * ELLM_ATTN_TILE + j] = 0.0f;
-    for (int d0 = 0; d0 < hd; d0 += 16) {
-        const int nd = hd - d0 < 16 ? hd - d0 : 16;
-        for (int c = c0; c < c1; c++) transpose_block(kk + 16 * c, d0, nd, kt, c);
-        for (int r = 0; r < rows; r += 4)
-            qk_transposed_pass(q + (int64_t)r * hd, rows - r < 4 ? rows - r : 4, hd, d0, nd, kt, c0, c1,
-                               acc + r * ELLM_ATTN_TILE);
+/* -- rows in the lanes: q transposed (qt[d * QT + r]), each key element broadcast; the
+ * chains of one key and row vector are separate accumulators, the tree vertical adds.
+ * chains_8 gives r1_l (l < 8) of 8 combos: 4 keys x 2 row vectors (combo 4 v + j) or 8
+ * keys x 1 (combo j), chain l and l + 8 side by side. */
+enum { QT = ELLM_ATTN_QT };
+
+#define CH_STEP(v, j, D, A)                                                                    \
+    A##v##j = _mm512_fmadd_ps(q##v, _mm512_set1_ps(k[j][D]), A##v##j);
+#define CH_DECL(v, j) __m512 a##v##j = _mm512_setzero_ps(), b##v##j = _mm512_setzero_ps();
+#define CH_OUT(v, j) r1[(v) * NK + (j)] = _mm512_add_ps(a##v##j, b##v##j);
+
+#define COMBOS_42(X, ...) X(0, 0 __VA_ARGS__) X(0, 1 __VA_ARGS__) X(0, 2 __VA_ARGS__) X(0, 3 __VA_ARGS__) \
+    X(1, 0 __VA_ARGS__) X(1, 1 __VA_ARGS__) X(1, 2 __VA_ARGS__) X(1, 3 __VA_ARGS__)
+#define COMBOS_81(X, ...) X(0, 0 __VA_ARGS__) X(0, 1 __VA_ARGS__) X(0, 2 __VA_ARGS__) X(0, 3 __VA_ARGS__) \
+    X(0, 4 __VA_ARGS__) X(0, 5 __VA_ARGS__) X(0, 6 __VA_ARGS__) X(0, 7 __VA_ARGS__)
+
+#define CHAINS(name, COMBOS, NKV, NVV)                                                        \
+    static inline void name(const float *qt, const float *const *k, int hd, int l, float *r1p) { \
+        enum { NK = NKV };                                                                    \
+        __m512 *r1 = (__m512 *)0;                                                             \
+        (void)r1;                                                                             \
+        COMBOS(CH_DECL)                                                                       \
+        int d = l;                                                                            \
+        for (; d + 8 < hd; d += 16) {                                                         \
+            {                                                                                 \
+                const __m512 q0 = _mm512_loadu_ps(qt + (int64_t)d * QT);                      \
+                const __m512 q1 = NVV > 1 ? _mm512_loadu_ps(qt + (int64_t)d * QT + 16) : q0;  \
+                (void)q1;                                                                     \
+                COMBOS(CH_STEP, , d, a)                                                       \
+            }                                                                                 \
+            {                                                                                 \
+                const __m512 q0 = _mm512_loadu_ps(qt + (int64_t)(d + 8) * QT);                \
+                const __m512 q1 = NVV > 1 ? _mm512_loadu_ps(qt + (int64_t)(d + 8) * QT + 16) : q0; \
+                (void)q1;                                                                     \
+                COMBOS(CH_STEP, , d + 8, b)                                                   \
+            }                                                                                 \
+        }                                                                                     \
+        if (d < hd) {                                                                         \
+            const __m512 q0 = _mm512_loadu_ps(qt + (int64_t)d * QT);                          \
+            const __m512 q1 = NVV > 1 ? _mm512_loadu_ps(qt + (int64_t)d * QT + 16) : q0;      \
+            (void)q1;                                                                         \
+            COMBOS(CH_STEP, , d, a)                                                           \
+        }                                                                                     \
+        COMBOS(CH_STORE)                                                                      \
     }
-}
+#define CH_STORE(v, j) _mm512_storeu_ps(r1p + 16 * ((v) * NK + (j)), _mm512_add_ps(a##v##j, b##v##j));
+CHAINS(chains_42, COMBOS_42, 4, 2)
+CHAINS(chains_81, COMBOS_81, 8, 1)
+
+/* Scores of 8 combos into s[j * QT + 16 v]: r1_l for l < 8 kept in R (8 x 8 vectors),
+ * then the r2, r3 and final levels. */
+#define ROWS_IN_LANES(name, CH, NK, NV)                                                       \
+    __attribute__((noinline)) static void name(const float *qt, const float *const *k, int hd, float *s) { \
+        float R[8][8 * 16];                                                                   \
+        for (int l = 0; l < 8; l++) CH(qt, k, hd, l, R[l]);                                   \
+        for (int v = 0; v < NV; v++)                                                          \
+            for (int j = 0; j < NK; j++) {                                                    \
+                const int o = 16 * (v * NK + j);                                              \
+                __m512 r2[4];                                                                 \
+                for (int i = 0; i < 4; i++)                                                   \
+                    r2[i] = _mm512_add_ps(_mm512_loadu_ps(R[i] + o), _mm512_loadu_ps(R[i + 4] + o)); \
+                const __m512 r30 = _mm512_add_ps(r2[0], r2[2]), r31 = _mm512_add_ps(r2[1], r2[3]); \
+                _mm512_storeu_ps(s + j * QT + 16 * v, _mm512_add_ps(r30, r31));               \
+            }                                                                                 \
+    }
+ROWS_IN_LANES(qk_keys4_rows32, chains_42, 4, 2)
+ROWS_IN_LANES(qk_keys8_rows16, chains_81, 8, 1)
 
 /* e^x for x <= 0 (the shifted scores): the polynomial of elementwise's exp16. */
 static inline __m512 exp_neg16(__m512 x) {
@@ -357,17 +389,17 @@ static inline float sum_lanes(__m512 e0, __m512 e1, __m512 e2, __m512 e3) {
 }
 
 /* The online-softmax step of one row over its scores sr[0..TILE) (row-major; lanes
- * outside [u0, u1) unread): the same operations, lane by lane, as softmax16. */
+ * outside [u0, u1) unread): lanes [lo, hi) seen. */
 static void softmax_row(float *sr, int u0, int u1, int lo, int hi, float scale, float cap, float *m, float *l,
                         float *corr) {
     *corr = 1.0f;
     const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
     __mmask16 mk[4];
     __m512 x[4];
-    for (int c = 0; c < 4; c++) {
-        const int in = 16 * c < u1 && 16 * c + 16 > u0;
-        mk[c] = in ? lane_mask(c, lo, hi) : 0;
-        x[c] = in ? _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * c), vscale) : ninf;
+    for (int c = 0; c < 4; c++) { /* only the lanes [u0, u1) hold scores */
+        const __mmask16 in = lane_mask(c, u0, u1);
+        mk[c] = lane_mask(c, lo, hi);
+        x[c] = in ? _mm512_mul_ps(_mm512_maskz_loadu_ps(in, sr + 16 * c), vscale) : ninf;
     }
     if (lo >= hi) { /* sees nothing here: p = 0, state untouched */
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(sr + 16 * c, _mm512_setzero_ps());
@@ -454,34 +486,29 @@ static void softmax16(float *s, int u0, int u1, const int *lo, const int *hi, __
 void ellm_attn_tile_avx512(const float *q, const float *qt, int rows, int hd, const float *const *kp,
                            const float *const *vp, int u0, int u1, const int *lo, const int *hi, float scale,
                            float cap, float *m, float *l, float *acc) {
-    float s[ELLM_ATTN_TILE * QT]; /* (TILE, QT): s[j * QT + r], scores, then p */
-    float corr[QT];
-    if (rows <= ELLM_ATTN_FEW_ROWS) { /* keys in the lanes: s[r * TILE + j] */
-        const float *kk[ELLM_ATTN_TILE];
-        const int c0 = u0 / 16, c1 = (u1 + 15) / 16;
-        for (int j = 16 * c0; j < 16 * c1; j++) kk[j] = j >= u0 && j < u1 ? kp[j] : kp[u0];
-        qk_few_rows(q, rows, hd, kk, c0, c1, s);
+    float s[ELLM_ATTN_MAX_ROWS * ELLM_ATTN_TILE]; /* scores, then p */
+    float corr[ELLM_ATTN_MAX_ROWS];
+    const float *kk[ELLM_ATTN_TILE];
+    const int c0 = u0 / 16, c1 = (u1 + 15) / 16;
+    for (int j = 16 * c0; j < 16 * c1; j++) kk[j] = j >= u0 && j < u1 ? kp[j] : kp[u0]; /* masked later */
+    if (rows <= ELLM_ATTN_FEW_ROWS) { /* s[r * TILE + j] */
+        for (int c = c0; c < c1; c++) qk_dims_in_lanes(q, rows, hd, kk + 16 * c, s + 16 * c);
         for (int r = 0; r < rows; r++)
             softmax_row(s + r * ELLM_ATTN_TILE, u0, u1, lo[r], hi[r], scale, cap, m + r, l + r, corr + r);
-        for (int r = 0; r < rows; r++)
-            if (corr[r] != 1.0f) ellm_scale_row_avx512(acc + (int64_t)r * hd, corr[r], hd);
-        pv_strided(s + u0, ELLM_ATTN_TILE, 1, rows, hd, vp + u0, u1 - u0, acc);
-        return;
-    } else {
-        for (int b = u0 / 8 * 8; b < u1; b += 8) {
-            const float *kk[8];
-            for (int j = 0; j < 8; j++) /* lanes outside [u0, u1): any valid row, masked later */
-                kk[j] = b + j >= u0 && b + j < u1 ? kp[b + j] : kp[u0];
-            if (rows > 16) qk_keys8_rows32(qt, hd, kk, s + b * QT);
-            else qk_keys8_rows16(qt, hd, kk, s + b * QT);
+    } else { /* s[j * QT + r] */
+        const int step = rows > 16 ? 4 : 8;
+        for (int b = u0 / step * step; b < u1; b += step) {
+            if (rows > 16) qk_keys4_rows32(qt, kk + b, hd, s + b * QT);
+            else qk_keys8_rows16(qt, kk + b, hd, s + b * QT);
         }
-    }
-    for (int r0 = 0; r0 < rows; r0 += 16) {
-        const int nr = rows - r0 < 16 ? rows - r0 : 16;
-        softmax16(s + r0, u0, u1, lo + r0, hi + r0, (__mmask16)((1u << nr) - 1u), scale, cap, m + r0, l + r0,
-                  corr + r0);
+        for (int r0 = 0; r0 < rows; r0 += 16) {
+            const int nr = rows - r0 < 16 ? rows - r0 : 16;
+            softmax16(s + r0, u0, u1, lo + r0, hi + r0, (__mmask16)((1u << nr) - 1u), scale, cap, m + r0, l + r0,
+                      corr + r0);
+        }
     }
     for (int r = 0; r < rows; r++)
         if (corr[r] != 1.0f) ellm_scale_row_avx512(acc + (int64_t)r * hd, corr[r], hd);
-    pv_strided(s + u0 * QT, 1, QT, rows, hd, vp + u0, u1 - u0, acc);
+    if (rows <= ELLM_ATTN_FEW_ROWS) pv_strided(s + u0, ELLM_ATTN_TILE, 1, rows, hd, vp + u0, u1 - u0, acc);
+    else pv_strided(s + u0 * QT, 1, QT, rows, hd, vp + u0, u1 - u0, acc);
 }
