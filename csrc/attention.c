@@ -36,6 +36,7 @@ enum {
     MAX_ROWS = ELLM_ATTN_MAX_ROWS, /* query rows (token, head) per pass over a tile */
     ROPE_CHUNK = 64,               /* rotation pairs whose cos/sin are held at once */
     SPLIT_PAIRS = 4,               /* split keys when (token, kv head) pairs < this * threads */
+    SMALL_CALL_MUL_ADDS = 1 << 18, /* below this, one thread (~10 us of work) */
 };
 /* The split schedule's partials may take at most this many floats (else: no split). */
 #define MAX_PARTIAL_FLOATS ((int64_t)1 << 22)
@@ -79,20 +80,16 @@ typedef struct {
     void (*softcap)(float *, float, int64_t);
     float (*max)(const float *, int64_t);
     float (*exp_shift_sum)(float *, float, int64_t);
-    /* the fused tile (see attention.h), or NULL: the steps above, one token at a time at
-     * the edges of its keys */
-    void (*tile)(const float *, const float *, int, int, const float *const *, const float *const *, int, int,
-                 const int *, const int *, float, float, float *, float *, float *);
 } attn_funcs;
 
-#define ATTN_TABLE(sfx, tile)                                                                 \
+#define ATTN_TABLE(sfx)                                                                       \
     {ellm_attn_qk_##sfx, ellm_attn_pv_##sfx, ellm_scale_row_##sfx, ellm_softcap_row_##sfx,     \
-     ellm_max_row_##sfx, ellm_exp_shift_sum_row_##sfx, tile}
+     ellm_max_row_##sfx, ellm_exp_shift_sum_row_##sfx}
 
-static const attn_funcs funcs_scalar = ATTN_TABLE(scalar, NULL);
+static const attn_funcs funcs_scalar = ATTN_TABLE(scalar);
 #ifdef ELLM_HAVE_X86_ATTN
-static const attn_funcs funcs_avx2 = ATTN_TABLE(avx2, NULL);
-static const attn_funcs funcs_avx512 = ATTN_TABLE(avx512, ellm_attn_tile_avx512);
+static const attn_funcs funcs_avx2 = ATTN_TABLE(avx2);
+static const attn_funcs funcs_avx512 = ATTN_TABLE(avx512);
 #endif
 
 static const attn_funcs *funcs_now(void) {
@@ -204,10 +201,7 @@ static inline int64_t chunk_count(int64_t p, int64_t e, int32_t window) {
 static inline int run_tokens(int g) { return g <= MAX_ROWS ? MAX_ROWS / g : 1; }
 static inline int head_slices(int g) { return (g + MAX_ROWS - 1) / MAX_ROWS; }
 
-/* Per thread: a chunk accumulator (MAX_ROWS, hd) and the fused tile's transposed q
- * (hd, ELLM_ATTN_QT). */
-_Static_assert(ELLM_ATTN_QT >= MAX_ROWS, "the transposed q holds every row of a pass");
-static inline int64_t thread_floats(int32_t hd) { return ((int64_t)MAX_ROWS + ELLM_ATTN_QT) * hd; }
+static inline int64_t thread_floats(int32_t hd) { return (int64_t)MAX_ROWS * hd; }
 
 /* Floats of the split schedule's partials for this batch on `threads` threads, 0 when it
  * would not split; *max_chunks gets the most chunks of any token. Safe on unchecked
@@ -230,6 +224,13 @@ static int64_t split_plan(const ellm_attn_args *a, int threads, int64_t *max_chu
     return floats <= MAX_PARTIAL_FLOATS ? floats : 0;
 }
 
+/* Multiply-adds of phase 2 (q.k and p @ V over every token's visible keys). */
+static int64_t mul_adds(const ellm_attn_args *a) {
+    int64_t keys = 0;
+    for (int64_t t = 0; t < a->T; t++) keys += last_key(a, t) - first_key(a->positions[t], a->window) + 1;
+    return 2 * keys * a->nh * a->hd;
+}
+
 /* ============================ phase 1: rope + cache write ============================ */
 
 typedef struct {
@@ -237,8 +238,7 @@ typedef struct {
     const attn_funcs *f;
     float *qrot;       /* (nkv, T, g, hd) scratch: rotated q, a group's rows of consecutive
                           tokens contiguous */
-    float *thread_buf; /* (threads, thread_floats) scratch: the chunk accumulator (phase 2a)
-                          and the transposed q (the fused tile) */
+    float *thread_buf; /* (threads, MAX_ROWS, hd) scratch: the chunk accumulator (phase 2a) */
     float *partial;    /* (T, nkv, max_chunks, 2g + g*hd) scratch: chunk partials (phase 2b) */
     int64_t max_chunks;
 } attn_ctx;
@@ -311,16 +311,6 @@ static void phase1(void *p, int64_t t0, int64_t t1, int tid) {
 
 /* ============================ the shared recipe steps ============================ */
 
-/* qt (hd, ELLM_ATTN_QT) = the rows (rows, hd) transposed, lanes past `rows` zero: the
- * fused tile's layout of q. */
-static void transpose_q(const float *q, int rows, int hd, float *qt) {
-    for (int d = 0; d < hd; d++) {
-        float *col = qt + (int64_t)d * ELLM_ATTN_QT;
-        for (int r = 0; r < rows; r++) col[r] = q[(int64_t)r * hd + d];
-        for (int r = rows; r < ELLM_ATTN_QT; r++) col[r] = 0.0f;
-    }
-}
-
 /* One key tile for `rows` query rows that all see its n keys: scores, online-softmax
  * update of m, l (rows,) and acc (rows, hd), then p @ V. */
 __attribute__((noinline)) static void attend_tile(const attn_funcs *f, const float *q, int rows, int hd,
@@ -388,10 +378,9 @@ static void fill_tile(const ellm_attn_args *a, const int32_t *row, int kvh, int6
 /* The partial (m, l, acc) of `rows` query rows of one token over chunk keys [k0, k1),
  * tile by tile (tiles cut at absolute multiples of TILE). */
 static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int32_t *row, int kvh,
-                          int64_t k0, int64_t k1, float *m, float *l, float *acc, float *qt) {
+                          int64_t k0, int64_t k1, float *m, float *l, float *acc) {
     const ellm_attn_args *a = c->a;
     const float *kp[TILE], *vp[TILE];
-    if (c->f->tile && rows > ELLM_ATTN_FEW_ROWS) transpose_q(q, rows, a->hd, qt);
     for (int h = 0; h < rows; h++) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
@@ -399,69 +388,19 @@ static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int
     memset(acc, 0, sizeof(float) * (size_t)rows * a->hd);
     for (int64_t j0 = k0; j0 < k1;) {
         const int64_t te = (j0 / TILE + 1) * TILE, j1 = te < k1 ? te : k1;
-        if (c->f->tile) { /* the keys at their lanes of the tile, as in attend_run */
-            const int64_t ts = te - TILE;
-            int rlo[MAX_ROWS], rhi[MAX_ROWS];
-            fill_tile(a, row, kvh, j0, j1, kp + (j0 - ts), vp + (j0 - ts));
-            for (int h = 0; h < rows; h++) {
-                rlo[h] = (int)(j0 - ts);
-                rhi[h] = (int)(j1 - ts);
-            }
-            c->f->tile(q, qt, rows, a->hd, kp, vp, rlo[0], rhi[0], rlo, rhi, a->scale, a->softcap, m, l, acc);
-        } else {
-            fill_tile(a, row, kvh, j0, j1, kp, vp);
-            attend_tile(c->f, q, rows, a->hd, kp, vp, (int)(j1 - j0), a->scale, a->softcap, m, l, acc);
-        }
+        fill_tile(a, row, kvh, j0, j1, kp, vp);
+        attend_tile(c->f, q, rows, a->hd, kp, vp, (int)(j1 - j0), a->scale, a->softcap, m, l, acc);
         j0 = j1;
     }
 }
 
 /* ======================= phase 2a: runs of query tokens per K/V tile ======================= */
 
-/* attend_run's step with the fused tile: the keys [u0, u1) of tile ts that some token of
- * the run reads, every row with its own lanes, in one call -- or, where a released block
- * (NULL) lies between tokens far apart, one call per token over its own keys. */
-static void attend_run_tile(const attn_ctx *c, const float *q, float *qt, int nq, int gs, const int32_t *row,
-                            int kvh, int64_t ts, int64_t u0, int64_t u1, const int64_t *lo, const int64_t *hi,
-                            float *m, float *l, float *part) {
-    const ellm_attn_args *a = c->a;
-    const int hd = a->hd;
-    const float *kp[TILE], *vp[TILE];
-    int rlo[MAX_ROWS], rhi[MAX_ROWS];
-    fill_tile(a, row, kvh, u0, u1, kp + (u0 - ts), vp + (u0 - ts));
-    int gap = 0;
-    for (int64_t j = u0; j < u1; j++) gap |= kp[j - ts] == NULL;
-    for (int i = 0; i < nq; i++) {
-        int64_t j0 = lo[i] > ts ? lo[i] : ts, j1 = hi[i] < ts + TILE ? hi[i] : ts + TILE;
-        if (j0 >= j1) j0 = j1 = u0; /* none of this tile */
-        for (int h = 0; h < gs; h++) {
-            rlo[i * gs + h] = (int)(j0 - ts);
-            rhi[i * gs + h] = (int)(j1 - ts);
-        }
-    }
-    if (!gap) {
-        c->f->tile(q, qt, nq * gs, hd, kp, vp, (int)(u0 - ts), (int)(u1 - ts), rlo, rhi, a->scale, a->softcap, m,
-                   l, part);
-        return;
-    }
-    /* rare (tokens far apart): each token alone, its rows transposed on their own; the
-     * run's qt is rebuilt afterwards */
-    for (int i = 0; i < nq; i++) {
-        const int r = i * gs;
-        if (rlo[r] >= rhi[r]) continue;
-        transpose_q(q + (int64_t)r * hd, gs, hd, qt);
-        c->f->tile(q + (int64_t)r * hd, qt, gs, hd, kp, vp, rlo[r], rhi[r], rlo + r, rhi + r, a->scale, a->softcap, m + r, l + r,
-                   part + (int64_t)r * hd);
-    }
-    transpose_q(q, nq * gs, hd, qt);
-}
-
 /* Query tokens [t0, t1) of one sequence (t1 - t0 <= run_tokens(g)), kv head kvh, query
  * heads [h0, h0 + gs) of the group (gs < g only for a single token): each K/V tile is
  * read once for all of them. Tiles that every token sees in full go through the kernels
  * as one block of rows; at the edges each token takes its own part of the tile. */
-static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h0, int gs, float *part,
-                       float *qt) {
+static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h0, int gs, float *part) {
     const ellm_attn_args *a = c->a;
     const int hd = a->hd, g = a->nh / a->nkv, nq = (int)(t1 - t0), rows = nq * gs;
     const float *q = c->qrot + (((int64_t)kvh * a->T + t0) * g + h0) * hd; /* (rows, hd) */
@@ -476,7 +415,6 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
     }
     float m[MAX_ROWS], l[MAX_ROWS], M[MAX_ROWS], L[MAX_ROWS]; /* (rows,) chunk and state */
     const float *kp[TILE], *vp[TILE];
-    if (c->f->tile && rows > ELLM_ATTN_FEW_ROWS) transpose_q(q, rows, hd, qt);
     for (int64_t c0 = klo / CHUNK * CHUNK; c0 < khi; c0 += CHUNK) {
         const int64_t c1 = c0 + CHUNK;
         int active = 0;
@@ -499,10 +437,6 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
                 }
             }
             if (u0 >= u1) continue;
-            if (c->f->tile) {
-                attend_run_tile(c, q, qt, nq, gs, row, kvh, ts, u0, u1, lo, hi, m, l, part);
-                continue;
-            }
             for (int i = 0; i < nq; i++) full &= lo[i] <= u0 && hi[i] >= u1;
             fill_tile(a, row, kvh, u0, u1, kp, vp);
             if (full) {
@@ -539,7 +473,7 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
             finish_row(c->f, a->out + ((t0 + i) * a->nh + (int64_t)kvh * g + h0 + h) * hd, L[i * gs + h], hd);
 }
 
-/* Item = (token, kv head, head slice), tokens from the last; only tokens that start a run do work. A run is
+/* Item = (token from the last, kv head, head slice); only tokens that start a run do work. A run is
  * the tokens from there up to the next multiple of run_tokens(g) or the next token of
  * another sequence, so runs never depend on the scheduling. */
 static void phase2a(void *p, int64_t i0, int64_t i1, int tid) {
@@ -547,17 +481,17 @@ static void phase2a(void *p, int64_t i0, int64_t i1, int tid) {
     const ellm_attn_args *a = c->a;
     const int g = a->nh / a->nkv, S = head_slices(g), R = run_tokens(g);
     const int64_t T = a->T;
-    float *part = c->thread_buf + (int64_t)tid * thread_floats(a->hd), *qt = part + (int64_t)MAX_ROWS * a->hd;
+    float *part = c->thread_buf + (int64_t)tid * thread_floats(a->hd);
     for (int64_t item = i0; item < i1; item++) {
-        /* the latest tokens (the most keys) first: the causal triangle's big runs are
-         * claimed early and the small ones fill in at the end */
+        /* the latest tokens first: a causal prefill's longest runs are claimed early
+         * and the short ones fill in at the end (threads claim items in order) */
         const int64_t t0 = T - 1 - item / ((int64_t)a->nkv * S);
         const int kvh = (int)(item % ((int64_t)a->nkv * S) / S), sl = (int)(item % S);
         if (t0 % R != 0 && a->seq_ids[t0] == a->seq_ids[t0 - 1]) continue; /* inside a run */
         int64_t t1 = t0 + 1;
         while (t1 < T && t1 % R != 0 && a->seq_ids[t1] == a->seq_ids[t0]) t1++;
         const int h0 = sl * MAX_ROWS, gs = g - h0 < MAX_ROWS ? g - h0 : MAX_ROWS;
-        attend_run(c, t0, t1, kvh, h0, gs, part, qt);
+        attend_run(c, t0, t1, kvh, h0, gs, part);
     }
 }
 
@@ -579,11 +513,10 @@ static void phase2b(void *p, int64_t i0, int64_t i1, int tid) {
         const int64_t k0 = lo > c0 ? lo : c0, k1 = c0 + CHUNK < end + 1 ? c0 + CHUNK : end + 1;
         const int32_t *row = a->block_tables + (int64_t)a->seq_ids[t] * a->max_blocks;
         float *slot = c->partial + item * stride;
-        float *qt = c->thread_buf + (int64_t)tid * thread_floats(hd) + (int64_t)MAX_ROWS * hd;
         for (int h0 = 0; h0 < g; h0 += MAX_ROWS) {
             const int gs = g - h0 < MAX_ROWS ? g - h0 : MAX_ROWS;
             chunk_partial(c, c->qrot + (((int64_t)kvh * a->T + t) * g + h0) * hd, gs, row, kvh, k0, k1,
-                          slot + h0, slot + g + h0, slot + 2 * g + (int64_t)h0 * hd, qt);
+                          slot + h0, slot + g + h0, slot + 2 * g + (int64_t)h0 * hd);
         }
     }
 }
@@ -623,7 +556,8 @@ int64_t ellm_rope_attention_scratch_wanted(const ellm_attn_args *a, int threads)
     if (base == 0) return 0;
     int64_t max_chunks;
     const int64_t split = split_plan(a, threads, &max_chunks);
-    return split > 0 ? base + split : base; /* the partials after the threads' buffers */
+    const int64_t with_split = a->T * a->nh * a->hd + split;
+    return with_split > base ? with_split : base;
 }
 
 int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch_floats, char *err,
@@ -633,20 +567,22 @@ int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch
     const int64_t q_floats = a->T * a->nh * a->hd, room = scratch_floats - q_floats;
     if (scratch == NULL || room < thread_floats(a->hd)) return fail(err, err_len, "attention scratch too small");
 
-    int threads = ellm_num_threads();
-    if (room / thread_floats(a->hd) < threads) threads = (int)(room / thread_floats(a->hd));
-    const int64_t bufs = (int64_t)threads * thread_floats(a->hd);
     attn_ctx c = {.a = a, .f = funcs_now(), .qrot = scratch, .thread_buf = scratch + q_floats,
-                  .partial = scratch + q_floats + bufs, .max_chunks = 1};
-    ellm_parallel_for(a->T, 8, phase1, &c);
+                  .partial = scratch + q_floats, .max_chunks = 1};
+    int threads = ellm_num_threads();
+    /* a small call (decode at a short context) runs on this thread alone: waking a worker
+     * costs more than the work */
+    if (mul_adds(a) < SMALL_CALL_MUL_ADDS) threads = 1;
+    ellm_parallel_for_threads(a->T, 8, threads, phase1, &c);
 
     const int64_t split = split_plan(a, threads, &c.max_chunks);
-    if (split > 0 && bufs + split <= room) {
+    if (split > 0 && split <= room) {
         const int64_t pairs = a->T * a->nkv;
         ellm_parallel_for_threads(pairs * c.max_chunks, 1, threads, phase2b, &c);
-        ellm_parallel_for(pairs, 1, phase3, &c);
+        ellm_parallel_for_threads(pairs, 1, threads, phase3, &c);
         return 0;
     }
+    if (room / thread_floats(a->hd) < threads) threads = (int)(room / thread_floats(a->hd));
     const int g = a->nh / a->nkv;
     ellm_parallel_for_threads(a->nkv * (int64_t)head_slices(g) * a->T, 1, threads, phase2a, &c);
     return 0;

@@ -50,9 +50,8 @@ typedef struct {
 } ellm_attn_args;
 
 /* Floats of scratch that always suffice for T tokens on `threads` threads: the rotated q
- * (T, nh, hd) plus, per thread, one (ELLM_ATTN_MAX_ROWS, hd) chunk accumulator and one
- * (hd, ELLM_ATTN_QT) transposed q. Down to one thread's worth also works (fewer threads
- * then). */
+ * (T, nh, hd) plus one (ELLM_ATTN_MAX_ROWS, hd) chunk accumulator per thread. Down to
+ * T*nh*hd + ELLM_ATTN_MAX_ROWS*hd also works (fewer threads then). */
 int64_t ellm_rope_attention_scratch_floats(int64_t T, int32_t nh, int32_t nkv, int32_t hd, int threads);
 
 /* Floats of scratch this call wants on `threads` threads: the above, or more for a small
@@ -92,19 +91,6 @@ ELLM_ATTN_KERNELS(scalar)
 #define ELLM_HAVE_X86_ATTN 1
 ELLM_ATTN_KERNELS(avx2)
 ELLM_ATTN_KERNELS(avx512)
-/* The fused tile (AVX-512): `rows` (<= ELLM_ATTN_QT) query rows q (rows, hd), also given
- * transposed as qt (hd, ELLM_ATTN_QT) (qt[d * QT + r]; lanes past `rows` zero; not read
- * when rows <= ELLM_ATTN_FEW_ROWS), against the keys at tile
- * lanes [u0, u1) (kp[j], vp[j] for lane j = key position - tile start, TILE entries); row
- * r sees lanes [lo[r], hi[r]) within them (empty: its state is left as it is). Scores,
- * scale, soft-cap, mask, the online-softmax update of m, l (rows,) and acc (rows, hd),
- * then acc += p @ V over the lanes in order. Row r's result depends only on its q, its
- * lanes' keys and values, lo[r], hi[r] and its state: not on the other rows, u0 or u1. */
-#define ELLM_ATTN_QT 32
-#define ELLM_ATTN_FEW_ROWS 8
-void ellm_attn_tile_avx512(const float *q, const float *qt, int rows, int hd, const float *const *kp,
-                           const float *const *vp, int u0, int u1, const int *lo, const int *hi, float scale,
-                           float cap, float *m, float *l, float *acc);
 #endif
 
 #endif
