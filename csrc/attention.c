@@ -80,16 +80,18 @@ typedef struct {
     void (*softcap)(float *, float, int64_t);
     float (*max)(const float *, int64_t);
     float (*exp_shift_sum)(float *, float, int64_t);
+    /* the four steps above on one row of a tile in one pass (attention.h), or NULL */
+    float (*softmax_row)(float *, int, float, float, float, float *);
 } attn_funcs;
 
-#define ATTN_TABLE(sfx)                                                                       \
+#define ATTN_TABLE(sfx, softmax_row)                                                          \
     {ellm_attn_qk_##sfx, ellm_attn_pv_##sfx, ellm_scale_row_##sfx, ellm_softcap_row_##sfx,     \
-     ellm_max_row_##sfx, ellm_exp_shift_sum_row_##sfx}
+     ellm_max_row_##sfx, ellm_exp_shift_sum_row_##sfx, softmax_row}
 
-static const attn_funcs funcs_scalar = ATTN_TABLE(scalar);
+static const attn_funcs funcs_scalar = ATTN_TABLE(scalar, NULL);
 #ifdef ELLM_HAVE_X86_ATTN
-static const attn_funcs funcs_avx2 = ATTN_TABLE(avx2);
-static const attn_funcs funcs_avx512 = ATTN_TABLE(avx512);
+static const attn_funcs funcs_avx2 = ATTN_TABLE(avx2, NULL);
+static const attn_funcs funcs_avx512 = ATTN_TABLE(avx512, ellm_attn_softmax_row_avx512);
 #endif
 
 static const attn_funcs *funcs_now(void) {
@@ -320,11 +322,16 @@ __attribute__((noinline)) static void attend_tile(const attn_funcs *f, const flo
     f->qk(q, rows, hd, kp, n, s);
     for (int h = 0; h < rows; h++) {
         float *sh = s + h * TILE;
-        f->scale(sh, scale, n);
-        if (cap > 0.0f) f->softcap(sh, cap, n);
-        const float tile_max = f->max(sh, n);
-        const float m_new = tile_max > m[h] ? tile_max : m[h];
-        const float sum = f->exp_shift_sum(sh, m_new, n);
+        float m_new, sum;
+        if (f->softmax_row) {
+            sum = f->softmax_row(sh, n, scale, cap, m[h], &m_new);
+        } else {
+            f->scale(sh, scale, n);
+            if (cap > 0.0f) f->softcap(sh, cap, n);
+            const float tile_max = f->max(sh, n);
+            m_new = tile_max > m[h] ? tile_max : m[h];
+            sum = f->exp_shift_sum(sh, m_new, n);
+        }
         if (m[h] == -INFINITY) {
             l[h] = sum; /* first tile: acc is still zero */
         } else {
