@@ -382,6 +382,27 @@ static void fill_tile(const ellm_attn_args *a, const int32_t *row, int kvh, int6
     }
 }
 
+/* Asks for the K and V rows of positions [j0, j1) of kv head kvh, a tile before they are
+ * used: a decode streams its keys from memory once, through a block table the hardware
+ * prefetcher cannot follow. Touches nothing (unallocated blocks are skipped). */
+static void prefetch_keys(const ellm_attn_args *a, const int32_t *row, int kvh, int64_t j0, int64_t j1) {
+    const int64_t bs = a->block_size, max_pos = a->max_blocks * bs, bytes = (int64_t)a->hd * 4;
+    if (j1 > max_pos) j1 = max_pos;
+    for (int64_t j = j0; j < j1; j++) {
+        const int32_t b = row[j / bs];
+        if (b < 0 || b >= a->num_blocks) continue;
+        const int64_t elem = (((int64_t)b * bs + j % bs) * a->nkv + kvh) * a->hd;
+        const char *kr = (const char *)(a->k_cache + elem), *vr = (const char *)(a->v_cache + elem);
+        for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(kr + o);
+            __builtin_prefetch(vr + o);
+        }
+    }
+}
+
+/* Rows of a pass at most this many: the call streams its keys (decode), prefetch them. */
+enum { PREFETCH_ROWS = 8 };
+
 /* The partial (m, l, acc) of `rows` query rows of one token over chunk keys [k0, k1),
  * tile by tile (tiles cut at absolute multiples of TILE). */
 static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int32_t *row, int kvh,
@@ -395,6 +416,7 @@ static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int
     memset(acc, 0, sizeof(float) * (size_t)rows * a->hd);
     for (int64_t j0 = k0; j0 < k1;) {
         const int64_t te = (j0 / TILE + 1) * TILE, j1 = te < k1 ? te : k1;
+        if (rows <= PREFETCH_ROWS && j1 < k1) prefetch_keys(a, row, kvh, j1, te + TILE < k1 ? te + TILE : k1);
         fill_tile(a, row, kvh, j0, j1, kp, vp);
         attend_tile(c->f, q, rows, a->hd, kp, vp, (int)(j1 - j0), a->scale, a->softcap, m, l, acc);
         j0 = j1;
@@ -444,6 +466,8 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
                 }
             }
             if (u0 >= u1) continue;
+            if (rows <= PREFETCH_ROWS && ts + TILE < khi)
+                prefetch_keys(a, row, kvh, ts + TILE, ts + 2 * TILE < khi ? ts + 2 * TILE : khi);
             for (int i = 0; i < nq; i++) full &= lo[i] <= u0 && hi[i] >= u1;
             fill_tile(a, row, kvh, u0, u1, kp, vp);
             if (full) {
