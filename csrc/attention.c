@@ -400,8 +400,12 @@ static void prefetch_keys(const ellm_attn_args *a, const int32_t *row, int kvh, 
     }
 }
 
-/* Rows of a pass at most this many: the call streams its keys (decode), prefetch them. */
+/* Prefetch when a pass has at most this many rows (the call streams its keys: decode) and
+ * the kv heads interleave (nkv > 1: one head's rows are strided, which the hardware
+ * prefetcher follows poorly; with nkv 1 they are contiguous within a block, and
+ * prefetching measured no gain). */
 enum { PREFETCH_ROWS = 8 };
+static inline int wants_prefetch(const ellm_attn_args *a, int rows) { return rows <= PREFETCH_ROWS && a->nkv > 1; }
 
 /* The partial (m, l, acc) of `rows` query rows of one token over chunk keys [k0, k1),
  * tile by tile (tiles cut at absolute multiples of TILE). */
@@ -416,7 +420,7 @@ static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int
     memset(acc, 0, sizeof(float) * (size_t)rows * a->hd);
     for (int64_t j0 = k0; j0 < k1;) {
         const int64_t te = (j0 / TILE + 1) * TILE, j1 = te < k1 ? te : k1;
-        if (rows <= PREFETCH_ROWS && j1 < k1) prefetch_keys(a, row, kvh, j1, te + TILE < k1 ? te + TILE : k1);
+        if (wants_prefetch(a, rows) && j1 < k1) prefetch_keys(a, row, kvh, j1, te + TILE < k1 ? te + TILE : k1);
         fill_tile(a, row, kvh, j0, j1, kp, vp);
         attend_tile(c->f, q, rows, a->hd, kp, vp, (int)(j1 - j0), a->scale, a->softcap, m, l, acc);
         j0 = j1;
@@ -466,7 +470,7 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
                 }
             }
             if (u0 >= u1) continue;
-            if (rows <= PREFETCH_ROWS && ts + TILE < khi)
+            if (wants_prefetch(a, rows) && ts + TILE < khi)
                 prefetch_keys(a, row, kvh, ts + TILE, ts + 2 * TILE < khi ? ts + 2 * TILE : khi);
             for (int i = 0; i < nq; i++) full &= lo[i] <= u0 && hi[i] >= u1;
             fill_tile(a, row, kvh, u0, u1, kp, vp);
@@ -504,9 +508,9 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
             finish_row(c->f, a->out + ((t0 + i) * a->nh + (int64_t)kvh * g + h0 + h) * hd, L[i * gs + h], hd);
 }
 
-/* Item = (token from the last, kv head, head slice); only tokens that start a run do work. A run is
- * the tokens from there up to the next multiple of run_tokens(g) or the next token of
- * another sequence, so runs never depend on the scheduling. */
+/* Item = (token, from the last; kv head; head slice); only tokens that start a run do
+ * work. A run is the tokens from there up to the next multiple of run_tokens(g) or the
+ * next token of another sequence, so runs never depend on the scheduling. */
 static void phase2a(void *p, int64_t i0, int64_t i1, int tid) {
     const attn_ctx *c = p;
     const ellm_attn_args *a = c->a;

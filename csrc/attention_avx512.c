@@ -107,7 +107,8 @@ QR_BLOCK(qr_4keys_1, ROWS1)
 
 /* Scores of rows [h, h + rb) (rb <= 4) for the 16 keys k[0..16) into s[r * TILE]. */
 static void qk_16keys(const float *q, int rb, int hd, int body, __mmask16 tm, const float *const *k, float *s) {
-    /* the folds leave lanes holding keys 0 2 4 6 1 3 5 7 8 10 12 14 9 11 13 15: key j is in lane src[j] */
+    /* the folds leave the keys in lanes as 0 2 4 6 1 3 5 7 8 10 12 14 9 11 13 15: key j is
+     * in lane src[j] */
     const __m512i src = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
     __m512 f[4][4]; /* [4-key quarter][row]: (4 keys x 4 partials) */
     for (int qq = 0; qq < 4; qq++) {
