@@ -14,7 +14,7 @@ backend once, at load.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -101,8 +101,8 @@ _VIEW_CACHE_ROWS = 8
 
 def _cached_views(owner: Any, ws: Workspace, t: int, make: Any) -> Any:
     """make(ws, t) -> the views a block takes from ws for t rows, made once and reused
-    while ws has made no new buffer (its generation), so a decode step of t rows skips
-    the lookups, slicing and reshaping of every call. owner._views holds them."""
+    while they are views of ws's current buffers, so a decode step of t rows skips the
+    lookups, slicing and reshaping of every call. owner._views holds them."""
     cache = owner.__dict__.get("_views")
     if cache is None:
         cache = owner.__dict__["_views"] = {}
@@ -111,10 +111,27 @@ def _cached_views(owner: Any, ws: Workspace, t: int, make: Any) -> Any:
     if hit is not None and hit[0] is ws and hit[1] == ws.generation:
         return hit[2]
     views = make(ws, t)
+    if hit is not None and hit[0] is ws and _same_buffers(hit[2], views):
+        # ws made buffers for other blocks since (a forward that sized them): still valid
+        hit[1] = ws.generation
+        return hit[2]
     if len(cache) >= _VIEW_CACHE_ROWS:
         cache.clear()
-    cache[key] = (ws, ws.generation, views)   # ws is held so its id cannot be reused
+    cache[key] = [ws, ws.generation, views]   # ws is held so its id cannot be reused
     return views
+
+
+def _arrays(views: Any) -> Iterator[Any]:
+    for v in views:
+        if isinstance(v, tuple):
+            yield from _arrays(v)
+        elif not isinstance(v, Linear):
+            yield v
+
+
+def _same_buffers(old: Any, new: Any) -> bool:
+    """True when two results of one make() are views of the same workspace buffers."""
+    return all(a.base is not None and a.base is b.base for a, b in zip(_arrays(old), _arrays(new)))
 
 
 @dataclass
