@@ -11,6 +11,8 @@ client from SSE chunk arrival times).
     python benchmarks/load.py                                   # ellm only
     python benchmarks/load.py --llamacpp-python benchmarks/.venv-llamacpp/bin/python
     python benchmarks/load.py --ray-replicas 2                  # + `ellm serve --replicas 2` (Ray Serve)
+    python benchmarks/load.py --clients 16 --rounds 3 --ellm-pythons /work/main/.venv/bin/python,.venv/bin/python
+                                                                # two checkouts' servers, alternating; medians
 
 Each prompt starts with its own request number, so no request reuses another's prefix
 blocks; both servers compute every prompt in full. llama-cpp-python's server runs one
