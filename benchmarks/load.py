@@ -11,6 +11,8 @@ client from SSE chunk arrival times).
     python benchmarks/load.py                                   # ellm only
     python benchmarks/load.py --llamacpp-python benchmarks/.venv-llamacpp/bin/python
     python benchmarks/load.py --ray-replicas 2                  # + `ellm serve --replicas 2` (Ray Serve)
+    python benchmarks/load.py --clients 16 --rounds 3 --ellm-pythons /work/main/.venv/bin/python,.venv/bin/python
+                                                                # two checkouts' servers, alternating; medians
 
 Each prompt starts with its own request number, so no request reuses another's prefix
 blocks; both servers compute every prompt in full. llama-cpp-python's server runs one
@@ -54,6 +56,10 @@ class LevelResult:
     clients: int
     results: list[RequestResult]
     wall: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(r.tokens for r in self.results if r.error is None) / self.wall
 
     def row(self) -> str:
         ok = [r for r in self.results if r.error is None]
@@ -181,16 +187,29 @@ def bench(servers: dict[str, str], args: argparse.Namespace) -> list[LevelResult
         asyncio.run(run_level("warm-up", base, 1, 1, 60, 4, 10**6))   # not reported
     print(HEADER, flush=True)
     out, first = [], 0
+    rates: dict[tuple[int, str], list[float]] = {}
     for c in args.clients:
         n = max(args.min_requests, args.requests_per_client * c)
-        for engine, base in servers.items():
-            lvl = asyncio.run(run_level(engine, base, c, n, args.level_seconds, args.max_tokens, first))
-            print(lvl.row(), flush=True)
-            errors = [r.error for r in lvl.results if r.error]
-            if errors:
-                print(f"  first error: {errors[0]}", flush=True)
-            out.append(lvl)
-        first += n
+        for r in range(args.rounds):
+            order = list(servers.items())
+            for engine, base in (order if r % 2 == 0 else order[::-1]):   # alternate who goes first
+                lvl = asyncio.run(run_level(engine, base, c, n, args.level_seconds, args.max_tokens, first))
+                print(lvl.row(), flush=True)
+                errors = [r.error for r in lvl.results if r.error]
+                if errors:
+                    print(f"  first error: {errors[0]}", flush=True)
+                out.append(lvl)
+                rates.setdefault((c, engine), []).append(lvl.tokens_per_s)
+            first += n
+    if args.rounds > 1 or len(servers) > 1:
+        names = list(servers)
+        print(f"{'clients':>7}" + "".join(f" {e:>22}" for e in names)
+              + (f" {'last / first':>12}" if len(names) > 1 else "")
+              + f"   (aggregate output tok/s, median of {args.rounds})")
+        for c in args.clients:
+            meds = [statistics.median(rates[(c, e)]) for e in names]
+            print(f"{c:>7}" + "".join(f" {m:22.1f}" for m in meds)
+                  + (f" {meds[-1] / meds[0]:12.2f}" if len(names) > 1 and meds[0] else ""))
     return out
 
 
@@ -212,6 +231,10 @@ def main() -> int:
                    help="also run `ellm serve --replicas N` (Ray Serve, needs ellm[ray]) with --threads split "
                         "between the replicas, alternating with the single process")
     p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--ellm-pythons", default=sys.executable,
+                   help="comma-separated interpreters, each with an ellm to serve (e.g. main's and a "
+                        "branch's .venv/bin/python); every level alternates between their servers")
+    p.add_argument("--rounds", type=int, default=1, help="times each level runs on each server (medians)")
     args = p.parse_args()
     args.clients = [int(x) for x in args.clients.split(",")]
     if args.model is None:
@@ -225,13 +248,17 @@ def main() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     servers: dict[str, str] = {}
     try:
-        port = _free_port()
-        procs.append(start([sys.executable, "-m", "ellm", "serve", args.model, "--port", str(port),
-                            "--served-model-name", MODEL_NAME, "--threads", str(args.threads),
-                            "--max-num-seqs", str(max_seqs), "--max-queue", str(4 * max_seqs),
-                            "--max-model-len", "2048", "--log-level", "warning"],
-                           port, Path(args.log_dir) / "load-ellm.log"))
-        servers["ellm"] = f"http://127.0.0.1:{port}"
+        pythons = args.ellm_pythons.split(",")
+        for i, py in enumerate(pythons):
+            # several: each server is named by its checkout (<checkout>/.venv/bin/python)
+            name = "ellm" if len(pythons) == 1 else f"ellm {Path(os.path.abspath(py)).parents[2].name}"
+            port = _free_port()
+            procs.append(start([py, "-m", "ellm", "serve", args.model, "--port", str(port),
+                                "--served-model-name", MODEL_NAME, "--threads", str(args.threads),
+                                "--max-num-seqs", str(max_seqs), "--max-queue", str(4 * max_seqs),
+                                "--max-model-len", "2048", "--log-level", "warning"],
+                               port, Path(args.log_dir) / (f"load-ellm-{i}.log" if i else "load-ellm.log")))
+            servers[name] = f"http://127.0.0.1:{port}"
         if args.ray_replicas:
             port = _free_port()
             per = max(1, args.threads // args.ray_replicas)

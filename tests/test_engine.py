@@ -134,3 +134,46 @@ def test_sliding_window_bounds_local_layer_blocks(gemma3) -> None:
     assert held, "the sequence never ran"
     # what a chunk of new tokens can see: the window behind its first token, plus the chunk
     assert max(held) <= -(-window // bs) + -(-eng.cfg.max_batch_tokens // bs) + 1
+
+
+def test_token_slice_equals_slicing_the_whole_list() -> None:
+    """Sequence.token_slice (what a step's batch reads) against slicing prompt + output +
+    guesses as one list, for every start and length across the three parts."""
+    from ellm.engine.sequence import Sequence
+    seq = Sequence(request_id="s", prompt_ids=[10, 11, 12, 13], params=GREEDY, sampler=None, detok=None,
+                   stopper=None, arrival=0, eos_ids=frozenset(), output_ids=[20, 21, 22])
+    for drafts in ([], [30, 31]):
+        seq.draft_ids = drafts
+        whole = seq.all_ids + drafts
+        for start in range(len(whole) + 1):
+            for n in range(len(whole) - start + 2):
+                assert seq.token_slice(start, n) == whole[start:start + n], (drafts, start, n)
+
+
+def test_block_views_follow_the_workspace_when_it_grows(smollm2) -> None:
+    """The blocks keep their workspace views between steps; a bigger batch that makes the
+    workspace replace its buffers must move them onto the new buffers (and a decode after
+    it gives the same logits as before)."""
+    eng = smollm2.engine
+    key = "views-check"
+    ws = eng.runner.workspace
+    grown_from = ws._bufs["q"].shape[0] if "q" in ws._bufs else 1
+    ids = _prompt(smollm2, grown_from + 40)                      # more rows than any batch before
+    assert eng.blocks.allocate(key, len(ids))
+    try:
+        tables = {w: np.asarray([eng.blocks.table(key, w)], np.int32) for w in eng.kv.windows}
+        decode = Batch.single(np.asarray(ids[:1]), 0, tables)
+        before = np.array(eng.runner.forward(decode))
+        eng.runner.forward(Batch.single(np.asarray(ids), 0, tables))
+        assert ws._bufs["q"].shape[0] > grown_from
+        after = np.array(eng.runner.forward(decode))
+        np.testing.assert_array_equal(after, before)
+        names = {"q": 0, "k": 1, "v": 2, "attn": 6}
+        for layer in eng.model.layers:
+            views = layer.attn._views[(id(ws), 1)][2]
+            for name, i in names.items():
+                assert views[i].base is ws._bufs[name], name
+            gate, up, act, _ = layer.mlp._views[(id(ws), 1)][2]
+            assert gate.base is ws._bufs["gate"] and act.base is ws._bufs["act"]
+    finally:
+        eng.blocks.free(key)

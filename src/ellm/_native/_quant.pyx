@@ -368,7 +368,12 @@ cdef int _take_part(object part, int i, int64_t T, int64_t K, str fn, Py_buffer 
         raise ValueError(f"{fn}: part {i} must be a (w, qtype, out) or (w, qtype, out, bias) tuple")
     w, qtype, out = part[:3]
     _check_type(qtype, fn)
-    _get_weights(w, qtype, K, f"{fn} part {i}", wbuf)
+    # [step] the part's name goes into a message only when a check fails (formatting it
+    # for every part of every call cost more than the checks)
+    try:
+        _get_weights(w, qtype, K, fn, wbuf)
+    except ValueError as e:
+        raise ValueError(_part_message(e, fn, i)) from None
     try:
         try:
             o = out
@@ -380,13 +385,22 @@ cdef int _take_part(object part, int i, int64_t T, int64_t K, str fn, Py_buffer 
         p.w_bytes = <size_t>wbuf.len
         p.N = wbuf.shape[0]
         _out_pointer(o, T, wbuf.shape[0], i, p)
-        p.bias = _bias_pointer(bias, p.N, p.y, T if p.y else 0, p.ldy, f"{fn} part {i}")
+        try:
+            p.bias = _bias_pointer(bias, p.N, p.y, T if p.y else 0, p.ldy, fn)
+        except ValueError as e:   # [step]
+            raise ValueError(_part_message(e, fn, i)) from None
     except BaseException:
         PyBuffer_Release(wbuf)
         raise
     keep.append(o)
     keep.append(bias)
     return 0
+
+cdef str _part_message(object e, str fn, int i):   # [step]
+    """e's message ("fn: ...") as the check of part i says it ("fn part i: ...")."""
+    msg = str(e)
+    return f"{fn} part {i}" + msg[len(fn):] if msg.startswith(fn + ":") else msg
+
 
 cdef int _out_pointer(float[:, :] o, int64_t T, int64_t N, int i,
                       ellm_linear_part *p) except -1:

@@ -541,6 +541,7 @@ class AsyncEngine:
             for rid in victims:
                 self._fail(rid, e)
             return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
@@ -552,7 +553,12 @@ class AsyncEngine:
             if out.finished:
                 del self._sinks[out.request_id]
                 self._pending_discard(out.request_id, sink)
-            sink.put(out)
+            if isinstance(sink, _Sink):   # gathered: one wake-up of each event loop per step
+                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+            else:
+                sink.put(out)
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
 
     @staticmethod
     def _fix_delta(sink: _Sink | _ThreadSink, out: RequestOutput) -> None:
@@ -635,6 +641,12 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: A
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
         pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
+    """On a loop's thread: a step's outputs into their requests' queues, in step order."""
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

@@ -162,7 +162,9 @@ class Engine:
         self.stats["steps"] += 1
         for seq, n in plan:
             seq.num_computed += n
-            if seq.num_computed >= len(seq.prompt_ids):
+            # the step that completes the prompt records its blocks (later steps would find
+            # them all recorded already)
+            if seq.num_computed >= len(seq.prompt_ids) > seq.num_computed - n:
                 self.blocks.cache_prefix(seq.request_id, seq.image_keys or seq.prompt_ids,  # [vision] keys
                                          seq.num_computed)
                 seq.image_rows = None   # [vision] the prompt is in the cache now
@@ -197,6 +199,8 @@ class Engine:
         return outputs
 
     def _build_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
+        if all(n == 1 and not seq.draft_ids and not seq.images for seq, n in plan):
+            return self._build_decode_batch(plan)
         total = sum(n for _, n in plan)
         token_ids = np.empty(total, np.int32)
         positions = np.empty(total, np.int32)
@@ -207,12 +211,11 @@ class Engine:
         t = 0
         for b, (seq, n) in enumerate(plan):
             start = seq.num_computed
-            ids = seq.all_ids + seq.draft_ids if seq.draft_ids else seq.all_ids  # [spec]
             if seq.images:   # [vision]
                 spliced += self._image_rows_in(seq, start, n, t)
                 if seq.image_limits is not None:
                     limits += self._image_rows_in(seq, start, n, t, seq.image_limits)
-            token_ids[t:t + n] = ids[start:start + n]
+            token_ids[t:t + n] = seq.token_slice(start, n)   # [spec] the guesses follow the tokens
             positions[t:t + n] = np.arange(start, start + n, dtype=np.int32)
             seq_ids[t:t + n] = b
             self.blocks.release_out_of_window(seq.request_id, start)
@@ -220,15 +223,7 @@ class Engine:
                 rows.extend(range(t + n - 1 - len(seq.draft_ids), t + n))  # [spec] a row per guess
                 sampled.append(seq)
             t += n
-        tables = {}
-        for w in self.kv.windows:
-            width = max(len(self.blocks.table(seq.request_id, w)) for seq, _ in plan)
-            arr = np.full((len(plan), width), -1, np.int32)
-            for b, (seq, _) in enumerate(plan):
-                tbl = self.blocks.table(seq.request_id, w)
-                arr[b, :len(tbl)] = tbl
-            tables[w] = arr
-        batch = Batch(token_ids, positions, seq_ids, tables, np.asarray(rows, np.int32))
+        batch = Batch(token_ids, positions, seq_ids, self._block_tables(plan), np.asarray(rows, np.int32))
         if spliced:   # [vision]
             batch.embed_rows = np.concatenate([r for r, _ in spliced])
             batch.embed_values = np.concatenate([v for _, v in spliced])
@@ -237,6 +232,39 @@ class Engine:
             for r, lim in limits:
                 batch.key_limit[r] = lim
         return batch, sampled
+
+    def _build_decode_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
+        """_build_batch for a step of one token per sequence, none with guesses or images
+        (every plain decode step): the same Batch from short lists, without the slicing
+        per sequence."""
+        token_ids, positions, rows, sampled = [], [], [], []
+        for b, (seq, _) in enumerate(plan):
+            start = seq.num_computed
+            token_ids.append(seq.token_slice(start, 1)[0])
+            positions.append(start)
+            self.blocks.release_out_of_window(seq.request_id, start)
+            if start + 1 == seq.num_tokens:
+                rows.append(b)
+                sampled.append(seq)
+        B = len(plan)
+        batch = Batch(np.asarray(token_ids, np.int32), np.asarray(positions, np.int32),
+                      np.arange(B, dtype=np.int32), self._block_tables(plan), np.asarray(rows, np.int32))
+        return batch, sampled
+
+    def _block_tables(self, plan: list[tuple[Sequence, int]]) -> dict[int, np.ndarray]:
+        """Per window, the (B, widest) block tables of the step's sequences, -1 padded."""
+        tables = {}
+        for w in self.kv.windows:
+            rows = [self.blocks.table(seq.request_id, w) for seq, _ in plan]
+            width = max(map(len, rows))
+            if all(len(r) == width for r in rows):
+                tables[w] = np.asarray(rows, np.int32).reshape(len(rows), width)
+                continue
+            arr = np.full((len(plan), width), -1, np.int32)
+            for b, tbl in enumerate(rows):
+                arr[b, :len(tbl)] = tbl
+            tables[w] = arr
+        return tables
 
     # -- [vision] images in the prompt ----------------------------------------------
 

@@ -94,8 +94,14 @@ class BlockManager:
         return max(0, -(-n_tokens // self.block_size) - len(table))
 
     def can_allocate(self, key: object, n_tokens: int) -> bool:
-        tables = self.tables.get(key, {w: [] for w in self.windows})
-        return all(self._blocks_needed(w, tables[w], n_tokens) <= self.num_free(w) for w in self.windows)
+        tables = self.tables.get(key)
+        for w in self.windows:
+            need = self._blocks_needed(w, tables[w] if tables else [], n_tokens)
+            # the free list answers most asks; only a shortfall counts the evictable blocks
+            # (a walk over the whole prefix cache)
+            if need > len(self.pools[w].free) and need > self.num_free(w):
+                return False
+        return True
 
     # -- allocation ---------------------------------------------------------------
 
@@ -127,7 +133,9 @@ class BlockManager:
         """Grows the sequence's tables to hold n_tokens positions. False (nothing taken) if short."""
         if not self.can_allocate(key, n_tokens):
             return False
-        tables = self.tables.setdefault(key, {w: [] for w in self.windows})
+        tables = self.tables.get(key)
+        if tables is None:
+            tables = self.tables[key] = {w: [] for w in self.windows}
         for w in self.windows:
             for _ in range(self._blocks_needed(w, tables[w], n_tokens)):
                 tables[w].append(self._take(w))
@@ -165,10 +173,15 @@ class BlockManager:
             if w == 0:
                 continue
             lowest_visible = first_new_position - w + 1
-            for j in range(min(len(blocks), max(0, lowest_visible) // self.block_size)):
-                if blocks[j] >= 0:
-                    self._release(w, blocks[j])
-                    blocks[j] = -1
+            end = min(len(blocks), max(0, lowest_visible) // self.block_size)
+            # the released blocks are a prefix of the table: find its end from `end` back
+            # (not from 0 each step), then release in ascending order as always
+            start = end
+            while start > 0 and blocks[start - 1] >= 0:
+                start -= 1
+            for j in range(start, end):
+                self._release(w, blocks[j])
+                blocks[j] = -1
 
     def table(self, key: object, window: int) -> list[int]:
         return self.tables[key][window]

@@ -37,7 +37,9 @@ class RequestOutput:
     error: str | None = None             # why, when finish_reason is "error"
 
 
-@dataclass
+# eq=False: a sequence is itself, not its field values (the scheduler's `in` and remove()
+# on its lists then compare identities instead of building two tuples of every field)
+@dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -75,6 +77,17 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """(all_ids + draft_ids)[start:start + n], without building the whole list."""
+        p, o, end = len(self.prompt_ids), len(self.output_ids), start + n
+        if end <= p:
+            return self.prompt_ids[start:end]
+        ids = self.prompt_ids[start:] if start < p else []
+        ids = ids + self.output_ids[max(start - p, 0):end - p]
+        if end > p + o and self.draft_ids:   # [spec]
+            ids += self.draft_ids[max(start - p - o, 0):end - p - o]
+        return ids
 
     @property
     def prefix_keys(self) -> list[Any]:

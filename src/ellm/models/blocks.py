@@ -14,7 +14,7 @@ backend once, at load.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -94,6 +94,51 @@ def embedding_and_head(weights: WeightSource, config: ModelConfig) -> tuple[Line
 
 # -- blocks ----------------------------------------------------------------------------
 
+# Views kept per (workspace, rows) by a block: at most this many row counts at once (a
+# decode step and a prefill chunk of another size alternate in continuous batching).
+_VIEW_CACHE_ROWS = 8
+
+
+def _cached_views(owner: Any, ws: Workspace, t: int, make: Any) -> Any:
+    """make(ws, t) -> the views a block takes from ws for t rows, made once and reused
+    while they are views of ws's current buffers, so a decode step of t rows skips the
+    lookups, slicing and reshaping of every call. owner._views holds them."""
+    cache = owner.__dict__.get("_views")
+    if cache is None:
+        cache = owner.__dict__["_views"] = {}
+    key = (id(ws), t)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is ws and hit[1] == ws.generation:
+        return hit[2]
+    views = make(ws, t)
+    if hit is not None and hit[0] is ws and _same_buffers(hit[2], views):
+        # ws made buffers for other blocks since (a forward that sized them): still valid
+        hit[1] = ws.generation
+        return hit[2]
+    if len(cache) >= _VIEW_CACHE_ROWS:
+        cache.clear()
+    cache[key] = [ws, ws.generation, views]   # ws is held so its id cannot be reused
+    return views
+
+
+def _arrays(views: Any) -> Iterator[Any]:
+    for v in views:
+        if isinstance(v, tuple):
+            yield from _arrays(v)
+        elif not isinstance(v, Linear):
+            yield v
+
+
+def _same_buffers(old: Any, new: Any) -> bool:
+    """True when two results of one make() are views of the same workspace buffers (an
+    array type that does not say its base, a backend's own, never counts as the same)."""
+    for a, b in zip(_arrays(old), _arrays(new)):
+        base = getattr(a, "base", None)
+        if base is None or base is not getattr(b, "base", None):
+            return False
+    return True
+
+
 @dataclass
 class Attention:
     q: Linear                          # (nh*hd, H)
@@ -118,13 +163,10 @@ class Attention:
                  out: np.ndarray, rec: Any = None, layer: int = 0) -> np.ndarray:
         """h (T, H) -> out (T, H); this step's k/v are written into the paged cache.
         rec: a trace.Recorder (or None), told what `layer` computes."""
-        t, nh, nkv, hd = len(h), self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = ws.get("q", t, nh * hd), ws.get("k", t, nkv * hd), ws.get("v", t, nkv * hd)
-        parts = [(self.q, q), (self.k, k), (self.v, v)]
+        q, k, v, q3, k3, v3, attn, attn2, parts = _cached_views(self, ws, len(h), self._make_views)
         ops.linear_multi(h, parts)   # + their biases (Qwen2)
         if rec is not None:   # [trace]
             rec(layer, "q", q), rec(layer, "k", k), rec(layer, "v", v)
-        q3, k3, v3 = q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
         if self.q_norm is not None:   # in place
             if self.qk_norm_whole:
                 ops.rmsnorm(q, self.q_norm, self.eps, out=q)
@@ -134,7 +176,6 @@ class Attention:
                 ops.rmsnorm(k3, self.k_norm, self.eps, out=k3)
             if rec is not None:   # [trace]
                 rec(layer, "q_norm", q), rec(layer, "k_norm", k)
-        attn = ws.get("attn", t, nh, hd)
         k_cache, v_cache = kv_layer
         ops.rope_attention(q3, k3, v3, batch.positions, batch.seq_ids, batch.block_tables[self.window],
                            k_cache, v_cache, self.inv_freq, self.interleaved, self.scale,
@@ -144,10 +185,19 @@ class Attention:
             rec.attention(layer, q3, k_cache, v_cache, batch.block_tables[self.window], self.inv_freq,
                           self.interleaved, self.scale, self.window, self.softcap, self.rope_mscale)
             rec(layer, "attn", attn)
-        ops.linear(attn.reshape(t, nh * hd), self.o, out=out)
+        ops.linear(attn2, self.o, out=out)
         if rec is not None:   # [trace]
             rec(layer, "o_proj", out)
         return out
+
+    def _make_views(self, ws: Workspace, t: int) -> tuple:
+        """q, k, v (T, n*hd), their (T, n, hd) views, the attention output (T, nh, hd) and
+        its (T, nh*hd) view, and the projections' (Linear, out) parts as a tuple."""
+        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = ws.get("q", t, nh * hd), ws.get("k", t, nkv * hd), ws.get("v", t, nkv * hd)
+        attn = ws.get("attn", t, nh, hd)
+        return (q, k, v, q.reshape(t, nh, hd), k.reshape(t, nkv, hd), v.reshape(t, nkv, hd),
+                attn, attn.reshape(t, nh * hd), ((self.q, q), (self.k, k), (self.v, v)))
 
 
 @dataclass
@@ -159,14 +209,18 @@ class MLP:
 
     def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, out: np.ndarray,
                  rec: Any = None, layer: int = 0) -> np.ndarray:
-        t, f = len(h), self.gate.out_features
-        gate, up, act = ws.get("gate", t, f), ws.get("up", t, f), ws.get("act", t, f)
-        ops.linear_multi(h, [(self.gate, gate), (self.up, up)])
+        gate, up, act, parts = _cached_views(self, ws, len(h), self._make_views)
+        ops.linear_multi(h, parts)
         (ops.swiglu if self.act == "silu" else ops.geglu)(gate, up, out=act)
         ops.linear(act, self.down, out=out)
         if rec is not None:   # [trace]
             rec(layer, "gate", gate), rec(layer, "up", up), rec(layer, "act", act), rec(layer, "down", out)
         return out
+
+    def _make_views(self, ws: Workspace, t: int) -> tuple:
+        f = self.gate.out_features
+        gate, up = ws.get("gate", t, f), ws.get("up", t, f)
+        return gate, up, ws.get("act", t, f), ((self.gate, gate), (self.up, up))
 
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -222,18 +276,22 @@ class Decoder:
         self.embed_scale, self.logits_scale, self.final_softcap = embed_scale, logits_scale, final_softcap
         self.recorder: Any = None   # [trace] a trace.Recorder while `ellm trace` / inspect runs
 
-    def _add_normed(self, residual: np.ndarray, x: np.ndarray, norm: np.ndarray | None,
-                    out: np.ndarray) -> np.ndarray:
-        """residual += x; -> the input of the next block: rmsnorm(residual), or residual itself."""
-        if norm is None:
-            return self.ops.add(residual, x)
-        return self.ops.add_rmsnorm(residual, x, norm, self.config.rms_norm_eps, out=out)
-
     def _block_out(self, x: np.ndarray, post_norm: np.ndarray | None, multiplier: float) -> None:
         if post_norm is not None:
             self.ops.rmsnorm(x, post_norm, self.config.rms_norm_eps, out=x)
         if multiplier != 1.0:
             self.ops.scale(x, multiplier)
+
+    def _make_views(self, ws: Workspace, t: int) -> tuple:
+        """The (T, H) buffers of a forward: block outputs, normed hidden states, residual."""
+        H = self.config.hidden_size
+        return ws.get("proj", t, H), ws.get("h", t, H), ws.get("residual", t, H)
+
+    def _next_norms(self) -> list[np.ndarray | None]:
+        """Per layer, the norm its residual goes through after its MLP: the next layer's
+        input norm, the final norm after the last layer (read each forward: a family may
+        set its layers after __init__)."""
+        return [layer.input_norm for layer in self.layers[1:]] + [self.norm]
 
     def upload_weights(self) -> None:
         """Puts every weight on the backend (ops.upload / ops.upload_linear; the identity on
@@ -252,8 +310,9 @@ class Decoder:
             ws = self._ws = self._ws or Workspace(self.ops)
         c, ops = self.config, self.ops
         t, r, H = len(batch.token_ids), len(batch.logits_rows), c.hidden_size
-        proj, h_buf = ws.get("proj", t, H), ws.get("h", t, H)
-        residual = ops.embed(self.embed, batch.token_ids, out=ws.get("residual", t, H))   # (T, H)
+        eps = c.rms_norm_eps
+        proj, h_buf, residual = _cached_views(self, ws, t, self._make_views)
+        residual = ops.embed(self.embed, batch.token_ids, out=residual)   # (T, H)
         if self.embed_scale != 1.0:
             ops.scale(residual, self.embed_scale)
         if batch.embed_rows is not None:   # [vision] image rows replace the image tokens' embeddings
@@ -262,25 +321,28 @@ class Decoder:
         if rec is not None:
             rec(None, "embed", residual)
         first = self.layers[0].input_norm
-        h = residual if first is None else ops.rmsnorm(residual, first, c.rms_norm_eps, out=h_buf)
-        for i, layer in enumerate(self.layers):
+        h = residual if first is None else ops.rmsnorm(residual, first, eps, out=h_buf)
+        # per layer: its norm after each block, and the norm the residual goes through next
+        for i, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms())):
             if rec is not None and layer.input_norm is not None:   # [trace]
                 rec(i, "attn_norm", h)
             layer.attn(ops, ws, h, batch, kv.layer(i), out=proj, rec=rec, layer=i)
-            self._block_out(proj, layer.post_attn_norm, layer.residual_multiplier)
+            if layer.post_attn_norm is not None or layer.residual_multiplier != 1.0:
+                self._block_out(proj, layer.post_attn_norm, layer.residual_multiplier)
             if rec is not None and layer.post_attn_norm is not None:   # [trace]
                 rec(i, "post_attn_norm", proj)
-            h = self._add_normed(residual, proj, layer.pre_mlp_norm, h_buf)
+            pre_mlp = layer.pre_mlp_norm
+            h = ops.add(residual, proj) if pre_mlp is None else ops.add_rmsnorm(residual, proj, pre_mlp, eps, out=h_buf)
             if rec is not None:   # [trace]
                 rec(i, "resid_attn", residual)
-                if layer.pre_mlp_norm is not None:
+                if pre_mlp is not None:
                     rec(i, "mlp_norm", h)
             layer.mlp(ops, ws, h, out=proj, rec=rec, layer=i)
-            self._block_out(proj, layer.post_mlp_norm, layer.residual_multiplier)
+            if layer.post_mlp_norm is not None or layer.residual_multiplier != 1.0:
+                self._block_out(proj, layer.post_mlp_norm, layer.residual_multiplier)
             if rec is not None and layer.post_mlp_norm is not None:   # [trace]
                 rec(i, "post_mlp_norm", proj)
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            h = self._add_normed(residual, proj, next_norm, h_buf)
+            h = ops.add(residual, proj) if next_norm is None else ops.add_rmsnorm(residual, proj, next_norm, eps, out=h_buf)
             if rec is not None:   # [trace]
                 rec(i, "resid_mlp", residual)
         if rec is not None:   # [trace]

@@ -15,6 +15,10 @@ from .memory import HostMemory
 from .reference import Experts
 
 
+# linear_multi part lists remembered at once: two per layer for a few batch sizes
+_KERNEL_PARTS_KEPT = 1024
+
+
 def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     return np.empty(shape, np.float32) if out is None else out
 
@@ -30,6 +34,10 @@ class CpuOps(HostMemory):
         self._expert_stacks: dict[int, tuple[Experts, tuple[_moe.ExpertStack, ...]]] = {}
         # "f32": quantized weights meet unrounded activations (ops.get_ops)
         self.exact_activations = activations == "f32"
+        # id(parts tuple) -> (the tuple, its parts as the kernel takes them): the blocks
+        # pass the same tuple every decode step (models/blocks.py caches it with the
+        # views), so it is converted once; the tuple is held so its id cannot be reused
+        self._kernel_parts: dict[int, tuple[tuple, list[tuple]]] = {}
 
     def embed(self, w, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
@@ -38,7 +46,8 @@ class CpuOps(HostMemory):
         return out
 
     def linear(self, x: np.ndarray, w, out: np.ndarray | None = None) -> np.ndarray:
-        out = _out(out, (x.shape[0], w.out_features))
+        if out is None:
+            out = np.empty((x.shape[0], w.out_features), np.float32)
         if self.exact_activations:
             _quant.linear_multi_exact(np.ascontiguousarray(x, dtype=np.float32),
                                       [(w.data, int(w.qtype), out, w.bias)])
@@ -50,11 +59,26 @@ class CpuOps(HostMemory):
     def linear_multi(self, x: np.ndarray, parts: Sequence[tuple]) -> list[np.ndarray]:
         """[(w, out), ...] -> outs: several matrices against one x, x quantized once."""
         run = _quant.linear_multi_exact if self.exact_activations else _quant.linear_multi
-        run(np.ascontiguousarray(x, dtype=np.float32),
-            [(w.data, int(w.qtype), o, w.bias) for w, o in parts])
+        run(np.ascontiguousarray(x, dtype=np.float32), self._parts(parts))
         return [o for _, o in parts]
 
+    def _parts(self, parts: Sequence[tuple]) -> list[tuple]:
+        """[(w.data, qtype, out, bias), ...] of [(w, out), ...]; remembered for a tuple
+        (immutable, so the same object always means the same parts)."""
+        if not isinstance(parts, tuple):
+            return [(w.data, int(w.qtype), o, w.bias) for w, o in parts]
+        hit = self._kernel_parts.get(id(parts))
+        if hit is None or hit[0] is not parts:
+            if len(self._kernel_parts) >= _KERNEL_PARTS_KEPT:
+                self._kernel_parts.clear()
+            hit = (parts, [(w.data, int(w.qtype), o, w.bias) for w, o in parts])
+            self._kernel_parts[id(parts)] = hit
+        return hit[1]
+
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+        if out is not None and x.ndim == 2 and out.ndim == 2:   # the blocks' rows: no reshaping
+            _kernels.rmsnorm(x, weight, float(eps), out)
+            return out
         x2 = x.reshape(-1, x.shape[-1])
         o2 = _out(out, x.shape).reshape(x2.shape)
         _kernels.rmsnorm(x2, weight, float(eps), o2)
@@ -63,7 +87,8 @@ class CpuOps(HostMemory):
     def add_rmsnorm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float,
                     out: np.ndarray | None = None) -> np.ndarray:
         """residual += x; -> rmsnorm(residual)."""
-        out = _out(out, residual.shape)
+        if out is None:
+            out = np.empty(residual.shape, np.float32)
         _kernels.add_rmsnorm(residual, x, weight, float(eps), out)
         return out
 
@@ -72,7 +97,8 @@ class CpuOps(HostMemory):
         return a
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        out = _out(out, gate.shape)
+        if out is None:
+            out = np.empty(gate.shape, np.float32)
         _kernels.swiglu(gate, up, out)
         return out
 
