@@ -1,0 +1,121 @@
+"""Prefill and decode speed on the bf16 Hugging Face folders, engines side by side.
+
+Each round runs every interpreter of --pythons (each an environment with its own ellm:
+e.g. main's against a branch's) in a subprocess of its own, in alternating order, on the
+same token ids and thread count; then transformers on the same folder in bf16 when
+--hf-python names a Python with torch and transformers. Reported: the median over
+rounds of prefill tok/s at 512 tokens (each round's figure a median of 3 calls) and of
+decode tok/s (128 greedy tokens after 16), with the ratio last / first interpreter.
+
+    python benchmarks/bench_bf16.py --pythons /work/main/.venv/bin/python,.venv/bin/python \
+        --models smollm2-135m-instruct-bf16 --rounds 3               # ~1 min a model
+    python benchmarks/bench_bf16.py --level avx512                   # the FMA kernels
+
+Folders are looked up under ~/.cache/ellm/hf (tests/goldens/make.py --folders makes
+them). The CPU model, its SIMD flags and /proc/loadavg are printed first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_stream import cpu_line  # noqa: E402
+from vs_llamacpp import _prefill_rate, worker_ellm  # noqa: E402
+
+HF_ROOT = Path.home() / ".cache" / "ellm" / "hf"
+IDS = list(range(1000, 1512))  # 512 ordinary token ids of both vocabularies
+
+
+def worker_transformers_bf16(folder: str, threads: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model.eval()
+    out = {}
+    with torch.no_grad():
+        model(torch.tensor([IDS[:16]]))
+        out["prefill512"] = _prefill_rate(lambda k: model(torch.tensor([IDS[:k]])), 512)
+        res = model(torch.tensor([IDS[:16]]), use_cache=True)
+        past, tok = res.past_key_values, res.logits[0, -1].argmax()
+        steps = 32  # a few tens of tok/s: fewer steps keep a round short
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            res = model(tok.view(1, 1), past_key_values=past, use_cache=True)
+            past, tok = res.past_key_values, res.logits[0, -1].argmax()
+        out["decode128"] = steps / (time.perf_counter() - t0)
+    return out
+
+
+def worker(engine: str, folder: str, threads: int, level: str | None) -> dict:
+    if engine == "transformers":
+        return worker_transformers_bf16(folder, threads)
+    if level:
+        from ellm._native import _core
+        _core.set_simd_level(level)
+    return worker_ellm(folder, threads, IDS, [])
+
+
+def run(python: str, engine: str, folder: str, threads: int, level: str | None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
+    cmd = [python, str(Path(__file__).resolve()), "--worker", engine, "--folder", folder,
+           "--threads", str(threads)] + (["--level", level] if level else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode:
+        sys.exit(f"{python} ({engine}) failed on {folder}:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m-instruct-bf16,gemma-3-270m-bf16")
+    ap.add_argument("--pythons", default=sys.executable, help="comma-separated interpreters with ellm")
+    ap.add_argument("--hf-python", default=None, help="a Python with torch + transformers (bf16 beside)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--level", default=None, help="force a SIMD level in the ellm workers")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.folder, args.threads, args.level)))
+        return
+    print(f"# {cpu_line()}")
+    print(f"# loadavg {Path('/proc/loadavg').read_text().split()[:3]}; {args.threads} threads, "
+          f"level {args.level or 'best'}, {args.rounds} rounds")
+    engines = [(p, "ellm") for p in args.pythons.split(",")]
+    engines += [(args.hf_python, "transformers")] if args.hf_python else []
+    names = [Path(os.path.abspath(p)).parents[2].name if e == "ellm" else "transformers-bf16"
+             for p, e in engines]
+    for model in args.models.split(","):
+        folder = str(HF_ROOT / model)
+        if not Path(folder).is_dir():
+            sys.exit(f"no folder {folder} (tests/goldens/make.py --folders makes it)")
+        got: list[dict[str, list[float]]] = [{"prefill512": [], "decode128": []} for _ in engines]
+        for r in range(args.rounds):
+            order = list(range(len(engines)))
+            order = order if r % 2 == 0 else order[::-1]
+            for i in order:
+                res = run(engines[i][0], engines[i][1], folder, args.threads, args.level)
+                for key in got[i]:
+                    got[i][key].append(res[key])
+        print(f"\n{model}")
+        print(f"{'':>14}" + "".join(f" {n:>18}" for n in names)
+              + (f" {'last/first ellm':>16}" if len(args.pythons.split(",")) > 1 else ""))
+        n_ellm = len(args.pythons.split(","))
+        for key, label in (("prefill512", "prefill@512"), ("decode128", "decode tok/s")):
+            meds = [statistics.median(g[key]) for g in got]
+            ratio = f" {meds[n_ellm - 1] / meds[0]:16.2f}" if n_ellm > 1 else ""
+            print(f"{label:>14}" + "".join(f" {m:18.1f}" for m in meds) + ratio)
+
+
+if __name__ == "__main__":
+    main()
