@@ -215,9 +215,9 @@ static void task_quantize_act(void *ctx, int64_t begin, int64_t end, int thread_
         int f = (int)(item / c->T);
         int64_t t = item % c->T;
         const float *xt = c->x + (size_t)t * (size_t)c->K;
-        if (f == 0 && c->xb) /* [bf16] once per token: its split into its group's lane */
-            ellm_bf16x3_put_token(xt, c->K, c->xb + (size_t)(t / ELLM_BF16_TG) * c->xb_stride,
-                                  (int)(t % ELLM_BF16_TG));
+        if (f == 0 && c->xb && t % ELLM_BF16_TG == 0) /* [bf16] a group's split, at its first token */
+            ellm_bf16x3_put_group(xt, (size_t)c->K, c->T - t < ELLM_BF16_TG ? (int)(c->T - t) : ELLM_BF16_TG,
+                                  c->K, c->xb + (size_t)(t / ELLM_BF16_TG) * c->xb_stride);
         if (!c->act[f]) continue; /* formats of non-empty parts only */
         /* grouped: each block quantized as in the row layout (the same bytes), then
          * spread into this token's lane of its group */
@@ -424,9 +424,6 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     if (bf16_offset != SIZE_MAX && ellm_simd_level() == ELLM_SIMD_AMX) {
         c->xb = (uint8_t *)scratch + bf16_offset;
         c->xb_stride = ellm_bf16x3_group_bytes(K);
-        if (T % ELLM_BF16_TG)
-            ellm_bf16x3_zero_lanes(K, c->xb + (size_t)(T / ELLM_BF16_TG) * c->xb_stride,
-                                   (int)(T % ELLM_BF16_TG));
     }
     /* few: every part reads its weights once in the row layout (decode-sized items) */
     const int any_amx = c->amx[0] || c->amx[1];

@@ -66,6 +66,7 @@ static void load_tile_config(void) {
 
 #define PART_BYTES 1024 /* one B tile */
 
+
 /* the high halves of 32 dwords (a: elements 0..15, b: 16..31), in element order: the
  * bf16 pairs (2j, 2j + 1) as 16 dwords */
 INLINE __m512i high_halves(__m512i a, __m512i b) {
@@ -84,38 +85,6 @@ INLINE void split3(__m512 x, __m512i *hi, __m512i *mid, __m512i *lo) {
     *mid = _mm512_and_si512(_mm512_castps_si512(r1), top);
     *lo = _mm512_castps_si512(_mm512_sub_ps(r1, _mm512_castsi512_ps(*mid)));
 }
-
-void ellm_bf16x3_put_token(const float *x, int64_t k, uint8_t *group, int lane) {
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
-                                                             4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(64));
-    const int64_t nkb = (k + ELLM_BF16_KB - 1) / ELLM_BF16_KB;
-    for (int64_t b = 0; b < nkb; b++) {
-        const int64_t i = b * ELLM_BF16_KB, left = k - i;
-        const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u);
-        __m512i h0, d0, l0, h1, d1, l1;
-        split3(_mm512_maskz_loadu_ps(m0, x + i), &h0, &d0, &l0);
-        split3(_mm512_maskz_loadu_ps(m1, x + i + 16), &h1, &d1, &l1);
-        uint8_t *base = group + (size_t)b * 3 * PART_BYTES + 4 * (size_t)lane;
-        _mm512_i32scatter_epi32(base, rows, high_halves(h0, h1), 1);
-        _mm512_i32scatter_epi32(base + PART_BYTES, rows, high_halves(d0, d1), 1);
-        _mm512_i32scatter_epi32(base + 2 * PART_BYTES, rows, high_halves(l0, l1), 1);
-    }
-}
-
-void ellm_bf16x3_zero_lanes(int64_t k, uint8_t *group, int used) {
-    if (used >= ELLM_BF16_TG) return;
-    const int64_t tiles = (k + ELLM_BF16_KB - 1) / ELLM_BF16_KB * 3;
-    for (int64_t t = 0; t < tiles; t++)
-        for (int j = 0; j < 16; j++)
-            memset(group + (size_t)t * PART_BYTES + 64 * (size_t)j + 4 * (size_t)used, 0,
-                   4 * (size_t)(ELLM_BF16_TG - used));
-}
-
-/* ====================================================================================
- * Results: C (16 rows x 16 tokens) -> Y (tokens x rows)
- * ==================================================================================== */
 
 /* v[i][l] -> v[l][i]: four rounds, round s exchanging bit s of the register number with
  * bit s of the lane */
@@ -137,6 +106,40 @@ INLINE void transpose16(__m512 v[16]) {
         }
     }
 }
+
+/* part p (0 hi, 1 mid, 2 lo) of the 32 elements at x (`left` of them real, the rest 0)
+ * as 16 pair dwords */
+INLINE __m512 part_pairs(const float *x, int64_t left, int p) {
+    const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);
+    const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u);
+    __m512i h0, d0, l0, h1, d1, l1;
+    split3(_mm512_maskz_loadu_ps(m0, x), &h0, &d0, &l0);
+    split3(_mm512_maskz_loadu_ps(m1, x + 16), &h1, &d1, &l1);
+    const __m512i v = p == 0 ? high_halves(h0, h1) : p == 1 ? high_halves(d0, d1) : high_halves(l0, l1);
+    return _mm512_castsi512_ps(v);
+}
+
+/* Each block's part tile: the 16 tokens' pair dwords, one token a register, transposed
+ * into one row per pair */
+void ellm_bf16x3_put_group(const float *x, size_t x_stride, int n, int64_t k, uint8_t *group) {
+    const int64_t nkb = (k + ELLM_BF16_KB - 1) / ELLM_BF16_KB;
+    for (int64_t b = 0; b < nkb; b++) {
+        const int64_t i = b * ELLM_BF16_KB;
+        for (int p = 0; p < 3; p++) {
+            __m512 v[16];
+            for (int t = 0; t < 16; t++)
+                v[t] = t < n ? part_pairs(x + (size_t)t * x_stride + i, k - i, p) : _mm512_setzero_ps();
+            transpose16(v);
+            float *dst = (float *)(group + ((size_t)b * 3 + (size_t)p) * PART_BYTES);
+            _Pragma("GCC unroll 16")
+            for (int j = 0; j < 16; j++) _mm512_store_ps(dst + 16 * j, v[j]);
+        }
+    }
+}
+
+/* ====================================================================================
+ * Results: C (16 rows x 16 tokens) -> Y (tokens x rows)
+ * ==================================================================================== */
 
 /* y[t][r] = c[r][t] for t < n tokens, r < rows */
 INLINE void store_result(const float c[16][16], int rows, int n, float *y, size_t ys) {

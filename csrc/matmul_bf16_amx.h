@@ -40,20 +40,17 @@ int ellm_cpu_has_amx_bf16(void);
  * nb = k (elements per row) and x = (ceil(nt / 16), x_stride bytes) groups. */
 ellm_qgemm_fn ellm_fmm_bf16_amx(int qtype);
 
-/* Splits token x (k floats) into lane `lane` of a group (k past the last whole block
- * padded with 0). */
-void ellm_bf16x3_put_token(const float *x, int64_t k, uint8_t *group, int lane);
-
-/* Zeroes lanes [used, 16) of a group for rows of k elements. */
-void ellm_bf16x3_zero_lanes(int64_t k, uint8_t *group, int used);
+/* Splits tokens x[0..n) (rows x_stride floats apart, 1 <= n <= 16) into a group; lanes
+ * past n, and k past the last whole block, are 0. group: 64-byte aligned. */
+void ellm_bf16x3_put_group(const float *x, size_t x_stride, int n, int64_t k, uint8_t *group);
 
 #else /* no AMX off x86-64: ellm_cpu_has_amx_bf16() is 0 there */
 static inline ellm_qgemm_fn ellm_fmm_bf16_amx(int qtype) {
     (void)qtype;
     return NULL;
 }
-static inline void ellm_bf16x3_put_token(const float *x, int64_t k, uint8_t *group, int lane) {}
-static inline void ellm_bf16x3_zero_lanes(int64_t k, uint8_t *group, int used) {}
+static inline void ellm_bf16x3_put_group(const float *x, size_t x_stride, int n, int64_t k,
+                                         uint8_t *group) {}
 #endif
 
 #endif
