@@ -86,13 +86,20 @@ int ellm_cpu_has_avx512_vnni(void) {
 #endif
 }
 
-/* [bf16] the bf16 tile kernels (matmul_bf16_amx.c) run at the AMX level where this holds */
+/* [bf16] the bf16 tile kernels (matmul_bf16_amx.c) run at the AMX level where this holds;
+ * asked on every linear call, so CPUID (a trap to the hypervisor in a VM) runs once */
+static atomic_int has_amx_bf16 = -1;
 int ellm_cpu_has_amx_bf16(void) {
+    int h = atomic_load_explicit(&has_amx_bf16, memory_order_relaxed);
+    if (h < 0) {
 #ifdef ELLM_X86
-    return x86_features().amx_bf16;
+        h = x86_features().amx_bf16;
 #else
-    return 0;
+        h = 0;
 #endif
+        atomic_store(&has_amx_bf16, h);
+    }
+    return h;
 }
 
 static atomic_int best_level = -1;
