@@ -10,6 +10,12 @@ decode tok/s (128 greedy tokens after 16), with the ratio last / first interpret
     python benchmarks/bench_bf16.py --pythons /work/main/.venv/bin/python,.venv/bin/python \
         --models smollm2-135m-instruct-bf16 --rounds 3               # ~1 min a model
     python benchmarks/bench_bf16.py --level avx512                   # the FMA kernels
+    python benchmarks/bench_bf16.py --cpu-time --pythons A,B        # shared machine
+
+With --cpu-time the ellm workers run one pool thread and time by their process's CPU
+time, so neighbours on a shared machine slow the wall clock but not the figures (decode:
+64 greedy tokens after 16, the prefill's CPU time subtracted); transformers keeps --threads
+and the wall clock.
 
 Folders are looked up under ~/.cache/ellm/hf (tests/goldens/make.py --folders makes
 them). The CPU model, its SIMD flags and /proc/loadavg are printed first.
@@ -55,19 +61,42 @@ def worker_transformers_bf16(folder: str, threads: int) -> dict:
     return out
 
 
-def worker(engine: str, folder: str, threads: int, level: str | None) -> dict:
+def worker_ellm_cpu(folder: str) -> dict:
+    """One pool thread, rates by this process's CPU time."""
+    import ellm
+    from ellm._native import _kernels
+    from ellm.sampling_params import SamplingParams
+    _kernels.set_num_threads(1)
+    llm = ellm.load(folder, progress=False, max_model_len=1024)
+    llm.engine.blocks.enable_prefix_caching = False
+
+    def cpu_seconds(ids: list[int], new: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        t0 = time.process_time()
+        llm.generate(ids, params)
+        return time.process_time() - t0
+
+    cpu_seconds(IDS[:16], 2)  # warm-up: pages in the weights
+    prefill = statistics.median(cpu_seconds(IDS, 1) for _ in range(3))
+    new = 64
+    decode = cpu_seconds(IDS[:16], new + 1) - cpu_seconds(IDS[:16], 1)
+    return {"prefill512": len(IDS) / prefill, "decode128": new / max(decode, 1e-9)}
+
+
+def worker(engine: str, folder: str, threads: int, level: str | None, cpu_time: bool) -> dict:
     if engine == "transformers":
         return worker_transformers_bf16(folder, threads)
     if level:
         from ellm._native import _core
         _core.set_simd_level(level)
-    return worker_ellm(folder, threads, IDS, [])
+    return worker_ellm_cpu(folder) if cpu_time else worker_ellm(folder, threads, IDS, [])
 
 
-def run(python: str, engine: str, folder: str, threads: int, level: str | None) -> dict:
+def run(python: str, engine: str, folder: str, threads: int, level: str | None, cpu_time: bool) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
     cmd = [python, str(Path(__file__).resolve()), "--worker", engine, "--folder", folder,
            "--threads", str(threads)] + (["--level", level] if level else [])
+    cmd += ["--cpu-time"] if cpu_time else []
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode:
         sys.exit(f"{python} ({engine}) failed on {folder}:\n{p.stderr[-2000:]}")
@@ -82,14 +111,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--level", default=None, help="force a SIMD level in the ellm workers")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="ellm: one pool thread, rates by process CPU time (steady on a shared machine)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.folder, args.threads, args.level)))
+        print(json.dumps(worker(args.worker, args.folder, args.threads, args.level, args.cpu_time)))
         return
     print(f"# {cpu_line()}")
-    print(f"# loadavg {Path('/proc/loadavg').read_text().split()[:3]}; {args.threads} threads, "
+    clock = "ellm: 1 thread, process CPU time" if args.cpu_time else f"{args.threads} threads, wall clock"
+    print(f"# loadavg {Path('/proc/loadavg').read_text().split()[:3]}; {clock}; "
           f"level {args.level or 'best'}, {args.rounds} rounds")
     engines = [(p, "ellm") for p in args.pythons.split(",")]
     engines += [(args.hf_python, "transformers")] if args.hf_python else []
@@ -104,7 +136,7 @@ def main() -> None:
             order = list(range(len(engines)))
             order = order if r % 2 == 0 else order[::-1]
             for i in order:
-                res = run(engines[i][0], engines[i][1], folder, args.threads, args.level)
+                res = run(engines[i][0], engines[i][1], folder, args.threads, args.level, args.cpu_time)
                 for key in got[i]:
                     got[i][key].append(res[key])
         print(f"\n{model}")
