@@ -12,6 +12,14 @@ decode tok/s (128 greedy tokens after 16), with the ratio last / first interpret
     python benchmarks/bench_bf16.py --level avx512                   # the FMA kernels
     python benchmarks/bench_bf16.py --cpu-time --pythons A,B        # shared machine
 
+With --kernels it instead times _quant.linear on BF16 weights of the two models' shapes
+(SmolLM2 576x576, 1536x576, 576x1536, head 49152x576; Gemma 3 1024x640, 2048x640,
+640x2048, head 262144x640) at T = 1, 16 and 512 (the heads at 1, SmolLM2's also at 16), one thread, by thread CPU time, the
+levels of --levels alternated in one process (avx512: the FMA kernels main runs; amx: the
+tiles), each figure the best of 5 rounds' medians:
+
+    python benchmarks/bench_bf16.py --kernels --levels avx512,amx
+
 With --cpu-time the ellm workers run one pool thread and time by their process's CPU
 time, so neighbours on a shared machine slow the wall clock but not the figures (decode:
 64 greedy tokens after 16, the prefill's CPU time subtracted); transformers keeps --threads
@@ -83,6 +91,45 @@ def worker_ellm_cpu(folder: str) -> dict:
     return {"prefill512": len(IDS) / prefill, "decode128": new / max(decode, 1e-9)}
 
 
+KERNEL_SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (1024, 640), (2048, 640),
+                 (640, 2048), (262144, 640)]
+
+
+def bench_kernels(levels: list[str], rounds: int = 5) -> None:
+    import numpy as np
+    from ellm._native import _core, _quant
+    _quant.set_num_threads(1)
+
+    def median_call(fn) -> float:
+        fn()
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < 5 or time.perf_counter() - start < 0.05:
+            t0 = time.thread_time()
+            fn()
+            times.append(time.thread_time() - t0)
+        return float(np.median(times))
+
+    rng = np.random.default_rng(0)
+    print(f"{'N x K':>11} {'T':>4}" + "".join(f" {lv + ' us':>11} {'GFLOP/s':>8}" for lv in levels)
+          + f" {'last/first':>10}")
+    for n, k in KERNEL_SHAPES:
+        w = rng.integers(0x3000, 0x3C00, size=(n, k), dtype=np.uint16)  # finite bf16 bits
+        for T in (1, 16, 512):
+            if n > 10_000 and (T > 16 or n > 100_000):
+                continue  # the heads: decode (and SmolLM2's at 16 sequences) only
+            x = rng.standard_normal((T, k), dtype=np.float32)
+            y = np.empty((T, n), np.float32)
+            best = {lv: float("inf") for lv in levels}
+            for _ in range(rounds):
+                for lv in levels:
+                    _core.set_simd_level(lv)
+                    _quant.set_simd_level(lv)
+                    best[lv] = min(best[lv], median_call(lambda: _quant.linear(x, w, 30, y)))
+            cells = "".join(f" {1e6 * best[lv]:11.1f} {2 * T * n * k / best[lv] / 1e9:8.1f}" for lv in levels)
+            print(f"{f'{n}x{k}':>11} {T:4}{cells} {best[levels[0]] / best[levels[-1]]:10.2f}", flush=True)
+
+
 def worker(engine: str, folder: str, threads: int, level: str | None, cpu_time: bool) -> dict:
     if engine == "transformers":
         return worker_transformers_bf16(folder, threads)
@@ -113,6 +160,8 @@ def main() -> None:
     ap.add_argument("--level", default=None, help="force a SIMD level in the ellm workers")
     ap.add_argument("--cpu-time", action="store_true",
                     help="ellm: one pool thread, rates by process CPU time (steady on a shared machine)")
+    ap.add_argument("--kernels", action="store_true", help="time the BF16 linear kernels instead")
+    ap.add_argument("--levels", default="avx512,amx", help="with --kernels: SIMD levels to alternate")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -120,6 +169,10 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.folder, args.threads, args.level, args.cpu_time)))
         return
     print(f"# {cpu_line()}")
+    if args.kernels:
+        print(f"# loadavg {Path('/proc/loadavg').read_text().split()[:3]}; BF16 linear, 1 thread, thread CPU time")
+        bench_kernels(args.levels.split(","))
+        return
     clock = "ellm: 1 thread, process CPU time" if args.cpu_time else f"{args.threads} threads, wall clock"
     print(f"# loadavg {Path('/proc/loadavg').read_text().split()[:3]}; {clock}; "
           f"level {args.level or 'best'}, {args.rounds} rounds")
