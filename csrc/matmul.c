@@ -497,7 +497,7 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
         c->n_parts++;
     }
     if (c->n_parts == 0) return ELLM_OK;
-    c->has_act = need > 0;
+    c->has_act = c->act[0] || c->act[1] || c->xb; /* [bf16] not the scratch size: BF16 room is kept at every level */
     *items_out = items;
     return ELLM_OK;
 }
