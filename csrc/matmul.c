@@ -68,11 +68,18 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
 /* [bf16] rows per item of the bf16 tiles: one pass (2 weight tiles) */
 #define BF16_ROW_TILE 32
 _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
-/* Items of the AMX kernels: more tokens per unpacking of a weight tile (4 tile groups; 8
- * were slower on the K = 576 / 640 matrices of both models, their activations then
- * spilling from L1: Q4_1 960x576 at T=512, one thread, 210-255 against 282-304 GFLOP/s) */
+/* [amx] Items of the AMX kernels. The 32-element types: 64 tokens (4 tile groups), whose
+ * activations stay in L1 from one 16-row item to the next while the weights stream
+ * through (the kernel unpacks each item's rows once for all its tokens); 128 and 512 were
+ * slower in SmolLM2's prefill (linear_multi 330-348 ms against 259 at 64, one thread,
+ * CPU time). The K-quants (only): up to 512 tokens, so that one unpacking of a chunk of
+ * their big blocks serves them all, fewer where their activations would pass
+ * AMX_ITEM_ACT_BYTES (L2 is 2 MiB a core here). */
 #define AMX_TOK_TILE 64
-_Static_assert(AMX_TOK_TILE % ELLM_AMX_TG == 0 && ELLM_AMX_TG % ELLM_TG == 0,
+#define AMX_K_TOK_TILE 512
+#define AMX_ITEM_ACT_BYTES ((size_t)1 << 20)
+_Static_assert(AMX_TOK_TILE % ELLM_AMX_TG == 0 && AMX_K_TOK_TILE % AMX_TOK_TILE == 0 &&
+                   ELLM_AMX_TG % ELLM_TG == 0,
                "AMX items start on a 16-token group; padding to 16 covers groups of 8");
 _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
                    sizeof(ellm_act256x8) == ELLM_TG * sizeof(ellm_act256),
@@ -429,6 +436,12 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     const int any_amx = c->amx[0] || c->amx[1];
     const int few = !groups && !any_amx;
     c->item_toks = few ? T : any_amx || c->xb ? AMX_TOK_TILE : TOK_TILE; /* [bf16] || c->xb */
+    if (any_amx && !c->amx[0]) { /* [amx] K-quants only: more tokens, within L2 */
+        c->item_toks = AMX_K_TOK_TILE;
+        const size_t tok_bytes = c->act_stride[1] / ELLM_AMX_TG;
+        while (c->item_toks > AMX_TOK_TILE && (size_t)c->item_toks * tok_bytes > AMX_ITEM_ACT_BYTES)
+            c->item_toks /= 2;
+    }
     for (int f = 0; f < N_ACT; f++) {
         if (!groups || !c->xq[f] || c->amx[f]) continue;
         c->grouped[f] = 1;
@@ -487,6 +500,11 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
             int64_t rows = decode_item_bytes(q->w_bytes) / (int64_t)p->row_bytes;
             rows = rows > DECODE_MIN_ROWS ? rows : DECODE_MIN_ROWS;
             p->item_rows = (rows + row_unit - 1) / row_unit * row_unit; /* whole 8-row tiles (qdot32_rows8) */
+        } else if (p->tg == ELLM_AMX_TG && T <= ELLM_AMX_TG) {
+            /* [amx] one token group (batched decode): two row tiles a call, so its tile
+             * configuration and pipeline start serve twice the work (Q4_1 1536x576 at
+             * T=16, one thread: 219-228 -> 230-239 GFLOP/s) */
+            p->item_rows = 2 * ROW_TILE;
         } else {
             p->item_rows = row_unit == BF16_ROW_TILE ? BF16_ROW_TILE : ROW_TILE;
         }

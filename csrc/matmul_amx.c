@@ -177,10 +177,12 @@ INLINE int bytes32(int type) {
     }
 }
 
-/* 16 bytes of nibbles -> 32 values, low nibbles first (the 32-block element order) */
+/* 16 bytes of nibbles -> 32 values, low nibbles first (the 32-block element order): the
+ * bytes in both lanes (a broadcast load), the high lane shifted down 4 bits, one mask */
 INLINE __m256i nibbles32(const uint8_t *p) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    v = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
 /* bit j of bits -> 0x10 in byte j (the fifth bit of the Q5 values) */
@@ -222,8 +224,12 @@ INLINE __m512 const32x16(int type, __m512 d, __m512 m) {
     }
 }
 
-/* Blocks unpacked per chunk (16 rows x 32 bytes each: 16 KiB of L1 at 32) */
-#define A32_CHUNK 32
+/* Blocks unpacked per chunk (16 rows x 32 bytes each: 24 KiB of L1 at 48; K = 1536, the
+ * widest matrix of both models here, is one chunk) */
+#define A32_CHUNK 48
+/* Blocks ahead of its tile load that a block's activations are asked for (calls of more
+ * than A32_GROUPS groups) */
+#define A32_PREFETCH 2
 /* Token groups sharing one unpacking of the weights */
 #define A32_GROUPS 4
 /* Result buffers of the tile multiplies in flight (a block is folded one block after
@@ -265,9 +271,18 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
         /* Q8_0's values are int8 as stored: a full tile of rows is loaded straight from
          * the weights (row stride ws) rather than copied into the chunk first */
         const int direct = type == ELLM_T_Q8_0 && rows == 16;
-        for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
-            const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
-            for (int g = 0; g < ng; g++)
+        /* one chunk holds every block (K up to 32 x A32_CHUNK): each group is summed from
+         * start to end against the one unpacking and its outputs stored at once, so every
+         * token of the call shares it; more blocks: A32_GROUPS groups per unpacking, their
+         * sums kept between chunks */
+        const int single = nb <= A32_CHUNK;
+        /* past A32_GROUPS groups the activations no longer stay in L1 from one call to the
+         * next (the driver's 64-token items keep them there; prefetching those costs) */
+        const int prefetch = ngroups > A32_GROUPS;
+        const int64_t gstep = single ? ngroups : A32_GROUPS;
+        for (int64_t g0 = 0; g0 < ngroups; g0 += gstep) {
+            const int ng = ngroups - g0 < gstep ? (int)(ngroups - g0) : (int)gstep;
+            for (int g = 0; g < ng && !single; g++)
                 for (int r = 0; r < 16; r++) acc_mem[g][r] = cor_mem[g][r] = _mm512_setzero_ps();
             for (int64_t i0 = 0; i0 < nb; i0 += A32_CHUNK) {
                 const int nc = nb - i0 < A32_CHUNK ? (int)(nb - i0) : A32_CHUNK;
@@ -299,8 +314,10 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                 for (int g = 0; g < ng; g++) {
                     const ellm_act32x16 *xg = (const ellm_act32x16 *)(x + (size_t)(g0 + g) * xs) + i0;
                     __m512 acc[16];
+                    /* single: the sums of one group at a time, in acc_mem[0] / cor_mem[0] */
+                    const int gm = single ? 0 : g;
                     _Pragma("GCC unroll 16")
-                    for (int r = 0; r < 16; r++) acc[r] = acc_mem[g][r];
+                    for (int r = 0; r < 16; r++) acc[r] = single ? _mm512_setzero_ps() : acc_mem[gm][r];
                     /* software-pipelined: block ii + 1's multiply is issued before block
                      * ii's result is stored, and block ii is folded one block later, so
                      * the tile unit, the tile stores and the folds (still in block order)
@@ -311,6 +328,13 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                     TILE_DPBSSD(TC0, TA0, TB0);
                     for (int ii = 0; ii < nc; ii++) {
                         const int nx = ii + 1;
+                        /* then they are read from L2: ask for a block's lines a few
+                         * blocks ahead of its tile load */
+                        if (prefetch && ii + A32_PREFETCH < nc) {
+                            const char *pf = (const char *)&xg[ii + A32_PREFETCH];
+                            _Pragma("GCC unroll 10")
+                            for (int l = 0; l < (int)sizeof(ellm_act32x16); l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+                        }
                         if ((ii & 1) == 0) {
                             if (nx < nc) {
                                 TILE_LOAD(TA1, a_base + (size_t)nx * a_step, a_stride);
@@ -335,11 +359,11 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                     }
                     fold_block32(ib[(nc - 1) % A32_BUFS], wc.d[nc - 1], _mm512_loadu_ps(xg[nc - 1].d), acc);
                     _Pragma("GCC unroll 16")
-                    for (int r = 0; r < 16; r++) acc_mem[g][r] = acc[r];
+                    for (int r = 0; r < 16; r++) acc_mem[gm][r] = acc[r];
                     if (has_c) {
                         __m512 cor[16];
                         _Pragma("GCC unroll 16")
-                        for (int r = 0; r < 16; r++) cor[r] = cor_mem[g][r];
+                        for (int r = 0; r < 16; r++) cor[r] = single ? _mm512_setzero_ps() : cor_mem[gm][r];
                         for (int j = 0; j < nc; j++) {
                             const __m512 sx = _mm512_loadu_ps(xg[j].s);
                             _Pragma("GCC unroll 16")
@@ -347,11 +371,20 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                                 cor[r] = _mm512_fmadd_ps(_mm512_set1_ps(wc.c[j][r]), sx, cor[r]);
                         }
                         _Pragma("GCC unroll 16")
-                        for (int r = 0; r < 16; r++) cor_mem[g][r] = cor[r];
+                        for (int r = 0; r < 16; r++) cor_mem[gm][r] = cor[r];
+                    }
+                    if (single) {
+                        __m512 out[16];
+                        _Pragma("GCC unroll 16")
+                        for (int r = 0; r < 16; r++)
+                            out[r] = has_c ? _mm512_add_ps(acc_mem[0][r], cor_mem[0][r]) : acc_mem[0][r];
+                        const int64_t t0 = (g0 + g) * ELLM_AMX_TG;
+                        const int n = nt - t0 < ELLM_AMX_TG ? (int)(nt - t0) : ELLM_AMX_TG;
+                        store_tile(out, rows, n, y + (size_t)t0 * ys + (size_t)r0, ys);
                     }
                 }
             }
-            for (int g = 0; g < ng; g++) {
+            for (int g = 0; g < ng && !single; g++) {
                 __m512 out[16];
                 _Pragma("GCC unroll 16")
                 for (int r = 0; r < 16; r++)
@@ -388,6 +421,9 @@ DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
  * ==================================================================================== */
 
 #define AK_CHUNK 4 /* blocks unpacked per chunk: 16 rows x 256 bytes each */
+/* token groups per unpacking of a chunk: all of a 512-token work item, their sums kept in
+ * memory between chunks (32 KiB) */
+#define AK_GROUPS 32
 
 typedef struct {
     int8_t q[AK_CHUNK][16][256] __attribute__((aligned(64))); /* values, element order */
@@ -403,10 +439,11 @@ INLINE void unpack_k(int q4, const uint8_t *b, wchunkk *wc, int ii, int r) {
     if (q4) {
         uint8_t sc[8], mn[8];
         ellm_unpack_k4_scales(b + 4, sc, mn);
-        for (int j = 0; j < 8; j++) {
-            wc->sc[ii][r][j] = sc[j];
-            wc->pair[ii][r][j] = (int32_t)((uint32_t)mn[j] * 0x10001u);
-        }
+        /* sc as int32; each min in both halves of an int32 (the madd's pair) */
+        const __m256i sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        const __m256i mn32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn));
+        _mm256_storeu_si256((__m256i *)wc->sc[ii][r], sc32);
+        _mm256_storeu_si256((__m256i *)wc->pair[ii][r], _mm256_or_si256(mn32, _mm256_slli_epi32(mn32, 16)));
         wc->d[ii][r] = f16_at(b);
         wc->m[ii][r] = -f16_at(b + 2);
         for (int c = 0; c < 4; c++) {
@@ -415,11 +452,10 @@ INLINE void unpack_k(int q4, const uint8_t *b, wchunkk *wc, int ii, int r) {
             _mm256_store_si256((__m256i *)(v + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4));
         }
     } else {
-        const int8_t *sc = (const int8_t *)(b + 192);
-        for (int g = 0; g < 16; g++) wc->sc[ii][r][g] = sc[g];
-        for (int k = 0; k < 8; k++)
-            wc->pair[ii][r][k] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[2 * k] |
-                                           ((uint32_t)(uint16_t)(int16_t)sc[2 * k + 1] << 16));
+        /* the 16 int8 scales as int32, and as int16 (pairs (sc[2k], sc[2k + 1]) in int32 k) */
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        _mm512_storeu_si512(wc->sc[ii][r], _mm512_cvtepi8_epi32(sc));
+        _mm256_storeu_si256((__m256i *)wc->pair[ii][r], _mm256_cvtepi8_epi16(sc));
         wc->d[ii][r] = f16_at(b + 208);
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
@@ -455,13 +491,15 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
     const int runs = q4 ? 8 : 16, run_bytes = q4 ? 32 : 16;
     wchunkk wc;
     int32_t ib[3][16][16] __attribute__((aligned(64)));
-    __m512 acc_mem[A32_GROUPS][16];
+    __m512 acc_mem[AK_GROUPS][16];
     const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
+    /* a few groups' activations stay in L1 from one call to the next; more come from L2 */
+    const int prefetch = ngroups > A32_GROUPS;
     load_tile_config(run_bytes);
     for (int64_t r0 = 0; r0 < nr; r0 += 16) {
         const int rows = nr - r0 < 16 ? (int)(nr - r0) : 16;
-        for (int64_t g0 = 0; g0 < ngroups; g0 += A32_GROUPS) {
-            const int ng = ngroups - g0 < A32_GROUPS ? (int)(ngroups - g0) : A32_GROUPS;
+        for (int64_t g0 = 0; g0 < ngroups; g0 += AK_GROUPS) {
+            const int ng = ngroups - g0 < AK_GROUPS ? (int)(ngroups - g0) : AK_GROUPS;
             for (int g = 0; g < ng; g++)
                 for (int r = 0; r < 16; r++) acc_mem[g][r] = _mm512_setzero_ps();
             for (int64_t i0 = 0; i0 < nb; i0 += AK_CHUNK) {
@@ -473,6 +511,13 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
                 for (int g = 0; g < ng; g++) {
                     const ellm_act256x16 *xg = (const ellm_act256x16 *)(x + (size_t)(g0 + g) * xs) + i0;
                     for (int ii = 0; ii < nc; ii++) {
+                        /* the next block of this group (or the next group's first), from
+                         * L2, asked for while this one multiplies */
+                        const ellm_act256x16 *nx = ii + 1 < nc ? xg + ii + 1
+                                                 : g + 1 < ng ? (const ellm_act256x16 *)(x + (size_t)(g0 + g + 1) * xs) + i0
+                                                              : NULL;
+                        if (nx && prefetch)
+                            for (size_t l = 0; l < sizeof *nx; l += 64) _mm_prefetch((const char *)nx + l, _MM_HINT_T0);
                         __m512i tot[16];
                         _Pragma("GCC unroll 16")
                         for (int r = 0; r < 16; r++) tot[r] = _mm512_setzero_si512();

@@ -733,9 +733,15 @@ AMX_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLTyp
 # and past 16-token groups and 64-token items, N below and past a 16-row tile, K past one
 # unpacking chunk (32 blocks of 32, 4 blocks of 256)
 AMX_SHAPES = {32: [(8, 16, 2), (13, 21, 3), (16, 16, 1), (17, 5, 3), (31, 33, 2), (64, 16, 33),
-                   (100, 37, 7), (257, 48, 18)],
+                   (100, 37, 7), (257, 48, 18),
+                   # [amx] one whole-K unpacking for every token (up to 48 blocks), past it
+                   # (49, 50: sums kept between chunks), 512-token items and the call past one
+                   (16, 33, 48), (16, 33, 49), (512, 19, 18), (600, 21, 50)],
               256: [(8, 16, 1), (13, 21, 2), (16, 16, 1), (17, 5, 2), (31, 33, 1), (64, 16, 5),
-                    (100, 37, 3), (257, 48, 3)]}
+                    (100, 37, 3), (257, 48, 3), (512, 19, 3), (600, 21, 2),
+                    # [amx] K-quant calls take up to 512-token items, halved past 1 MiB of
+                    # activations (K = 2048: 256-token items)
+                    (600, 9, 8)]}
 
 
 def needs_amx() -> None:
