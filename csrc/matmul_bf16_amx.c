@@ -61,11 +61,10 @@ static void load_tile_config(void) {
 }
 
 /* ====================================================================================
- * Activations: f32 -> three exact bf16 parts, into a token's lane of its group
+ * Activations: f32 -> three exact bf16 parts, 16 tokens (one group) at a time
  * ==================================================================================== */
 
 #define PART_BYTES 1024 /* one B tile */
-
 
 /* the high halves of 32 dwords (a: elements 0..15, b: 16..31), in element order: the
  * bf16 pairs (2j, 2j + 1) as 16 dwords */
