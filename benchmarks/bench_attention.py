@@ -38,6 +38,22 @@ def decode_case(nh: int, nkv: int, hd: int, ctx: int, rng: np.random.Generator) 
     return (q, k, v, pos, sid, table, kc, vc, inv, True, hd ** -0.5, 0, 0.0, out)
 
 
+def batched_decode_case(nh: int, nkv: int, hd: int, ctx: int, n_seq: int, rng: np.random.Generator) -> tuple:
+    """n_seq sequences decoding one token each at position `ctx`, each over its own
+    shuffled blocks: one decode step of a batch."""
+    per = ctx // BLOCK + 1
+    table = rng.permutation(n_seq * per + 8)[: n_seq * per].astype(np.int32).reshape(n_seq, per)
+    kc = rng.standard_normal((n_seq * per + 8, BLOCK, nkv, hd)).astype(np.float32)
+    vc = rng.standard_normal((n_seq * per + 8, BLOCK, nkv, hd)).astype(np.float32)
+    q = rng.standard_normal((n_seq, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((n_seq, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((n_seq, nkv, hd)).astype(np.float32)
+    inv = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    pos = np.full(n_seq, ctx, np.int32)
+    sid = np.arange(n_seq, dtype=np.int32)
+    return (q, k, v, pos, sid, table, kc, vc, inv, True, hd ** -0.5, 0, 0.0, np.empty_like(q))
+
+
 def prefill_case(nh: int, nkv: int, hd: int, n: int, window: int, rng: np.random.Generator) -> tuple:
     """One sequence prefilling its first n tokens in one call (a shuffled paged cache)."""
     n_blocks = (n + BLOCK - 1) // BLOCK
@@ -107,11 +123,18 @@ def main() -> None:
 
     print("\ndecode attention, one sequence (median µs per call, wall and CPU; GB/s = K+V bytes / wall)")
     for name, (nh, nkv, hd) in shapes.items():
-        for ctx in (100, 500, 2000):
+        for ctx in (16, 100, 500, 2000):
             a = decode_case(nh, nkv, hd, ctx, rng)
             us, cpu = time_wall_cpu_us(lambda: kern.rope_attention(*a), args.iters)
             kv_bytes = 2 * (ctx + 1) * nkv * hd * 4
             print(f"  {name:16s} ctx {ctx:5d}: {us:8.1f} µs  cpu {cpu:8.1f} µs  {kv_bytes / us / 1e3:6.2f} GB/s")
+
+    print("\nbatched decode attention, 16 sequences at one position each (median µs per call)")
+    for name, (nh, nkv, hd) in shapes.items():
+        for ctx in (16, 500):
+            a = batched_decode_case(nh, nkv, hd, ctx, 16, rng)
+            us, cpu = time_wall_cpu_us(lambda: kern.rope_attention(*a), max(args.iters // 4, 20))
+            print(f"  {name:16s} ctx {ctx:5d}: {us:8.1f} µs  cpu {cpu:8.1f} µs")
 
     print("\nprefill attention, one sequence of 512 tokens in one call (median µs per call)")
     for name, (nh, nkv, hd) in shapes.items():

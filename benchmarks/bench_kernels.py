@@ -27,6 +27,8 @@ output head apart (with the GB/s of weights they read), e.g.
 
     python benchmarks/bench_kernels.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 2
 
+(--exact: the same through the exact-activation path; --level avx2: at that SIMD level).
+
 With --bias it instead prints what the bias epilogue (Qwen2's q/k/v) costs: linear on a
 896 x 896 matrix (Qwen2.5-0.5B's q_proj) and on 1536 x 576, at T=1 and T=128, with and
 without a bias, calls alternated, medians and their ratio:
@@ -86,9 +88,10 @@ def time_call(fn, budget_s: float, min_reps: int = 3, clock=time.perf_counter) -
     return float(np.median(times))
 
 
-def model_token_fns(path: str) -> dict[str, tuple[object, int]]:
+def model_token_fns(path: str, exact: bool = False) -> dict[str, tuple[object, int]]:
     """One decode token's matmuls of a GGUF llama / gemma3 model, as callables, each with
-    the weight bytes it reads (0: not reported)."""
+    the weight bytes it reads (0: not reported). exact: through the exact-activation path
+    (linear_multi_exact, what ellm.load(..., activations="f32") runs) instead."""
     from ellm.formats.gguf import GGUFFile
 
     f = GGUFFile(path)
@@ -112,7 +115,13 @@ def model_token_fns(path: str) -> dict[str, tuple[object, int]]:
                         "ffn_down")})
         i += 1
     head = mat("output.weight" if "output.weight" in f.tensors else "token_embd.weight")
-    lin = _quant.linear
+    multi = _quant.linear_multi_exact if exact else _quant.linear_multi
+
+    def lin(x: np.ndarray, w: np.ndarray, q: int, y: np.ndarray) -> None:
+        multi(x, [(w, q, y)])
+
+    if not exact:
+        lin = _quant.linear  # noqa: F811 (the plain call, as the engine makes it)
 
     def separate() -> None:
         for L in layers:
@@ -122,12 +131,10 @@ def model_token_fns(path: str) -> dict[str, tuple[object, int]]:
 
     def fused() -> None:
         for L in layers:
-            _quant.linear_multi(L["attn_q"][2], [(L[m][0], L[m][1], L[m][3])
-                                                  for m in ("attn_q", "attn_k", "attn_v")])
+            multi(L["attn_q"][2], [(L[m][0], L[m][1], L[m][3]) for m in ("attn_q", "attn_k", "attn_v")])
             w, q, x, y = L["attn_output"]
             lin(x, w, q, y)
-            _quant.linear_multi(L["ffn_gate"][2], [(L[m][0], L[m][1], L[m][3])
-                                                    for m in ("ffn_gate", "ffn_up")])
+            multi(L["ffn_gate"][2], [(L[m][0], L[m][1], L[m][3]) for m in ("ffn_gate", "ffn_up")])
             w, q, x, y = L["ffn_down"]
             lin(x, w, q, y)
         lin(head[2], head[0], head[1], head[3])
@@ -140,16 +147,14 @@ def model_token_fns(path: str) -> dict[str, tuple[object, int]]:
     def head_only() -> None:
         lin(head[2], head[0], head[1], head[3])
 
-    fns: dict[str, tuple[object, int]] = {"separate": (separate, 0)}
-    if hasattr(_quant, "linear_multi"):
-        fns["fused"] = (fused, 0)
+    fns: dict[str, tuple[object, int]] = {"separate": (separate, 0), "fused": (fused, 0)}
     fns["layers"] = (layers_only, sum(v[0].nbytes for L in layers for v in L.values()))
     fns["head"] = (head_only, head[0].nbytes)
     return fns
 
 
-def bench_model(path: str, tokens: int, clock) -> None:
-    fns = model_token_fns(path)
+def bench_model(path: str, tokens: int, clock, exact: bool = False) -> None:
+    fns = model_token_fns(path, exact)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn, _ in fns.values():
         fn()  # warm-up
@@ -249,6 +254,9 @@ def main() -> None:
                          "machine others are using)")
     ap.add_argument("--model", help="a GGUF file: time one decode token's matmuls instead")
     ap.add_argument("--tokens", type=int, default=30, help="tokens timed with --model")
+    ap.add_argument("--exact", action="store_true",
+                    help="with --model: the exact-activation path (activations='f32')")
+    ap.add_argument("--level", help="with --model: the SIMD level to run (default: the best)")
     ap.add_argument("--moe", action="store_true",
                     help="time a Qwen3-30B-A3B-shaped MoE feed-forward instead (--types: Q4_K by default)")
     ap.add_argument("--bias", action="store_true",
@@ -266,8 +274,12 @@ def main() -> None:
     print(f"# ellm kernel benchmark: threads={n_threads} loadavg={load} "
           f"vnni={_quant.has_vnni()} clock={'thread cpu' if args.cpu_time else 'wall'}")
     if args.model:
-        print(f"# {args.model}: one decode token's matmuls, level {_quant.simd_level()}")
-        bench_model(args.model, args.tokens, clock)
+        if args.level:
+            _core.set_simd_level(args.level)
+            _quant.set_simd_level(args.level)
+        print(f"# {args.model}: one decode token's matmuls, level {_quant.simd_level()}"
+              f"{', exact activations' if args.exact else ''}")
+        bench_model(args.model, args.tokens, clock, args.exact)
         return
     if args.moe:
         types = [t for t in args.types.split(",") if t] if args.types != ap.get_default("types") else ["Q4_K"]

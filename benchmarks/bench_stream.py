@@ -10,6 +10,7 @@ run, alternating with the read loop, and prints each as a fraction of it:
 
     python benchmarks/bench_stream.py                               # ~10 s
     python benchmarks/bench_stream.py --model ~/.cache/ellm/models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf
+    python benchmarks/bench_stream.py --model ... --exact --level avx2   # exact path, AVX2 level
 
 Medians over --rounds; on a shared machine also look at the best (10th percentile)
 figures, and at /proc/loadavg, printed first.
@@ -124,6 +125,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--model", help="a GGUF: also time its decode matmuls (T=1) on the pool")
     ap.add_argument("--pool-threads", type=int, default=2, help="ellm pool threads with --model")
+    ap.add_argument("--exact", action="store_true",
+                    help="with --model: the exact-activation path (activations='f32')")
+    ap.add_argument("--level", help="with --model: the SIMD level to run (default: the best)")
     args = ap.parse_args()
     print(f"# {cpu_line()}")
     print(f"# loadavg {Path('/proc/loadavg').read_text().split()[:3]}, {os.cpu_count()} CPUs")
@@ -137,9 +141,15 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         from bench_kernels import model_token_fns  # the same replay of a decode token
 
-        from ellm._native import _kernels
+        from ellm._native import _core, _kernels, _quant
         _kernels.set_num_threads(args.pool_threads)
-        fns = {k: v for k, v in model_token_fns(args.model).items() if k in ("layers", "head", "fused")}
+        _quant.set_num_threads(args.pool_threads)
+        if args.level:
+            _core.set_simd_level(args.level)
+            _quant.set_simd_level(args.level)
+        print(f"# {args.model}: level {_quant.simd_level()}{', exact activations' if args.exact else ''}")
+        fns = {k: v for k, v in model_token_fns(args.model, args.exact).items()
+               if k in ("layers", "head", "fused")}
         for fn, _ in fns.values():
             fn()
 

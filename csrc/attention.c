@@ -36,6 +36,7 @@ enum {
     MAX_ROWS = ELLM_ATTN_MAX_ROWS, /* query rows (token, head) per pass over a tile */
     ROPE_CHUNK = 64,               /* rotation pairs whose cos/sin are held at once */
     SPLIT_PAIRS = 4,               /* split keys when (token, kv head) pairs < this * threads */
+    SMALL_CALL_MUL_ADDS = 1 << 18, /* below this, one thread (~10 us of work) */
 };
 /* The split schedule's partials may take at most this many floats (else: no split). */
 #define MAX_PARTIAL_FLOATS ((int64_t)1 << 22)
@@ -79,16 +80,18 @@ typedef struct {
     void (*softcap)(float *, float, int64_t);
     float (*max)(const float *, int64_t);
     float (*exp_shift_sum)(float *, float, int64_t);
+    /* the four steps above on one row of a tile in one pass (attention.h), or NULL */
+    float (*softmax_row)(float *, int, float, float, float, float *);
 } attn_funcs;
 
-#define ATTN_TABLE(sfx)                                                                       \
+#define ATTN_TABLE(sfx, softmax_row)                                                          \
     {ellm_attn_qk_##sfx, ellm_attn_pv_##sfx, ellm_scale_row_##sfx, ellm_softcap_row_##sfx,     \
-     ellm_max_row_##sfx, ellm_exp_shift_sum_row_##sfx}
+     ellm_max_row_##sfx, ellm_exp_shift_sum_row_##sfx, softmax_row}
 
-static const attn_funcs funcs_scalar = ATTN_TABLE(scalar);
+static const attn_funcs funcs_scalar = ATTN_TABLE(scalar, NULL);
 #ifdef ELLM_HAVE_X86_ATTN
-static const attn_funcs funcs_avx2 = ATTN_TABLE(avx2);
-static const attn_funcs funcs_avx512 = ATTN_TABLE(avx512);
+static const attn_funcs funcs_avx2 = ATTN_TABLE(avx2, NULL);
+static const attn_funcs funcs_avx512 = ATTN_TABLE(avx512, ellm_attn_softmax_row_avx512);
 #endif
 
 static const attn_funcs *funcs_now(void) {
@@ -223,6 +226,13 @@ static int64_t split_plan(const ellm_attn_args *a, int threads, int64_t *max_chu
     return floats <= MAX_PARTIAL_FLOATS ? floats : 0;
 }
 
+/* Multiply-adds of phase 2 (q.k and p @ V over every token's visible keys). */
+static int64_t mul_adds(const ellm_attn_args *a) {
+    int64_t keys = 0;
+    for (int64_t t = 0; t < a->T; t++) keys += last_key(a, t) - first_key(a->positions[t], a->window) + 1;
+    return 2 * keys * a->nh * a->hd;
+}
+
 /* ============================ phase 1: rope + cache write ============================ */
 
 typedef struct {
@@ -312,11 +322,16 @@ __attribute__((noinline)) static void attend_tile(const attn_funcs *f, const flo
     f->qk(q, rows, hd, kp, n, s);
     for (int h = 0; h < rows; h++) {
         float *sh = s + h * TILE;
-        f->scale(sh, scale, n);
-        if (cap > 0.0f) f->softcap(sh, cap, n);
-        const float tile_max = f->max(sh, n);
-        const float m_new = tile_max > m[h] ? tile_max : m[h];
-        const float sum = f->exp_shift_sum(sh, m_new, n);
+        float m_new, sum;
+        if (f->softmax_row) {
+            sum = f->softmax_row(sh, n, scale, cap, m[h], &m_new);
+        } else {
+            f->scale(sh, scale, n);
+            if (cap > 0.0f) f->softcap(sh, cap, n);
+            const float tile_max = f->max(sh, n);
+            m_new = tile_max > m[h] ? tile_max : m[h];
+            sum = f->exp_shift_sum(sh, m_new, n);
+        }
         if (m[h] == -INFINITY) {
             l[h] = sum; /* first tile: acc is still zero */
         } else {
@@ -367,6 +382,31 @@ static void fill_tile(const ellm_attn_args *a, const int32_t *row, int kvh, int6
     }
 }
 
+/* Asks for the K and V rows of positions [j0, j1) of kv head kvh, a tile before they are
+ * used: a decode streams its keys from memory once, through a block table the hardware
+ * prefetcher cannot follow. Touches nothing (unallocated blocks are skipped). */
+static void prefetch_keys(const ellm_attn_args *a, const int32_t *row, int kvh, int64_t j0, int64_t j1) {
+    const int64_t bs = a->block_size, max_pos = a->max_blocks * bs, bytes = (int64_t)a->hd * 4;
+    if (j1 > max_pos) j1 = max_pos;
+    for (int64_t j = j0; j < j1; j++) {
+        const int32_t b = row[j / bs];
+        if (b < 0 || b >= a->num_blocks) continue;
+        const int64_t elem = (((int64_t)b * bs + j % bs) * a->nkv + kvh) * a->hd;
+        const char *kr = (const char *)(a->k_cache + elem), *vr = (const char *)(a->v_cache + elem);
+        for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(kr + o);
+            __builtin_prefetch(vr + o);
+        }
+    }
+}
+
+/* Prefetch when a pass has at most this many rows (the call streams its keys: decode) and
+ * the kv heads interleave (nkv > 1: one head's rows are strided, which the hardware
+ * prefetcher follows poorly; with nkv 1 they are contiguous within a block, and
+ * prefetching measured no gain). */
+enum { PREFETCH_ROWS = 8 };
+static inline int wants_prefetch(const ellm_attn_args *a, int rows) { return rows <= PREFETCH_ROWS && a->nkv > 1; }
+
 /* The partial (m, l, acc) of `rows` query rows of one token over chunk keys [k0, k1),
  * tile by tile (tiles cut at absolute multiples of TILE). */
 static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int32_t *row, int kvh,
@@ -380,6 +420,7 @@ static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int
     memset(acc, 0, sizeof(float) * (size_t)rows * a->hd);
     for (int64_t j0 = k0; j0 < k1;) {
         const int64_t te = (j0 / TILE + 1) * TILE, j1 = te < k1 ? te : k1;
+        if (wants_prefetch(a, rows) && j1 < k1) prefetch_keys(a, row, kvh, j1, te + TILE < k1 ? te + TILE : k1);
         fill_tile(a, row, kvh, j0, j1, kp, vp);
         attend_tile(c->f, q, rows, a->hd, kp, vp, (int)(j1 - j0), a->scale, a->softcap, m, l, acc);
         j0 = j1;
@@ -429,6 +470,8 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
                 }
             }
             if (u0 >= u1) continue;
+            if (wants_prefetch(a, rows) && ts + TILE < khi)
+                prefetch_keys(a, row, kvh, ts + TILE, ts + 2 * TILE < khi ? ts + 2 * TILE : khi);
             for (int i = 0; i < nq; i++) full &= lo[i] <= u0 && hi[i] >= u1;
             fill_tile(a, row, kvh, u0, u1, kp, vp);
             if (full) {
@@ -465,9 +508,9 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
             finish_row(c->f, a->out + ((t0 + i) * a->nh + (int64_t)kvh * g + h0 + h) * hd, L[i * gs + h], hd);
 }
 
-/* Item = (kv head, head slice, token); only tokens that start a run do work. A run is
- * the tokens from there up to the next multiple of run_tokens(g) or the next token of
- * another sequence, so runs never depend on the scheduling. */
+/* Item = (token, from the last; kv head; head slice); only tokens that start a run do
+ * work. A run is the tokens from there up to the next multiple of run_tokens(g) or the
+ * next token of another sequence, so runs never depend on the scheduling. */
 static void phase2a(void *p, int64_t i0, int64_t i1, int tid) {
     const attn_ctx *c = p;
     const ellm_attn_args *a = c->a;
@@ -475,8 +518,10 @@ static void phase2a(void *p, int64_t i0, int64_t i1, int tid) {
     const int64_t T = a->T;
     float *part = c->thread_buf + (int64_t)tid * thread_floats(a->hd);
     for (int64_t item = i0; item < i1; item++) {
-        const int64_t t0 = item % T;
-        const int kvh = (int)(item / T / S), sl = (int)(item / T % S);
+        /* the latest tokens first: a causal prefill's longest runs are claimed early
+         * and the short ones fill in at the end (threads claim items in order) */
+        const int64_t t0 = T - 1 - item / ((int64_t)a->nkv * S);
+        const int kvh = (int)(item % ((int64_t)a->nkv * S) / S), sl = (int)(item % S);
         if (t0 % R != 0 && a->seq_ids[t0] == a->seq_ids[t0 - 1]) continue; /* inside a run */
         int64_t t1 = t0 + 1;
         while (t1 < T && t1 % R != 0 && a->seq_ids[t1] == a->seq_ids[t0]) t1++;
@@ -560,13 +605,16 @@ int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch
     attn_ctx c = {.a = a, .f = funcs_now(), .qrot = scratch, .thread_buf = scratch + q_floats,
                   .partial = scratch + q_floats, .max_chunks = 1};
     int threads = ellm_num_threads();
-    ellm_parallel_for(a->T, 8, phase1, &c);
+    /* a small call (decode at a short context) runs on this thread alone: waking a worker
+     * costs more than the work */
+    if (mul_adds(a) < SMALL_CALL_MUL_ADDS) threads = 1;
+    ellm_parallel_for_threads(a->T, 8, threads, phase1, &c);
 
     const int64_t split = split_plan(a, threads, &c.max_chunks);
     if (split > 0 && split <= room) {
         const int64_t pairs = a->T * a->nkv;
-        ellm_parallel_for(pairs * c.max_chunks, 1, phase2b, &c);
-        ellm_parallel_for(pairs, 1, phase3, &c);
+        ellm_parallel_for_threads(pairs * c.max_chunks, 1, threads, phase2b, &c);
+        ellm_parallel_for_threads(pairs, 1, threads, phase3, &c);
         return 0;
     }
     if (room / thread_floats(a->hd) < threads) threads = (int)(room / thread_floats(a->hd));

@@ -91,6 +91,12 @@ ELLM_ATTN_KERNELS(scalar)
 #define ELLM_HAVE_X86_ATTN 1
 ELLM_ATTN_KERNELS(avx2)
 ELLM_ATTN_KERNELS(avx512)
+/* One row of a tile's scores x[0..n) (n <= ELLM_ATTN_TILE) in one pass: x *= scale, the
+ * soft-cap (cap > 0), *m_new = max(m_old, max x), x = e^(x - *m_new); returns sum x. The
+ * same operations in the same order as ellm_scale_row, ellm_softcap_row, ellm_max_row and
+ * ellm_exp_shift_sum_row one after another (the same bits), without three passes and
+ * three calls per row. */
+float ellm_attn_softmax_row_avx512(float *x, int n, float scale, float cap, float m_old, float *m_new);
 #endif
 
 #endif

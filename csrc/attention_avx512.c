@@ -1,10 +1,12 @@
 /* AVX-512 inner loops of the attention kernel (see attention.c and attention_avx2.c for
  * the same loops on 8 lanes): q.k scores of a key tile and the p @ V accumulation.
  * As there, each score has one fixed horizontal-sum order (fold 16 -> 8 lanes, then the
- * 8-lane order), for keys in a group of four and in the tail alike. */
+ * 8-lane order), for keys in groups of sixteen or four and in the tail alike. */
 #include <immintrin.h>
+#include <math.h>
 
 #include "attention.h"
+#include "elementwise.h"
 
 static inline __m256 fold16(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
@@ -71,10 +73,66 @@ QK_BLOCK(qk_4keys_3, ROWS3)
 QK_BLOCK(qk_4keys_2, ROWS2)
 QK_BLOCK(qk_4keys_1, ROWS1)
 
+/* ---- 16 keys at a time: the same sums, folded across keys ----
+ * hsum4x16 spends ~19 instructions on four scores. For a group of 16 keys the same
+ * additions -- A_i = a_i + a_{i+8}, then adjacent pairs three times, each score
+ * ((A0+A1)+(A2+A3)) + ((A4+A5)+(A6+A7)) -- are done with two keys' lanes per
+ * shuffle-and-add, ~3 instructions per score, and give the same bits. */
+static inline __m512 fold8(__m512 a, __m512 b) { /* [a_i + a_{i+8} | b_i + b_{i+8}] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+static inline __m512 pairs(__m512 x, __m512 y) { /* per 128 bits: x0+x1, x2+x3, y0+y1, y2+y3 */
+    return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+#define QR_STORE(r) f[r] = pairs(fold8(a##r##0, a##r##1), fold8(a##r##2, a##r##3));
+#define QR_BLOCK(name, ROWS)                                                                  \
+    static void name(const float *q, int hd, int body, __mmask16 tm, const float *const *k, __m512 *f) { \
+        ROWS(QK_DECL)                                                                         \
+        for (int d = 0; d < body; d += 16) {                                                  \
+            const __m512 k0 = _mm512_loadu_ps(k[0] + d), k1 = _mm512_loadu_ps(k[1] + d);      \
+            const __m512 k2 = _mm512_loadu_ps(k[2] + d), k3 = _mm512_loadu_ps(k[3] + d);      \
+            ROWS(QK_BODY)                                                                     \
+        }                                                                                     \
+        if (body < hd) {                                                                      \
+            const __m512 k0 = MASKED(k[0] + body), k1 = MASKED(k[1] + body);                  \
+            const __m512 k2 = MASKED(k[2] + body), k3 = MASKED(k[3] + body);                  \
+            ROWS(QK_TAIL)                                                                     \
+        }                                                                                     \
+        ROWS(QR_STORE)                                                                        \
+    }
+QR_BLOCK(qr_4keys_4, ROWS4)
+QR_BLOCK(qr_4keys_3, ROWS3)
+QR_BLOCK(qr_4keys_2, ROWS2)
+QR_BLOCK(qr_4keys_1, ROWS1)
+
+/* Scores of rows [h, h + rb) (rb <= 4) for the 16 keys k[0..16) into s[r * TILE]. */
+static void qk_16keys(const float *q, int rb, int hd, int body, __mmask16 tm, const float *const *k, float *s) {
+    /* the folds leave the keys in lanes as 0 2 4 6 1 3 5 7 8 10 12 14 9 11 13 15: key j is
+     * in lane src[j] */
+    const __m512i src = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    __m512 f[4][4]; /* [4-key quarter][row]: (4 keys x 4 partials) */
+    for (int qq = 0; qq < 4; qq++) {
+        switch (rb) {
+        case 4: qr_4keys_4(q, hd, body, tm, k + 4 * qq, f[qq]); break;
+        case 3: qr_4keys_3(q, hd, body, tm, k + 4 * qq, f[qq]); break;
+        case 2: qr_4keys_2(q, hd, body, tm, k + 4 * qq, f[qq]); break;
+        default: qr_4keys_1(q, hd, body, tm, k + 4 * qq, f[qq]); break;
+        }
+    }
+    for (int r = 0; r < rb; r++) {
+        const __m512 lo = pairs(f[0][r], f[1][r]), hi = pairs(f[2][r], f[3][r]); /* 8 keys x (C0, C1) */
+        const __m512 sc = _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+        _mm512_storeu_ps(s + r * ELLM_ATTN_TILE, _mm512_permutexvar_ps(src, sc));
+    }
+}
+
 void ellm_attn_qk_avx512(const float *q, int g, int hd, const float *const *kp, int n, float *s) {
     const int body = hd & ~15;
     const __mmask16 tm = (__mmask16)((1u << (hd & 15)) - 1u);
     int j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int h = 0; h < g; h += 4)
+            qk_16keys(q + (int64_t)h * hd, g - h < 4 ? g - h : 4, hd, body, tm, kp + j, s + h * ELLM_ATTN_TILE + j);
     for (; j + 4 <= n; j += 4) {
         int h = 0;
         for (; h + 4 <= g; h += 4)
@@ -191,4 +249,61 @@ static inline void pv_rows(const float *p, int h, int rb, int hd, const float *c
 
 void ellm_attn_pv_avx512(const float *p, int g, int hd, const float *const *vp, int n, float *acc) {
     for (int h = 0; h < g; h += 4) pv_rows(p, h, g - h < 4 ? g - h : 4, hd, vp, n, acc);
+}
+
+/* ================================ softmax row ================================ */
+
+/* e^x: the fitted polynomial of elementwise_avx512.c's exp16, operation for operation
+ * (so the fused row below gives exp_shift_sum_row's bits). */
+static inline __m512 exp16_same(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.381461741e-03f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.368710056e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166838899e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666652113e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999404e-01f));
+    __m512 e = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    e = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(e, n);
+}
+
+float ellm_attn_softmax_row_avx512(float *x, int n, float scale, float cap, float m_old, float *m_new) {
+    enum { V = ELLM_ATTN_TILE / 16 };
+    const int full = n / 16, rem = n % 16;
+    const __mmask16 tm = (__mmask16)((1u << rem) - 1u);
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 v[V];
+    for (int i = 0; i < full; i++) v[i] = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), vs);
+    if (rem) v[full] = _mm512_mul_ps(_mm512_maskz_loadu_ps(tm, x + 16 * full), vs);
+    if (cap > 0.0f) { /* rare (Gemma 2): the row function on the scaled row */
+        for (int i = 0; i < full; i++) _mm512_storeu_ps(x + 16 * i, v[i]);
+        if (rem) _mm512_mask_storeu_ps(x + 16 * full, tm, v[full]);
+        ellm_softcap_row_avx512(x, cap, n);
+        for (int i = 0; i < full; i++) v[i] = _mm512_loadu_ps(x + 16 * i);
+        if (rem) v[full] = _mm512_maskz_loadu_ps(tm, x + 16 * full);
+    }
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int i = 0; i < full; i++) mx = _mm512_max_ps(mx, v[i]);
+    if (rem) mx = _mm512_mask_max_ps(mx, tm, mx, v[full]);
+    const float tile_max = _mm512_reduce_max_ps(mx);
+    const float mn = tile_max > m_old ? tile_max : m_old;
+    const __m512 sh = _mm512_set1_ps(mn);
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < full; i++) {
+        const __m512 e = exp16_same(_mm512_sub_ps(v[i], sh));
+        _mm512_storeu_ps(x + 16 * i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (rem) {
+        const __m512 e = exp16_same(_mm512_sub_ps(v[full], sh));
+        _mm512_mask_storeu_ps(x + 16 * full, tm, e);
+        acc = _mm512_mask_add_ps(acc, tm, acc, e);
+    }
+    *m_new = mn;
+    return _mm512_reduce_add_ps(acc);
 }

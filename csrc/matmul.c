@@ -8,6 +8,7 @@
  * grouping and thread count. */
 #include "matmul.h"
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -99,22 +100,23 @@ static int takes_token_groups(int64_t T) { return T >= FEW_TOKENS; }
  * tiles), so at the AMX level calls from this many tokens on use them, padded to 16 */
 #define AMX_FEW_TOKENS 8
 _Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS, "tiles start no later than the token groups");
-/* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, and runs at the speed of the
- * hardware prefetcher: each item should be one long sequential stream. Items of
- * 1 / (DECODE_ITEMS_PER_THREAD x threads) of the matrix (within [MIN, MAX] bytes, at
- * least DECODE_MIN_ROWS rows) read the Gemma 3 head at 34-36 GB/s on 2 threads here,
- * where 24 KiB items, claimed by the threads in turn, read it at 21; and with two items
- * per thread, one that loses its core still leaves half its share to the others. */
-#define DECODE_ITEMS_PER_THREAD 2
+/* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, which the row kernels fetch
+ * ahead in software (quant_x86.h); each thread should stream all the time. The call's
+ * parts, one after the other, are cut into items of about the same bytes (1 /
+ * (DECODE_ITEMS_PER_REGION x threads) of the call within [MIN, MAX], at least
+ * DECODE_MIN_ROWS rows), and the items into one contiguous region per thread, balanced by
+ * bytes (run_decode_regions below): each thread reads its region front to back -- one stream,
+ * through the parts back to back -- and then takes items from the back of the others'
+ * regions, so a thread that loses its core holds up only the item it is in. */
+#define DECODE_ITEMS_PER_REGION 4
 #define DECODE_ITEM_MIN_BYTES ((size_t)16 << 10)
-#define DECODE_ITEM_MAX_BYTES ((size_t)1 << 20)
+#define DECODE_ITEM_MAX_BYTES ((size_t)256 << 10)
 #define DECODE_MIN_ROWS 4
-/* Decode weights larger than this come from DRAM rather than cache: take the kernel
- * variant that reads one row at a time (same results), which streams best. */
-#define DECODE_STREAM_BYTES ((uint64_t)64 << 20)
+/* Regions at most (one per thread; with more threads, the items are claimed in turn) */
+#define DECODE_MAX_REGIONS 64
 
-static int64_t decode_item_bytes(size_t w_bytes) {
-    size_t b = w_bytes / ((size_t)ellm_num_threads() * DECODE_ITEMS_PER_THREAD);
+static int64_t decode_item_bytes(size_t call_bytes) {
+    size_t b = call_bytes / ((size_t)ellm_num_threads() * DECODE_ITEMS_PER_REGION);
     b = b < DECODE_ITEM_MIN_BYTES ? DECODE_ITEM_MIN_BYTES : b;
     return (int64_t)(b > DECODE_ITEM_MAX_BYTES ? DECODE_ITEM_MAX_BYTES : b);
 }
@@ -157,6 +159,7 @@ typedef struct {
                             * of it has one; then grouped[f] is 0) */
     ellm_act_fn act[N_ACT]; /* set for the formats a non-empty part needs */
     int has_act;           /* some part has quantized weights (or BF16 ones on bf16 tiles) */
+    int few;               /* decode-sized items, all tokens in each (T < FEW_TOKENS) */
     /* [bf16] BF16 parts on the AMX bf16 tiles: x split into 16-token groups of xb_stride
      * bytes (matmul_bf16_amx.h), else xb is NULL */
     uint8_t *xb;
@@ -435,6 +438,7 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     /* few: every part reads its weights once in the row layout (decode-sized items) */
     const int any_amx = c->amx[0] || c->amx[1];
     const int few = !groups && !any_amx;
+    c->few = few;
     c->item_toks = few ? T : any_amx || c->xb ? AMX_TOK_TILE : TOK_TILE; /* [bf16] || c->xb */
     if (any_amx && !c->amx[0]) { /* [amx] K-quants only: more tokens, within L2 */
         c->item_toks = AMX_K_TOK_TILE;
@@ -442,6 +446,8 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
         while (c->item_toks > AMX_TOK_TILE && (size_t)c->item_toks * tok_bytes > AMX_ITEM_ACT_BYTES)
             c->item_toks /= 2;
     }
+    size_t call_bytes = 0; /* the weights this call reads */
+    for (int i = 0; i < n_parts; i++) call_bytes += parts[i].N > 0 ? parts[i].w_bytes : 0;
     for (int f = 0; f < N_ACT; f++) {
         if (!groups || !c->xq[f] || c->amx[f]) continue;
         c->grouped[f] = 1;
@@ -480,10 +486,6 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
             } else {
                 p->qdot = ellm_qdot_select(q->qtype);
             }
-            if (T == 1 && (uint64_t)q->w_bytes > DECODE_STREAM_BYTES) {
-                ellm_qdot_fn s = ellm_qdot_stream_select(q->qtype);
-                if (s) p->qdot = s;
-            }
             c->act[f] = ellm_act_select(q->qtype);
         } else if (c->xb && q->qtype == ELLM_T_BF16) { /* [bf16] */
             p->qgemm = ellm_fmm_bf16_amx(q->qtype);
@@ -497,7 +499,7 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
         /* [bf16] the bf16 tiles' items are whole passes of 32 rows */
         const int64_t row_unit = p->fmm == NULL && q->qtype == ELLM_T_BF16 ? BF16_ROW_TILE : 8;
         if (few) {
-            int64_t rows = decode_item_bytes(q->w_bytes) / (int64_t)p->row_bytes;
+            int64_t rows = decode_item_bytes(call_bytes) / (int64_t)p->row_bytes;
             rows = rows > DECODE_MIN_ROWS ? rows : DECODE_MIN_ROWS;
             p->item_rows = (rows + row_unit - 1) / row_unit * row_unit; /* whole 8-row tiles (qdot32_rows8) */
         } else if (p->tg == ELLM_AMX_TG && T <= ELLM_AMX_TG) {
@@ -520,6 +522,84 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     return ELLM_OK;
 }
 
+/* ------------------------------------------------------------------------------------
+ * Decode regions: one contiguous run of items per thread, balanced by bytes
+ * ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    _Alignas(64) _Atomic uint64_t left; /* (first << 32) | end: items [first, end) unclaimed */
+} decode_region;
+
+typedef struct {
+    const lin_ctx *c;
+    decode_region *r;
+    int n;
+} decode_ctx;
+
+/* Claims the first (owner) or last (another thread) unclaimed item of r into *item;
+ * 0 when none is left. Relaxed: the pool's completion count orders the outputs. */
+static int claim_item(decode_region *r, int from_back, int64_t *item) {
+    uint64_t v = atomic_load_explicit(&r->left, memory_order_relaxed);
+    for (;;) {
+        const uint32_t first = (uint32_t)(v >> 32), end = (uint32_t)v;
+        if (first >= end) return 0;
+        const uint64_t nv = from_back ? (v & ~(uint64_t)0xffffffffu) | (end - 1)
+                                      : ((uint64_t)(first + 1) << 32) | end;
+        if (atomic_compare_exchange_weak_explicit(&r->left, &v, nv, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            *item = from_back ? (int64_t)end - 1 : (int64_t)first;
+            return 1;
+        }
+    }
+}
+
+/* Pool chunk g = region g: its items front to back, then the others' from their backs. */
+static void task_decode(void *ctx, int64_t begin, int64_t end, int thread_id) {
+    const decode_ctx *d = (const decode_ctx *)ctx;
+    (void)thread_id;
+    for (int64_t g = begin; g < end; g++) {
+        int64_t item;
+        while (claim_item(&d->r[g], 0, &item)) run_items(d->c, item, item + 1);
+        for (int k = 1; k < d->n; k++)
+            while (claim_item(&d->r[(g + k) % d->n], 1, &item)) run_items(d->c, item, item + 1);
+    }
+}
+
+/* Item index at which the bytes before it first reach `target` (bytes counted through
+ * the parts in order, each item of a part item_rows x row_bytes, its last one less). */
+static int64_t item_at_bytes(const lin_ctx *c, uint64_t target) {
+    uint64_t base = 0;
+    for (int i = 0; i < c->n_parts; i++) {
+        const lin_part *p = &c->p[i];
+        const uint64_t bytes = (uint64_t)p->N * p->row_bytes, item = (uint64_t)p->item_rows * p->row_bytes;
+        if (target < base + bytes) {
+            const int64_t j = (int64_t)((target - base + item / 2) / item);
+            return p->first_item + (j < p->row_items ? j : p->row_items);
+        }
+        base += bytes;
+    }
+    return c->p[c->n_parts - 1].end_item;
+}
+
+/* Runs a decode-sized call's items in regions; 0 (nothing run) where it does not fit. */
+static int run_decode_regions(const lin_ctx *c, int64_t items) {
+    const int n = ellm_num_threads();
+    if (n < 2 || n > DECODE_MAX_REGIONS || items < n || items > (int64_t)UINT32_MAX) return 0;
+    decode_region r[DECODE_MAX_REGIONS];
+    uint64_t total = 0;
+    for (int i = 0; i < c->n_parts; i++) total += (uint64_t)c->p[i].N * c->p[i].row_bytes;
+    int64_t first = 0;
+    for (int g = 0; g < n; g++) {
+        int64_t end = g + 1 == n ? items : item_at_bytes(c, total / (uint64_t)n * (uint64_t)(g + 1));
+        end = end < first ? first : end;
+        atomic_init(&r[g].left, ((uint64_t)first << 32) | (uint64_t)end);
+        first = end;
+    }
+    decode_ctx d = {c, r, n};
+    ellm_parallel_for(n, 1, task_decode, &d);
+    return 1;
+}
+
 int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
                       int n_parts, void *scratch, size_t scratch_bytes) {
     lin_ctx c;
@@ -532,6 +612,7 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         if (T >= 16) ellm_parallel_for(N_ACT * T, 4, task_quantize_act, &c);
         else task_quantize_act(&c, 0, N_ACT * T, 0);
     }
+    if (c.few && run_decode_regions(&c, items)) return ELLM_OK;
     ellm_parallel_for(items, 1, task_matmul, &c);
     return ELLM_OK;
 }

@@ -17,6 +17,16 @@
 #define EXACT_ROWS 4
 #define EXACT_TOKS 64
 
+/* Few tokens through a fused kernel (no row buffer): an item is one long run of rows,
+ * 1 / (EXACT_DECODE_ITEMS_PER_THREAD x threads) of the matrix within [MIN, MAX] bytes, a
+ * multiple of EXACT_ROWS rows -- one sequential stream for the prefetchers and few claims
+ * on the pool's counter (4-row items, claimed 8 at a time, took 8,192 claims per call of
+ * the Gemma 3 head). Which rows an item holds never changes what is computed (each
+ * output has its own sums in the fused kernel). */
+#define EXACT_DECODE_ITEMS_PER_THREAD 2
+#define EXACT_DECODE_MIN_BYTES ((size_t)16 << 10)
+#define EXACT_DECODE_MAX_BYTES ((size_t)1 << 20)
+
 /* One row of n elements -> f32, bit-identical to ellm_dequantize */
 typedef void (*dq_row_fn)(const uint8_t *src, float *dst, int64_t n);
 
@@ -41,6 +51,7 @@ typedef struct {
     dq_row_fn dq;     /* a fast row dequantizer, or NULL (then ellm_dequantize) */
     ellm_fmm_fn fused; /* few tokens: the quantized rows straight into the f32 kernel's sums */
     ellm_fmm_fn fmm;  /* F32 kernel (quantized types) or the type's own (float types) */
+    int64_t item_rows; /* rows per item: EXACT_ROWS, or a decode-sized run with `fused` */
     int64_t row_items, first_item, end_item;
 } exact_part;
 
@@ -99,7 +110,7 @@ static void task_exact(void *ctx, int64_t begin, int64_t end, int thread_id) {
         const exact_part *p = &c->p[pi];
         const int64_t j = item - p->first_item;
         const int64_t r = j % p->row_items, tt = j / p->row_items;
-        const int64_t n0 = r * EXACT_ROWS, n1 = n0 + EXACT_ROWS < p->N ? n0 + EXACT_ROWS : p->N;
+        const int64_t n0 = r * p->item_rows, n1 = n0 + p->item_rows < p->N ? n0 + p->item_rows : p->N;
         const int64_t t0 = tt * EXACT_TOKS, t1 = t0 + EXACT_TOKS < c->T ? t0 + EXACT_TOKS : c->T;
         float *y = p->y + (size_t)t0 * (size_t)p->ldy + (size_t)n0;
         exact_block(c, p, buf, n0, n1, c->x + (size_t)t0 * (size_t)c->K, t1 - t0, y);
@@ -172,13 +183,23 @@ int ellm_linear_multi_exact(const float *x, int64_t T, int64_t K, const ellm_lin
             }
 #endif
         }
-        p->row_items = (p->N + EXACT_ROWS - 1) / EXACT_ROWS;
+        p->item_rows = EXACT_ROWS;
+        if (p->fused) {
+            size_t b = (size_t)q->w_bytes / ((size_t)threads * EXACT_DECODE_ITEMS_PER_THREAD);
+            b = b < EXACT_DECODE_MIN_BYTES ? EXACT_DECODE_MIN_BYTES : b > EXACT_DECODE_MAX_BYTES ? EXACT_DECODE_MAX_BYTES : b;
+            const int64_t rows = (int64_t)(b / p->row_bytes);
+            p->item_rows = rows > EXACT_ROWS ? rows / EXACT_ROWS * EXACT_ROWS : EXACT_ROWS;
+        }
+        p->row_items = (p->N + p->item_rows - 1) / p->item_rows;
         p->first_item = items;
         items += p->row_items * c.tok_items;
         p->end_item = items;
     }
     if (c.n_parts == 0) return ELLM_OK;
-    /* a few rows per item: claim several at a time at one token (cheap items) */
-    ellm_parallel_for_threads(items, T == 1 ? 8 : 1, threads, task_exact, &c);
+    /* only 4-row items (the row buffer's): claim several at a time at one token (cheap
+     * items); a decode-sized item is claimed alone */
+    int all_small = 1;
+    for (int i = 0; i < c.n_parts; i++) all_small &= c.p[i].item_rows == EXACT_ROWS;
+    ellm_parallel_for_threads(items, T == 1 && all_small ? 8 : 1, threads, task_exact, &c);
     return ELLM_OK;
 }

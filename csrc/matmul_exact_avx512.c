@@ -200,6 +200,11 @@ INLINE int block_bytes(int type) {
 INLINE void fused_tile(int type, int64_t k, const uint8_t *w, size_t ws, const int R, const float *x,
                        size_t xs, const int nt, float *y, size_t ys) {
     const int bs = block_bytes(type);
+    /* R rows side by side, each advancing one block a step, which the hardware
+     * prefetcher follows poorly: fetch the next R rows (contiguous, as the item's rows
+     * are) at the pace these are read, as quant_x86.h's qdot32_rows8 does. An address
+     * formed as an integer: it may lie past the weights' end, and a prefetch never faults. */
+    const uintptr_t next = (uintptr_t)w + (uintptr_t)R * ws;
     __m512 a0[FT][FT], a1[FT][FT];
     _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++)
@@ -208,6 +213,8 @@ INLINE void fused_tile(int type, int64_t k, const uint8_t *w, size_t ws, const i
     if (type == ELLM_T_Q4_K || type == ELLM_T_Q6_K) {
         float v[FT][256] __attribute__((aligned(64)));
         for (int64_t i = 0; i < k / 256; i++) {
+            for (uintptr_t o = (uintptr_t)(R * bs) * (uintptr_t)i; o < (uintptr_t)(R * bs) * (uintptr_t)(i + 1); o += 64)
+                _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
             _Pragma("GCC unroll 4")
             for (int r = 0; r < R; r++) {
                 const uint8_t *b = w + (size_t)r * ws + (size_t)i * (size_t)bs;
@@ -229,6 +236,8 @@ INLINE void fused_tile(int type, int64_t k, const uint8_t *w, size_t ws, const i
         }
     } else {
         for (int64_t i = 0; i < k / 32; i++) {
+            for (uintptr_t o = (uintptr_t)(R * bs) * (uintptr_t)i; o < (uintptr_t)(R * bs) * (uintptr_t)(i + 1); o += 64)
+                _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
             _Pragma("GCC unroll 4")
             for (int r = 0; r < R; r++) {
                 __m512 lo, hi;

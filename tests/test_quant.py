@@ -244,8 +244,8 @@ def test_linear_threads_agree(qtype: GGMLType) -> None:
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_1], ids=lambda t: t.name)
 def test_linear_large_matrix_decode(qtype: GGMLType) -> None:
-    """Decode weights past 64 MiB (an output head) take a kernel variant that reads one
-    row at a time: same results as the batched path, bit for bit, and right."""
+    """Decode weights past 64 MiB (an output head, read from DRAM in long runs of rows
+    with software prefetch): same results as the batched path, bit for bit, and right."""
     rng = np.random.default_rng(7)
     k = 256
     n = (65 << 20) // _quant.row_bytes(int(qtype), k) + 3
@@ -412,6 +412,52 @@ def test_linear_batch_invariant(qtype: GGMLType, level: str) -> None:
             for t in (1, 129):
                 got = linear_rows(x[100:100 + t], w, qtype)
                 assert np.array_equal(got, alone[100:100 + t]), f"T={t}, {threads} threads"
+    finally:
+        _quant.set_num_threads(before)
+
+
+# Decode-sized calls: parts large enough that one token's call is split into several
+# long row runs (matmul.c's decode items, 16 KiB to 1 MiB each, and the exact path's),
+# of different sizes, so the runs fall differently for each thread count
+DECODE_PARTS = [(GGMLType.Q5_0, 1200), (GGMLType.Q8_0, 257), (GGMLType.Q4_K, 611),
+                (GGMLType.Q6_K, 390), (GGMLType.Q4_1, 1501)]
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["act8", "exact"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_decode_split_is_bit_identical(level: str, exact: bool) -> None:
+    """A token's outputs from a decode-sized linear_multi (several parts, each split into
+    runs of rows over the pool) are bit-identical at 1, 2 and 3 threads, alone (T=1) and
+    as a row of T=8 (the few-token path), and equal to linear on each part alone."""
+    use_level(level)
+    rng = np.random.default_rng(1700)
+    k = 512
+    ws = [(random_rows(q, n, k, rng), q) for q, n in DECODE_PARTS]
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    run = _quant.linear_multi_exact if exact else _quant.linear_multi
+
+    def call(xt: np.ndarray) -> list[np.ndarray]:
+        outs = [np.full((len(xt), w.shape[0]), np.nan, np.float32) for w, _ in ws]
+        run(np.ascontiguousarray(xt), [(w, int(q), o) for (w, q), o in zip(ws, outs)])
+        return outs
+
+    before = _quant.num_threads()
+    try:
+        _quant.set_num_threads(1)
+        ref = [np.concatenate(parts) for parts in zip(*(call(x[t:t + 1]) for t in range(len(x))))]
+        assert all(np.isfinite(r).all() for r in ref)
+        for threads in (1, 2, 3):
+            _quant.set_num_threads(threads)
+            for t in (0, 5):
+                got = call(x[t:t + 1])
+                for i, (g, r) in enumerate(zip(got, ref)):
+                    assert np.array_equal(g[0], r[t]), f"T=1 row {t}, {threads} threads, part {i}"
+            got = call(x)
+            for i, (g, r) in enumerate(zip(got, ref)):
+                assert np.array_equal(g, r), f"T=8, {threads} threads, part {i}"
+        if not exact:
+            for (w, q), r in zip(ws, ref):
+                assert np.array_equal(linear_rows(x[:1], w, q)[0], r[0]), q.name
     finally:
         _quant.set_num_threads(before)
 
