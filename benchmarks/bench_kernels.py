@@ -5,7 +5,8 @@ Prints, per weight type and SIMD level,
   - prefill (T=128, or each T of --prefill-tokens 16,128,512): GFLOP/s (2 T N K flops
     per call),
 for the shapes (N x K) 576x1536 (ffn_down), 1536x576 (ffn_up/gate) and 49152x576
-(the output head; decode only, its prefill is the same kernel at 85x the size).
+(the output head; decode only, its prefill is the same kernel at 85x the size), or the
+N x K of --shapes (e.g. Gemma 3's 1024x640,640x1024,2048x640,640x2048).
 K-quants need K % 256 == 0, so they run on 576x1536 only.
 
 Weights are random but valid blocks, so no model file is needed. The machine reads
@@ -260,6 +261,8 @@ def main() -> None:
                     help="time a Qwen3-30B-A3B-shaped MoE feed-forward instead (--types: Q4_K by default)")
     ap.add_argument("--bias", action="store_true",
                     help="time linear with and without the bias epilogue instead")
+    ap.add_argument("--shapes", default=None,
+                    help="N x K matrices instead of SmolLM2's, e.g. 1024x640,640x2048 (Gemma 3)")
     args = ap.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
@@ -290,12 +293,13 @@ def main() -> None:
     print(f"{'type':5} {'N x K':>11} {'level':>7} {'decode us':>10} {'GB/s':>7} "
           + " ".join(f"{f'GFLOP/s T={T}':>15}" for T in Ts))
 
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rng = np.random.default_rng(0)
     levels = [lv for lv in args.levels.split(",") if lv]
     for tname in [t for t in args.types.split(",") if t]:
         qtype = TYPES[tname]
         blk = BLOCK.get(qtype, (1, 0))[0]
-        for n, k in SHAPES:
+        for n, k in shapes:
             if k % blk:
                 continue
             w = make_weights(qtype, n, k, rng)

@@ -29,24 +29,26 @@ static uint64_t xgetbv0(void) {
 
 typedef struct {
     int avx2, avx512, vnni, amx; /* amx: AMX-TILE + AMX-INT8 in CPUID, tile state in XCR0 */
+    int amx_bf16; /* [bf16] amx and AMX-BF16 (CPUID.7.0:EDX[22]) */
 } x86_feature_set;
 
 static x86_feature_set x86_features(void) {
     unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0};
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0, 0};
     int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
-    if (!osxsave || !avx) return (x86_feature_set){0, 0, 0, 0};
+    if (!osxsave || !avx) return (x86_feature_set){0, 0, 0, 0, 0};
     uint64_t xcr0 = xgetbv0();
     int ymm_ok = (xcr0 & 0x6) == 0x6;            /* SSE + AVX state */
     int zmm_ok = ymm_ok && (xcr0 & 0xe0) == 0xe0; /* opmask + ZMM state */
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0};
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0, 0};
     int avx2 = ymm_ok && ((b >> 5) & 1) && fma && f16c;
     int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
     int avx512 = avx2 && zmm_ok && f && dq && bw && vl;
     int vnni = avx512 && ((c >> 11) & 1);
     /* XCR0 bits 17 (XTILECFG) and 18 (XTILEDATA): the OS saves tile state */
     int amx = vnni && ((d >> 24) & 1) && ((d >> 25) & 1) && (xcr0 & 0x60000) == 0x60000;
-    return (x86_feature_set){avx2, avx512, vnni, amx};
+    int amx_bf16 = amx && ((d >> 22) & 1); /* [bf16] */
+    return (x86_feature_set){avx2, avx512, vnni, amx, amx_bf16};
 }
 
 /* Linux hands out the tile data state (8 KiB per thread) only on request, once per
@@ -82,6 +84,22 @@ int ellm_cpu_has_avx512_vnni(void) {
 #else
     return 0;
 #endif
+}
+
+/* [bf16] the bf16 tile kernels (matmul_bf16_amx.c) run at the AMX level where this holds;
+ * asked on every linear call, so CPUID (a trap to the hypervisor in a VM) runs once */
+static atomic_int has_amx_bf16 = -1;
+int ellm_cpu_has_amx_bf16(void) {
+    int h = atomic_load_explicit(&has_amx_bf16, memory_order_relaxed);
+    if (h < 0) {
+#ifdef ELLM_X86
+        h = x86_features().amx_bf16;
+#else
+        h = 0;
+#endif
+        atomic_store(&has_amx_bf16, h);
+    }
+    return h;
 }
 
 static atomic_int best_level = -1;

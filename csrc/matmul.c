@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "matmul_amx.h"
+#include "matmul_bf16_amx.h" /* [bf16] */
 #include "quant.h"
 #include "quant_impl.h"
 #include "simd.h"
@@ -65,6 +66,8 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
  * L1 / L2 across its tokens and its activations in L2 across its rows. */
 #define ROW_TILE 16
 #define TOK_TILE 32
+/* [bf16] rows per item of the bf16 tiles: one pass (2 weight tiles) */
+#define BF16_ROW_TILE 32
 _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
 /* [amx] Items of the AMX kernels. The 32-element types: 64 tokens (4 tile groups), whose
  * activations stay in L1 from one 16-row item to the next while the weights stream
@@ -155,8 +158,12 @@ typedef struct {
     int amx[N_ACT];        /* format f is in 16-token groups for the AMX kernels (every part
                             * of it has one; then grouped[f] is 0) */
     ellm_act_fn act[N_ACT]; /* set for the formats a non-empty part needs */
-    int has_act;           /* some part has quantized weights */
+    int has_act;           /* some part has quantized weights (or BF16 ones on bf16 tiles) */
     int few;               /* decode-sized items, all tokens in each (T < FEW_TOKENS) */
+    /* [bf16] BF16 parts on the AMX bf16 tiles: x split into 16-token groups of xb_stride
+     * bytes (matmul_bf16_amx.h), else xb is NULL */
+    uint8_t *xb;
+    size_t xb_stride;
 } lin_ctx;
 
 /* The kernel call for output rows [n0, n1) of part p, tokens [t0, t1), into y (the
@@ -217,8 +224,11 @@ static void task_quantize_act(void *ctx, int64_t begin, int64_t end, int thread_
     for (int64_t item = begin; item < end; item++) {
         int f = (int)(item / c->T);
         int64_t t = item % c->T;
-        if (!c->act[f]) continue; /* formats of non-empty parts only */
         const float *xt = c->x + (size_t)t * (size_t)c->K;
+        if (f == 0 && c->xb && t % ELLM_BF16_TG == 0) /* [bf16] a group's split, at its first token */
+            ellm_bf16x3_put_group(xt, (size_t)c->K, c->T - t < ELLM_BF16_TG ? (int)(c->T - t) : ELLM_BF16_TG,
+                                  c->K, c->xb + (size_t)(t / ELLM_BF16_TG) * c->xb_stride);
+        if (!c->act[f]) continue; /* formats of non-empty parts only */
         /* grouped: each block quantized as in the row layout (the same bytes), then
          * spread into this token's lane of its group */
         const int64_t lane = t % ELLM_TG;
@@ -295,9 +305,11 @@ static int act_index(int qtype) {
  * each format gets room for its group layout as well, whichever the level in force will use.
  * Returns 1, or 0 with *total = 0 on overflow or invalid input. */
 static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int64_t K,
-                         size_t offset[N_ACT], size_t stride[N_ACT], size_t *total) {
+                         size_t offset[N_ACT], size_t stride[N_ACT], size_t *total,
+                         size_t *bf16_offset) {
     int used[N_ACT] = {0, 0};
     *total = 0;
+    *bf16_offset = SIZE_MAX; /* [bf16] */
     if (T < 0 || K < 0 || n_parts < 1 || n_parts > ELLM_LINEAR_MAX_PARTS || parts == NULL)
         return 0;
     for (int i = 0; i < n_parts; i++) {
@@ -320,14 +332,26 @@ static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int
         offset[f] = at;
         at += stride[f] * (size_t)rows;
     }
+    /* [bf16] where the CPU has bf16 tiles (whatever the level now), room for the split
+     * activations of BF16 parts: ceil(T / 16) groups */
+    int bf16 = 0;
+    for (int i = 0; i < n_parts; i++) bf16 |= parts[i].qtype == ELLM_T_BF16;
+    if (bf16 && ellm_cpu_has_amx_bf16()) {
+        const size_t gb = ellm_bf16x3_group_bytes(K);
+        const uint64_t groups = ((uint64_t)T + ELLM_BF16_TG - 1) / ELLM_BF16_TG;
+        if (groups > (SIZE_MAX - 64 - at) / gb) return 0;
+        at = (at + 63) & ~(size_t)63;
+        *bf16_offset = at;
+        at += gb * (size_t)groups;
+    }
     *total = at;
     return 1;
 }
 
 size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_parts, int64_t T,
                                        int64_t K) {
-    size_t offset[N_ACT], stride[N_ACT], total;
-    act_layout(parts, n_parts, T, K, offset, stride, &total);
+    size_t offset[N_ACT], stride[N_ACT], total, bf16_offset;
+    act_layout(parts, n_parts, T, K, offset, stride, &total, &bf16_offset);
     return total;
 }
 
@@ -372,8 +396,8 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     c->x = x;
     c->T = T;
     c->K = K;
-    size_t offset[N_ACT], stride[N_ACT], need;
-    if (!act_layout(parts, n_parts, T, K, offset, stride, &need)) return ELLM_E_SHAPE;
+    size_t offset[N_ACT], stride[N_ACT], need, bf16_offset;
+    if (!act_layout(parts, n_parts, T, K, offset, stride, &need, &bf16_offset)) return ELLM_E_SHAPE;
     if (need && (scratch == NULL || scratch_bytes < need || ((uintptr_t)scratch & 63u)))
         return ELLM_E_SCRATCH;
     for (int f = 0; f < N_ACT; f++) {
@@ -405,11 +429,17 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
                                     (int)(T % ELLM_AMX_TG));
         }
     }
+    /* [bf16] BF16 parts take the bf16 tiles at the AMX level, at every T (one order of
+     * sums per output whatever the batch, matmul_bf16_amx.h) */
+    if (bf16_offset != SIZE_MAX && ellm_simd_level() == ELLM_SIMD_AMX) {
+        c->xb = (uint8_t *)scratch + bf16_offset;
+        c->xb_stride = ellm_bf16x3_group_bytes(K);
+    }
     /* few: every part reads its weights once in the row layout (decode-sized items) */
     const int any_amx = c->amx[0] || c->amx[1];
     const int few = !groups && !any_amx;
     c->few = few;
-    c->item_toks = few ? T : any_amx ? AMX_TOK_TILE : TOK_TILE;
+    c->item_toks = few ? T : any_amx || c->xb ? AMX_TOK_TILE : TOK_TILE; /* [bf16] || c->xb */
     if (any_amx && !c->amx[0]) { /* [amx] K-quants only: more tokens, within L2 */
         c->item_toks = AMX_K_TOK_TILE;
         const size_t tok_bytes = c->act_stride[1] / ELLM_AMX_TG;
@@ -457,20 +487,28 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
                 p->qdot = ellm_qdot_select(q->qtype);
             }
             c->act[f] = ellm_act_select(q->qtype);
+        } else if (c->xb && q->qtype == ELLM_T_BF16) { /* [bf16] */
+            p->qgemm = ellm_fmm_bf16_amx(q->qtype);
+            p->xq = c->xb;
+            p->act_stride = c->xb_stride;
+            p->nb = K;
+            p->tg = ELLM_BF16_TG;
         } else {
             p->fmm = ellm_fmm_select(q->qtype);
         }
+        /* [bf16] the bf16 tiles' items are whole passes of 32 rows */
+        const int64_t row_unit = p->fmm == NULL && q->qtype == ELLM_T_BF16 ? BF16_ROW_TILE : 8;
         if (few) {
             int64_t rows = decode_item_bytes(call_bytes) / (int64_t)p->row_bytes;
             rows = rows > DECODE_MIN_ROWS ? rows : DECODE_MIN_ROWS;
-            p->item_rows = (rows + 7) & ~(int64_t)7; /* whole 8-row tiles (qdot32_rows8) */
+            p->item_rows = (rows + row_unit - 1) / row_unit * row_unit; /* whole 8-row tiles (qdot32_rows8) */
         } else if (p->tg == ELLM_AMX_TG && T <= ELLM_AMX_TG) {
             /* [amx] one token group (batched decode): two row tiles a call, so its tile
              * configuration and pipeline start serve twice the work (Q4_1 1536x576 at
              * T=16, one thread: 219-228 -> 230-239 GFLOP/s) */
             p->item_rows = 2 * ROW_TILE;
         } else {
-            p->item_rows = ROW_TILE;
+            p->item_rows = row_unit == BF16_ROW_TILE ? BF16_ROW_TILE : ROW_TILE;
         }
         p->row_items = (p->N + p->item_rows - 1) / p->item_rows;
         p->first_item = items;
@@ -479,7 +517,7 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
         c->n_parts++;
     }
     if (c->n_parts == 0) return ELLM_OK;
-    c->has_act = need > 0;
+    c->has_act = c->act[0] || c->act[1] || c->xb; /* [bf16] not the scratch size: BF16 room is kept at every level */
     *items_out = items;
     return ELLM_OK;
 }
@@ -647,7 +685,18 @@ size_t ellm_linear_groups_scratch_bound(const ellm_linear_part *parts, int n_par
     }
     const uint64_t rows = (uint64_t)total_rows + (uint64_t)(ELLM_AMX_TG - 1) * (uint64_t)n_groups;
     if (row_bytes && rows > (SIZE_MAX / 2) / row_bytes) return 0;
-    return groups_header_bytes(n_groups) + (size_t)n_groups * 64 * (N_ACT + 1) + row_bytes * (size_t)rows;
+    /* [bf16] BF16 parts' split activations: each group's tokens in whole groups of 16 */
+    size_t bf16_bytes = 0;
+    for (int i = 0; i < n_parts; i++)
+        if (parts[i].qtype == ELLM_T_BF16 && ellm_cpu_has_amx_bf16()) {
+            const uint64_t g16 = ((uint64_t)total_rows + (uint64_t)(ELLM_BF16_TG - 1) * (uint64_t)n_groups) / ELLM_BF16_TG;
+            const size_t gb = ellm_bf16x3_group_bytes(K);
+            if (g16 > (SIZE_MAX / 4) / gb) return 0;
+            bf16_bytes = gb * (size_t)g16 + 64 * (size_t)n_groups;
+            break;
+        }
+    if (row_bytes * (size_t)rows > SIZE_MAX / 2 - bf16_bytes) return 0;
+    return groups_header_bytes(n_groups) + (size_t)n_groups * 64 * (N_ACT + 1) + row_bytes * (size_t)rows + bf16_bytes;
 }
 
 int ellm_linear_groups(const ellm_linear_group *groups, int n_groups, int64_t K, void *scratch,
