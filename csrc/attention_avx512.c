@@ -7,6 +7,7 @@
 
 #include "attention.h"
 #include "elementwise.h"
+#include "exp_avx512.h"
 
 static inline __m256 fold16(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
@@ -253,25 +254,6 @@ void ellm_attn_pv_avx512(const float *p, int g, int hd, const float *const *vp, 
 
 /* ================================ softmax row ================================ */
 
-/* e^x: the fitted polynomial of elementwise_avx512.c's exp16, operation for operation
- * (so the fused row below gives exp_shift_sum_row's bits). */
-static inline __m512 exp16_same(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.381461741e-03f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.368710056e-03f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166838899e-02f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666652113e-01f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999404e-01f));
-    __m512 e = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    e = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(e, n);
-}
-
 float ellm_attn_softmax_row_avx512(float *x, int n, float scale, float cap, float m_old, float *m_new) {
     enum { V = ELLM_ATTN_TILE / 16 };
     const int full = n / 16, rem = n % 16;
@@ -295,12 +277,12 @@ float ellm_attn_softmax_row_avx512(float *x, int n, float scale, float cap, floa
     const __m512 sh = _mm512_set1_ps(mn);
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < full; i++) {
-        const __m512 e = exp16_same(_mm512_sub_ps(v[i], sh));
+        const __m512 e = ellm_exp16(_mm512_sub_ps(v[i], sh));
         _mm512_storeu_ps(x + 16 * i, e);
         acc = _mm512_add_ps(acc, e);
     }
     if (rem) {
-        const __m512 e = exp16_same(_mm512_sub_ps(v[full], sh));
+        const __m512 e = ellm_exp16(_mm512_sub_ps(v[full], sh));
         _mm512_mask_storeu_ps(x + 16 * full, tm, e);
         acc = _mm512_mask_add_ps(acc, tm, acc, e);
     }

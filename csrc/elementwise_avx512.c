@@ -6,28 +6,11 @@
 #include <math.h>
 
 #include "elementwise.h"
+#include "exp_avx512.h"
 
 /* =============================== vector math =============================== */
 
 static inline __mmask16 tail_mask(int64_t rem) { return (__mmask16)((1u << rem) - 1u); }
-
-static inline __m512 exp16(__m512 x) {
-    /* max/min return their second operand when one is NaN: written so NaN passes. */
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.381461741e-03f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.368710056e-03f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166838899e-02f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666652113e-01f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999999404e-01f));
-    __m512 e = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    e = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(e, n);
-}
 
 static inline __m512 tanh16(__m512 x) {
     __m512 ax = _mm512_abs_ps(x);
@@ -39,7 +22,7 @@ static inline __m512 tanh16(__m512 x) {
     p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.333328068e-01f));
     /* both branches on |x|; tanh is odd, so the sign of x goes back on at the end */
     __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), ax, ax);
-    __m512 e = exp16(_mm512_add_ps(ax, ax));
+    __m512 e = ellm_exp16(_mm512_add_ps(ax, ax));
     __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
                                _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
     __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LE_OQ);
@@ -48,14 +31,14 @@ static inline __m512 tanh16(__m512 x) {
 }
 
 static inline __m512 swiglu16(__m512 g, __m512 u) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    __m512 e = ellm_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
 static inline __m512 geglu16(__m512 g, __m512 u) {
     __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
     __m512 a = _mm512_mul_ps(_mm512_set1_ps(0.7978845608f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
-    __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), a));
+    __m512 e = ellm_exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), a));
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
@@ -63,10 +46,10 @@ static inline __m512 geglu16(__m512 g, __m512 u) {
 
 void ellm_exp_row_avx512(const float *x, float *out, int64_t n) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp16(_mm512_loadu_ps(x + i)));
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, ellm_exp16(_mm512_loadu_ps(x + i)));
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
-        _mm512_mask_storeu_ps(out + i, m, exp16(_mm512_maskz_loadu_ps(m, x + i)));
+        _mm512_mask_storeu_ps(out + i, m, ellm_exp16(_mm512_maskz_loadu_ps(m, x + i)));
     }
 }
 
@@ -91,13 +74,13 @@ float ellm_exp_shift_sum_row_avx512(float *x, float shift, int64_t n) {
     __m512 sh = _mm512_set1_ps(shift), acc = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh));
+        __m512 e = ellm_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh));
         _mm512_storeu_ps(x + i, e);
         acc = _mm512_add_ps(acc, e);
     }
     if (i < n) {
         __mmask16 m = tail_mask(n - i);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), sh));
+        __m512 e = ellm_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), sh));
         _mm512_mask_storeu_ps(x + i, m, e);
         acc = _mm512_mask_add_ps(acc, m, acc, e);
     }
