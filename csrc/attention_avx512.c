@@ -48,10 +48,13 @@ static inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
     }
 #define QK_BODY(r) QK_FMA(r, _mm512_loadu_ps, d)
 #define QK_TAIL(r) QK_FMA(r, MASKED, body)
-#define QK_STORE(r) _mm_storeu_ps(s + (r) * ELLM_ATTN_TILE, hsum4x16(a##r##0, a##r##1, a##r##2, a##r##3));
+#define QK_STORE(r) _mm_storeu_ps(out + (r) * ELLM_ATTN_TILE, hsum4x16(a##r##0, a##r##1, a##r##2, a##r##3));
 #define MASKED(ptr) _mm512_maskz_loadu_ps(tm, ptr)
-#define QK_BLOCK(name, ROWS)                                                                  \
-    static void name(const float *q, int hd, int body, __mmask16 tm, const float *const *k, float *s) { \
+/* One q.k kernel body for up to 4 query rows x 4 keys; STORE says what it leaves in out:
+ * four scores a row (QK_STORE, into the score tile) or the 16-key fold's partial sums
+ * (QR_STORE, below). */
+#define QK_KERNEL(name, ROWS, OUT_T, STORE)                                                   \
+    static void name(const float *q, int hd, int body, __mmask16 tm, const float *const *k, OUT_T out) { \
         ROWS(QK_DECL)                                                                         \
         for (int d = 0; d < body; d += 16) {                                                  \
             const __m512 k0 = _mm512_loadu_ps(k[0] + d), k1 = _mm512_loadu_ps(k[1] + d);      \
@@ -63,8 +66,9 @@ static inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
             const __m512 k2 = MASKED(k[2] + body), k3 = MASKED(k[3] + body);                  \
             ROWS(QK_TAIL)                                                                     \
         }                                                                                     \
-        ROWS(QK_STORE)                                                                        \
+        ROWS(STORE)                                                                           \
     }
+#define QK_BLOCK(name, ROWS) QK_KERNEL(name, ROWS, float *, QK_STORE)
 #define ROWS4(X) X(0) X(1) X(2) X(3)
 #define ROWS3(X) X(0) X(1) X(2)
 #define ROWS2(X) X(0) X(1)
@@ -85,22 +89,8 @@ static inline __m512 fold8(__m512 a, __m512 b) { /* [a_i + a_{i+8} | b_i + b_{i+
 static inline __m512 pairs(__m512 x, __m512 y) { /* per 128 bits: x0+x1, x2+x3, y0+y1, y2+y3 */
     return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
 }
-#define QR_STORE(r) f[r] = pairs(fold8(a##r##0, a##r##1), fold8(a##r##2, a##r##3));
-#define QR_BLOCK(name, ROWS)                                                                  \
-    static void name(const float *q, int hd, int body, __mmask16 tm, const float *const *k, __m512 *f) { \
-        ROWS(QK_DECL)                                                                         \
-        for (int d = 0; d < body; d += 16) {                                                  \
-            const __m512 k0 = _mm512_loadu_ps(k[0] + d), k1 = _mm512_loadu_ps(k[1] + d);      \
-            const __m512 k2 = _mm512_loadu_ps(k[2] + d), k3 = _mm512_loadu_ps(k[3] + d);      \
-            ROWS(QK_BODY)                                                                     \
-        }                                                                                     \
-        if (body < hd) {                                                                      \
-            const __m512 k0 = MASKED(k[0] + body), k1 = MASKED(k[1] + body);                  \
-            const __m512 k2 = MASKED(k[2] + body), k3 = MASKED(k[3] + body);                  \
-            ROWS(QK_TAIL)                                                                     \
-        }                                                                                     \
-        ROWS(QR_STORE)                                                                        \
-    }
+#define QR_STORE(r) out[r] = pairs(fold8(a##r##0, a##r##1), fold8(a##r##2, a##r##3));
+#define QR_BLOCK(name, ROWS) QK_KERNEL(name, ROWS, __m512 *, QR_STORE)
 QR_BLOCK(qr_4keys_4, ROWS4)
 QR_BLOCK(qr_4keys_3, ROWS3)
 QR_BLOCK(qr_4keys_2, ROWS2)
