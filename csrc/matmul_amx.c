@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "amx_tile.h"
 #include "quant.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -42,13 +43,6 @@
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-_Static_assert(sizeof(tile_config) == 64, "the LDTILECFG operand is 64 bytes");
-
 /* A and B tiles for K bytes of depth (a multiple of 4, at most 64): 32 for the 32-element
  * types and Q4_K's 32-runs, 16 for Q6_K's 16-runs. */
 static void load_tile_config(int k_bytes) {
@@ -64,9 +58,7 @@ static void load_tile_config(int k_bytes) {
         cfg.rows[c[i]] = 16;
         cfg.colsb[c[i]] = 64;
     }
-    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, which lets the
-     * stores above be dropped: spell the instruction out with the whole operand */
-    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+    ellm_tile_load_config(&cfg);
 }
 
 INLINE float f16_at(const uint8_t *p) { return _cvtsh_ss(ellm_rd_u16(p)); }

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "amx_tile.h"
 #include "quant.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -40,13 +41,6 @@
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-_Static_assert(sizeof(tile_config) == 64, "the LDTILECFG operand is 64 bytes");
-
 /* every tile in use is 16 rows of 64 bytes */
 static void load_tile_config(void) {
     tile_config cfg;
@@ -56,8 +50,7 @@ static void load_tile_config(void) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    /* the whole 64-byte operand (GCC 12's _tile_loadconfig claims to read 8 bytes) */
-    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+    ellm_tile_load_config(&cfg);
 }
 
 /* ====================================================================================

@@ -1,0 +1,20 @@
+/* The AMX tile configuration (the 64-byte LDTILECFG operand), shared by the int8 and bf16
+ * tile kernels. Include only from files built with -mamx-tile. */
+#ifndef ELLM_AMX_TILE_H
+#define ELLM_AMX_TILE_H
+#include <stdint.h>
+
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+_Static_assert(sizeof(tile_config) == 64, "the LDTILECFG operand is 64 bytes");
+
+/* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, which lets the stores
+ * that filled cfg be dropped: spell the instruction out with the whole operand */
+static inline void ellm_tile_load_config(const tile_config *cfg) {
+    __asm__ volatile("ldtilecfg %0" : : "m"(*cfg));
+}
+
+#endif
