@@ -11,27 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ellm._native import _core
 from ellm._native import _kernels as K
 from ellm.ops import reference as ref
 
 from test_kernels import assert_bits, assert_close, make_batch
+from test_kernels import simd  # noqa: F401  (the fixture: every SIMD level, both modules)
 
-LEVELS = _core.supported_simd_levels()
 
 # 16 sequences: contexts from 0 to past two chunks, every tile remainder class (0, 1, 15,
 # 16, 17, 63 keys past a multiple of 64) and lengths on both sides of a chunk (256)
 CONTEXTS = [0, 1, 14, 15, 16, 31, 47, 63, 64, 65, 127, 200, 255, 256, 300, 530]
-
-
-@pytest.fixture(params=LEVELS)
-def simd(request):
-    before = K.simd_level()
-    _core.set_simd_level(request.param)
-    K.set_simd_level(request.param)
-    yield request.param
-    _core.set_simd_level(before)
-    K.set_simd_level(before)
 
 
 @pytest.fixture
