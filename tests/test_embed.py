@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 import ellm
 from ellm.engine.engine import RequestError
+from ref_python import ref_python
 
 SCRIPT = Path(__file__).parent / "goldens" / "hf_embeddings.py"
 MAX_BATCH_TOKENS = 64
@@ -29,10 +29,7 @@ TEXTS = ["The capital of France is Paris.",
 
 
 def reference(folder: Path, prompts: list[list[int]], tmp_path: Path) -> dict[str, np.ndarray]:
-    ref = os.environ.get("ELLM_REF_PYTHON")
-    if not ref:
-        pytest.fail("ELLM_REF_PYTHON is not set: run the tests through `bash tests/run.sh`, or point it at a "
-                    "Python with torch and transformers", pytrace=False)
+    ref = ref_python()
     ids_path, out = tmp_path / "ids.json", tmp_path / "ref.npz"
     ids_path.write_text(json.dumps(prompts))
     subprocess.run([ref, str(SCRIPT), str(folder), str(ids_path), str(out)], check=True,

@@ -41,6 +41,7 @@ from ellm.ops import get_ops
 from ellm.sampling_params import SamplingParams
 from ellm.weights import GGUFWeights, SafetensorsWeights
 from conftest import ops_or_skip
+from ref_python import ref_python
 
 ARCHS = ["llama", "gemma", "gemma2", "gemma3_text"]
 FAMILIES = ["qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "phi3", "qwen3_moe", "qwen3_moe_mixed"]
@@ -57,10 +58,7 @@ GGUF_KEEPS_ALL = ["qwen3", "olmo2", "granite", "qwen3_moe"]
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
-    ref = os.environ.get("ELLM_REF_PYTHON")
-    if not ref:
-        pytest.fail("ELLM_REF_PYTHON is not set: run the tests through `bash tests/run.sh`, or point it at a "
-                    "Python with torch and transformers", pytrace=False)
+    ref = ref_python()
     out = tmp_path_factory.mktemp("tiny")
     subprocess.run([ref, str(SCRIPT), str(out)], check=True, capture_output=True, text=True)
     return out

@@ -26,17 +26,10 @@ from ellm.ops.reference import ReferenceOps
 from ellm.trace import make_reference, record, trace
 from ellm.trace.align import deinterleave_heads
 from ellm.trace.diff import metrics
+from ref_python import ref_python
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 BROKEN_LAYER = 7
-
-
-def ref_python() -> str:
-    py = os.environ.get("ELLM_REF_PYTHON")
-    if not py:
-        pytest.fail("ELLM_REF_PYTHON is not set: run through `bash tests/run.sh`, which makes .venv-ref",
-                    pytrace=False)
-    return py
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import ellm
-from ellm._native import _core, _kernels
+from ellm._native import _kernels
 from ellm.config import ConfigError, ModelConfig
 from ellm.engine.engine import Engine, EngineConfig, RequestError
 from ellm.engine.kv_cache import BlockManager, KVCache
@@ -37,6 +37,8 @@ from ellm.sampling_params import SamplingParams
 from ellm.tokenizer import Tokenizer
 from ellm.vision.inputs import ImageInput
 from ellm.weights import SafetensorsWeights
+from ref_python import ref_python
+from test_kernels import simd  # noqa: F401  (the fixture: every SIMD level, both modules)
 
 GOLDENS = Path(__file__).parent / "goldens"
 MODELS = ["smolvlm", "gemma3"]
@@ -44,10 +46,7 @@ MODELS = ["smolvlm", "gemma3"]
 
 @pytest.fixture(scope="session")
 def vision_dir(tmp_path_factory) -> Path:
-    ref = os.environ.get("ELLM_REF_PYTHON")
-    if not ref:
-        pytest.fail("ELLM_REF_PYTHON is not set: run the tests through `bash tests/run.sh`, or point it at a "
-                    "Python with torch and transformers", pytrace=False)
+    ref = ref_python()
     out = tmp_path_factory.mktemp("tiny-vision")
     subprocess.run([ref, str(GOLDENS / "tiny_vision_models.py"), str(out)], check=True, capture_output=True,
                    text=True)
@@ -215,18 +214,8 @@ def test_mmproj_mismatches_are_refused(vision_dir, vision_ggufs) -> None:
 
 # -- the ops at every SIMD level ---------------------------------------------------------
 
-@pytest.fixture(params=_core.supported_simd_levels())
-def simd_level(request):
-    before = _kernels.simd_level()
-    _core.set_simd_level(request.param)
-    _kernels.set_simd_level(request.param)
-    yield request.param
-    _core.set_simd_level(before)
-    _kernels.set_simd_level(before)
-
-
 @pytest.mark.parametrize("n", [1, 7, 32, 37, 1152])
-def test_layernorm_and_gelu_match_reference(simd_level, n) -> None:
+def test_layernorm_and_gelu_match_reference(simd, n) -> None:
     rng = np.random.default_rng(n)
     cpu = get_ops("cpu")
     x = (rng.standard_normal((9, n)) * 3 + 1.5).astype(np.float32)
@@ -244,7 +233,7 @@ def test_layernorm_and_gelu_match_reference(simd_level, n) -> None:
 
 @pytest.mark.parametrize("seq_len,heads,hd", [(1, 1, 4), (6, 1, 8), (16, 2, 16), (37, 3, 24), (300, 2, 64),
                                              (70, 1, 256)])
-def test_full_attention_matches_reference(simd_level, seq_len, heads, hd) -> None:
+def test_full_attention_matches_reference(simd, seq_len, heads, hd) -> None:
     """Query rows go 32 at a time and keys 64 at a time: short last groups of both, and
     sequences longer than one key block (the online softmax)."""
     rng = np.random.default_rng(seq_len)

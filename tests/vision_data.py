@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ellm import hub
+from ref_python import ref_python
 
 SKIMAGE_VERSION = "0.26.0"
 PILLOW_VERSION = "13.0.0"
@@ -58,14 +59,6 @@ def skimage_photos() -> Path:
         shutil.rmtree(out, ignore_errors=True)
         shutil.move(str(part), str(out))
     return out
-
-
-def ref_python() -> str:
-    ref = os.environ.get("ELLM_REF_PYTHON")
-    if not ref:
-        pytest.fail("ELLM_REF_PYTHON is not set: run the tests through `bash tests/run.sh`, or point it at a "
-                    "Python with torch and transformers", pytrace=False)
-    return ref
 
 
 def ref_env() -> dict[str, str]:
