@@ -27,7 +27,8 @@ output head apart (with the GB/s of weights they read), e.g.
 
     python benchmarks/bench_kernels.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 2
 
-(--exact: the same through the exact-activation path; --level avx2: at that SIMD level).
+(--exact: the same through the exact-activation path; --level avx2: at that SIMD level;
+--rows 16: a step of 16 sequences decoding at once, T=16).
 
 With --bias it instead prints what the bias epilogue (Qwen2's q/k/v) costs: linear on a
 896 x 896 matrix (Qwen2.5-0.5B's q_proj) and on 1536 x 576, at T=1 and T=128, with and
@@ -88,10 +89,11 @@ def time_call(fn, budget_s: float, min_reps: int = 3, clock=time.perf_counter) -
     return float(np.median(times))
 
 
-def model_token_fns(path: str, exact: bool = False) -> dict[str, tuple[object, int]]:
-    """One decode token's matmuls of a GGUF llama / gemma3 model, as callables, each with
+def model_token_fns(path: str, exact: bool = False, rows: int = 1) -> dict[str, tuple[object, int]]:
+    """One decode step's matmuls of a GGUF llama / gemma3 model, as callables, each with
     the weight bytes it reads (0: not reported). exact: through the exact-activation path
-    (linear_multi_exact, what ellm.load(..., activations="f32") runs) instead."""
+    (linear_multi_exact, what ellm.load(..., activations="f32") runs) instead. rows: the
+    step's tokens (1: one sequence; 16: a batched decode step of 16 sequences)."""
     from ellm.formats.gguf import GGUFFile
 
     f = GGUFFile(path)
@@ -104,8 +106,8 @@ def model_token_fns(path: str, exact: bool = False) -> dict[str, tuple[object, i
         q = int(info.qtype)
         w = f.raw(name) if q not in (0, 1, 30) else f.array(name)
         if k not in xs:  # one input per width, reused: values do not change the timing
-            xs[k] = rng.standard_normal((1, k), dtype=np.float32)
-        return w, q, xs[k], np.empty((1, n), np.float32)
+            xs[k] = rng.standard_normal((rows, k), dtype=np.float32)
+        return w, q, xs[k], np.empty((rows, n), np.float32)
 
     layers = []
     i = 0
@@ -153,8 +155,8 @@ def model_token_fns(path: str, exact: bool = False) -> dict[str, tuple[object, i
     return fns
 
 
-def bench_model(path: str, tokens: int, clock, exact: bool = False) -> None:
-    fns = model_token_fns(path, exact)
+def bench_model(path: str, tokens: int, clock, exact: bool = False, rows: int = 1) -> None:
+    fns = model_token_fns(path, exact, rows)
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn, _ in fns.values():
         fn()  # warm-up
@@ -254,6 +256,8 @@ def main() -> None:
                          "machine others are using)")
     ap.add_argument("--model", help="a GGUF file: time one decode token's matmuls instead")
     ap.add_argument("--tokens", type=int, default=30, help="tokens timed with --model")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="with --model: tokens per step (16: a decode step of 16 sequences)")
     ap.add_argument("--exact", action="store_true",
                     help="with --model: the exact-activation path (activations='f32')")
     ap.add_argument("--level", help="with --model: the SIMD level to run (default: the best)")
@@ -279,7 +283,9 @@ def main() -> None:
             _quant.set_simd_level(args.level)
         print(f"# {args.model}: one decode token's matmuls, level {_quant.simd_level()}"
               f"{', exact activations' if args.exact else ''}")
-        bench_model(args.model, args.tokens, clock, args.exact)
+        if args.rows < 1:
+            ap.error("--rows must be at least 1")
+        bench_model(args.model, args.tokens, clock, args.exact, args.rows)
         return
     if args.moe:
         types = [t for t in args.types.split(",") if t] if args.types != ap.get_default("types") else ["Q4_K"]

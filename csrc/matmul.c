@@ -612,7 +612,10 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
         if (T >= 16) ellm_parallel_for(N_ACT * T, 4, task_quantize_act, &c);
         else task_quantize_act(&c, 0, N_ACT * T, 0);
     }
-    if (c.few && run_decode_regions(&c, items)) return ELLM_OK;
+    /* a batched decode step (one token item, not on the tiles) streams its weights like a
+     * decode: one region per thread, so each thread's rows run on ahead of its prefetches */
+    const int streams = c.few || (!c.amx[0] && !c.amx[1] && !c.xb && T <= c.item_toks);
+    if (streams && run_decode_regions(&c, items)) return ELLM_OK;
     ellm_parallel_for(items, 1, task_matmul, &c);
     return ELLM_OK;
 }

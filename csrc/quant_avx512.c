@@ -11,6 +11,7 @@
 #define KFUNC static VNNI_TARGET
 #define QX_VNNI 1
 #define QX_ROWS 4
+#define QX_GROUPS 2
 
 #include "quant_x86.h"
 

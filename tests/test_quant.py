@@ -363,7 +363,9 @@ def test_linear_f16_accepts_float16_dtype() -> None:
 # decode = full recompute), so row t of linear(x) must equal linear(x[t:t+1]) bit for bit
 # ------------------------------------------------------------------------------------
 
-BATCH_SIZES = (1, 2, 3, 5, 7, 15, 16, 64, 129, 512)  # both sides of FEW_TOKENS (matmul.c)
+# both sides of FEW_TOKENS (matmul.c); 17, 24 and 31 end in a part-filled second group of
+# the two-group tiles (quant_x86.h's QX_GROUPS)
+BATCH_SIZES = (1, 2, 3, 5, 7, 15, 16, 17, 24, 31, 64, 129, 512)
 
 
 def invariance_case(qtype: GGMLType, rng: np.random.Generator):
@@ -409,7 +411,7 @@ def test_linear_batch_invariant(qtype: GGMLType, level: str) -> None:
     try:
         for threads in (1, 2, 3):
             _quant.set_num_threads(threads)
-            for t in (1, 129):
+            for t in (1, 24, 129):   # 24: a batched decode step, split in regions per thread
                 got = linear_rows(x[100:100 + t], w, qtype)
                 assert np.array_equal(got, alone[100:100 + t]), f"T={t}, {threads} threads"
     finally:
