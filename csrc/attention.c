@@ -36,7 +36,12 @@ enum {
     MAX_ROWS = ELLM_ATTN_MAX_ROWS, /* query rows (token, head) per pass over a tile */
     ROPE_CHUNK = 64,               /* rotation pairs whose cos/sin are held at once */
     SPLIT_PAIRS = 4,               /* split keys when (token, kv head) pairs < this * threads */
-    SMALL_CALL_MUL_ADDS = 1 << 18, /* below this, one thread (~10 us of work) */
+    /* below this, one thread: waking a worker costs more than the work. Low, because in
+     * a model a decode's keys come from memory (the weights streamed through the caches
+     * since the layer last ran), so even a short call waits on misses that two threads
+     * overlap: SmolLM2 decode at 64-192 keys, attention 1.15-1.33 -> 0.92-0.96 ms a
+     * token with 1 << 18 -> 0 here (AMD EPYC, 2 threads) */
+    SMALL_CALL_MUL_ADDS = 1 << 15,
 };
 /* The split schedule's partials may take at most this many floats (else: no split). */
 #define MAX_PARTIAL_FLOATS ((int64_t)1 << 22)
