@@ -717,7 +717,7 @@ DEFINE_QDOT(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
 DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
 
 /* ====================================================================================
- * Q4_K and Q6_K, many tokens: R weight rows against a group of ELLM_TG tokens (lane t =
+ * Q4_K and Q6_K, many tokens: R weight rows against NG groups of ELLM_TG tokens (lane t =
  * token t), activations in the ellm_act256x8 layout, as qgemm32 does for the 32-element
  * types. Per block and output the integer sums are exact and the float steps are those
  * of qdot_k45 / qdot_q6k_body for these two types:
@@ -731,20 +731,24 @@ DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
 /* Blocks unpacked ahead per register tile (256 value bytes per row and block) */
 #define QXK_CHUNK 2
 
-KINLINE void qgemmk_tile(int type, const int R, int64_t nb, const uint8_t *w, size_t ws,
-                         const ellm_act256x8 *xg, const int nt, float *y, size_t ys) {
+KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const uint8_t *w, size_t ws,
+                         const ellm_act256x8 *xg, size_t xgs, const int n0, const int n1, float *y,
+                         size_t ys) {
+    const ellm_act256x8 *xg1 = (const ellm_act256x8 *)((const uint8_t *)xg + xgs);
     const int q4 = type == ELLM_T_Q4_K;
     const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
     /* runs of dwords sharing one scale: Q4_K 8 runs of 8 (32 values), Q6_K 16 of 4 */
     const int nrun = q4 ? 8 : 16, rdw = q4 ? 8 : 4;
     const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-    __m256 acc[4];
+    __m256 acc[4][2];
     uint8_t wbuf[QXK_CHUNK][4][256] __attribute__((aligned(32)));
     int32_t sbuf[QXK_CHUNK][4][16]; /* the per-run scales */
     int32_t pbuf[QXK_CHUNK][4][8];  /* int16 pairs for the bsums madd: (mn, mn) / (sc, sc') */
     float dbuf[QXK_CHUNK][4], mbuf[QXK_CHUNK][4];
     _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 2")
+        for (int gi = 0; gi < NG; gi++) acc[r][gi] = _mm256_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += QXK_CHUNK) {
         const int nc = nb - i0 < QXK_CHUNK ? (int)(nb - i0) : QXK_CHUNK;
         qx_prefetch_rows_ahead(w, ws, R, (size_t)i0 * (size_t)bs, (size_t)nc * (size_t)bs);
@@ -798,93 +802,132 @@ KINLINE void qgemmk_tile(int type, const int R, int64_t nb, const uint8_t *w, si
         /* read back by broadcast loads (see qgemm32_tile) */
         __asm__("" : "+m"(wbuf), "+m"(sbuf), "+m"(pbuf));
         for (int ii = 0; ii < nc; ii++) {
-            const ellm_act256x8 *g = xg + i0 + ii;
-            __m256i tot[4];
+            const ellm_act256x8 *g[2] = {xg + i0 + ii, xg1 + i0 + ii};
+            __m256i tot[4][2];
             _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++) tot[r] = _mm256_setzero_si256();
+            for (int r = 0; r < R; r++)
+                _Pragma("GCC unroll 2")
+                for (int gi = 0; gi < NG; gi++) tot[r][gi] = _mm256_setzero_si256();
             for (int j = 0; j < nrun; j++) {
-                __m256i s[4];
+                __m256i s[4][2];
 #if QX_VNNI
                 _Pragma("GCC unroll 4")
-                for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+                for (int r = 0; r < R; r++)
+                    _Pragma("GCC unroll 2")
+                    for (int gi = 0; gi < NG; gi++) s[r][gi] = _mm256_setzero_si256();
                 _Pragma("GCC unroll 8")
                 for (int m = 0; m < rdw; m++) {
                     const int dw = rdw * j + m;
-                    const __m256i xm = _mm256_loadu_si256((const __m256i *)(g->qs + 32 * dw));
+                    __m256i xm[2];
+                    _Pragma("GCC unroll 2")
+                    for (int gi = 0; gi < NG; gi++) xm[gi] = _mm256_loadu_si256((const __m256i *)(g[gi]->qs + 32 * dw));
                     _Pragma("GCC unroll 4")
-                    for (int r = 0; r < R; r++)
-                        s[r] = _mm256_dpbusd_epi32(
-                            s[r], _mm256_set1_epi32((int)ellm_rd_u32(wbuf[ii][r] + 4 * dw)), xm);
+                    for (int r = 0; r < R; r++) {
+                        const __m256i wm = _mm256_set1_epi32((int)ellm_rd_u32(wbuf[ii][r] + 4 * dw));
+                        _Pragma("GCC unroll 2")
+                        for (int gi = 0; gi < NG; gi++) s[r][gi] = _mm256_dpbusd_epi32(s[r][gi], wm, xm[gi]);
+                    }
                 }
                 _Pragma("GCC unroll 4")
-                for (int r = 0; r < R; r++)
-                    tot[r] = _mm256_add_epi32(
-                        tot[r], _mm256_mullo_epi32(s[r], _mm256_set1_epi32(sbuf[ii][r][j])));
+                for (int r = 0; r < R; r++) {
+                    const __m256i sc = _mm256_set1_epi32(sbuf[ii][r][j]);
+                    _Pragma("GCC unroll 2")
+                    for (int gi = 0; gi < NG; gi++)
+                        tot[r][gi] = _mm256_add_epi32(tot[r][gi], _mm256_mullo_epi32(s[r][gi], sc));
+                }
 #else
                 /* int16 partial sums: 8 dwords of 2 * 15 * 127 (Q4_K), or 2 of 2 * 63 * 127 (Q6_K) */
                 const int G = q4 ? 8 : 2;
                 _Pragma("GCC unroll 8")
                 for (int m = 0; m < rdw; m++) {
                     const int dw = rdw * j + m;
-                    const __m256i xm = _mm256_loadu_si256((const __m256i *)(g->qs + 32 * dw));
+                    __m256i xm[2];
+                    _Pragma("GCC unroll 2")
+                    for (int gi = 0; gi < NG; gi++) xm[gi] = _mm256_loadu_si256((const __m256i *)(g[gi]->qs + 32 * dw));
                     _Pragma("GCC unroll 4")
                     for (int r = 0; r < R; r++) {
-                        const __m256i p = _mm256_maddubs_epi16(
-                            _mm256_set1_epi32((int)ellm_rd_u32(wbuf[ii][r] + 4 * dw)), xm);
-                        s[r] = m % G == 0 ? p : _mm256_add_epi16(s[r], p);
-                        if (m % G == G - 1)
-                            tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(
-                                s[r], _mm256_set1_epi16((short)sbuf[ii][r][j])));
+                        const __m256i wm = _mm256_set1_epi32((int)ellm_rd_u32(wbuf[ii][r] + 4 * dw));
+                        _Pragma("GCC unroll 2")
+                        for (int gi = 0; gi < NG; gi++) {
+                            const __m256i p = _mm256_maddubs_epi16(wm, xm[gi]);
+                            s[r][gi] = m % G == 0 ? p : _mm256_add_epi16(s[r][gi], p);
+                            if (m % G == G - 1)
+                                tot[r][gi] = _mm256_add_epi32(tot[r][gi], _mm256_madd_epi16(
+                                    s[r][gi], _mm256_set1_epi16((short)sbuf[ii][r][j])));
+                        }
                     }
                 }
 #endif
             }
-            const __m256 dx = _mm256_loadu_ps(g->d);
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++) {
-                __m256i bsp = _mm256_setzero_si256();
-                _Pragma("GCC unroll 8")
-                for (int k = 0; k < 8; k++)
-                    bsp = _mm256_add_epi32(
-                        bsp, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)g->bsums[k]),
-                                               _mm256_set1_epi32(pbuf[ii][r][k])));
-                if (q4) {
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r]),
-                                             _mm256_mul_ps(_mm256_set1_ps(dbuf[ii][r]), dx), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bsp),
-                                             _mm256_mul_ps(_mm256_set1_ps(mbuf[ii][r]), dx), acc[r]);
-                } else {
-                    const __m256i isum = _mm256_sub_epi32(tot[r], _mm256_slli_epi32(bsp, 5));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
-                                             _mm256_mul_ps(_mm256_set1_ps(dbuf[ii][r]), dx), acc[r]);
+            _Pragma("GCC unroll 2")
+            for (int gi = 0; gi < NG; gi++) {
+                const __m256 dx = _mm256_loadu_ps(g[gi]->d);
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++) {
+                    __m256i bsp = _mm256_setzero_si256();
+                    _Pragma("GCC unroll 8")
+                    for (int k = 0; k < 8; k++)
+                        bsp = _mm256_add_epi32(
+                            bsp, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)g[gi]->bsums[k]),
+                                                   _mm256_set1_epi32(pbuf[ii][r][k])));
+                    if (q4) {
+                        acc[r][gi] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r][gi]),
+                                                     _mm256_mul_ps(_mm256_set1_ps(dbuf[ii][r]), dx), acc[r][gi]);
+                        acc[r][gi] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bsp),
+                                                     _mm256_mul_ps(_mm256_set1_ps(mbuf[ii][r]), dx), acc[r][gi]);
+                    } else {
+                        const __m256i isum = _mm256_sub_epi32(tot[r][gi], _mm256_slli_epi32(bsp, 5));
+                        acc[r][gi] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                                     _mm256_mul_ps(_mm256_set1_ps(dbuf[ii][r]), dx), acc[r][gi]);
+                    }
                 }
             }
         }
     }
-    _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++) {
-        float out[ELLM_TG] __attribute__((aligned(32)));
-        _mm256_store_ps(out, acc[r]);
-        for (int t = 0; t < nt; t++) y[(size_t)t * ys + (size_t)r] = out[t];
+    _Pragma("GCC unroll 2")
+    for (int gi = 0; gi < NG; gi++) {
+        const int n = gi == 0 ? n0 : n1;
+        float *yg = y + (size_t)(gi * ELLM_TG) * ys;
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) {
+            float out[ELLM_TG] __attribute__((aligned(32)));
+            _mm256_store_ps(out, acc[r][gi]);
+            for (int t = 0; t < n; t++) yg[(size_t)t * ys + (size_t)r] = out[t];
+        }
     }
 }
 
+/* The rows of one pass over NG token groups (as QGEMM32_ROWS). */
+#define QGEMMK_ROWS(TYPE, NG, n0, n1)                                                        \
+    {                                                                                        \
+        int64_t r = 0;                                                                       \
+        for (; r + QX_ROWS <= nr; r += QX_ROWS)                                              \
+            qgemmk_tile(TYPE, QX_ROWS, NG, nb, w + (size_t)r * ws, ws, xg, xs, n0, n1, yt + r, ys); \
+        switch (nr - r) {                                                                    \
+        case 1: qgemmk_tile(TYPE, 1, NG, nb, w + (size_t)r * ws, ws, xg, xs, n0, n1, yt + r, ys); break; \
+        case 2: qgemmk_tile(TYPE, 2, NG, nb, w + (size_t)r * ws, ws, xg, xs, n0, n1, yt + r, ys); break; \
+        case 3: qgemmk_tile(TYPE, 3, NG, nb, w + (size_t)r * ws, ws, xg, xs, n0, n1, yt + r, ys); break; \
+        default: break;                                                                      \
+        }                                                                                    \
+    }
+
+/* The whole block, as DEFINE_QGEMM32: QX_GROUPS token groups per pass over the rows. */
 #define DEFINE_QGEMMK(name, TYPE)                                                            \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
-        for (int64_t t = 0; t < nt; t += ELLM_TG) {                                          \
+        int64_t t = 0;                                                                       \
+        if (QX_GROUPS > 1)                                                                   \
+            for (; nt - t > ELLM_TG; t += 2 * ELLM_TG) {                                     \
+                const ellm_act256x8 *xg = (const ellm_act256x8 *)(x + (size_t)(t / ELLM_TG) * xs); \
+                const int n1 = nt - t - ELLM_TG < ELLM_TG ? (int)(nt - t - ELLM_TG) : ELLM_TG; \
+                float *yt = y + (size_t)t * ys;                                              \
+                QGEMMK_ROWS(TYPE, 2, ELLM_TG, n1)                                            \
+            }                                                                                \
+        for (; t < nt; t += ELLM_TG) {                                                       \
             const ellm_act256x8 *xg = (const ellm_act256x8 *)(x + (size_t)(t / ELLM_TG) * xs); \
             const int n = nt - t < ELLM_TG ? (int)(nt - t) : ELLM_TG;                        \
             float *yt = y + (size_t)t * ys;                                                  \
-            int64_t r = 0;                                                                   \
-            for (; r + QX_ROWS <= nr; r += QX_ROWS)                                          \
-                qgemmk_tile(TYPE, QX_ROWS, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys);   \
-            switch (nr - r) {                                                                \
-            case 1: qgemmk_tile(TYPE, 1, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys); break; \
-            case 2: qgemmk_tile(TYPE, 2, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys); break; \
-            case 3: qgemmk_tile(TYPE, 3, nb, w + (size_t)r * ws, ws, xg, n, yt + r, ys); break; \
-            default: break;                                                                  \
-            }                                                                                \
+            QGEMMK_ROWS(TYPE, 1, n, 0)                                                       \
         }                                                                                    \
     }
 
