@@ -12,6 +12,7 @@
 #define QX_VNNI 1
 #define QX_ROWS 4
 #define QX_GROUPS 2
+#define QX_ZMM 1
 
 #include "quant_x86.h"
 
