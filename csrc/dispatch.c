@@ -102,6 +102,21 @@ int ellm_cpu_has_amx_bf16(void) {
     return h;
 }
 
+static atomic_int is_amd = -1;
+int ellm_cpu_is_amd(void) {
+    int v = atomic_load_explicit(&is_amd, memory_order_relaxed);
+    if (v < 0) {
+        v = 0;
+#ifdef ELLM_X86
+        unsigned a, b, c, d;
+        /* the vendor string is EBX, EDX, ECX: "Auth" "enti" "cAMD" */
+        if (__get_cpuid(0, &a, &b, &c, &d)) v = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
+#endif
+        atomic_store(&is_amd, v);
+    }
+    return v;
+}
+
 static atomic_int best_level = -1;
 static atomic_int active_level = -1;
 

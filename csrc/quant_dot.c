@@ -373,6 +373,18 @@ ellm_qdot_fn ellm_qdot_select(int qtype) {
     return f ? f : ellm_qdot_scalar(qtype);
 }
 
+ellm_qdot_fn ellm_qdot_stream_select(int qtype) {
+    ellm_qdot_fn f = NULL;
+#ifdef ELLM_HAVE_X86_KERNELS
+    int level = ellm_simd_level();
+    /* paired with ellm_qdot_select's choice, as ellm_qgemm_select is */
+    if (level >= ELLM_SIMD_AVX512 && ellm_cpu_has_vnni()) f = ellm_qdot_stream_avx512(qtype, 1);
+    else if (level >= ELLM_SIMD_AVX2) f = ellm_qdot_stream_avx2(qtype);
+#endif
+    (void)qtype;
+    return f;
+}
+
 ellm_qgemm_fn ellm_qgemm_select(int qtype) {
     ellm_qgemm_fn f = NULL;
 #ifdef ELLM_HAVE_X86_KERNELS

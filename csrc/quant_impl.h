@@ -166,6 +166,8 @@ ellm_fmm_fn ellm_fmm_avx2(int qtype);
 void ellm_act32_avx2(const float *x, int64_t k, void *out);
 void ellm_act256_avx2(const float *x, int64_t k, void *out);
 ellm_qdot_fn ellm_qdot_avx512(int qtype, int vnni);
+ellm_qdot_fn ellm_qdot_stream_avx2(int qtype);
+ellm_qdot_fn ellm_qdot_stream_avx512(int qtype, int vnni);
 ellm_qgemm_fn ellm_qgemm_avx2(int qtype);
 ellm_qgemm_fn ellm_qgemm_avx512(int qtype, int vnni);
 ellm_fmm_fn ellm_fmm_avx512(int qtype);
@@ -178,6 +180,9 @@ int ellm_cpu_has_vnni(void);
 ellm_qdot_fn ellm_qdot_select(int qtype);
 ellm_fmm_fn ellm_fmm_select(int qtype);
 ellm_act_fn ellm_act_select(int qtype);
+/* A qdot kernel with the same results as ellm_qdot_select's that reads one row at a
+ * time (for weights streamed from DRAM), or NULL where there is no such variant. */
+ellm_qdot_fn ellm_qdot_stream_select(int qtype);
 /* The kernel in force for many tokens, or NULL (then the qdot kernel serves every T). */
 ellm_qgemm_fn ellm_qgemm_select(int qtype);
 

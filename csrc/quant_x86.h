@@ -237,6 +237,43 @@ KINLINE void qdot32_rows8(int type, int64_t nb, const uint8_t *w, size_t ws, int
     }
 }
 
+/* Decode, one row at a time: the same sums as qdot32_rows8 (the block's 8 lanes summed
+ * in integers first), for weights streamed from DRAM, where one sequential read per
+ * thread keeps the hardware prefetcher ahead best. */
+KINLINE void qdot32_row1(int type, int64_t nb, const uint8_t *w, const ellm_act32 *x, float *y) {
+    const int bs = bytes32(type);
+    const int has_c = type != ELLM_T_Q8_0;
+    float acc = 0.0f, cor = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + (size_t)i * (size_t)bs;
+        const ellm_act32 *a = x + i;
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
+        __m256i sq = _mm256_setzero_si256();
+        const __m256i q = values32(type, b, &sq);
+        const int isum = hsum8_epi32(DOT_US8(q, type == ELLM_T_Q8_0 ? _mm256_sign_epi8(xq, sq) : xq));
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
+        const float d = _mm_cvtss_f32(dm);
+        acc = fmaf((float)isum, d * a->d, acc);
+        if (has_c) cor = fmaf(const32(type, d, _mm_cvtss_f32(_mm_movehdup_ps(dm))), a->s, cor);
+    }
+    *y = has_c ? acc + cor : acc;
+}
+
+#define DEFINE_QDOT32_STREAM(name, TYPE)                                                     \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        for (int64_t t = 0; t < nt; t++)                                                     \
+            for (int64_t r = 0; r < nr; r++)                                                 \
+                qdot32_row1(TYPE, nb, w + (size_t)r * ws, (const ellm_act32 *)(x + (size_t)t * xs), \
+                            y + (size_t)t * ys + (size_t)r);                                 \
+    }
+
+DEFINE_QDOT32_STREAM(qdots_q4_0, ELLM_T_Q4_0)
+DEFINE_QDOT32_STREAM(qdots_q4_1, ELLM_T_Q4_1)
+DEFINE_QDOT32_STREAM(qdots_q5_0, ELLM_T_Q5_0)
+DEFINE_QDOT32_STREAM(qdots_q5_1, ELLM_T_Q5_1)
+DEFINE_QDOT32_STREAM(qdots_q8_0, ELLM_T_Q8_0)
+
 #define DEFINE_QDOT32(name, TYPE)                                                            \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
@@ -286,6 +323,15 @@ INLINE int s16_steps(int type) {
  * computed as an integer, as it may lie past w's end; a prefetch never faults. */
 #define QX_PREFETCH_TILES 4
 
+/* A 32-element block's scale d and constant term c; the block `ahead` bytes on (the same
+ * one QX_PREFETCH_TILES row tiles later) is asked for. */
+INLINE void block32_scales(int type, const uint8_t *b, size_t ahead, float *d, float *c) {
+    _mm_prefetch((const char *)((uintptr_t)b + ahead), _MM_HINT_T0);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
+    *d = _mm_cvtss_f32(dm);
+    *c = const32(type, *d, _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+}
+
 /* Token groups one unpacking of a weight tile serves in the K-quant kernels below
  * (QX_GROUPS of the includer, 1 when it sets none): with 2, a batched decode step of 16
  * sequences unpacks and broadcasts each weight dword once for both its groups, and the
@@ -312,10 +358,7 @@ KINLINE void qgemm32_tile(int type, const int R, int64_t nb, const uint8_t *w, s
             _Pragma("GCC unroll 4")
             for (int r = 0; r < R; r++) {
                 const uint8_t *b = w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs;
-                _mm_prefetch((const char *)((uintptr_t)b + (size_t)(QX_PREFETCH_TILES * R) * ws), _MM_HINT_T0);
-                __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
-                dbuf[ii][r] = _mm_cvtss_f32(dm);
-                cbuf[ii][r] = const32(type, dbuf[ii][r], _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+                block32_scales(type, b, (size_t)(QX_PREFETCH_TILES * R) * ws, &dbuf[ii][r], &cbuf[ii][r]);
                 __m256i sq = _mm256_setzero_si256();
                 _mm256_store_si256((__m256i *)wbuf[ii][r][0], values32(type, b, &sq));
                 if (type == ELLM_T_Q8_0) _mm256_store_si256((__m256i *)wbuf[ii][r][1], sq);
@@ -423,10 +466,7 @@ KINLINE void qgemm32z_tile(int type, const int R, int64_t nb, const uint8_t *w, 
             _Pragma("GCC unroll 8")
             for (int r = 0; r < R; r++) {
                 const uint8_t *b = w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs;
-                _mm_prefetch((const char *)((uintptr_t)b + (size_t)(QX_PREFETCH_TILES * R) * ws), _MM_HINT_T0);
-                __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
-                dbuf[ii][r] = _mm_cvtss_f32(dm);
-                cbuf[ii][r] = const32(type, dbuf[ii][r], _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+                block32_scales(type, b, (size_t)(QX_PREFETCH_TILES * R) * ws, &dbuf[ii][r], &cbuf[ii][r]);
                 if (q8) {
                     _mm256_store_si256((__m256i *)wbuf[ii][r], _mm256_loadu_si256((const __m256i *)(b + 2)));
                     obuf[ii][r] = 128 * qx_sum_i8x32(b + 2);

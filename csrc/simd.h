@@ -26,5 +26,8 @@ int ellm_simd_set(int level);
 const char *ellm_simd_name(int level);
 /* AVX-512 VNNI (vpdpbusd) usable: lets the AVX-512 integer dot kernels use it. */
 int ellm_cpu_has_avx512_vnni(void);
+/* An AMD CPU (CPUID vendor "AuthenticAMD"; asked once): decode of a matrix too large for
+ * the caches reads it faster one row at a time there (matmul.c). */
+int ellm_cpu_is_amd(void);
 
 #endif
