@@ -112,11 +112,12 @@ _Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS, "tiles start no later than the toke
 #define DECODE_ITEM_MIN_BYTES ((size_t)16 << 10)
 #define DECODE_ITEM_MAX_BYTES ((size_t)256 << 10)
 #define DECODE_MIN_ROWS 4
-/* A one-token call on a matrix larger than this reads it from DRAM; on AMD CPUs the kernel
- * variant that reads one row at a time (same results) streams it faster than the 8-row
- * tiles with their software prefetch, on Intel's the tiles do (Gemma 3's 178 MB head,
- * 2 threads, AMD EPYC: 7.4-7.7 -> 6.1-6.8 ms; Intel Xeon: the tiles were the faster). */
-#define DECODE_ROW_STREAM_BYTES ((size_t)64 << 20)
+/* A one-token call on a matrix larger than this (a model's head) reads it from DRAM; on
+ * AMD CPUs the kernel variant that reads one row at a time (same results) streams it
+ * faster than the 8-row tiles with their software prefetch, on Intel's the tiles do. AMD
+ * EPYC, 2 threads: Gemma 3's 178 MB head 7.4-7.7 -> 6.1-6.8 ms, SmolLM2's 30 MB one
+ * 1.24-1.33 -> 1.00-1.10 ms; the layers' matrices (under 1 MB) were slower that way. */
+#define DECODE_ROW_STREAM_BYTES ((size_t)16 << 20)
 /* Regions at most (one per thread; with more threads, the items are claimed in turn) */
 #define DECODE_MAX_REGIONS 64
 
