@@ -252,6 +252,9 @@ def test_interpreter_exit_with_a_running_request_does_not_hang(smollm2_gguf) -> 
 def test_ctrl_c_stops_a_blocking_generate_and_frees_its_blocks(smollm2_gguf) -> None:
     code = (
         "import os, signal, threading, ellm\n"
+        # Python's own Ctrl-C handler, also when this suite runs with SIGINT ignored (a
+        # background job), which a child would inherit
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"llm = ellm.load({str(smollm2_gguf)!r}, max_model_len=512, progress=False)\n"
         "llm.generate('Hi', max_tokens=1)\n"
         "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -74,6 +75,9 @@ class Terminal:
         import pty
         pid, fd = pty.fork()
         if pid == 0:   # the child
+            # ^C reaches the program as it would a user's, also when this suite runs with
+            # SIGINT ignored (started as a background job, which Python then leaves ignored)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(argv[0], argv, env)
         self.pid, self.fd, self.buffer = pid, fd, ""
 
