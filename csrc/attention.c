@@ -624,6 +624,13 @@ int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch
     }
     if (room / thread_floats(a->hd) < threads) threads = (int)(room / thread_floats(a->hd));
     const int g = a->nh / a->nkv;
-    ellm_parallel_for_threads(a->nkv * (int64_t)head_slices(g) * a->T, 1, threads, phase2a, &c);
+    /* A batched decode step (every token its own sequence, enough of them for the threads)
+     * hands out a token's kv heads together: they read the same K/V blocks, whose rows
+     * hold all the kv heads side by side, so one thread streams them whole (SmolLM2, 16
+     * sequences: attention 5.1-8.8 -> 5.2-5.8 ms a step, 7 alternating runs). */
+    const int64_t per_token = a->nkv * (int64_t)head_slices(g);
+    int whole_tokens = a->T >= 2 * (int64_t)threads;
+    for (int64_t t = 1; whole_tokens && t < a->T; t++) whole_tokens = a->seq_ids[t] != a->seq_ids[t - 1];
+    ellm_parallel_for_threads(per_token * a->T, whole_tokens ? per_token : 1, threads, phase2a, &c);
     return 0;
 }
