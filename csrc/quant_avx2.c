@@ -119,12 +119,5 @@ ellm_qgemm_fn ellm_qgemm_avx2(int qtype) {
 }
 
 ellm_qdot_fn ellm_qdot_stream_avx2(int qtype) {
-    switch (qtype) {
-    case ELLM_T_Q4_0: return qdots_q4_0;
-    case ELLM_T_Q4_1: return qdots_q4_1;
-    case ELLM_T_Q5_0: return qdots_q5_0;
-    case ELLM_T_Q5_1: return qdots_q5_1;
-    case ELLM_T_Q8_0: return qdots_q8_0;
-    default: return NULL;
-    }
+    return qdot_stream_kernel(qtype);
 }

@@ -49,12 +49,5 @@ ellm_qgemm_fn ellm_qgemm_avx512(int qtype, int vnni) {
 
 ellm_qdot_fn ellm_qdot_stream_avx512(int qtype, int vnni) {
     if (!vnni) return NULL;
-    switch (qtype) {
-    case ELLM_T_Q4_0: return qdots_q4_0;
-    case ELLM_T_Q4_1: return qdots_q4_1;
-    case ELLM_T_Q5_0: return qdots_q5_0;
-    case ELLM_T_Q5_1: return qdots_q5_1;
-    case ELLM_T_Q8_0: return qdots_q8_0;
-    default: return NULL;
-    }
+    return qdot_stream_kernel(qtype);
 }

@@ -274,6 +274,18 @@ DEFINE_QDOT32_STREAM(qdots_q5_0, ELLM_T_Q5_0)
 DEFINE_QDOT32_STREAM(qdots_q5_1, ELLM_T_Q5_1)
 DEFINE_QDOT32_STREAM(qdots_q8_0, ELLM_T_Q8_0)
 
+/* This level's one-row decode kernel for qtype (the 32-element types), or NULL. */
+static inline ellm_qdot_fn qdot_stream_kernel(int qtype) {
+    switch (qtype) {
+    case ELLM_T_Q4_0: return qdots_q4_0;
+    case ELLM_T_Q4_1: return qdots_q4_1;
+    case ELLM_T_Q5_0: return qdots_q5_0;
+    case ELLM_T_Q5_1: return qdots_q5_1;
+    case ELLM_T_Q8_0: return qdots_q8_0;
+    default: return NULL;
+    }
+}
+
 #define DEFINE_QDOT32(name, TYPE)                                                            \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
@@ -458,12 +470,12 @@ KINLINE void qgemm32z_tile(int type, const int R, int64_t nb, const uint8_t *w, 
     uint8_t wbuf[QX_CHUNK][QX_ZROWS][32] __attribute__((aligned(32)));
     float dbuf[QX_CHUNK][QX_ZROWS], cbuf[QX_CHUNK][QX_ZROWS];
     int32_t obuf[QX_CHUNK][QX_ZROWS];
-    _Pragma("GCC unroll 8")
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++) acc[r] = cor[r] = _mm512_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += QX_CHUNK) {
         const int nc = nb - i0 < QX_CHUNK ? (int)(nb - i0) : QX_CHUNK;
         for (int ii = 0; ii < nc; ii++) {
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 4")
             for (int r = 0; r < R; r++) {
                 const uint8_t *b = w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs;
                 block32_scales(type, b, (size_t)(QX_PREFETCH_TILES * R) * ws, &dbuf[ii][r], &cbuf[ii][r]);
@@ -480,20 +492,20 @@ KINLINE void qgemm32z_tile(int type, const int R, int64_t nb, const uint8_t *w, 
         for (int ii = 0; ii < nc; ii++) {
             const ellm_act32x8 *g0 = xg + i0 + ii, *g1 = xg1 + i0 + ii;
             __m512i isum[QX_ZROWS];
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 4")
             for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
             _Pragma("GCC unroll 8")
             for (int m = 0; m < 8; m++) {
                 __m512i xm = qx_pair_epi8(g0->qs + 32 * m, g1->qs + 32 * m);
                 if (q8) xm = _mm512_xor_si512(xm, _mm512_set1_epi8((char)0x80));
-                _Pragma("GCC unroll 8")
+                _Pragma("GCC unroll 4")
                 for (int r = 0; r < R; r++) {
                     const __m512i wm = _mm512_set1_epi32((int)ellm_rd_u32(wbuf[ii][r] + 4 * m));
                     isum[r] = q8 ? _mm512_dpbusd_epi32(isum[r], xm, wm) : _mm512_dpbusd_epi32(isum[r], wm, xm);
                 }
             }
             const __m512 dx = qx_pair_ps(g0->d, g1->d), sx = qx_pair_ps(g0->s, g1->s);
-            _Pragma("GCC unroll 8")
+            _Pragma("GCC unroll 4")
             for (int r = 0; r < R; r++) {
                 if (q8) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(obuf[ii][r]));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
@@ -502,7 +514,7 @@ KINLINE void qgemm32z_tile(int type, const int R, int64_t nb, const uint8_t *w, 
             }
         }
     }
-    _Pragma("GCC unroll 8")
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++) {
         float out[2 * ELLM_TG] __attribute__((aligned(64)));
         _mm512_store_ps(out, q8 ? acc[r] : _mm512_add_ps(acc[r], cor[r]));
