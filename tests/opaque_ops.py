@@ -62,6 +62,10 @@ class OpaqueOps:
         self._host: dict[int, tuple[Any, Any]] = {}   # id(device object) -> (it, its host twin)
         self.counts = {"to_host": 0, "sample": 0, "replayed": 0, "eager": 0}
 
+    # the layers one op at a time: so the comparison with the cpu backend, which runs
+    # them as one call (ops.layer_stack), also holds that call to the ops bit for bit
+    layer_stack = None
+
     # -- memory --------------------------------------------------------------------
 
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Opaque:

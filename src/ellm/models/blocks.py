@@ -121,6 +121,10 @@ def _cached_views(owner: Any, ws: Workspace, t: int, make: Any) -> Any:
     return views
 
 
+# the workspace views in a layer stack's spec of each layer (Decoder._layer_spec)
+_STACK_VIEWS = ("q_out", "k_out", "v_out", "attn_out", "gate_out", "up_out", "act_out")
+
+
 def _arrays(views: Any) -> Iterator[Any]:
     for v in views:
         if isinstance(v, tuple):
@@ -322,6 +326,29 @@ class Decoder:
             rec(None, "embed", residual)
         first = self.layers[0].input_norm
         h = residual if first is None else ops.rmsnorm(residual, first, eps, out=h_buf)
+        stack = self._layer_stack(ws, t, kv) if rec is None else None
+        if stack is not None:   # every layer in one call, leaving residual and h_buf as the loop does
+            stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit)
+            h = residual if self.norm is None else h_buf
+        else:
+            h = self._layers_one_by_one(ws, h, batch, kv, proj, h_buf, residual)
+        if rec is not None:   # [trace]
+            rec(None, "final_norm", h)
+        if r != t:
+            h = ops.gather_rows(h, batch.logits_rows, out=ws.get("rows", r, H))
+        if hidden_only:
+            return h
+        logits = ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))
+        if self.logits_scale != 1.0:
+            ops.scale(logits, self.logits_scale)
+        if self.final_softcap > 0:
+            ops.softcap(logits, self.final_softcap)
+        return logits
+
+    def _layers_one_by_one(self, ws: Workspace, h: np.ndarray, batch: Batch, kv: Any, proj: np.ndarray,
+                           h_buf: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        """The layers, each block's ops called from here (and told to the trace recorder)."""
+        ops, eps, rec = self.ops, self.config.rms_norm_eps, self.recorder
         # per layer: its norm after each block, and the norm the residual goes through next
         for i, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms())):
             if rec is not None and layer.input_norm is not None:   # [trace]
@@ -345,18 +372,55 @@ class Decoder:
             h = ops.add(residual, proj) if next_norm is None else ops.add_rmsnorm(residual, proj, next_norm, eps, out=h_buf)
             if rec is not None:   # [trace]
                 rec(i, "resid_mlp", residual)
-        if rec is not None:   # [trace]
-            rec(None, "final_norm", h)
-        if r != t:
-            h = ops.gather_rows(h, batch.logits_rows, out=ws.get("rows", r, H))
-        if hidden_only:
-            return h
-        logits = ops.linear(h, self.lm_head, out=ws.get("logits", r, c.vocab_size))
-        if self.logits_scale != 1.0:
-            ops.scale(logits, self.logits_scale)
-        if self.final_softcap > 0:
-            ops.softcap(logits, self.final_softcap)
-        return logits
+        return h
+
+    def _layer_stack(self, ws: Workspace, t: int, kv: Any) -> Any:
+        """The backend's one-call runner of every layer (ops.layer_stack) for t rows of ws
+        and this KV cache, made once and kept while ws's buffers stay; None where the
+        backend has none or a layer is not the standard attention + MLP pair (MoE)."""
+        make = getattr(self.ops, "layer_stack", None)
+        if make is None:
+            return None
+        cache = self.__dict__.setdefault("_stacks", {})
+        key = (id(ws), t, id(kv))
+        hit = cache.get(key)
+        ours = hit is not None and hit[0] is ws and hit[2] is kv and hit[3] is self.layers
+        if ours and (hit[1] == ws.generation or all(ws.holds(v) for v in hit[5])):
+            hit[1] = ws.generation   # ws made buffers for something else since (the logits)
+            return hit[4]
+        if not all(type(l.attn) is Attention and type(l.mlp) is MLP for l in self.layers):
+            stack, views = None, []
+        else:
+            proj, h_buf, residual = _cached_views(self, ws, t, self._make_views)
+            specs = [self._layer_spec(ws, t, kv, i, layer, next_norm)
+                     for i, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms()))]
+            stack = make(specs, t, self.config.hidden_size, residual, proj, h_buf, self.config.rms_norm_eps)
+            # one view of each workspace buffer the stack points into
+            views = list({id(v.base): v for v in [proj, h_buf, residual] +
+                          [spec[name] for spec in specs for name in _STACK_VIEWS]}.values())
+        if len(cache) >= _VIEW_CACHE_ROWS:
+            cache.clear()
+        cache[key] = [ws, ws.generation, kv, self.layers, stack, views]   # ws, kv held: their ids stay theirs
+        return stack
+
+    @staticmethod
+    def _layer_spec(ws: Workspace, t: int, kv: Any, i: int, layer: DecoderLayer,
+                    next_norm: np.ndarray | None) -> dict[str, Any]:
+        """What a layer stack needs of one layer: its weights, norms and workspace views."""
+        a, m = layer.attn, layer.mlp
+        q, k, v, _, _, _, attn, _, _ = _cached_views(a, ws, t, a._make_views)
+        gate, up, act, _ = _cached_views(m, ws, t, m._make_views)
+        k_cache, v_cache = kv.layer(i)
+        return dict(
+            reads_normed=layer.input_norm is not None, q=a.q, k=a.k, v=a.v, o=a.o,
+            q_out=q, k_out=k, v_out=v, attn_out=attn, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+            head_dim=a.head_dim, q_norm=a.q_norm, k_norm=a.k_norm, qk_norm_whole=a.qk_norm_whole,
+            attn_eps=a.eps, k_cache=k_cache, v_cache=v_cache, inv_freq=a.inv_freq, interleaved=a.interleaved,
+            window=a.window, scale=a.scale, softcap=a.softcap, rope_mscale=a.rope_mscale,
+            post_attn_norm=layer.post_attn_norm, post_mlp_norm=layer.post_mlp_norm,
+            residual_multiplier=layer.residual_multiplier, pre_mlp_norm=layer.pre_mlp_norm,
+            next_norm=next_norm, gate=m.gate, up=m.up, down=m.down, gate_out=gate, up_out=up,
+            act_out=act, act=m.act)
 
 
 def upload_weights(ops: Any, x: Any, memo: dict[int, Any]) -> Any:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .._native import _kernels, _moe, _quant, _vision
+from .._native import _kernels, _moe, _quant, _stack, _vision
 from .memory import HostMemory
 from .reference import Experts
 
@@ -169,6 +169,14 @@ class CpuOps(HostMemory):
             hit = (experts, stacks)
             self._expert_stacks[id(experts)] = hit
         return hit[1]
+
+    def layer_stack(self, specs: list[dict], t: int, hidden: int, residual: np.ndarray, proj: np.ndarray,
+                    h: np.ndarray, eps: float) -> _stack.LayerStack | None:
+        """Every layer of a forward of t rows as one call into C (Decoder._layer_stack says
+        what specs hold); None with exact activations, whose kernels it does not call."""
+        if self.exact_activations:
+            return None
+        return _stack.LayerStack(specs, t, hidden, residual, proj, h, eps)
 
     def rope_attention(self, q, k, v, positions, seq_ids, block_tables, k_cache, v_cache,
                        inv_freq, interleaved, scale, window=0, softcap_value=0.0, out=None,

@@ -30,6 +30,12 @@ class Workspace:
             self.generation += 1
         return buf[:rows]
 
+    def holds(self, view: Any) -> bool:
+        """True while `view` is a view of one of the current buffers (an array type that
+        does not say its base, a backend's own, never is)."""
+        base = getattr(view, "base", None)
+        return base is not None and any(base is b for b in self._bufs.values())
+
     @property
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self._bufs.values())
