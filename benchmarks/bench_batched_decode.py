@@ -45,7 +45,7 @@ def prompts(n: int, length: int, vocab_low: int = 200, vocab_high: int = 20000) 
 
 
 def worker(model: str, threads: int, seqs: list[int], new_tokens: int, prompt_len: int,
-           level: str | None) -> dict[str, float]:
+           level: str | None, kv_cache_dtype: str = "auto") -> dict[str, float]:
     """One round: {S: aggregate decode tok/s} in this process."""
     import ellm
     from ellm._native import _core, _kernels
@@ -53,7 +53,7 @@ def worker(model: str, threads: int, seqs: list[int], new_tokens: int, prompt_le
     if level:
         _core.set_simd_level(level)
     _kernels.set_num_threads(threads)
-    llm = ellm.load(model, progress=False)
+    llm = ellm.load(model, progress=False, **({} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}))
     llm.engine.blocks.enable_prefix_caching = False
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--level", default=None, help="force a SIMD level (default: the best)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (float32) or float16 (ellm.load's option)")
     ap.add_argument("--pythons", default=sys.executable,
                     help="comma-separated interpreters, each with an ellm to measure")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -89,16 +90,19 @@ def main() -> None:
     if args.new_tokens < 2:
         ap.error("--new-tokens must be at least 2 (one is the prefill's)")
     if args.worker:
-        print(json.dumps(worker(args.model, args.threads, seqs, args.new_tokens, args.prompt_len, args.level)))
+        print(json.dumps(worker(args.model, args.threads, seqs, args.new_tokens, args.prompt_len, args.level,
+                                args.kv_cache_dtype)))
         return
     print(f"# {cpu_line()}")
     print(f"# loadavg {Path('/proc/loadavg').read_text().split()[:3]}; model {args.model}, "
-          f"{args.threads} threads, prompts of {args.prompt_len}, {args.new_tokens} new tokens each")
+          f"{args.threads} threads, prompts of {args.prompt_len}, {args.new_tokens} new tokens each, "
+          f"kv cache {args.kv_cache_dtype}")
     pythons = args.pythons.split(",")
     rates: dict[str, dict[str, list[float]]] = {p: {str(s): [] for s in seqs} for p in pythons}
     cmd = [__file__, "--worker", "--model", args.model, "--seqs", args.seqs, "--threads", str(args.threads),
            "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)]
     cmd += ["--level", args.level] if args.level else []
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else []
     for r in range(args.rounds):
         order = pythons if r % 2 == 0 else pythons[::-1]  # alternate who goes first
         for py in order:

@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "convert.h"
 #include "elementwise.h"
 #include "simd.h"
 #include "threadpool.h"
@@ -76,6 +77,11 @@ void ellm_attn_pv_scalar(const float *p, int g, int hd, const float *const *vp, 
     }
 }
 
+void ellm_attn_widen_scalar(const uint16_t *const *src, int n, int hd, float *dst) {
+    for (int j = 0; j < n; j++)
+        for (int d = 0; d < hd; d++) dst[(int64_t)j * hd + d] = ellm_f16_to_f32(src[j][d]);
+}
+
 /* ================================== dispatch ================================== */
 
 typedef struct {
@@ -87,11 +93,12 @@ typedef struct {
     float (*exp_shift_sum)(float *, float, int64_t);
     /* the four steps above on one row of a tile in one pass (attention.h), or NULL */
     float (*softmax_row)(float *, int, float, float, float, float *);
+    void (*widen)(const uint16_t *const *, int, int, float *);
 } attn_funcs;
 
 #define ATTN_TABLE(sfx, softmax_row)                                                          \
     {ellm_attn_qk_##sfx, ellm_attn_pv_##sfx, ellm_scale_row_##sfx, ellm_softcap_row_##sfx,     \
-     ellm_max_row_##sfx, ellm_exp_shift_sum_row_##sfx, softmax_row}
+     ellm_max_row_##sfx, ellm_exp_shift_sum_row_##sfx, softmax_row, ellm_attn_widen_##sfx}
 
 static const attn_funcs funcs_scalar = ATTN_TABLE(scalar, NULL);
 #ifdef ELLM_HAVE_X86_ATTN
@@ -140,6 +147,14 @@ int ellm_rope_attention_check(const ellm_attn_args *a, char *err, size_t len) {
     }
     if (!(a->rope_mscale == a->rope_mscale) || isinf(a->rope_mscale))
         return fail(err, len, "rope_mscale must be finite");
+    const int f32_caches = a->k_cache != NULL && a->v_cache != NULL && !a->k_cache16 && !a->v_cache16;
+    const int f16_caches = a->k_cache16 != NULL && a->v_cache16 != NULL && !a->k_cache && !a->v_cache;
+    if (!f32_caches && !f16_caches) return fail(err, len, "give both K and V caches, of one type (f32 or f16)");
+    if (f16_caches && (a->hd > ELLM_ATTN_F16_MAX_HD || (int64_t)a->nkv * a->hd > ELLM_ATTN_F16_MAX_ROW)) {
+        snprintf(msg, sizeof msg, "an f16 cache takes head_dim <= %d and kv_heads * head_dim <= %d, got %d and %lld",
+                 ELLM_ATTN_F16_MAX_HD, ELLM_ATTN_F16_MAX_ROW, a->hd, (long long)a->nkv * a->hd);
+        return fail(err, len, msg);
+    }
     if (a->q_stride < (int64_t)a->nh * a->hd || a->k_stride < (int64_t)a->nkv * a->hd ||
         a->v_stride < (int64_t)a->nkv * a->hd)
         return fail(err, len, "q/k/v token strides are smaller than one token's row");
@@ -250,6 +265,12 @@ typedef struct {
     int64_t max_chunks;
 } attn_ctx;
 
+/* A key tile's K/V rows: f32 pointers, or with f16 caches f16 ones. */
+typedef struct {
+    const float *k[TILE], *v[TILE];
+    const uint16_t *k16[TILE], *v16[TILE];
+} tile_rows;
+
 /* Rotates n_heads rows of hd from src (stride hd) into dst, pairs [i0, i0 + cnt) of the
  * n_rot rotated pairs. */
 static void rotate_heads(const float *src, float *dst, int n_heads, int hd, int n_rot, int interleaved,
@@ -288,10 +309,13 @@ static void phase1(void *p, int64_t t0, int64_t t1, int tid) {
     const int hd = a->hd, n_rot = a->n_rot, nkv = a->nkv, g = a->nh / a->nkv;
     const float mscale = a->rope_mscale;
     float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
+    float f16_row[ELLM_ATTN_F16_MAX_ROW]; /* used with f16 caches only */
     for (int64_t t = t0; t < t1; t++) {
         const int64_t pos = a->positions[t];
         const int64_t blk = a->block_tables[(int64_t)a->seq_ids[t] * a->max_blocks + pos / a->block_size];
         const int64_t slot = (blk * a->block_size + pos % a->block_size) * nkv * hd;
+        /* f16 caches: the rotated k row is made in f32 here, then rounded into its slot */
+        float *krow = a->k_cache16 ? f16_row : a->k_cache + slot;
         const float fpos = (float)pos;
         for (int i0 = 0; i0 < n_rot; i0 += ROPE_CHUNK) {
             const int cnt = n_rot - i0 < ROPE_CHUNK ? n_rot - i0 : ROPE_CHUNK;
@@ -305,25 +329,29 @@ static void phase1(void *p, int64_t t0, int64_t t1, int tid) {
                 rotate_heads(a->q + t * a->q_stride + (int64_t)kvh * g * hd,
                              c->qrot + ((int64_t)kvh * a->T + t) * g * hd, g, hd, n_rot, a->interleaved, i0,
                              cnt, cs, sn);
-            rotate_heads(a->k + t * a->k_stride, a->k_cache + slot, nkv, hd, n_rot, a->interleaved, i0, cnt,
-                         cs, sn);
+            rotate_heads(a->k + t * a->k_stride, krow, nkv, hd, n_rot, a->interleaved, i0, cnt, cs, sn);
         }
         for (int kvh = 0; kvh < nkv; kvh++)
             pass_heads(a->q + t * a->q_stride + (int64_t)kvh * g * hd, c->qrot + ((int64_t)kvh * a->T + t) * g * hd,
                        g, hd, 2 * n_rot);
-        pass_heads(a->k + t * a->k_stride, a->k_cache + slot, nkv, hd, 2 * n_rot);
-        memcpy(a->v_cache + slot, a->v + t * a->v_stride, sizeof(float) * (size_t)nkv * hd);
+        pass_heads(a->k + t * a->k_stride, krow, nkv, hd, 2 * n_rot);
+        if (a->k_cache16) {
+            ellm_f32_to_f16_row(krow, a->k_cache16 + slot, (size_t)nkv * hd);
+            ellm_f32_to_f16_row(a->v + t * a->v_stride, a->v_cache16 + slot, (size_t)nkv * hd);
+        } else {
+            memcpy(a->v_cache + slot, a->v + t * a->v_stride, sizeof(float) * (size_t)nkv * hd);
+        }
     }
 }
 
 /* ============================ the shared recipe steps ============================ */
 
-/* One key tile for `rows` query rows that all see its n keys: scores, online-softmax
- * update of m, l (rows,) and acc (rows, hd), then p @ V. */
-__attribute__((noinline)) static void attend_tile(const attn_funcs *f, const float *q, int rows, int hd,
-                                                  const float *const *kp, const float *const *vp, int n,
-                                                  float scale, float cap, float *m, float *l, float *acc) {
-    float s[MAX_ROWS * TILE]; /* (rows, TILE) scores, then probabilities */
+/* The first half of a key tile for `rows` query rows that all see its n keys: scores
+ * into s (rows, TILE), then the online-softmax update of m, l (rows,) and acc (rows, hd);
+ * s is left holding the probabilities for p @ V. */
+__attribute__((noinline)) static void tile_softmax(const attn_funcs *f, const float *q, int rows, int hd,
+                                                   const float *const *kp, int n, float scale, float cap,
+                                                   float *m, float *l, float *acc, float *s) {
     f->qk(q, rows, hd, kp, n, s);
     for (int h = 0; h < rows; h++) {
         float *sh = s + h * TILE;
@@ -346,7 +374,41 @@ __attribute__((noinline)) static void attend_tile(const attn_funcs *f, const flo
         }
         m[h] = m_new;
     }
+}
+
+/* One key tile: tile_softmax, then p @ V. */
+__attribute__((noinline)) static void attend_tile(const attn_funcs *f, const float *q, int rows, int hd,
+                                                  const float *const *kp, const float *const *vp, int n,
+                                                  float scale, float cap, float *m, float *l, float *acc) {
+    float s[MAX_ROWS * TILE]; /* (rows, TILE) scores, then probabilities */
+    tile_softmax(f, q, rows, hd, kp, n, scale, cap, m, l, acc, s);
     f->pv(s, rows, hd, vp, n, acc);
+}
+
+/* attend_tile on f16 rows: the K rows, then the V rows, converted (exactly) to f32 in one
+ * staging buffer, so every sum is the f32 path's on the stored values. */
+__attribute__((noinline)) static void attend_tile16(const attn_funcs *f, const float *q, int rows, int hd,
+                                                    const uint16_t *const *kp, const uint16_t *const *vp,
+                                                    int n, float scale, float cap, float *m, float *l,
+                                                    float *acc) {
+    float s[MAX_ROWS * TILE];
+    float stage[n * hd]; /* n <= TILE, hd <= ELLM_ATTN_F16_MAX_HD (validated) */
+    const float *rows_f32[TILE];
+    for (int j = 0; j < n; j++) rows_f32[j] = stage + (int64_t)j * hd;
+    f->widen(kp, n, hd, stage);
+    tile_softmax(f, q, rows, hd, rows_f32, n, scale, cap, m, l, acc, s);
+    f->widen(vp, n, hd, stage);
+    f->pv(s, rows, hd, rows_f32, n, acc);
+}
+
+/* attend_tile over rows [off, off + n) of a filled tile, f32 or f16. */
+static inline void attend_rows(const attn_ctx *c, const float *q, int rows, const tile_rows *tr, int64_t off,
+                               int n, float *m, float *l, float *acc) {
+    const ellm_attn_args *a = c->a;
+    if (a->k_cache16)
+        attend_tile16(c->f, q, rows, a->hd, tr->k16 + off, tr->v16 + off, n, a->scale, a->softcap, m, l, acc);
+    else
+        attend_tile(c->f, q, rows, a->hd, tr->k + off, tr->v + off, n, a->scale, a->softcap, m, l, acc);
 }
 
 /* Folds a later chunk's partial (m, l, part (hd,)) into the state (*M, *L, o (hd,)). */
@@ -364,21 +426,22 @@ __attribute__((noinline)) static void finish_row(const attn_funcs *f, float *o, 
     f->scale(o, 1.0f / L, hd);
 }
 
-/* Points kp/vp (j1 - j0,) at the K/V rows of positions [j0, j1) (within one tile) of kv
- * head kvh, through the block-table row. A position in an unallocated block (-1) gets
- * NULL: a run of tokens far apart may span keys that none of them reads, whose blocks a
- * sliding-window cache has released (validation only vouches for the keys read). */
+/* Points tr's rows [0, j1 - j0) at the K/V rows of positions [j0, j1) (within one tile)
+ * of kv head kvh, through the block-table row. A position in an unallocated block (-1)
+ * gets NULL: a run of tokens far apart may span keys that none of them reads, whose blocks
+ * a sliding-window cache has released (validation only vouches for the keys read). */
 static void fill_tile(const ellm_attn_args *a, const int32_t *row, int kvh, int64_t j0, int64_t j1,
-                      const float **kp, const float **vp) {
+                      tile_rows *tr) {
     const int64_t bs = a->block_size, nkv = a->nkv, hd = a->hd;
     int64_t b = j0 / bs, off = j0 % bs;
     for (int64_t j = 0; j < j1 - j0; j++) {
-        if (row[b] >= 0) {
-            const int64_t elem = (((int64_t)row[b] * bs + off) * nkv + kvh) * hd;
-            kp[j] = a->k_cache + elem;
-            vp[j] = a->v_cache + elem;
+        const int64_t elem = row[b] >= 0 ? (((int64_t)row[b] * bs + off) * nkv + kvh) * hd : -1;
+        if (a->k_cache16) {
+            tr->k16[j] = elem >= 0 ? a->k_cache16 + elem : NULL;
+            tr->v16[j] = elem >= 0 ? a->v_cache16 + elem : NULL;
         } else {
-            kp[j] = vp[j] = NULL;
+            tr->k[j] = elem >= 0 ? a->k_cache + elem : NULL;
+            tr->v[j] = elem >= 0 ? a->v_cache + elem : NULL;
         }
         if (++off == bs) {
             off = 0;
@@ -391,13 +454,16 @@ static void fill_tile(const ellm_attn_args *a, const int32_t *row, int kvh, int6
  * used: a decode streams its keys from memory once, through a block table the hardware
  * prefetcher cannot follow. Touches nothing (unallocated blocks are skipped). */
 static void prefetch_keys(const ellm_attn_args *a, const int32_t *row, int kvh, int64_t j0, int64_t j1) {
-    const int64_t bs = a->block_size, max_pos = a->max_blocks * bs, bytes = (int64_t)a->hd * 4;
+    const int64_t bs = a->block_size, max_pos = a->max_blocks * bs;
+    const int64_t elem_bytes = a->k_cache16 ? 2 : 4, bytes = (int64_t)a->hd * elem_bytes;
+    const char *k_base = a->k_cache16 ? (const char *)a->k_cache16 : (const char *)a->k_cache;
+    const char *v_base = a->k_cache16 ? (const char *)a->v_cache16 : (const char *)a->v_cache;
     if (j1 > max_pos) j1 = max_pos;
     for (int64_t j = j0; j < j1; j++) {
         const int32_t b = row[j / bs];
         if (b < 0 || b >= a->num_blocks) continue;
         const int64_t elem = (((int64_t)b * bs + j % bs) * a->nkv + kvh) * a->hd;
-        const char *kr = (const char *)(a->k_cache + elem), *vr = (const char *)(a->v_cache + elem);
+        const char *kr = k_base + elem * elem_bytes, *vr = v_base + elem * elem_bytes;
         for (int64_t o = 0; o < bytes; o += 64) {
             __builtin_prefetch(kr + o);
             __builtin_prefetch(vr + o);
@@ -417,7 +483,7 @@ static inline int wants_prefetch(const ellm_attn_args *a, int rows) { return row
 static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int32_t *row, int kvh,
                           int64_t k0, int64_t k1, float *m, float *l, float *acc) {
     const ellm_attn_args *a = c->a;
-    const float *kp[TILE], *vp[TILE];
+    tile_rows tr;
     for (int h = 0; h < rows; h++) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
@@ -426,8 +492,8 @@ static void chunk_partial(const attn_ctx *c, const float *q, int rows, const int
     for (int64_t j0 = k0; j0 < k1;) {
         const int64_t te = (j0 / TILE + 1) * TILE, j1 = te < k1 ? te : k1;
         if (wants_prefetch(a, rows) && j1 < k1) prefetch_keys(a, row, kvh, j1, te + TILE < k1 ? te + TILE : k1);
-        fill_tile(a, row, kvh, j0, j1, kp, vp);
-        attend_tile(c->f, q, rows, a->hd, kp, vp, (int)(j1 - j0), a->scale, a->softcap, m, l, acc);
+        fill_tile(a, row, kvh, j0, j1, &tr);
+        attend_rows(c, q, rows, &tr, 0, (int)(j1 - j0), m, l, acc);
         j0 = j1;
     }
 }
@@ -452,7 +518,7 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
         if (hi[i] > khi) khi = hi[i];
     }
     float m[MAX_ROWS], l[MAX_ROWS], M[MAX_ROWS], L[MAX_ROWS]; /* (rows,) chunk and state */
-    const float *kp[TILE], *vp[TILE];
+    tile_rows tr;
     for (int64_t c0 = klo / CHUNK * CHUNK; c0 < khi; c0 += CHUNK) {
         const int64_t c1 = c0 + CHUNK;
         int active = 0;
@@ -478,17 +544,16 @@ static void attend_run(const attn_ctx *c, int64_t t0, int64_t t1, int kvh, int h
             if (wants_prefetch(a, rows) && ts + TILE < khi)
                 prefetch_keys(a, row, kvh, ts + TILE, ts + 2 * TILE < khi ? ts + 2 * TILE : khi);
             for (int i = 0; i < nq; i++) full &= lo[i] <= u0 && hi[i] >= u1;
-            fill_tile(a, row, kvh, u0, u1, kp, vp);
+            fill_tile(a, row, kvh, u0, u1, &tr);
             if (full) {
-                attend_tile(c->f, q, rows, hd, kp, vp, (int)(u1 - u0), a->scale, a->softcap, m, l, part);
+                attend_rows(c, q, rows, &tr, 0, (int)(u1 - u0), m, l, part);
                 continue;
             }
             for (int i = 0; i < nq; i++) {
                 const int64_t j0 = lo[i] > u0 ? lo[i] : u0, j1 = hi[i] < u1 ? hi[i] : u1;
                 if (j0 >= j1) continue;
-                attend_tile(c->f, q + (int64_t)i * gs * hd, gs, hd, kp + (j0 - u0), vp + (j0 - u0),
-                            (int)(j1 - j0), a->scale, a->softcap, m + i * gs, l + i * gs,
-                            part + (int64_t)i * gs * hd);
+                attend_rows(c, q + (int64_t)i * gs * hd, gs, &tr, j0 - u0, (int)(j1 - j0), m + i * gs,
+                            l + i * gs, part + (int64_t)i * gs * hd);
             }
         }
         /* fold this chunk into each token that sees it */

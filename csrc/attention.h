@@ -47,7 +47,17 @@ typedef struct {
     float softcap;                /* > 0: scores = softcap * tanh(scores / softcap) */
     float rope_mscale;            /* multiplies cos and sin (1: plain RoPE; longrope's
                                      attention factor otherwise) */
+    uint16_t *k_cache16;          /* IEEE half caches, in place of k_cache / v_cache (then */
+    uint16_t *v_cache16;          /* NULL): K and V are stored rounded to f16 (nearest even)
+                                     and read back exactly; the arithmetic is the f32 path's
+                                     on those values. nkv * hd <= ELLM_ATTN_F16_MAX_ROW and
+                                     hd <= ELLM_ATTN_F16_MAX_HD. */
 } ellm_attn_args;
+
+/* Limits of the f16 caches: one token's K row (nkv * hd) and one head's dims, staged as
+ * f32 on the stack (a key tile of f16 rows is converted before the f32 kernels read it). */
+#define ELLM_ATTN_F16_MAX_HD 256
+#define ELLM_ATTN_F16_MAX_ROW 8192
 
 /* Floats of scratch that always suffice for T tokens on `threads` threads: the rotated q
  * (T, nh, hd) plus one (ELLM_ATTN_MAX_ROWS, hd) chunk accumulator per thread. Down to
@@ -81,11 +91,13 @@ int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch
 #define ELLM_ATTN_TILE 64
 #define ELLM_ATTN_CHUNK 256
 #define ELLM_ATTN_MAX_ROWS 32
+/* widen: the n f16 rows at src[j] (hd each) -> f32 rows dst + j * hd, exactly. */
 #define ELLM_ATTN_KERNELS(sfx)                                                                \
     void ellm_attn_qk_##sfx(const float *q, int g, int hd, const float *const *kp, int n,     \
                             float *s);                                                         \
     void ellm_attn_pv_##sfx(const float *p, int g, int hd, const float *const *vp, int n,     \
-                            float *acc);
+                            float *acc);                                                       \
+    void ellm_attn_widen_##sfx(const uint16_t *const *src, int n, int hd, float *dst);
 ELLM_ATTN_KERNELS(scalar)
 #if defined(__x86_64__) || defined(__i386__)
 #define ELLM_HAVE_X86_ATTN 1

@@ -175,3 +175,15 @@ void ellm_attn_pv_avx2(const float *p, int g, int hd, const float *const *vp, in
     }
     if (h < g) pv_row(p + h * ELLM_ATTN_TILE, acc + (int64_t)h * hd, vp, n, hd, 0);
 }
+
+/* ================================ f16 rows -> f32 ================================ */
+
+void ellm_attn_widen_avx2(const uint16_t *const *src, int n, int hd, float *dst) {
+    for (int j = 0; j < n; j++) {
+        const uint16_t *s = src[j];
+        float *o = dst + (int64_t)j * hd;
+        int d = 0;
+        for (; d + 8 <= hd; d += 8) _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + d))));
+        for (; d < hd; d++) o[d] = _cvtsh_ss(s[d]);
+    }
+}

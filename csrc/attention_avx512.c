@@ -279,3 +279,19 @@ float ellm_attn_softmax_row_avx512(float *x, int n, float scale, float cap, floa
     *m_new = mn;
     return _mm512_reduce_add_ps(acc);
 }
+
+/* ================================ f16 rows -> f32 ================================ */
+
+void ellm_attn_widen_avx512(const uint16_t *const *src, int n, int hd, float *dst) {
+    for (int j = 0; j < n; j++) {
+        const uint16_t *s = src[j];
+        float *o = dst + (int64_t)j * hd;
+        int d = 0;
+        for (; d + 16 <= hd; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + d))));
+        if (d < hd) {
+            const __mmask16 tm = (__mmask16)((1u << (hd - d)) - 1u);
+            _mm512_mask_storeu_ps(o + d, tm, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tm, s + d)));
+        }
+    }
+}

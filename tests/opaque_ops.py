@@ -71,8 +71,8 @@ class OpaqueOps:
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Opaque:
         return Opaque(self.inner.empty(shape, dtype))
 
-    def kv_zeros(self, shape: tuple[int, ...]) -> Opaque:
-        return Opaque(self.inner.kv_zeros(shape))
+    def kv_zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Opaque:
+        return Opaque(self.inner.kv_zeros(shape, dtype))
 
     def upload(self, x: np.ndarray) -> Opaque:
         return Opaque(np.array(x))   # a copy, as a device upload is

@@ -71,3 +71,71 @@ def test_decode_over_every_tile_remainder_equals_prefill(simd, hd) -> None:
     cache = [batch["k_cache"].copy(), batch["v_cache"].copy()]
     steps = np.concatenate([decode(batch, [t], cache) for t in range(80)])
     assert_bits(steps, full, "decode one by one vs one prefill")
+
+
+# ================================ f16 caches ================================
+
+
+def _half(batch):
+    """The batch with float16 caches (the same positions, their values rounded)."""
+    return dict(batch, k_cache=batch["k_cache"].astype(np.float16), v_cache=batch["v_cache"].astype(np.float16))
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256)], ids=["smollm2", "gemma3"])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (100, 30.0)], ids=["causal", "window-cap"])
+def test_f16_cache_batched_decode_is_invariant_and_matches_the_reference(simd, threads_restored, heads,
+                                                                        window, cap) -> None:
+    """With float16 caches: 16 sequences together == each alone, 1 thread == 2, and the
+    NumPy reference on the same float16 caches (its stores round as the kernel's do)
+    agrees."""
+    nh, nkv, hd = heads
+    batch = _half(make_batch(nh, nkv, hd, new=[1] * 16, before=CONTEXTS, seed=hd + window + 1))
+    results = []
+    for threads in (1, 2):
+        K.set_num_threads(threads)
+        cache = [batch["k_cache"].copy(), batch["v_cache"].copy()]
+        together = decode(batch, range(16), cache, window, cap)
+        alone = np.concatenate([decode(batch, [t], [batch["k_cache"].copy(), batch["v_cache"].copy()], window, cap)
+                                for t in range(16)])
+        assert_bits(alone, together, f"f16 cache: each alone vs all 16 together, {threads} threads")
+        results.append((together, cache))
+    assert_bits(results[1][0], results[0][0], "f16 cache: 2 threads vs 1")
+    rb = {n: a.copy() for n, a in batch.items()}
+    want = ref.rope_attention(rb["q"], rb["k"], rb["v"], rb["positions"], rb["seq_ids"], rb["block_tables"],
+                              rb["k_cache"], rb["v_cache"], rb["inv_freq"], True, hd**-0.5, window, cap)
+    assert_close(results[0][0], want.astype(np.float32), 2e-5)
+    # V is stored as given: the same bits; K after RoPE, whose f32 value may be an ulp from
+    # the reference's (as in the f32 test): then at most one f16 step apart
+    assert np.array_equal(results[0][1][1].view(np.uint16), rb["v_cache"].view(np.uint16))
+    np.testing.assert_allclose(results[0][1][0].astype(np.float32), rb["k_cache"].astype(np.float32),
+                               rtol=2.0**-10, atol=1e-6)
+
+
+@pytest.mark.parametrize("hd", [16, 40, 64, 130])
+def test_f16_cache_holding_exact_values_gives_the_f32_bits(simd, hd) -> None:
+    """No rotation (inv_freq empty) and k, v, caches that float16 holds exactly: the f16
+    cache path is the f32 path on the same numbers, bit for bit, in both schedules
+    (a prefill of 80 and one-token decodes) and every tile remainder."""
+    batch = make_batch(4, 2, hd, new=[80], before=[0], seed=hd)
+    for name in ("k", "v", "k_cache", "v_cache"):
+        batch[name] = batch[name].astype(np.float16).astype(np.float32)
+    batch["inv_freq"] = np.zeros(0, np.float32)
+    f32 = decode(batch, range(80), [batch["k_cache"].copy(), batch["v_cache"].copy()])
+    half = _half(batch)
+    f16 = decode(half, range(80), [half["k_cache"].copy(), half["v_cache"].copy()])
+    assert_bits(f16, f32, "f16 cache vs f32 cache on f16-exact values")
+    cache = [half["k_cache"].copy(), half["v_cache"].copy()]
+    steps = np.concatenate([decode(half, [t], cache) for t in range(80)])
+    assert_bits(steps, f32, "f16 cache, decode one by one vs the f32 prefill")
+
+
+def test_f16_cache_arguments_are_checked() -> None:
+    batch = make_batch(4, 2, 64, new=[3], before=[5], seed=2)
+    with pytest.raises(ValueError, match="float16"):   # one f16, one f32
+        decode(batch, range(3), [batch["k_cache"].astype(np.float16), batch["v_cache"].copy()])
+    big = _half(make_batch(2, 1, 258, new=[1], before=[2], seed=3))
+    with pytest.raises(ValueError, match="f16 cache takes head_dim <= 256"):
+        decode(big, [0], [big["k_cache"], big["v_cache"]])
+    half = _half(batch)
+    with pytest.raises(ValueError, match="float16|writable|contiguous"):
+        decode(half, range(3), [half["k_cache"][:, :, ::-1], half["v_cache"]])

@@ -27,6 +27,8 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all this process may use)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",  # [spec]
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="float16: K/V stored rounded to f16, half the cache (cpu; default auto = float32)")
 
 
 def _params(args: argparse.Namespace, llm: Any) -> Any:
@@ -48,6 +50,8 @@ def _load(args: argparse.Namespace) -> Any:
         options["chat_template"] = args.chat_template
     if getattr(args, "speculative_config", None) is not None:  # [spec]
         options["speculative_config"] = args.speculative_config
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     return ellm.load(args.model, **options)
 
 

@@ -388,11 +388,15 @@ def _set_threads(threads: int | None) -> None:
     _kernels.set_num_threads(threads)
 
 
+# kv_cache_dtype= names -> the cache's element type
+KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "float16": "float16"}
+
+
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
          threads: int | None = None, chat_template: str | None = None,
          progress: bool = True, activations: str = "int8", mmproj: str | Path | None = None,
-         speculative_config: dict[str, Any] | str | None = None) -> LLM:
+         speculative_config: dict[str, Any] | str | None = None, kv_cache_dtype: str = "auto") -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
 
     max_model_len: prompt + output tokens per sequence (capped by the model's own limit).
@@ -407,7 +411,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     from the folder (docs/vision.md).
     speculative_config: [spec] speculative decoding, vLLM's names (docs/speculative-decoding.md):
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or
-    {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": 4}."""
+    {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": 4}.
+    kv_cache_dtype: "auto" (float32, the default: every logit as the model computes it) or
+    "float16": K and V are stored rounded to f16 (cpu backend), half the cache's memory and
+    of the bytes a decode step reads from it (docs/kv-cache.md)."""
     from . import hub
     from . import sampling_defaults as defaults
     from ._memory import release_freed_memory
@@ -423,6 +430,12 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
                         ("max_batch_tokens", max_batch_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                         f"got {kv_cache_dtype!r}")
+    if KV_CACHE_DTYPES[kv_cache_dtype] != "float32" and device != "cpu":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is for the cpu backend; device {device!r} "
+                         "keeps a float32 cache")
     template = None
     if chat_template is not None:
         if not isinstance(chat_template, str):
@@ -470,7 +483,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         draft = draft_llm_parts[0]
     release_freed_memory()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                 max_batch_tokens=max_batch_tokens, speculative=spec)
+                                 max_batch_tokens=max_batch_tokens, speculative=spec,
+                                 kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
     processing = _image_processing(model, resolved, mmproj)   # [vision]
     return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, processing,
                draft_model=draft)

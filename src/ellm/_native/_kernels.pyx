@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint16_t, uintptr_t
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from posix.unistd cimport usleep
 
@@ -70,6 +70,8 @@ cdef extern from "attention.h":
         int32_t nh, nkv, hd, block_size
         int32_t n_rot, interleaved, window
         float scale, softcap, rope_mscale
+        uint16_t *k_cache16
+        uint16_t *v_cache16
     int64_t ellm_rope_attention_scratch_floats(int64_t T, int32_t nh, int32_t nkv, int32_t hd,
                                                int threads) nogil
     int64_t ellm_rope_attention_scratch_wanted(const ellm_attn_args *a, int threads) nogil
@@ -357,6 +359,8 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     positions (T,) int32, seq_ids (T,) int32 (rows of block_tables);
     block_tables (B, max_blocks) int32, -1 where unused;
     k_cache, v_cache (num_blocks, block_size, nkv, hd) float32 C-contiguous, written in place;
+        or both float16: K and V are stored rounded to f16 and read back exactly (head_dim
+        <= 256, nkv * head_dim <= 8192);
     inv_freq (n_rot,) float32, 0 <= n_rot <= hd/2: dims [0, 2 n_rot) of each head rotate and
         the rest pass through (partial rotary; n_rot = hd/2 is full RoPE);
     interleaved: pairs (2i, 2i+1) instead of (i, i + n_rot);
@@ -381,6 +385,10 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     cdef const int32_t[::1] pv, sv, lv
     cdef const int32_t[:, ::1] bt
     cdef float[:, :, :, ::1] kc, vc
+    cdef uint16_t[:, :, :, ::1] kc16, vc16
+    cdef Py_ssize_t[4] ks, vs   # the caches' shapes
+    cdef uintptr_t k0, v0, elem_bytes
+    cdef int i
     cdef const float[::1] fv
     cdef float[:, :, ::1] ov
     cdef float[::1] scr
@@ -404,12 +412,25 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
         bt = block_tables
     except (ValueError, TypeError, BufferError) as e:
         raise ValueError(f"{fn}: block_tables must be a C-contiguous 2-D int32 array ({e})") from None
+    cdef bint half = isinstance(k_cache, np.ndarray) and k_cache.dtype == np.float16
     try:
-        kc = k_cache
-        vc = v_cache
+        if half:   # f16 caches: their bits, as uint16
+            if not (isinstance(v_cache, np.ndarray) and v_cache.dtype == np.float16):
+                raise ValueError("k_cache is float16, v_cache is not")
+            kc16 = k_cache.view(np.uint16)
+            vc16 = v_cache.view(np.uint16)
+            elem_bytes = 2
+            for i in range(4):
+                ks[i], vs[i] = kc16.shape[i], vc16.shape[i]
+        else:
+            kc = k_cache
+            vc = v_cache
+            elem_bytes = 4
+            for i in range(4):
+                ks[i], vs[i] = kc.shape[i], vc.shape[i]
     except (ValueError, TypeError, BufferError) as e:
-        raise ValueError(f"{fn}: k_cache and v_cache must be writable C-contiguous 4-D float32 arrays "
-                         f"(num_blocks, block_size, nkv, head_dim) ({e})") from None
+        raise ValueError(f"{fn}: k_cache and v_cache must be writable C-contiguous 4-D float32 (or both "
+                         f"float16) arrays (num_blocks, block_size, nkv, head_dim) ({e})") from None
     try:
         fv = inv_freq
     except (ValueError, TypeError, BufferError) as e:
@@ -428,11 +449,10 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
                          f"{pv.shape[0]}, seq_ids {sv.shape[0]}")
     if key_limit is not None and lv.shape[0] != T:
         raise ValueError(f"{fn}: key_limit has {lv.shape[0]} elements, q has {T} tokens")
-    if (kc.shape[0] != vc.shape[0] or kc.shape[1] != vc.shape[1] or kc.shape[2] != nkv or vc.shape[2] != nkv
-            or kc.shape[3] != hd or vc.shape[3] != hd):
+    if (ks[0] != vs[0] or ks[1] != vs[1] or ks[2] != nkv or vs[2] != nkv or ks[3] != hd or vs[3] != hd):
         raise ValueError(f"{fn}: k_cache {tuple(np.shape(k_cache))} and v_cache {tuple(np.shape(v_cache))} must "
                          f"both be (num_blocks, block_size, {nkv}, {hd})")
-    if kc.shape[1] > 2**31 - 1 or bt.shape[1] > 2**31 - 1:
+    if ks[1] > 2**31 - 1 or bt.shape[1] > 2**31 - 1:
         raise ValueError(f"{fn}: block_size / max_blocks too large")
     if fv.shape[0] > hd // 2:
         raise ValueError(f"{fn}: inv_freq has {fv.shape[0]} elements, more than head_dim/2 = {hd // 2}")
@@ -448,12 +468,15 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
         raise ValueError(f"{fn}: out has shape {tuple(np.shape(out))}, expected ({T}, {nh}, {hd})")
     if T == 0:
         return out
-    if kc.shape[0] == 0 or kc.shape[1] == 0 or bt.shape[0] == 0 or bt.shape[1] == 0:
+    if ks[0] == 0 or ks[1] == 0 or bt.shape[0] == 0 or bt.shape[1] == 0:
         raise ValueError(f"{fn}: empty cache or block table")
     # out is written while the caches are read: they must not share memory
     cdef uintptr_t o0 = <uintptr_t>&ov[0, 0, 0], o1 = o0 + 4 * <uintptr_t>(T * nh * hd)
-    cdef uintptr_t cache_bytes = 4 * <uintptr_t>(kc.shape[0] * kc.shape[1] * nkv * hd)
-    cdef uintptr_t k0 = <uintptr_t>&kc[0, 0, 0, 0], v0 = <uintptr_t>&vc[0, 0, 0, 0]
+    cdef uintptr_t cache_bytes = elem_bytes * <uintptr_t>(ks[0] * ks[1] * nkv * hd)
+    if half:
+        k0, v0 = <uintptr_t>&kc16[0, 0, 0, 0], <uintptr_t>&vc16[0, 0, 0, 0]
+    else:
+        k0, v0 = <uintptr_t>&kc[0, 0, 0, 0], <uintptr_t>&vc[0, 0, 0, 0]
     if (o0 < k0 + cache_bytes and k0 < o1) or (o0 < v0 + cache_bytes and v0 < o1):
         raise ValueError(f"{fn}: out overlaps k_cache or v_cache")
     if k0 < v0 + cache_bytes and v0 < k0 + cache_bytes:
@@ -470,8 +493,10 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     a.seq_ids = &sv[0]
     a.key_limit = &lv[0] if key_limit is not None else NULL
     a.block_tables = &bt[0, 0]
-    a.k_cache = &kc[0, 0, 0, 0]
-    a.v_cache = &vc[0, 0, 0, 0]
+    a.k_cache = NULL if half else &kc[0, 0, 0, 0]
+    a.v_cache = NULL if half else &vc[0, 0, 0, 0]
+    a.k_cache16 = &kc16[0, 0, 0, 0] if half else NULL
+    a.v_cache16 = &vc16[0, 0, 0, 0] if half else NULL
     a.inv_freq = &fv[0] if fv.shape[0] else NULL
     a.n_rot = <int32_t>fv.shape[0]
     a.rope_mscale = <float>rope_mscale
@@ -479,11 +504,11 @@ def rope_attention(q, k, v, positions, seq_ids, block_tables, k_cache, v_cache, 
     a.T = T
     a.B = bt.shape[0]
     a.max_blocks = bt.shape[1]
-    a.num_blocks = kc.shape[0]
+    a.num_blocks = ks[0]
     a.nh = <int32_t>nh
     a.nkv = <int32_t>nkv
     a.hd = <int32_t>hd
-    a.block_size = <int32_t>kc.shape[1]
+    a.block_size = <int32_t>ks[1]
     a.interleaved = 1 if interleaved else 0
     a.window = window
     a.scale = <float>scale

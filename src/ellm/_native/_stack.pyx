@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBuffer_Release, PyObject_GetBuffer
-from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uintptr_t
 from libc.stdlib cimport free, malloc, calloc
 
 
@@ -73,6 +73,8 @@ cdef extern from "attention.h":
         int32_t nh, nkv, hd, block_size
         int32_t n_rot, interleaved, window
         float scale, softcap, rope_mscale
+        uint16_t *k_cache16
+        uint16_t *v_cache16
     int64_t ellm_rope_attention_scratch_wanted(const ellm_attn_args *a, int threads) nogil
     int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch_floats,
                             char *err, size_t err_len) nogil
@@ -263,21 +265,30 @@ cdef class LayerStack:
 
         kc, vc = s["k_cache"], s["v_cache"]
         for name, c in (("k_cache", kc), ("v_cache", vc)):
-            if (not isinstance(c, np.ndarray) or c.dtype != np.float32 or c.ndim != 4 or not c.flags.c_contiguous
-                    or not c.flags.writeable or c.shape[2] != nkv or c.shape[3] != hd or c.shape[0] < 1
-                    or c.shape[1] < 1 or c.shape != kc.shape):
-                raise ValueError(f"LayerStack: {name} must be a writable C-contiguous float32 "
+            if (not isinstance(c, np.ndarray) or c.dtype not in (np.float32, np.float16) or c.ndim != 4
+                    or not c.flags.c_contiguous or not c.flags.writeable or c.shape[2] != nkv or c.shape[3] != hd
+                    or c.shape[0] < 1 or c.shape[1] < 1 or c.shape != kc.shape or c.dtype != kc.dtype):
+                raise ValueError(f"LayerStack: {name} must be a writable C-contiguous float32 or float16 "
                                  f"(num_blocks, block_size, {nkv}, {hd}) array like the other")
         self.held.extend((kc, vc))
-        cdef float[:, :, :, ::1] kmv = kc
-        cdef float[:, :, :, ::1] vmv = vc
+        cdef float[:, :, :, ::1] kmv
+        cdef float[:, :, :, ::1] vmv
+        cdef uint16_t[:, :, :, ::1] kmv16
+        cdef uint16_t[:, :, :, ::1] vmv16
+        cdef ellm_attn_args *a = &L.attn
+        if kc.dtype == np.float16:   # f16 caches: their bits, as uint16
+            kmv16, vmv16 = kc.view(np.uint16), vc.view(np.uint16)
+            a.k_cache, a.v_cache = NULL, NULL
+            a.k_cache16, a.v_cache16 = &kmv16[0, 0, 0, 0], &vmv16[0, 0, 0, 0]
+        else:
+            kmv, vmv = kc, vc
+            a.k_cache, a.v_cache = &kmv[0, 0, 0, 0], &vmv[0, 0, 0, 0]
+            a.k_cache16, a.v_cache16 = NULL, NULL
         inv_freq = s["inv_freq"]
         if not isinstance(inv_freq, np.ndarray) or inv_freq.ndim != 1 or inv_freq.shape[0] > hd // 2:
             raise ValueError(f"LayerStack: inv_freq must be a float32 array of at most {hd // 2} elements")
-        cdef ellm_attn_args *a = &L.attn
         a.q, a.k, a.v = q, k, v
         a.q_stride, a.k_stride, a.v_stride = nh * hd, nkv * hd, nkv * hd
-        a.k_cache, a.v_cache = &kmv[0, 0, 0, 0], &vmv[0, 0, 0, 0]
         a.num_blocks, a.block_size = kc.shape[0], kc.shape[1]
         a.inv_freq = self._vector(inv_freq, inv_freq.shape[0], "inv_freq")
         a.n_rot = <int32_t>inv_freq.shape[0]

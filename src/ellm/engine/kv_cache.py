@@ -24,12 +24,13 @@ from ..ops.memory import host_kv_zeros
 
 
 class KVCache:
-    """The K/V storage: per layer a pair (num_blocks, block_size, nkv, hd) float32, made
+    """The K/V storage: per layer a pair (num_blocks, block_size, nkv, hd) float32 (or
+    float16: dtype, EngineConfig.kv_cache_dtype), made
     by the backend (`ops.kv_zeros`: host memory committed page by page, or device memory);
     no ops: host memory."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 sliding_num_blocks: int | None = None, ops: Any = None) -> None:
+                 sliding_num_blocks: int | None = None, ops: Any = None, dtype: Any = np.float32) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.block_size = block_size
@@ -43,8 +44,8 @@ class KVCache:
         self.layer_window = [config.layer_window(i) for i in range(config.num_hidden_layers)]
         shape_tail = (block_size, config.num_key_value_heads, config.head_dim)
         zeros = host_kv_zeros if ops is None else ops.kv_zeros
-        self.k = [zeros((self.num_blocks[w],) + shape_tail) for w in self.layer_window]
-        self.v = [zeros((self.num_blocks[w],) + shape_tail) for w in self.layer_window]
+        self.k = [zeros((self.num_blocks[w],) + shape_tail, dtype) for w in self.layer_window]
+        self.v = [zeros((self.num_blocks[w],) + shape_tail, dtype) for w in self.layer_window]
 
     def layer(self, i: int) -> tuple[Any, Any]:
         return self.k[i], self.v[i]

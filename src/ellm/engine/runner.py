@@ -35,7 +35,8 @@ class ModelRunner:
             per_seq = (-(-max(windows) // config.block_size) + 2
                        + -(-config.max_batch_tokens // config.block_size))
             sliding_blocks = min(num_blocks, per_seq * config.max_num_seqs)
-        self.kv = KVCache(mc, num_blocks, config.block_size, sliding_blocks, ops=self.ops)
+        self.kv = KVCache(mc, num_blocks, config.block_size, sliding_blocks, ops=self.ops,
+                          dtype=np.dtype(config.kv_cache_dtype))
         self.workspace = Workspace(self.ops)
         # the one place a backend may swap in another way of running a step (CUDA graphs)
         self.executor = self.ops.step_executor(model, self.kv, self.workspace)

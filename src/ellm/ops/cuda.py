@@ -197,7 +197,10 @@ class CudaOps:
         return self.cp.empty(shape, dtype)
 
     @_on_stream
-    def kv_zeros(self, shape: tuple[int, ...]) -> Any:
+    def kv_zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+        if np.dtype(dtype) != np.float32:
+            raise ValueError(f"kv_cache_dtype {np.dtype(dtype).name}: the cuda backend keeps its KV cache in "
+                             "float32 (an f16 cache is a cpu-backend option)")
         return self.cp.zeros(shape, np.float32)
 
     @_on_stream

@@ -48,12 +48,15 @@ class EagerStep:
                                   ws=self.workspace)
 
 
-def host_kv_zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 zero array whose memory is committed 4 KiB page by page as blocks are
-    written. (np.zeros would do the same but asks for transparent huge pages on large
-    arrays, so one written block could commit 2 MiB, and RSS would depend on luck.)"""
-    n = int(np.prod(shape)) * 4
-    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=np.float32, count=n // 4).reshape(shape)
+def host_kv_zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    """A zero array (float32, or float16 for an f16 KV cache) whose memory is committed
+    4 KiB page by page as blocks are written. (np.zeros would do the same but asks for
+    transparent huge pages on large arrays, so one written block could commit 2 MiB, and
+    RSS would depend on luck.)"""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    n = count * dtype.itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=dtype, count=count).reshape(shape)
 
 
 class HostMemory:
@@ -63,9 +66,10 @@ class HostMemory:
         """An uninitialised buffer of the backend (the Workspace's activations)."""
         return np.empty(shape, dtype)
 
-    def kv_zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-        """Zeroed float32 storage for one layer's K or V: (num_blocks, block_size, nkv, hd)."""
-        return host_kv_zeros(shape)
+    def kv_zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        """Zeroed storage for one layer's K or V: (num_blocks, block_size, nkv, hd), float32
+        or (an f16 KV cache) float16."""
+        return host_kv_zeros(shape, dtype)
 
     def upload(self, x: np.ndarray) -> np.ndarray:
         """A constant the forward pass reads (norm weight, inv_freq, bias) as a backend
