@@ -113,7 +113,9 @@ def _total(text: str, name: str) -> float:
 
 @pytest.mark.parametrize("kwargs, field", [({"replicas": 0}, "replicas"), ({"replicas": True}, "replicas"),
                                            ({"threads_per_replica": 0}, "threads_per_replica"),
-                                           ({"router": "random"}, "router"), ({"max_queue": 0}, "max_queue")])
+                                           ({"router": "random"}, "router"), ({"max_queue": 0}, "max_queue"),
+                                           ({"kv_cache_dtype": "bf16"}, "kv_cache_dtype"),
+                                           ({"speculative_config": {"method": "eagle"}}, "method")])
 def test_build_app_names_the_bad_argument(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         ray_serve.build_app("smollm2-135m-instruct", **kwargs)

@@ -75,6 +75,8 @@ class ModelSpec:
     max_num_seqs: int = 64
     max_batch_tokens: int = 512
     chat_template: str | None = None
+    speculative_config: Any = None    # [spec] ellm.load's speculative_config (a dict or its JSON)
+    kv_cache_dtype: str = "auto"
 
 
 # ---------------------------------------------------------------------------------------
@@ -135,6 +137,7 @@ class EllmReplica:
         self.llm = ellm.load(spec.model, device=spec.device, max_model_len=spec.max_model_len,
                              threads=spec.threads, max_num_seqs=spec.max_num_seqs,
                              max_batch_tokens=spec.max_batch_tokens, chat_template=spec.chat_template,
+                             speculative_config=spec.speculative_config, kv_cache_dtype=spec.kv_cache_dtype,
                              progress=False)
         self.engine = self.llm.async_engine
         self.engine.max_queue = max_queue
@@ -654,7 +657,8 @@ def build_app(model: str | None = None, *, replicas: int = 2, threads_per_replic
               served_model_name: str | Sequence[str] | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
               allowed_origins: Sequence[str] = (), device: str = "cpu", max_model_len: int = 8192,
               max_num_seqs: int = 64, max_batch_tokens: int = 512, chat_template: str | None = None,
-              replica_options: dict[str, Any] | None = None) -> Any:
+              replica_options: dict[str, Any] | None = None, speculative_config: Any = None,
+              kv_cache_dtype: str = "auto") -> Any:
     """The Serve application: `replicas` EllmReplica deployments of model behind one
     EllmIngress. Run it with serve.run(app, name=..., route_prefix="/"), or compose it.
 
@@ -662,7 +666,9 @@ def build_app(model: str | None = None, *, replicas: int = 2, threads_per_replic
     replica holding a prefix may have than the least busy one before the prefix is given
     up), "round-robin", or "pow2" (Serve's default). threads_per_replica: the kernels'
     threads in each replica, also its Ray CPU reservation. replica_options: more
-    ray_actor_options for the replicas (e.g. {"resources": {...}}, {"num_gpus": 1})."""
+    ray_actor_options for the replicas (e.g. {"resources": {...}}, {"num_gpus": 1}).
+    speculative_config, kv_cache_dtype: as ellm.load's, for every replica (checked here,
+    before any replica starts)."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
     if threads_per_replica is not None and (isinstance(threads_per_replica, bool)
@@ -672,7 +678,14 @@ def build_app(model: str | None = None, *, replicas: int = 2, threads_per_replic
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-    spec = ModelSpec(model, device, threads_per_replica, max_model_len, max_num_seqs, max_batch_tokens, chat_template)
+    from ..engine.speculative import SpeculativeConfig
+    from ..llm import KV_CACHE_DTYPES
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                         f"got {kv_cache_dtype!r}")
+    SpeculativeConfig.parse(speculative_config)   # a bad config fails here, not in every replica
+    spec = ModelSpec(model, device, threads_per_replica, max_model_len, max_num_seqs, max_batch_tokens, chat_template,
+                     speculative_config, kv_cache_dtype)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     actor_options = {"num_cpus": threads_per_replica or 1, **(replica_options or {})}
     replica = serve.deployment(
@@ -725,7 +738,8 @@ def serve_forever(args: Any, api_key: str | None) -> int:
                     router=args.router, api_key=api_key, served_model_name=args.served_model_name,
                     max_queue=args.max_queue, allowed_origins=args.allowed_origins or (), device=args.device,
                     max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                    max_batch_tokens=args.max_batch_tokens, chat_template=args.chat_template)
+                    max_batch_tokens=args.max_batch_tokens, chat_template=args.chat_template,
+                    speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype)
     owned = start_ray(args.ray_address, num_cpus=args.replicas * args.threads_per_replica)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
