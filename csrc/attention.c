@@ -309,7 +309,8 @@ static void phase1(void *p, int64_t t0, int64_t t1, int tid) {
     const int hd = a->hd, n_rot = a->n_rot, nkv = a->nkv, g = a->nh / a->nkv;
     const float mscale = a->rope_mscale;
     float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
-    float f16_row[ELLM_ATTN_F16_MAX_ROW]; /* used with f16 caches only */
+    /* f16 caches: the rotated k row, in f32 (nkv * hd <= ELLM_ATTN_F16_MAX_ROW, validated) */
+    float f16_row[a->k_cache16 ? (int64_t)nkv * hd : 1];
     for (int64_t t = t0; t < t1; t++) {
         const int64_t pos = a->positions[t];
         const int64_t blk = a->block_tables[(int64_t)a->seq_ids[t] * a->max_blocks + pos / a->block_size];

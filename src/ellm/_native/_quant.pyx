@@ -36,25 +36,8 @@ cdef extern from "quant.h":
         ELLM_E_INDEX
 
 
-cdef extern from "matmul.h":
-    size_t ellm_linear_scratch_bytes(int qtype, int64_t T, int64_t K) nogil
-    int ellm_linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t *w,
-                    size_t w_bytes, int64_t N, const float *bias, float *y, void *scratch,
-                    size_t scratch_bytes) nogil
-    ctypedef struct ellm_linear_part:
-        int qtype
-        const uint8_t *w
-        size_t w_bytes
-        int64_t N
-        float *y
-        int64_t ldy
-        const float *bias
-    enum:
-        ELLM_LINEAR_MAX_PARTS
-    size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_parts, int64_t T,
-                                           int64_t K) nogil
-    int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
-                          int n_parts, void *scratch, size_t scratch_bytes) nogil
+from _csrc cimport (ELLM_LINEAR_MAX_PARTS, ellm_linear, ellm_linear_multi, ellm_linear_multi_scratch_bytes,
+                    ellm_linear_part, ellm_linear_scratch_bytes)
 
 
 cdef extern from "quant_impl.h":

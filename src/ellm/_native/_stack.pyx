@@ -27,57 +27,9 @@ cdef extern from "quant.h":
     const char *ellm_status_str(int status) nogil
 
 
-cdef extern from "matmul.h":
-    ctypedef struct ellm_linear_part:
-        int qtype
-        const uint8_t *w
-        size_t w_bytes
-        int64_t N
-        float *y
-        int64_t ldy
-        const float *bias
-    size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_parts, int64_t T,
-                                           int64_t K) nogil
-    int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
-                          int n_parts, void *scratch, size_t scratch_bytes) nogil
-
-
-cdef extern from "elementwise.h":
-    void ellm_rmsnorm(const float *x, int64_t ldx, const float *w, float eps, float *out, int64_t ldo,
-                      int64_t rows, int64_t n) nogil
-    void ellm_add_rmsnorm(float *residual, int64_t ldr, const float *x, int64_t ldx, const float *w,
-                          float eps, float *out, int64_t ldo, int64_t rows, int64_t n) nogil
-    void ellm_swiglu(const float *gate, int64_t ldg, const float *up, int64_t ldu, float *out,
-                     int64_t ldo, int64_t rows, int64_t n) nogil
-    void ellm_geglu(const float *gate, int64_t ldg, const float *up, int64_t ldu, float *out,
-                    int64_t ldo, int64_t rows, int64_t n) nogil
-    void ellm_add(float *a, int64_t lda, const float *b, int64_t ldb, int64_t rows, int64_t n) nogil
-    void ellm_scale(float *x, int64_t ldx, float s, int64_t rows, int64_t n) nogil
-
-
-cdef extern from "attention.h":
-    ctypedef struct ellm_attn_args:
-        const float *q
-        const float *k
-        const float *v
-        int64_t q_stride, k_stride, v_stride
-        const int32_t *positions
-        const int32_t *seq_ids
-        const int32_t *key_limit
-        const int32_t *block_tables
-        float *k_cache
-        float *v_cache
-        const float *inv_freq
-        float *out
-        int64_t T, B, max_blocks, num_blocks
-        int32_t nh, nkv, hd, block_size
-        int32_t n_rot, interleaved, window
-        float scale, softcap, rope_mscale
-        uint16_t *k_cache16
-        uint16_t *v_cache16
-    int64_t ellm_rope_attention_scratch_wanted(const ellm_attn_args *a, int threads) nogil
-    int ellm_rope_attention(const ellm_attn_args *a, float *scratch, int64_t scratch_floats,
-                            char *err, size_t err_len) nogil
+from _csrc cimport (ellm_add, ellm_add_rmsnorm, ellm_attn_args, ellm_geglu, ellm_linear_multi,
+                    ellm_linear_multi_scratch_bytes, ellm_linear_part, ellm_rmsnorm, ellm_rope_attention,
+                    ellm_rope_attention_scratch_wanted, ellm_scale, ellm_swiglu)
 
 
 cdef extern from "threadpool.h":
@@ -399,12 +351,7 @@ cdef class LayerStack:
                     st = ellm_linear_multi(L.attn_x, T, L.attn_width, &L.o, 1, self.lin_ptr, self.lin_bytes)
                     if st != 0:
                         break
-                    _block_out(&L.post_attn, L.multiplier)
-                    if L.pre_mlp_w == NULL:
-                        ellm_add(self.residual, H, self.proj, H, T, H)
-                    else:
-                        ellm_add_rmsnorm(self.residual, H, self.proj, H, L.pre_mlp_w, L.post_attn.eps,
-                                         self.h, H, T, H)
+                    _block_out(&L.post_attn, L.multiplier, self.residual, L.pre_mlp_w, self.h)
                     st = ellm_linear_multi(L.mlp_in, T, H, L.gate_up, 2, self.lin_ptr, self.lin_bytes)
                     if st != 0:
                         break
@@ -415,12 +362,7 @@ cdef class LayerStack:
                     st = ellm_linear_multi(L.act, T, L.F, &L.down, 1, self.lin_ptr, self.lin_bytes)
                     if st != 0:
                         break
-                    _block_out(&L.post_mlp, L.multiplier)
-                    if L.next_w == NULL:
-                        ellm_add(self.residual, H, self.proj, H, T, H)
-                    else:
-                        ellm_add_rmsnorm(self.residual, H, self.proj, H, L.next_w, L.post_mlp.eps,
-                                         self.h, H, T, H)
+                    _block_out(&L.post_mlp, L.multiplier, self.residual, L.next_w, self.h)
         finally:
             self.lock.release()
         if rc == -2:
@@ -431,9 +373,16 @@ cdef class LayerStack:
             raise ValueError(f"linear_multi: {ellm_status_str(st).decode()}")
 
 
-cdef inline void _block_out(norm_step *n, float multiplier) noexcept nogil:
-    """A block's output through its own norm, then the residual multiplier (Decoder._block_out)."""
+cdef inline void _block_out(norm_step *n, float multiplier, float *residual, const float *next_w,
+                            float *h) noexcept nogil:
+    """A block's output (n.x) through its own norm and the residual multiplier
+    (Decoder._block_out), then added to the residual, and the sum through next_w into h
+    (NULL: the next block reads the residual itself)."""
     if n.w != NULL:
         ellm_rmsnorm(n.x, n.ld, n.w, n.eps, n.x, n.ld, n.rows, n.n)
     if multiplier != 1.0:
         ellm_scale(n.x, n.ld, multiplier, n.rows, n.n)
+    if next_w == NULL:
+        ellm_add(residual, n.ld, n.x, n.ld, n.rows, n.n)
+    else:
+        ellm_add_rmsnorm(residual, n.ld, n.x, n.ld, next_w, n.eps, h, n.ld, n.rows, n.n)
