@@ -459,67 +459,114 @@ KINLINE int32_t qx_sum_i8x32(const uint8_t *p) {
     return (int32_t)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1)) - 32 * 128;
 }
 
+/* One 32-element block of QX_ZROWS weight rows, unpacked for the broadcast loads: the
+ * unsigned values (Q8_0: the signed ones), d, c and (Q8_0) 128 * the weight sum. */
+typedef struct {
+    uint8_t v[QX_ZROWS][32] __attribute__((aligned(32))); /* (a struct of 192 bytes) */
+    float d[QX_ZROWS], c[QX_ZROWS];
+    int32_t o[QX_ZROWS];
+} qx_zblock;
+
+/* Blocks [0, nb) of R rows (ws bytes apart) into zb. */
+KINLINE void qgemm32z_unpack(int type, const int R, int64_t nb, const uint8_t *w, size_t ws, qx_zblock *zb) {
+    const int bs = bytes32(type);
+    for (int64_t ii = 0; ii < nb; ii++) {
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = w + (size_t)r * ws + (size_t)ii * (size_t)bs;
+            block32_scales(type, b, (size_t)(QX_PREFETCH_TILES * R) * ws, &zb[ii].d[r], &zb[ii].c[r]);
+            if (type == ELLM_T_Q8_0) {
+                _mm256_store_si256((__m256i *)zb[ii].v[r], _mm256_loadu_si256((const __m256i *)(b + 2)));
+                zb[ii].o[r] = 128 * qx_sum_i8x32(b + 2);
+            } else {
+                __m256i sq = _mm256_setzero_si256();
+                _mm256_store_si256((__m256i *)zb[ii].v[r], values32(type, b, &sq));
+            }
+        }
+    }
+}
+
+/* acc, cor (R,) += unpacked blocks zb[0, nb) against the token-group pair at xg
+ * (blocks [0, nb) of it) and xgs bytes on. */
+KINLINE void qgemm32z_blocks(int type, const int R, int64_t nb, const qx_zblock *zb, const ellm_act32x8 *xg,
+                             size_t xgs, __m512 *acc, __m512 *cor) {
+    const int q8 = type == ELLM_T_Q8_0;
+    const ellm_act32x8 *xg1 = (const ellm_act32x8 *)((const uint8_t *)xg + xgs);
+    for (int64_t ii = 0; ii < nb; ii++) {
+        const ellm_act32x8 *g0 = xg + ii, *g1 = xg1 + ii;
+        __m512i isum[QX_ZROWS];
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8")
+        for (int m = 0; m < 8; m++) {
+            __m512i xm = qx_pair_epi8(g0->qs + 32 * m, g1->qs + 32 * m);
+            if (q8) xm = _mm512_xor_si512(xm, _mm512_set1_epi8((char)0x80));
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                const __m512i wm = _mm512_set1_epi32((int)ellm_rd_u32(zb[ii].v[r] + 4 * m));
+                isum[r] = q8 ? _mm512_dpbusd_epi32(isum[r], xm, wm) : _mm512_dpbusd_epi32(isum[r], wm, xm);
+            }
+        }
+        const __m512 dx = qx_pair_ps(g0->d, g1->d), sx = qx_pair_ps(g0->s, g1->s);
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) {
+            if (q8) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(zb[ii].o[r]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
+                                     _mm512_mul_ps(_mm512_set1_ps(zb[ii].d[r]), dx), acc[r]);
+            if (!q8) cor[r] = _mm512_fmadd_ps(_mm512_set1_ps(zb[ii].c[r]), sx, cor[r]);
+        }
+    }
+}
+
+/* The R rows' outputs of a pair: tokens [0, ELLM_TG) and [ELLM_TG, ELLM_TG + n1). */
+KINLINE void qgemm32z_store(int type, const int R, const __m512 *acc, const __m512 *cor, const int n1, float *y,
+                            size_t ys) {
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) {
+        float out[2 * ELLM_TG] __attribute__((aligned(64)));
+        _mm512_store_ps(out, type == ELLM_T_Q8_0 ? acc[r] : _mm512_add_ps(acc[r], cor[r]));
+        for (int t = 0; t < ELLM_TG; t++) y[(size_t)t * ys + (size_t)r] = out[t];
+        for (int t = 0; t < n1; t++) y[(size_t)(ELLM_TG + t) * ys + (size_t)r] = out[ELLM_TG + t];
+    }
+}
+
 KINLINE void qgemm32z_tile(int type, const int R, int64_t nb, const uint8_t *w, size_t ws,
                            const ellm_act32x8 *xg, size_t xgs, const int n1, float *y, size_t ys) {
     const int bs = bytes32(type);
-    const int q8 = type == ELLM_T_Q8_0;
-    const ellm_act32x8 *xg1 = (const ellm_act32x8 *)((const uint8_t *)xg + xgs);
     __m512 acc[QX_ZROWS], cor[QX_ZROWS];
-    /* per block and row: the unsigned values (Q8_0: the signed ones); d, c, and (Q8_0)
-     * 128 * the weight sum */
-    uint8_t wbuf[QX_CHUNK][QX_ZROWS][32] __attribute__((aligned(32)));
-    float dbuf[QX_CHUNK][QX_ZROWS], cbuf[QX_CHUNK][QX_ZROWS];
-    int32_t obuf[QX_CHUNK][QX_ZROWS];
+    qx_zblock zb[QX_CHUNK] __attribute__((aligned(64)));
     _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++) acc[r] = cor[r] = _mm512_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += QX_CHUNK) {
         const int nc = nb - i0 < QX_CHUNK ? (int)(nb - i0) : QX_CHUNK;
-        for (int ii = 0; ii < nc; ii++) {
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++) {
-                const uint8_t *b = w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs;
-                block32_scales(type, b, (size_t)(QX_PREFETCH_TILES * R) * ws, &dbuf[ii][r], &cbuf[ii][r]);
-                if (q8) {
-                    _mm256_store_si256((__m256i *)wbuf[ii][r], _mm256_loadu_si256((const __m256i *)(b + 2)));
-                    obuf[ii][r] = 128 * qx_sum_i8x32(b + 2);
-                } else {
-                    __m256i sq = _mm256_setzero_si256();
-                    _mm256_store_si256((__m256i *)wbuf[ii][r], values32(type, b, &sq));
-                }
-            }
-        }
-        __asm__("" : "+m"(wbuf)); /* read back by broadcast loads, as in qgemm32_tile */
-        for (int ii = 0; ii < nc; ii++) {
-            const ellm_act32x8 *g0 = xg + i0 + ii, *g1 = xg1 + i0 + ii;
-            __m512i isum[QX_ZROWS];
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
-            _Pragma("GCC unroll 8")
-            for (int m = 0; m < 8; m++) {
-                __m512i xm = qx_pair_epi8(g0->qs + 32 * m, g1->qs + 32 * m);
-                if (q8) xm = _mm512_xor_si512(xm, _mm512_set1_epi8((char)0x80));
-                _Pragma("GCC unroll 4")
-                for (int r = 0; r < R; r++) {
-                    const __m512i wm = _mm512_set1_epi32((int)ellm_rd_u32(wbuf[ii][r] + 4 * m));
-                    isum[r] = q8 ? _mm512_dpbusd_epi32(isum[r], xm, wm) : _mm512_dpbusd_epi32(isum[r], wm, xm);
-                }
-            }
-            const __m512 dx = qx_pair_ps(g0->d, g1->d), sx = qx_pair_ps(g0->s, g1->s);
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++) {
-                if (q8) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(obuf[ii][r]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
-                                         _mm512_mul_ps(_mm512_set1_ps(dbuf[ii][r]), dx), acc[r]);
-                if (!q8) cor[r] = _mm512_fmadd_ps(_mm512_set1_ps(cbuf[ii][r]), sx, cor[r]);
-            }
-        }
+        qgemm32z_unpack(type, R, nc, w + (size_t)i0 * (size_t)bs, ws, zb);
+        __asm__("" : "+m"(zb)); /* read back by broadcast loads, as in qgemm32_tile */
+        qgemm32z_blocks(type, R, nc, zb, xg + i0, xgs, acc, cor);
     }
-    _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++) {
-        float out[2 * ELLM_TG] __attribute__((aligned(64)));
-        _mm512_store_ps(out, q8 ? acc[r] : _mm512_add_ps(acc[r], cor[r]));
-        for (int t = 0; t < ELLM_TG; t++) y[(size_t)t * ys + (size_t)r] = out[t];
-        for (int t = 0; t < n1; t++) y[(size_t)(ELLM_TG + t) * ys + (size_t)r] = out[ELLM_TG + t];
+    qgemm32z_store(type, R, acc, cor, n1, y, ys);
+}
+
+/* A call of two or more token pairs unpacks each row tile once for all of them when a
+ * row has at most this many blocks (4 rows x 64 blocks = 12 KiB of stack, in L1), rather
+ * than once per pair: the unpack was ~10% of a prefill kernel's time. One thread, T=64
+ * and 512, Q4_1 / Q5_0 / Q8_0 at SmolLM2's shapes, alternating builds: medians 177 -> 216
+ * and 166 -> 193 GFLOP/s (a noisy host; single runs spread +-20%). */
+#define QX_REUSE_BLOCKS 64
+
+/* R rows against the pairs p = 0 .. np - 1 (groups 2p and 2p + 1 of x, xs bytes apart;
+ * the last pair's second group has n1 tokens), the rows unpacked once: the same sums, in
+ * the same order, as one qgemm32z_tile per pair. */
+KINLINE void qgemm32z_rows_pairs(int type, const int R, int64_t nb, const uint8_t *w, size_t ws, const uint8_t *x,
+                                 size_t xs, int64_t np, int n1_last, float *y, size_t ys) {
+    qx_zblock zb[QX_REUSE_BLOCKS] __attribute__((aligned(64)));
+    qgemm32z_unpack(type, R, nb, w, ws, zb);
+    __asm__("" : "+m"(zb));
+    for (int64_t p = 0; p < np; p++) {
+        __m512 acc[QX_ZROWS], cor[QX_ZROWS];
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) acc[r] = cor[r] = _mm512_setzero_ps();
+        qgemm32z_blocks(type, R, nb, zb, (const ellm_act32x8 *)(x + (size_t)(2 * p) * xs), xs, acc, cor);
+        qgemm32z_store(type, R, acc, cor, p + 1 == np ? n1_last : ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
     }
 }
 
@@ -555,6 +602,21 @@ KINLINE void qgemm32z_tile(int type, const int R, int64_t nb, const uint8_t *w, 
 #if QX_ZMM
 /* groups two at a time in 512-bit lanes, the last odd one alone */
 #define QGEMM32_PAIRS(TYPE)                                                                  \
+    if (nb <= QX_REUSE_BLOCKS && nt > 3 * ELLM_TG) {                                         \
+        /* two or more pairs: each row tile unpacked once for all of them */                 \
+        const int64_t np = (nt + ELLM_TG - 1) / (2 * ELLM_TG); /* as the loop below counts */ \
+        const int n1 = nt - (2 * np - 1) * ELLM_TG < ELLM_TG ? (int)(nt - (2 * np - 1) * ELLM_TG) : ELLM_TG; \
+        int64_t r = 0;                                                                       \
+        for (; r + QX_ZROWS <= nr; r += QX_ZROWS)                                            \
+            qgemm32z_rows_pairs(TYPE, QX_ZROWS, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); \
+        switch (nr - r) {                                                                    \
+        case 1: qgemm32z_rows_pairs(TYPE, 1, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
+        case 2: qgemm32z_rows_pairs(TYPE, 2, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
+        case 3: qgemm32z_rows_pairs(TYPE, 3, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
+        default: break;                                                                      \
+        }                                                                                    \
+        t = 2 * np * ELLM_TG;                                                                \
+    }                                                                                        \
     for (; nt - t > ELLM_TG; t += 2 * ELLM_TG) {                                             \
         const ellm_act32x8 *xg = (const ellm_act32x8 *)(x + (size_t)(t / ELLM_TG) * xs);      \
         const int n1 = nt - t - ELLM_TG < ELLM_TG ? (int)(nt - t - ELLM_TG) : ELLM_TG;       \
