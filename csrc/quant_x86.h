@@ -137,13 +137,27 @@ INLINE int bytes32(int type) {
     }
 }
 
+/* Q5 values: the nibbles at p, plus 16 where bit j of `bits` is set. With AVX-512BW the
+ * bits are the byte mask of one masked add, in place of bits32_to_0x10's five operations:
+ * Q5_0 decode (T=1, 8-row tiles), one thread, weights in cache, best of 400 by thread CPU
+ * time, AMD EPYC: 1536x640 37.3 -> 31.8 us, 4096x640 96.8 -> 82.1 us. (From DRAM, two
+ * threads, Gemma 3's layers stay at ~22 GB/s either way.) */
+INLINE __m256i q5_values32(const uint8_t *p, uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m256i n = nibbles32(p);
+    return _mm256_mask_add_epi8(n, (__mmask32)bits, n, _mm256_set1_epi8(0x10));
+#else
+    return _mm256_or_si256(nibbles32(p), bits32_to_0x10(bits));
+#endif
+}
+
 /* The block's 32 values as unsigned bytes (Q8_0: |q|; *sq gets the signed values). */
 INLINE __m256i values32(int type, const uint8_t *b, __m256i *sq) {
     switch (type) {
     case ELLM_T_Q4_0: return nibbles32(b + 2);
     case ELLM_T_Q4_1: return nibbles32(b + 4);
-    case ELLM_T_Q5_0: return _mm256_or_si256(nibbles32(b + 6), bits32_to_0x10(ellm_rd_u32(b + 2)));
-    case ELLM_T_Q5_1: return _mm256_or_si256(nibbles32(b + 8), bits32_to_0x10(ellm_rd_u32(b + 4)));
+    case ELLM_T_Q5_0: return q5_values32(b + 6, ellm_rd_u32(b + 2));
+    case ELLM_T_Q5_1: return q5_values32(b + 8, ellm_rd_u32(b + 4));
     default:
         *sq = _mm256_loadu_si256((const __m256i *)(b + 2));
         return _mm256_abs_epi8(*sq); /* |-128| reads as 128 unsigned: still right */
