@@ -175,17 +175,17 @@ typedef struct {
 /* The kernel call for output rows [n0, n1) of part p, tokens [t0, t1), into y (the
  * block's first output). */
 static void run_kernel(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n1, int64_t t0,
-                       int64_t t1, float *y) {
+                       int64_t t1, float *y, size_t ys) {
     if (p->qgemm) /* t0 is a multiple of item_toks, so of p->tg */
         p->qgemm(p->nb, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
                  p->xq + (size_t)(t0 / p->tg) * p->act_stride, p->act_stride, t1 - t0, y,
-                 (size_t)p->ldy);
+                 ys);
     else if (p->fmm)
         p->fmm(c->K, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
-               c->x + (size_t)t0 * (size_t)c->K, (size_t)c->K, t1 - t0, y, (size_t)p->ldy);
+               c->x + (size_t)t0 * (size_t)c->K, (size_t)c->K, t1 - t0, y, ys);
     else
         p->qdot(p->nb, p->w + (size_t)n0 * p->row_bytes, p->row_bytes, n1 - n0,
-                p->xq + (size_t)t0 * p->act_stride, p->act_stride, t1 - t0, y, (size_t)p->ldy);
+                p->xq + (size_t)t0 * p->act_stride, p->act_stride, t1 - t0, y, ys);
 }
 
 /* The bias epilogue: y[t][i] += bias[i] over a block just summed. One rounding per
@@ -198,12 +198,33 @@ static void add_bias(const float *bias, int64_t n, float *y, size_t ldy, int64_t
     }
 }
 
+/* A block of several tokens is summed into a local buffer STAGE_ROWS rows at a time and
+ * copied out row by row. The kernels store a few consecutive outputs of each token per
+ * row tile; straight into y, whose token rows are ldy floats apart, those stores all fall
+ * in one L1 set when ldy is a multiple of 1024 (a model's head, 2048-wide FFNs) and
+ * evict each other tile after tile. Q8_0 576-wide rows at T=16, one thread, in cache:
+ * 4096 rows 151 GFLOP/s against 230 for 4000 or 4104 rows, before staging. */
+#define STAGE_ROWS 32
+#define STAGE_TOKS 64
+
 /* Output rows [n0, n1) of part p for tokens [t0, t1). */
 static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n1, int64_t t0,
                       int64_t t1) {
-    float *y = p->y + (size_t)t0 * (size_t)p->ldy + (size_t)n0;
-    run_kernel(c, p, n0, n1, t0, t1, y);
-    if (p->bias) add_bias(p->bias + n0, n1 - n0, y, (size_t)p->ldy, t1 - t0);
+    const size_t ldy = (size_t)p->ldy;
+    float *y = p->y + (size_t)t0 * ldy + (size_t)n0;
+    const int64_t nt = t1 - t0;
+    if (nt > 1 && nt <= STAGE_TOKS) {
+        float stage[STAGE_ROWS * STAGE_TOKS] __attribute__((aligned(64)));
+        for (int64_t r0 = n0; r0 < n1; r0 += STAGE_ROWS) {
+            const int64_t r1 = r0 + STAGE_ROWS < n1 ? r0 + STAGE_ROWS : n1, nr = r1 - r0;
+            run_kernel(c, p, r0, r1, t0, t1, stage, (size_t)nr);
+            for (int64_t t = 0; t < nt; t++)
+                memcpy(y + (size_t)t * ldy + (size_t)(r0 - n0), stage + t * nr, sizeof(float) * (size_t)nr);
+        }
+    } else {
+        run_kernel(c, p, n0, n1, t0, t1, y, ldy);
+    }
+    if (p->bias) add_bias(p->bias + n0, n1 - n0, y, ldy, nt);
 }
 
 /* Items [begin, end) of one call (numbered from 0). */
