@@ -213,7 +213,10 @@ static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n
     const size_t ldy = (size_t)p->ldy;
     float *y = p->y + (size_t)t0 * ldy + (size_t)n0;
     const int64_t nt = t1 - t0;
-    if (nt > 1 && nt <= STAGE_TOKS) {
+    /* [amx] the AMX and bf16 tile kernels (16-token groups) store as before: staging them
+     * has not run on an AMX machine */
+    const int tiles = p->qgemm != NULL && p->tg != ELLM_TG;
+    if (nt > 1 && nt <= STAGE_TOKS && !tiles) {
         float stage[STAGE_ROWS * STAGE_TOKS] __attribute__((aligned(64)));
         for (int64_t r0 = n0; r0 < n1; r0 += STAGE_ROWS) {
             const int64_t r1 = r0 + STAGE_ROWS < n1 ? r0 + STAGE_ROWS : n1, nr = r1 - r0;
