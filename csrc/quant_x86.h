@@ -350,9 +350,12 @@ INLINE int s16_steps(int type) {
 #define QX_PREFETCH_TILES 4
 
 /* A 32-element block's scale d and constant term c; the block `ahead` bytes on (the same
- * one QX_PREFETCH_TILES row tiles later) is asked for. */
+ * one QX_PREFETCH_TILES row tiles later) is asked for, into L2 (T1): requests into L1 wait
+ * for its few miss buffers. Q8_0 65536x640 at T=16 from DRAM, one thread: 145 -> 182-204
+ * GFLOP/s; in the model at 16 rows, 2 threads, alternated: SmolLM2's head 3.70-3.95 ->
+ * 2.62-3.18 ms, Gemma 3's 19.5-22.3 -> 16.3-18.4 ms; weights in cache: unchanged. */
 INLINE void block32_scales(int type, const uint8_t *b, size_t ahead, float *d, float *c) {
-    _mm_prefetch((const char *)((uintptr_t)b + ahead), _MM_HINT_T0);
+    _mm_prefetch((const char *)((uintptr_t)b + ahead), _MM_HINT_T1);
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ellm_rd_u32(b)));
     *d = _mm_cvtss_f32(dm);
     *c = const32(type, *d, _mm_cvtss_f32(_mm_movehdup_ps(dm)));
