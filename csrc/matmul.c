@@ -69,14 +69,14 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
 /* [bf16] rows per item of the bf16 tiles: one pass (2 weight tiles) */
 #define BF16_ROW_TILE 32
 _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
-/* [amx] Items of the AMX kernels. The 32-element types: 64 tokens (4 tile groups), whose
- * activations stay in L1 from one 16-row item to the next while the weights stream
- * through (the kernel unpacks each item's rows once for all its tokens); 128 and 512 were
- * slower in SmolLM2's prefill (linear_multi 330-348 ms against 259 at 64, one thread,
- * CPU time). The K-quants (only): up to 512 tokens, so that one unpacking of a chunk of
- * their big blocks serves them all, fewer where their activations would pass
- * AMX_ITEM_ACT_BYTES (L2 is 2 MiB a core here). */
-#define AMX_TOK_TILE 64
+/* [amx] Items of the AMX kernels. The 32-element types: 128 tokens (8 tile groups), which
+ * share one unpacking of the item's weight rows. (64 was faster while each item loaded
+ * and released the tile configuration and was claimed alone; with runs of items claimed
+ * at once and the configuration kept, 128 gives SmolLM2's prefill@512 2,800 tok/s against
+ * 2,720 at 64, 2 threads, and 256 no more.) The K-quants (only): up to 512 tokens, so that
+ * one unpacking of a chunk of their big blocks serves them all, fewer where their
+ * activations would pass AMX_ITEM_ACT_BYTES (L2 is 2 MiB a core here). */
+#define AMX_TOK_TILE 128
 #define AMX_K_TOK_TILE 512
 #define AMX_ITEM_ACT_BYTES ((size_t)1 << 20)
 _Static_assert(AMX_TOK_TILE % ELLM_AMX_TG == 0 && AMX_K_TOK_TILE % AMX_TOK_TILE == 0 &&
@@ -146,6 +146,8 @@ typedef struct {
     ellm_fmm_fn fmm;
     int64_t tg;            /* with qgemm: tokens per group of xq (ELLM_TG, or ELLM_AMX_TG) */
     int64_t item_rows;     /* output rows per work item */
+    int64_t lead_rows;     /* > 0: rows of a shorter first item, so that the others start on
+                            * a 64-byte line of y (AMX tiles) */
     int64_t row_items;     /* work items along N */
     int64_t first_item;    /* this part's items in the call's item list: [first, end) */
     int64_t end_item;
@@ -213,8 +215,9 @@ static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n
     const size_t ldy = (size_t)p->ldy;
     float *y = p->y + (size_t)t0 * ldy + (size_t)n0;
     const int64_t nt = t1 - t0;
-    /* [amx] the AMX and bf16 tile kernels (16-token groups) store as before: staging them
-     * has not run on an AMX machine */
+    /* [amx] the AMX and bf16 tile kernels (16-token groups) store 16 outputs of a token at
+     * once, whole 64-byte lines where lead_rows aligns them: staging them gave nothing
+     * (SmolLM2's head at 16 rows 1.46-1.48 ms either way, Xeon with AMX, 2 threads) */
     const int tiles = p->qgemm != NULL && p->tg != ELLM_TG;
     if (nt > 1 && nt <= STAGE_TOKS && !tiles) {
         float stage[STAGE_ROWS * STAGE_TOKS] __attribute__((aligned(64)));
@@ -238,14 +241,30 @@ static void run_items(const lin_ctx *c, int64_t begin, int64_t end) {
         const lin_part *p = &c->p[pi];
         int64_t j = item - p->first_item;
         int64_t r = j % p->row_items, tt = j / p->row_items;
-        int64_t n0 = r * p->item_rows, n1 = n0 + p->item_rows < p->N ? n0 + p->item_rows : p->N;
+        int64_t n0 = r * p->item_rows, n1 = n0 + p->item_rows;
+        if (p->lead_rows) { /* [amx] */
+            n0 = r ? p->lead_rows + (r - 1) * p->item_rows : 0;
+            n1 = r ? n0 + p->item_rows : p->lead_rows;
+        }
+        n1 = n1 < p->N ? n1 : p->N;
         int64_t t0 = tt * c->item_toks, t1 = t0 + c->item_toks < c->T ? t0 + c->item_toks : c->T;
         run_block(c, p, n0, n1, t0, t1);
     }
 }
 
+/* Items a thread claims at once. [amx] The tile kernels' items are short (32 rows x 16
+ * tokens of Q4_1 is ~1.3 us): one claim each, two contended atomics, cost a fifth of that,
+ * so they are claimed GRAIN_CHUNKS_PER_THREAD runs per thread, of neighbouring rows. */
+#define GRAIN_CHUNKS_PER_THREAD 8
+static int64_t item_grain(const lin_ctx *c, int64_t items) {
+    if (!c->amx[0] && !c->amx[1]) return 1;
+    const int64_t g = items / ((int64_t)ellm_num_threads() * GRAIN_CHUNKS_PER_THREAD);
+    return g > 1 ? g : 1;
+}
+
 static void task_matmul(void *ctx, int64_t begin, int64_t end, int thread_id) {
     run_items((const lin_ctx *)ctx, begin, end);
+    ellm_amx_release_tiles(); /* [amx] the kernels leave their configuration loaded */
 }
 
 /* Token t of format f into its activation layout. */
@@ -559,7 +578,18 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
         } else {
             p->item_rows = row_unit == BF16_ROW_TILE ? BF16_ROW_TILE : ROW_TILE;
         }
-        p->row_items = (p->N + p->item_rows - 1) / p->item_rows;
+        /* [amx] A tile stores 16 outputs of a token (64 bytes) at once. Where y's rows are
+         * not on a 64-byte line, every store straddles two lines, and the lines at an item's
+         * ends are shared with the items beside it, which the other threads are writing:
+         * Q4_1 1536x576 at T=16 scaled 1.12x from one thread to two, against 1.62x on
+         * aligned rows. A short first item puts the other items' rows on whole lines. */
+        p->lead_rows = 0;
+        if (p->tg == ELLM_AMX_TG && p->ldy % 16 == 0 && (uintptr_t)p->y % sizeof(float) == 0) {
+            const int64_t off = (int64_t)(((uintptr_t)p->y / sizeof(float)) % 16);
+            if (off && p->N > 16 - off) p->lead_rows = 16 - off;
+        }
+        p->row_items = p->lead_rows ? 1 + (p->N - p->lead_rows + p->item_rows - 1) / p->item_rows
+                                    : (p->N + p->item_rows - 1) / p->item_rows;
         p->first_item = items;
         items += p->row_items * tok_items;
         p->end_item = items;
@@ -612,6 +642,7 @@ static void task_decode(void *ctx, int64_t begin, int64_t end, int thread_id) {
         for (int k = 1; k < d->n; k++)
             while (claim_item(&d->r[(g + k) % d->n], 1, &item)) run_items(d->c, item, item + 1);
     }
+    ellm_amx_release_tiles(); /* [amx] (these items are not on the tiles today) */
 }
 
 /* Item index at which the bytes before it first reach `target` (bytes counted through
@@ -665,7 +696,7 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
      * decode: one region per thread, so each thread's rows run on ahead of its prefetches */
     const int streams = c.few || (!c.amx[0] && !c.amx[1] && !c.xb && T <= c.item_toks);
     if (streams && run_decode_regions(&c, items)) return ELLM_OK;
-    ellm_parallel_for(items, 1, task_matmul, &c);
+    ellm_parallel_for(items, item_grain(&c, items), task_matmul, &c);
     return ELLM_OK;
 }
 
@@ -699,6 +730,7 @@ static void task_groups(void *ctx, int64_t begin, int64_t end, int thread_id) {
         if (b < e) run_items(&G->c[g], b - G->first[g], e - G->first[g]);
         begin = e > begin ? e : begin;
     }
+    ellm_amx_release_tiles(); /* [amx] */
 }
 
 /* Bytes of lin_ctx + item offsets at the front of the groups scratch. */

@@ -12,9 +12,10 @@
  * instructions in the same order, with the tokens (rather than the rows) in the lanes.
  *
  * Built with -mamx-tile -mamx-int8 and the AVX-512 flags; only called at the AMX level,
- * whose detection (dispatch.c) has asked the kernel for the tile state. Each kernel call
- * loads its tile configuration and releases the tiles before it returns, so a thread
- * never holds tile state between calls. */
+ * whose detection (dispatch.c) has asked the kernel for the tile state. A kernel call
+ * loads its tile configuration unless the thread holds it already (amx_tile.h); the
+ * matmul driver releases the tiles at the end of each of its tasks, so a thread never
+ * holds tile state between linear calls. */
 #include "matmul_amx.h"
 
 #ifdef __x86_64__
@@ -46,6 +47,7 @@
 /* A and B tiles for K bytes of depth (a multiple of 4, at most 64): 32 for the 32-element
  * types and Q4_K's 32-runs, 16 for Q6_K's 16-runs. */
 static void load_tile_config(int k_bytes) {
+    if (ellm_tile_config_held == k_bytes) return;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -59,6 +61,16 @@ static void load_tile_config(int k_bytes) {
         cfg.colsb[c[i]] = 64;
     }
     ellm_tile_load_config(&cfg);
+    ellm_tile_config_held = k_bytes;
+}
+
+_Thread_local int ellm_tile_config_held;
+
+void ellm_amx_release_tiles(void) {
+    if (ellm_tile_config_held) {
+        _tile_release();
+        ellm_tile_config_held = 0;
+    }
 }
 
 INLINE float f16_at(const uint8_t *p) { return _cvtsh_ss(ellm_rd_u16(p)); }
@@ -387,7 +399,6 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
             }
         }
     }
-    _tile_release();
 }
 
 #define DEFINE_QGEMM32_AMX(name, TYPE)                                                       \
@@ -572,7 +583,6 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
             }
         }
     }
-    _tile_release();
 }
 
 static void amx_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,

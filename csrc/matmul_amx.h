@@ -48,7 +48,12 @@ void ellm_amx_put_token(int act_block, ellm_act_fn act, const float *x, int64_t 
 /* Zeroes lanes [used, ELLM_AMX_TG) of a group of nblk blocks. */
 void ellm_amx_zero_lanes(int act_block, int64_t nblk, uint8_t *group, int used);
 
+/* Releases the tiles if this thread holds a configuration (the matmul driver, at the end
+ * of each task that may have run a tile kernel). */
+void ellm_amx_release_tiles(void);
+
 #else /* no AMX off x86-64: the level is never offered there */
+static inline void ellm_amx_release_tiles(void) {}
 static inline ellm_qgemm_fn ellm_qgemm_amx(int qtype) {
     (void)qtype;
     return NULL;

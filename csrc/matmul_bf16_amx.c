@@ -11,8 +11,8 @@
  * row and the order of the tile multiplies -- which the kernel fixes.
  *
  * Built with -mamx-tile -mamx-bf16 and the AVX-512 flags; only called at the AMX level
- * where ellm_cpu_has_amx_bf16(). Each kernel call loads its tile configuration and
- * releases the tiles before it returns. */
+ * where ellm_cpu_has_amx_bf16(). A kernel call loads its tile configuration unless the
+ * thread holds it already (amx_tile.h); the matmul driver releases the tiles. */
 #include "matmul_bf16_amx.h"
 
 #ifdef __x86_64__
@@ -43,6 +43,7 @@
 
 /* every tile in use is 16 rows of 64 bytes */
 static void load_tile_config(void) {
+    if (ellm_tile_config_held == ELLM_TILE_CFG_BF16) return;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -51,6 +52,7 @@ static void load_tile_config(void) {
         cfg.colsb[t] = 64;
     }
     ellm_tile_load_config(&cfg);
+    ellm_tile_config_held = ELLM_TILE_CFG_BF16;
 }
 
 /* ====================================================================================
@@ -227,7 +229,6 @@ static void fmm_bf16_amx(int64_t k, const uint8_t *w, size_t ws, int64_t nr, con
                 }
         }
     }
-    _tile_release();
 }
 
 ellm_qgemm_fn ellm_fmm_bf16_amx(int qtype) { return qtype == ELLM_T_BF16 ? fmm_bf16_amx : NULL; }

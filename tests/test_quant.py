@@ -436,6 +436,35 @@ def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str,
         assert np.array_equal(linear_rows(x[:t], w, qtype), alone[:t]), f"T={t}"
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_linear_into_rows_off_a_cache_line(qtype: GGMLType, level: str) -> None:
+    """y's rows starting 0-15 floats past a 64-byte line: at the AMX level the first item is
+    then shorter, so that the others store whole lines (matmul.c, lead_rows). Every offset,
+    at 1 and 2 threads, gives each row its T=1 bits and writes nothing outside y."""
+    use_level(level)
+    rng = np.random.default_rng(900 + int(qtype))
+    n, k = 272, 512  # 17 tiles of 16 rows; n % 16 == 0, as the shorter first item needs
+    w = random_rows(qtype, n, k, rng)
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    alone = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
+    before = _quant.num_threads()
+    try:
+        for threads in (1, 2):
+            _quant.set_num_threads(threads)
+            for t in (16, 40):
+                buf = np.full(t * n + 64, np.nan, np.float32)
+                line = (-buf.ctypes.data // 4) % 16  # first float of buf on a 64-byte line
+                for off in (0, 1, 7, 15):
+                    buf[:] = np.nan
+                    y = buf[line + off:line + off + t * n].reshape(t, n)
+                    _quant.linear(np.ascontiguousarray(x[:t]), w, int(qtype), y)
+                    assert np.array_equal(y, alone[:t]), f"threads={threads} T={t} offset={off}"
+                    assert np.isnan(buf[:line + off]).all() and np.isnan(buf[line + off + t * n:]).all()
+    finally:
+        _quant.set_num_threads(before)
+
+
 # Decode-sized calls: parts large enough that one token's call is split into several
 # long row runs (matmul.c's decode items, 16 KiB to 1 MiB each, and the exact path's),
 # of different sizes, so the runs fall differently for each thread count
