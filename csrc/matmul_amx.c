@@ -275,6 +275,16 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
         /* Q8_0's values are int8 as stored: a full tile of rows is loaded straight from
          * the weights (row stride ws) rather than copied into the chunk first */
         const int direct = type == ELLM_T_Q8_0 && rows == 16;
+        /* the call's next tile into L2 while this one is summed (for a batched decode step,
+         * which reads its weights once, from memory) */
+        const char *pf_next = NULL;
+        size_t pf_bytes = 0;
+        if (ngroups == 1 && r0 + 16 < nr) {
+            const int64_t nrows = nr - r0 - 16 < 16 ? nr - r0 - 16 : 16;
+            pf_next = (const char *)(w + (size_t)(r0 + 16) * ws);
+            pf_bytes = (size_t)nrows * ws;
+        }
+        const size_t pf_step = nb > 0 ? (pf_bytes / (size_t)nb + 63) & ~(size_t)63 : 0;
         /* one chunk holds every block (K up to 32 x A32_CHUNK): each group is summed from
          * start to end against the one unpacking and its outputs stored at once, so every
          * token of the call shares it; more blocks: A32_GROUPS groups per unpacking, their
@@ -332,6 +342,10 @@ INLINE void qgemm32_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64
                     TILE_DPBSSD(TC0, TA0, TB0);
                     for (int ii = 0; ii < nc; ii++) {
                         const int nx = ii + 1;
+                        if (pf_next) { /* this block's share of the next tile's lines */
+                            const size_t a0 = (size_t)(i0 + ii) * pf_step;
+                            for (size_t l = a0; l < a0 + pf_step && l < pf_bytes; l += 64) _mm_prefetch(pf_next + l, _MM_HINT_T1);
+                        }
                         /* then they are read from L2: ask for a block's lines a few
                          * blocks ahead of its tile load */
                         if (prefetch && ii + A32_PREFETCH < nc) {
