@@ -279,9 +279,14 @@ static int64_t item_grain(const lin_ctx *c, int64_t items) {
     return g > 1 ? g : 1;
 }
 
+/* [amx] Whether a call's items may run tile kernels (which leave their configuration
+ * loaded, for the task's end to release). */
+static inline int uses_tiles(const lin_ctx *c) { return c->amx[0] || c->amx[1] || c->xb != NULL; }
+
 static void task_matmul(void *ctx, int64_t begin, int64_t end, int thread_id) {
-    run_items((const lin_ctx *)ctx, begin, end);
-    ellm_amx_release_tiles(); /* [amx] the kernels leave their configuration loaded */
+    const lin_ctx *c = (const lin_ctx *)ctx;
+    run_items(c, begin, end);
+    if (uses_tiles(c)) ellm_amx_release_tiles(); /* [amx] */
 }
 
 /* Token t of format f into its activation layout. */
@@ -661,7 +666,7 @@ static void task_decode(void *ctx, int64_t begin, int64_t end, int thread_id) {
         for (int k = 1; k < d->n; k++)
             while (claim_item(&d->r[(g + k) % d->n], 1, &item)) run_items(d->c, item, item + 1);
     }
-    ellm_amx_release_tiles(); /* [amx] (these items are not on the tiles today) */
+    if (uses_tiles(d->c)) ellm_amx_release_tiles(); /* [amx] (these items are not on the tiles today) */
 }
 
 /* Item index at which the bytes before it first reach `target` (bytes counted through
@@ -746,10 +751,12 @@ static void task_groups(void *ctx, int64_t begin, int64_t end, int thread_id) {
     for (int g = lo; g < G->n && begin < end; g++) {
         const int64_t b = begin > G->first[g] ? begin : G->first[g];
         const int64_t e = end < G->first[g + 1] ? end : G->first[g + 1];
-        if (b < e) run_items(&G->c[g], b - G->first[g], e - G->first[g]);
+        if (b < e) {
+            run_items(&G->c[g], b - G->first[g], e - G->first[g]);
+            if (uses_tiles(&G->c[g])) ellm_amx_release_tiles(); /* [amx] */
+        }
         begin = e > begin ? e : begin;
     }
-    ellm_amx_release_tiles(); /* [amx] */
 }
 
 /* Bytes of lin_ctx + item offsets at the front of the groups scratch. */
