@@ -173,6 +173,7 @@ typedef struct {
     ellm_act_fn act[N_ACT]; /* set for the formats a non-empty part needs */
     int has_act;           /* some part has quantized weights (or BF16 ones on bf16 tiles) */
     int few;               /* decode-sized items, all tokens in each (T < FEW_TOKENS) */
+    int act_kparts;        /* [amx] parts each run's blocks are quantized in (act_items) */
     /* [bf16] BF16 parts on the AMX bf16 tiles: x split into 16-token groups of xb_stride
      * bytes (matmul_bf16_amx.h), else xb is NULL */
     uint8_t *xb;
@@ -289,12 +290,17 @@ static void task_matmul(void *ctx, int64_t begin, int64_t end, int thread_id) {
     if (uses_tiles(c)) ellm_amx_release_tiles(); /* [amx] */
 }
 
+/* [bf16] The split of the bf16 group starting at token t. */
+static void put_bf16_group(const lin_ctx *c, int64_t t) {
+    ellm_bf16x3_put_group(c->x + (size_t)t * (size_t)c->K, (size_t)c->K,
+                          c->T - t < ELLM_BF16_TG ? (int)(c->T - t) : ELLM_BF16_TG, c->K,
+                          c->xb + (size_t)(t / ELLM_BF16_TG) * c->xb_stride);
+}
+
 /* Token t of format f into its activation layout. */
 static void quantize_token(const lin_ctx *c, int f, int64_t t) {
     const float *xt = c->x + (size_t)t * (size_t)c->K;
-    if (f == 0 && c->xb && t % ELLM_BF16_TG == 0) /* [bf16] a group's split, at its first token */
-        ellm_bf16x3_put_group(xt, (size_t)c->K, c->T - t < ELLM_BF16_TG ? (int)(c->T - t) : ELLM_BF16_TG,
-                              c->K, c->xb + (size_t)(t / ELLM_BF16_TG) * c->xb_stride);
+    if (f == 0 && c->xb && t % ELLM_BF16_TG == 0) put_bf16_group(c, t); /* [bf16] at a group's first token */
     if (!c->act[f]) return; /* formats of non-empty parts only */
     /* grouped: each block quantized as in the row layout (the same bytes), then
      * spread into this token's lane of its group */
@@ -341,14 +347,36 @@ _Static_assert(ACT_RUN % ELLM_TG == 0 && ACT_RUN % ELLM_AMX_TG == 0 && ACT_RUN %
                "an item of the activation quantization holds whole groups");
 static inline int64_t act_runs(int64_t T) { return (T + ACT_RUN - 1) / ACT_RUN; }
 
-/* Items [begin, end) are (format, run of ACT_RUN tokens) pairs: item = f * act_runs(T) + run. */
+static inline int64_t act_items(const lin_ctx *c) { return N_ACT * act_runs(c->T) * c->act_kparts; }
+
+/* [amx] Blocks [part * n / parts, (part + 1) * n / parts) of token t of format f, in the
+ * 16-token groups (whole blocks of a group are whole cache lines, matmul_amx.h). */
+static void quantize_token_blocks(const lin_ctx *c, int f, int64_t t, int part, int parts) {
+    const int blk = f == 0 ? QK32 : QK256;
+    const int64_t n = c->K / blk, b0 = n * part / parts, b1 = n * (part + 1) / parts;
+    const size_t block_bytes = f == 0 ? sizeof(ellm_act32x16) : sizeof(ellm_act256x16);
+    ellm_amx_put_token(blk, c->act[f], c->x + (size_t)t * (size_t)c->K + (size_t)(b0 * blk), b1 - b0,
+                       c->xq[f] + (size_t)(t / ELLM_AMX_TG) * c->act_stride[f] + (size_t)b0 * block_bytes,
+                       (int)(t % ELLM_AMX_TG));
+}
+
+/* Items [begin, end) are (format, run of ACT_RUN tokens, part of the blocks) triples:
+ * item = (f * act_runs(T) + run) * act_kparts + part. */
 static void task_quantize_act(void *ctx, int64_t begin, int64_t end, int thread_id) {
     const lin_ctx *c = (const lin_ctx *)ctx;
-    const int64_t runs = act_runs(c->T);
+    const int64_t runs = act_runs(c->T), parts = c->act_kparts;
     for (int64_t item = begin; item < end; item++) {
-        const int f = (int)(item / runs);
-        const int64_t t0 = item % runs * ACT_RUN, t1 = t0 + ACT_RUN < c->T ? t0 + ACT_RUN : c->T;
-        for (int64_t t = t0; t < t1; t++) quantize_token(c, f, t);
+        const int part = (int)(item % parts);
+        const int f = (int)(item / parts / runs);
+        const int64_t t0 = item / parts % runs * ACT_RUN, t1 = t0 + ACT_RUN < c->T ? t0 + ACT_RUN : c->T;
+        if (parts == 1) {
+            for (int64_t t = t0; t < t1; t++) quantize_token(c, f, t);
+        } else if (c->amx[f] && c->act[f]) {
+            for (int64_t t = t0; t < t1 && f == 0 && c->xb && part == 0; t += ELLM_BF16_TG) put_bf16_group(c, t);
+            for (int64_t t = t0; t < t1; t++) quantize_token_blocks(c, f, t, part, (int)parts);
+        } else if (part == 0) {
+            for (int64_t t = t0; t < t1; t++) quantize_token(c, f, t);
+        }
     }
 }
 
@@ -525,6 +553,7 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     const int any_amx = c->amx[0] || c->amx[1];
     const int few = !groups && !any_amx;
     c->few = few;
+    c->act_kparts = 1;
     c->item_toks = few ? T : any_amx || c->xb ? AMX_TOK_TILE : TOK_TILE; /* [bf16] || c->xb */
     if (any_amx && !c->amx[0]) { /* [amx] K-quants only: more tokens, within L2 */
         c->item_toks = AMX_K_TOK_TILE;
@@ -713,8 +742,12 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
     /* Activation quantization is cheap next to the matmul; only spread it when there are
      * enough rows to pay for waking the pool. */
     if (c.has_act) {
-        if (T >= 16) ellm_parallel_for(N_ACT * act_runs(T), 1, task_quantize_act, &c);
-        else task_quantize_act(&c, 0, N_ACT * act_runs(T), 0);
+        /* [amx] fewer runs than threads (a batched decode step is one): each run's blocks in
+         * parts, one a thread. SmolLM2 at 16 sequences: ~10 us a call for K = 1536 alone. */
+        const int threads = ellm_num_threads();
+        if ((c.amx[0] || c.amx[1]) && act_runs(T) < threads && K / QK256 >= threads) c.act_kparts = threads;
+        if (T >= 16) ellm_parallel_for(act_items(&c), 1, task_quantize_act, &c);
+        else task_quantize_act(&c, 0, act_items(&c), 0);
     }
     /* a batched decode step (one token item, not on the tiles) streams its weights like a
      * decode: one region per thread, so each thread's rows run on ahead of its prefetches */
@@ -737,7 +770,7 @@ typedef struct {
 static void task_groups_act(void *ctx, int64_t begin, int64_t end, int thread_id) {
     const groups_ctx *G = ctx;
     for (int64_t g = begin; g < end; g++)
-        if (G->first[g + 1] > G->first[g] && G->c[g].has_act) task_quantize_act(&G->c[g], 0, N_ACT * act_runs(G->c[g].T), 0);
+        if (G->first[g + 1] > G->first[g] && G->c[g].has_act) task_quantize_act(&G->c[g], 0, act_items(&G->c[g]), 0);
 }
 
 static void task_groups(void *ctx, int64_t begin, int64_t end, int thread_id) {
