@@ -19,7 +19,7 @@ static inline void ellm_tile_load_config(const tile_config *cfg) {
 
 /* The configuration this thread's tiles hold: an id per layout (ELLM_TILE_CFG_*), 0 when
  * released. A kernel loads its layout only where another is held (LDTILECFG costs a few
- * hundred cycles, ~5% of a 64-token Q4_1 item), and the matmul driver releases the tiles
+ * hundred cycles, ~5% of what a 64-token Q4_1 item took), and the matmul driver releases the tiles
  * at the end of each task (ellm_amx_release_tiles), so no thread holds tile state
  * between linear calls. */
 extern _Thread_local int ellm_tile_config_held __attribute__((visibility("hidden")));

@@ -290,27 +290,29 @@ static void task_matmul(void *ctx, int64_t begin, int64_t end, int thread_id) {
     if (uses_tiles(c)) ellm_amx_release_tiles(); /* [amx] */
 }
 
-/* [bf16] The split of the bf16 group starting at token t. */
-static void put_bf16_group(const lin_ctx *c, int64_t t) {
-    ellm_bf16x3_put_group(c->x + (size_t)t * (size_t)c->K, (size_t)c->K,
-                          c->T - t < ELLM_BF16_TG ? (int)(c->T - t) : ELLM_BF16_TG, c->K,
-                          c->xb + (size_t)(t / ELLM_BF16_TG) * c->xb_stride);
-}
-
-/* Token t of format f into its activation layout. */
-static void quantize_token(const lin_ctx *c, int f, int64_t t) {
+/* Token t of format f into its activation layout: part `part` of `parts` of its blocks in
+ * the AMX groups (whole blocks of a group are whole cache lines, matmul_amx.h); the other
+ * layouts, and the bf16 split, whole, in part 0. */
+static void quantize_token(const lin_ctx *c, int f, int64_t t, int part, int parts) {
     const float *xt = c->x + (size_t)t * (size_t)c->K;
-    if (f == 0 && c->xb && t % ELLM_BF16_TG == 0) put_bf16_group(c, t); /* [bf16] at a group's first token */
+    if (part == 0 && f == 0 && c->xb && t % ELLM_BF16_TG == 0) /* [bf16] a group's split, at its first token */
+        ellm_bf16x3_put_group(xt, (size_t)c->K, c->T - t < ELLM_BF16_TG ? (int)(c->T - t) : ELLM_BF16_TG,
+                              c->K, c->xb + (size_t)(t / ELLM_BF16_TG) * c->xb_stride);
     if (!c->act[f]) return; /* formats of non-empty parts only */
+    if (c->amx[f]) {
+        const int blk = f == 0 ? QK32 : QK256;
+        const int64_t n = c->K / blk, b0 = n * part / parts, b1 = n * (part + 1) / parts;
+        const size_t block_bytes = f == 0 ? sizeof(ellm_act32x16) : sizeof(ellm_act256x16);
+        ellm_amx_put_token(blk, c->act[f], xt + (size_t)(b0 * blk), b1 - b0,
+                           c->xq[f] + (size_t)(t / ELLM_AMX_TG) * c->act_stride[f] + (size_t)b0 * block_bytes,
+                           (int)(t % ELLM_AMX_TG));
+        return;
+    }
+    if (part != 0) return;
     /* grouped: each block quantized as in the row layout (the same bytes), then
      * spread into this token's lane of its group */
     const int64_t lane = t % ELLM_TG;
-    if (c->amx[f]) {
-        const int blk = f == 0 ? QK32 : QK256;
-        ellm_amx_put_token(blk, c->act[f], xt, c->K / blk,
-                           c->xq[f] + (size_t)(t / ELLM_AMX_TG) * c->act_stride[f],
-                           (int)(t % ELLM_AMX_TG));
-    } else if (f == 0 && c->grouped[0]) {
+    if (f == 0 && c->grouped[0]) {
         ellm_act32x8 *g = (ellm_act32x8 *)(c->xq[0] + (size_t)(t / ELLM_TG) * c->act_stride[0]);
         for (int64_t i = 0; i < c->K / QK32; i++) {
             ellm_act32 a;
@@ -349,17 +351,6 @@ static inline int64_t act_runs(int64_t T) { return (T + ACT_RUN - 1) / ACT_RUN; 
 
 static inline int64_t act_items(const lin_ctx *c) { return N_ACT * act_runs(c->T) * c->act_kparts; }
 
-/* [amx] Blocks [part * n / parts, (part + 1) * n / parts) of token t of format f, in the
- * 16-token groups (whole blocks of a group are whole cache lines, matmul_amx.h). */
-static void quantize_token_blocks(const lin_ctx *c, int f, int64_t t, int part, int parts) {
-    const int blk = f == 0 ? QK32 : QK256;
-    const int64_t n = c->K / blk, b0 = n * part / parts, b1 = n * (part + 1) / parts;
-    const size_t block_bytes = f == 0 ? sizeof(ellm_act32x16) : sizeof(ellm_act256x16);
-    ellm_amx_put_token(blk, c->act[f], c->x + (size_t)t * (size_t)c->K + (size_t)(b0 * blk), b1 - b0,
-                       c->xq[f] + (size_t)(t / ELLM_AMX_TG) * c->act_stride[f] + (size_t)b0 * block_bytes,
-                       (int)(t % ELLM_AMX_TG));
-}
-
 /* Items [begin, end) are (format, run of ACT_RUN tokens, part of the blocks) triples:
  * item = (f * act_runs(T) + run) * act_kparts + part. */
 static void task_quantize_act(void *ctx, int64_t begin, int64_t end, int thread_id) {
@@ -369,14 +360,7 @@ static void task_quantize_act(void *ctx, int64_t begin, int64_t end, int thread_
         const int part = (int)(item % parts);
         const int f = (int)(item / parts / runs);
         const int64_t t0 = item / parts % runs * ACT_RUN, t1 = t0 + ACT_RUN < c->T ? t0 + ACT_RUN : c->T;
-        if (parts == 1) {
-            for (int64_t t = t0; t < t1; t++) quantize_token(c, f, t);
-        } else if (c->amx[f] && c->act[f]) {
-            for (int64_t t = t0; t < t1 && f == 0 && c->xb && part == 0; t += ELLM_BF16_TG) put_bf16_group(c, t);
-            for (int64_t t = t0; t < t1; t++) quantize_token_blocks(c, f, t, part, (int)parts);
-        } else if (part == 0) {
-            for (int64_t t = t0; t < t1; t++) quantize_token(c, f, t);
-        }
+        for (int64_t t = t0; t < t1; t++) quantize_token(c, f, t, part, (int)parts);
     }
 }
 
