@@ -211,9 +211,13 @@ static void add_bias(const float *bias, int64_t n, float *y, size_t ldy, int64_t
  * row tile; straight into y, whose token rows are ldy floats apart, those stores all fall
  * in one L1 set when ldy is a multiple of 1024 (a model's head, 2048-wide FFNs) and
  * evict each other tile after tile. Q8_0 576-wide rows at T=16, one thread, in cache:
- * 4096 rows 151 GFLOP/s against 230 for 4000 or 4104 rows, before staging. */
+ * 4096 rows 151 GFLOP/s against 230 for 4000 or 4104 rows, before staging.
+ * Only those widths are staged: at the others the copy is pure cost. Q4_1, K = 576,
+ * T = 512, one thread (AMD EPYC, VNNI), staged -> straight: N = 576 1,450 -> 1,411 us,
+ * 1536 4,042 -> 3,816, 2304 6,330 -> 5,548; but 1024 2,671 -> 3,543, 3072 8,051 -> 10,710. */
 #define STAGE_ROWS 32
 #define STAGE_TOKS 64
+static inline int rows_share_l1_sets(size_t ldy) { return ldy % 1024 == 0; }
 
 /* Output rows [n0, n1) of part p for tokens [t0, t1). */
 static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n1, int64_t t0,
@@ -225,7 +229,7 @@ static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n
      * once, whole 64-byte lines where lead_rows aligns them: staging them gave nothing
      * (SmolLM2's head at 16 rows 1.46-1.48 ms either way, Xeon with AMX, 2 threads) */
     const int tiles = p->qgemm != NULL && p->tg != ELLM_TG;
-    if (nt > 1 && nt <= STAGE_TOKS && !tiles) {
+    if (nt > 1 && nt <= STAGE_TOKS && !tiles && rows_share_l1_sets(ldy)) {
         float stage[STAGE_ROWS * STAGE_TOKS] __attribute__((aligned(64)));
         for (int64_t r0 = n0; r0 < n1; r0 += STAGE_ROWS) {
             const int64_t r1 = r0 + STAGE_ROWS < n1 ? r0 + STAGE_ROWS : n1, nr = r1 - r0;
@@ -615,13 +619,16 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
         } else {
             p->item_rows = row_unit == BF16_ROW_TILE ? BF16_ROW_TILE : ROW_TILE;
         }
-        /* [amx] A tile stores 16 outputs of a token (64 bytes) at once. Where y's rows are
-         * not on a 64-byte line, every store straddles two lines, and the lines at an item's
+        /* A tile stores 16 outputs of a token (64 bytes) at once. Where y's rows are not
+         * on a 64-byte line, every store straddles two lines, and the lines at an item's
          * ends are shared with the items beside it, which the other threads are writing:
-         * Q4_1 1536x576 at T=16 scaled 1.12x from one thread to two, against 1.62x on
-         * aligned rows. A short first item puts the other items' rows on whole lines. */
+         * [amx] Q4_1 1536x576 at T=16 scaled 1.12x from one thread to two, against 1.62x on
+         * aligned rows. A short first item puts the other items' rows on whole lines. The
+         * 16-row items of the several-token VNNI kernels take it too: SmolLM2 prefill@512
+         * on 2 threads +4% (AMD EPYC, with the straight stores above, 60 alternations). */
         p->lead_rows = 0;
-        if (p->tg == ELLM_AMX_TG && p->ldy % 16 == 0 && (uintptr_t)p->y % sizeof(float) == 0) {
+        const int line_items = p->tg == ELLM_AMX_TG || (!few && p->qgemm != NULL && p->tg == ELLM_TG);
+        if (line_items && p->ldy % 16 == 0 && (uintptr_t)p->y % sizeof(float) == 0) {
             const int64_t off = (int64_t)(((uintptr_t)p->y / sizeof(float)) % 16);
             if (off && p->N > 16 - off) p->lead_rows = 16 - off;
         }

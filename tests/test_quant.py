@@ -439,9 +439,10 @@ def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str,
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_linear_into_rows_off_a_cache_line(qtype: GGMLType, level: str) -> None:
-    """y's rows starting 0-15 floats past a 64-byte line: at the AMX level the first item is
-    then shorter, so that the others store whole lines (matmul.c, lead_rows). Every offset,
-    at 1 and 2 threads, gives each row its T=1 bits and writes nothing outside y."""
+    """y's rows starting 0-15 floats past a 64-byte line: the first item of a several-token
+    call (the AMX tiles, and the token-group kernels of the VNNI and AVX2 levels) is then
+    shorter, so that the others store whole lines (matmul.c, lead_rows). Every offset, at
+    1 and 2 threads, gives each row its T=1 bits and writes nothing outside y."""
     use_level(level)
     rng = np.random.default_rng(900 + int(qtype))
     n, k = 272, 512  # 17 tiles of 16 rows; n % 16 == 0, as the shorter first item needs
