@@ -212,7 +212,8 @@ static void add_bias(const float *bias, int64_t n, float *y, size_t ldy, int64_t
  * in one L1 set when ldy is a multiple of 1024 (a model's head, 2048-wide FFNs) and
  * evict each other tile after tile. Q8_0 576-wide rows at T=16, one thread, in cache:
  * 4096 rows 151 GFLOP/s against 230 for 4000 or 4104 rows, before staging.
- * Only those widths are staged: at the others the copy is pure cost. Q4_1, K = 576,
+ * The token-group kernels (qgemm, ELLM_TG) stage only those widths, since at the others the
+ * copy is pure cost; the other kernels stage at every width, as before. Q4_1, K = 576,
  * T = 512, one thread (AMD EPYC, VNNI), staged -> straight: N = 576 1,450 -> 1,411 us,
  * 1536 4,042 -> 3,816, 2304 6,330 -> 5,548; but 1024 2,671 -> 3,543, 3072 8,051 -> 10,710. */
 #define STAGE_ROWS 32
@@ -229,7 +230,8 @@ static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n
      * once, whole 64-byte lines where lead_rows aligns them: staging them gave nothing
      * (SmolLM2's head at 16 rows 1.46-1.48 ms either way, Xeon with AMX, 2 threads) */
     const int tiles = p->qgemm != NULL && p->tg != ELLM_TG;
-    if (nt > 1 && nt <= STAGE_TOKS && !tiles && rows_share_l1_sets(ldy)) {
+    const int straight = p->qgemm != NULL && p->tg == ELLM_TG && !rows_share_l1_sets(ldy);
+    if (nt > 1 && nt <= STAGE_TOKS && !tiles && !straight) {
         float stage[STAGE_ROWS * STAGE_TOKS] __attribute__((aligned(64)));
         for (int64_t r0 = n0; r0 < n1; r0 += STAGE_ROWS) {
             const int64_t r1 = r0 + STAGE_ROWS < n1 ? r0 + STAGE_ROWS : n1, nr = r1 - r0;
