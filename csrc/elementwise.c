@@ -138,7 +138,8 @@ static void run_rows(ellm_task_fn fn, ew_ctx *c, int64_t rows) {
         return;
     }
     int64_t grain = PAR_GRAIN / c->n;
-    ellm_parallel_for(rows, grain < 1 ? 1 : grain, fn, c);
+    /* rows are tokens: cut the same way as the matmuls' tokens (threadpool.h) */
+    ellm_parallel_for_regions(rows, grain < 1 ? 1 : grain, fn, c);
 }
 
 static void task_rmsnorm(void *p, int64_t r0, int64_t r1, int tid) {

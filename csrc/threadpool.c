@@ -388,3 +388,66 @@ void ellm_parallel_for_threads(int64_t n, int64_t grain, int max_threads, ellm_t
     }
     pthread_mutex_unlock(&pool_lock);
 }
+
+/* ================================== regions ================================== */
+
+enum { MAX_REGIONS = 64 };
+
+typedef struct {
+    _Alignas(64) _Atomic uint64_t left; /* (first << 32) | end: chunks [first, end) unclaimed */
+} region;
+
+typedef struct {
+    ellm_task_fn fn;
+    void *ctx;
+    int64_t n, grain;
+    int n_regions;
+    region r[MAX_REGIONS];
+} regions_job;
+
+/* Claims the first (owner) or last (another thread) unclaimed chunk of r. Relaxed: the
+ * pool's completion count orders the work. */
+static int claim_chunk(region *r, int from_back, uint32_t *chunk) {
+    uint64_t v = atomic_load_explicit(&r->left, memory_order_relaxed);
+    for (;;) {
+        const uint32_t first = (uint32_t)(v >> 32), end = (uint32_t)v;
+        if (first >= end) return 0;
+        const uint64_t nv = from_back ? (v & ~(uint64_t)0xffffffffu) | (end - 1) : ((uint64_t)(first + 1) << 32) | end;
+        if (atomic_compare_exchange_weak_explicit(&r->left, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
+            *chunk = from_back ? end - 1 : first;
+            return 1;
+        }
+    }
+}
+
+static void run_region_chunk(const regions_job *J, uint32_t chunk, int tid) {
+    const int64_t begin = (int64_t)chunk * J->grain, end = begin + J->grain < J->n ? begin + J->grain : J->n;
+    J->fn(J->ctx, begin, end, tid);
+}
+
+static void task_regions(void *p, int64_t b, int64_t e, int tid) {
+    regions_job *J = p;
+    const int own = tid < J->n_regions ? tid : 0;
+    uint32_t chunk;
+    while (claim_chunk(&J->r[own], 0, &chunk)) run_region_chunk(J, chunk, tid);
+    for (int k = 1; k < J->n_regions; k++)
+        while (claim_chunk(&J->r[(own + k) % J->n_regions], 1, &chunk)) run_region_chunk(J, chunk, tid);
+}
+
+void ellm_parallel_for_regions(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx) {
+    if (n <= 0 || fn == NULL) return;
+    if (grain < 1) grain = 1;
+    const int64_t chunks = n / grain + (n % grain != 0);
+    int threads = ellm_num_threads();
+    if (threads > MAX_REGIONS) threads = MAX_REGIONS;
+    if (threads <= 1 || chunks < 2 || chunks > (int64_t)UINT32_MAX || tls_in_task) {
+        ellm_parallel_for(n, grain, fn, ctx);
+        return;
+    }
+    regions_job J = {.fn = fn, .ctx = ctx, .n = n, .grain = grain, .n_regions = threads};
+    for (int k = 0; k < threads; k++) {
+        const uint64_t first = (uint64_t)(chunks * k / threads), end = (uint64_t)(chunks * (k + 1) / threads);
+        atomic_init(&J.r[k].left, (first << 32) | end);
+    }
+    ellm_parallel_for_threads(threads, 1, threads, task_regions, &J);
+}

@@ -20,6 +20,14 @@ void ellm_parallel_for(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx);
  * by an earlier ellm_num_threads() (another thread may change the count in between). */
 void ellm_parallel_for_threads(int64_t n, int64_t grain, int max_threads, ellm_task_fn fn, void *ctx);
 
+/* ellm_parallel_for with the chunks cut into one contiguous region per thread: thread k
+ * runs its region's chunks front to back, then takes what is left of the others from
+ * their backs (a descheduled thread still delays only the chunk it holds). Calls over the
+ * same n give thread k the same items, stolen ones aside, so an op that reads what the op
+ * before wrote finds it in its own core's cache: the token-wise ops of a prefill
+ * (matmul.c, elementwise.c) all cut their tokens this way. */
+void ellm_parallel_for_regions(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx);
+
 /* Threads the pool uses (the caller included). */
 int ellm_num_threads(void);
 /* Sets the thread count (>= 1); n <= 0 means "the CPUs this process may use". */

@@ -157,3 +157,40 @@ if __name__ == "__main__":
         cold = K.pool_dispatch_ns(200, work_ns=work, sleep_us=2000)
         print(f"threads {K.num_threads()} chunk work {work} ns: spinning median {np.median(hot):.0f} ns, "
               f"asleep median {np.median(cold):.0f} ns")
+
+
+# ------------------------------ regions (threadpool.h) ------------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 64, 1000, 100_003])
+@pytest.mark.parametrize("grain", [0, 1, 3, 64, 10**12])
+def test_regions_visit_every_index_once(threads: int, n: int, grain: int) -> None:
+    """parallel_for_regions: every index once, chunks within the grain, ids below the
+    thread count, whatever n, grain and threads (a region may be empty or stolen whole)."""
+    K.set_num_threads(threads)
+    counts, tids, _, _, bad = K.pool_selftest(n, grain, regions=True)
+    assert not bad, "a chunk exceeded the grain or a thread id was out of range"
+    assert (counts == 1).all(), f"indices visited {counts.min() if n else 0}..{counts.max() if n else 0} times"
+    if threads == 1:
+        assert (tids == 0).all()
+
+
+def test_regions_give_each_thread_its_own_part_first() -> None:
+    """With two threads and chunks that take a while, the first chunk of each half is run
+    by that half's owner (thread 0 the front, thread 1 the back half) unless its owner was
+    late and lost the whole half; over several calls the owner wins at least once."""
+    K.set_num_threads(2)
+    owned = 0
+    for _ in range(5):
+        counts, tids, _, _, bad = K.pool_selftest(64, 1, work_ns=200_000, regions=True)
+        assert not bad and (counts == 1).all()
+        owned += int(tids[0] == 0 and tids[32] == 1)
+    assert owned >= 1, "no call gave the back half's first chunk to thread 1"
+
+
+def test_regions_nested_in_a_task_run_serially() -> None:
+    """A parallel_for_regions inside a pool task runs on that thread, like parallel_for."""
+    K.set_num_threads(2)
+    counts, _, nested, ok, bad = K.pool_selftest(200, 10, nested=True, regions=True)
+    assert not bad and (counts == 1).all() and (nested == 1).all() and ok.all()

@@ -29,6 +29,7 @@ cdef extern from "threadpool.h":
     void ellm_parallel_for(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx) nogil
     void ellm_parallel_for_threads(int64_t n, int64_t grain, int max_threads, ellm_task_fn fn,
                                    void *ctx) nogil
+    void ellm_parallel_for_regions(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx) nogil
     int ellm_num_threads() nogil
     void ellm_set_num_threads(int n) nogil
     int ellm_cpu_count() nogil
@@ -563,7 +564,8 @@ cdef void _check_task(void *p, int64_t b, int64_t e, int tid) noexcept nogil:
             pass
 
 
-def pool_selftest(int64_t n, int64_t grain, bint nested=False, int64_t work_ns=0, int max_threads=0):
+def pool_selftest(int64_t n, int64_t grain, bint nested=False, int64_t work_ns=0, int max_threads=0,
+                  bint regions=False):
     """Runs parallel_for_threads(n, grain, max_threads) with a task that records which
     thread visited each index (each chunk then stays busy for work_ns).
 
@@ -571,7 +573,8 @@ def pool_selftest(int64_t n, int64_t grain, bint nested=False, int64_t work_ns=0
     visits per index (all 1 if correct), tids (n,) the visiting thread's id, and for
     nested=True the visits made by a parallel_for nested in each chunk and whether it ran
     serially on the same thread; bad is True if a chunk exceeded grain or a thread id was
-    out of range. The GIL is released while it runs."""
+    out of range. regions=True runs parallel_for_regions(n, grain) instead (max_threads
+    unused). The GIL is released while it runs."""
     counts = np.zeros(max(n, 0), np.int32)
     tids = np.full(max(n, 0), -1, np.int32)
     ncounts = np.zeros(max(n, 0), np.int32)
@@ -588,7 +591,10 @@ def pool_selftest(int64_t n, int64_t grain, bint nested=False, int64_t work_ns=0
     c.work_ns = work_ns
     c.threads = max_threads if max_threads > 0 else ellm_num_threads()
     with nogil:
-        ellm_parallel_for_threads(n, grain, max_threads, _check_task, &c)
+        if regions:
+            ellm_parallel_for_regions(n, grain, _check_task, &c)
+        else:
+            ellm_parallel_for_threads(n, grain, max_threads, _check_task, &c)
     return counts, tids, ncounts, nok, bool(bad[0])
 
 
