@@ -123,8 +123,6 @@ _Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS, "tiles start no later than the toke
  * EPYC, 2 threads: Gemma 3's 178 MB head 7.4-7.7 -> 6.1-6.8 ms, SmolLM2's 30 MB one
  * 1.24-1.33 -> 1.00-1.10 ms; the layers' matrices (under 1 MB) were slower that way. */
 #define DECODE_ROW_STREAM_BYTES ((size_t)16 << 20)
-/* Regions at most (one per thread; with more threads, the items are claimed in turn) */
-#define DECODE_MAX_REGIONS 64
 
 static int64_t decode_item_bytes(size_t call_bytes) {
     size_t b = call_bytes / ((size_t)ellm_num_threads() * DECODE_ITEMS_PER_REGION);
@@ -667,46 +665,6 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
  * Decode regions: one contiguous run of items per thread, balanced by bytes
  * ------------------------------------------------------------------------------------ */
 
-typedef struct {
-    _Alignas(64) _Atomic uint64_t left; /* (first << 32) | end: items [first, end) unclaimed */
-} decode_region;
-
-typedef struct {
-    const lin_ctx *c;
-    decode_region *r;
-    int n;
-} decode_ctx;
-
-/* Claims the first (owner) or last (another thread) unclaimed item of r into *item;
- * 0 when none is left. Relaxed: the pool's completion count orders the outputs. */
-static int claim_item(decode_region *r, int from_back, int64_t *item) {
-    uint64_t v = atomic_load_explicit(&r->left, memory_order_relaxed);
-    for (;;) {
-        const uint32_t first = (uint32_t)(v >> 32), end = (uint32_t)v;
-        if (first >= end) return 0;
-        const uint64_t nv = from_back ? (v & ~(uint64_t)0xffffffffu) | (end - 1)
-                                      : ((uint64_t)(first + 1) << 32) | end;
-        if (atomic_compare_exchange_weak_explicit(&r->left, &v, nv, memory_order_relaxed,
-                                                  memory_order_relaxed)) {
-            *item = from_back ? (int64_t)end - 1 : (int64_t)first;
-            return 1;
-        }
-    }
-}
-
-/* Pool chunk g = region g: its items front to back, then the others' from their backs. */
-static void task_decode(void *ctx, int64_t begin, int64_t end, int thread_id) {
-    const decode_ctx *d = (const decode_ctx *)ctx;
-    (void)thread_id;
-    for (int64_t g = begin; g < end; g++) {
-        int64_t item;
-        while (claim_item(&d->r[g], 0, &item)) run_items(d->c, item, item + 1);
-        for (int k = 1; k < d->n; k++)
-            while (claim_item(&d->r[(g + k) % d->n], 1, &item)) run_items(d->c, item, item + 1);
-    }
-    if (uses_tiles(d->c)) ellm_amx_release_tiles(); /* [amx] (these items are not on the tiles today) */
-}
-
 /* Item index at which the bytes before it first reach `target` (bytes counted through
  * the parts in order, each item of a part item_rows x row_bytes, its last one less). */
 static int64_t item_at_bytes(const lin_ctx *c, uint64_t target) {
@@ -726,19 +684,15 @@ static int64_t item_at_bytes(const lin_ctx *c, uint64_t target) {
 /* Runs a decode-sized call's items in regions; 0 (nothing run) where it does not fit. */
 static int run_decode_regions(const lin_ctx *c, int64_t items) {
     const int n = ellm_num_threads();
-    if (n < 2 || n > DECODE_MAX_REGIONS || items < n || items > (int64_t)UINT32_MAX) return 0;
-    decode_region r[DECODE_MAX_REGIONS];
+    if (n < 2 || n > ELLM_MAX_REGIONS || items < n || items > (int64_t)UINT32_MAX) return 0;
+    int64_t cuts[ELLM_MAX_REGIONS + 1] = {0};
     uint64_t total = 0;
     for (int i = 0; i < c->n_parts; i++) total += (uint64_t)c->p[i].N * c->p[i].row_bytes;
-    int64_t first = 0;
-    for (int g = 0; g < n; g++) {
-        int64_t end = g + 1 == n ? items : item_at_bytes(c, total / (uint64_t)n * (uint64_t)(g + 1));
-        end = end < first ? first : end;
-        atomic_init(&r[g].left, ((uint64_t)first << 32) | (uint64_t)end);
-        first = end;
+    for (int g = 1; g <= n; g++) {
+        const int64_t end = g == n ? items : item_at_bytes(c, total / (uint64_t)n * (uint64_t)g);
+        cuts[g] = end < cuts[g - 1] ? cuts[g - 1] : end;
     }
-    decode_ctx d = {c, r, n};
-    ellm_parallel_for(n, 1, task_decode, &d);
+    ellm_parallel_for_cut(items, cuts, n, task_matmul, (void *)c);
     return 1;
 }
 

@@ -391,8 +391,6 @@ void ellm_parallel_for_threads(int64_t n, int64_t grain, int max_threads, ellm_t
 
 /* ================================== regions ================================== */
 
-enum { MAX_REGIONS = 64 };
-
 typedef struct {
     _Alignas(64) _Atomic uint64_t left; /* (first << 32) | end: chunks [first, end) unclaimed */
 } region;
@@ -402,7 +400,7 @@ typedef struct {
     void *ctx;
     int64_t n, grain;
     int n_regions;
-    region r[MAX_REGIONS];
+    region r[ELLM_MAX_REGIONS];
 } regions_job;
 
 /* Claims the first (owner) or last (another thread) unclaimed chunk of r. Relaxed: the
@@ -434,20 +432,37 @@ static void task_regions(void *p, int64_t b, int64_t e, int tid) {
         while (claim_chunk(&J->r[(own + k) % J->n_regions], 1, &chunk)) run_region_chunk(J, chunk, tid);
 }
 
+/* Chunks [cuts[k], cuts[k + 1]) are region k; the caller has checked the cuts. */
+static void run_regions(int64_t n, int64_t grain, const int64_t *cuts, int n_regions, ellm_task_fn fn, void *ctx) {
+    regions_job J = {.fn = fn, .ctx = ctx, .n = n, .grain = grain, .n_regions = n_regions};
+    for (int k = 0; k < n_regions; k++)
+        atomic_init(&J.r[k].left, ((uint64_t)cuts[k] << 32) | (uint64_t)cuts[k + 1]);
+    ellm_parallel_for_threads(n_regions, 1, n_regions, task_regions, &J);
+}
+
 void ellm_parallel_for_regions(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx) {
     if (n <= 0 || fn == NULL) return;
     if (grain < 1) grain = 1;
     const int64_t chunks = n / grain + (n % grain != 0);
     int threads = ellm_num_threads();
-    if (threads > MAX_REGIONS) threads = MAX_REGIONS;
+    if (threads > ELLM_MAX_REGIONS) threads = ELLM_MAX_REGIONS;
     if (threads <= 1 || chunks < 2 || chunks > (int64_t)UINT32_MAX || tls_in_task) {
         ellm_parallel_for(n, grain, fn, ctx);
         return;
     }
-    regions_job J = {.fn = fn, .ctx = ctx, .n = n, .grain = grain, .n_regions = threads};
-    for (int k = 0; k < threads; k++) {
-        const uint64_t first = (uint64_t)(chunks * k / threads), end = (uint64_t)(chunks * (k + 1) / threads);
-        atomic_init(&J.r[k].left, (first << 32) | end);
+    int64_t cuts[ELLM_MAX_REGIONS + 1];
+    for (int k = 0; k <= threads; k++) cuts[k] = chunks * k / threads;
+    run_regions(n, grain, cuts, threads, fn, ctx);
+}
+
+void ellm_parallel_for_cut(int64_t n, const int64_t *cuts, int n_regions, ellm_task_fn fn, void *ctx) {
+    if (n <= 0 || fn == NULL) return;
+    int ok = n_regions >= 1 && n_regions <= ELLM_MAX_REGIONS && n <= (int64_t)UINT32_MAX && cuts[0] == 0 &&
+             cuts[n_regions] == n && !tls_in_task;
+    for (int k = 0; ok && k < n_regions; k++) ok = cuts[k] <= cuts[k + 1];
+    if (!ok || n_regions == 1) {
+        ellm_parallel_for(n, 1, fn, ctx);
+        return;
     }
-    ellm_parallel_for_threads(threads, 1, threads, task_regions, &J);
+    run_regions(n, 1, cuts, n_regions, fn, ctx);
 }

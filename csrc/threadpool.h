@@ -28,6 +28,12 @@ void ellm_parallel_for_threads(int64_t n, int64_t grain, int max_threads, ellm_t
  * (matmul.c, elementwise.c) all cut their tokens this way. */
 void ellm_parallel_for_regions(int64_t n, int64_t grain, ellm_task_fn fn, void *ctx);
 
+/* The same over items [0, n) one at a time (grain 1), with the regions given: region k is
+ * items [cuts[k], cuts[k + 1]) (cuts[0] == 0, cuts[n_regions] == n, non-decreasing,
+ * n_regions <= ELLM_MAX_REGIONS; anything else runs as ellm_parallel_for). */
+#define ELLM_MAX_REGIONS 64
+void ellm_parallel_for_cut(int64_t n, const int64_t *cuts, int n_regions, ellm_task_fn fn, void *ctx);
+
 /* Threads the pool uses (the caller included). */
 int ellm_num_threads(void);
 /* Sets the thread count (>= 1); n <= 0 means "the CPUs this process may use". */
