@@ -535,6 +535,61 @@ KINLINE void qgemm32z_blocks(int type, const int R, int64_t nb, const qx_zblock 
     }
 }
 
+/* qgemm32z_blocks for two pairs at once (xa and xb, each a pair of groups xgs bytes
+ * apart), each weight dword broadcast once for both: eight independent dpbusd chains
+ * instead of four. With four, a block's eight dependent dpbusd per row bound the loop
+ * by their latency (a CPU with two 512-bit VNNI pipes, AMD Zen 5, ran qgemm_q4_1 at 38%
+ * of its dpbusd rate); every output's sums and float steps are those of
+ * qgemm32z_blocks, so the bits are too. acc, cor: (2, QX_ZROWS), pair a first. */
+KINLINE void qgemm32z_blocks_2p(int type, const int R, int64_t nb, const qx_zblock *zb, const ellm_act32x8 *xa,
+                                const ellm_act32x8 *xb, size_t xgs, __m512 *acc, __m512 *cor) {
+    const int q8 = type == ELLM_T_Q8_0;
+    const ellm_act32x8 *xa1 = (const ellm_act32x8 *)((const uint8_t *)xa + xgs);
+    const ellm_act32x8 *xb1 = (const ellm_act32x8 *)((const uint8_t *)xb + xgs);
+    for (int64_t ii = 0; ii < nb; ii++) {
+        const ellm_act32x8 *a0 = xa + ii, *a1 = xa1 + ii, *b0 = xb + ii, *b1 = xb1 + ii;
+        __m512i sa[QX_ZROWS], sb[QX_ZROWS];
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) sa[r] = sb[r] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8")
+        for (int m = 0; m < 8; m++) {
+            __m512i xma = qx_pair_epi8(a0->qs + 32 * m, a1->qs + 32 * m);
+            __m512i xmb = qx_pair_epi8(b0->qs + 32 * m, b1->qs + 32 * m);
+            if (q8) {
+                xma = _mm512_xor_si512(xma, _mm512_set1_epi8((char)0x80));
+                xmb = _mm512_xor_si512(xmb, _mm512_set1_epi8((char)0x80));
+            }
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                const __m512i wm = _mm512_set1_epi32((int)ellm_rd_u32(zb[ii].v[r] + 4 * m));
+                sa[r] = q8 ? _mm512_dpbusd_epi32(sa[r], xma, wm) : _mm512_dpbusd_epi32(sa[r], wm, xma);
+                sb[r] = q8 ? _mm512_dpbusd_epi32(sb[r], xmb, wm) : _mm512_dpbusd_epi32(sb[r], wm, xmb);
+            }
+        }
+        const __m512 dxa = qx_pair_ps(a0->d, a1->d), dxb = qx_pair_ps(b0->d, b1->d);
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) {
+            if (q8) {
+                sa[r] = _mm512_sub_epi32(sa[r], _mm512_set1_epi32(zb[ii].o[r]));
+                sb[r] = _mm512_sub_epi32(sb[r], _mm512_set1_epi32(zb[ii].o[r]));
+            }
+            const __m512 dr = _mm512_set1_ps(zb[ii].d[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa[r]), _mm512_mul_ps(dr, dxa), acc[r]);
+            acc[QX_ZROWS + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb[r]), _mm512_mul_ps(dr, dxb),
+                                                acc[QX_ZROWS + r]);
+        }
+        if (!q8) {
+            const __m512 sxa = qx_pair_ps(a0->s, a1->s), sxb = qx_pair_ps(b0->s, b1->s);
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                const __m512 cr = _mm512_set1_ps(zb[ii].c[r]);
+                cor[r] = _mm512_fmadd_ps(cr, sxa, cor[r]);
+                cor[QX_ZROWS + r] = _mm512_fmadd_ps(cr, sxb, cor[QX_ZROWS + r]);
+            }
+        }
+    }
+}
+
 /* The R rows' outputs of a pair: tokens [0, ELLM_TG) and [ELLM_TG, ELLM_TG + n1). */
 KINLINE void qgemm32z_store(int type, const int R, const __m512 *acc, const __m512 *cor, const int n1, float *y,
                             size_t ys) {
@@ -578,7 +633,24 @@ KINLINE void qgemm32z_rows_pairs(int type, const int R, int64_t nb, const uint8_
     qx_zblock zb[QX_REUSE_BLOCKS] __attribute__((aligned(64)));
     qgemm32z_unpack(type, R, nb, w, ws, zb);
     __asm__("" : "+m"(zb));
-    for (int64_t p = 0; p < np; p++) {
+    /* Two pairs store 32 tokens' outputs per row tile. Token rows a multiple of 512
+     * floats apart put those 32 lines in at most two L1 sets, which then evict each other
+     * from row tile to row tile (1536 x 576: 0.88x); such widths keep one pair at a time
+     * (matmul.c stages multiples of 1024 into a buffer, where pairs of pairs run). */
+    const int two_pairs = ys % 512 != 0;
+    int64_t p = 0;
+    for (; two_pairs && p + 2 <= np; p += 2) {
+        __m512 acc[2 * QX_ZROWS], cor[2 * QX_ZROWS];
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < 2 * QX_ZROWS; r++) acc[r] = cor[r] = _mm512_setzero_ps();
+        const uint8_t *xp = x + (size_t)(2 * p) * xs;
+        qgemm32z_blocks_2p(type, R, nb, zb, (const ellm_act32x8 *)xp, (const ellm_act32x8 *)(xp + 2 * xs), xs, acc,
+                           cor);
+        qgemm32z_store(type, R, acc, cor, ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
+        qgemm32z_store(type, R, acc + QX_ZROWS, cor + QX_ZROWS, p + 2 == np ? n1_last : ELLM_TG,
+                       y + (size_t)((2 * p + 2) * ELLM_TG) * ys, ys);
+    }
+    for (; p < np; p++) {
         __m512 acc[QX_ZROWS], cor[QX_ZROWS];
         _Pragma("GCC unroll 4")
         for (int r = 0; r < R; r++) acc[r] = cor[r] = _mm512_setzero_ps();

@@ -422,14 +422,16 @@ def test_linear_batch_invariant(qtype: GGMLType, level: str) -> None:
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [64, 65])
-def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str, blocks: int) -> None:
+@pytest.mark.parametrize("rows", [1024, 1536])
+def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str, blocks: int, rows: int) -> None:
     """Rows of 64 blocks are unpacked once for all the token pairs of a call, rows of 65
     the old way (quant_x86.h, QX_REUSE_BLOCKS); both give each row's T=1 bits. 1024 output
-    rows: a stride of a multiple of 1024 floats, which the staged outputs (matmul.c) are for."""
+    rows: a stride of a multiple of 1024 floats, which the staged outputs (matmul.c) are for;
+    1536: stored straight, one token pair at a time (qgemm32z_rows_pairs' two_pairs)."""
     use_level(level)
-    rng = np.random.default_rng(500 + blocks + int(qtype))
+    rng = np.random.default_rng(500 + blocks + rows + int(qtype))
     k = 32 * blocks
-    w = random_rows(qtype, 1024, k, rng)
+    w = random_rows(qtype, rows, k, rng)
     x = rng.standard_normal((41, k)).astype(np.float32)
     alone = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
     for t in (16, 25, 41):
