@@ -52,11 +52,19 @@ def host_kv_zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray
     """A zero array (float32, or float16 for an f16 KV cache) whose memory is committed
     4 KiB page by page as blocks are written. (np.zeros would do the same but asks for
     transparent huge pages on large arrays, so one written block could commit 2 MiB, and
-    RSS would depend on luck.)"""
+    RSS would depend on luck.)
+
+    The mapping is private: mmap's default (MAP_SHARED) is backed by shmem, whose first
+    write to a page cost 2.6-3.2 us against 1.5-2.0 us private (2-vCPU EPYC), and a prefill
+    into fresh blocks writes ~46 KB a token (SmolLM2). Cold 512-token prefills: 1.00-1.05x,
+    within the host's noise (benchmarks/bench_kv_first_touch.py)."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape))
     n = count * dtype.itemsize
-    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=dtype, count=count).reshape(shape)
+    buf = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):   # 4 KiB pages even where THP is "always"
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
 
 
 class HostMemory:
