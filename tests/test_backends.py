@@ -29,6 +29,7 @@ from ellm.formats.ggml_types import GGMLType
 from ellm.formats.gguf import GGUFFile
 from ellm.models.batch import Batch
 from ellm.ops import get_ops
+from ellm.ops.memory import host_kv_zeros
 from ellm.ops.reference import Experts, ReferenceOps
 from ellm.ops.workspace import Workspace
 from ellm.sampling_params import SamplingParams
@@ -227,6 +228,34 @@ def test_moe(ops) -> None:
 
 
 # ===================================== memory methods =====================================
+
+def _mapping_of(addr: int) -> tuple[str, int]:
+    """(permissions, Rss in kB) of the mapping of this process that holds addr."""
+    perms, rss, inside = "", 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            lo, hi = (int(v, 16) for v in head[0].split("-"))
+            inside = lo <= addr < hi
+            if inside:
+                perms = head[1]
+        elif inside and line.startswith("Rss:"):
+            rss = int(head[1])
+    return perms, rss
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_host_kv_cache_is_private_and_committed_page_by_page() -> None:
+    """The host KV cache is a private mapping (a shared one is shmem, whose first writes
+    cost about twice as much), zero, and a written block commits its own pages only."""
+    kv = host_kv_zeros((1024, 16, 4, 64))            # 16 MiB, 16 KiB a block
+    perms, rss0 = _mapping_of(kv.ctypes.data)
+    assert perms.endswith("p"), f"mapping {perms!r} is not private"
+    kv[700] = 1.0
+    _, rss1 = _mapping_of(kv.ctypes.data)
+    assert 16 <= rss1 - rss0 <= 64, f"one 16 KiB block committed {rss1 - rss0} kB"
+    assert float(kv.sum()) == 16 * 4 * 64 and not kv[699].any() and not kv[701].any()
+
 
 def test_memory_round_trips(ops) -> None:
     rng = np.random.default_rng(29)
