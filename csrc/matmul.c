@@ -63,9 +63,14 @@ ellm_fmm_fn ellm_fmm_scalar(int qtype) {
  * ==================================================================================== */
 
 /* Prefill items: ROW_TILE weight rows x TOK_TILE tokens; the item's weight rows stay in
- * L1 / L2 across its tokens and its activations in L2 across its rows. */
+ * L1 / L2 across its tokens and its activations in L2 across its rows. The token-group
+ * kernels unpack an item's weight rows once for all its token pairs, so longer items pay
+ * that less often: 128 tokens against 32 (AMD EPYC Zen 5, 2 threads, alternated call by
+ * call in one process) ran Q4_1 576 x 576 at T=512 1.21x, Q5_0 2048 x 640 1.24x, and
+ * prefill@512 of SmolLM2 1.12x and of Gemma 3 1.07x; K-quants and float weights 1.00-1.07x.
+ * (With 64 or fewer, staging still covered these items; see STAGE_TOKS.) */
 #define ROW_TILE 16
-#define TOK_TILE 32
+#define TOK_TILE 128
 /* [bf16] rows per item of the bf16 tiles: one pass (2 weight tiles) */
 #define BF16_ROW_TILE 32
 _Static_assert(TOK_TILE % ELLM_TG == 0, "token items start on a group of the group layouts");
@@ -214,8 +219,10 @@ static void add_bias(const float *bias, int64_t n, float *y, size_t ldy, int64_t
  * copy is pure cost; the other kernels stage at every width, as before. Q4_1, K = 576,
  * T = 512, one thread (AMD EPYC, VNNI), staged -> straight: N = 576 1,450 -> 1,411 us,
  * 1536 4,042 -> 3,816, 2304 6,330 -> 5,548; but 1024 2,671 -> 3,543, 3072 8,051 -> 10,710. */
+/* (up to a whole item: with 128-token items and staging only to 64, Gemma 3's 2048-wide
+ * FFN outputs went straight into y, and its prefill@512 ran 0.88x) */
 #define STAGE_ROWS 32
-#define STAGE_TOKS 64
+#define STAGE_TOKS TOK_TILE
 static inline int rows_share_l1_sets(size_t ldy) { return ldy % 1024 == 0; }
 
 /* Output rows [n0, n1) of part p for tokens [t0, t1). */

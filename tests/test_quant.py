@@ -427,14 +427,15 @@ def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str,
     """Rows of 64 blocks are unpacked once for all the token pairs of a call, rows of 65
     the old way (quant_x86.h, QX_REUSE_BLOCKS); both give each row's T=1 bits. 1024 output
     rows: a stride of a multiple of 1024 floats, which the staged outputs (matmul.c) are for;
-    1536: stored straight, one token pair at a time (qgemm32z_rows_pairs' two_pairs)."""
+    1536: stored straight, one token pair at a time (qgemm32z_rows_pairs' two_pairs).
+    T = 129 and 160: a whole 128-token item (matmul.c's TOK_TILE, staged whole) and a part one."""
     use_level(level)
     rng = np.random.default_rng(500 + blocks + rows + int(qtype))
     k = 32 * blocks
     w = random_rows(qtype, rows, k, rng)
-    x = rng.standard_normal((41, k)).astype(np.float32)
+    x = rng.standard_normal((160, k)).astype(np.float32)
     alone = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
-    for t in (16, 25, 41):
+    for t in (16, 25, 41, 129, 160):
         assert np.array_equal(linear_rows(x[:t], w, qtype), alone[:t]), f"T={t}"
 
 
