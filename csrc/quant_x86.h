@@ -590,16 +590,24 @@ KINLINE void qgemm32z_blocks_2p(int type, const int R, int64_t nb, const qx_zblo
     }
 }
 
-/* The R rows' outputs of a pair: tokens [0, ELLM_TG) and [ELLM_TG, ELLM_TG + n1). */
-KINLINE void qgemm32z_store(int type, const int R, const __m512 *acc, const __m512 *cor, const int n1, float *y,
-                            size_t ys) {
+/* The R rows' outputs v (R,) of a pair: tokens [0, ELLM_TG) and [ELLM_TG, ELLM_TG + n1). */
+KINLINE void qx_store_pair(const int R, const __m512 *v, const int n1, float *y, size_t ys) {
     _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++) {
         float out[2 * ELLM_TG] __attribute__((aligned(64)));
-        _mm512_store_ps(out, type == ELLM_T_Q8_0 ? acc[r] : _mm512_add_ps(acc[r], cor[r]));
+        _mm512_store_ps(out, v[r]);
         for (int t = 0; t < ELLM_TG; t++) y[(size_t)t * ys + (size_t)r] = out[t];
         for (int t = 0; t < n1; t++) y[(size_t)(ELLM_TG + t) * ys + (size_t)r] = out[ELLM_TG + t];
     }
+}
+
+/* ... of the 32-element types: acc + cor (Q8_0: acc) */
+KINLINE void qgemm32z_store(int type, const int R, const __m512 *acc, const __m512 *cor, const int n1, float *y,
+                            size_t ys) {
+    __m512 v[QX_ZROWS];
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) v[r] = type == ELLM_T_Q8_0 ? acc[r] : _mm512_add_ps(acc[r], cor[r]);
+    qx_store_pair(R, v, n1, y, ys);
 }
 
 KINLINE void qgemm32z_tile(int type, const int R, int64_t nb, const uint8_t *w, size_t ws,
@@ -1032,6 +1040,58 @@ DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
 /* Blocks unpacked ahead per register tile (256 value bytes per row and block) */
 #define QXK_CHUNK 2
 
+/* One Q4_K (q4) or Q6_K block b of a row, unpacked for the broadcast loads: its 256
+ * values as unsigned bytes (v, 32-aligned), the per-run scales (sc: Q4_K 8, Q6_K 16), the
+ * int16 pairs for the bsums madd (pk: Q4_K (mn, mn), Q6_K (sc, sc')), d and (Q4_K) -dmin
+ * (*m). The same block `ahead` bytes on is asked for into L2, as block32_scales does
+ * (Q4_K / Q6_K 65536x1024 at T=16 from DRAM, one thread: 171 -> 174, 195 -> 206 GFLOP/s). */
+INLINE void qgemmk_unpack_block(int q4, const uint8_t *b, size_t ahead, uint8_t *v, int32_t *sc,
+                                int32_t *pk, float *d, float *m) {
+    const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    for (int o = 0; o < bs; o += 64)
+        _mm_prefetch((const char *)((uintptr_t)b + ahead + (size_t)o), _MM_HINT_T1);
+    if (q4) {
+        uint8_t s6[8], mn[8];
+        ellm_unpack_k4_scales(b + 4, s6, mn);
+        for (int j = 0; j < 8; j++) {
+            sc[j] = s6[j];
+            pk[j] = (int32_t)((uint32_t)mn[j] * 0x10001u);
+        }
+        *d = f16_at(b);
+        *m = -f16_at(b + 2);
+        for (int c = 0; c < 4; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+            _mm256_store_si256((__m256i *)(v + 64 * c), _mm256_and_si256(q, lo4));
+            _mm256_store_si256((__m256i *)(v + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4));
+        }
+    } else {
+        const int8_t *s8 = (const int8_t *)(b + 192);
+        for (int g = 0; g < 16; g++) sc[g] = s8[g];
+        for (int k = 0; k < 8; k++)
+            pk[k] = (int32_t)((uint32_t)(uint16_t)(int16_t)s8[2 * k] |
+                              ((uint32_t)(uint16_t)(int16_t)s8[2 * k + 1] << 16));
+        *d = f16_at(b + 208);
+        *m = 0.0f;
+        for (int h = 0; h < 2; h++) {
+            __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            uint8_t *vh = v + 128 * h;
+            /* the four 32-runs of this half, as qdot_q6k_body forms them */
+            const __m256i l0 = _mm256_and_si256(ql0, lo4), l1 = _mm256_and_si256(ql1, lo4);
+            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4);
+            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4);
+            _mm256_store_si256((__m256i *)vh, _mm256_or_si256(l0, _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)));
+            _mm256_store_si256((__m256i *)(vh + 32),
+                               _mm256_or_si256(l1, _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)));
+            _mm256_store_si256((__m256i *)(vh + 64), _mm256_or_si256(h0, _mm256_and_si256(qh, top2)));
+            _mm256_store_si256((__m256i *)(vh + 96),
+                               _mm256_or_si256(h1, _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)));
+        }
+    }
+}
+
 KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const uint8_t *w, size_t ws,
                          const ellm_act256x8 *xg, size_t xgs, const int n0, const int n1, float *y,
                          size_t ys) {
@@ -1040,7 +1100,6 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
     const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
     /* runs of dwords sharing one scale: Q4_K 8 runs of 8 (32 values), Q6_K 16 of 4 */
     const int nrun = q4 ? 8 : 16, rdw = q4 ? 8 : 4;
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
     __m256 acc[4][2];
     uint8_t wbuf[QXK_CHUNK][4][256] __attribute__((aligned(32)));
     int32_t sbuf[QXK_CHUNK][4][16]; /* the per-run scales */
@@ -1055,53 +1114,8 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
         for (int ii = 0; ii < nc; ii++) {
             for (int r = 0; r < R; r++) {
                 const uint8_t *b = w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs;
-                /* into L2, as block32_scales (Q4_K / Q6_K 65536x1024 at T=16 from DRAM, one
-                 * thread: 171 -> 174, 195 -> 206 GFLOP/s) */
-                for (int o = 0; o < bs; o += 64)
-                    _mm_prefetch((const char *)((uintptr_t)b + (size_t)(QX_PREFETCH_TILES * R) * ws + (size_t)o),
-                                 _MM_HINT_T1);
-                uint8_t *v = wbuf[ii][r];
-                if (q4) {
-                    uint8_t sc[8], mn[8];
-                    ellm_unpack_k4_scales(b + 4, sc, mn);
-                    for (int j = 0; j < 8; j++) {
-                        sbuf[ii][r][j] = sc[j];
-                        pbuf[ii][r][j] = (int32_t)((uint32_t)mn[j] * 0x10001u);
-                    }
-                    dbuf[ii][r] = f16_at(b);
-                    mbuf[ii][r] = -f16_at(b + 2);
-                    for (int c = 0; c < 4; c++) {
-                        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-                        _mm256_store_si256((__m256i *)(v + 64 * c), _mm256_and_si256(q, lo4));
-                        _mm256_store_si256((__m256i *)(v + 64 * c + 32),
-                                           _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4));
-                    }
-                } else {
-                    const int8_t *sc = (const int8_t *)(b + 192);
-                    for (int g = 0; g < 16; g++) sbuf[ii][r][g] = sc[g];
-                    for (int k = 0; k < 8; k++)
-                        pbuf[ii][r][k] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[2 * k] |
-                                                   ((uint32_t)(uint16_t)(int16_t)sc[2 * k + 1] << 16));
-                    dbuf[ii][r] = f16_at(b + 208);
-                    for (int h = 0; h < 2; h++) {
-                        __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-                        __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-                        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-                        uint8_t *vh = v + 128 * h;
-                        /* the four 32-runs of this half, as qdot_q6k_body forms them */
-                        const __m256i l0 = _mm256_and_si256(ql0, lo4), l1 = _mm256_and_si256(ql1, lo4);
-                        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4);
-                        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4);
-                        _mm256_store_si256((__m256i *)vh, _mm256_or_si256(
-                            l0, _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)));
-                        _mm256_store_si256((__m256i *)(vh + 32), _mm256_or_si256(
-                            l1, _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)));
-                        _mm256_store_si256((__m256i *)(vh + 64), _mm256_or_si256(
-                            h0, _mm256_and_si256(qh, top2)));
-                        _mm256_store_si256((__m256i *)(vh + 96), _mm256_or_si256(
-                            h1, _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)));
-                    }
-                }
+                qgemmk_unpack_block(q4, b, (size_t)(QX_PREFETCH_TILES * R) * ws, wbuf[ii][r], sbuf[ii][r],
+                                    pbuf[ii][r], &dbuf[ii][r], &mbuf[ii][r]);
             }
         }
         /* read back by broadcast loads (see qgemm32_tile) */
@@ -1216,11 +1230,154 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
         }                                                                                    \
     }
 
+#if QX_ZMM
+/* ------------------------------------------------------------------------------------
+ * Q4_K and Q6_K with two token groups in the lanes of one 512-bit register (a pair: the
+ * group at xa in lanes 0-7, the one xgs bytes on in lanes 8-15), as qgemm32z does for the
+ * 32-element types: each row tile unpacked once for every pair of the call (rows of up to
+ * QXK_REUSE_BLOCKS blocks), two pairs per weight broadcast where the output rows allow it.
+ * Every lane forms qgemmk_tile's integer sums (exact) and does its float steps in its
+ * order, so the bits are the same.
+ * ------------------------------------------------------------------------------------ */
+#define QXK_REUSE_BLOCKS 8 /* K <= 2048: 8 blocks x 4 rows, ~11.5 KiB of stack */
+typedef struct {
+    uint8_t v[QX_ZROWS][256] __attribute__((aligned(32)));
+    int32_t sc[QX_ZROWS][16]; /* the per-run scales */
+    int32_t pk[QX_ZROWS][8];  /* int16 pairs for the bsums madd */
+    float d[QX_ZROWS], m[QX_ZROWS];
+} qxk_zblock;
+
+/* acc (NP, QX_ZROWS) += the unpacked blocks zb[0, nb) against NP (1 or 2) pairs, the
+ * first at xa, the second at xb. */
+KINLINE void qgemmkz_blocks(int type, const int R, const int NP, int64_t nb, const qxk_zblock *zb,
+                            const ellm_act256x8 *xa, const ellm_act256x8 *xb, size_t xgs, __m512 *acc) {
+    const int q4 = type == ELLM_T_Q4_K;
+    const int nrun = q4 ? 8 : 16, rdw = q4 ? 8 : 4;
+    const ellm_act256x8 *first[2] = {xa, xb};
+    for (int64_t ii = 0; ii < nb; ii++) {
+        const ellm_act256x8 *a0[2], *a1[2];
+        _Pragma("GCC unroll 2")
+        for (int pp = 0; pp < NP; pp++) {
+            a0[pp] = first[pp] + ii;
+            a1[pp] = (const ellm_act256x8 *)((const uint8_t *)first[pp] + xgs) + ii;
+        }
+        __m512i tot[2][QX_ZROWS];
+        _Pragma("GCC unroll 2")
+        for (int pp = 0; pp < NP; pp++)
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) tot[pp][r] = _mm512_setzero_si512();
+        for (int j = 0; j < nrun; j++) {
+            __m512i sm[2][QX_ZROWS];
+            _Pragma("GCC unroll 2")
+            for (int pp = 0; pp < NP; pp++)
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++) sm[pp][r] = _mm512_setzero_si512();
+            _Pragma("GCC unroll 8")
+            for (int m = 0; m < rdw; m++) {
+                const int dw = rdw * j + m;
+                __m512i xm[2];
+                _Pragma("GCC unroll 2")
+                for (int pp = 0; pp < NP; pp++) xm[pp] = qx_pair_epi8(a0[pp]->qs + 32 * dw, a1[pp]->qs + 32 * dw);
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++) {
+                    const __m512i wm = _mm512_set1_epi32((int)ellm_rd_u32(zb[ii].v[r] + 4 * dw));
+                    _Pragma("GCC unroll 2")
+                    for (int pp = 0; pp < NP; pp++) sm[pp][r] = _mm512_dpbusd_epi32(sm[pp][r], wm, xm[pp]);
+                }
+            }
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                const __m512i sc = _mm512_set1_epi32(zb[ii].sc[r][j]);
+                _Pragma("GCC unroll 2")
+                for (int pp = 0; pp < NP; pp++)
+                    tot[pp][r] = _mm512_add_epi32(tot[pp][r], _mm512_mullo_epi32(sm[pp][r], sc));
+            }
+        }
+        _Pragma("GCC unroll 2")
+        for (int pp = 0; pp < NP; pp++) {
+            const __m512 dx = qx_pair_ps(a0[pp]->d, a1[pp]->d);
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                __m512i bsp = _mm512_setzero_si512();
+                _Pragma("GCC unroll 8")
+                for (int k = 0; k < 8; k++)
+                    bsp = _mm512_add_epi32(bsp, _mm512_madd_epi16(
+                        qx_pair_epi8((const int8_t *)a0[pp]->bsums[k], (const int8_t *)a1[pp]->bsums[k]),
+                        _mm512_set1_epi32(zb[ii].pk[r][k])));
+                __m512 *a = &acc[pp * QX_ZROWS + r];
+                if (q4) {
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[pp][r]), _mm512_mul_ps(_mm512_set1_ps(zb[ii].d[r]), dx), *a);
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bsp), _mm512_mul_ps(_mm512_set1_ps(zb[ii].m[r]), dx), *a);
+                } else {
+                    const __m512i isum = _mm512_sub_epi32(tot[pp][r], _mm512_slli_epi32(bsp, 5));
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(zb[ii].d[r]), dx), *a);
+                }
+            }
+        }
+    }
+}
+
+/* R rows against the pairs p = 0 .. np - 1 (groups 2p and 2p + 1 of x, xs bytes apart;
+ * the last pair's second group has n1_last tokens), the rows unpacked once. */
+KINLINE void qgemmkz_rows_pairs(int type, const int R, int64_t nb, const uint8_t *w, size_t ws, const uint8_t *x,
+                                size_t xs, int64_t np, int n1_last, float *y, size_t ys) {
+    const int q4 = type == ELLM_T_Q4_K;
+    const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    qxk_zblock zb[QXK_REUSE_BLOCKS] __attribute__((aligned(64)));
+    for (int64_t ii = 0; ii < nb; ii++)
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++)
+            qgemmk_unpack_block(q4, w + (size_t)r * ws + (size_t)ii * (size_t)bs, (size_t)(QX_PREFETCH_TILES * R) * ws,
+                                zb[ii].v[r], zb[ii].sc[r], zb[ii].pk[r], &zb[ii].d[r], &zb[ii].m[r]);
+    __asm__("" : "+m"(zb)); /* read back by broadcast loads, as in qgemm32_tile */
+    const int two_pairs = ys % 512 != 0; /* as in qgemm32z_rows_pairs */
+    int64_t p = 0;
+    for (; two_pairs && p + 2 <= np; p += 2) {
+        __m512 acc[2 * QX_ZROWS];
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < 2 * QX_ZROWS; r++) acc[r] = _mm512_setzero_ps();
+        const uint8_t *xp = x + (size_t)(2 * p) * xs;
+        qgemmkz_blocks(type, R, 2, nb, zb, (const ellm_act256x8 *)xp, (const ellm_act256x8 *)(xp + 2 * xs), xs, acc);
+        qx_store_pair(R, acc, ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
+        qx_store_pair(R, acc + QX_ZROWS, p + 2 == np ? n1_last : ELLM_TG, y + (size_t)((2 * p + 2) * ELLM_TG) * ys, ys);
+    }
+    for (; p < np; p++) {
+        __m512 acc[QX_ZROWS];
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < QX_ZROWS; r++) acc[r] = _mm512_setzero_ps();
+        const ellm_act256x8 *xp = (const ellm_act256x8 *)(x + (size_t)(2 * p) * xs);
+        qgemmkz_blocks(type, R, 1, nb, zb, xp, xp, xs, acc);
+        qx_store_pair(R, acc, p + 1 == np ? n1_last : ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
+    }
+}
+
+/* every pair of the call (the second group of the last one may be part-filled), then
+ * t past them: what is left is one group at most */
+#define QGEMMK_PAIRS(TYPE)                                                                   \
+    if (nb <= QXK_REUSE_BLOCKS && nt > ELLM_TG) {                                            \
+        const int64_t np = (nt + ELLM_TG - 1) / (2 * ELLM_TG);                               \
+        const int n1 = nt - (2 * np - 1) * ELLM_TG < ELLM_TG ? (int)(nt - (2 * np - 1) * ELLM_TG) : ELLM_TG; \
+        int64_t r = 0;                                                                       \
+        for (; r + QX_ZROWS <= nr; r += QX_ZROWS)                                            \
+            qgemmkz_rows_pairs(TYPE, QX_ZROWS, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); \
+        switch (nr - r) {                                                                    \
+        case 1: qgemmkz_rows_pairs(TYPE, 1, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
+        case 2: qgemmkz_rows_pairs(TYPE, 2, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
+        case 3: qgemmkz_rows_pairs(TYPE, 3, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
+        default: break;                                                                      \
+        }                                                                                    \
+        t = 2 * np * ELLM_TG;                                                                \
+    }
+#else
+#define QGEMMK_PAIRS(TYPE)
+#endif
+
 /* The whole block, as DEFINE_QGEMM32: QX_GROUPS token groups per pass over the rows. */
 #define DEFINE_QGEMMK(name, TYPE)                                                            \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
         int64_t t = 0;                                                                       \
+        QGEMMK_PAIRS(TYPE)                                                                   \
         if (QX_GROUPS > 1)                                                                   \
             for (; nt - t > ELLM_TG; t += 2 * ELLM_TG) {                                     \
                 const ellm_act256x8 *xg = (const ellm_act256x8 *)(x + (size_t)(t / ELLM_TG) * xs); \
