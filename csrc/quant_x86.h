@@ -1234,12 +1234,12 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
 /* ------------------------------------------------------------------------------------
  * Q4_K and Q6_K with two token groups in the lanes of one 512-bit register (a pair: the
  * group at xa in lanes 0-7, the one xgs bytes on in lanes 8-15), as qgemm32z does for the
- * 32-element types: each row tile unpacked once for every pair of the call (rows of up to
- * QXK_REUSE_BLOCKS blocks), two pairs per weight broadcast where the output rows allow it.
+ * 32-element types: each chunk of a row tile's blocks unpacked once for up to
+ * QXK_BATCH_PAIRS pairs, two pairs per weight broadcast where the output rows allow it.
  * Every lane forms qgemmk_tile's integer sums (exact) and does its float steps in its
  * order, so the bits are the same.
  * ------------------------------------------------------------------------------------ */
-#define QXK_REUSE_BLOCKS 8 /* K <= 2048: 8 blocks x 4 rows, ~11.5 KiB of stack */
+#define QXK_REUSE_BLOCKS 8 /* blocks unpacked at once: 8 x 4 rows, ~11.5 KiB of stack */
 typedef struct {
     uint8_t v[QX_ZROWS][256] __attribute__((aligned(32)));
     int32_t sc[QX_ZROWS][16]; /* the per-run scales */
@@ -1317,44 +1317,55 @@ KINLINE void qgemmkz_blocks(int type, const int R, const int NP, int64_t nb, con
     }
 }
 
+/* Pairs run against one unpacking of a chunk of blocks; their sums wait in acc between
+ * chunks (8 pairs: 128 tokens, a prefill item) */
+#define QXK_BATCH_PAIRS 8
+
 /* R rows against the pairs p = 0 .. np - 1 (groups 2p and 2p + 1 of x, xs bytes apart;
- * the last pair's second group has n1_last tokens), the rows unpacked once. */
+ * the last pair's second group has n1_last tokens): for each batch of pairs, the rows'
+ * blocks QXK_REUSE_BLOCKS at a time, each chunk unpacked once for the whole batch, the
+ * blocks still summed in order into each output. */
 KINLINE void qgemmkz_rows_pairs(int type, const int R, int64_t nb, const uint8_t *w, size_t ws, const uint8_t *x,
                                 size_t xs, int64_t np, int n1_last, float *y, size_t ys) {
     const int q4 = type == ELLM_T_Q4_K;
     const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
-    qxk_zblock zb[QXK_REUSE_BLOCKS] __attribute__((aligned(64)));
-    for (int64_t ii = 0; ii < nb; ii++)
-        _Pragma("GCC unroll 4")
-        for (int r = 0; r < R; r++)
-            qgemmk_unpack_block(q4, w + (size_t)r * ws + (size_t)ii * (size_t)bs, (size_t)(QX_PREFETCH_TILES * R) * ws,
-                                zb[ii].v[r], zb[ii].sc[r], zb[ii].pk[r], &zb[ii].d[r], &zb[ii].m[r]);
-    __asm__("" : "+m"(zb)); /* read back by broadcast loads, as in qgemm32_tile */
     const int two_pairs = ys % 512 != 0; /* as in qgemm32z_rows_pairs */
-    int64_t p = 0;
-    for (; two_pairs && p + 2 <= np; p += 2) {
-        __m512 acc[2 * QX_ZROWS];
-        _Pragma("GCC unroll 8")
-        for (int r = 0; r < 2 * QX_ZROWS; r++) acc[r] = _mm512_setzero_ps();
-        const uint8_t *xp = x + (size_t)(2 * p) * xs;
-        qgemmkz_blocks(type, R, 2, nb, zb, (const ellm_act256x8 *)xp, (const ellm_act256x8 *)(xp + 2 * xs), xs, acc);
-        qx_store_pair(R, acc, ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
-        qx_store_pair(R, acc + QX_ZROWS, p + 2 == np ? n1_last : ELLM_TG, y + (size_t)((2 * p + 2) * ELLM_TG) * ys, ys);
-    }
-    for (; p < np; p++) {
-        __m512 acc[QX_ZROWS];
-        _Pragma("GCC unroll 4")
-        for (int r = 0; r < QX_ZROWS; r++) acc[r] = _mm512_setzero_ps();
-        const ellm_act256x8 *xp = (const ellm_act256x8 *)(x + (size_t)(2 * p) * xs);
-        qgemmkz_blocks(type, R, 1, nb, zb, xp, xp, xs, acc);
-        qx_store_pair(R, acc, p + 1 == np ? n1_last : ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
+    qxk_zblock zb[QXK_REUSE_BLOCKS] __attribute__((aligned(64)));
+    __m512 acc[QXK_BATCH_PAIRS][QX_ZROWS];
+    for (int64_t p0 = 0; p0 < np; p0 += QXK_BATCH_PAIRS) {
+        const int64_t p1 = np - p0 < QXK_BATCH_PAIRS ? np : p0 + QXK_BATCH_PAIRS;
+        for (int64_t p = p0; p < p1; p++)
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < QX_ZROWS; r++) acc[p - p0][r] = _mm512_setzero_ps();
+        for (int64_t i0 = 0; i0 < nb; i0 += QXK_REUSE_BLOCKS) {
+            const int64_t nc = nb - i0 < QXK_REUSE_BLOCKS ? nb - i0 : QXK_REUSE_BLOCKS;
+            for (int64_t ii = 0; ii < nc; ii++)
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++)
+                    qgemmk_unpack_block(q4, w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs,
+                                        (size_t)(QX_PREFETCH_TILES * R) * ws, zb[ii].v[r], zb[ii].sc[r],
+                                        zb[ii].pk[r], &zb[ii].d[r], &zb[ii].m[r]);
+            __asm__("" : "+m"(zb)); /* read back by broadcast loads, as in qgemm32_tile */
+            int64_t p = p0;
+            for (; two_pairs && p + 2 <= p1; p += 2) {
+                const uint8_t *xp = x + (size_t)(2 * p) * xs;
+                qgemmkz_blocks(type, R, 2, nc, zb, (const ellm_act256x8 *)xp + i0,
+                               (const ellm_act256x8 *)(xp + 2 * xs) + i0, xs, acc[p - p0]);
+            }
+            for (; p < p1; p++) {
+                const ellm_act256x8 *xp = (const ellm_act256x8 *)(x + (size_t)(2 * p) * xs) + i0;
+                qgemmkz_blocks(type, R, 1, nc, zb, xp, xp, xs, acc[p - p0]);
+            }
+        }
+        for (int64_t p = p0; p < p1; p++)
+            qx_store_pair(R, acc[p - p0], p + 1 == np ? n1_last : ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
     }
 }
 
 /* every pair of the call (the second group of the last one may be part-filled), then
  * t past them: what is left is one group at most */
 #define QGEMMK_PAIRS(TYPE)                                                                   \
-    if (nb <= QXK_REUSE_BLOCKS && nt > ELLM_TG) {                                            \
+    if (nt > ELLM_TG) {                                                                      \
         const int64_t np = (nt + ELLM_TG - 1) / (2 * ELLM_TG);                               \
         const int n1 = nt - (2 * np - 1) * ELLM_TG < ELLM_TG ? (int)(nt - (2 * np - 1) * ELLM_TG) : ELLM_TG; \
         int64_t r = 0;                                                                       \

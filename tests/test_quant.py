@@ -440,6 +440,25 @@ def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str,
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [8, 9, 17])
+@pytest.mark.parametrize("rows", [37, 512])
+def test_kquant_batch_invariant_across_block_chunks(qtype: GGMLType, level: str, blocks: int, rows: int) -> None:
+    """At the AVX-512 level Q4_K and Q6_K rows are unpacked 8 blocks at a time for up to 8
+    token pairs (quant_x86.h, QXK_REUSE_BLOCKS and QXK_BATCH_PAIRS), their sums kept between
+    chunks; rows of 8, 9 and 17 blocks, T past one batch, give each row's T=1 bits. 512 rows:
+    one pair at a time (two_pairs)."""
+    use_level(level)
+    rng = np.random.default_rng(700 + blocks + rows + int(qtype))
+    k = 256 * blocks
+    w = random_rows(qtype, rows, k, rng)
+    x = rng.standard_normal((160, k)).astype(np.float32)
+    alone = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
+    for t in (9, 16, 40, 129, 160):
+        assert np.array_equal(linear_rows(x[:t], w, qtype), alone[:t]), f"T={t}"
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_linear_into_rows_off_a_cache_line(qtype: GGMLType, level: str) -> None:
     """y's rows starting 0-15 floats past a 64-byte line: the first item of a several-token
