@@ -626,44 +626,62 @@ KINLINE void qgemm32z_tile(int type, const int R, int64_t nb, const uint8_t *w, 
     qgemm32z_store(type, R, acc, cor, n1, y, ys);
 }
 
-/* A call of two or more token pairs unpacks each row tile once for all of them when a
- * row has at most this many blocks (4 rows x 64 blocks = 12 KiB of stack, in L1), rather
- * than once per pair: the unpack was ~10% of a prefill kernel's time. One thread, T=64
+/* A call of two or more token pairs unpacks each row tile once for all of them, this many
+ * blocks at a time (4 rows x 64 blocks = 12 KiB of stack, in L1), rather than once per
+ * pair: the unpack was ~10% of a prefill kernel's time. One thread, T=64
  * and 512, Q4_1 / Q5_0 / Q8_0 at SmolLM2's shapes, alternating builds: medians 177 -> 216
  * and 166 -> 193 GFLOP/s (a noisy host; single runs spread +-20%). */
 #define QX_REUSE_BLOCKS 64
 
+/* Pairs run against one unpacking of a chunk of blocks; their sums wait in acc, cor
+ * between chunks (8 pairs: 128 tokens, a prefill item) */
+#define QX_BATCH_PAIRS 8
+
 /* R rows against the pairs p = 0 .. np - 1 (groups 2p and 2p + 1 of x, xs bytes apart;
- * the last pair's second group has n1 tokens), the rows unpacked once: the same sums, in
- * the same order, as one qgemm32z_tile per pair. */
+ * the last pair's second group has n1_last tokens): for each batch of pairs, the rows'
+ * blocks QX_REUSE_BLOCKS at a time, each chunk unpacked once for the whole batch. The same
+ * sums, in the same order, as one qgemm32z_tile per pair. */
 KINLINE void qgemm32z_rows_pairs(int type, const int R, int64_t nb, const uint8_t *w, size_t ws, const uint8_t *x,
                                  size_t xs, int64_t np, int n1_last, float *y, size_t ys) {
-    qx_zblock zb[QX_REUSE_BLOCKS] __attribute__((aligned(64)));
-    qgemm32z_unpack(type, R, nb, w, ws, zb);
-    __asm__("" : "+m"(zb));
+    const int bs = bytes32(type);
     /* Two pairs store 32 tokens' outputs per row tile. Token rows a multiple of 512
      * floats apart put those 32 lines in at most two L1 sets, which then evict each other
      * from row tile to row tile (1536 x 576: 0.88x); such widths keep one pair at a time
      * (matmul.c stages multiples of 1024 into a buffer, where pairs of pairs run). */
     const int two_pairs = ys % 512 != 0;
-    int64_t p = 0;
-    for (; two_pairs && p + 2 <= np; p += 2) {
-        __m512 acc[2 * QX_ZROWS], cor[2 * QX_ZROWS];
-        _Pragma("GCC unroll 8")
-        for (int r = 0; r < 2 * QX_ZROWS; r++) acc[r] = cor[r] = _mm512_setzero_ps();
-        const uint8_t *xp = x + (size_t)(2 * p) * xs;
-        qgemm32z_blocks_2p(type, R, nb, zb, (const ellm_act32x8 *)xp, (const ellm_act32x8 *)(xp + 2 * xs), xs, acc,
-                           cor);
-        qgemm32z_store(type, R, acc, cor, ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
-        qgemm32z_store(type, R, acc + QX_ZROWS, cor + QX_ZROWS, p + 2 == np ? n1_last : ELLM_TG,
-                       y + (size_t)((2 * p + 2) * ELLM_TG) * ys, ys);
-    }
-    for (; p < np; p++) {
-        __m512 acc[QX_ZROWS], cor[QX_ZROWS];
-        _Pragma("GCC unroll 4")
-        for (int r = 0; r < R; r++) acc[r] = cor[r] = _mm512_setzero_ps();
-        qgemm32z_blocks(type, R, nb, zb, (const ellm_act32x8 *)(x + (size_t)(2 * p) * xs), xs, acc, cor);
-        qgemm32z_store(type, R, acc, cor, p + 1 == np ? n1_last : ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
+    qx_zblock zb[QX_REUSE_BLOCKS] __attribute__((aligned(64)));
+    __m512 acc[QX_BATCH_PAIRS][QX_ZROWS], cor[QX_BATCH_PAIRS][QX_ZROWS];
+    for (int64_t p0 = 0; p0 < np; p0 += QX_BATCH_PAIRS) {
+        const int64_t p1 = np - p0 < QX_BATCH_PAIRS ? np : p0 + QX_BATCH_PAIRS;
+        for (int64_t p = p0; p < p1; p++)
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < QX_ZROWS; r++) acc[p - p0][r] = cor[p - p0][r] = _mm512_setzero_ps();
+        for (int64_t i0 = 0; i0 < nb; i0 += QX_REUSE_BLOCKS) {
+            const int64_t nc = nb - i0 < QX_REUSE_BLOCKS ? nb - i0 : QX_REUSE_BLOCKS;
+            qgemm32z_unpack(type, R, nc, w + (size_t)i0 * (size_t)bs, ws, zb);
+            __asm__("" : "+m"(zb));
+            /* a pair's outputs are stored as soon as its last chunk is summed: stored in
+             * one burst after the batch, rows 1536 floats apart ran half as fast */
+            const int last = i0 + nc == nb;
+            int64_t p = p0;
+            for (; two_pairs && p + 2 <= p1; p += 2) {
+                const uint8_t *xp = x + (size_t)(2 * p) * xs;
+                qgemm32z_blocks_2p(type, R, nc, zb, (const ellm_act32x8 *)xp + i0,
+                                   (const ellm_act32x8 *)(xp + 2 * xs) + i0, xs, acc[p - p0], cor[p - p0]);
+                if (last) {
+                    qgemm32z_store(type, R, acc[p - p0], cor[p - p0], ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
+                    qgemm32z_store(type, R, acc[p + 1 - p0], cor[p + 1 - p0], p + 2 == np ? n1_last : ELLM_TG,
+                                   y + (size_t)((2 * p + 2) * ELLM_TG) * ys, ys);
+                }
+            }
+            for (; p < p1; p++) {
+                qgemm32z_blocks(type, R, nc, zb, (const ellm_act32x8 *)(x + (size_t)(2 * p) * xs) + i0, xs,
+                                acc[p - p0], cor[p - p0]);
+                if (last)
+                    qgemm32z_store(type, R, acc[p - p0], cor[p - p0], p + 1 == np ? n1_last : ELLM_TG,
+                                   y + (size_t)(2 * p * ELLM_TG) * ys, ys);
+            }
+        }
     }
 }
 
@@ -699,7 +717,7 @@ KINLINE void qgemm32z_rows_pairs(int type, const int R, int64_t nb, const uint8_
 #if QX_ZMM
 /* groups two at a time in 512-bit lanes, the last odd one alone */
 #define QGEMM32_PAIRS(TYPE)                                                                  \
-    if (nb <= QX_REUSE_BLOCKS && nt > 3 * ELLM_TG) {                                         \
+    if (nt > 3 * ELLM_TG) {                                                                  \
         /* two or more pairs: each row tile unpacked once for all of them */                 \
         const int64_t np = (nt + ELLM_TG - 1) / (2 * ELLM_TG); /* as the loop below counts */ \
         const int n1 = nt - (2 * np - 1) * ELLM_TG < ELLM_TG ? (int)(nt - (2 * np - 1) * ELLM_TG) : ELLM_TG; \
@@ -1346,19 +1364,25 @@ KINLINE void qgemmkz_rows_pairs(int type, const int R, int64_t nb, const uint8_t
                                         (size_t)(QX_PREFETCH_TILES * R) * ws, zb[ii].v[r], zb[ii].sc[r],
                                         zb[ii].pk[r], &zb[ii].d[r], &zb[ii].m[r]);
             __asm__("" : "+m"(zb)); /* read back by broadcast loads, as in qgemm32_tile */
+            const int last = i0 + nc == nb; /* each pair stored at once, as in qgemm32z_rows_pairs */
             int64_t p = p0;
             for (; two_pairs && p + 2 <= p1; p += 2) {
                 const uint8_t *xp = x + (size_t)(2 * p) * xs;
                 qgemmkz_blocks(type, R, 2, nc, zb, (const ellm_act256x8 *)xp + i0,
                                (const ellm_act256x8 *)(xp + 2 * xs) + i0, xs, acc[p - p0]);
+                if (last) {
+                    qx_store_pair(R, acc[p - p0], ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
+                    qx_store_pair(R, acc[p + 1 - p0], p + 2 == np ? n1_last : ELLM_TG,
+                                  y + (size_t)((2 * p + 2) * ELLM_TG) * ys, ys);
+                }
             }
             for (; p < p1; p++) {
                 const ellm_act256x8 *xp = (const ellm_act256x8 *)(x + (size_t)(2 * p) * xs) + i0;
                 qgemmkz_blocks(type, R, 1, nc, zb, xp, xp, xs, acc[p - p0]);
+                if (last)
+                    qx_store_pair(R, acc[p - p0], p + 1 == np ? n1_last : ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
             }
         }
-        for (int64_t p = p0; p < p1; p++)
-            qx_store_pair(R, acc[p - p0], p + 1 == np ? n1_last : ELLM_TG, y + (size_t)(2 * p * ELLM_TG) * ys, ys);
     }
 }
 

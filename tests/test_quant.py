@@ -424,8 +424,9 @@ def test_linear_batch_invariant(qtype: GGMLType, level: str) -> None:
 @pytest.mark.parametrize("blocks", [64, 65])
 @pytest.mark.parametrize("rows", [1024, 1536])
 def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str, blocks: int, rows: int) -> None:
-    """Rows of 64 blocks are unpacked once for all the token pairs of a call, rows of 65
-    the old way (quant_x86.h, QX_REUSE_BLOCKS); both give each row's T=1 bits. 1024 output
+    """Rows of 64 blocks are unpacked in one chunk for all the token pairs of a call, rows
+    of 65 in two, the sums kept between them (quant_x86.h, QX_REUSE_BLOCKS); both give each
+    row's T=1 bits. 1024 output
     rows: a stride of a multiple of 1024 floats, which the staged outputs (matmul.c) are for;
     1536: stored straight, one token pair at a time (qgemm32z_rows_pairs' two_pairs).
     T = 129 and 160: a whole 128-token item (matmul.c's TOK_TILE, staged whole) and a part one."""
