@@ -218,9 +218,9 @@ static void add_bias(const float *bias, int64_t n, float *y, size_t ldy, int64_t
  * The token-group kernels (qgemm, ELLM_TG) stage only those widths, since at the others the
  * copy is pure cost; the other kernels stage at every width, as before. Q4_1, K = 576,
  * T = 512, one thread (AMD EPYC, VNNI), staged -> straight: N = 576 1,450 -> 1,411 us,
- * 1536 4,042 -> 3,816, 2304 6,330 -> 5,548; but 1024 2,671 -> 3,543, 3072 8,051 -> 10,710. */
-/* (up to a whole item: with 128-token items and staging only to 64, Gemma 3's 2048-wide
- * FFN outputs went straight into y, and its prefill@512 ran 0.88x) */
+ * 1536 4,042 -> 3,816, 2304 6,330 -> 5,548; but 1024 2,671 -> 3,543, 3072 8,051 -> 10,710.
+ * A block is up to a whole item: with 128-token items and staging only to 64, Gemma 3's
+ * 2048-wide FFN outputs went straight into y, and its prefill@512 ran 0.88x. */
 #define STAGE_ROWS 32
 #define STAGE_TOKS TOK_TILE
 static inline int rows_share_l1_sets(size_t ldy) { return ldy % 1024 == 0; }

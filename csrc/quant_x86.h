@@ -459,7 +459,7 @@ KINLINE void qgemm32_tile(int type, const int R, int64_t nb, const uint8_t *w, s
 /* rows per tile: 8 was faster with the weights in cache but slower streaming them from
  * memory (SmolLM2's Q4_1 layers at T=16, one thread: 22.6-26.6 ms against 18.9-20.8) */
 #define QX_ZROWS 4
-_Static_assert(QX_ZROWS == 4, "QGEMM32Z_ROWS spells out the remainders 1..3");
+_Static_assert(QX_ZROWS == 4, "QX_ZROW_TILES spells out the remainders 1..3");
 KINLINE __m512i qx_pair_epi8(const int8_t *lo, const int8_t *hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
                               _mm256_loadu_si256((const __m256i *)hi), 1);
@@ -685,19 +685,25 @@ KINLINE void qgemm32z_rows_pairs(int type, const int R, int64_t nb, const uint8_
     }
 }
 
-/* The rows of one two-group pass in 512-bit lanes: QX_ZROWS at a time, then the rest. */
-#define QGEMM32Z_ROWS(TYPE, n1)                                                              \
+/* CALL(TYPE, R, r) over the rows [0, nr): tiles of QX_ZROWS rows from r = 0, then the
+ * last 1..3 rows as one tile (R a constant in every call) */
+#define QX_ZROW_TILES(CALL, TYPE)                                                            \
     {                                                                                        \
         int64_t r = 0;                                                                       \
-        for (; r + QX_ZROWS <= nr; r += QX_ZROWS)                                            \
-            qgemm32z_tile(TYPE, QX_ZROWS, nb, w + (size_t)r * ws, ws, xg, xs, n1, yt + r, ys); \
+        for (; r + QX_ZROWS <= nr; r += QX_ZROWS) CALL(TYPE, QX_ZROWS, r);                   \
         switch (nr - r) {                                                                    \
-        case 1: qgemm32z_tile(TYPE, 1, nb, w + (size_t)r * ws, ws, xg, xs, n1, yt + r, ys); break; \
-        case 2: qgemm32z_tile(TYPE, 2, nb, w + (size_t)r * ws, ws, xg, xs, n1, yt + r, ys); break; \
-        case 3: qgemm32z_tile(TYPE, 3, nb, w + (size_t)r * ws, ws, xg, xs, n1, yt + r, ys); break; \
+        case 1: CALL(TYPE, 1, r); break;                                                     \
+        case 2: CALL(TYPE, 2, r); break;                                                     \
+        case 3: CALL(TYPE, 3, r); break;                                                     \
         default: break;                                                                      \
         }                                                                                    \
     }
+
+/* The rows of one two-group pass in 512-bit lanes (n1 tokens in its second group) */
+#define QGEMM32Z_TILE_AT(TYPE, R, r) qgemm32z_tile(TYPE, R, nb, w + (size_t)(r) * ws, ws, xg, xs, n1, yt + (r), ys)
+/* R rows from r against every pair of the call (np, n1 in scope) */
+#define QGEMM32Z_PAIRS_AT(TYPE, R, r) \
+    qgemm32z_rows_pairs(TYPE, R, nb, w + (size_t)(r) * ws, ws, x, xs, np, n1, y + (r), ys)
 #endif
 
 /* The rows of one pass over one token group: QX_ROWS at a time, then the rest. */
@@ -721,22 +727,14 @@ KINLINE void qgemm32z_rows_pairs(int type, const int R, int64_t nb, const uint8_
         /* two or more pairs: each row tile unpacked once for all of them */                 \
         const int64_t np = (nt + ELLM_TG - 1) / (2 * ELLM_TG); /* as the loop below counts */ \
         const int n1 = nt - (2 * np - 1) * ELLM_TG < ELLM_TG ? (int)(nt - (2 * np - 1) * ELLM_TG) : ELLM_TG; \
-        int64_t r = 0;                                                                       \
-        for (; r + QX_ZROWS <= nr; r += QX_ZROWS)                                            \
-            qgemm32z_rows_pairs(TYPE, QX_ZROWS, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); \
-        switch (nr - r) {                                                                    \
-        case 1: qgemm32z_rows_pairs(TYPE, 1, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
-        case 2: qgemm32z_rows_pairs(TYPE, 2, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
-        case 3: qgemm32z_rows_pairs(TYPE, 3, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
-        default: break;                                                                      \
-        }                                                                                    \
+        QX_ZROW_TILES(QGEMM32Z_PAIRS_AT, TYPE)                                               \
         t = 2 * np * ELLM_TG;                                                                \
     }                                                                                        \
     for (; nt - t > ELLM_TG; t += 2 * ELLM_TG) {                                             \
         const ellm_act32x8 *xg = (const ellm_act32x8 *)(x + (size_t)(t / ELLM_TG) * xs);      \
         const int n1 = nt - t - ELLM_TG < ELLM_TG ? (int)(nt - t - ELLM_TG) : ELLM_TG;       \
         float *yt = y + (size_t)t * ys;                                                      \
-        QGEMM32Z_ROWS(TYPE, n1)                                                              \
+        QX_ZROW_TILES(QGEMM32Z_TILE_AT, TYPE)                                                \
     }
 #else
 #define QGEMM32_PAIRS(TYPE)
@@ -1386,21 +1384,15 @@ KINLINE void qgemmkz_rows_pairs(int type, const int R, int64_t nb, const uint8_t
     }
 }
 
+#define QGEMMKZ_PAIRS_AT(TYPE, R, r) \
+    qgemmkz_rows_pairs(TYPE, R, nb, w + (size_t)(r) * ws, ws, x, xs, np, n1, y + (r), ys)
 /* every pair of the call (the second group of the last one may be part-filled), then
  * t past them: what is left is one group at most */
 #define QGEMMK_PAIRS(TYPE)                                                                   \
     if (nt > ELLM_TG) {                                                                      \
         const int64_t np = (nt + ELLM_TG - 1) / (2 * ELLM_TG);                               \
         const int n1 = nt - (2 * np - 1) * ELLM_TG < ELLM_TG ? (int)(nt - (2 * np - 1) * ELLM_TG) : ELLM_TG; \
-        int64_t r = 0;                                                                       \
-        for (; r + QX_ZROWS <= nr; r += QX_ZROWS)                                            \
-            qgemmkz_rows_pairs(TYPE, QX_ZROWS, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); \
-        switch (nr - r) {                                                                    \
-        case 1: qgemmkz_rows_pairs(TYPE, 1, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
-        case 2: qgemmkz_rows_pairs(TYPE, 2, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
-        case 3: qgemmkz_rows_pairs(TYPE, 3, nb, w + (size_t)r * ws, ws, x, xs, np, n1, y + r, ys); break; \
-        default: break;                                                                      \
-        }                                                                                    \
+        QX_ZROW_TILES(QGEMMKZ_PAIRS_AT, TYPE)                                                \
         t = 2 * np * ELLM_TG;                                                                \
     }
 #else

@@ -419,6 +419,17 @@ def test_linear_batch_invariant(qtype: GGMLType, level: str) -> None:
 
 
 
+def assert_prefixes_match_rows_alone(qtype: GGMLType, rows: int, k: int, ts: tuple[int, ...],
+                                     rng: np.random.Generator) -> None:
+    """linear of the first t of 160 random rows, for each t in ts, equals each row's T=1
+    result bit for bit (random (rows, k) weights of qtype)."""
+    w = random_rows(qtype, rows, k, rng)
+    x = rng.standard_normal((160, k)).astype(np.float32)
+    alone = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
+    for t in ts:
+        assert np.array_equal(linear_rows(x[:t], w, qtype), alone[:t]), f"T={t}"
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [64, 65])
@@ -431,13 +442,8 @@ def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str,
     1536: stored straight, one token pair at a time (qgemm32z_rows_pairs' two_pairs).
     T = 129 and 160: a whole 128-token item (matmul.c's TOK_TILE, staged whole) and a part one."""
     use_level(level)
-    rng = np.random.default_rng(500 + blocks + rows + int(qtype))
-    k = 32 * blocks
-    w = random_rows(qtype, rows, k, rng)
-    x = rng.standard_normal((160, k)).astype(np.float32)
-    alone = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
-    for t in (16, 25, 41, 129, 160):
-        assert np.array_equal(linear_rows(x[:t], w, qtype), alone[:t]), f"T={t}"
+    assert_prefixes_match_rows_alone(qtype, rows, 32 * blocks, (16, 25, 41, 129, 160),
+                                     np.random.default_rng(500 + blocks + rows + int(qtype)))
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -450,13 +456,8 @@ def test_kquant_batch_invariant_across_block_chunks(qtype: GGMLType, level: str,
     chunks; rows of 8, 9 and 17 blocks, T past one batch, give each row's T=1 bits. 512 rows:
     one pair at a time (two_pairs)."""
     use_level(level)
-    rng = np.random.default_rng(700 + blocks + rows + int(qtype))
-    k = 256 * blocks
-    w = random_rows(qtype, rows, k, rng)
-    x = rng.standard_normal((160, k)).astype(np.float32)
-    alone = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
-    for t in (9, 16, 40, 129, 160):
-        assert np.array_equal(linear_rows(x[:t], w, qtype), alone[:t]), f"T={t}"
+    assert_prefixes_match_rows_alone(qtype, rows, 256 * blocks, (9, 16, 40, 129, 160),
+                                     np.random.default_rng(700 + blocks + rows + int(qtype)))
 
 
 @pytest.mark.parametrize("level", LEVELS)
