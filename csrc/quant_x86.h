@@ -151,13 +151,19 @@ INLINE __m256i q5_values32(const uint8_t *p, uint32_t bits) {
 #endif
 }
 
+/* Where the 16 nibble bytes and the fifth bits (Q5) of a 32-element block start */
+INLINE int nibbles_at32(int type) {
+    return type == ELLM_T_Q4_0 ? 2 : type == ELLM_T_Q4_1 ? 4 : type == ELLM_T_Q5_0 ? 6 : 8;
+}
+INLINE int fifth_bits_at32(int type) { return type == ELLM_T_Q5_0 ? 2 : 4; }
+
 /* The block's 32 values as unsigned bytes (Q8_0: |q|; *sq gets the signed values). */
 INLINE __m256i values32(int type, const uint8_t *b, __m256i *sq) {
     switch (type) {
-    case ELLM_T_Q4_0: return nibbles32(b + 2);
-    case ELLM_T_Q4_1: return nibbles32(b + 4);
-    case ELLM_T_Q5_0: return q5_values32(b + 6, ellm_rd_u32(b + 2));
-    case ELLM_T_Q5_1: return q5_values32(b + 8, ellm_rd_u32(b + 4));
+    case ELLM_T_Q4_0:
+    case ELLM_T_Q4_1: return nibbles32(b + nibbles_at32(type));
+    case ELLM_T_Q5_0:
+    case ELLM_T_Q5_1: return q5_values32(b + nibbles_at32(type), ellm_rd_u32(b + fifth_bits_at32(type)));
     default:
         *sq = _mm256_loadu_si256((const __m256i *)(b + 2));
         return _mm256_abs_epi8(*sq); /* |-128| reads as 128 unsigned: still right */
@@ -188,7 +194,93 @@ INLINE __m256i hsum8x8_epi32(const __m256i v[8]) {
  * Decode: 8 weight rows (lane j = row j) against nt <= QX_TILE tokens, each block of the
  * 8 rows unpacked once for all nt. Row nr - 1 stands in for the rows past nr (computed,
  * never stored), so every load stays inside w.
+ *
+ * The block's exact integer dots of the 8 rows come from one of two cores. At 256 bits
+ * each row's 32 values take a register and the 8 rows' lanes are summed by
+ * hsum8x8_epi32. At 512 bits (QX_ZMM) rows j and j + 4 share a register, against the
+ * token's block in both halves: 4 unpacks and 4 dots a block in place of 8, and one
+ * reduction of 4 registers. One thread, weights in cache, in-process A/B (AMD EPYC Zen 5):
+ * Q5_0 1024x640 at T=1 1.42x, Q4_1 1536x576 1.45x, Q8_0 1.12-1.15x, at T=4 1.5-1.8x.
+ * The float steps after them are the same, so the outputs are too.
  * ------------------------------------------------------------------------------------ */
+
+#if QX_ZMM
+/* The block's values of rows b0 (low half) and b1 (high half) as unsigned bytes; Q8_0:
+ * |q|, with *neg the bytes where q < 0 (the token's value is negated there instead). */
+KINLINE __m512i values32_rowpair(int type, const uint8_t *b0, const uint8_t *b1, __mmask64 *neg) {
+    if (type == ELLM_T_Q8_0) {
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        *neg = _mm512_movepi8_mask(q);
+        return _mm512_abs_epi8(q); /* |-128| reads as 128 unsigned: still right */
+    }
+    /* b0's 16 nibble bytes in 128-bit lanes 0-1 and b1's in lanes 2-3 (two loads, no
+     * shuffle), the odd lanes shifted down 4 bits: each row's low nibbles, then its high */
+    const int at = nibbles_at32(type);
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + at)));
+    v = _mm512_mask_broadcast_i32x4(v, 0xFF00, _mm_loadu_si128((const __m128i *)(b1 + at)));
+    v = _mm512_srlv_epi32(v, _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4));
+    v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    if (type == ELLM_T_Q5_0 || type == ELLM_T_Q5_1) { /* + 16 where the fifth bit is set */
+        const int hb = fifth_bits_at32(type);
+        const __mmask64 bits = (__mmask64)ellm_rd_u32(b0 + hb) | (__mmask64)ellm_rd_u32(b1 + hb) << 32;
+        v = _mm512_mask_add_epi8(v, bits, v, _mm512_set1_epi8(0x10));
+    }
+    return v;
+}
+
+typedef struct {
+    __m512i q[4];      /* rows k (low half) and k + 4 (high half) */
+    __mmask64 neg[4];  /* Q8_0: the negative weights */
+} rows8_values;
+
+KINLINE void rows8_unpack(int type, const uint8_t *const wr[8], size_t off, rows8_values *v) {
+    _Pragma("GCC unroll 4")
+    for (int k = 0; k < 4; k++) {
+        v->neg[k] = 0;
+        v->q[k] = values32_rowpair(type, wr[k] + off, wr[k + 4] + off, &v->neg[k]);
+    }
+}
+
+/* lane j = row j's exact dot with the token's block xq */
+KINLINE __m256i rows8_isum(int type, const rows8_values *v, const int8_t *xq) {
+    const __m512i x2 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xq));
+    __m512i p[4];
+    _Pragma("GCC unroll 4")
+    for (int k = 0; k < 4; k++)
+        p[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v->q[k],
+                                   type == ELLM_T_Q8_0 ? _mm512_mask_sub_epi8(x2, v->neg[k], _mm512_setzero_si512(), x2)
+                                                       : x2);
+    /* 128-bit lane L of s: the sums over L's 4 dwords of rows 0-3 (L = 0, 1) or 4-7 (2, 3) */
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    const __m512i u = _mm512_shuffle_i64x2(s, s, _MM_SHUFFLE(3, 1, 2, 0)); /* lanes 0 2 | 1 3 */
+    return _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+}
+#else
+typedef struct {
+    __m256i q[8], sq[8]; /* row j's unsigned values; Q8_0: its signed ones in sq */
+} rows8_values;
+
+KINLINE void rows8_unpack(int type, const uint8_t *const wr[8], size_t off, rows8_values *v) {
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < 8; j++) {
+        v->sq[j] = _mm256_setzero_si256();
+        v->q[j] = values32(type, wr[j] + off, &v->sq[j]);
+    }
+}
+
+KINLINE __m256i rows8_isum(int type, const rows8_values *v, const int8_t *xq8) {
+    const __m256i xq = _mm256_loadu_si256((const __m256i *)xq8);
+    __m256i p[8];
+    _Pragma("GCC unroll 8")
+    for (int j = 0; j < 8; j++)
+        p[j] = DOT_US8(v->q[j], type == ELLM_T_Q8_0 ? _mm256_sign_epi8(xq, v->sq[j]) : xq);
+    return hsum8x8_epi32(p);
+}
+#endif
+
 KINLINE void qdot32_rows8(int type, int64_t nb, const uint8_t *w, size_t ws, int nr,
                           const uint8_t *x, size_t xs, const int nt, float *y, size_t ys) {
     const int bs = bytes32(type);
@@ -212,12 +304,8 @@ KINLINE void qdot32_rows8(int type, int64_t nb, const uint8_t *w, size_t ws, int
          * end; a prefetch never faults. */
         for (size_t o = 8 * off; o < 8 * (off + (size_t)bs); o += 64)
             _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
-        __m256i q[8], sq[8];
-        _Pragma("GCC unroll 8")
-        for (int j = 0; j < 8; j++) {
-            sq[j] = _mm256_setzero_si256();
-            q[j] = values32(type, wr[j] + off, &sq[j]);
-        }
+        rows8_values v;
+        rows8_unpack(type, wr, off, &v);
         __m256i dm = _mm256_setr_epi32((int)ellm_rd_u32(wr[0] + off), (int)ellm_rd_u32(wr[1] + off),
                                        (int)ellm_rd_u32(wr[2] + off), (int)ellm_rd_u32(wr[3] + off),
                                        (int)ellm_rd_u32(wr[4] + off), (int)ellm_rd_u32(wr[5] + off),
@@ -232,12 +320,7 @@ KINLINE void qdot32_rows8(int type, int64_t nb, const uint8_t *w, size_t ws, int
         _Pragma("GCC unroll 4")
         for (int t = 0; t < nt; t++) {
             const ellm_act32 *a = (const ellm_act32 *)(x + (size_t)t * xs) + i;
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)a->qs);
-            __m256i p[8];
-            _Pragma("GCC unroll 8")
-            for (int j = 0; j < 8; j++)
-                p[j] = DOT_US8(q[j], type == ELLM_T_Q8_0 ? _mm256_sign_epi8(xq, sq[j]) : xq);
-            const __m256i isum = hsum8x8_epi32(p);
+            const __m256i isum = rows8_isum(type, &v, a->qs);
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(a->d)),
                                      acc[t]);
             if (has_c) cor[t] = _mm256_fmadd_ps(c, _mm256_set1_ps(a->s), cor[t]);
