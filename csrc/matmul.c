@@ -102,14 +102,25 @@ _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
  * the layers of both GGUF models here, 2 threads: 2 tokens 3.1-3.8 ms against 10-11 ms,
  * 8 tokens 9.2-9.5 against 10.9-11.0, 16 tokens 17.6-17.9 against 16.3-16.5. */
 #define FEW_TOKENS 16
+/* With 512-bit VNNI both kinds run at 512 bits (quant_x86.h: QX_ZMM), and the token
+ * groups take over sooner. Layers of both GGUF models, 2 threads, one process switching
+ * between the two (AMD EPYC Zen 5): T=8 rows 6.0 / 7.7 ms against groups 6.8 / 8.5 (SmolLM2
+ * / Gemma 3), T=9 9.0 / 9.6 against 8.8 / 8.5, T=12 9.3 / 10.5 against 7.4 / 7.9. (At the
+ * AVX2 level T=9 rows 15.8 / 12.8 against 19.6 / 15.1, T=12 about even: FEW_TOKENS.) */
+#define FEW_TOKENS_VNNI512 9
 
 /* Whether a call of T tokens uses the group layouts and the qgemm kernels. */
-static int takes_token_groups(int64_t T) { return T >= FEW_TOKENS; }
+static int takes_token_groups(int64_t T) {
+    const int zmm = ellm_simd_is_avx512(ellm_simd_level()) && ellm_cpu_has_vnni();
+    return T >= (zmm ? FEW_TOKENS_VNNI512 : FEW_TOKENS);
+}
 /* The AMX tiles take a 16-token group in the time the row-layout kernels take about 8
  * tokens (Q4_1 1536x576, one thread: T=8 0.17 ms on VNNI rows, T=16 0.12-0.15 ms on
  * tiles), so at the AMX level calls from this many tokens on use them, padded to 16 */
 #define AMX_FEW_TOKENS 8
-_Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS, "tiles start no later than the token groups");
+_Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS && AMX_FEW_TOKENS <= FEW_TOKENS_VNNI512,
+               "tiles start no later than the token groups, and the scratch (rows padded to 16 "
+               "from AMX_FEW_TOKENS on) has room for the groups");
 /* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, which the row kernels fetch
  * ahead in software (quant_x86.h); each thread should stream all the time. The call's
  * parts, one after the other, are cut into items of about the same bytes (1 /
