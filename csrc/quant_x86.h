@@ -205,12 +205,21 @@ INLINE __m256i hsum8x8_epi32(const __m256i v[8]) {
  * ------------------------------------------------------------------------------------ */
 
 #if QX_ZMM
+/* 32 bytes (8 floats) at lo in the low half, at hi in the high half */
+KINLINE __m512i qx_pair_epi8(const int8_t *lo, const int8_t *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
+                              _mm256_loadu_si256((const __m256i *)hi), 1);
+}
+KINLINE __m512 qx_pair_ps(const float *lo, const float *hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(lo))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(hi)), 1));
+}
+
 /* The block's values of rows b0 (low half) and b1 (high half) as unsigned bytes; Q8_0:
  * |q|, with *neg the bytes where q < 0 (the token's value is negated there instead). */
 KINLINE __m512i values32_rowpair(int type, const uint8_t *b0, const uint8_t *b1, __mmask64 *neg) {
     if (type == ELLM_T_Q8_0) {
-        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                                             _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        const __m512i q = qx_pair_epi8((const int8_t *)(b0 + 2), (const int8_t *)(b1 + 2));
         *neg = _mm512_movepi8_mask(q);
         return _mm512_abs_epi8(q); /* |-128| reads as 128 unsigned: still right */
     }
@@ -543,14 +552,6 @@ KINLINE void qgemm32_tile(int type, const int R, int64_t nb, const uint8_t *w, s
  * memory (SmolLM2's Q4_1 layers at T=16, one thread: 22.6-26.6 ms against 18.9-20.8) */
 #define QX_ZROWS 4
 _Static_assert(QX_ZROWS == 4, "QX_ZROW_TILES spells out the remainders 1..3");
-KINLINE __m512i qx_pair_epi8(const int8_t *lo, const int8_t *hi) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
-                              _mm256_loadu_si256((const __m256i *)hi), 1);
-}
-KINLINE __m512 qx_pair_ps(const float *lo, const float *hi) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(lo))),
-                                               _mm256_castps_pd(_mm256_loadu_ps(hi)), 1));
-}
 /* sum of the 32 signed bytes at p */
 KINLINE int32_t qx_sum_i8x32(const uint8_t *p) {
     const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)0x80));
