@@ -42,6 +42,19 @@ def test_version() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == f"ellm {ellm.__version__}"
 
 
+def test_a_reader_that_leaves_early_ends_the_command_quietly() -> None:
+    """`ellm info | head -1`: the reader closes the pipe after one line; the command stops
+    with the shell's SIGPIPE status and no error message (it used to print 'error: [Errno
+    32] Broken pipe' and exit 2)."""
+    r, w = os.pipe()
+    os.close(r)  # a reader already gone: the first write fails
+    proc = subprocess.run([sys.executable, "-m", "ellm", "info"], stdout=w, stderr=subprocess.PIPE,
+                          text=True, timeout=120)
+    os.close(w)
+    assert proc.returncode == 141, proc.stderr
+    assert "error" not in proc.stderr.lower() and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_run_reads_stdin_and_takes_a_system_prompt(smollm2_gguf: Path, llm: Any) -> None:
     system, question = "Answer in one short sentence.", "What colour is the sky?\nAnswer briefly."
     proc = ellm_cli("run", str(smollm2_gguf), "-", "--system", system, "-n", "20", "-c", str(CTX), *GREEDY,
