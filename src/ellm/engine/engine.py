@@ -35,6 +35,11 @@ class RequestError(ValueError):
     """A request the engine cannot run (too long, bad ids); the message says why."""
 
 
+class ModelFileChanged(RequestError):
+    """The model's file was rewritten on disk while mapped: no request can be trusted to
+    run on it any more (the server answers 503); the message names the file."""
+
+
 class SequenceError(RuntimeError):
     """A request failed while it ran (its sampling or detokenizing raised); it alone was
     finished, with finish_reason "error", and the other requests went on."""
@@ -85,6 +90,7 @@ class Engine:
                     request_id: str | None = None, images: list[Any] | None = None) -> str:
         """images: [vision] ImageInputs whose rows fill the prompt's image tokens, in order."""
         request_id = request_id or self.new_request_id()
+        self.check_model_files()
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already running")
         vocab = self.model.config.vocab_size
@@ -118,6 +124,15 @@ class Engine:
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
         return request_id
+
+    def check_model_files(self) -> None:
+        """Raises ModelFileChanged when a file the weights are mapped from was rewritten in
+        place since loading (a stat() per file: done for every request)."""
+        from ..formats.files import MappedFileChanged, check_unchanged
+        try:
+            check_unchanged(getattr(self.model, "source_files", ()))
+        except MappedFileChanged as e:
+            raise ModelFileChanged(str(e)) from None
 
     def abort(self, request_id: str) -> None:
         """Stops a request now and returns its blocks to the pool."""
@@ -447,13 +462,20 @@ class Engine:
 
     # -- [structured] constrained decoding (ellm.engine.structured) -------------------
 
-    def prepare_constraints(self) -> None:
+    def prepare_constraints(self, params: SamplingParams | None = None) -> None:
         """Builds llguidance's view of the tokenizer now (any thread may call this), so the
         first constrained request does not pay for it (seconds for a 262k vocabulary) on
-        the engine thread while other requests wait."""
+        the engine thread while other requests wait; with params, the matcher of their
+        constraint too (the engine thread then only copies it). A constraint this
+        tokenizer cannot use is a RequestError."""
         from . import structured
 
-        structured.llg_tokenizer(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+        tok = structured.llg_tokenizer(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+        if params is not None and params.constraint is not None:
+            try:
+                structured.prepare_matcher(tok, params.constraint[1])
+            except ValueError as e:
+                raise RequestError(f"{params.constraint[0]}: {e}") from None
 
     def _grammar_state(self, params: SamplingParams) -> Any:
         """A fresh matcher for a constrained request, else None."""
