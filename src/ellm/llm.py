@@ -396,7 +396,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
          threads: int | None = None, chat_template: str | None = None,
          progress: bool = True, activations: str = "int8", mmproj: str | Path | None = None,
-         speculative_config: dict[str, Any] | str | None = None, kv_cache_dtype: str = "auto") -> LLM:
+         speculative_config: dict[str, Any] | str | None = None, kv_cache_dtype: str = "auto",
+         kv_cache_tokens: int = 0) -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
 
     max_model_len: prompt + output tokens per sequence (capped by the model's own limit).
@@ -414,7 +415,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": 4}.
     kv_cache_dtype: "auto" (float32, the default: every logit as the model computes it) or
     "float16": K and V are stored rounded to f16 (cpu backend), half the cache's memory and
-    of the bytes a decode step reads from it (docs/kv-cache.md)."""
+    of the bytes a decode step reads from it (docs/kv-cache.md).
+    kv_cache_tokens: the KV cache's size in tokens, all sequences together (0, the
+    default: max(max_model_len, 16384)); it bounds the cache's memory (ellm info shows
+    the bytes per token)."""
     from . import hub
     from . import sampling_defaults as defaults
     from ._memory import release_freed_memory
@@ -430,6 +434,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
                         ("max_batch_tokens", max_batch_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 0:
+        raise ValueError(f"kv_cache_tokens must be an int >= 0 (0: the default size), got {kv_cache_tokens!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                          f"got {kv_cache_dtype!r}")
@@ -476,6 +482,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         from .quantize import QuantizedWeights
         weights = QuantizedWeights(weights, quantize)
     model = build_model(config, weights, ops)
+    model.source_files = weights.fingerprints()   # [files] the engine notices a rewrite in place
     draft = None
     if spec is not None and spec.method == "draft_model":  # [spec] the draft: same device, its own file
         draft_llm_parts = _load_draft(spec.model, ops, progress)
@@ -484,7 +491,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     release_freed_memory()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_batch_tokens=max_batch_tokens, speculative=spec,
-                                 kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
+                                 kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype], kv_cache_tokens=kv_cache_tokens)
     processing = _image_processing(model, resolved, mmproj)   # [vision]
     return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, processing,
                draft_model=draft)

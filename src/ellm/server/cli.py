@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="float16: K/V stored rounded to f16, half the cache (cpu; default auto = float32)")
+    p.add_argument("--kv-cache-tokens", type=int, default=0, metavar="N",
+                   help="KV cache size in tokens, all sequences together (default: max(--max-model-len, 16384))")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests queued or running before new ones get 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -102,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
     llm = ellm.load(args.model, device=args.device, max_model_len=args.max_model_len, threads=args.threads,
                     max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                     chat_template=args.chat_template, speculative_config=args.speculative_config,
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=args.kv_cache_tokens)
     names = args.served_model_name or [args.model if args.model is not None else llm.source]
     app = create_app(llm, served_model_name=names, api_key=api_key, max_queue=args.max_queue,
                      allowed_origins=args.allowed_origins or (), allow_image_urls=args.allow_image_urls)
