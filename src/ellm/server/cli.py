@@ -29,7 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000, or '*'")
     p.add_argument("--allow-image-urls", action="store_true",
-                   help="fetch http(s) image URLs in chat messages (at most 20 MB and 10 s each); off: data: URLs only")
+                   help="fetch http(s) image URLs in chat messages (at most 20 MB and 10 s each; public internet "
+                        "addresses only); off: data: URLs only")
+    p.add_argument("--allow-image-host", action="append", default=None, metavar="NAME",
+                   help="with --allow-image-urls: a host whose images are fetched even at a loopback or private "
+                        "address (as written in the URL, e.g. 127.0.0.1 or images.internal; repeatable)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all this process may use)")
     p.add_argument("--max-model-len", "--ctx-size", "-c", type=int, default=8192,
