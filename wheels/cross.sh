@@ -17,7 +17,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TARGET="${1:-}"
 BUILD="$ROOT/build/cross-$TARGET"
-CMAKE="${CMAKE:-cmake}"
+CMAKE="${CMAKE:-$(command -v cmake || echo "$ROOT/.venv/bin/cmake")}"  # tests/run.sh's venv has one
 need() { command -v "$1" >/dev/null || { echo "missing $1 (apt-get install $2)" >&2; exit 2; }; }
 
 common=(-S "$ROOT" -B "$BUILD" -DELLM_KERNELS_ONLY=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS=-Werror)
