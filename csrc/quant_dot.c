@@ -372,7 +372,9 @@ ellm_qdot_fn ellm_qdot_select(int qtype) {
 #endif
 #ifdef ELLM_HAVE_NEON_KERNELS
     if (ellm_simd_level() == ELLM_SIMD_NEON) {
-        if (ellm_neon_features() & ELLM_NEON_DOTPROD) f = ellm_qdot_neon_dotprod(qtype);
+        const int ext = ellm_neon_features();
+        if (ext & ELLM_NEON_I8MM) f = ellm_qdot_neon_i8mm_select(qtype);
+        else if (ext & ELLM_NEON_DOTPROD) f = ellm_qdot_neon_dotprod(qtype);
         if (!f) f = ellm_qdot_neon(qtype);
     }
 #endif
