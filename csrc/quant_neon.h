@@ -1,6 +1,7 @@
-/* The NEON integer dot kernels (aarch64), written once and compiled twice: by
- * quant_neon.c with plain NEON (SMULL / SMLAL2 into int16 pairs, SADALP into int32) and
- * by quant_neon_dotprod.c with SDOT (Armv8.2 dotprod). dispatch.c picks one at run time.
+/* The NEON integer dot kernels (aarch64), written once and compiled three times: by
+ * quant_neon.c with plain NEON (SMULL / SMLAL2 into int16 pairs, SADALP into int32), by
+ * quant_neon_dotprod.c with SDOT (Armv8.2 dotprod), and by quant_neon_i8mm.c (SDOT here,
+ * SMMLA in its own 32-element kernels). dispatch.c says which the CPU runs.
  *
  * The includer defines NEON_SFX (the name suffix) and, for SDOT, NEON_SDOT 1.
  *
