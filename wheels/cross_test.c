@@ -236,28 +236,44 @@ static void test_linear(const level_cfg *cfg, int n_cfg) {
 
 /* ------------------------------ row kernels ------------------------------ */
 
+static float from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* f32 -> f16 / bf16 on random values and on the edges (NaN payloads, subnormals of both
+ * formats, overflow, rounding ties); f16 / bf16 -> f32 on all 65536 bit patterns. */
 static void test_convert(const level_cfg *cfg, int n_cfg) {
-    const size_t n = 1000;
-    float *x = rand_floats((int64_t)n, -300, 300), *rf = malloc(n * 4), *gf = malloc(n * 4);
-    uint16_t *rh = malloc(n * 2), *gh = malloc(n * 2);
-    x[3] = NAN, x[4] = INFINITY, x[5] = -0.0f, x[6] = 1e-8f, x[7] = 70000.0f;
+    const size_t n = 4096, all = 65536;
+    float *x = rand_floats((int64_t)n, -300, 300), *rf = malloc(all * 4), *gf = malloc(all * 4);
+    uint16_t *rh = malloc(all * 2), *gh = malloc(all * 2), *every = malloc(all * 2);
+    const uint32_t edges[] = {0x7fc00000u, 0x7f800001u, 0xffc12345u, 0x7fbfffffu, 0x7f800000u, 0xff800000u,
+                              0x80000000u, 0x00000001u, 0x33800000u, 0x33000001u, 0x387fc000u, 0x38800000u,
+                              0x477fe000u, 0x477fefffu, 0x477ff000u, 0x3f808000u, 0x3f818000u, 0x3f800fffu,
+                              0x3f801000u, 0x3f803000u, 0x7f7fffffu, 0x00800000u, 0x807fffffu};
+    for (size_t i = 0; i < sizeof edges / sizeof edges[0]; i++) x[3 + 7 * i] = from_bits(edges[i]);
+    for (size_t i = 0; i < 512; i++) x[1000 + i] = from_bits(0x33000000u + (uint32_t)i * 0x00040001u); /* f16 subnormals */
+    for (size_t i = 0; i < all; i++) every[i] = (uint16_t)i;
     for (int c = 0; c < n_cfg; c++) {
         for (int kind = 0; kind < 2; kind++) {
             const char *nm = kind ? "bf16" : "f16";
             char name[64];
             use_scalar();
             if (kind) ellm_f32_to_bf16_row(x, rh, n); else ellm_f32_to_f16_row(x, rh, n);
-            if (kind) ellm_bf16_to_f32_row(rh, rf, n); else ellm_f16_to_f32_row(rh, rf, n);
             use_level(&cfg[c]);
             if (kind) ellm_f32_to_bf16_row(x, gh, n); else ellm_f32_to_f16_row(x, gh, n);
             snprintf(name, sizeof name, "f32_to_%s_row", nm);
             check_same(name, cfg[c].name, gh, rh, n * 2);
-            if (kind) ellm_bf16_to_f32_row(rh, gf, n); else ellm_f16_to_f32_row(rh, gf, n);
-            snprintf(name, sizeof name, "%s_to_f32_row", nm);
-            check_same(name, cfg[c].name, gf, rf, n * 4);
+            use_scalar();
+            if (kind) ellm_bf16_to_f32_row(every, rf, all); else ellm_f16_to_f32_row(every, rf, all);
+            use_level(&cfg[c]);
+            if (kind) ellm_bf16_to_f32_row(every, gf, all); else ellm_f16_to_f32_row(every, gf, all);
+            snprintf(name, sizeof name, "%s_to_f32_row_all_65536", nm);
+            check_same(name, cfg[c].name, gf, rf, all * 4);
         }
     }
-    free(x), free(rf), free(gf), free(rh), free(gh);
+    free(x), free(rf), free(gf), free(rh), free(gh), free(every);
 }
 
 typedef void (*row_op)(const float *x, const float *x2, const float *w, float *out, int64_t rows, int64_t n);
