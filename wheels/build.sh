@@ -128,7 +128,7 @@ if [[ "${SKIP_SDIST:-0}" != 1 ]]; then
     say "fresh venv: build and install the sdist from source"
     "$PYTHON" -m venv --clear "$WORK/venv-sdist"
     VS="$WORK/venv-sdist/bin"
-    "$VS/python" -m pip install --no-cache-dir "$SDIST"  # no cached wheel: really build
+    PATH="$TOOLS:$PATH" "$VS/python" -m pip install --no-cache-dir "$SDIST"  # no cached wheel: really build
     cd "$WORK/smoke"
     "$VS/python" -c "import ellm, ellm._native._core as c; print('sdist install:', c.__file__)"
     "$VS/python" -m ellm info
