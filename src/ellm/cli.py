@@ -192,7 +192,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         _print_architecture(args.model)
     print(f"ellm {__version__} on {platform.machine()} / Python {platform.python_version()}")
     print(f"native module: {_core.__file__}")
-    print(f"SIMD kernels: {_core.simd_level()} (CPU supports: {', '.join(_core.supported_simd_levels())})")
+    level = "+".join([_core.simd_level(), *_core.simd_extensions()])  # aarch64: neon+dotprod+i8mm
+    print(f"SIMD kernels: {level} (CPU supports: {', '.join(_core.supported_simd_levels())})")
     try:
         from ._native import _kernels
         print(f"threads: {_kernels.num_threads()}")
