@@ -1,7 +1,7 @@
 """Nested pydantic models shared by tests/test_integrations_*.py: a tool whose argument
 is a model inside a model (its JSON schema has $defs / $ref) and a structured reply
 of the same shape."""
-from __future__ import annotations
+# (no "from __future__ import annotations": the frameworks read get_weather's annotations as types)
 
 import json
 from typing import Any, Literal

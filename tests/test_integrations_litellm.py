@@ -88,12 +88,13 @@ def test_response_format_into_a_nested_model(engine):
     messages = [{"role": "user", "content": PERSON_PROMPT}]
     schema = {"type": "json_schema", "json_schema": {"name": "Person", "schema": Person.model_json_schema()}}
     for seed in range(2):
-        r = litellm.completion(model=MODEL, messages=messages, response_format=schema, max_tokens=96,
+        r = litellm.completion(model=MODEL, messages=messages, response_format=schema, max_tokens=128,
                                temperature=0.8, seed=seed)
         Person.model_validate_json(r.choices[0].message.content)
-    r = litellm.completion(model=MODEL, messages=messages, response_format=Person, max_tokens=96)
+    r = litellm.completion(model=MODEL, messages=messages, response_format=Person, max_tokens=128, temperature=0)
     Person.model_validate_json(r.choices[0].message.content)
-    r = litellm.completion(model=MODEL, messages=messages, response_format={"type": "json_object"}, max_tokens=48)
+    r = litellm.completion(model=MODEL, messages=messages, response_format={"type": "json_object"}, max_tokens=128,
+                           temperature=0)
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
@@ -108,6 +109,8 @@ def test_embedding(engine):
 
 
 def test_unsupported_fields_are_named(engine):
+    with pytest.raises(Exception, match="tool_choice 'required' needs tools"):
+        litellm.completion(model=MODEL, messages=MESSAGES, tool_choice="required", max_tokens=4, stream=True)
     with pytest.raises(Exception, match="n=2"):
         litellm.completion(model=MODEL, messages=MESSAGES, n=2, max_tokens=4)
     with pytest.raises(Exception, match="response_format type 'xml'"):

@@ -118,6 +118,21 @@ def _chunks(delta: _chat.Delta, calls: int) -> tuple[list[GenericStreamingChunk]
     return out, calls
 
 
+def _stream(deltas: Iterator[_chat.Delta]) -> Iterator[GenericStreamingChunk]:
+    calls = 0
+    for delta in deltas:
+        chunks, calls = _chunks(delta, calls)
+        yield from chunks
+
+
+async def _astream(deltas: AsyncIterator[_chat.Delta]) -> AsyncIterator[GenericStreamingChunk]:
+    calls = 0
+    async for delta in deltas:
+        chunks, calls = _chunks(delta, calls)
+        for c in chunks:
+            yield c
+
+
 def _embed_response(llm: LLM, model: str, texts: Any, response: EmbeddingResponse,
                     vectors: Any, optional_params: dict[str, Any]) -> EmbeddingResponse:
     response.model = f"{PROVIDER}/{model}"
@@ -152,19 +167,14 @@ class EllmProvider(CustomLLM):
     def streaming(self, model: str, messages: list[Any], *args: Any, optional_params: dict[str, Any],
                   **kwargs: Any) -> Iterator[GenericStreamingChunk]:
         llm = get_llm(model)
-        calls = 0
-        for delta in _chat.stream(llm, _prepare(llm, messages, optional_params)):
-            chunks, calls = _chunks(delta, calls)
-            yield from chunks
+        prep = _prepare(llm, messages, optional_params)   # a bad request fails here, not mid-stream
+        return _stream(_chat.stream(llm, prep))
 
-    async def astreaming(self, model: str, messages: list[Any], *args: Any, optional_params: dict[str, Any],
-                         **kwargs: Any) -> AsyncIterator[GenericStreamingChunk]:
+    def astreaming(self, model: str, messages: list[Any], *args: Any, optional_params: dict[str, Any],  # type: ignore[override]
+                   **kwargs: Any) -> AsyncIterator[GenericStreamingChunk]:
         llm = get_llm(model)
-        calls = 0
-        async for delta in _chat.astream(llm, _prepare(llm, messages, optional_params)):
-            chunks, calls = _chunks(delta, calls)
-            for c in chunks:
-                yield c
+        prep = _prepare(llm, messages, optional_params)
+        return _astream(_chat.astream(llm, prep))
 
     def embedding(self, model: str, input: list[Any], model_response: EmbeddingResponse, *args: Any,
                   optional_params: dict[str, Any], **kwargs: Any) -> EmbeddingResponse:
