@@ -21,7 +21,7 @@ from typing import Any, Sequence, Union
 import numpy as np
 
 from .config import ModelConfig
-from .engine.async_engine import AsyncEngine, EngineDeadError, FinalOutput
+from .engine.async_engine import AsyncEngine, BlockingRequestStream, EngineDeadError, FinalOutput, RequestStream
 from .engine.engine import POOLINGS, Engine, EngineConfig
 from .engine.sequence import TokenLogprob
 from .sampling_defaults import SamplingDefaults
@@ -339,6 +339,22 @@ class LLM:
                     **kwargs: Any) -> Any:
         """chat() for asyncio."""
         return await self.agenerate(self._chat_prompt(messages), params, **kwargs)
+
+    # -- one request's deltas (for layers over LLM: ellm.integrations) ------------------
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+               images: list[Any] | None = None) -> BlockingRequestStream:
+        """Queues one request of prompt token ids (with the ImageInputs of its image tokens,
+        as encode_chat_with_images gives them) and returns its stream: an iterator of the
+        engine's RequestOutput deltas (new text and token ids, the totals so far, the
+        finish reason, the prompt ids), for code that needs more than the text. Closing the
+        stream, or dropping it, aborts the request. Safe from any thread."""
+        return self._loop().submit_blocking([int(t) for t in prompt_ids], params, images=images)
+
+    def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+                images: list[Any] | None = None) -> RequestStream:
+        """submit() for asyncio: call it inside a running event loop; `async for` the deltas."""
+        return self._loop().submit([int(t) for t in prompt_ids], params, images=images)
 
     # -- direct model access ----------------------------------------------------------
 
