@@ -144,14 +144,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _print_architecture(model: str) -> None:
     """What `model` is and what ellm chose for it, from its config alone (no weights read)."""
     from . import hub
-    from .config import ModelConfig
-    from .models import family_of
+    from .models import config_from_folder, config_from_gguf, family_of
     resolved = hub.resolve(model, progress=True)
     if resolved.kind == "gguf":
         from .formats.gguf import GGUFFile
-        config = ModelConfig.from_gguf(GGUFFile(resolved.path))
+        config = config_from_gguf(GGUFFile(resolved.path))
     else:
-        config = ModelConfig.from_folder(resolved.path)
+        config = config_from_folder(resolved.path)
     family = family_of(config)
     print(f"model: {resolved.path} ({resolved.kind})")
     print(f"architecture: {config.model_type} (family module ellm.models.{family.__name__.rsplit('.', 1)[-1]})")

@@ -420,11 +420,11 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     from ._memory import release_freed_memory
     from .formats.gguf import GGUFFile
     from .formats.safetensors import SafetensorsFolder
-    from .models import build_model
+    from .models import build_model, config_from_folder, config_from_gguf, gguf_weights
     from .ops import get_ops
     from .tokenization.template import compile_template
     from .tokenizer import Tokenizer
-    from .weights import GGUFWeights, SafetensorsWeights
+    from .weights import SafetensorsWeights
 
     for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                         ("max_batch_tokens", max_batch_tokens)):
@@ -453,13 +453,13 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         print(f"ellm: loading {resolved.describe()}", file=sys.stderr, flush=True)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
-        config = ModelConfig.from_gguf(gguf)
-        weights: Any = GGUFWeights(gguf)
+        config = config_from_gguf(gguf)
+        weights: Any = gguf_weights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         sampling = defaults.from_gguf_metadata(gguf.metadata, str(resolved.path))
         gguf.drop_metadata("tokenizer.ggml.")  # the tokenizer holds its own copy
     else:
-        config = ModelConfig.from_folder(resolved.path)
+        config = config_from_folder(resolved.path)
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
         sampling = defaults.from_folder(resolved.path)
@@ -507,21 +507,21 @@ def _load_draft(source: str, ops: Any, progress: bool) -> tuple[Any, Any]:
     from . import hub
     from .formats.gguf import GGUFFile
     from .formats.safetensors import SafetensorsFolder
-    from .models import build_model
+    from .models import build_model, config_from_folder, config_from_gguf, gguf_weights
     from .tokenizer import Tokenizer
-    from .weights import GGUFWeights, SafetensorsWeights
+    from .weights import SafetensorsWeights
 
     resolved = hub.resolve(source, progress=progress)
     if progress:
         print(f"ellm: loading the draft model {resolved.describe()}", file=sys.stderr, flush=True)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
-        config = ModelConfig.from_gguf(gguf)
-        weights: Any = GGUFWeights(gguf)
+        config = config_from_gguf(gguf)
+        weights: Any = gguf_weights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         gguf.drop_metadata("tokenizer.ggml.")
     else:
-        config = ModelConfig.from_folder(resolved.path)
+        config = config_from_folder(resolved.path)
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
     return build_model(config, weights, ops), tokenizer
