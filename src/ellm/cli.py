@@ -256,8 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _serve(args: argparse.Namespace, serve: Any) -> int:
+    """`ellm serve`: a port it cannot have is refused before the model loads."""
+    from .cli_args import port_problem
+    problem = port_problem(args.host, args.port)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return int(serve(args) or 0)
+
+
 def _missing_server() -> int:
-    print("error: `ellm serve` needs the server extra: pip install 'ellm[server]'", file=sys.stderr)
+    print("error: `ellm serve` needs the server extra: pip install 'ellm-engine[server]'", file=sys.stderr)
     return 2
 
 
