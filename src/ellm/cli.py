@@ -126,7 +126,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from . import hub
-    path = hub.pull(args.model, force=args.force)
+    if args.model.strip().lower() in hub.KNOWN_MODELS:
+        path = hub.pull(args.model, force=args.force)
+    elif args.force:
+        print("error: --force is for ellm's known models; the Hugging Face cache keeps its own files",
+              file=sys.stderr)
+        return 2
+    else:   # a Hugging Face repo (org/name, org/name:TAG, org/name/FILE.gguf)
+        path = hub.resolve(args.model).path
     print(path)
     return 0
 
@@ -223,11 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from .server import cli as server_cli
         server_cli.add_arguments(s)
-        s.set_defaults(func=server_cli.main)
+        s.set_defaults(func=lambda a: _serve(a, server_cli.main))
     except ImportError:
         s.set_defaults(func=lambda a: _missing_server())
-    pl = sub.add_parser("pull", help="download a known model into the cache")
-    pl.add_argument("model")
+    pl = sub.add_parser("pull", help="download a known model, or a Hugging Face repo, into the cache")
+    pl.add_argument("model", help="a known name, or org/name (safetensors), org/name:TAG (e.g. :Q4_K_M) "
+                                  "or org/name/FILE.gguf (GGUF) on the Hugging Face Hub")
     pl.add_argument("--force", action="store_true")
     pl.set_defaults(func=cmd_pull)
     ls = sub.add_parser("list", help="known and pulled models")
