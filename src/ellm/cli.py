@@ -32,10 +32,14 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
                    help="float16: K/V stored rounded to f16, half the cache (cpu; default auto = float32)")
 
 
-def _params(args: argparse.Namespace, llm: Any) -> Any:
-    """The model's defaults with the options given on the command line."""
+def _params(args: argparse.Namespace, llm: Any = None) -> Any:
+    """The model's defaults with the options given on the command line. Without llm (before
+    loading), ellm's fallback defaults: a bad option is refused before the model loads."""
     import dataclasses
-    params = llm.defaults.params(
+
+    from .sampling_defaults import SamplingDefaults
+    defaults = llm.defaults if llm is not None else SamplingDefaults()
+    params = defaults.params(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
     # Set apart: None is meaningful here (until EOS or the end of the context).
@@ -57,13 +61,10 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _split_model_prompt(args: argparse.Namespace) -> tuple[str | None, str]:
-    """`ellm run PROMPT` or `ellm run MODEL PROMPT`; a PROMPT of '-' is read from stdin."""
-    if len(args.words) == 1:
-        model, prompt = None, args.words[0]
-    elif len(args.words) == 2:
-        model, prompt = args.words
-    else:
-        raise SystemExit("usage: ellm run [MODEL] PROMPT   (PROMPT '-' reads it from stdin)")
+    """`ellm run [MODEL] PROMPT...` (see cli_args.split_model_prompt); a PROMPT of '-' is read
+    from stdin."""
+    from .cli_args import split_model_prompt
+    model, prompt = split_model_prompt(args.words)
     if prompt == "-":
         prompt = sys.stdin.read()
         if not prompt.strip():
@@ -76,6 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.raw and args.system:
         print("error: --system needs the chat template; drop --raw", file=sys.stderr)
         return 2
+    _params(args)   # bad sampling options fail before the model loads
     llm = _load(args)
     params = _params(args, llm)
     tok = llm.tokenizer
@@ -115,6 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from . import chat_repl, hub
+    _params(args)   # bad sampling options fail before the model loads
     llm = _load(args)
     if not llm.tokenizer.chat_template:
         print(f"error: {args.model or 'the model'} has no chat template", file=sys.stderr)
@@ -261,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="a local web page showing the model's layers at work")
     trace_cli.add_inspect_arguments(ins)
     ins.set_defaults(func=trace_cli.cmd_inspect)
+    for sub_parser in sub.choices.values():   # errors after parsing show the command's own usage
+        sub_parser.set_defaults(command_parser=sub_parser)
     return p
 
 
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command == "run" and not any(w.startswith("-") for w in extra):
         args.words += extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -128,6 +128,16 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# What the default model is loaded with when no model is named (`ellm.load()`, `ellm run
+# PROMPT`, `ellm chat`, `ellm serve`): exact activations. Asked "What is the capital of
+# France?" through its chat template, greedy, its two best first tokens are 0.08 logits
+# apart; 8-bit activations flip them ("L'Étoile, la Marseillaise, ...", then nonsense) and
+# exact ones answer "The capital of France is Paris." (and explain the blue sky by Rayleigh
+# scattering where 8-bit ones do not). The price is decode speed: 0.49x on AVX-512 (Xeon,
+# 79 -> 39 tok/s, one thread, CPU time), 0.2x on AVX2 with no fused exact kernel (Zen 3,
+# 77 -> 15 tok/s), still faster than a reply is read. A model named explicitly, this one
+# too, keeps the int8 default, the path the benchmarks measure.
+DEFAULT_MODEL_ACTIVATIONS = "f32"
 
 
 # ---------------------------------------------------------------------------
