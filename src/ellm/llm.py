@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -56,6 +57,29 @@ class _Encoded:
     """A prompt already turned into ids with its images (chat() with image parts)."""
     ids: list[int]
     images: list[Any]
+
+
+# What generate() says to chat-shaped input: messages are for chat(), which applies the template.
+CHAT_INPUT_HINT = ("generate() and stream() take text prompts (a string, a list of token ids, or a list of "
+                   "those); chat messages ({'role': ..., 'content': ...} dicts) go to chat(messages) or "
+                   "chat_stream(messages), which apply the model's chat template")
+
+
+def _is_messages(value: Any) -> bool:
+    """A message dict, or a non-empty list of them: the input of chat(), not generate()."""
+    return isinstance(value, dict) or (isinstance(value, (list, tuple)) and len(value) > 0
+                                       and all(isinstance(m, dict) for m in value))
+
+
+def _chat_messages(messages: Any) -> Any:
+    """chat()'s conversation: a list of message dicts; a string is taken as one user message
+    (the only thing a string can mean there). A lone dict is a TypeError, not guessed at."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    if isinstance(messages, dict):
+        raise TypeError("chat() takes a list of messages (or a string, one user message); wrap the one "
+                        "message in a list: chat([message])")
+    return messages
 
 
 def _is_single(prompt: Any) -> bool:
@@ -136,6 +160,13 @@ class LLM:
         """A string is encoded with the tokenizer's special tokens (BOS); no chat template."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if _is_messages(prompt):
+            raise TypeError(CHAT_INPUT_HINT)
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
+            raise TypeError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+        if bad is not None:
+            raise TypeError(f"a token-id prompt holds ints, not {type(bad).__name__} ({bad!r}); {CHAT_INPUT_HINT}")
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
@@ -193,12 +224,16 @@ class LLM:
 
     def _requests(self, prompts: Any, params: SamplingParams,
                   images: Sequence[ImageSource] | None = None) -> tuple[list[_Request], bool]:
+        if _is_messages(prompts):
+            raise TypeError(CHAT_INPUT_HINT)
         single = _is_single(prompts)
         if images is not None or isinstance(prompts, _Encoded):   # [vision]
             if not single:
                 raise ValueError("images= goes with one prompt; for several, call once per prompt")
             ids, inputs = self._prompt_with_images(prompts, images)
             return [(ids, _choice_params(params, j), inputs) for j in range(params.n)], True
+        if not single and not hasattr(prompts, "__iter__"):
+            raise TypeError(f"{CHAT_INPUT_HINT}; got {type(prompts).__name__}")
         batch = [prompts] if single else list(prompts)
         encoded = [self.encode_prompt(p) for p in batch]
         return [(ids, _choice_params(params, j), None) for ids in encoded for j in range(params.n)], single
@@ -233,7 +268,22 @@ class LLM:
         finally:
             for s in streams:
                 s.close()
+        self._hint_chat_template(prompts, outs)
         return _shape(outs, params.n, single)
+
+    def _hint_chat_template(self, prompts: Any, outs: list[CompletionOutput]) -> None:
+        """A chat model given bare text often ends its turn at once, and '' alone says nothing:
+        warn that generate() applies no chat template and name the method that does."""
+        texts = isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and any(isinstance(p, str) for p in prompts))
+        tok = self.tokenizer
+        if not texts or not tok.chat_template or tok.chat_template_builtin:
+            return   # (a family's built-in template may belong to a base model: no hint)
+        if any(o.text == "" and o.finish_reason == "stop" and len(o.token_ids) <= 1 for o in outs):
+            warnings.warn(f"{self.source} ended its reply at once (an empty completion): it is a chat model, and "
+                          "generate() sends the text as it is, without the model's chat template; "
+                          "chat() applies it (llm.chat(\"...\"), or chat([{'role': 'user', 'content': ...}]))",
+                          UserWarning, stacklevel=3)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Iterator[str]:
@@ -256,7 +306,7 @@ class LLM:
         finally:
             s.close()
 
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+    def chat(self, messages: list[dict[str, Any]] | str, params: SamplingParams | None = None, *,
              tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
              parallel_tool_calls: bool = True, **kwargs: Any) -> Any:
         """Applies the model's chat template and generates the assistant's reply: one
@@ -269,7 +319,9 @@ class LLM:
 
         A message's content may be a list of parts, images among them:
         {"type": "image", "image": <Pillow image | path | bytes | data: URL>} or OpenAI's
-        {"type": "image_url", "image_url": {"url": "data:..."}} (see docs/vision.md)."""
+        {"type": "image_url", "image_url": {"url": "data:..."}} (see docs/vision.md).
+        A string is one user message: chat("Hi") is chat([{"role": "user", "content": "Hi"}])."""
+        messages = _chat_messages(messages)
         if tools is not None or tool_choice is not None:  # [tools]
             self._no_images_with_tools(messages)
             from .server.tools import ToolPlan
@@ -291,10 +343,10 @@ class LLM:
         if has_images(messages):
             raise ImageError("images together with tools are not supported yet: send them in separate calls")
 
-    def chat_stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+    def chat_stream(self, messages: list[dict[str, Any]] | str, params: SamplingParams | None = None,
                     **kwargs: Any) -> Iterator[str]:
         """stream() of the assistant's reply under the chat template."""
-        return self.stream(self._chat_prompt(messages), params, **kwargs)
+        return self.stream(self._chat_prompt(_chat_messages(messages)), params, **kwargs)
 
     # -- generation (asyncio) -------------------------------------------------------------
 
@@ -314,7 +366,9 @@ class LLM:
             for t in tasks:   # one failed or we were cancelled: stop the others too
                 t.cancel()
             raise
-        return _shape([_completion(f, params) for f in finals], params.n, single)
+        outs = [_completion(f, params) for f in finals]
+        self._hint_chat_template(prompts, outs)
+        return _shape(outs, params.n, single)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                       images: Sequence[ImageSource] | None = None, **kwargs: Any) -> AsyncIterator[str]:
@@ -335,10 +389,10 @@ class LLM:
         finally:
             s.close()
 
-    async def achat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+    async def achat(self, messages: list[dict[str, Any]] | str, params: SamplingParams | None = None,
                     **kwargs: Any) -> Any:
         """chat() for asyncio."""
-        return await self.agenerate(self._chat_prompt(messages), params, **kwargs)
+        return await self.agenerate(self._chat_prompt(_chat_messages(messages)), params, **kwargs)
 
     # -- one request's deltas (for layers over LLM: ellm.integrations) ------------------
 
@@ -411,7 +465,7 @@ KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "float16": "float16"
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
          threads: int | None = None, chat_template: str | None = None,
-         progress: bool = True, activations: str = "int8", mmproj: str | Path | None = None,
+         progress: bool = True, activations: str | None = None, mmproj: str | Path | None = None,
          speculative_config: dict[str, Any] | str | None = None, kv_cache_dtype: str = "auto",
          kv_cache_tokens: int = 0) -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
@@ -421,8 +475,9 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     is, all CPUs this process may use unless set before; 0: all of them).
     chat_template: a Jinja chat template (the text, or a path to a file) used instead of
     the model's own by chat() and the server.
-    activations: "int8" (default) rounds a quantized matmul's input to 8-bit blocks;
-    "f32" multiplies the dequantized weights by it unrounded (see ops.get_ops).
+    activations: "int8" rounds a quantized matmul's input to 8-bit blocks; "f32" multiplies
+    the dequantized weights by it unrounded (see ops.get_ops). None: "int8", except for the
+    default model loaded as the default (no source), which gets hub.DEFAULT_MODEL_ACTIVATIONS.
     mmproj: [vision] llama.cpp's separate vision file (`convert_hf_to_gguf.py --mmproj`) for
     a .gguf text model (SmolVLM / Idefics3 on llama, Gemma 3); given explicitly, never guessed
     from the folder (docs/vision.md).
@@ -440,11 +495,11 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     from ._memory import release_freed_memory
     from .formats.gguf import GGUFFile
     from .formats.safetensors import SafetensorsFolder
-    from .models import build_model
+    from .models import build_model, config_from_folder, config_from_gguf, gguf_weights
     from .ops import get_ops
     from .tokenization.template import compile_template
     from .tokenizer import Tokenizer
-    from .weights import GGUFWeights, SafetensorsWeights
+    from .weights import SafetensorsWeights
 
     for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                         ("max_batch_tokens", max_batch_tokens)):
@@ -467,6 +522,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     from .engine.speculative import SpeculativeConfig, check_same_vocabulary
     spec = SpeculativeConfig.parse(speculative_config)  # [spec] a bad config fails before loading
     _set_threads(threads)
+    if activations is None:
+        activations = hub.DEFAULT_MODEL_ACTIVATIONS if source is None else "int8"
     ops = get_ops(device, activations=activations)
     resolved = hub.resolve(source, progress=progress)
     # Say what was loaded: a name and a path can look alike (see hub.resolve).
@@ -475,13 +532,13 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         print(f"ellm: loading {resolved.describe()}", file=sys.stderr, flush=True)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
-        config = ModelConfig.from_gguf(gguf)
-        weights: Any = GGUFWeights(gguf)
+        config = config_from_gguf(gguf)
+        weights: Any = gguf_weights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         sampling = defaults.from_gguf_metadata(gguf.metadata, str(resolved.path))
         gguf.drop_metadata("tokenizer.ggml.")  # the tokenizer holds its own copy
     else:
-        config = ModelConfig.from_folder(resolved.path)
+        config = config_from_folder(resolved.path)
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
         sampling = defaults.from_folder(resolved.path)
@@ -530,21 +587,21 @@ def _load_draft(source: str, ops: Any, progress: bool) -> tuple[Any, Any]:
     from . import hub
     from .formats.gguf import GGUFFile
     from .formats.safetensors import SafetensorsFolder
-    from .models import build_model
+    from .models import build_model, config_from_folder, config_from_gguf, gguf_weights
     from .tokenizer import Tokenizer
-    from .weights import GGUFWeights, SafetensorsWeights
+    from .weights import SafetensorsWeights
 
     resolved = hub.resolve(source, progress=progress)
     if progress:
         print(f"ellm: loading the draft model {resolved.describe()}", file=sys.stderr, flush=True)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
-        config = ModelConfig.from_gguf(gguf)
-        weights: Any = GGUFWeights(gguf)
+        config = config_from_gguf(gguf)
+        weights: Any = gguf_weights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         gguf.drop_metadata("tokenizer.ggml.")
     else:
-        config = ModelConfig.from_folder(resolved.path)
+        config = config_from_folder(resolved.path)
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
     return build_model(config, weights, ops), tokenizer

@@ -126,14 +126,9 @@ class RenamedWeights(WeightSource):
 class GGUFWeights(WeightSource):
     norm_weights_include_one = True
 
-    def __init__(self, gguf: GGUFFile, table: Sequence[tuple[str, str]] | None = None) -> None:
-        """table: the family's GGUF -> Hugging Face names; by default the one of the file's
-        `general.architecture`."""
-        if table is None:
-            from .models import family_for_gguf
-            from .models.blocks import gguf_tensor_table
-            family = family_for_gguf(str(gguf.metadata.get("general.architecture", "")))
-            table = gguf_tensor_table(getattr(family, "GGUF_TENSORS", ()))
+    def __init__(self, gguf: GGUFFile, table: Sequence[tuple[str, str]]) -> None:
+        """table: the family's GGUF -> Hugging Face names (ellm.models.gguf_weights gives
+        the one of the file's `general.architecture`)."""
         names = {}
         for tname in gguf.tensors:
             hf = gguf_to_hf_name(tname, table)

@@ -61,7 +61,7 @@ HEAD_DIM_MAX = 256
 ELEMENTWISE_THREADS = 256
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
 
-INSTALL_HINT = ("pip install 'ellm[gpu]' (CuPy for CUDA 12) or 'ellm[gpu-cuda13]' (CuPy for CUDA 13), "
+INSTALL_HINT = ("pip install 'ellm-engine[gpu]' (CuPy for CUDA 12) or 'ellm-engine[gpu-cuda13]' (CuPy for CUDA 13), "
                 "matching the CUDA version `nvidia-smi` reports")
 
 

@@ -127,7 +127,7 @@ class Inspector:
             raise BadRequest(f"layer must be in 0..{c.num_hidden_layers - 1}, got {layer}")
         if not 0 <= head < c.num_attention_heads:
             raise BadRequest(f"head must be in 0..{c.num_attention_heads - 1}, got {head}")
-        m = attention_map(self.llm.model, rec, layer)[head]     # (T, T)
+        m = attention_map(self.llm.model, rec.arrays, layer)[head]     # (T, T)
         return {"layer": layer, "head": head, "tokens": [self.piece(t) for t in rec.ids],
                 "matrix": m.round(4).tolist()}
 
