@@ -24,8 +24,9 @@ MODELS=(smollm2-135m-instruct gemma-3-270m)
 # The reference versions the committed goldens were made with; torch comes first and
 # alone so that nothing else can pull in a CUDA build of it.
 REF_TORCH="torch==2.13.0"
-# (accelerate: transformers needs it to load a GGUF; gguf does the dequantizing.)
-REF_REST=("transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "sentencepiece")
+# (accelerate: transformers needs it to load a GGUF; gguf does the dequantizing;
+# peft: the reference for LoRA adapters.)
+REF_REST=("transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "sentencepiece" "peft==0.21.2")
 # A build directory of our own, so this never fights another checkout's build.
 BUILD_DIR_SETTING="--config-settings=build-dir=build/tests-{wheel_tag}"
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .._native import _kernels, _moe, _quant, _stack, _vision
+from .._native import _kernels, _lora, _moe, _quant, _stack, _vision
 from .memory import HostMemory
 from .reference import Experts
 
@@ -74,6 +74,19 @@ class CpuOps(HostMemory):
             hit = (parts, [(w.data, int(w.qtype), o, w.bias) for w, o in parts])
             self._kernel_parts[id(parts)] = hit
         return hit[1]
+
+    # -- LoRA adapters (ellm/lora.py, csrc/lora.c) -----------------------------------
+
+    def prepare_lora(self, projection) -> _lora.LoraTable:
+        """Every adapter's factors of one projection as the C kernel's table (pointers to
+        the float32 factors, which it holds)."""
+        return _lora.LoraTable([None if f is None else (f.a, f.b, f.scale) for f in projection.slots],
+                               projection.out_features, projection.in_features)
+
+    def lora(self, x: np.ndarray, row_slots: np.ndarray, parts: Sequence[tuple]) -> None:
+        """y += each row's adapter's scale * B (A x) for every (table, y) of parts, every
+        adapter of the batch in one call into C (rows grouped by adapter there)."""
+        _lora.apply(np.ascontiguousarray(x, dtype=np.float32), row_slots, parts)
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
         if out is not None and x.ndim == 2 and out.ndim == 2:   # the blocks' rows: no reshaping
