@@ -162,8 +162,8 @@ def test_requests_of_the_base_and_three_adapters_batch_as_alone(tiny_lora, lora_
 def test_prefix_cache_keeps_adapters_apart(tiny_lora, lora_llms) -> None:
     """A prompt cached by the base is not served to an adapter (its K/V differ), and one
     cached by an adapter is served to the same adapter."""
-    llm, folder = lora_llms["llama"], tiny_lora / "llama"
-    prompt = np.load(folder / "ids.npy").tolist() + [7] * 20
+    llm = lora_llms["llama"]
+    prompt = np.random.default_rng(11).integers(3, 320, 60).tolist()   # a prompt no other test sends
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine = llm.engine
     base = llm.generate(prompt, params)
@@ -185,34 +185,67 @@ def test_unknown_adapter_is_refused(lora_llms) -> None:
 
 # -- the kernel against its specification ------------------------------------------------
 
-def _projection(rng, n: int, k: int, ranks: list[int | None]) -> LoraProjection:
-    slots = tuple(None if r is None else LoraFactors(rng.standard_normal((r, k), np.float32),
-                                                     rng.standard_normal((n, r), np.float32),
-                                                     float(rng.uniform(0.1, 2)))
+def _in_dtype(m: np.ndarray, dtype: str) -> np.ndarray:
+    """m's values rounded to those `dtype` holds, as float32."""
+    if dtype == "f16":
+        return m.astype(np.float16).astype(np.float32)
+    if dtype == "bf16":
+        return (m.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    return m
+
+
+def _projection(rng, n: int, k: int, ranks: list[int | None], dtype: str = "f32") -> LoraProjection:
+    slots = tuple(None if r is None else LoraFactors(_in_dtype(rng.standard_normal((r, k), np.float32), dtype),
+                                                     _in_dtype(rng.standard_normal((n, r), np.float32), dtype),
+                                                     float(rng.uniform(0.1, 2)), dtype)
                   for r in ranks)
     return LoraProjection(n, k, slots)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("T", [1, 5, 37])
-def test_kernel_matches_reference_and_is_row_invariant(T) -> None:
+def test_kernel_matches_reference_and_is_row_invariant(T, dtype) -> None:
+    """Ranks below, at and above the kernel's chunk of 16, outputs not a whole number of
+    its blocks of 64, slots without factors, the factors in each type an adapter file
+    holds: the NumPy specification's values, and each row alone gives the same bits."""
     cpu = ops_or_skip("cpu")
     rng = np.random.default_rng(T)
     K = 75
-    projs = [_projection(rng, 40, K, [4, None, 16, 3]), _projection(rng, 17, K, [None, 8, 1, 16])]
+    projs = [_projection(rng, 140, K, [4, None, 16, 3], dtype), _projection(rng, 17, K, [None, 8, 1, 40], dtype)]
     x = rng.standard_normal((T, K), np.float32)
     slots = rng.integers(-1, 4, T).astype(np.int32)
-    base = [rng.standard_normal((T, 48), np.float32) for _ in projs]
+    base = [rng.standard_normal((T, 150), np.float32) for _ in projs]
     ys = [b.copy() for b in base]
-    cpu.lora(x, slots, [(cpu.prepare_lora(p), y[:, :p.out_features]) for p, y in zip(projs, ys)])
-    for p, b, y in zip(projs, base, ys):
+    tables = [cpu.prepare_lora(p) for p in projs]
+    cpu.lora(x, slots, [(tab, y[:, :p.out_features]) for tab, p, y in zip(tables, projs, ys)])
+    for tab, p, b, y in zip(tables, projs, base, ys):
         want = reference.lora_add(x, slots, p.slots, b.copy())
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
         assert np.array_equal(y[:, p.out_features:], b[:, p.out_features:]), "wrote past N"
-        # each row alone gives the same bits
         for t in range(T):
             alone = b[t:t + 1].copy()
-            cpu.lora(x[t:t + 1], slots[t:t + 1], [(cpu.prepare_lora(p), alone[:, :p.out_features])])
+            cpu.lora(x[t:t + 1], slots[t:t + 1], [(tab, alone[:, :p.out_features])])
             assert alone.tobytes() == y[t:t + 1].tobytes()
+
+
+def test_kernel_gives_the_same_bits_at_every_simd_level() -> None:
+    from ellm._native import _core
+    cpu = ops_or_skip("cpu")
+    rng = np.random.default_rng(5)
+    p = _projection(rng, 100, 96, [16, 5], "bf16")
+    x = rng.standard_normal((9, 96), np.float32)
+    slots = np.asarray([0, 1, -1, 0, 1, 1, 0, 0, 1], np.int32)
+    results = {}
+    start = _core.simd_level()
+    try:
+        for level in _core.supported_simd_levels():
+            _core.set_simd_level(level)
+            y = np.ones((9, 100), np.float32)
+            cpu.lora(x, slots, [(cpu.prepare_lora(p), y)])
+            results[level] = y.tobytes()
+    finally:
+        _core.set_simd_level(start)
+    assert len(set(results.values())) == 1, f"levels {list(results)} disagree"
 
 
 def test_kernel_refuses_a_slot_out_of_range() -> None:
@@ -230,10 +263,23 @@ def test_kernel_refuses_a_slot_out_of_range() -> None:
 
 # -- bad adapters ------------------------------------------------------------------------
 
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """float32 tensors in the safetensors layout: header length, JSON header, data."""
+    header, blobs, offset = {}, [], 0
+    for name, arr in tensors.items():
+        data = np.ascontiguousarray(arr, np.float32).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+
+
 def _edited_copy(tmp_path: Path, src: Path, config: dict | None = None, tensors: dict | None = None) -> Path:
     """A copy of the PEFT folder src with config keys replaced and tensors replaced
     (name -> array, None: dropped)."""
-    from safetensors.numpy import load_file, save_file   # noqa: PLC0415 - the test extra has it
+    from ellm.formats.safetensors import SafetensorsFile
     out = tmp_path / "edited"
     shutil.copytree(src, out)
     if config:
@@ -241,13 +287,14 @@ def _edited_copy(tmp_path: Path, src: Path, config: dict | None = None, tensors:
         cfg.update(config)
         (out / "adapter_config.json").write_text(json.dumps(cfg))
     if tensors:
-        data = load_file(src / "adapter_model.safetensors")
+        st = SafetensorsFile(src / "adapter_model.safetensors")
+        data = {k: np.array(st.array(k)) for k in st.tensors}
         for k, v in tensors.items():
             if v is None:
                 data.pop(k)
             else:
                 data[k] = v
-        save_file(data, out / "adapter_model.safetensors")
+        _write_safetensors(out / "adapter_model.safetensors", data)
     return out
 
 

@@ -40,6 +40,8 @@ _GGUF_KEY = re.compile(r"(blk\.\d+\.\w+\.weight)\.lora_([ab])")
 _REFUSED = {"use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
             "modules_to_save": (None, []), "lora_bias": (False, None), "target_parameters": (None, [])}
 MAX_ADAPTERS = 1024
+# safetensors dtypes -> the factor types the kernels keep
+_FILE_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 
 @dataclass
@@ -48,6 +50,7 @@ class LoraFactors:
     a: np.ndarray      # (r, in_features) float32, C-contiguous
     b: np.ndarray      # (out_features, r) float32, C-contiguous
     scale: float
+    dtype: str = "f32"  # what the file held: "f32", "f16" or "bf16" (a and b are exactly those values)
 
     @property
     def rank(self) -> int:
@@ -185,6 +188,7 @@ def _read_peft(name: str, folder: Path, model: Any) -> LoraAdapter:
         raise FormatError(folder, f"LoRA adapter {name!r}: no adapter_model.safetensors{hint}")
     st = SafetensorsFile(weights)
     pairs: dict[str, dict[str, np.ndarray]] = {}
+    dtypes: dict[str, set[str]] = {}
     layers: dict[str, int] = {}
     for tname, info in st.tensors.items():
         m = _PEFT_KEY.fullmatch(tname)
@@ -203,6 +207,7 @@ def _read_peft(name: str, folder: Path, model: Any) -> LoraAdapter:
         arr = st.array(tname)
         pairs.setdefault(module, {})[which] = dequantize(arr.reshape(1, -1).view(np.uint8),
                                                          _ST_QTYPE[info.dtype], info.shape)
+        dtypes.setdefault(module, set()).add(_FILE_DTYPES[info.dtype])
         layers[module] = layer
     factors: dict[tuple[int, str], LoraFactors] = {}
     base = base_projections(model)
@@ -218,14 +223,16 @@ def _read_peft(name: str, folder: Path, model: Any) -> LoraAdapter:
             raise FormatError(weights, f"tensor {module}.lora_A.weight {list(a.shape)} / lora_B.weight "
                                        f"{list(b.shape)}: rank {a.shape[0]}/{b.shape[1]}, the config says r={rank}")
         scale = a_alpha / (math.sqrt(rank) if rslora else rank)
+        # both factors 16-bit of one kind: kept so (exactly); anything else: float32
+        kind = dtypes[module].pop() if len(dtypes[module]) == 1 else "f32"
         _place(factors, base, layers[module], module.rsplit(".", 1)[1], a, b, scale, model, where,
-               permute=True)
+               permute=True, dtype=kind)
     return LoraAdapter(name, folder, factors)
 
 
 def _place(factors: dict[tuple[int, str], LoraFactors], base: list[dict[str, Any]], layer: int,
            module: str, a: np.ndarray, b: np.ndarray, scale: float, model: Any, where: str,
-           permute: bool) -> None:
+           permute: bool, dtype: str = "f32") -> None:
     """Checks one module's A (r, in) and B (out, r) against the base's matrices and splits a
     fused module's B into its projections."""
     if layer >= len(base):
@@ -255,7 +262,7 @@ def _place(factors: dict[tuple[int, str], LoraFactors], base: list[dict[str, Any
             part = _permute_rows(part, attn.n_heads if p == "q" else attn.n_kv_heads)
         if (layer, p) in factors:
             raise FormatError(where, f"layer {layer} projection {p} is adapted twice")
-        factors[(layer, p)] = LoraFactors(a32, np.ascontiguousarray(part, dtype=np.float32), float(scale))
+        factors[(layer, p)] = LoraFactors(a32, np.ascontiguousarray(part, dtype=np.float32), float(scale), dtype)
 
 
 def _read_gguf(name: str, path: Path, model: Any) -> LoraAdapter:
@@ -280,6 +287,7 @@ def _read_gguf(name: str, path: Path, model: Any) -> LoraAdapter:
         raise FormatError(path, f"adapter.lora.alpha must be a number >= 0, got {alpha!r}")
     table = gguf_tensor_table(getattr(family_for_gguf(arch), "GGUF_TENSORS", ()))
     pairs: dict[str, dict[str, np.ndarray]] = {}
+    kinds: dict[str, set[str]] = {}
     for tname, info in g.tensors.items():
         m = _GGUF_KEY.fullmatch(tname)
         hf = gguf_to_hf_name(m.group(1), table) if m else None
@@ -289,6 +297,7 @@ def _read_gguf(name: str, path: Path, model: Any) -> LoraAdapter:
         if len(info.shape) != 2:
             raise FormatError(path, f"tensor {tname}: shape {list(info.shape)}, expected a matrix")
         pairs.setdefault(hf, {})[m.group(2)] = g.dequantize(tname)
+        kinds.setdefault(hf, set()).add({"F16": "f16", "BF16": "bf16"}.get(info.qtype.name, "f32"))
     factors: dict[tuple[int, str], LoraFactors] = {}
     base = base_projections(model)
     for hf, ab in pairs.items():
@@ -300,7 +309,8 @@ def _read_gguf(name: str, path: Path, model: Any) -> LoraAdapter:
         a, b = ab["a"], ab["b"]
         rank = a.shape[0]
         scale = float(alpha) / rank if alpha else 1.0
-        _place(factors, base, int(hm.group(1)), hm.group(2), a, b, scale, model, where, permute=False)
+        _place(factors, base, int(hm.group(1)), hm.group(2), a, b, scale, model, where, permute=False,
+               dtype=kinds[hf].pop() if len(kinds[hf]) == 1 else "f32")
     return LoraAdapter(name, path, factors)
 
 

@@ -24,11 +24,15 @@ cdef extern from "quant.h":
 cdef extern from "lora.h":
     enum:
         ELLM_LORA_MAX_PARTS
+        ELLM_LORA_F32
+        ELLM_LORA_F16
+        ELLM_LORA_BF16
     ctypedef struct ellm_lora_slot:
         int32_t rank
+        int32_t dtype
         float scale
-        const float *a
-        const float *b
+        const void *at
+        const void *bt
     ctypedef struct ellm_lora_proj:
         int64_t N, K
         int32_t n_slots
@@ -41,6 +45,11 @@ cdef extern from "lora.h":
     int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_slot,
                         const ellm_lora_part *parts, int n_parts, void *scratch,
                         size_t scratch_bytes) nogil
+
+
+# the factors' element types the kernel reads: name -> (its code, the numpy dtype of the bits)
+DTYPES = {"f32": (ELLM_LORA_F32, np.float32), "f16": (ELLM_LORA_F16, np.float16),
+          "bf16": (ELLM_LORA_BF16, np.uint16)}
 
 
 MAX_PARTS = ELLM_LORA_MAX_PARTS
@@ -58,8 +67,9 @@ cdef int _raise_status(int status, str fn) except -1:
 cdef class LoraTable:
     """One projection (out_features N, in_features K) of every adapter.
 
-    slots: a sequence, one entry per adapter: None, or (A, B, scale) with A (r, K) and B
-    (N, r) C-contiguous float32 arrays, r >= 1. They are referenced, never copied."""
+    slots: a sequence, one entry per adapter: None, or (At, Bt, scale, dtype) with A^T
+    (K, r) and B^T (r, N) C-contiguous arrays of `dtype` ("f32": float32, "f16": float16,
+    "bf16": uint16 bfloat16 bits), r >= 1. They are referenced, never copied."""
 
     cdef ellm_lora_proj proj
     cdef ellm_lora_slot *c_slots
@@ -81,20 +91,24 @@ cdef class LoraTable:
         for s, e in enumerate(entries):
             if e is None:
                 continue
-            a, b, scale = e
-            for name, m, shape in (("A", a, (None, in_features)), ("B", b, (out_features, None))):
-                if not isinstance(m, np.ndarray) or m.dtype != np.float32 or m.ndim != 2 \
-                        or not m.flags.c_contiguous:
-                    raise ValueError(f"LoraTable: slot {s}'s {name} must be a C-contiguous float32 matrix")
-            r = a.shape[0]
-            if r < 1 or a.shape[1] != in_features or b.shape != (out_features, r):
-                raise ValueError(f"LoraTable: slot {s} has A {a.shape} and B {b.shape}; expected "
-                                 f"(r, {in_features}) and ({out_features}, r) with r >= 1")
+            at, bt, scale, dtype = e
+            if dtype not in DTYPES:
+                raise ValueError(f"LoraTable: slot {s}'s dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+            code, np_dtype = DTYPES[dtype]
+            for name, m in (("A^T", at), ("B^T", bt)):
+                if not isinstance(m, np.ndarray) or m.dtype != np_dtype or m.ndim != 2 or not m.flags.c_contiguous:
+                    raise ValueError(f"LoraTable: slot {s}'s {name} must be a C-contiguous {np.dtype(np_dtype).name} "
+                                     f"matrix ({dtype})")
+            r = at.shape[1]
+            if r < 1 or at.shape[0] != in_features or bt.shape[0] != r or bt.shape[1] != out_features:
+                raise ValueError(f"LoraTable: slot {s} has A^T {at.shape} and B^T {bt.shape}; expected "
+                                 f"({in_features}, r) and (r, {out_features}) with r >= 1")
             self.c_slots[s].rank = <int32_t>r
+            self.c_slots[s].dtype = <int32_t>code
             self.c_slots[s].scale = <float>scale
-            self.c_slots[s].a = <const float *><uintptr_t>a.ctypes.data
-            self.c_slots[s].b = <const float *><uintptr_t>b.ctypes.data
-            held.extend((a, b))
+            self.c_slots[s].at = <const void *><uintptr_t>at.ctypes.data
+            self.c_slots[s].bt = <const void *><uintptr_t>bt.ctypes.data
+            held.extend((at, bt))
         self._arrays = tuple(held)
         self.proj.N, self.proj.K, self.proj.n_slots, self.proj.slots = out_features, in_features, S, self.c_slots
         self.out_features, self.in_features, self.n_slots = out_features, in_features, S

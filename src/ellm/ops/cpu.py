@@ -19,6 +19,18 @@ from .reference import Experts
 _KERNEL_PARTS_KEPT = 1024
 
 
+def _lora_bits(m: np.ndarray, dtype: str) -> np.ndarray:
+    """A float32 factor (whose values the file held in `dtype`) as the kernel reads it:
+    float32, float16, or bfloat16 bits (the top half of each float32: exact, the values
+    came from bfloat16)."""
+    m = np.ascontiguousarray(m, dtype=np.float32)
+    if dtype == "f16":
+        return m.astype(np.float16)
+    if dtype == "bf16":
+        return np.ascontiguousarray((m.view(np.uint32) >> 16).astype(np.uint16))
+    return m
+
+
 def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     return np.empty(shape, np.float32) if out is None else out
 
@@ -78,10 +90,12 @@ class CpuOps(HostMemory):
     # -- LoRA adapters (ellm/lora.py, csrc/lora.c) -----------------------------------
 
     def prepare_lora(self, projection) -> _lora.LoraTable:
-        """Every adapter's factors of one projection as the C kernel's table (pointers to
-        the float32 factors, which it holds)."""
-        return _lora.LoraTable([None if f is None else (f.a, f.b, f.scale) for f in projection.slots],
-                               projection.out_features, projection.in_features)
+        """Every adapter's factors of one projection as the C kernel's table: A^T and B^T
+        in the adapter file's own type (16-bit factors stay 16-bit: half the bytes a step
+        reads), which the table holds."""
+        return _lora.LoraTable([None if f is None else (_lora_bits(f.a.T, f.dtype), _lora_bits(f.b.T, f.dtype),
+                                                        f.scale, f.dtype)
+                                for f in projection.slots], projection.out_features, projection.in_features)
 
     def lora(self, x: np.ndarray, row_slots: np.ndarray, parts: Sequence[tuple]) -> None:
         """y += each row's adapter's scale * B (A x) for every (table, y) of parts, every
