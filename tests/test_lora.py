@@ -119,6 +119,24 @@ def test_mixed_batch_is_each_row_alone_bit_for_bit(tiny_lora, arch) -> None:
         assert got.tobytes() == alone.tobytes(), f"slot {slot}: logits depend on the batch"
 
 
+def test_adapters_use_only_ops_and_the_stack_gives_their_bits(tiny_lora) -> None:
+    """A mixed batch on a backend whose arrays NumPy cannot read (tests/opaque_ops.py: op
+    by op, no layer stack) gives the cpu backend's bits (its layer stack, LoRA inside)."""
+    from opaque_ops import OpaqueOps
+    from ellm.ops import get_ops
+    folder = tiny_lora / "qwen2"
+    names = ADAPTERS["qwen2"]
+    ids = np.load(folder / "ids.npy").tolist()
+    seqs = [(ids, 0), (ids[::-1], -1), (ids, 2), (ids, 1)]
+    outs = []
+    for ops in (OpaqueOps(get_ops("cpu")), get_ops("cpu")):
+        model = build_model(ModelConfig.from_folder(folder), SafetensorsWeights(SafetensorsFolder(folder)), ops)
+        attach_adapters(model, {n: folder / "adapters" / n for n in names})
+        outs.append(_forward(model, seqs, CHUNKS))
+    for got, want in zip(*outs):
+        assert got.tobytes() == want.tobytes()
+
+
 @pytest.fixture(scope="module")
 def lora_llms(tiny_lora) -> dict:
     llms = {arch: ellm.load(str(tiny_lora / arch), max_model_len=256, progress=False,
