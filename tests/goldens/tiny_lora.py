@@ -3,10 +3,12 @@ logits for each adapter.
 
 Run with a Python that has torch + transformers + peft (tests/run.sh's .venv-ref):
     python tests/goldens/tiny_lora.py OUT_DIR
-For each base family (llama; qwen2, whose q/k/v have biases) it writes OUT_DIR/<arch>/
+For each base family (llama; qwen2, whose q/k/v have biases; phi3, whose q/k/v and
+gate/up are fused matrices) it writes OUT_DIR/<arch>/
 (the base folder as tests/goldens/tiny_models.py makes it, ids.npy, logits.npy and
 greedy.npy of the base) and OUT_DIR/<arch>/adapters/<name>/ (a PEFT adapter folder, and
-logits.npy / greedy.npy of the base with that adapter). PEFT starts B at zero; here A and
+logits.npy / greedy.npy of the base with that adapter, and for llama and qwen2 the same
+adapter as a llama.cpp LoRA GGUF, adapter.gguf). PEFT starts B at zero; here A and
 B are both drawn at random, so every adapter changes the logits.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import CONFIGS, GREEDY_TOKENS, make_tokenizer, _randomize  # noqa: E402
+from tiny_models import CONFIGS, GREEDY_TOKENS, make_tokenizer, _randomize, _set_tokenizer_class  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (r, lora_alpha, use_rslora, target modules)
@@ -33,6 +35,10 @@ ADAPTERS = {
         "qkv4": (4, 12, False, ["q_proj", "k_proj", "v_proj"]),
         "all16rs": (16, 8, True, ALL),
         "ud8": (8, 16, False, ["up_proj", "down_proj", "k_proj"]),
+    },
+    # fused projections: one A for q/k/v (gate/up), B's rows split between them
+    "phi3": {
+        "fused8": (8, 12, False, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
     },
 }
 
@@ -95,6 +101,8 @@ def main(out: Path) -> None:
         folder = out / arch
         base.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
+        if arch == "phi3":   # as tiny_models.py: llama.cpp's converter then reads the BPE
+            _set_tokenizer_class(folder, "GPT2Tokenizer")
         np.save(folder / "ids.npy", ids[0].numpy().astype(np.int32))
         logits, greedy = _run(base, ids)
         np.save(folder / "logits.npy", logits)
@@ -113,7 +121,8 @@ def main(out: Path) -> None:
             logits, greedy = _run(peft_model, ids)
             np.save(adir / "logits.npy", logits)
             np.save(adir / "greedy.npy", greedy)
-            write_gguf_adapter(adir / "adapter.gguf", arch, peft_model, r, alpha, rslora, config)
+            if arch in ("llama", "qwen2"):
+                write_gguf_adapter(adir / "adapter.gguf", arch, peft_model, r, alpha, rslora, config)
             base = peft_model.unload()   # the base without the adapter's layers, for the next one
             print(arch, name, logits.shape, greedy.tolist())
 
