@@ -89,7 +89,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.request_id not in self.blocks.tables:
-                seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prefix_keys)  # [vision] keys
+                seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prefix_keys,  # [vision] keys
+                                                             seq.prefix_salt)   # [lora]
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
             n = _chunk(seq, budget)
             if n == 0:   # [vision] its next image waits for a step with room for all of it
