@@ -455,3 +455,11 @@ def test_server_lists_picks_and_refuses_adapters(tiny_lora, lora_llms, lora_serv
         client.completions.create(model="nope", prompt=ids, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="LoRA adapter"):
         client.embeddings.create(model="qv4", input="hello")
+
+
+@pytest.mark.parametrize("items,message", [(["noequals"], "NAME=PATH items"), (["a=x", "a=y"], "names 'a' twice")])
+def test_serve_refuses_bad_lora_modules(tmp_path, items, message) -> None:
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "ellm", "serve", str(tmp_path), "--lora-modules", *items],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
