@@ -395,3 +395,71 @@ def test_gguf_adapter_is_refused_on_another_family(tiny_lora) -> None:
     with pytest.raises(FormatError, match="another family"):
         _model(folder, "reference", {"x": tiny_lora / "qwen2" / "adapters" / "qkv4" / "adapter.gguf"})
 
+
+# -- the server (ellm serve --lora-modules), through the openai client --------------------
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_lora, tmp_path_factory) -> Any:
+    import socket
+    import sys
+    import time
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tiny_lora / "llama"
+    log = tmp_path_factory.mktemp("lora_serve") / "server.log"
+    cmd = [sys.executable, "-m", "ellm", "serve", str(folder), "--port", str(port), "--served-model-name", "base",
+           "--max-model-len", "256", "--log-level", "warning", "--lora-modules",
+           *(f"{n}={folder / 'adapters' / n}" for n in ADAPTERS["llama"])]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not come up in 120 s:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_server_lists_picks_and_refuses_adapters(tiny_lora, lora_llms, lora_server) -> None:
+    """GET /v1/models lists the adapters with their parent; "model" picks one (the same
+    text as in process, and the adapter's name in the answer), the base's name the base;
+    an unknown name is a 404."""
+    import openai
+    client = openai.OpenAI(base_url=lora_server + "/v1", api_key="x", max_retries=0, timeout=120)
+    cards = {m.id: m for m in client.models.list().data}
+    assert list(cards) == ["base", *ADAPTERS["llama"]]
+    assert all(cards[n].model_extra.get("parent") == "base" for n in ADAPTERS["llama"])
+    assert cards["base"].model_extra.get("parent") is None
+    ids = np.load(tiny_lora / "llama" / "ids.npy").tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for model, adapter in [("base", None), *((n, n) for n in ADAPTERS["llama"])]:
+        got = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.model == model
+        assert got.choices[0].text == lora_llms["llama"].generate(ids, params, adapter=adapter).text
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt=ids, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter"):
+        client.embeddings.create(model="qv4", input="hello")
+
+
+@pytest.mark.parametrize("items,message", [(["noequals"], "NAME=PATH items"), (["a=x", "a=y"], "names 'a' twice")])
+def test_serve_refuses_bad_lora_modules(tmp_path, items, message) -> None:
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "ellm", "serve", str(tmp_path), "--lora-modules", *items],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

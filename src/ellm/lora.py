@@ -148,8 +148,11 @@ def _pattern_value(patterns: Any, module: str, default: Any, where: Path, key: s
     if not isinstance(patterns, dict):
         raise FormatError(where, f"{key} must be an object, got {type(patterns).__name__}")
     for k, v in patterns.items():
-        if re.fullmatch(rf"(.*\.)?{k}", module):
-            return v
+        try:
+            if re.fullmatch(rf"(.*\.)?{k}", module):
+                return v
+        except (re.error, TypeError):
+            raise FormatError(where, f"{key} holds {k!r}, not a module name pattern") from None
     return default
 
 
@@ -288,6 +291,7 @@ def _read_gguf(name: str, path: Path, model: Any) -> LoraAdapter:
     table = gguf_tensor_table(getattr(family_for_gguf(arch), "GGUF_TENSORS", ()))
     pairs: dict[str, dict[str, np.ndarray]] = {}
     kinds: dict[str, set[str]] = {}
+    gguf_names: dict[str, str] = {}   # HF name -> the base tensor's GGUF name
     for tname, info in g.tensors.items():
         m = _GGUF_KEY.fullmatch(tname)
         hf = gguf_to_hf_name(m.group(1), table) if m else None
@@ -297,12 +301,12 @@ def _read_gguf(name: str, path: Path, model: Any) -> LoraAdapter:
         if len(info.shape) != 2:
             raise FormatError(path, f"tensor {tname}: shape {list(info.shape)}, expected a matrix")
         pairs.setdefault(hf, {})[m.group(2)] = g.dequantize(tname)
+        gguf_names[hf] = m.group(1)
         kinds.setdefault(hf, set()).add({"F16": "f16", "BF16": "bf16"}.get(info.qtype.name, "f32"))
     factors: dict[tuple[int, str], LoraFactors] = {}
     base = base_projections(model)
     for hf, ab in pairs.items():
-        gname = next(t for t in g.tensors if gguf_to_hf_name(t.rsplit(".", 1)[0], table) == hf)
-        where = f"{path}: {gname.rsplit('.', 1)[0]}"
+        where = f"{path}: {gguf_names[hf]}"
         if set(ab) != {"a", "b"}:
             raise FormatError(where, f"lora_{({'a', 'b'} - set(ab)).pop()} is missing (its pair is there)")
         hm = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.weight", hf)

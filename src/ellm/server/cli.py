@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names clients may send (the first is the one reported; default: the "
                         "model as given). A request without 'model' gets this model")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",  # [lora]
+                   help="LoRA adapters served over the base (PEFT folders, or llama.cpp LoRA .gguf files for a "
+                        ".gguf base); a request's \"model\": NAME picks one (docs/lora.md)")
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS), e.g. http://localhost:3000, or '*'")
     p.add_argument("--allow-image-urls", action="store_true",
@@ -86,6 +89,16 @@ def main(args: argparse.Namespace) -> int:
         return _usage_error(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         return _usage_error("--served-model-name names must not be empty")
+    lora_adapters: dict[str, str] = {}
+    for item in args.lora_modules or ():   # [lora] NAME=PATH, as vLLM's --lora-modules
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            return _usage_error(f"--lora-modules takes NAME=PATH items, got {item!r}")
+        if name in lora_adapters:
+            return _usage_error(f"--lora-modules names {name!r} twice")
+        lora_adapters[name] = path
+    if lora_adapters and args.replicas is not None:
+        return _usage_error("--lora-modules is not supported with --replicas yet")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if api_key is None and not is_loopback(args.host):
@@ -108,7 +121,8 @@ def main(args: argparse.Namespace) -> int:
     llm = ellm.load(args.model, device=args.device, max_model_len=args.max_model_len, threads=args.threads,
                     max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                     chat_template=args.chat_template, speculative_config=args.speculative_config,
-                    kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=args.kv_cache_tokens)
+                    kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=args.kv_cache_tokens,
+                    lora_adapters=lora_adapters or None)
     names = args.served_model_name or [args.model if args.model is not None else llm.source]
     app = create_app(llm, served_model_name=names, api_key=api_key, max_queue=args.max_queue,
                      allowed_origins=args.allowed_origins or (), allow_image_urls=args.allow_image_urls)

@@ -108,12 +108,26 @@ class Server:
 
     # -- checks -----------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        """A request may leave out model (the served model) or name any served alias."""
-        if model is not None and model not in self.cfg.model_names:
-            names = ", ".join(f"'{n}'" for n in self.cfg.model_names)
-            raise APIError(404, f"the model '{model}' does not exist; this server serves {names}",
-                           param="model", code="model_not_found")
+    @property
+    def adapters(self) -> list[str]:
+        """[lora] The LoRA adapters' names (ellm serve --lora-modules), in order."""
+        lora = getattr(getattr(getattr(self.engine, "engine", None), "model", None), "lora", None)
+        return list(lora.names) if lora is not None else []
+
+    def check_model(self, model: str | None) -> str | None:
+        """A request may leave out model (the served model) or name any served alias, or
+        [lora] a LoRA adapter. -> the adapter's name, or None for the base."""
+        if model is None or model in self.cfg.model_names:
+            return None
+        if model in self.adapters:
+            return model
+        names = ", ".join(f"'{n}'" for n in [*self.cfg.model_names, *self.adapters])
+        raise APIError(404, f"the model '{model}' does not exist; this server serves {names}",
+                       param="model", code="model_not_found")
+
+    def reported_model(self, model: str | None) -> str:
+        """The "model" of a response: [lora] the adapter asked for, else the served model."""
+        return model if model is not None and model in self.adapters else self.cfg.model_name
 
     def check_ids(self, ids: Sequence[int], param: str, what: str = "prompt token id") -> None:
         vocab = self.cfg.vocab_size

@@ -65,9 +65,11 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 
 async def start(server: Server, req: P.GenerationRequest, prompts: list[list[int]], params: SamplingParams, *,
-                what: str, rid: str, max_tokens_param: str | None, images: list[Any] | None = None) -> Run:
+                what: str, rid: str, max_tokens_param: str | None, images: list[Any] | None = None,
+                adapter: str | None = None) -> Run:
     """Checks what only the server can (lengths, vocabulary, capacity) and submits one
-    engine request per prompt and choice. what: the field the prompts came from."""
+    engine request per prompt and choice. what: the field the prompts came from.
+    adapter: [lora] the LoRA adapter the requests run with (None: the base)."""
     for ids in prompts:
         server.check_length(ids, what, params.max_tokens, max_tokens_param)
     vocab = server.cfg.vocab_size
@@ -93,8 +95,9 @@ async def start(server: Server, req: P.GenerationRequest, prompts: list[list[int
     try:
         for p, ids in enumerate(prompts):
             for j in range(req.n):
+                extra = {} if adapter is None else {"adapter": adapter}   # [lora]
                 streams.append(engine.submit(ids, choice_params(params, j), f"{rid}-{p * req.n + j}",
-                                             images=images[p] if images else None))  # [vision]
+                                             images=images[p] if images else None, **extra))  # [vision]
     except (QueueFullError, EngineDeadError) as e:
         for s in streams:
             s.close()

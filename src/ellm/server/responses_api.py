@@ -259,7 +259,7 @@ async def create_response(server: Server, request: Request, body: Any) -> Respon
         raise APIError(400, str(e), param=e.param) from None
     except ValidationError as e:
         raise from_validation(e.errors()) from None
-    server.check_model(req.model)
+    adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
     plan = server.tool_plan(req)
     try:
         ids = await server.off_loop(server.chat_ids, req.template_messages(), True, None, plan)  # (CPU work)
@@ -272,8 +272,9 @@ async def create_response(server: Server, request: Request, body: Any) -> Respon
         except ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
     outputs = (await G.start(server, req, [ids], params, what="input", rid=new_id("resp"),
-                             max_tokens_param="max_output_tokens" if req.max_completion_tokens else None)).outputs
-    builder = ResponseBuilder(body, server.cfg.model_name)
+                             max_tokens_param="max_output_tokens" if req.max_completion_tokens else None,
+                             adapter=adapter)).outputs
+    builder = ResponseBuilder(body, server.reported_model(req.model))
     parser = plan.stream_parser() if plan is not None else None
 
     def parsed(events: list[tuple[str, Any]]) -> list[dict[str, Any]]:

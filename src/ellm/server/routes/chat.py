@@ -20,7 +20,7 @@ from ..tools import ToolError, ToolPlan
 
 
 async def create_chat_completion(server: Server, request: Request, req: P.ChatCompletionRequest) -> Response:
-    server.check_model(req.model)
+    adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
     plan = server.tool_plan(req)
     try:
         ids, images = await server.off_loop(server.chat_prompt, req.template_messages(), True,
@@ -34,7 +34,7 @@ async def create_chat_completion(server: Server, request: Request, req: P.ChatCo
         except ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
     run = await G.start(server, req, [ids], params, what="messages", rid=R.new_id("chatcmpl"),
-                        max_tokens_param=req.max_tokens_param, images=[images])
+                        max_tokens_param=req.max_tokens_param, images=[images], adapter=adapter)
     if req.stream:
         return SSEResponse(chat_events(server, req, run, plan))
     return await G.answer(server, request, req, run, lambda choices: chat_body(server, req, run, choices, plan))
@@ -49,7 +49,7 @@ def chat_body(server: Server, req: P.ChatCompletionRequest, run: G.Run, choices:
             index=i, message=R.AssistantMessage(content=content, tool_calls=[t.to_openai() for t in calls]),
             finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
             logprobs=R.chat_logprobs(c.logprobs, server.token_text) if c.logprobs is not None else None))
-    return R.ChatCompletion(id=run.rid, created=R.now(), model=server.cfg.model_name, choices=out,
+    return R.ChatCompletion(id=run.rid, created=R.now(), model=server.reported_model(req.model), choices=out,
                             usage=G.usage(req, run, choices)).model_dump()
 
 
@@ -59,7 +59,7 @@ def chat_events(server: Server, req: P.ChatCompletionRequest, run: G.Run, plan: 
     chunk with its finish_reason."""
     want_logprobs = P.logprob_count(req) is not None
     head = {"id": run.rid, "object": "chat.completion.chunk", "created": R.now(),
-            "model": server.cfg.model_name, "system_fingerprint": None}
+            "model": server.reported_model(req.model), "system_fingerprint": None}
     n = len(run.prompts) * run.n
     parsers = [plan.stream_parser() if plan is not None else None for _ in range(n)]
     calls_sent = [0] * n

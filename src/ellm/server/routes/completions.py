@@ -17,11 +17,11 @@ from ..streaming import SSEResponse
 
 
 async def create_completion(server: Server, request: Request, req: P.CompletionRequest) -> Response:
-    server.check_model(req.model)
+    adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
     prompts = [await server.off_loop(server.prompt_ids, p) for p in req.prompts()]
     params = server.sampling_params(req)
     run = await G.start(server, req, prompts, params, what="prompt", rid=R.new_id("cmpl"),
-                        max_tokens_param=req.max_tokens_param)
+                        max_tokens_param=req.max_tokens_param, adapter=adapter)
     if req.stream:
         return SSEResponse(completion_events(server, req, run))
     return await G.answer(server, request, req, run, lambda choices: completion_body(server, req, run, choices))
@@ -32,14 +32,14 @@ def completion_body(server: Server, req: P.CompletionRequest, run: G.Run, choice
                                logprobs=R.completion_logprobs(c.logprobs, server.token_text, 0)[0]
                                if c.logprobs is not None else None)
             for i, c in enumerate(choices)]
-    return R.Completion(id=run.rid, created=R.now(), model=server.cfg.model_name, choices=text,
+    return R.Completion(id=run.rid, created=R.now(), model=server.reported_model(req.model), choices=text,
                         usage=G.usage(req, run, choices)).model_dump()
 
 
 def completion_events(server: Server, req: P.CompletionRequest, run: G.Run) -> Any:
     """The SSE body: text_completion chunks, one per delta that carries something."""
     want_logprobs = P.logprob_count(req) is not None
-    head = {"id": run.rid, "object": "text_completion", "created": R.now(), "model": server.cfg.model_name,
+    head = {"id": run.rid, "object": "text_completion", "created": R.now(), "model": server.reported_model(req.model),
             "system_fingerprint": None}
     offsets = [0] * (len(run.prompts) * run.n)   # where each choice's next token starts in its text
 

@@ -17,7 +17,9 @@ from ..streaming import unless_disconnected
 
 
 async def create_embeddings(server: Server, request: Request, req: P.EmbeddingRequest) -> Response:
-    server.check_model(req.model)
+    if server.check_model(req.model) is not None:   # [lora]
+        raise APIError(400, f"embeddings come from the base model; '{req.model}' is a LoRA adapter "
+                            f"(ask for '{server.cfg.model_name}')", param="model")
     size = server.cfg.embedding_size
     if req.dimensions is not None and req.dimensions != size:
         raise APIError(400, f"this model's embeddings have {size} dimensions; other sizes ('dimensions': "

@@ -1,4 +1,5 @@
-"""GET /v1/models and GET /v1/models/{model}: the served model and its aliases."""
+"""GET /v1/models and GET /v1/models/{model}: the served model, its aliases and [lora] its
+LoRA adapters (each with "parent": the served model)."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -14,12 +15,16 @@ from ..openapi import ERRORS
 
 def model_card(server: Server, name: str) -> R.ModelCard:
     cfg = server.cfg
+    if name not in cfg.model_names and name in server.adapters:   # [lora] vLLM's card of an adapter
+        return R.ModelCard(id=name, created=server.created, root=name, parent=cfg.model_name,
+                           max_model_len=cfg.max_model_len)
     return R.ModelCard(id=name, created=server.created, root=cfg.source or cfg.model_name,
                        max_model_len=cfg.max_model_len)
 
 
 async def list_models(server: Server) -> Response:
-    return JSONResponse(R.ModelList(data=[model_card(server, n) for n in server.cfg.model_names]).model_dump())
+    names = list(dict.fromkeys([*server.cfg.model_names, *server.adapters]))   # [lora] adapters after
+    return JSONResponse(R.ModelList(data=[model_card(server, n) for n in names]).model_dump())
 
 
 async def describe_model(server: Server, name: str) -> Response:
