@@ -3,12 +3,12 @@ the server under uvicorn. The main CLI (ellm.cli) calls add_arguments and main."
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
 
 from . import DEFAULT_MAX_QUEUE
+from .hosts import is_loopback, url_host
 
 API_KEY_ENV = "ELLM_API_KEY"
 
@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
         return _usage_error("--served-model-name names must not be empty")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if api_key is None and not _is_loopback(args.host):
+    if api_key is None and not is_loopback(args.host):
         print(f"warning: serving on {args.host} without an API key (--api-key or ${API_KEY_ENV}): "
               "anyone who can reach it can use it", file=sys.stderr)
 
@@ -107,22 +107,9 @@ def main(args: argparse.Namespace) -> int:
     app = create_app(llm, served_model_name=names, api_key=api_key, max_queue=args.max_queue,
                      allowed_origins=args.allowed_origins or (), allow_image_urls=args.allow_image_urls)
     shown = ", ".join(repr(n) for n in names)
-    print(f"ellm: serving {shown} on http://{_url_host(args.host)}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"ellm: serving {shown} on http://{url_host(args.host)}:{args.port}/v1", file=sys.stderr, flush=True)
     from .timeouts import header_timeout_protocol
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=args.log_level == "debug", timeout_graceful_shutdown=5,
                 http=header_timeout_protocol(HEADER_TIMEOUT_S), timeout_keep_alive=5)
     return 0
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
