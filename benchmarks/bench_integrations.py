@@ -1,7 +1,7 @@
 """The cost of ellm.integrations: one chat reply of --tokens tokens through each framework
 against the same reply from `llm.chat` on the same loaded model.
 
-    python benchmarks/bench_integrations.py [--model M] [--tokens 64] [--rounds 15]
+    python benchmarks/bench_integrations.py [--model M] [--tokens 64] [--rounds 15] [--only langchain]
 
 Every call is greedy on the same prompt (long enough that the reply runs to --tokens
 tokens), so every variant decodes the same tokens; the token counts are checked. The
@@ -60,10 +60,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0, help="of the order shuffles")
+    ap.add_argument("--only", action="append", default=[],
+                    help="keep only variants whose name holds this (repeatable; llm.chat always runs)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     with ellm.load(args.model, max_model_len=1024, progress=False) as llm:
-        calls = variants(llm, args.tokens)
+        calls = {name: fn for name, fn in variants(llm, args.tokens).items()
+                 if name == "llm.chat" or not args.only or any(o in name for o in args.only)}
         counts = {name: fn() for name, fn in calls.items()}   # warm-up (and llguidance-free: no constraint)
         if len(set(counts.values())) != 1 or args.tokens not in counts.values():
             raise SystemExit(f"the variants generated different token counts: {counts}")
