@@ -26,7 +26,8 @@ class WeatherQuery(BaseModel):
 
 def get_weather(location: Location, unit: Literal["celsius", "fahrenheit"]) -> str:
     """Get the current weather at a location."""
-    return f"21 degrees {unit} in {location.city}"
+    # (LlamaIndex passes the nested argument on as a dict)
+    return f"21 degrees {unit} in {Location.model_validate(location).city}"
 
 
 class Address(BaseModel):

@@ -337,7 +337,7 @@ class LLM:
             sp = plan.sampling(self.sampling_params(params, **kwargs))
             out = self.generate(plan.prompt_ids(self.tokenizer, messages), sp, adapter=adapter)
             for o in out if isinstance(out, list) else [out]:
-                o.content, calls = plan.parse(o.text)
+                o.content, calls = plan.parse(o.text, cut=o.finish_reason == "length")
                 o.tool_calls = calls or None
             return out
         return self.generate(self._chat_prompt(messages), params, **kwargs)

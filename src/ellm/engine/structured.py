@@ -71,6 +71,42 @@ _COMPILED_KEEP = 64
 _COMPILED_LOCK = threading.Lock()
 
 
+# Keywords whose values are data, not schemas: never rewritten (strict_objects, and the
+# reference rewriting of ellm.server.tools).
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "required"})
+# Keywords whose values map names to schemas.
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def strict_objects(schema: Any) -> Any:
+    """schema with additionalProperties: false on every object schema, at every level,
+    that names its properties and says nothing of others (OpenAI's strict mode), so a
+    constrained output holds only the declared keys. Branches of an allOf (which add up
+    to one object) and objects with an allOf are left open."""
+    def walk(node: Any, in_all_of: bool = False) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            if k in DATA_KEYWORDS:
+                out[k] = v
+            elif k in SCHEMA_MAPS and isinstance(v, dict):
+                out[k] = {name: walk(sub) for name, sub in v.items()}
+            elif k == "allOf" and isinstance(v, list):
+                out[k] = [walk(x, in_all_of=True) for x in v]
+            else:
+                out[k] = walk(v)
+        kind = out.get("type", "object")
+        if ("properties" in out and not in_all_of and "allOf" not in out and "additionalProperties" not in out
+                and "unevaluatedProperties" not in out and (kind == "object" or
+                                                          (isinstance(kind, list) and "object" in kind))):
+            out["additionalProperties"] = False
+        return out
+    return walk(schema)
+
+
 def compile_constraint(kind: str, value: Any) -> str:
     """The llguidance grammar for one constraint field, validated (without a tokenizer).
     kind is one of CONSTRAINT_FIELDS; value is already normalised by SamplingParams.

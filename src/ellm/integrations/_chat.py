@@ -83,7 +83,7 @@ def _reply(last: RequestOutput | None, prep: Prepared) -> Reply:
     content: str | None = last.text
     calls: list[ToolCall] = []
     if prep.plan is not None:
-        content, calls = prep.plan.parse(last.text)
+        content, calls = prep.plan.parse(last.text, cut=last.finish_reason == "length")
     return Reply(last.text, content, calls, "tool_calls" if calls else (last.finish_reason or "stop"),
                  len(last.prompt_token_ids), len(last.token_ids))
 
@@ -131,7 +131,8 @@ class _Splitter:
 
     def finish(self) -> list[Delta]:
         reply = _reply(self.last, self.prep)
-        tail = self._events(self.parser.finish()) if self.parser is not None else []
+        cut = self.last is not None and self.last.finish_reason == "length"
+        tail = self._events(self.parser.finish(cut=cut)) if self.parser is not None else []
         return tail + [Delta(reply=reply)]
 
     @staticmethod

@@ -141,7 +141,7 @@ class ChatEllm(BaseChatModel):
         sampling = {k: kwargs.get(k, getattr(self, k)) for k in _SAMPLING}
         stops = stop if stop is not None else kwargs.get("stop", self.stop)
         return _chat.prepare(self._engine, convert_to_openai_messages(messages),
-                             tools=kwargs.get("tools"), tool_choice=kwargs.get("tool_choice"),
+                             tools=kwargs.get("tools"), tool_choice=_tool_choice(kwargs.get("tool_choice")),
                              parallel_tool_calls=kwargs.get("parallel_tool_calls"),
                              json_schema=kwargs.get("json_schema"), stop=stops or None, **sampling)
 

@@ -133,8 +133,8 @@ async def _astream(deltas: AsyncIterator[_chat.Delta]) -> AsyncIterator[GenericS
             yield c
 
 
-def _embed_response(llm: LLM, model: str, texts: Any, response: EmbeddingResponse,
-                    vectors: Any, optional_params: dict[str, Any]) -> EmbeddingResponse:
+def _embed_response(llm: LLM, model: str, texts: list[Any], response: EmbeddingResponse,
+                    vectors: Any) -> EmbeddingResponse:
     response.model = f"{PROVIDER}/{model}"
     response.data = [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)]
     tokens = sum(len(llm.encode_prompt(t)) for t in texts)
@@ -180,13 +180,13 @@ class EllmProvider(CustomLLM):
                   optional_params: dict[str, Any], **kwargs: Any) -> EmbeddingResponse:
         llm = get_llm(model)
         texts = _embed_inputs(input, optional_params)
-        return _embed_response(llm, model, texts, model_response, llm.embed(texts), optional_params)
+        return _embed_response(llm, model, texts, model_response, llm.embed(texts))
 
     async def aembedding(self, model: str, input: list[Any], model_response: EmbeddingResponse, *args: Any,
                          optional_params: dict[str, Any], **kwargs: Any) -> EmbeddingResponse:
         llm = get_llm(model)
         texts = _embed_inputs(input, optional_params)
-        return _embed_response(llm, model, texts, model_response, await llm.aembed(texts), optional_params)
+        return _embed_response(llm, model, texts, model_response, await llm.aembed(texts))
 
 
 provider = EllmProvider()

@@ -44,9 +44,10 @@ def chat_body(server: Server, req: P.ChatCompletionRequest, run: G.Run, choices:
               plan: ToolPlan | None) -> dict[str, Any]:
     out = []
     for i, c in enumerate(choices):
-        content, calls = plan.parse(c.text) if plan is not None else (c.text, [])  # [tools]
+        # [tools] (a call cut short by max_tokens is dropped, not returned as text)
+        content, calls = plan.parse(c.text, cut=c.finish_reason == "length") if plan is not None else (c.text, [])
         out.append(R.ChatChoice(
-            index=i, message=R.AssistantMessage(content=content, tool_calls=[t.to_openai() for t in calls]),
+            index=i, message=R.AssistantMessage(content=content, tool_calls=[t.to_openai() for t in calls] or None),
             finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
             logprobs=R.chat_logprobs(c.logprobs, server.token_text) if c.logprobs is not None else None))
     return R.ChatCompletion(id=run.rid, created=R.now(), model=server.reported_model(req.model), choices=out,
@@ -80,7 +81,10 @@ def chat_events(server: Server, req: P.ChatCompletionRequest, run: G.Run, plan: 
         if parser is None:
             pieces = [{"content": out.new_text}] if out.new_text else []
         else:  # [tools] content and calls as the parser finds them
-            pieces = deltas(i, parser.feed(out.new_text) + (parser.finish() if out.finished else []))
+            events = parser.feed(out.new_text)
+            if out.finished:
+                events += parser.finish(cut=out.finish_reason == "length")
+            pieces = deltas(i, events)
         if lp is not None and not pieces:
             pieces = [{"content": ""}]
         chunks = [{"index": i, "delta": delta, "logprobs": lp if k == 0 else None, "finish_reason": None}

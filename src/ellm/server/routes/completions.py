@@ -12,23 +12,33 @@ from .. import generation as G
 from .. import protocol as P
 from .. import responses as R
 from ..core import Server
+from ..errors import APIError
 from ..openapi import streamed
 from ..streaming import SSEResponse
 
 
 async def create_completion(server: Server, request: Request, req: P.CompletionRequest) -> Response:
     adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
-    prompts = [await server.off_loop(server.prompt_ids, p) for p in req.prompts()]
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "'echo' with 'logprobs' asks for the prompt's logprobs, which this server does not "
+                            "compute; leave out one of them", param="echo")
+    sources = req.prompts()
+    prompts = [await server.off_loop(server.prompt_ids, p) for p in sources]
     params = server.sampling_params(req)
     run = await G.start(server, req, prompts, params, what="prompt", rid=R.new_id("cmpl"),
                         max_tokens_param=req.max_tokens_param, adapter=adapter)
+    # echo: each choice's text starts with its prompt's (token ids: their decoded text)
+    echoes = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in sources] if req.echo else []
     if req.stream:
-        return SSEResponse(completion_events(server, req, run))
-    return await G.answer(server, request, req, run, lambda choices: completion_body(server, req, run, choices))
+        return SSEResponse(completion_events(server, req, run, echoes))
+    return await G.answer(server, request, req, run,
+                          lambda choices: completion_body(server, req, run, choices, echoes))
 
 
-def completion_body(server: Server, req: P.CompletionRequest, run: G.Run, choices: list[G.Choice]) -> dict[str, Any]:
-    text = [R.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+def completion_body(server: Server, req: P.CompletionRequest, run: G.Run, choices: list[G.Choice],
+                    echoes: list[str]) -> dict[str, Any]:
+    text = [R.CompletionChoice(index=i, text=(echoes[i // run.n] if echoes else "") + c.text,
+                               finish_reason=c.finish_reason,
                                logprobs=R.completion_logprobs(c.logprobs, server.token_text, 0)[0]
                                if c.logprobs is not None else None)
             for i, c in enumerate(choices)]
@@ -36,8 +46,9 @@ def completion_body(server: Server, req: P.CompletionRequest, run: G.Run, choice
                         usage=G.usage(req, run, choices)).model_dump()
 
 
-def completion_events(server: Server, req: P.CompletionRequest, run: G.Run) -> Any:
-    """The SSE body: text_completion chunks, one per delta that carries something."""
+def completion_events(server: Server, req: P.CompletionRequest, run: G.Run, echoes: list[str]) -> Any:
+    """The SSE body: (echo) each choice's prompt text first, then text_completion chunks,
+    one per delta that carries something."""
     want_logprobs = P.logprob_count(req) is not None
     head = {"id": run.rid, "object": "text_completion", "created": R.now(), "model": server.reported_model(req.model),
             "system_fingerprint": None}
@@ -52,7 +63,9 @@ def completion_events(server: Server, req: P.CompletionRequest, run: G.Run) -> A
         return [{"index": i, "text": out.new_text, "logprobs": lp,
                  "finish_reason": out.finish_reason if out.finished else None}]
 
-    return G.events(server, req, run, head, [], on_output)
+    opening = [{"index": i, "text": echoes[i // run.n], "logprobs": None, "finish_reason": None}
+               for i in range(len(offsets))] if echoes else []
+    return G.events(server, req, run, head, opening, on_output)
 
 
 def register(app: FastAPI, server: Server) -> None:

@@ -31,7 +31,8 @@ def _tokenize(server: Server, req: P.TokenizeRequest) -> Response:
     tokens: list[int] | list[R.TokenPiece] = ids
     if req.with_pieces:
         tokens = [R.TokenPiece(id=t, piece=server.tokenizer.decode([t])) for t in ids]
-    body = R.TokenizeResponse(tokens=tokens, count=len(ids), max_model_len=server.cfg.max_model_len)
+    strs = [server.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
+    body = R.TokenizeResponse(tokens=tokens, count=len(ids), max_model_len=server.cfg.max_model_len, token_strs=strs)
     return JSONResponse(body.model_dump())
 
 
