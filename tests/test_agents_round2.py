@@ -217,14 +217,18 @@ def test_llm_chat_nested_tools_and_response_format(smollm2: Any) -> None:
                        json_schema=Team)
     assert out.finish_reason == "stop" and out.content is None and len(out.tool_calls) == 1
     Person.model_validate_json(out.tool_calls[0].arguments)
-    # auto + a response format: a call or an answer in the schema, never free text
+    # auto + a response format: a call (as for a weather question) or an answer in the schema,
+    # never free text
+    called = []
     for q in ("What is the weather in Oslo?", "Name a team with one member, Bob, 40, of Elm St 2, Rome."):
         out = smollm2.chat([{"role": "user", "content": q}], tools=[WEATHER], tool_choice="auto", temperature=0.0,
                            max_tokens=200, json_schema=Team)
+        called.append(bool(out.tool_calls))
         if out.tool_calls:
             assert out.content is None and out.tool_calls[0].name == "get_weather"
         else:
             Team.model_validate_json(out.content)
+    assert called[0]
     # cut by max_tokens: no raw call text comes back as content
     out = smollm2.chat(msgs, tools=[PERSON_TOOL], tool_choice="required", temperature=0.0, max_tokens=6)
     assert out.finish_reason == "length" and not out.tool_calls and out.content is None
@@ -321,17 +325,22 @@ def test_server_bad_tool_schema_is_a_400_naming_it(http: httpx.Client) -> None:
 
 
 def test_server_auto_with_response_format(http: httpx.Client) -> None:
+    """The model may still call the tool (it does, for a weather question), or answer in the
+    schema; never free text."""
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    called = []
     for q in ("What is the weather in Oslo? Use the tool.", "Say hello in the answer field."):
         r = _chat(http, messages=[{"role": "user", "content": q}], tools=[WEATHER], tool_choice="auto",
                   response_format=fmt, max_tokens=80)
         assert r.status_code == 200, r.text
         msg = r.json()["choices"][0]["message"]
+        called.append(bool(msg.get("tool_calls")))
         if msg.get("tool_calls"):
-            assert msg["content"] is None
+            assert msg["content"] is None and r.json()["choices"][0]["finish_reason"] == "tool_calls"
             _validate(WEATHER["function"]["parameters"], json.loads(msg["tool_calls"][0]["function"]["arguments"]))
         else:
             _validate(ANSWER, json.loads(msg["content"]))
+    assert called[0], "the weather question should be answered with a call"
 
 
 def test_server_no_empty_tool_calls_and_cut_calls(http: httpx.Client) -> None:
@@ -385,10 +394,10 @@ def test_server_vllm_fields_honoured_or_refused_by_name(http: httpx.Client, rout
     base: dict[str, Any] = {"model": MODEL, "max_tokens": 2}
     base.update({"prompt": "Hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})
     for field, value in (("prompt_logprobs", -1), ("prompt_logprobs", 1), ("use_beam_search", True),
-                         ("best_of", 3)):
+                         ("best_of", 3), ("n_probs", 2)):
         r = http.post(route, json={**base, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
-    for field, value in (("prompt_logprobs", None), ("use_beam_search", False), ("best_of", 1)):
+    for field, value in (("prompt_logprobs", None), ("use_beam_search", False), ("best_of", 1), ("n_probs", 0)):
         r = http.post(route, json={**base, field: value})
         assert r.status_code == 200, (field, value, r.text)
     r = http.post(route, json={**base, "n": 2, "best_of": 2})
@@ -428,7 +437,7 @@ def test_server_responses_reasoning_items_and_logprobs(http: httpx.Client) -> No
 
 
 def test_server_tokenize_token_strs(http: httpx.Client, smollm2_gguf: Path) -> None:
-    from gguf import GGUFReader   # the vocabulary as the file stores it, read without ellm
+    from gguf import GGUFReader  # the vocabulary as the file stores it, read without ellm
     field = GGUFReader(str(smollm2_gguf)).fields["tokenizer.ggml.tokens"]
     vocab = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
     r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello wörld", "return_token_strs": True})

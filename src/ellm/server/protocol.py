@@ -6,7 +6,8 @@ a string is not a number and `true` is not 1; an integral float (16.0) is still 
 integer, as JSON Schema says. Unknown fields are ignored, as OpenAI-style servers
 commonly do, except those whose meaning the server cannot honour (suffix, vLLM's
 prompt_logprobs and use_beam_search, best_of other than n): their schema admits only the
-value that means "off", and anything else is refused rather than silently dropped.
+value that means "off" (llama.cpp's n_probs too), and anything else is refused rather than
+silently dropped.
 
 What the schema cannot know (the context length, the vocabulary, the served model's
 names, how many sequences the server runs at once) is checked by the app and answered
@@ -200,6 +201,8 @@ class SamplingFields(_Strict):
                                "are not computed)", "prompt_logprobs", {"type": "null"}) = None
     use_beam_search: _off_only(False, "'use_beam_search' is not supported by this server (it samples)",
                                "use_beam_search", {"type": "boolean", "enum": [False]}) = None
+    n_probs: _off_only(0, "llama.cpp's 'n_probs' is not supported; use 'logprobs' (and chat's 'top_logprobs')",
+                       "n_probs", {"type": "integer", "enum": [0]}) = None
 
     @model_validator(mode="after")
     def _shared_checks(self) -> SamplingFields:
@@ -235,7 +238,14 @@ class SamplingFields(_Strict):
 # POST /v1/completions
 # ---------------------------------------------------------------------------------------
 
+# echo with logprobs would mean the prompt's logprobs, which are not computed
+_ECHO_WITHOUT_LOGPROBS = {"if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                          "then": {"properties": {"logprobs": {"type": "null"}}}}
+
+
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_when_set("stream_options", "stream", True),
+                                                           _ECHO_WITHOUT_LOGPROBS]})
     prompt: Prompt = Field(description="text, texts, token ids, or arrays of token ids")
     max_tokens: _int(ge=1) | None = Field(None, description="default 16, as OpenAI's")
     logprobs: _bounded(int, 0, MAX_LOGPROBS) | None = Field(  # type: ignore[valid-type]
@@ -243,6 +253,13 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = Field(None, description="the prompt's text before each completion's")
     suffix: _off_only("", "'suffix' is not supported by this server", "suffix",
                       {"type": "string", "maxLength": 0}) = None
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise refused("'echo' with 'logprobs' asks for the prompt's logprobs, which this server does not "
+                          "compute; leave out one of them", "echo")
+        return self
 
     @property
     def default_max_tokens(self) -> int | None:

@@ -12,16 +12,12 @@ from .. import generation as G
 from .. import protocol as P
 from .. import responses as R
 from ..core import Server
-from ..errors import APIError
 from ..openapi import streamed
 from ..streaming import SSEResponse
 
 
 async def create_completion(server: Server, request: Request, req: P.CompletionRequest) -> Response:
     adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "'echo' with 'logprobs' asks for the prompt's logprobs, which this server does not "
-                            "compute; leave out one of them", param="echo")
     sources = req.prompts()
     prompts = [await server.off_loop(server.prompt_ids, p) for p in sources]
     params = server.sampling_params(req)
