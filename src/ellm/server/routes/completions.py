@@ -19,7 +19,7 @@ from ..streaming import SSEResponse
 async def create_completion(server: Server, request: Request, req: P.CompletionRequest) -> Response:
     server.check_model(req.model)
     prompts = [await server.off_loop(server.prompt_ids, p) for p in req.prompts()]
-    params = server.sampling_params(req)
+    params = await server.compile_params(req)   # [structured] off the loop, once
     run = await G.start(server, req, prompts, params, what="prompt", rid=R.new_id("cmpl"),
                         max_tokens_param=req.max_tokens_param)
     if req.stream:
