@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import ellm
-from ellm.engine.engine import EngineConfig, ModelFileChanged
+from ellm.engine.engine import EngineConfig
 from ellm.sampling_params import SamplingParams
 
 
@@ -284,6 +284,7 @@ def test_inspect_bounds_bodies_and_refuses_surrogates(inspect_url: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 def test_model_file_rewritten_in_place_is_noticed(smollm2_gguf: Path, tmp_path: Path) -> None:
+    from ellm.engine.engine import ModelFileChanged
     path = tmp_path / "m.gguf"
     shutil.copyfile(smollm2_gguf, path)
     llm = ellm.load(path, max_model_len=128, progress=False)

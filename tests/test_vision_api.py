@@ -370,3 +370,51 @@ def test_mmproj_gives_the_folders_preprocessing(tiny, pictures):
         finally:
             llm.close()
             ref.close()
+
+
+def test_slow_image_urls_do_not_hold_up_other_clients(tiny, image_host, tmp_path):
+    """Three chats whose image URL trickles for longer than the fetch deadline, then a
+    plain text chat from another client: the text chat is answered while the three still
+    wait for their images (fetches run in threads of their own, not the two tokenizer
+    threads that the text chat needs)."""
+    import concurrent.futures
+
+    import httpx
+    (tmp_path / "template.jinja").write_text(TEMPLATES["smolvlm"])
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "ellm", "serve", str(tiny / "smolvlm"), "--port", str(port),
+                                 "--served-model-name", "tiny", "--max-model-len", "1024", "--allow-image-urls",
+                                 "--allow-image-host", "127.0.0.1", "--chat-template", str(tmp_path / "template.jinja"),
+                                 "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+
+        def chat(content) -> httpx.Response:
+            return httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+        slow = [{"type": "image_url", "image_url": {"url": image_host + "/slow.png"}}, {"type": "text", "text": "?"}]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            slow_runs = [pool.submit(chat, slow) for _ in range(3)]
+            time.sleep(1.0)   # the three fetches have started
+            text = chat([{"type": "text", "text": "Hello"}])
+            still_waiting = sum(not f.done() for f in slow_runs)
+            results = [f.result() for f in slow_runs]
+        assert text.status_code == 200, text.text[:300]
+        assert still_waiting == 3, "the text chat waited for the image fetches"
+        for r in results:   # each slow URL ran into the fetch deadline: a 400 that names it
+            assert r.status_code == 400 and "more than 10 s" in r.json()["error"]["message"], r.text[:300]
+    finally:
+        proc.terminate()
+        proc.wait(15)

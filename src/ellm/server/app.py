@@ -31,7 +31,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .core import Server, ServerConfig
 from .errors import APIError, error_body, from_validation
 from .openapi import served_openapi
+from .request_shape import RequestShape
 from .routes import chat, completions, embeddings, health, models, responses, tokenize
+from .streaming import drain_on_signals
 
 log = logging.getLogger("ellm.server")
 
@@ -168,9 +170,17 @@ def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
             server.engine.start()
+            # [structured] llguidance's view of the vocabulary, built before the first
+            # request: building it holds the GIL for a second or more (a 262k vocabulary:
+            # several), which, at the first constrained request, would stall every client
+            await asyncio.get_running_loop().run_in_executor(None, server.engine.engine.prepare_constraints)
+        # SIGTERM / Ctrl-C end running streams with an error event and [DONE] at once,
+        # before the server's grace period cuts them (streaming.DRAIN)
+        restore_signals = drain_on_signals()
         try:
             yield
         finally:
+            restore_signals()
             if manage_engine:
                 await asyncio.get_running_loop().run_in_executor(None, server.engine.shutdown)
 
@@ -184,6 +194,8 @@ def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
     for module in (health, models, completions, chat, embeddings, responses, tokenize):
         module.register(app, server)
     app.openapi = lambda: served_openapi(app, server.cfg)  # type: ignore[method-assign]
+    # inside the guard (added first): ambiguous framing and too-deep JSON refused before any route
+    app.add_middleware(RequestShape)
     app.add_middleware(_Guard, server=server, routes=app.router.routes)
     if server.cfg.allowed_origins:   # added last: outermost, so preflights need no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(server.cfg.allowed_origins),

@@ -125,7 +125,8 @@ def main(args: argparse.Namespace) -> int:
                     lora_adapters=lora_adapters or None)
     names = args.served_model_name or [args.model if args.model is not None else llm.source]
     app = create_app(llm, served_model_name=names, api_key=api_key, max_queue=args.max_queue,
-                     allowed_origins=args.allowed_origins or (), allow_image_urls=args.allow_image_urls)
+                     allowed_origins=args.allowed_origins or (), allow_image_urls=args.allow_image_urls,
+                     allowed_image_hosts=tuple(args.allow_image_host or ()))
     shown = ", ".join(repr(n) for n in names)
     print(f"ellm: serving {shown} on http://{url_host(args.host)}:{args.port}/v1", file=sys.stderr, flush=True)
     from .timeouts import header_timeout_protocol

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
-from ..engine.engine import RequestError, SequenceError
+from ..engine.engine import ModelFileChanged, RequestError, SequenceError
 from ..sampling_params import SamplingParams
 from . import protocol as P
 from . import responses as R
+from .compile_pool import ConstraintCompiler
 from .constraints import ConstraintError, constraint_fields
 from .errors import APIError
 from .metrics import Metrics
@@ -51,8 +52,10 @@ class ServerConfig:
     read_timeout: float = 30.0
     write_timeout: float = 30.0
     tokenizer_threads: int = 2      # tokenizing and template rendering run here, off the event loop
-    # [vision] http(s) image URLs are fetched only when this is set (ellm serve --allow-image-urls)
+    # [vision] http(s) image URLs are fetched only when this is set (ellm serve --allow-image-urls),
+    # from public internet addresses only, and from these hosts (by name) whatever their address
     allow_image_urls: bool = False
+    allowed_image_hosts: Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         self.model_names = tuple(dict.fromkeys(self.model_names))   # unique, in order
@@ -82,6 +85,12 @@ class Server:
         self.token_text = R.TokenText(tokenizer)
         self.created = int(time.time())
         self._cpu = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="ellm-tokenize")
+        # [structured] constraints compile in threads of their own, with a deadline
+        self.compiler = ConstraintCompiler(observe=self.metrics.constraint_compile.observe)
+        self.fetcher: Any = None   # [vision] image URLs are fetched in threads of their own
+        if config.allow_image_urls:
+            from ..vision.fetch import FetchLimits, ImageFetcher
+            self.fetcher = ImageFetcher(FetchLimits(allowed_hosts=tuple(config.allowed_image_hosts)))
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) in the tokenizer threads: tokenizing and template rendering are CPU
@@ -160,18 +169,31 @@ class Server:
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
 
     def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                 template_kwargs: dict[str, Any] | None = None, plan: ToolPlan | None = None) -> list[int]:
-        return self.chat_prompt(messages, add_generation_prompt, template_kwargs, plan)[0]
+                 template_kwargs: dict[str, Any] | None = None, plan: ToolPlan | None = None,
+                 fetched: dict[str, Any] | None = None) -> list[int]:
+        return self.chat_prompt(messages, add_generation_prompt, template_kwargs, plan, fetched)[0]
 
-    def prepare_images(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
-        """[vision] Decodes and preprocesses the messages' image parts (fetching http(s)
-        URLs only when allowed): -> (messages for the template, ImageInputs in order)."""
+    async def fetch_images(self, messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """[vision] The http(s) image URLs of the messages fetched (in the fetcher's own
+        threads, never the tokenizer's: a slow URL holds up only its own request), for
+        chat_prompt's `fetched`; None when URLs are not fetched or there are none."""
+        if self.fetcher is None or self.processing is None:
+            return None
+        from ..vision.chat import has_images
+        if not has_images(messages):
+            return None
+        return await self.fetcher.fetch_all(messages)
+
+    def prepare_images(self, messages: list[dict[str, Any]],
+                       fetched: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
+        """[vision] Decodes and preprocesses the messages' image parts (http(s) URLs only
+        when allowed, from fetch_images' results): -> (messages for the template,
+        ImageInputs in order)."""
         from ..vision.chat import prepare_messages
         from ..vision.images import ImageError
         fetch = None
-        if self.cfg.allow_image_urls:
-            from ..vision.fetch import fetch_image
-            fetch = fetch_image
+        if self.fetcher is not None:
+            fetch = self.fetcher.lookup(fetched or {})
         try:
             return prepare_messages(messages, self.processing, fetch=fetch, model_name=f"the model '{self.cfg.model_name}'")
         except ImageError as e:
@@ -179,14 +201,16 @@ class Server:
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     template_kwargs: dict[str, Any] | None = None,
-                    plan: ToolPlan | None = None) -> tuple[list[int], list[Any] | None]:
-        """The ids of a chat, and the ImageInputs its image tokens stand for (None without images)."""
+                    plan: ToolPlan | None = None,
+                    fetched: dict[str, Any] | None = None) -> tuple[list[int], list[Any] | None]:
+        """The ids of a chat, and the ImageInputs its image tokens stand for (None without
+        images). fetched: [vision] the image URLs' bytes, from fetch_images."""
         from ..vision.chat import has_images
         images = None
         if has_images(messages):   # [vision]
             if plan is not None:
                 raise APIError(400, "images together with tools are not supported yet", param="tools")
-            messages, images = self.prepare_images(messages)
+            messages, images = self.prepare_images(messages, fetched)
         tok = self.tokenizer
         kwargs = dict(template_kwargs or {})
         if plan is not None:  # [tools] the plan renders tools, calls and results for the template
@@ -238,6 +262,30 @@ class Server:
             name = msg.split(" ", 1)[0]   # SamplingParams' messages start with the field name
             raise APIError(400, msg, param=name if name in type(req).model_fields else None) from None
 
+    async def compile_params(self, req: P.GenerationRequest, plan: ToolPlan | None = None) -> SamplingParams:
+        """sampling_params (then the tool plan's call grammar), with the constraint checked,
+        compiled once and its llguidance matcher built in the compile threads, off the event
+        loop and within a deadline (server/compile_pool.py); a request without a
+        constraint is made here at once."""
+        constrained = plan is not None or any(v is not None for v in req.constraint_fields().values())
+        if not constrained:
+            return self.sampling_params(req)
+        return await self.compiler.run(self._compiled_params, req, plan)
+
+    def _compiled_params(self, req: P.GenerationRequest, plan: ToolPlan | None) -> SamplingParams:
+        params = self.sampling_params(req)
+        if plan is not None:  # [tools] required / named: the call grammar
+            try:
+                params = plan.sampling(params)
+            except ToolError as e:
+                raise APIError(400, str(e), param=e.param) from None
+        if params.constraint is not None:   # the tokenizer's view and the matcher, built once
+            try:
+                self.engine.engine.prepare_constraints(params)
+            except RequestError as e:
+                raise APIError(400, str(e)) from None
+        return params
+
     def tool_plan(self, req: P.ChatCompletionRequest) -> ToolPlan | None:
         """[tools] The plan for a chat request with tools, tool_choice, or tool turns in its
         history; None for a plain chat."""
@@ -251,6 +299,9 @@ class Server:
 
     def engine_error(self, e: BaseException) -> APIError:
         """The error answer for an engine failure (raised by a stream or by embed)."""
+        if isinstance(e, ModelFileChanged):   # the weights changed under the mapping: nothing can run
+            log.error("%s", e)
+            return APIError(503, str(e), type="server_error", code="model_file_changed")
         if isinstance(e, RequestError):
             return APIError(400, str(e))
         if isinstance(e, EngineDeadError):

@@ -80,8 +80,8 @@ async def start(server: Server, req: P.GenerationRequest, prompts: list[list[int
     if params.stop_token_ids:
         server.check_ids(params.stop_token_ids, "stop_token_ids", "stop token id")
     engine = server.engine
-    if params.constraint is not None:  # [structured] llguidance's tokenizer, off the engine thread
-        await asyncio.get_running_loop().run_in_executor(None, engine.engine.prepare_constraints)
+    if params.constraint is not None:  # [structured] llguidance's tokenizer and the matcher, off the engine thread
+        await asyncio.get_running_loop().run_in_executor(None, engine.engine.prepare_constraints, params)
     total = len(prompts) * req.n
     if total > engine.max_queue:
         raise APIError(400, f"this request asks for {total} sequences ({len(prompts)} prompts x n={req.n}); "

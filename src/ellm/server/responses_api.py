@@ -302,16 +302,13 @@ async def create_response(server: Server, request: Request, body: Any) -> Respon
         raise from_validation(e.errors()) from None
     adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
     plan = server.tool_plan(req)
+    messages = req.template_messages()
+    fetched = await server.fetch_images(messages)   # [vision] in the fetcher's threads
     try:
-        ids = await server.off_loop(server.chat_ids, req.template_messages(), True, None, plan)  # (CPU work)
+        ids = await server.off_loop(server.chat_ids, messages, True, None, plan, fetched)  # (CPU work)
     except ToolError as e:
         raise APIError(400, str(e), param=e.param) from None
-    params = server.sampling_params(req)
-    if plan is not None:
-        try:
-            params = plan.sampling(params)
-        except ToolError as e:
-            raise APIError(400, str(e), param=e.param) from None
+    params = await server.compile_params(req, plan)   # [structured] off the loop, once
     outputs = (await G.start(server, req, [ids], params, what="input", rid=new_id("resp"),
                              max_tokens_param="max_output_tokens" if req.max_completion_tokens else None,
                              adapter=adapter)).outputs

@@ -27,7 +27,7 @@ RETRIES = 2                    # times a request that streamed nothing is sent a
 class _NoLocalEngine:
     """Server calls engine.engine.prepare_constraints(); the replicas do that themselves."""
 
-    def prepare_constraints(self) -> None:
+    def prepare_constraints(self, params: Any = None) -> None:
         return None
 
 

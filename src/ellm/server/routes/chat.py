@@ -22,17 +22,15 @@ from ..tools import ToolError, ToolPlan
 async def create_chat_completion(server: Server, request: Request, req: P.ChatCompletionRequest) -> Response:
     adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
     plan = server.tool_plan(req)
+    messages = req.template_messages()
+    fetched = await server.fetch_images(messages)   # [vision] image URLs, in the fetcher's threads
     try:
-        ids, images = await server.off_loop(server.chat_prompt, req.template_messages(), True,
-                                            req.chat_template_kwargs, plan)
+        ids, images = await server.off_loop(server.chat_prompt, messages, True, req.chat_template_kwargs, plan,
+                                            fetched)
     except ToolError as e:
         raise APIError(400, str(e), param=e.param) from None
-    params = server.sampling_params(req)
-    if plan is not None:  # [tools] required / named: the call grammar
-        try:
-            params = plan.sampling(params)
-        except ToolError as e:
-            raise APIError(400, str(e), param=e.param) from None
+    # [structured] the constraint (and [tools] the call grammar) compiled once, off the loop
+    params = await server.compile_params(req, plan)
     run = await G.start(server, req, [ids], params, what="messages", rid=R.new_id("chatcmpl"),
                         max_tokens_param=req.max_tokens_param, images=[images], adapter=adapter)
     if req.stream:

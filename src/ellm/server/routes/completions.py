@@ -20,7 +20,7 @@ async def create_completion(server: Server, request: Request, req: P.CompletionR
     adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
     sources = req.prompts()
     prompts = [await server.off_loop(server.prompt_ids, p) for p in sources]
-    params = server.sampling_params(req)
+    params = await server.compile_params(req)   # [structured] off the loop, once
     run = await G.start(server, req, prompts, params, what="prompt", rid=R.new_id("cmpl"),
                         max_tokens_param=req.max_tokens_param, adapter=adapter)
     # echo: each choice's text starts with its prompt's (token ids: their decoded text)

@@ -2,6 +2,8 @@
 rendered chat to token ids, and ids back to text."""
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
@@ -14,15 +16,18 @@ from ..openapi import ERRORS
 
 async def tokenize_request(server: Server, req: P.TokenizeRequest) -> Response:
     server.check_model(req.model)
-    return await server.off_loop(_tokenize, server, req)
+    fetched = None
+    if req.messages is not None:   # [vision] image URLs, in the fetcher's threads
+        fetched = await server.fetch_images([m.for_template() for m in req.messages])
+    return await server.off_loop(_tokenize, server, req, fetched)
 
 
-def _tokenize(server: Server, req: P.TokenizeRequest) -> Response:
+def _tokenize(server: Server, req: P.TokenizeRequest, fetched: dict[str, Any] | None = None) -> Response:
     if req.messages is not None:
         messages = [m.for_template() for m in req.messages]
         kwargs = req.chat_template_kwargs or {}
         if (req.add_special_tokens is None and req.add_special is None) or has_images(messages):  # [vision]
-            ids = server.chat_ids(messages, req.add_generation_prompt, kwargs)
+            ids = server.chat_ids(messages, req.add_generation_prompt, kwargs, None, fetched)
         else:
             text = server.chat_text(messages, req.add_generation_prompt, kwargs)
             ids = server.encode(text, "messages", add_special_tokens=req.special_tokens())
@@ -38,6 +43,11 @@ def _tokenize(server: Server, req: P.TokenizeRequest) -> Response:
 
 async def detokenize_request(server: Server, req: P.DetokenizeRequest) -> Response:
     server.check_model(req.model)
+    # (millions of ids take seconds to check and decode: the tokenizer threads do it)
+    return await server.off_loop(_detokenize, server, req)
+
+
+def _detokenize(server: Server, req: P.DetokenizeRequest) -> Response:
     server.check_ids(req.tokens, "tokens", "token id")
     text = server.tokenizer.decode(req.tokens)
     return JSONResponse(R.DetokenizeResponse(prompt=text, content=text).model_dump())
