@@ -13,10 +13,10 @@ compiler flags, and an object is a variant exactly when those flags raise the IS
 
 1. every object that is not a variant must hold no instruction beyond the baseline;
 2. -march= / -mcpu= (other than x86-64) are refused everywhere: a variant names its
-   extensions, never a CPU. The
-   objects that choose the level (those defining ellm_simd_best) and the Python
-   extension modules must be baseline objects: a flag added to every object would
-   otherwise make every object a "variant" and the check vacuous;
+   extensions, never a CPU. The objects that choose the level (those defining
+   ellm_simd_best) and the Python extension modules must be baseline objects: a flag
+   added to every object would otherwise make every object a "variant" and the check
+   vacuous;
 3. in the linked libraries, every function that holds such an instruction must be one
    that a variant object defines (this catches what the linker brings in). Installed
    libraries are stripped, and in a stripped file the code of a static function looks

@@ -50,7 +50,7 @@ run() {
     local label="$1"; shift
     echo "== $label: $*"
     local out rc=0
-    out="$("$@" 2>&1)" || rc=$?
+    out="$("$@" 2>&1 | tr -d '\r'; exit "${PIPESTATUS[0]}")" || rc=$?  # (wine: CRLF)
     printf '%s\n' "$out" | grep -v '^PASSED' || true
     local last
     last="$(printf '%s\n' "$out" | tail -n 1)"
