@@ -7,11 +7,12 @@ import sys
 from typing import Any
 
 
-# `ellm chat`'s reply cap (--max-tokens). The default model's sampled replies that end do so
-# in 46-270 tokens (temperature 1, four everyday questions, three seeds each); "Tell me
-# about Paris." ran past 1,024 tokens twice without ending. 512 stops such a reply within
-# ~35 s on the slowest path measured (15 tok/s: exact activations, AVX2, one thread) and
-# leaves twice the longest ending reply. `--max-tokens N` sets another.
+# `ellm chat`'s reply cap (--max-tokens). The default model's replies that end do so in
+# 8-270 tokens (greedy: 8, 39, 214; sampled at temperature 1: 46-270), but some never end:
+# greedy, "Tell me about Paris." and "How do I make tea?" loop on a phrase; sampled, the
+# first ran past 1,024 tokens twice. 512 stops such a reply within ~35 s on the slowest
+# path measured (15 tok/s: exact activations, AVX2, one thread) and leaves about twice the
+# longest reply that ended. `--max-tokens N` sets another.
 CHAT_MAX_TOKENS = 512
 
 
