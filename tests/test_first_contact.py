@@ -98,8 +98,8 @@ def test_the_default_model_loaded_as_the_default_gets_its_settings(smollm2_gguf:
     with ellm.load(progress=False, max_model_len=64) as default, \
             ellm.load("smollm2-135m-instruct", progress=False, max_model_len=64) as named:
         assert default.engine.model.ops.exact_activations and not named.engine.model.ops.exact_activations
-        assert default.defaults.temperature == 0.0 and dict(default.defaults.sources)["temperature"] == \
-            "ellm's default model"
+        assert (default.defaults.temperature, default.defaults.repetition_penalty) == (0.0, 1.1)
+        assert dict(default.defaults.sources)["temperature"] == "ellm's default model"
         assert named.defaults.temperature == 1.0 and dict(named.defaults.sources)["temperature"] == "ellm"
         assert default.sampling_params(temperature=0.7).temperature == 0.7   # a request's own choice wins
 

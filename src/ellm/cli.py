@@ -8,11 +8,11 @@ from typing import Any
 
 
 # `ellm chat`'s reply cap (--max-tokens). The default model's replies that end do so in
-# 8-270 tokens (greedy: 8, 39, 214; sampled at temperature 1: 46-270), but some never end:
-# greedy, "Tell me about Paris." and "How do I make tea?" loop on a phrase; sampled, the
-# first ran past 1,024 tokens twice. 512 stops such a reply within ~35 s on the slowest
-# path measured (15 tok/s: exact activations, AVX2, one thread) and leaves about twice the
-# longest reply that ended. `--max-tokens N` sets another.
+# 8-340 tokens (its default, greedy with a repetition penalty of 1.1: 8, 230, 338, 340;
+# sampled at temperature 1: 46-270), but some never end: sampled, "Tell me about Paris."
+# ran past 1,024 tokens twice; plain greedy loops on a phrase. 512 stops such a reply
+# within ~35 s on the slowest path measured (15 tok/s: exact activations, AVX2, one
+# thread) and is 1.5x the longest reply that ended. `--max-tokens N` sets another.
 CHAT_MAX_TOKENS = 512
 
 
