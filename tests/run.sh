@@ -34,7 +34,8 @@ else
     REF_TORCH="torch==$TORCH_VERSION+cpu"
 fi
 # (accelerate: transformers needs it to load a GGUF; gguf does the dequantizing.)
-REF_REST=("transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "sentencepiece")
+# peft: the reference for LoRA adapters.
+REF_REST=("transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "sentencepiece" "peft==0.21.2")
 # A build directory of our own, so this never fights another checkout's build.
 BUILD_DIR_SETTING="--config-settings=build-dir=build/tests-{wheel_tag}"
 

@@ -532,3 +532,15 @@ def test_progress_bar_draws_on_a_terminal(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0, screen
     frames = [f for f in screen.decode().split("\r") if f.strip()]
     assert frames[0].startswith("extracting y:   0%") and "4.00M/4.00M" in frames[-1], frames
+
+
+def test_full_disk_is_named_not_the_network(fake_model: dict[str, object], home: Path) -> None:
+    # The assembled file lands on a device that is always full (writes fail with ENOSPC):
+    # the error names the full disk, not a download problem.
+    folder = home / "models" / "fake-model"
+    folder.mkdir(parents=True)
+    (folder / "fake.gguf.partial").symlink_to("/dev/full")
+    with pytest.raises(hub.PullError, match="the disk is full") as e:
+        hub.pull("fake-model", progress=False)
+    assert "network" not in str(e.value)
+    assert not (folder / "fake.gguf").exists()

@@ -1,29 +1,77 @@
 """GPU benchmark: ellm's CUDA backend beside transformers on the same GPU.
 
-For each model: batch-1 decode tok/s, prefill tok/s of a 512-token prompt, aggregate
-decode tok/s of 16 and 64 sequences, ellm with and without CUDA graphs, and the fraction
-of HBM bandwidth the decode steps use (bytes of weights read per second / 4.8 TB/s, the
-H200's figure; one full read of the weights per step). Decode rates come from the
-difference of two runs of different lengths, so prefill and start-up cancel out.
+Per model: batch-1 decode tok/s, prefill tok/s of a 512-token prompt (and of 2,048 on
+the 8B shape, with the TFLOP/s it reaches and its fraction of the bf16 tensor-core
+peak), aggregate decode tok/s of 16 and 64 sequences, and the fraction of HBM bandwidth
+the decode steps use (bytes of weights read per second / 4.3 TB/s, what device copies
+reach on the H200; one full read of the weights per step, so a quantized model is
+measured against its own bytes). Decode rates come from the difference of two runs of
+different lengths, so prefill and start-up cancel out.
 
-    python benchmarks/gpu/bench.py --gguf smollm2=PATH --folder smollm2=PATH ... --out DIR
+    python benchmarks/gpu/bench.py --out DIR [--gguf smollm2=PATH] [--folder smollm2=PATH]
+        [--random llama-1b] [--random llama-8b] [--quantize llama-8b=q8_0] [--budget 300]
+    python benchmarks/gpu/bench.py --dry-run --out DIR     # on a CPU: the whole harness, tiny shapes
 
-Run by benchmarks/gpu/check.sh on the lent GPU machine (docs/gpu.md); prints Markdown
-tables and writes DIR/gpu_bench.md and DIR/gpu_bench.json.
+Engines: `ellm cuda graphs` (fused decode kernels, bf16 KV cache), `ellm cuda graphs
+unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
+`generate(..., cache_implementation="static")`: compiled, CUDA graphs) and `transformers
+eager` (plain `generate`). Rows run in priority order (the issue's targets first) and a
+row that would start after --budget seconds is written as skipped, so a run cut short
+still leaves its tables. --random folders are made here with torch (random_folder.py).
+Run by benchmarks/gpu/check.sh (docs/gpu.md); writes DIR/gpu_bench.md and gpu_bench.json.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-HBM_BYTES_PER_S = 4.8e12
-SHORT, LONG = 32, 160          # decode lengths whose difference gives the decode rate
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_folder import SHAPES, make_random_folder  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12        # H200, device-to-device copies measured (FACTS.md)
+BF16_PEAK_FLOPS = 790e12        # H200 dense bf16, measured on these machines
 PROMPT = "The history of the printing press begins"
+RANDOM_PROMPT = [ord(c) for c in "The history of the printing press begins"]   # byte tokens
+
+
+@dataclass
+class Plan:
+    """How long a model's measurements run: decode lengths whose difference gives the
+    rate, repeats (median), batch sizes, prefill lengths."""
+    short: int = 32
+    long: int = 160
+    repeats: int = 3
+    batches: tuple[int, ...] = (1, 16, 64)
+    prefills: tuple[int, ...] = (512,)
+    max_model_len: int = 1024
+
+    @staticmethod
+    def for_model(name: str, dry_run: bool) -> "Plan":
+        if dry_run:
+            return Plan(short=2, long=6, repeats=1, batches=(1, 16, 64), prefills=(64,), max_model_len=256)
+        if name == "llama-8b":
+            return Plan(short=16, long=64, repeats=2, prefills=(512, 2048), max_model_len=2560)
+        if name == "llama-1b":
+            return Plan(short=16, long=96, repeats=2)
+        return Plan()
+
+
+@dataclass
+class Source:
+    name: str                   # smollm2, llama-1b, llama-8b
+    weights: str                # "gguf", "bf16 folder", "bf16 folder, q8_0 at load"
+    path: Path
+    quantize: str | None = None
+    random_ids: bool = False    # a random folder: byte tokens, no real text
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def median_time(fn: Callable[[], Any], repeats: int = 3) -> float:
@@ -55,121 +103,223 @@ def weight_bytes(model: Any) -> int:
     return sum(seen.values())
 
 
+def prefill_flops(c: Any, n: int) -> float:
+    """2 x the multiply-adds of a prefill of n tokens (a Llama-shaped config): every layer
+    matrix for every token, the causal attention's q.k and p.v products, the head for the
+    last token only."""
+    qo = 2 * c.hidden_size * c.num_attention_heads * c.head_dim
+    kv = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    layers = c.num_hidden_layers * (qo + kv + mlp)
+    attn = 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * (n + 1) / 2
+    return 2.0 * (layers * n + attn + c.vocab_size * c.hidden_size)
+
+
+def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> None:
+    out["weight_bytes"] = wb
+    for n in batches:
+        if f"decode_{n}" in out:
+            out[f"hbm_{n}"] = out[f"decode_{n}"] / n * wb / HBM_BYTES_PER_S
+
+
 # -- ellm ----------------------------------------------------------------------------------
 
-def bench_ellm(path: Path, graphs: bool) -> dict[str, float]:
+def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
+               deadline: float) -> dict[str, float]:
+    os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # read when the backend is made
     import ellm
     from ellm.sampling_params import SamplingParams
-    llm = ellm.load(path, device="cuda", max_model_len=1024, max_num_seqs=64, max_batch_tokens=512,
-                    progress=False)
+    options: dict[str, Any] = dict(max_model_len=plan.max_model_len, max_num_seqs=max(plan.batches),
+                                   max_batch_tokens=max(512, *plan.prefills), progress=False)
+    if device == "cuda":
+        options["kv_cache_dtype"] = "bfloat16"
+    if src.quantize:
+        options["quantize"] = src.quantize
+    t0 = time.perf_counter()
+    llm = ellm.load(src.path, device=device, **options)
+    out: dict[str, float] = {"load_s": time.perf_counter() - t0}
     try:
         executor = llm.engine.runner.executor
-        executor.use_graphs = graphs
-        ids = llm.encode_prompt(PROMPT)
+        if hasattr(executor, "use_graphs"):
+            executor.use_graphs = graphs
+        ids = list(RANDOM_PROMPT) if src.random_ids else llm.encode_prompt(PROMPT)
 
         def run(n_seqs: int, n_tokens: int) -> None:
             p = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
             llm.generate([ids] * n_seqs, p)
 
-        out: dict[str, float] = {}
-        run(1, 8)   # compile, capture
-        for n in (1, 16, 64):
-            run(n, SHORT)
-            t_short = median_time(lambda: run(n, SHORT))
-            t_long = median_time(lambda: run(n, LONG))
-            out[f"decode_{n}"] = n * (LONG - SHORT) / max(t_long - t_short, 1e-9)
-        long_ids = (ids * (512 // len(ids) + 1))[:512]
-        p1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        llm.generate([long_ids], p1)
-        out["prefill_512"] = 512 / median_time(lambda: llm.generate([long_ids], p1))
+        run(1, 4)   # compile, capture
+        first = [n for n in (1, 64) if n in plan.batches] + [n for n in plan.batches if n not in (1, 64)]
+        for n in first:
+            if time.perf_counter() > deadline:
+                out["cut_short"] = 1.0
+                break
+            run(n, plan.short)
+            t_short = median_time(lambda: run(n, plan.short), plan.repeats)
+            t_long = median_time(lambda: run(n, plan.long), plan.repeats)
+            out[f"decode_{n}"] = n * (plan.long - plan.short) / max(t_long - t_short, 1e-9)
         wb = weight_bytes(llm.engine.model)
-        out["weight_bytes"] = wb
-        for n in (1, 16, 64):
-            out[f"hbm_{n}"] = out[f"decode_{n}"] / n * wb / HBM_BYTES_PER_S
-        out["graph_replays"] = float(executor.stats.get("replays", 0))
+        for n_prompt in plan.prefills:
+            if time.perf_counter() > deadline:
+                out["cut_short"] = 1.0
+                break
+            long_ids = (ids * (n_prompt // len(ids) + 1))[:n_prompt]
+            p1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            llm.generate([long_ids], p1)
+            t = median_time(lambda: llm.generate([long_ids], p1), plan.repeats)
+            out[f"prefill_{n_prompt}"] = n_prompt / t
+            if n_prompt >= 2048:
+                flops = prefill_flops(llm.engine.model.config, n_prompt)
+                out[f"prefill_{n_prompt}_tflops"] = flops / t / 1e12
+                out[f"prefill_{n_prompt}_peak"] = flops / t / BF16_PEAK_FLOPS
+        add_rates(out, wb, plan.batches)
+        out["graph_replays"] = float(getattr(executor, "stats", {}).get("replays", 0))
         return out
     finally:
         llm.close()
+        del llm
+        gc.collect()
+        _free_cupy()
+
+
+def _free_cupy() -> None:
+    try:
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+    except Exception:   # no CuPy (a dry run): nothing to free
+        pass
 
 
 # -- transformers --------------------------------------------------------------------------
 
-def bench_transformers(folder: Path) -> dict[str, float]:
+def bench_transformers(src: Source, plan: Plan, device: str, static: bool, deadline: float) -> dict[str, float]:
+    """bf16 on `device`. static: generate(..., cache_implementation="static"), which
+    transformers compiles (CUDA graphs) on a GPU; its first call per batch size compiles,
+    so each batch size is warmed up before it is timed."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
-    ids = tok(PROMPT, return_tensors="pt").input_ids.cuda()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.bfloat16).to(device).eval()
+    out: dict[str, float] = {"load_s": time.perf_counter() - t0}
+    if src.random_ids:
+        ids = torch.tensor([RANDOM_PROMPT], device=device)
+        pad = model.config.eos_token_id
+    else:
+        tok = AutoTokenizer.from_pretrained(src.path)
+        ids = tok(PROMPT, return_tensors="pt").input_ids.to(device)
+        pad = tok.eos_token_id
+    extra: dict[str, Any] = {"cache_implementation": "static"} if static else {}
+    if static and device != "cuda":
+        extra["disable_compile"] = True   # a dry run on a CPU checks the call, not the compiler
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     def run(n_seqs: int, n_tokens: int) -> None:
         with torch.no_grad():
             model.generate(ids.repeat(n_seqs, 1), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
-                           do_sample=False, pad_token_id=tok.eos_token_id)
-        torch.cuda.synchronize()
+                           do_sample=False, pad_token_id=pad, **extra)
+        sync()
 
-    out: dict[str, float] = {}
-    run(1, 8)
-    for n in (1, 16, 64):
-        t_short = median_time(lambda: run(n, SHORT))
-        t_long = median_time(lambda: run(n, LONG))
-        out[f"decode_{n}"] = n * (LONG - SHORT) / max(t_long - t_short, 1e-9)
-    long_ids = ids.repeat(1, 512 // ids.shape[1] + 1)[:, :512]
+    try:
+        first = [n for n in (1, 64) if n in plan.batches] + [n for n in plan.batches if n not in (1, 64)]
+        for n in first:
+            if time.perf_counter() > deadline:
+                out["cut_short"] = 1.0
+                break
+            tw = time.perf_counter()
+            run(n, plan.long)   # warm-up: compiles and captures at this batch size and the longer length
+            out[f"warmup_{n}_s"] = time.perf_counter() - tw
+            t_short = median_time(lambda: run(n, plan.short), plan.repeats)
+            t_long = median_time(lambda: run(n, plan.long), plan.repeats)
+            out[f"decode_{n}"] = n * (plan.long - plan.short) / max(t_long - t_short, 1e-9)
+        for n_prompt in plan.prefills:
+            if time.perf_counter() > deadline:
+                out["cut_short"] = 1.0
+                break
+            long_ids = ids.repeat(1, n_prompt // ids.shape[1] + 1)[:, :n_prompt]
 
-    def prefill() -> None:
-        with torch.no_grad():
-            model(long_ids)
-        torch.cuda.synchronize()
-    prefill()
-    out["prefill_512"] = 512 / median_time(prefill)
-    wb = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    if model.config.tie_word_embeddings:
-        wb += model.get_input_embeddings().weight.numel() * 2
-    out["weight_bytes"] = wb
-    for n in (1, 16, 64):
-        out[f"hbm_{n}"] = out[f"decode_{n}"] / n * wb / HBM_BYTES_PER_S
-    del model
-    torch.cuda.empty_cache()
-    return out
+            def prefill() -> None:
+                with torch.no_grad():
+                    model(long_ids, use_cache=False, logits_to_keep=1)
+                sync()
+            prefill()
+            t = median_time(prefill, plan.repeats)
+            out[f"prefill_{n_prompt}"] = n_prompt / t
+        wb = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+        if model.config.tie_word_embeddings:
+            wb += model.get_input_embeddings().weight.numel() * 2
+        add_rates(out, wb, plan.batches)
+        return out
+    finally:
+        del model
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 # -- report --------------------------------------------------------------------------------
 
+def _num(m: dict[str, Any], key: str, fmt: str = "{:,.0f}") -> str:
+    return fmt.format(m[key]) if key in m else "–"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | weights | engine | decode b=1 tok/s | prefill@512 tok/s | decode b=16 tok/s "
-            "| decode b=64 tok/s | HBM b=1 / 16 / 64 |\n|---|---|---|---:|---:|---:|---:|---|")
+            "| decode b=64 tok/s | HBM b=1 / 16 / 64 | prefill@2048 tok/s (TFLOP/s, % of peak) |\n"
+            "|---|---|---|---:|---:|---:|---:|---|---|")
     lines = [head]
     for r in rows:
         m = r["result"]
-        if "error" in m:
-            lines.append(f"| {r['model']} | {r['weights']} | {r['engine']} | error: {m['error']} | | | | |")
+        if "error" in m or "skipped" in m:
+            why = f"error: {m['error']}" if "error" in m else f"skipped: {m['skipped']}"
+            lines.append(f"| {r['model']} | {r['weights']} | {r['engine']} | {why} | | | | | |")
             continue
-        lines.append(f"| {r['model']} | {r['weights']} | {r['engine']} | {m['decode_1']:,.0f} | "
-                     f"{m['prefill_512']:,.0f} | {m['decode_16']:,.0f} | {m['decode_64']:,.0f} | "
-                     f"{m['hbm_1']:.1%} / {m['hbm_16']:.1%} / {m['hbm_64']:.1%} |")
+        hbm = " / ".join(_num(m, f"hbm_{n}", "{:.1%}") for n in (1, 16, 64))
+        p2k = ""
+        if "prefill_2048" in m:
+            p2k = f"{m['prefill_2048']:,.0f}"
+            if "prefill_2048_tflops" in m:
+                p2k += f" ({m['prefill_2048_tflops']:.0f}, {m['prefill_2048_peak']:.1%})"
+        lines.append(f"| {r['model']} | {r['weights']} | {r['engine']} | {_num(m, 'decode_1')} | "
+                     f"{_num(m, 'prefill_512')} | {_num(m, 'decode_16')} | {_num(m, 'decode_64')} | {hbm} | {p2k} |")
     return "\n".join(lines)
 
 
-def ratios(rows: list[dict[str, Any]]) -> str:
-    """The targets of issue 14 per model: ellm's best batch-1 decode (graphs; >= 2,000 tok/s
-    for SmolLM2), ellm on the bf16 folder against transformers on the same folder (>= 10x),
-    and the best batch-64 HBM fraction (>= 50%)."""
-    out = ["", "| model | ellm b=1 best (weights) | ellm bf16 b=1 / transformers b=1 | ellm b=64 HBM best | "
-           "targets |", "|---|---:|---:|---:|---|"]
-    for model in sorted({r["model"] for r in rows}):
-        ours = [r for r in rows if r["model"] == model and r["engine"].startswith("ellm")
-                and "error" not in r["result"]]
-        theirs = [r["result"] for r in rows if r["model"] == model and r["engine"] == "transformers"
-                  and "error" not in r["result"]]
-        if not ours:
-            continue
-        best = max(ours, key=lambda r: r["result"]["decode_1"])
-        hbm = max(r["result"]["hbm_64"] for r in ours)
-        same = [r["result"]["decode_1"] for r in ours if r["weights"] == "bf16 folder"]
-        ratio = max(same) / theirs[0]["decode_1"] if same and theirs else float("nan")
-        met = [f"b=1 >= 2,000: {'met' if best['result']['decode_1'] >= 2000 else 'NOT met'}"] if model == "smollm2" else []
-        met += [f">= 10x: {'met' if ratio >= 10 else 'NOT met'}", f">= 50% HBM: {'met' if hbm >= 0.5 else 'NOT met'}"]
-        out.append(f"| {model} | {best['result']['decode_1']:,.0f} ({best['weights']}, {best['engine']}) | "
-                   f"{ratio:.1f}x | {hbm:.1%} | {'; '.join(met)} |")
+def _ok(m: dict[str, Any]) -> bool:
+    return "error" not in m and "skipped" not in m
+
+
+def targets(rows: list[dict[str, Any]]) -> str:
+    """Issue 30's targets, each met / NOT met / unmeasured, from this run's rows."""
+    def best(model: str, key: str, weights: str | None = None, engine: str = "ellm") -> float | None:
+        vals = [r["result"][key] for r in rows if r["model"] == model and r["engine"].startswith(engine)
+                and (weights is None or r["weights"] == weights) and _ok(r["result"]) and key in r["result"]]
+        return max(vals) if vals else None
+
+    def theirs(model: str, key: str) -> float | None:
+        vals = [r["result"][key] for r in rows if r["model"] == model and r["engine"] == "transformers"
+                and _ok(r["result"]) and key in r["result"]]
+        return vals[0] if vals else None
+
+    out = ["", "| target | measured | verdict |", "|---|---:|---|"]
+
+    def line(what: str, value: float | None, goal: float, fmt: str) -> None:
+        verdict = "unmeasured" if value is None else ("met" if value >= goal else "NOT met")
+        out.append(f"| {what} | {'–' if value is None else fmt.format(value)} | {verdict} |")
+    line("smollm2 Q4_1 b=1 >= 2,000 tok/s", best("smollm2", "decode_1", "gguf"), 2000, "{:,.0f}")
+    line("llama-1b bf16 b=1 >= 80% HBM", best("llama-1b", "hbm_1", "bf16 folder"), 0.8, "{:.1%}")
+    line("llama-8b bf16 b=1 >= 80% HBM", best("llama-8b", "hbm_1", "bf16 folder"), 0.8, "{:.1%}")
+    q = [r["result"]["hbm_1"] for r in rows if r["model"] == "llama-8b" and "at load" in r["weights"]
+         and r["engine"].startswith("ellm") and _ok(r["result"]) and "hbm_1" in r["result"]]
+    line("llama-8b quantized at load b=1 >= 70% of its bytes' limit", max(q) if q else None, 0.7, "{:.1%}")
+    for model in ("llama-1b", "llama-8b"):
+        ours, ref = best(model, "decode_64", "bf16 folder"), theirs(model, "decode_64")
+        line(f"{model} b=64 >= 2x compiled transformers", None if ours is None or ref is None else ours / ref,
+             2.0, "{:.2f}x")
+    line("llama-8b prefill@2048 >= 40% of bf16 peak", best("llama-8b", "prefill_2048_peak", "bf16 folder"),
+         0.4, "{:.1%}")
     return "\n".join(out)
 
 
@@ -177,37 +327,89 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", action="append", default=[], help="NAME=PATH of a GGUF file")
     ap.add_argument("--folder", action="append", default=[], help="NAME=PATH of a bf16 Hugging Face folder")
+    ap.add_argument("--random", action="append", default=[], choices=sorted(set(SHAPES) - {"tiny"}),
+                    help="a random-weight bf16 folder of this shape, made here (random_folder.py)")
+    ap.add_argument("--quantize", action="append", default=[], metavar="NAME=TYPE",
+                    help="also run ellm on NAME's folder quantized at load (q8_0, q4_0, ...)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ellm-gpu/random"), help="where random folders go")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds: rows that would start later are skipped")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on the CPU: a tiny random folder through every engine row (checks the harness)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    device = "cpu" if args.dry_run else "cuda"
     rows: list[dict[str, Any]] = []
 
-    def record(model: str, weights: str, engine: str, fn: Callable[[], dict[str, float]]) -> None:
-        t0 = time.perf_counter()
-        try:
-            result = fn()
-        except Exception as e:   # one failing configuration must not hide the others' numbers
-            result = {"error": f"{type(e).__name__}: {e}"[:300]}
-        result["seconds"] = time.perf_counter() - t0
-        rows.append({"model": model, "weights": weights, "engine": engine, "result": result})
-        print(json.dumps(rows[-1]), flush=True)
-        write()   # after every row, so a run cut short by its time limit still leaves its tables
-
     def write() -> str:
-        report = table(rows) + "\n" + ratios(rows) + "\n"
+        report = table(rows) + "\n" + targets(rows) + "\n"
         (args.out / "gpu_bench.md").write_text(report)
         (args.out / "gpu_bench.json").write_text(json.dumps(rows, indent=1))
         return report
 
-    sources = [(spec.split("=", 1), "gguf") for spec in args.gguf] + \
-              [(spec.split("=", 1), "bf16 folder") for spec in args.folder]
-    for (name, path), kind in sources:
-        for graphs in (True, False):
-            record(name, kind, "ellm cuda graphs" if graphs else "ellm cuda eager",
-                   lambda: bench_ellm(Path(path), graphs))
-        if kind == "bf16 folder" and not args.no_transformers:
-            record(name, "bf16 folder", "transformers", lambda: bench_transformers(Path(path)))
+    def record(src: Source, engine: str, fn: Callable[[float], dict[str, float]], share: float) -> None:
+        """Runs one row unless the budget is spent; the row may use `share` of what is left."""
+        now = time.perf_counter()
+        left = args.budget - (now - t_start)
+        if left < 15:
+            result: dict[str, Any] = {"skipped": f"time budget of {args.budget:.0f} s spent"}
+        else:
+            try:
+                result = fn(now + left * share)
+            except Exception as e:   # one failing configuration must not hide the others' numbers
+                result = {"error": f"{type(e).__name__}: {e}"[:300]}
+        result["seconds"] = time.perf_counter() - now
+        rows.append({"model": src.name, "weights": src.weights, "engine": engine, "result": result})
+        print(json.dumps(rows[-1]), flush=True)
+        write()   # after every row, so a run cut short by its time limit still leaves its tables
+
+    sources: list[Source] = []
+    for spec in args.gguf:
+        name, path = spec.split("=", 1)
+        sources.append(Source(name, "gguf", Path(path)))
+    for spec in args.folder:
+        name, path = spec.split("=", 1)
+        sources.append(Source(name, "bf16 folder", Path(path)))
+    shapes = ["tiny"] if args.dry_run else args.random
+    for shape in shapes:
+        t0 = time.perf_counter()
+        try:
+            folder = make_random_folder(shape, args.work / shape, device=device)
+        except Exception as e:
+            rows.append({"model": shape, "weights": "bf16 folder", "engine": "random folder",
+                         "result": {"error": f"{type(e).__name__}: {e}"[:300]}})
+            write()
+            continue
+        print(f"random folder {shape}: {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
+        sources.append(Source(shape, "bf16 folder", folder, random_ids=True))
+        for spec in args.quantize + (["tiny=q8_0"] if args.dry_run else []):
+            name, qtype = spec.split("=", 1)
+            if name == shape:
+                sources.append(Source(shape, f"bf16 folder, {qtype} at load", folder, quantize=qtype,
+                                      random_ids=True))
+
+    # Priority order: ellm's fused graphs for every source (the targets), then compiled
+    # transformers on the folders (the comparison), then the rest.
+    plans = {s.name: Plan.for_model(s.name, args.dry_run) for s in sources}
+    folders = [s for s in sources if s.weights == "bf16 folder"]
+    for s in sources:
+        record(s, "ellm cuda graphs", lambda d, s=s: bench_ellm(s, plans[s.name], device, True, True, d), 0.3)
+    if not args.no_transformers:
+        for s in folders:
+            record(s, "transformers", lambda d, s=s: bench_transformers(s, plans[s.name], device, True, d), 0.4)
+    for s in sources:
+        if not s.quantize:
+            record(s, "ellm cuda graphs unfused",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], device, True, False, d), 0.3)
+    for s in sources:
+        if not s.quantize:
+            record(s, "ellm cuda eager", lambda d, s=s: bench_ellm(s, plans[s.name], device, False, True, d), 0.3)
+    if not args.no_transformers:
+        for s in folders:
+            record(s, "transformers eager",
+                   lambda d, s=s: bench_transformers(s, plans[s.name], device, False, d), 0.3)
     print(write())
     return 0
 

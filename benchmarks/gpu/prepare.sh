@@ -4,13 +4,14 @@
 # there (llguidance, gguf), and the real models cut into parts small enough to travel
 # (a device call carries at most 64 MiB: the working tree plus its `carry` paths).
 #
-#   bash benchmarks/gpu/prepare.sh [smollm2|all]      (default: all)
+#   bash benchmarks/gpu/prepare.sh [smollm2|all]      (default: smollm2; all adds Gemma 3)
 #
 # Writes .gpu-carry/ (git-ignored through .git/info/exclude): wheels/ and part-NN/
 # folders, and prints the device calls to make, in order (docs/gpu.md).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-which="${1:-all}"
+which="${1:-smollm2}"
+LIMIT=$((64 * 1024 * 1024))   # bytes a device call may carry, the working tree included
 OUT=.gpu-carry
 PART_MB=56
 EXCLUDE="$(git rev-parse --git-common-dir)/info/exclude"
@@ -47,6 +48,23 @@ for p in "$OUT"/split/*; do
 done
 rmdir "$OUT/split"
 du -sh "$OUT"/* | sed 's/^/  /'
+
+# 4. every call fits: what the device tool copies (tracked + untracked-not-ignored files of
+# the working tree) plus that call's carry folders, under 64 MiB
+tree=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+wheels=$(du -sb "$OUT/wheels" | cut -f1)
+echo "  working tree $((tree / 1024)) KiB (git archive HEAD: $(( $(git archive HEAD | wc -c) / 1024 )) KiB)"
+n_parts=$(ls -d "$OUT"/part-* | wc -l)
+for k in $(seq 0 $((n_parts - 1))); do
+  d=$(printf "%s/part-%02d" "$OUT" "$k")
+  size=$(( tree + $(du -sb "$d" | cut -f1) ))
+  [ "$k" -eq $((n_parts - 1)) ] && size=$(( size + wheels ))
+  echo "  call $((k + 1)) carries $((size / 1024 / 1024)) MiB of 64"
+  if [ "$size" -gt "$LIMIT" ]; then
+    echo "prepare.sh: call $((k + 1)) would carry $size bytes, over the 64 MiB a device call takes" >&2
+    exit 1
+  fi
+done
 echo
 echo "Device calls, one right after the other (the machine stays warm ~30 s between calls):"
 n=$((i - 1))

@@ -39,6 +39,8 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="float16: K/V stored rounded to f16, half the cache (cpu; default auto = float32)")
+    p.add_argument("--kv-cache-tokens", type=int, default=0, metavar="N",
+                   help="KV cache size in tokens, all sequences together (default: max(ctx size, 16384))")
 
 
 def _params(args: argparse.Namespace, llm: Any = None) -> Any:
@@ -66,6 +68,8 @@ def _load(args: argparse.Namespace) -> Any:
         options["speculative_config"] = args.speculative_config
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "kv_cache_tokens", 0):
+        options["kv_cache_tokens"] = args.kv_cache_tokens
     return ellm.load(args.model, **options)
 
 
@@ -206,7 +210,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         _print_architecture(args.model)
     print(f"ellm {__version__} on {platform.machine()} / Python {platform.python_version()}")
     print(f"native module: {_core.__file__}")
-    print(f"SIMD kernels: {_core.simd_level()} (CPU supports: {', '.join(_core.supported_simd_levels())})")
+    level = "+".join([_core.simd_level(), *_core.simd_extensions()])  # aarch64: neon+dotprod+i8mm
+    print(f"SIMD kernels: {level} (CPU supports: {', '.join(_core.supported_simd_levels())})")
     try:
         from ._native import _kernels
         print(f"threads: {_kernels.num_threads()}")

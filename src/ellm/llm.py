@@ -22,7 +22,7 @@ from typing import Any, Sequence, Union
 import numpy as np
 
 from .config import ModelConfig
-from .engine.async_engine import AsyncEngine, EngineDeadError, FinalOutput
+from .engine.async_engine import AsyncEngine, BlockingRequestStream, EngineDeadError, FinalOutput, RequestStream
 from .engine.engine import POOLINGS, Engine, EngineConfig
 from .engine.sequence import TokenLogprob
 from .sampling_defaults import SamplingDefaults
@@ -246,7 +246,8 @@ class LLM:
     # -- generation (blocking; any thread) ----------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
-                 *, images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Any:
+                 *, images: Sequence[ImageSource] | None = None, adapter: str | None = None,
+                 **kwargs: Any) -> Any:
         """Runs prompts to the end. A string or token-id prompt gives one CompletionOutput;
         a list of prompts gives a list, in order, all run together in one batch. With
         n > 1 each prompt gives a list of n CompletionOutputs instead (seeded: choice i
@@ -254,7 +255,9 @@ class LLM:
         encoded as they are (no chat template; use chat() for that). Safe from any thread.
         images: for a model with a vision tower, the images (Pillow images, paths, bytes or
         data: URLs) of ONE string prompt that holds one placeholder per image
-        (`llm.processing.placeholder`)."""
+        (`llm.processing.placeholder`).
+        adapter: the name of a LoRA adapter given to ellm.load(lora_adapters=...) to run
+        these prompts with (None: the base model)."""
         params = self.sampling_params(params, **kwargs)
         reqs, single = self._requests(prompts, params, images)
         if not reqs:
@@ -263,7 +266,7 @@ class LLM:
         streams = []
         try:
             for ids, p, imgs in reqs:
-                streams.append(loop.submit_blocking(ids, p, images=imgs))
+                streams.append(loop.submit_blocking(ids, p, images=imgs, adapter=adapter))
             outs = [_completion(s.result(), params) for s in streams]
         finally:
             for s in streams:
@@ -286,19 +289,23 @@ class LLM:
                           UserWarning, stacklevel=3)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Iterator[str]:
+               images: Sequence[ImageSource] | None = None, adapter: str | None = None,
+               **kwargs: Any) -> Iterator[str]:
         """Yields the text of one completion piece by piece. Closing the generator (or
-        dropping it) aborts the request and frees its blocks. images: as in generate()."""
+        dropping it) aborts the request and frees its blocks. images, adapter: as in
+        generate()."""
         params = self.sampling_params(params, **kwargs)
         if params.n != 1:
             raise ValueError(f"n={params.n}: stream() yields one completion; use generate() for n > 1")
+        self.engine.adapter_slot(adapter)   # [lora] an unknown name fails here, not at the first next()
         if images is not None or isinstance(prompt, _Encoded):
             ids, inputs = self._prompt_with_images(prompt, images)
-            return self._stream(ids, params, inputs)
-        return self._stream(self.encode_prompt(prompt), params)
+            return self._stream(ids, params, inputs, adapter)
+        return self._stream(self.encode_prompt(prompt), params, adapter=adapter)
 
-    def _stream(self, ids: list[int], params: SamplingParams, images: list[Any] | None = None) -> Iterator[str]:
-        s = self._loop().submit_blocking(ids, params, images=images)
+    def _stream(self, ids: list[int], params: SamplingParams, images: list[Any] | None = None,
+                adapter: str | None = None) -> Iterator[str]:
+        s = self._loop().submit_blocking(ids, params, images=images, adapter=adapter)
         try:
             for out in s:
                 if out.new_text:
@@ -326,8 +333,9 @@ class LLM:
             self._no_images_with_tools(messages)
             from .server.tools import ToolPlan
             plan = ToolPlan.make(self.tokenizer, tools, tool_choice, parallel_tool_calls)
+            adapter = kwargs.pop("adapter", None)   # [lora]
             sp = plan.sampling(self.sampling_params(params, **kwargs))
-            out = self.generate(plan.prompt_ids(self.tokenizer, messages), sp)
+            out = self.generate(plan.prompt_ids(self.tokenizer, messages), sp, adapter=adapter)
             for o in out if isinstance(out, list) else [out]:
                 o.content, calls = plan.parse(o.text)
                 o.tool_calls = calls or None
@@ -351,7 +359,8 @@ class LLM:
     # -- generation (asyncio) -------------------------------------------------------------
 
     async def agenerate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
-                        *, images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Any:
+                        *, images: Sequence[ImageSource] | None = None, adapter: str | None = None,
+                        **kwargs: Any) -> Any:
         """generate() for asyncio: the same arguments and return shape. Cancelling the
         awaiting task aborts its requests and frees their blocks before the next step."""
         params = self.sampling_params(params, **kwargs)
@@ -359,7 +368,9 @@ class LLM:
         if not reqs:
             return []
         loop = self._loop()
-        tasks = [asyncio.ensure_future(loop.generate(ids, p, images=imgs)) for ids, p, imgs in reqs]
+        loop.engine.adapter_slot(adapter)   # [lora] an unknown name fails before any request starts
+        tasks = [asyncio.ensure_future(loop.generate(ids, p, images=imgs, adapter=adapter))
+                 for ids, p, imgs in reqs]
         try:
             finals = await asyncio.gather(*tasks)
         except BaseException:
@@ -371,7 +382,8 @@ class LLM:
         return _shape(outs, params.n, single)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                      images: Sequence[ImageSource] | None = None, **kwargs: Any) -> AsyncIterator[str]:
+                      images: Sequence[ImageSource] | None = None, adapter: str | None = None,
+                      **kwargs: Any) -> AsyncIterator[str]:
         """stream() for asyncio (`async for piece in llm.astream(...)`); closing the
         iterator or cancelling its task aborts the request."""
         params = self.sampling_params(params, **kwargs)
@@ -381,7 +393,7 @@ class LLM:
             ids, inputs = self._prompt_with_images(prompt, images)
         else:
             ids, inputs = self.encode_prompt(prompt), None
-        s = self._loop().submit(ids, params, images=inputs)
+        s = self._loop().submit(ids, params, images=inputs, adapter=adapter)
         try:
             async for out in s:
                 if out.new_text:
@@ -393,6 +405,22 @@ class LLM:
                     **kwargs: Any) -> Any:
         """chat() for asyncio."""
         return await self.agenerate(self._chat_prompt(_chat_messages(messages)), params, **kwargs)
+
+    # -- one request's deltas (for layers over LLM: ellm.integrations) ------------------
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+               images: list[Any] | None = None) -> BlockingRequestStream:
+        """Queues one request of prompt token ids (with the ImageInputs of its image tokens,
+        as encode_chat_with_images gives them) and returns its stream: an iterator of the
+        engine's RequestOutput deltas (new text and token ids, the totals so far, the
+        finish reason, the prompt ids), for code that needs more than the text. Closing the
+        stream, or dropping it, aborts the request. Safe from any thread."""
+        return self._loop().submit_blocking([int(t) for t in prompt_ids], params, images=images)
+
+    def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+                images: list[Any] | None = None) -> RequestStream:
+        """submit() for asyncio: call it inside a running event loop; `async for` the deltas."""
+        return self._loop().submit([int(t) for t in prompt_ids], params, images=images)
 
     # -- direct model access ----------------------------------------------------------
 
@@ -450,7 +478,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
          threads: int | None = None, chat_template: str | None = None,
          progress: bool = True, activations: str | None = None, mmproj: str | Path | None = None,
-         speculative_config: dict[str, Any] | str | None = None, kv_cache_dtype: str = "auto") -> LLM:
+         speculative_config: dict[str, Any] | str | None = None, kv_cache_dtype: str = "auto",
+         kv_cache_tokens: int = 0, lora_adapters: dict[str, str | Path] | None = None) -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
 
     max_model_len: prompt + output tokens per sequence (capped by the model's own limit).
@@ -469,7 +498,13 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": 4}.
     kv_cache_dtype: "auto" (float32, the default: every logit as the model computes it) or
     "float16": K and V are stored rounded to f16 (cpu backend), half the cache's memory and
-    of the bytes a decode step reads from it (docs/kv-cache.md)."""
+    of the bytes a decode step reads from it (docs/kv-cache.md).
+    kv_cache_tokens: the KV cache's size in tokens, all sequences together (0, the
+    default: max(max_model_len, 16384)); it bounds the cache's memory (ellm info shows
+    the bytes per token).
+    lora_adapters: [lora] {name: path} of LoRA adapters (PEFT folders, or llama.cpp LoRA
+    .gguf files for a .gguf base) served over this one base; a request picks one with
+    adapter=name (docs/lora.md)."""
     from . import hub
     from . import sampling_defaults as defaults
     from ._memory import release_freed_memory
@@ -485,6 +520,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
                         ("max_batch_tokens", max_batch_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 0:
+        raise ValueError(f"kv_cache_tokens must be an int >= 0 (0: the default size), got {kv_cache_tokens!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                          f"got {kv_cache_dtype!r}")
@@ -535,6 +572,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         from .quantize import QuantizedWeights
         weights = QuantizedWeights(weights, quantize)
     model = build_model(config, weights, ops)
+    model.source_files = weights.fingerprints()   # [files] the engine notices a rewrite in place
+    if lora_adapters:   # [lora] checked against the base's matrices here, before any request
+        from .lora import attach_adapters
+        attach_adapters(model, lora_adapters)
     draft = None
     if spec is not None and spec.method == "draft_model":  # [spec] the draft: same device, its own file
         draft_llm_parts = _load_draft(spec.model, ops, progress)
@@ -543,7 +584,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     release_freed_memory()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_batch_tokens=max_batch_tokens, speculative=spec,
-                                 kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
+                                 kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype], kv_cache_tokens=kv_cache_tokens)
     processing = _image_processing(model, resolved, mmproj)   # [vision]
     return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, processing,
                draft_model=draft)

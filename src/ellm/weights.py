@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -85,6 +85,10 @@ class WeightSource:
     def __contains__(self, name: str) -> bool:
         return name in self._names
 
+    def fingerprints(self) -> list[Any]:
+        """The mapped files' formats.files.FileFingerprints (a rewrite in place is noticed)."""
+        return []
+
     def names(self) -> list[str]:
         return list(self._names)
 
@@ -133,6 +137,9 @@ class GGUFWeights(WeightSource):
         super().__init__(gguf.path, names)
         self.gguf = gguf
 
+    def fingerprints(self) -> list[Any]:
+        return [self.gguf.fingerprint]
+
     def linear(self, name: str) -> Linear:
         self.require(name)
         info = self.gguf.tensors[self._names[name]]
@@ -159,6 +166,9 @@ class SafetensorsWeights(WeightSource):
     def __init__(self, folder: SafetensorsFolder) -> None:
         super().__init__(folder.folder, {n: n for n in folder.names()})
         self.st = folder
+
+    def fingerprints(self) -> list[Any]:
+        return [f.fingerprint for f in self.st.files.values()]
 
     def linear(self, name: str) -> Linear:
         self.require(name)

@@ -64,8 +64,10 @@ def load_pure_hub() -> types.ModuleType:
     return importlib.import_module("_ellm_pure.hub")
 
 
-def gguf_paths(overrides: list[str]) -> dict[str, Path]:
-    """``name=path`` pairs from the command line; the rest pulled through ellm.hub."""
+def gguf_paths(overrides: list[str], wanted: list[str]) -> dict[str, Path]:
+    """``name=path`` pairs from the command line; the rest of the `wanted` models (and
+    only those: a machine without network asks for what it carried) pulled through
+    ellm.hub."""
     paths: dict[str, Path] = {}
     for item in overrides:
         name, sep, path = item.partition("=")
@@ -74,7 +76,7 @@ def gguf_paths(overrides: list[str]) -> dict[str, Path]:
                 f"--gguf wants NAME=PATH with NAME one of {', '.join(MODELS)}"
             )
         paths[name] = Path(path).expanduser()
-    missing = [m for m in MODELS if m not in paths]
+    missing = [m for m in wanted if m not in paths]
     if missing:
         hub = load_pure_hub()
         for name in missing:
@@ -369,14 +371,34 @@ def _chat_template_into_config(folder: Path) -> None:
         cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
+def plain_copy(model: Any) -> Any:
+    """The model as a plain f32 transformers model. A GGUF-loaded one carries the GGUF
+    quantizer's marker, and transformers >= 5.17 refuses to save_pretrained it ("quantized
+    with GGUF and is not serializable") even though its tensors are plain f32 by now; a
+    model built from the same config without quantization_config, given the loaded
+    weights, saves on every version."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if getattr(model, "hf_quantizer", None) is None and getattr(model.config, "quantization_config", None) is None:
+        return model
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"rebuilding the GGUF model as a plain one: missing {missing}, unexpected {unexpected}")
+    return plain.eval()
+
+
 def make_folders(model_name: str, model: Any, tok: Any, out_dir: Path) -> None:
     import torch
 
     t0 = time.perf_counter()
-    # The GGUF quantizer marks the model as not serializable; the weights are plain
-    # f32 tensors by now, so dropping the marker is all save_pretrained needs.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    model = plain_copy(model)
     save_folder(model, tok, out_dir / f"{model_name}-f32", F32_SHARD_SIZE)
     model.to(torch.bfloat16)  # last use of the model: converting in place is fine
     save_folder(model, tok, out_dir / f"{model_name}-bf16", "20GB")
@@ -412,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    paths = gguf_paths(args.gguf)
+    paths = gguf_paths(args.gguf, args.models)
     for name in args.models:
         t0 = time.perf_counter()
         print(f"{name}: loading {paths[name]}", flush=True)

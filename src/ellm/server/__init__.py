@@ -23,7 +23,8 @@ def create_app(llm: Any, *, served_model_name: str | Sequence[str] | None = None
     the first is the one reported); default: llm.source. allowed_origins: browser origins
     allowed by CORS ("*" for any). allow_image_urls: fetch http(s) image URLs of chat
     messages (bounded in size and time; off by default: data: URLs only)."""
-    from .app import Server, ServerConfig, build_app
+    from .app import build_app
+    from .core import Server, ServerConfig
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     cfg = ServerConfig(model_names=names or [llm.source], max_model_len=llm.engine.cfg.max_model_len,
                        vocab_size=llm.config.vocab_size, embedding_size=llm.config.hidden_size,

@@ -162,6 +162,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "ellm"
     root: str
+    parent: str | None = None   # [lora] a LoRA adapter's base model
     max_model_len: int
 
 

@@ -23,6 +23,15 @@ import secrets
 import time
 from typing import Any
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from . import generation as G
+from . import protocol as P
+from .core import Server
+from .errors import APIError, from_validation
+from .streaming import SSEResponse, unless_disconnected
 from .tools import ToolCall, ToolError
 
 # Fields of a request that a stateless server cannot honour.
@@ -240,16 +249,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def create_response(server: Any, request: Any, body: Any) -> Any:
-    """POST /v1/responses on an ellm.server.app.Server."""
-    from fastapi.responses import JSONResponse, Response
-    from pydantic import ValidationError
-
-    from ..engine.async_engine import EngineDeadError, QueueFullError
-    from . import protocol as P
-    from .errors import APIError, from_validation
-    from .streaming import SSEResponse, unless_disconnected
-
+async def create_response(server: Server, request: Request, body: Any) -> Response:
+    """POST /v1/responses on an ellm.server.core.Server."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
@@ -258,7 +259,7 @@ async def create_response(server: Any, request: Any, body: Any) -> Any:
         raise APIError(400, str(e), param=e.param) from None
     except ValidationError as e:
         raise from_validation(e.errors()) from None
-    server.check_model(req.model)
+    adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
     plan = server.tool_plan(req)
     try:
         ids = await server.off_loop(server.chat_ids, req.template_messages(), True, None, plan)  # (CPU work)
@@ -270,20 +271,10 @@ async def create_response(server: Any, request: Any, body: Any) -> Any:
             params = plan.sampling(params)
         except ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
-    server.check_length(ids, "input", params.max_tokens, "max_output_tokens" if req.max_completion_tokens else None)
-    if params.constraint is not None:  # llguidance's tokenizer, built off the engine thread
-        import asyncio
-        await asyncio.get_running_loop().run_in_executor(None, server.engine.engine.prepare_constraints)
-    try:
-        server.engine.check_capacity(1)
-        stream = server.engine.submit(ids, params, new_id("resp"))
-    except QueueFullError as e:
-        raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
-    except EngineDeadError as e:
-        raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
-    server.metrics.prompt_tokens.inc(len(ids))
-    outputs = server._outputs([stream], time.perf_counter())
-    builder = ResponseBuilder(body, server.cfg.model_name)
+    outputs = (await G.start(server, req, [ids], params, what="input", rid=new_id("resp"),
+                             max_tokens_param="max_output_tokens" if req.max_completion_tokens else None,
+                             adapter=adapter)).outputs
+    builder = ResponseBuilder(body, server.reported_model(req.model))
     parser = plan.stream_parser() if plan is not None else None
 
     def parsed(events: list[tuple[str, Any]]) -> list[dict[str, Any]]:
@@ -312,7 +303,7 @@ async def create_response(server: Any, request: Any, body: Any) -> Any:
                     for ev in events:
                         yield sse_event(ev)
         except Exception as e:  # noqa: BLE001 - an engine failure ends the stream with an error event
-            err = server._engine_error(e)
+            err = server.engine_error(e)
             if not emit:
                 raise err from None
             yield sse_event({"type": "error", "sequence_number": builder._seq, "code": err.code,
