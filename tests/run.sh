@@ -51,7 +51,7 @@ VPY="$VENV/bin/python"
 # Dependencies are installed again only when pyproject.toml changes.
 deps_key="$("$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())' < pyproject.toml)"
 if [ "$(cat "$VENV/.ellm-deps" 2>/dev/null || true)" != "$deps_key" ]; then
-    step "installing build tools and ellm[test] into .venv"
+    step "installing build tools and ellm-engine[test] into .venv"
     # The build-system requirements of pyproject.toml, plus cmake and ninja, so the
     # build needs no build isolation (isolation would rebuild all C every run).
     mapfile -t build_reqs < <("$VPY" - <<'PY'

@@ -51,7 +51,7 @@ def test_cuda_unavailable_error_says_what_is_missing() -> None:
         get_ops("cuda")
     msg = str(info.value)
     if importlib.util.find_spec("cupy") is None:
-        assert "CuPy" in msg and "ellm[gpu]" in msg and "ellm[gpu-cuda13]" in msg
+        assert "CuPy" in msg and "ellm-engine[gpu]" in msg and "ellm-engine[gpu-cuda13]" in msg
     else:
         assert "GPU" in msg
     assert "device='cpu'" in msg

@@ -94,6 +94,16 @@ def test_the_default_model_answers_the_first_question(smollm2_gguf: Path) -> Non
     assert run.returncode == 0 and "Paris" in run.stdout, run.stderr
 
 
+def test_the_default_model_loaded_as_the_default_gets_its_settings(smollm2_gguf: Path) -> None:
+    with ellm.load(progress=False, max_model_len=64) as default, \
+            ellm.load("smollm2-135m-instruct", progress=False, max_model_len=64) as named:
+        assert default.engine.model.ops.exact_activations and not named.engine.model.ops.exact_activations
+        assert (default.defaults.temperature, default.defaults.repetition_penalty) == (0.0, 1.1)
+        assert dict(default.defaults.sources)["temperature"] == "ellm's default model"
+        assert named.defaults.temperature == 1.0 and dict(named.defaults.sources)["temperature"] == "ellm"
+        assert default.sampling_params(temperature=0.7).temperature == 0.7   # a request's own choice wins
+
+
 # -- the command line -------------------------------------------------------------------
 
 
@@ -121,6 +131,13 @@ def test_an_unquoted_prompt_runs(smollm2_gguf: Path, llm: Any) -> None:
     proc = ellm_cli("run", str(smollm2_gguf), *QUESTION.split(), "-n", "8", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == llm.chat(QUESTION, max_tokens=8, temperature=0.0).text + "\n"
+
+
+def test_chat_replies_are_capped_and_run_replies_too() -> None:
+    from ellm.cli import CHAT_MAX_TOKENS, build_parser
+    assert build_parser().parse_args(["chat"]).max_tokens == CHAT_MAX_TOKENS == 512
+    assert build_parser().parse_args(["run", "Hi"]).max_tokens == 256
+    assert build_parser().parse_args(["chat", "-n", "2048"]).max_tokens == 2048
 
 
 def test_command_line_mistakes_fail_before_the_model_loads(tmp_path: Path) -> None:

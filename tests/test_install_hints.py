@@ -16,10 +16,11 @@ import ellm
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRAS = importlib.metadata.distribution("ellm-engine").metadata.get_all("Provides-Extra") or []
-# `ellm[<an extra>]`, `pip install ellm` or `--no-binary ellm` where "ellm" stands alone
+# `ellm[<an extra>]`, `pip install ellm`, `llm install ellm` (the llm CLI's plugin install,
+# a pip install underneath) or `--no-binary ellm` where "ellm" stands alone
 # (not ellm-engine, not a path such as ellm/ or a module such as ellm.cli).
 WRONG_NAME = re.compile(rf"(?<![\w./-])ellm\[(?:{'|'.join(map(re.escape, EXTRAS))})[],]"
-                        r"|pip install ellm(?![\w.\[/-])|--no-binary ellm(?![\w.\[/-])")
+                        r"|(?:pip|llm) install ellm(?![\w.\[/-])|--no-binary ellm(?![\w.\[/-])")
 
 
 def hint_files() -> list[Path]:
@@ -50,8 +51,9 @@ def test_every_install_hint_names_the_distribution() -> None:
 
 def test_the_pattern_tells_the_names_apart() -> None:
     for bad in ["pip install 'ellm[server]'", "extra `ellm[ray]`", "pip install ellm", "--no-binary ellm ellm",
-                "pip install 'ellm[server,hub]'"]:
+                "pip install 'ellm[server,hub]'", 'pip install "ellm[langchain]"', "llm install ellm"]:
         assert WRONG_NAME.search(bad), bad
     for good in ["pip install 'ellm-engine[server]'", "pip install ellm-engine", "--no-binary ellm-engine ellm-engine",
-                 "python -m ellm info", "src/ellm[0]", "import ellm", "ellm.cli:main", "a, b = ellm[key], ref[key]"]:
+                 "python -m ellm info", "src/ellm[0]", "import ellm", "ellm.cli:main", "a, b = ellm[key], ref[key]",
+                 "llm install ellm-engine"]:
         assert not WRONG_NAME.search(good), good

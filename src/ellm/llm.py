@@ -557,6 +557,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
         sampling = defaults.from_folder(resolved.path)
+    if source is None:   # the default model as the default: see hub.DEFAULT_MODEL_SAMPLING
+        sampling = sampling.in_place_of_fallback(hub.DEFAULT_MODEL_SAMPLING, "ellm's default model")
     if mmproj is not None:   # [vision]
         if resolved.kind != "gguf":
             raise ValueError(f"mmproj= goes with a .gguf text model; {resolved.describe()} is not one "

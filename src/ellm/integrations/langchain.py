@@ -1,4 +1,4 @@
-"""LangChain on ellm, in-process (extra `ellm[langchain]`): ChatEllm, a chat model, and
+"""LangChain on ellm, in-process (extra `ellm-engine[langchain]`): ChatEllm, a chat model, and
 EllmEmbeddings.
 
     from ellm.integrations.langchain import ChatEllm

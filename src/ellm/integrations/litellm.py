@@ -1,4 +1,4 @@
-"""litellm on ellm, in-process (extra `ellm[litellm]`). Importing this module registers
+"""litellm on ellm, in-process (extra `ellm-engine[litellm]`). Importing this module registers
 the "ellm" provider:
 
     import litellm

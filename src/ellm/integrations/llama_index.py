@@ -1,4 +1,4 @@
-"""LlamaIndex on ellm, in-process (extra `ellm[llamaindex]`): EllmLLM, a function-calling
+"""LlamaIndex on ellm, in-process (extra `ellm-engine[llamaindex]`): EllmLLM, a function-calling
 LLM, and EllmEmbedding.
 
     from ellm.integrations.llama_index import EllmLLM

@@ -1,4 +1,4 @@
-"""The `llm` CLI's plugin for ellm (extra `ellm[llm]`; entry point group "llm"), in-process:
+"""The `llm` CLI's plugin for ellm (extra `ellm-engine[llm]`; entry point group "llm"), in-process:
 
     llm -m ellm/smollm2-135m-instruct "Tell me a joke" -o max_tokens 64
     llm -m ellm/smollm2-135m-instruct --schema 'name, age int' "Invent a person"

@@ -1,4 +1,4 @@
-"""ellm's OpenAI-compatible HTTP server (`ellm serve`, extra `ellm[server]`).
+"""ellm's OpenAI-compatible HTTP server (`ellm serve`, extra `ellm-engine[server]`).
 
 Importing this package needs nothing beyond ellm itself; FastAPI, pydantic, uvicorn and
 prometheus_client are imported only when an app is built (`ellm.server.app`) or served

@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # [ray] scale out: N replicas on Ray Serve behind one ingress (ellm.server.ray_serve)
     p.add_argument("--replicas", type=int, default=None, metavar="N",
-                   help="serve N engine replicas on Ray Serve behind one endpoint (needs 'ellm[ray]')")
+                   help="serve N engine replicas on Ray Serve behind one endpoint (needs 'ellm-engine[ray]')")
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (e.g. 10.0.0.1:6379 or 'auto'); default: start a local one")
     p.add_argument("--threads-per-replica", type=int, default=1, metavar="T",
@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
         import prometheus_client  # noqa: F401
         import uvicorn
     except ImportError as e:
-        return _usage_error(f"`ellm serve` needs the server extra ({e.name} is missing): pip install 'ellm[server]'")
+        return _usage_error(f"`ellm serve` needs the server extra ({e.name} is missing): pip install 'ellm-engine[server]'")
     if not 0 < args.port < 65536:
         return _usage_error(f"--port must be in 1..65535, got {args.port}")
     if args.max_queue < 1:
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             from . import ray_serve
         except ImportError as e:
-            return _usage_error(f"--replicas needs the ray extra ({e.name} is missing): pip install 'ellm[ray]'")
+            return _usage_error(f"--replicas needs the ray extra ({e.name} is missing): pip install 'ellm-engine[ray]'")
         return ray_serve.serve_forever(args, api_key)
 
     import ellm

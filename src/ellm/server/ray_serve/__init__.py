@@ -1,4 +1,4 @@
-"""ellm on Ray Serve (extra `ellm[ray]`): N engine replicas behind one OpenAI ingress.
+"""ellm on Ray Serve (extra `ellm-engine[ray]`): N engine replicas behind one OpenAI ingress.
 
 Two deployments make the application:
 
