@@ -44,7 +44,7 @@ def test_every_kernel_file_is_known_to_ops_cuda() -> None:
 def test_nvcc_ptx_without_warnings(source: Path, arch: str, tmp_path: Path) -> None:
     ptx = tmp_path / (source.stem + ".ptx")
     proc = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
-                           "-o", str(ptx), str(source)], capture_output=True, text=True, timeout=300)
+                           "-o", str(ptx), str(source)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "", proc.stderr   # not even a note
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx.read_text()))
@@ -54,7 +54,7 @@ def test_nvcc_ptx_without_warnings(source: Path, arch: str, tmp_path: Path) -> N
     # (a spill in a decode kernel costs more than the kernel itself), and says per kernel
     # what it uses (-v): the fused decode kernels keep no stack frame at all
     proc = subprocess.run([PTXAS, f"-arch={arch}", "-v", "-warn-spills", "-Werror", "-o",
-                           str(tmp_path / "k.cubin"), str(ptx)], capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "k.cubin"), str(ptx)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+) bytes stack frame", proc.stdout + proc.stderr))
     fused = [k for k in cuda_ops.KERNELS[source.name] if k.startswith(FUSED_DECODE_KERNELS)]
