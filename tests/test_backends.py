@@ -29,8 +29,10 @@ from ellm.formats.ggml_types import GGMLType
 from ellm.formats.gguf import GGUFFile
 from ellm.models.batch import Batch
 from ellm.ops import get_ops
+from ellm.ops.cpu import CpuOps
 from ellm.ops.memory import host_kv_zeros
-from ellm.ops.reference import Experts, ReferenceOps
+from ellm.ops import reference
+from ellm.ops.reference import KV_BF16, Experts, ReferenceOps, from_bf16_bits, kv_storage_dtype, to_bf16_bits
 from ellm.ops.workspace import Workspace
 from ellm.sampling_params import SamplingParams
 from ellm.weights import Linear
@@ -211,6 +213,171 @@ def test_rope_attention_paged(ops, window, cap, interleaved, image) -> None:
     assert_near(host(ops, dv), want_v, what="v cache")
 
 
+# ---- the fused ops (reference.FusedByComposition: each against the plain ops it means) ----
+
+FUSED_TOKENS = (1, 5, 33, 70)   # 70: above the cuda backend's decode kernels (its composed path)
+FUSED_TYPES = [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.BF16, GGMLType.F16, GGMLType.F32]
+
+
+def fused_bound(ops: Any, qtype: GGMLType, t: int) -> float:
+    """matmul_bound, and above 64 tokens on cuda the tensor cores' bf16-rounded inputs."""
+    if ops.name == "cuda" and t > 64 and qtype != GGMLType.F32:
+        return 1e-4
+    return matmul_bound(ops, qtype)
+
+
+def synthetic(qtype: GGMLType, n: int, k: int, rng: np.random.Generator, bias: bool = False) -> Linear:
+    """A random (n, k) matrix in qtype (quantized here: no model file needed, so these run
+    on a GPU machine that carried SmolLM2 alone)."""
+    from ellm._native import _quant
+    w = rand(rng, n, k, scale=0.1)
+    data = {GGMLType.F32: w, GGMLType.F16: w.astype(np.float16).view(np.uint16),
+            GGMLType.BF16: (w.view(np.uint32) >> 16).astype(np.uint16)}.get(qtype)
+    if data is None:
+        data = _quant.quantize(w, int(qtype))
+    return Linear(data, qtype, n, k, f"synthetic-{qtype.name}", bias=rand(rng, n) if bias else None)
+
+
+@pytest.mark.parametrize("qtype", FUSED_TYPES, ids=lambda t: t.name)
+def test_norm_linear_multi(ops, qtype) -> None:
+    rng = np.random.default_rng(41 + int(qtype))
+    ws = [synthetic(qtype, n, 128, rng, bias=i == 1) for i, n in enumerate((40, 24, 17))]
+    dws = [ops.upload_linear(w) for w in ws]
+    K = ws[0].in_features
+    g = rand(rng, K)
+    for t in FUSED_TOKENS:
+        x = rand(rng, t, K, scale=2.0)
+        h = REF.rmsnorm(x, g, 1e-5)
+        for n_parts in (3, 2):
+            outs = ops.norm_linear_multi(ops.upload(x), ops.upload(g), 1e-5,
+                                         [(w, ops.empty((t, w.out_features))) for w in dws[:n_parts]])
+            assert len(outs) == n_parts
+            for w, o in zip(ws, outs):
+                assert_near(host(ops, o), REF.linear(h, w), fused_bound(ops, qtype, t), f"T={t} {n_parts} parts")
+        plain = ops.norm_linear_multi(ops.upload(x), None, 1e-5, [(dws[0], ops.empty((t, ws[0].out_features)))])
+        assert_near(host(ops, plain[0]), REF.linear(x, ws[0]), fused_bound(ops, qtype, t), f"T={t} no norm")
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.BF16], ids=lambda t: t.name)
+def test_norm_linear_glu(ops, act, qtype) -> None:
+    rng = np.random.default_rng(43)
+    gate, up = synthetic(qtype, 40, 96, rng), synthetic(qtype, 40, 96, rng, bias=True)
+    dg, du = ops.upload_linear(gate), ops.upload_linear(up)
+    K = gate.in_features
+    g = rand(rng, K)
+    glu = REF.swiglu if act == "silu" else REF.geglu
+    for t in FUSED_TOKENS:
+        x = rand(rng, t, K)
+        for norm in (g, None):
+            h = x if norm is None else REF.rmsnorm(x, norm, 1e-6)
+            want = glu(REF.linear(h, gate), REF.linear(h, up))
+            got = ops.norm_linear_glu(ops.upload(x), None if norm is None else ops.upload(norm), 1e-6, dg, du, act,
+                                      out=ops.empty((t, gate.out_features)))
+            assert_near(host(ops, got), want, fused_bound(ops, qtype, t), f"T={t} norm={norm is not None}")
+    with pytest.raises(ValueError, match="act"):
+        ops.norm_linear_glu(ops.upload(rand(rng, 1, K)), None, 1e-6, dg, du, "relu")
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.BF16], ids=lambda t: t.name)
+def test_linear_add(ops, qtype) -> None:
+    rng = np.random.default_rng(47)
+    w = synthetic(qtype, 40, 160, rng, bias=qtype == GGMLType.BF16)
+    dw = ops.upload_linear(w)
+    for t in FUSED_TOKENS:
+        x, r = rand(rng, t, w.in_features), rand(rng, t, w.out_features, scale=3.0)
+        res = ops.upload(r.copy())
+        got = ops.linear_add(ops.upload(x), dw, res)
+        assert_near(host(ops, got), r + REF.linear(x, w), fused_bound(ops, qtype, t), f"T={t}")
+        assert_near(host(ops, res), r + REF.linear(x, w), fused_bound(ops, qtype, t), f"T={t} in place")
+
+
+def _kv_dtypes(ops: Any) -> list[Any]:
+    """The KV cache element types a backend keeps: float32 everywhere, bfloat16 bits on
+    cuda and the host backends' composed fused ops (numpy stores)."""
+    return [np.float32, KV_BF16]
+
+
+@pytest.mark.parametrize("window, interleaved, n_rot, bias", [(0, False, 8, False), (3, True, 8, True),
+                                                               (0, False, 5, False), (0, True, 0, False)])
+@pytest.mark.parametrize("t_new", [7, 70])
+def test_norm_qkv_rope_write_then_paged_attention_is_rope_attention(ops, window, interleaved, n_rot, bias,
+                                                                    t_new) -> None:
+    """norm + q/k/v + RoPE + KV write, then attention over the cache, against rope_attention
+    of the reference's own projections: the outputs and both caches, f32 and bf16 caches.
+    Sequence 0 prefills t_new - 1 tokens from position 3, sequence 1 decodes one; n_rot 5:
+    partial rotary (dims 10..15 pass through); n_rot 0: NoPE."""
+    rng = np.random.default_rng(53 + n_rot + t_new)
+    nh, nkv, hd, bs, nb, H = 6, 2, 16, 4, 40, 64
+    positions = np.concatenate([np.arange(3, 3 + t_new - 1), [9]]).astype(np.int32)
+    seq_ids = np.array([0] * (t_new - 1) + [1], np.int32)
+    tables = np.full((2, 20), -1, np.int32)
+    tables[0, :19] = np.arange(39, 20, -1)   # blocks out of order
+    tables[1, :3] = [1, 5, 0]
+    mats = [Linear(rand(rng, n * hd, H, scale=0.2), GGMLType.F32, n * hd, H, name,
+                   bias=rand(rng, n * hd) if bias else None) for n, name in ((nh, "q"), (nkv, "k"), (nkv, "v"))]
+    g = rand(rng, H)
+    x = rand(rng, t_new, H)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 2 * n_rot, 2) / hd)).astype(np.float32)[:n_rot]
+    h = REF.rmsnorm(x, g, 1e-6)
+    q, k, v = (REF.linear(h, m).reshape(t_new, -1, hd) for m in mats)
+    earlier_k, earlier_v = rand(rng, nb, bs, nkv, hd), rand(rng, nb, bs, nkv, hd)
+    up = ops.upload
+    for dtype in _kv_dtypes(ops):
+        store = (lambda a: to_bf16_bits(a)) if np.dtype(dtype) == KV_BF16 else (lambda a: a.copy())
+        want_k, want_v = store(earlier_k), store(earlier_v)
+        want = REF.rope_attention(q, k, v, positions, seq_ids, tables, want_k, want_v, inv_freq, interleaved,
+                                  hd ** -0.5, window)
+        dk, dv = ops.kv_zeros(earlier_k.shape, dtype), ops.kv_zeros(earlier_v.shape, dtype)
+        _fill(ops, dk, store(earlier_k))
+        _fill(ops, dv, store(earlier_v))
+        q_rot = ops.norm_qkv_rope_write(up(x), up(g), 1e-6, *(ops.upload_linear(m) for m in mats), hd, up(positions),
+                                        up(seq_ids), up(tables), dk, dv, up(inv_freq), interleaved,
+                                        q_out=ops.empty((t_new, nh, hd)))
+        got = ops.paged_attention(q_rot, up(positions), up(seq_ids), up(tables), dk, dv, hd ** -0.5, window,
+                                  out=ops.empty((t_new, nh, hd)))
+        what = f"{np.dtype(dtype).name} cache"
+        assert_near(host(ops, got), want, what=f"attention, {what}")
+        for got_c, want_c, name in ((dk, want_k, "k"), (dv, want_v, "v")):
+            c = host(ops, got_c)
+            if np.dtype(dtype) == KV_BF16:
+                c, want_c = from_bf16_bits(c), from_bf16_bits(want_c)
+            assert_near(c, want_c, what=f"{name} cache, {what}")
+
+
+def _fill(ops: Any, cache: Any, values: np.ndarray) -> None:
+    """A backend's KV cache set to host values of its element type (a device copy)."""
+    if isinstance(cache, np.ndarray):
+        cache[...] = values
+    else:
+        cache.set(values)
+
+
+def test_bf16_cache_rounds_keys_and_values_on_write() -> None:
+    """reference rope_attention with a bfloat16 cache: every stored key and value is the
+    f32 cache's rounded to nearest even, and the output is attention over those values."""
+    rng = np.random.default_rng(59)
+    nh, nkv, hd, bs = 4, 2, 8, 4
+    positions, seq_ids = np.arange(6, dtype=np.int32), np.zeros(6, np.int32)
+    tables = np.array([[2, 0]], np.int32)
+    q, k, v = rand(rng, 6, nh, hd), rand(rng, 6, nkv, hd), rand(rng, 6, nkv, hd)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    kf, vf = np.zeros((3, bs, nkv, hd), np.float32), np.zeros((3, bs, nkv, hd), np.float32)
+    kb, vb = np.zeros(kf.shape, KV_BF16), np.zeros(vf.shape, KV_BF16)
+    REF.rope_attention(q, k, v, positions, seq_ids, tables, kf, vf, inv_freq, False, hd ** -0.5)
+    got = REF.rope_attention(q, k, v, positions, seq_ids, tables, kb, vb, inv_freq, False, hd ** -0.5)
+    assert np.array_equal(kb, to_bf16_bits(kf)) and np.array_equal(vb, to_bf16_bits(vf))
+    assert not np.array_equal(from_bf16_bits(kb), kf)   # the rounding did something
+    q_rot = reference.rope(q, positions, inv_freq, False)
+    want = reference.paged_attention(q_rot, positions, seq_ids, tables, from_bf16_bits(kb), from_bf16_bits(vb),
+                               hd ** -0.5)
+    assert np.array_equal(got, want)
+    # round to nearest even, ties included; NaN stays NaN
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, np.nan], np.float32)   # 1 + 2^-8: a tie, to even
+    assert from_bf16_bits(to_bf16_bits(x))[:4].tolist() == [1.0, 1.0, 1.015625, -2.5]
+    assert np.isnan(from_bf16_bits(to_bf16_bits(x))[4])
+
+
 def test_moe(ops) -> None:
     rng = np.random.default_rng(23)
     E, H, F = 4, 32, 48
@@ -341,6 +508,70 @@ def test_runner_logits_match_reference(name, smollm2_gguf, reference_logits) -> 
     for got, want, what in zip(_runner_logits(smollm2_gguf, name), reference_logits, ("prefill", "decode")):
         assert got.dtype == np.float32
         assert_near(got, want, bound, what)
+
+
+class _FusedCpu(CpuOps):
+    """The cpu backend (f32 activations) running every layer through ops/fused_stack.py:
+    the fused ops as their compositions, so the stack's plan is checked on its own."""
+
+    def layer_stack(self, specs, t, hidden, residual, proj, h_buf, eps):   # noqa: ANN001, ANN201
+        from ellm.ops.fused_stack import fused_layer_stack
+        return fused_layer_stack(self, specs, t, hidden, residual, proj, h_buf, eps)
+
+
+def _logits_on(path: Path, ops: Any, kv_cache_dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    """_runner_logits through a ModelRunner over the model of `path` built on `ops`."""
+    from ellm.config import ModelConfig
+    from ellm.engine.runner import ModelRunner
+    from ellm.models import build_model
+    from ellm.weights import GGUFWeights
+    f = GGUFFile(path)
+    runner = ModelRunner(build_model(ModelConfig.from_gguf(f), GGUFWeights(f), ops),
+                         EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_tokens=256,
+                                      kv_cache_dtype=kv_cache_dtype))
+    assert runner.kv.k[0].dtype == kv_storage_dtype(kv_cache_dtype)
+    blocks = BlockManager(runner.kv)
+    assert blocks.allocate("s", 6)
+    tables = {w: np.asarray([blocks.table("s", w)], np.int32) for w in runner.kv.windows}
+    pre = runner.forward(Batch.single(np.array([1, 504, 3458, 314, 253], np.int32), 0, tables,
+                                      all_logits=True)).copy()
+    return pre, runner.forward(Batch.single(np.array([42], np.int32), 5, tables)).copy()
+
+
+@pytest.fixture(scope="module")
+def fused_smollm2_logits(smollm2_gguf) -> tuple[np.ndarray, np.ndarray]:
+    return _logits_on(smollm2_gguf, _FusedCpu(activations="f32"))
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_fused_layer_stack_matches_the_layer_loop(model, smollm2_gguf, gemma3_gguf, request) -> None:
+    """ops/fused_stack.py (norms folded into the next product, residual adds into the
+    products, q/k/v + RoPE + KV write, attention from the cache) gives the layer loop's
+    logits: SmolLM2 (Llama layers) and Gemma 3 (GeGLU, post-block norms, q/k norms,
+    sliding windows: the stack's fallbacks)."""
+    from ellm.ops.fused_stack import FusedLayerStack
+    plain = CpuOps(activations="f32")
+    assert plain.layer_stack([], 1, 1, None, None, None, 1e-6) is None   # f32 activations: the layer loop
+    if model == "smollm2":
+        got, want = request.getfixturevalue("fused_smollm2_logits"), _logits_on(smollm2_gguf, plain)
+    else:
+        got, want = _logits_on(gemma3_gguf, _FusedCpu(activations="f32")), _logits_on(gemma3_gguf, plain)
+    for g, w, what in zip(got, want, ("prefill", "decode")):
+        assert_near(g, w, 1e-6, f"{model} {what}")
+    stack = _FusedCpu(activations="f32").layer_stack([{"act": "silu", "next_norm": None}], 1, 1, None, None, None,
+                                                     1e-6)
+    assert isinstance(stack, FusedLayerStack)
+
+
+def test_bf16_kv_cache_through_the_runner(smollm2_gguf, fused_smollm2_logits) -> None:
+    """kv_cache_dtype="bfloat16" through the model runner (its cache made of KV_BF16, the
+    fused stack's composed ops storing rounded keys and values): the f32 cache's logits
+    moved only by that rounding. (The ops against the reference on bf16 caches:
+    test_norm_qkv_rope_write_then_paged_attention_is_rope_attention.)"""
+    got = _logits_on(smollm2_gguf, _FusedCpu(activations="f32"), "bfloat16")
+    for g, f, what in zip(got, fused_smollm2_logits, ("prefill", "decode")):
+        assert not np.array_equal(g, f), what   # the cache's rounding shows
+        assert_near(g, f, 1e-3, f"bf16 against f32 cache {what}")
 
 
 # ============================ models and engine use only ops ============================

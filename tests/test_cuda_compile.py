@@ -1,7 +1,7 @@
 """The CUDA kernels compile, on machines without a GPU: every csrc/cuda/*.cu through
 nvcc to PTX for sm_80 (Ampere) and sm_90 (Hopper) with warnings as errors, every
-kernel ops/cuda.py launches is an entry of that PTX, and ptxas assembles the sm_90 PTX
-without register spills. Optionally also through NVRTC (the
+kernel ops/cuda.py launches is an entry of that PTX, and ptxas assembles both without
+register spills (the fused decode kernels without any stack frame). Optionally also through NVRTC (the
 compiler CuPy uses at run time) when a libnvrtc is found.
 
 Skipped, saying why, when nvcc is not installed (the GPU tests are tests/test_cuda.py).
@@ -24,6 +24,9 @@ from ellm.ops import cuda as cuda_ops
 
 NVCC = shutil.which("nvcc") or next(iter(glob.glob("/usr/local/cuda*/bin/nvcc")), None)
 ARCHS = ("sm_80", "sm_90")
+PTXAS = (shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")) if NVCC else None
+# the kernels of the fused decode path (ops/fused_stack.py through ops/cuda.py)
+FUSED_DECODE_KERNELS = ("nmv3_", "glu_", "gemv_add_", "qkv_rope_", "attn_decode")
 SOURCES = sorted(cuda_ops.kernel_dir().glob("*.cu"))
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA toolkit) is not installed; "
@@ -41,19 +44,23 @@ def test_every_kernel_file_is_known_to_ops_cuda() -> None:
 def test_nvcc_ptx_without_warnings(source: Path, arch: str, tmp_path: Path) -> None:
     ptx = tmp_path / (source.stem + ".ptx")
     proc = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
-                           "-o", str(ptx), str(source)], capture_output=True, text=True, timeout=300)
+                           "-o", str(ptx), str(source)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "", proc.stderr   # not even a note
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx.read_text()))
     missing = set(cuda_ops.KERNELS[source.name]) - entries
     assert not missing, f"{source.name} does not define {sorted(missing)}"
-    if arch == "sm_90":
-        # ptxas assembles it for Hopper without spilling registers to local memory (a
-        # spill in a decode kernel costs more than the kernel itself)
-        ptxas = shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")
-        proc = subprocess.run([ptxas, "-arch=sm_90", "-warn-spills", "-Werror", "-o",
-                               str(tmp_path / "k.cubin"), str(ptx)], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
+    # ptxas assembles it for this architecture without spilling registers to local memory
+    # (a spill in a decode kernel costs more than the kernel itself), and says per kernel
+    # what it uses (-v): the fused decode kernels keep no stack frame at all
+    proc = subprocess.run([PTXAS, f"-arch={arch}", "-v", "-warn-spills", "-Werror", "-o",
+                           str(tmp_path / "k.cubin"), str(ptx)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+) bytes stack frame", proc.stdout + proc.stderr))
+    fused = [k for k in cuda_ops.KERNELS[source.name] if k.startswith(FUSED_DECODE_KERNELS)]
+    assert all(k in frames for k in fused), f"ptxas -v said nothing of {[k for k in fused if k not in frames]}"
+    assert not [k for k in fused if frames[k] != "0"], \
+        f"stack frames in {[(k, frames[k]) for k in fused if frames[k] != '0']} ({arch})"
 
 
 def test_sources_paste_the_header_in() -> None:

@@ -68,3 +68,5 @@ def test_bad_kv_cache_dtype_is_named(smollm2_gguf: Path) -> None:
         ellm.load(smollm2_gguf, kv_cache_dtype="bf16", progress=False)
     with pytest.raises(ValueError, match="cpu backend"):
         ellm.load(smollm2_gguf, kv_cache_dtype="float16", device="reference", progress=False)
+    with pytest.raises(ValueError, match="cuda backend"):   # the C kernels read f32 / f16 caches only
+        ellm.load(smollm2_gguf, kv_cache_dtype="bfloat16", device="cpu", progress=False)

@@ -35,6 +35,19 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+// f32 -> bf16, round to nearest even (the bf16 KV cache's stores)
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+// KV cache elements: f32, or bf16 (u16 bits) rounded on the way in; read back exactly
+__device__ __forceinline__ float kv_load(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float kv_load(const u16* p, long long i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void kv_store(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void kv_store(u16* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+
 __device__ __forceinline__ float rd_f16(const u8* p) {
     return f16_to_f32(*(const u16*)p);
 }

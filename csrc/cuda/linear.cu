@@ -49,7 +49,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV_ROW)
 
 // grid (ceil(N / GEMV_WARPS), ceil(T / GEMV_TOKENS)), block 32 * GEMV_WARPS. K % 8 == 0.
 #define ELLM_GEMV(name, deq)                                                              \
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv_##name(               \
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1) gemv_##name(               \
         const u8* __restrict__ W,        /* (N, row_bytes) */                             \
         long long row_bytes,                                                              \
         const float* __restrict__ X,     /* (T, K) */                                     \
@@ -66,7 +66,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV)
 // Three matrices of one type against the same X in one launch (q/k/v, gate/up: fewer
 // launches per decode step); N2 = 0 for two. grid (ceil((N0+N1+N2) / GEMV_WARPS), ...).
 #define ELLM_GEMV3(name, deq)                                                             \
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) gemv3_##name(              \
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1) gemv3_##name(              \
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,  \
         long long rb0, long long rb1, long long rb2,                                      \
         const float* __restrict__ b0, const float* __restrict__ b1,                       \
@@ -208,3 +208,280 @@ extern "C" __global__ void embed_##name(                                        
     }                                                                                     \
 }
 ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_EMBED)
+
+// ---------------------------------------------------------------------------------
+// Fused decode kernels (up to GEMM_MIN_TOKENS tokens; ops/reference.py says what each
+// means: norm_linear_multi, norm_linear_glu, linear_add, norm_qkv_rope_write). One warp
+// per output row (or pair of rows), FUSED_WARPS rows a block, GEMV_TOKENS tokens sharing
+// one read of a row, f32 accumulation in an order fixed per output element.
+//
+// The RMSNorm of the input is folded in: each block sums the squares of its tokens' rows
+// (a fixed order per token: thread-strided, then warps in order), the products run on
+// x * norm_weight, and the dot is scaled by 1 / sqrt(mean(x^2) + eps) at the end. With a
+// null norm weight the input is taken as it is.
+// ---------------------------------------------------------------------------------
+#define FUSED_WARPS 4   // rows (or rotated pairs) a block: more blocks for batch 1
+
+// inv[t] = 1 / sqrt(mean(X[t0 + t]^2) + eps) for t < nt (1 without a norm). Every thread
+// of the block calls it (it synchronises).
+__device__ __forceinline__ void tile_inv_rms(const float* __restrict__ X, const float* __restrict__ g,
+                                             int K, int t0, int nt, float eps, float* inv) {
+    __shared__ float part[FUSED_WARPS][GEMV_TOKENS];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (g) {
+        #pragma unroll
+        for (int t = 0; t < GEMV_TOKENS; t++) {
+            float ss = 0.0f;
+            if (t < nt) {
+                const float* x = X + (long long)(t0 + t) * K;
+                for (int k = threadIdx.x; k < K; k += 32 * FUSED_WARPS) ss += x[k] * x[k];
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) part[warp][t] = ss;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < GEMV_TOKENS) {
+        float v = 1.0f;
+        if (g && (int)threadIdx.x < nt) {
+            float ss = 0.0f;
+            for (int w = 0; w < FUSED_WARPS; w++) ss += part[w][threadIdx.x];
+            v = 1.0f / sqrtf(ss / (float)K + eps);
+        }
+        inv[threadIdx.x] = v;
+    }
+    __syncthreads();
+}
+
+// acc0[t] (+ acc1[t] when row1) += this lane's share of row . (x[t0 + t] * g) for t < nt.
+#define ELLM_DOT2(name, deq)                                                              \
+__device__ __forceinline__ void dot2_##name(                                              \
+        const u8* __restrict__ row0, const u8* __restrict__ row1,                         \
+        const float* __restrict__ X, const float* __restrict__ g,                         \
+        int K, int t0, int nt, int lane, float* acc0, float* acc1) {                      \
+    for (int c = lane; c < (K >> 3); c += 32) {                                           \
+        float w0[8], w1[8], gs[8];                                                        \
+        deq(row0, c << 3, w0);                                                            \
+        if (row1) deq(row1, c << 3, w1);                                                  \
+        if (g) {                                                                          \
+            const float4* gp = (const float4*)(g + (c << 3));                             \
+            float4 a = gp[0], b = gp[1];                                                  \
+            gs[0] = a.x; gs[1] = a.y; gs[2] = a.z; gs[3] = a.w;                           \
+            gs[4] = b.x; gs[5] = b.y; gs[6] = b.z; gs[7] = b.w;                           \
+        }                                                                                 \
+        _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                         \
+            if (t < nt) {                                                                 \
+                const float4* xp = (const float4*)(X + (long long)(t0 + t) * K + (c << 3)); \
+                float4 a = xp[0], b = xp[1];                                              \
+                float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};                    \
+                if (g) {                                                                  \
+                    _Pragma("unroll") for (int i = 0; i < 8; i++) x[i] *= gs[i];          \
+                }                                                                         \
+                acc0[t] += w0[0] * x[0] + w0[1] * x[1] + w0[2] * x[2] + w0[3] * x[3]      \
+                         + w0[4] * x[4] + w0[5] * x[5] + w0[6] * x[6] + w0[7] * x[7];     \
+                if (row1)                                                                 \
+                    acc1[t] += w1[0] * x[0] + w1[1] * x[1] + w1[2] * x[2] + w1[3] * x[3]  \
+                             + w1[4] * x[4] + w1[5] * x[5] + w1[6] * x[6] + w1[7] * x[7]; \
+            }                                                                             \
+        }                                                                                 \
+    }                                                                                     \
+}
+ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_DOT2)
+
+// One warp: Y[t][n] = (row . (x[t] * g)) * inv[t] (+ bias[n]).
+#define ELLM_NMV_ROW(name, deq)                                                           \
+__device__ __forceinline__ void nmv_row_##name(                                           \
+        const u8* __restrict__ row, const float* __restrict__ X, const float* __restrict__ g, \
+        const float* inv, const float* __restrict__ bias, float* __restrict__ Y,          \
+        int K, int n, int ldy, int t0, int nt, int lane) {                                \
+    float acc[GEMV_TOKENS], unused[GEMV_TOKENS];                                          \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = unused[t] = 0.0f;    \
+    dot2_##name(row, nullptr, X, g, K, t0, nt, lane, acc, unused);                        \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
+        if (t < nt) {                                                                     \
+            float s = warp_sum(acc[t]) * inv[t];                                          \
+            if (lane == 0) Y[(long long)(t0 + t) * ldy + n] = bias ? s + bias[n] : s;     \
+        }                                                                                 \
+    }                                                                                     \
+}
+ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_NMV_ROW)
+
+// Norm + up to three products (q/k/v without RoPE, or any parts of one type): Yi (T, Ni)
+// = rmsnorm(X) @ Wi^T (+ bi). grid (ceil((N0+N1+N2) / FUSED_WARPS), ceil(T / GEMV_TOKENS)),
+// block 32 * FUSED_WARPS. K % 8 == 0.
+#define ELLM_NMV3(name, deq)                                                              \
+extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) nmv3_##name(              \
+        const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,  \
+        long long rb0, long long rb1, long long rb2,                                      \
+        const float* __restrict__ b0, const float* __restrict__ b1,                       \
+        const float* __restrict__ b2,                                                     \
+        float* __restrict__ Y0, float* __restrict__ Y1, float* __restrict__ Y2,           \
+        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
+        int T, int K, int N0, int N1, int N2) {                                           \
+    __shared__ float inv[GEMV_TOKENS];                                                    \
+    int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
+    tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \
+    int n = blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5);                                \
+    if (n < N0) {                                                                         \
+        nmv_row_##name(W0 + (long long)n * rb0, X, g, inv, b0, Y0, K, n, N0, t0, nt, lane); \
+    } else if (n < N0 + N1) {                                                             \
+        n -= N0;                                                                          \
+        nmv_row_##name(W1 + (long long)n * rb1, X, g, inv, b1, Y1, K, n, N1, t0, nt, lane); \
+    } else if (n < N0 + N1 + N2) {                                                        \
+        n -= N0 + N1;                                                                     \
+        nmv_row_##name(W2 + (long long)n * rb2, X, g, inv, b2, Y2, K, n, N2, t0, nt, lane); \
+    }                                                                                     \
+}
+ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_NMV3)
+
+// Norm + gate/up + activation: out (T, F) = act(h @ Wg^T + bg) * (h @ Wu^T + bu), h =
+// rmsnorm(X); act 0 = silu, 1 = gelu_tanh (elementwise.cu's formulas). grid
+// (ceil(F / FUSED_WARPS), ceil(T / GEMV_TOKENS)), block 32 * FUSED_WARPS.
+#define ELLM_GLU(name, deq)                                                               \
+extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) glu_##name(               \
+        const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rbg, long long rbu, \
+        const float* __restrict__ bg, const float* __restrict__ bu,                       \
+        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
+        float* __restrict__ out, int T, int K, int F, int act) {                          \
+    __shared__ float inv[GEMV_TOKENS];                                                    \
+    int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
+    tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \
+    int n = blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5);                                \
+    if (n >= F) return;                                                                   \
+    float ag[GEMV_TOKENS], au[GEMV_TOKENS];                                               \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) ag[t] = au[t] = 0.0f;         \
+    dot2_##name(Wg + (long long)n * rbg, Wu + (long long)n * rbu, X, g, K, t0, nt, lane, ag, au); \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
+        if (t < nt) {                                                                     \
+            float a = warp_sum(ag[t]) * inv[t], u = warp_sum(au[t]) * inv[t];             \
+            if (bg) a += bg[n];                                                           \
+            if (bu) u += bu[n];                                                           \
+            float y;                                                                      \
+            if (act == 0) {                                                               \
+                y = a / (1.0f + expf(-a)) * u;                                            \
+            } else {                                                                      \
+                const float c = 0.7978845608028654f;   /* sqrt(2 / pi) */                 \
+                y = 0.5f * a * (1.0f + tanhf(c * (a + 0.044715f * a * a * a))) * u;      \
+            }                                                                             \
+            if (lane == 0) out[(long long)(t0 + t) * F + n] = y;                          \
+        }                                                                                 \
+    }                                                                                     \
+}
+ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GLU)
+
+// Y (T, N) += X @ W^T (+ bias): a product whose result goes straight into the residual
+// stream (o_proj, down_proj). grid (ceil(N / FUSED_WARPS), ceil(T / GEMV_TOKENS)).
+#define ELLM_GEMV_ADD(name, deq)                                                          \
+extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) gemv_add_##name(          \
+        const u8* __restrict__ W, long long row_bytes,                                    \
+        const float* __restrict__ X, const float* __restrict__ bias,                      \
+        float* __restrict__ Y, int T, int K, int N) {                                     \
+    int n = blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;       \
+    int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0);                     \
+    if (n >= N) return;                                                                   \
+    float acc[GEMV_TOKENS], unused[GEMV_TOKENS];                                          \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = unused[t] = 0.0f;    \
+    dot2_##name(W + (long long)n * row_bytes, nullptr, X, nullptr, K, t0, nt, lane, acc, unused); \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
+        if (t < nt) {                                                                     \
+            float s = warp_sum(acc[t]);                                                   \
+            if (lane == 0) {                                                              \
+                float* y = Y + (long long)(t0 + t) * N + n;                               \
+                *y += bias ? s + bias[n] : s;                                             \
+            }                                                                             \
+        }                                                                                 \
+    }                                                                                     \
+}
+ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV_ADD)
+
+// Norm + q/k/v + RoPE + paged KV write: h = rmsnorm(X); q = h Wq^T + bq rotated into
+// q_out (T, nh, hd); k = h Wk^T + bk rotated and v = h Wv^T + bv stored in their cache
+// slot (f32, or bf16 when kv_bf16: rounded to nearest even). RoPE as ops/reference.py
+// rope: dims < 2 n_rot rotate in pairs (2i, 2i+1) when interleaved, else (i, i + n_rot),
+// cos and sin of pos * inv_freq[i] times mscale; the rest pass through. A warp computes
+// both rows of a rotated pair (one task), one row otherwise: per q / k head hd - n_rot
+// tasks, per v head hd. Tokens whose block-table entry is -1 (the padding rows of a
+// captured batch) write no cache slot. grid (ceil(tasks / FUSED_WARPS), ceil(T /
+// GEMV_TOKENS)), block 32 * FUSED_WARPS.
+#define ELLM_QKV_ROPE(name, deq)                                                          \
+extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) qkv_rope_##name(          \
+        const u8* __restrict__ Wq, const u8* __restrict__ Wk, const u8* __restrict__ Wv,  \
+        long long rbq, long long rbk, long long rbv,                                      \
+        const float* __restrict__ bq, const float* __restrict__ bk,                       \
+        const float* __restrict__ bv,                                                     \
+        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
+        const int* __restrict__ positions, const int* __restrict__ seq_ids,               \
+        const int* __restrict__ block_tables, int max_blocks,                             \
+        float* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache, \
+        int kv_bf16, const float* __restrict__ inv_freq, int n_rot, int interleaved,      \
+        float mscale, int T, int K, int nh, int nkv, int hd, int block_size) {            \
+    __shared__ float inv[GEMV_TOKENS];                                                    \
+    int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
+    tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \
+    int task = blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5);                             \
+    int per_head = hd - n_rot, tq = nh * per_head, tk = nkv * per_head;                   \
+    int which, head, d0, d1 = -1, pair = -1;                                              \
+    if (task < tq + tk) {                                                                 \
+        which = task < tq ? 0 : 1;                                                        \
+        int r = task < tq ? task : task - tq;                                             \
+        head = r / per_head;                                                              \
+        int j = r - head * per_head;                                                      \
+        if (j < n_rot) {                                                                  \
+            pair = j;                                                                     \
+            d0 = interleaved ? 2 * j : j;                                                 \
+            d1 = interleaved ? 2 * j + 1 : j + n_rot;                                     \
+        } else {                                                                          \
+            d0 = n_rot + j;                                                               \
+        }                                                                                 \
+    } else if (task < tq + tk + nkv * hd) {                                               \
+        which = 2;                                                                        \
+        head = (task - tq - tk) / hd;                                                     \
+        d0 = (task - tq - tk) - head * hd;                                                \
+    } else {                                                                              \
+        return;                                                                           \
+    }                                                                                     \
+    const u8* W = which == 0 ? Wq : which == 1 ? Wk : Wv;                                 \
+    long long rb = which == 0 ? rbq : which == 1 ? rbk : rbv;                             \
+    const float* b = which == 0 ? bq : which == 1 ? bk : bv;                              \
+    int r0 = head * hd + d0, r1 = head * hd + d1;                                         \
+    float a0[GEMV_TOKENS], a1[GEMV_TOKENS];                                               \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) a0[t] = a1[t] = 0.0f;         \
+    dot2_##name(W + (long long)r0 * rb, d1 >= 0 ? W + (long long)r1 * rb : nullptr, X, g, K, \
+                t0, nt, lane, a0, a1);                                                    \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
+        if (t >= nt) continue;                                                            \
+        float x0 = warp_sum(a0[t]) * inv[t];                                              \
+        float x1 = d1 >= 0 ? warp_sum(a1[t]) * inv[t] : 0.0f;                             \
+        if (lane != 0) continue;                                                          \
+        if (b) {                                                                          \
+            x0 += b[r0];                                                                  \
+            if (d1 >= 0) x1 += b[r1];                                                     \
+        }                                                                                 \
+        int tt = t0 + t, pos = positions[tt];                                             \
+        if (pair >= 0) {                                                                  \
+            float ang = (float)pos * inv_freq[pair];                                      \
+            float c = cosf(ang) * mscale, s = sinf(ang) * mscale;                         \
+            float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;                             \
+            x0 = y0;                                                                      \
+            x1 = y1;                                                                      \
+        }                                                                                 \
+        if (which == 0) {                                                                 \
+            float* q = q_out + ((long long)tt * nh + head) * hd;                          \
+            q[d0] = x0;                                                                   \
+            if (d1 >= 0) q[d1] = x1;                                                      \
+            continue;                                                                     \
+        }                                                                                 \
+        int blk = block_tables[(long long)seq_ids[tt] * max_blocks + pos / block_size];   \
+        if (blk < 0) continue;                                                            \
+        long long slot = (((long long)blk * block_size + pos % block_size) * nkv + head) * hd; \
+        void* cache = which == 1 ? k_cache : v_cache;                                     \
+        if (kv_bf16) {                                                                    \
+            kv_store((u16*)cache, slot + d0, x0);                                         \
+            if (d1 >= 0) kv_store((u16*)cache, slot + d1, x1);                            \
+        } else {                                                                          \
+            kv_store((float*)cache, slot + d0, x0);                                       \
+            if (d1 >= 0) kv_store((float*)cache, slot + d1, x1);                          \
+        }                                                                                 \
+    }                                                                                     \
+}
+ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_QKV_ROPE)

@@ -471,7 +471,9 @@ def _set_threads(threads: int | None) -> None:
 
 
 # kv_cache_dtype= names -> the cache's element type
-KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "float16": "float16"}
+KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+# the devices each cache type runs on (float32 everywhere)
+KV_CACHE_DEVICES = {"float16": ("cpu",), "bfloat16": ("cuda", "gpu", "reference")}
 
 
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
@@ -496,9 +498,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     speculative_config: [spec] speculative decoding, vLLM's names (docs/speculative-decoding.md):
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or
     {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": 4}.
-    kv_cache_dtype: "auto" (float32, the default: every logit as the model computes it) or
-    "float16": K and V are stored rounded to f16 (cpu backend), half the cache's memory and
-    of the bytes a decode step reads from it (docs/kv-cache.md).
+    kv_cache_dtype: "auto" (float32, the default: every logit as the model computes it),
+    "float16" (cpu backend) or "bfloat16" (cuda backend): K and V are stored rounded to
+    that type, half the cache's memory and of the bytes a decode step reads from it
+    (docs/kv-cache.md).
     kv_cache_tokens: the KV cache's size in tokens, all sequences together (0, the
     default: max(max_model_len, 16384)); it bounds the cache's memory (ellm info shows
     the bytes per token).
@@ -525,9 +528,11 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                          f"got {kv_cache_dtype!r}")
-    if KV_CACHE_DTYPES[kv_cache_dtype] != "float32" and device != "cpu":
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is for the cpu backend; device {device!r} "
-                         "keeps a float32 cache")
+    kv_devices = KV_CACHE_DEVICES.get(KV_CACHE_DTYPES[kv_cache_dtype])
+    if kv_devices is not None and device not in kv_devices:
+        backend = "cpu backend" if kv_devices == ("cpu",) else "cuda backend (and the reference)"
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is for the {backend}; device {device!r} keeps a "
+                         f"{'float32 or float16' if device == 'cpu' else 'float32 or bfloat16'} cache")
     template = None
     if chat_template is not None:
         if not isinstance(chat_template, str):

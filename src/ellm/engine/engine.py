@@ -52,7 +52,7 @@ class EngineConfig:
     max_batch_tokens: int = 512      # tokens per forward (prefill chunk size)
     block_size: int = 16
     kv_cache_tokens: int = 0         # 0: max(max_model_len, 16384)
-    kv_cache_dtype: str = "float32"  # or "float16": K and V stored rounded to f16 (cpu backend)
+    kv_cache_dtype: str = "float32"  # or "float16" (cpu) / "bfloat16" (cuda): K and V stored rounded
     enable_prefix_caching: bool = True
     speculative: Any = None          # [spec] a speculative.SpeculativeConfig, or None (off)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..models.batch import Batch
+from ..ops.reference import kv_storage_dtype
 from ..ops.workspace import Workspace
 from .kv_cache import KVCache
 
@@ -36,7 +37,7 @@ class ModelRunner:
                        + -(-config.max_batch_tokens // config.block_size))
             sliding_blocks = min(num_blocks, per_seq * config.max_num_seqs)
         self.kv = KVCache(mc, num_blocks, config.block_size, sliding_blocks, ops=self.ops,
-                          dtype=np.dtype(config.kv_cache_dtype))
+                          dtype=kv_storage_dtype(config.kv_cache_dtype))
         self.workspace = Workspace(self.ops)
         # the one place a backend may swap in another way of running a step (CUDA graphs)
         self.executor = self.ops.step_executor(model, self.kv, self.workspace)

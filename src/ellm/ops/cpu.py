@@ -12,7 +12,7 @@ import numpy as np
 
 from .._native import _kernels, _lora, _moe, _quant, _stack, _vision
 from .memory import HostMemory
-from .reference import Experts
+from .reference import Experts, FusedByComposition
 
 
 # linear_multi part lists remembered at once: two per layer for a few batch sizes
@@ -35,7 +35,10 @@ def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     return np.empty(shape, np.float32) if out is None else out
 
 
-class CpuOps(HostMemory):
+class CpuOps(FusedByComposition, HostMemory):
+    # the fused ops (norm_linear_multi, ...) are reference.FusedByComposition's: this
+    # backend's own plain ops, composed (whole layers go through layer_stack instead)
+
     name = "cpu"
     # linear / linear_multi add Linear.bias themselves (models/blocks.py asks)
     linear_adds_bias = True

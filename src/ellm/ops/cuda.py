@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import math
+import os
 import re
 import weakref
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 from ..formats.ggml_types import GGMLType
 from ..models.batch import Batch
 from ..weights import Linear
-from .reference import Experts
+from .reference import KV_BF16, Experts
 
 # The kernel files, in the order they are compiled, and the kernels each must define
 # (tests/test_cuda_compile.py checks every name against nvcc's PTX).
@@ -36,11 +37,13 @@ WEIGHT_TYPES: dict[GGMLType, str] = {
     GGMLType.Q4_K: "q4_k", GGMLType.Q5_K: "q5_k", GGMLType.Q6_K: "q6_k",
 }
 KERNELS: dict[str, tuple[str, ...]] = {
-    "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed") for t in WEIGHT_TYPES.values()),
+    "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed", "nmv3", "glu", "gemv_add",
+                                              "qkv_rope") for t in WEIGHT_TYPES.values()),
     "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "swiglu_f32", "geglu_f32", "softcap_f32",
                        "scale_f32", "add_f32", "gather_rows_f32", "scatter_rows_f32",
                        "scatter_add_rows_f32"),
-    "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine"),
+    "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
+                     "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16"),
     "sample.cu": ("sample_rows",),
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
 }
@@ -54,6 +57,10 @@ NVRTC_OPTIONS: tuple[str, ...] = ()
 # many sequences share it (decode batches are at most this large: the graph buckets).
 GEMM_MIN_TOKENS = 64
 GEMV_TOKENS, GEMV_WARPS = 8, 4          # as in linear.cu
+FUSED_WARPS = 4                         # as in linear.cu (the fused decode kernels)
+# ELLM_CUDA_FUSED=0: decode runs one kernel per op (the benchmark compares both)
+FUSED_ENV = "ELLM_CUDA_FUSED"
+GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
 GEMM_TILE = 64                          # as in linear.cu
 # Keys per attention chunk: small for decode (more blocks at batch 1), large for prefill
 # (bounded partial buffers). Fixed per side of GEMM_MIN_TOKENS, like the products.
@@ -143,6 +150,8 @@ class CudaOps:
         self.device = cp.cuda.Device(device_id)
         self.device.use()
         self.graphs = graphs
+        # the fused decode kernels through ops/fused_stack.py (layer_stack); off: one per op
+        self.fused = os.environ.get(FUSED_ENV, "1") != "0"
         # One stream for everything (kernels, copies, graph replays; see _on_stream): a
         # graph is captured on a stream of its own, non-blocking as CuPy advises.
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -199,10 +208,22 @@ class CudaOps:
 
     @_on_stream
     def kv_zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
-        if np.dtype(dtype) != np.float32:
-            raise ValueError(f"kv_cache_dtype {np.dtype(dtype).name}: the cuda backend keeps its KV cache in "
-                             "float32 (an f16 cache is a cpu-backend option)")
-        return self.cp.zeros(shape, np.float32)
+        """float32, or KV_BF16 (bfloat16 bits as uint16: kv_cache_dtype="bfloat16")."""
+        dtype = np.dtype(dtype)
+        if dtype not in (np.dtype(np.float32), KV_BF16):
+            raise ValueError(f"kv_cache_dtype {dtype.name}: the cuda backend keeps its KV cache in float32 or "
+                             "bfloat16 (an f16 cache is a cpu-backend option)")
+        return self.cp.zeros(shape, dtype)
+
+    def _counters(self, size: int) -> Any:
+        """attn_decode's per-(token, head) completion counters: zeroed once, grow-only
+        (the kernel leaves them at zero), held by a graph being captured."""
+        buf = self._scratch.get("attn_counters")
+        if buf is None or buf.size < size:
+            buf = self._scratch["attn_counters"] = self.cp.zeros(max(size, 1), np.int32)
+        if self.capture_keep is not None:
+            self.capture_keep.append(buf)
+        return buf
 
     @_on_stream
     def upload(self, x: np.ndarray) -> Any:
@@ -501,17 +522,188 @@ class CudaOps:
         part_ml = self.scratch("part_ml", T * nh * max_chunks * 2)
         part_o = self.scratch("part_o", T * nh * max_chunks * hd)
         i32, f32 = np.int32, np.float32
-        self._launch("rope_kv_write", (T, nh + nkv), (hd,),
+        kv = _kv_suffix(k_cache, v_cache)
+        self._launch("rope_kv_write" + kv, (T, nh + nkv), (hd,),
                      (q, k, v, positions, seq_ids, block_tables, i32(max_blocks), q_rot, k_cache, v_cache,
                       inv_freq, i32(n_rot), i32(bool(interleaved)), f32(rope_mscale),
                       i32(nh), i32(nkv), i32(hd), i32(block_size)))
-        self._launch("attn_partial", (nh, T, z), (128,),
+        self._launch("attn_partial" + kv, (nh, T, z), (128,),
                      (q_rot, positions, limit, seq_ids, block_tables, i32(max_blocks), k_cache, v_cache,
                       i32(nh), i32(nkv), i32(hd), i32(block_size), f32(scale), i32(window),
                       f32(softcap_value), i32(chunk), i32(max_chunks), part_ml, part_o))
         self._launch("attn_combine", (nh, T), (hd,),
                      (positions, limit, part_ml, part_o, i32(nh), i32(hd), i32(window), i32(chunk),
                       i32(max_chunks), out))
+        return out
+
+    # -- fused ops (ops/reference.py FusedByComposition says what each means) -------------
+
+    def layer_stack(self, specs: list[dict], t: int, hidden: int, residual: Any, proj: Any, h_buf: Any,
+                    eps: float) -> Any:
+        """Every layer of a forward through the fused ops (ops/fused_stack.py), or None
+        with ELLM_CUDA_FUSED=0 (the layers then run one op at a time)."""
+        if not self.fused:
+            return None
+        from .fused_stack import fused_layer_stack
+        return fused_layer_stack(self, specs, t, hidden, residual, proj, h_buf, eps)
+
+    def _vec_in(self, x: Any) -> Any:
+        """x as the kernels read it: C-contiguous float32 starting on a 16-byte boundary."""
+        x = self.cp.ascontiguousarray(x, dtype=np.float32)
+        return x.copy() if x.data.ptr % 16 else x
+
+    def _fusable(self, x: Any, ws: Sequence[Linear]) -> bool:
+        """Decode-sized x and matrices of one type whose rows the fused kernels can read."""
+        T, K = int(x.shape[0]), int(x.shape[1])
+        return (0 < T <= GEMM_MIN_TOKENS and K % 8 == 0 and len({w.qtype for w in ws}) == 1
+                and ws[0].qtype in WEIGHT_TYPES and all(w.in_features == K for w in ws))
+
+    def _normed(self, x: Any, norm: Any, eps: float, out: Any = None) -> Any:
+        if norm is None:
+            return x
+        if out is None:
+            out = self.scratch("normed", int(x.size)).reshape(x.shape)
+        return self.rmsnorm(x, norm, eps, out=out)
+
+    @_on_stream
+    def norm_linear_multi(self, x: Any, norm: Any, eps: float, parts: Sequence[tuple],
+                          normed: Any = None) -> list[Any]:
+        ws = [w for w, _ in parts]
+        T = int(x.shape[0])
+        ok = (norm is not None and 1 <= len(parts) <= 3 and self._fusable(x, ws)
+              and all(o is not None and o.flags.c_contiguous and tuple(o.shape) == (T, w.out_features)
+                      for w, o in parts))
+        if not ok:
+            return self.linear_multi(self._normed(x, norm, eps, normed), parts)
+        x = self._vec_in(x)
+        datas = [self._weight(w) for w in ws]
+        outs = [o for _, o in parts]
+        ns = [w.out_features for w in ws]
+        biases = [_NULL if w.bias is None else w.bias for w in ws]
+        while len(datas) < 3:   # absent parts: no rows
+            datas, outs, ns, biases = datas + [datas[0]], outs + [outs[0]], ns + [0], biases + [_NULL]
+        K = ws[0].in_features
+        self._launch(f"nmv3_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (32 * FUSED_WARPS,),
+                     (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x, norm,
+                      np.float32(eps), np.int32(T), np.int32(K), *(np.int32(n) for n in ns)))
+        return [o for _, o in parts]
+
+    @_on_stream
+    def norm_linear_glu(self, x: Any, norm: Any, eps: float, gate: Linear, up: Linear, act: str,
+                        out: Any = None) -> Any:
+        if act not in GLU_ACTS:
+            raise ValueError(f"norm_linear_glu: act must be 'silu' or 'gelu_tanh', got {act!r}")
+        T, F = int(x.shape[0]), gate.out_features
+        out = self.cp.empty((T, F), np.float32) if out is None else out
+        if not (self._fusable(x, [gate, up]) and up.out_features == F and out.flags.c_contiguous):
+            h = self._normed(x, norm, eps)
+            g = self.linear(h, gate, out=self.scratch("glu_gate", T * F).reshape(T, F))
+            u = self.linear(h, up, out=self.scratch("glu_up", T * F).reshape(T, F))
+            return (self.swiglu if act == "silu" else self.geglu)(g, u, out=out)
+        x = self._vec_in(x)
+        dg, du = self._weight(gate), self._weight(up)
+        self._launch(f"glu_{WEIGHT_TYPES[gate.qtype]}", (_ceil(F, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (32 * FUSED_WARPS,),
+                     (dg, du, np.int64(dg.strides[0]), np.int64(du.strides[0]),
+                      _NULL if gate.bias is None else gate.bias, _NULL if up.bias is None else up.bias,
+                      x, _NULL if norm is None else norm, np.float32(eps), out, np.int32(T),
+                      np.int32(gate.in_features), np.int32(F), np.int32(GLU_ACTS[act])))
+        return out
+
+    @_on_stream
+    def linear_add(self, x: Any, w: Linear, residual: Any) -> Any:
+        T, N = int(x.shape[0]), w.out_features
+        if not (self._fusable(x, [w]) and residual.flags.c_contiguous and tuple(residual.shape) == (T, N)):
+            return self.add(residual, self.linear(x, w, out=self.scratch("linear_add", T * N).reshape(T, N)))
+        x = self._vec_in(x)
+        data = self._weight(w)
+        self._launch(f"gemv_add_{WEIGHT_TYPES[w.qtype]}", (_ceil(N, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (32 * FUSED_WARPS,),
+                     (data, np.int64(data.strides[0]), x, _NULL if w.bias is None else w.bias, residual,
+                      np.int32(T), np.int32(w.in_features), np.int32(N)))
+        return residual
+
+    @_on_stream
+    def norm_qkv_rope_write(self, x: Any, norm: Any, eps: float, q: Linear, k: Linear, v: Linear,
+                            head_dim: int, positions: Any, seq_ids: Any, block_tables: Any, k_cache: Any,
+                            v_cache: Any, inv_freq: Any, interleaved: bool, rope_mscale: float = 1.0,
+                            q_out: Any = None) -> Any:
+        cp = self.cp
+        T, hd = int(x.shape[0]), int(head_dim)
+        nh, nkv = q.out_features // hd, k.out_features // hd
+        block_size, max_blocks = int(k_cache.shape[1]), int(block_tables.shape[1])
+        n_rot = int(inv_freq.shape[0])
+        if hd > HEAD_DIM_MAX or nh % max(nkv, 1) or n_rot > hd // 2 or v.out_features != nkv * hd:
+            raise ValueError(f"norm_qkv_rope_write: head_dim {hd} (<= {HEAD_DIM_MAX}), {nh} / {nkv} heads, "
+                             f"{n_rot} rotary pairs (<= head_dim/2) and v of {v.out_features} rows do not fit")
+        q_out = cp.empty((T, nh, hd), np.float32) if q_out is None else q_out
+        if T == 0:
+            return q_out
+        kv = _kv_suffix(k_cache, v_cache)
+        i32, f32 = np.int32, np.float32
+        if not (self._fusable(x, [q, k, v]) and q_out.flags.c_contiguous):
+            h = self._normed(x, norm, eps)
+            qs = self.scratch("qkv_q", T * nh * hd).reshape(T, nh * hd)
+            ks = self.scratch("qkv_k", T * nkv * hd).reshape(T, nkv * hd)
+            vs = self.scratch("qkv_v", T * nkv * hd).reshape(T, nkv * hd)
+            self.linear_multi(h, [(q, qs), (k, ks), (v, vs)])
+            self._launch("rope_kv_write" + kv, (T, nh + nkv), (hd,),
+                         (qs, ks, vs, positions, seq_ids, block_tables, i32(max_blocks), q_out, k_cache, v_cache,
+                          inv_freq, i32(n_rot), i32(bool(interleaved)), f32(rope_mscale), i32(nh), i32(nkv),
+                          i32(hd), i32(block_size)))
+            return q_out
+        x = self._vec_in(x)
+        dq, dk, dv = self._weight(q), self._weight(k), self._weight(v)
+        tasks = (nh + nkv) * (hd - n_rot) + nkv * hd
+        self._launch(f"qkv_rope_{WEIGHT_TYPES[q.qtype]}", (_ceil(tasks, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (32 * FUSED_WARPS,),
+                     (dq, dk, dv, np.int64(dq.strides[0]), np.int64(dk.strides[0]), np.int64(dv.strides[0]),
+                      *(_NULL if w.bias is None else w.bias for w in (q, k, v)),
+                      x, _NULL if norm is None else norm, f32(eps), positions, seq_ids, block_tables,
+                      i32(max_blocks), q_out, k_cache, v_cache, i32(kv == "_bf16"), inv_freq, i32(n_rot),
+                      i32(bool(interleaved)), f32(rope_mscale), i32(T), i32(q.in_features), i32(nh), i32(nkv),
+                      i32(hd), i32(block_size)))
+        return q_out
+
+    @_on_stream
+    def paged_attention(self, q: Any, positions: Any, seq_ids: Any, block_tables: Any, k_cache: Any,
+                        v_cache: Any, scale: float, window: int = 0, softcap_value: float = 0.0,
+                        key_limit: Any = None, out: Any = None) -> Any:
+        """Decode batches (<= GEMM_MIN_TOKENS tokens): one launch (attn_decode: the split
+        over keys and its merge); larger ones attn_partial + attn_combine."""
+        cp = self.cp
+        T, nh, hd = (int(s) for s in q.shape)
+        nkv, block_size = int(k_cache.shape[2]), int(k_cache.shape[1])
+        if hd > HEAD_DIM_MAX or nh % nkv:
+            raise ValueError(f"paged_attention on CUDA needs head_dim <= {HEAD_DIM_MAX} and n_heads a "
+                             f"multiple of n_kv_heads; got head_dim {hd}, {nh} / {nkv} heads")
+        out = cp.empty((T, nh, hd), np.float32) if out is None else out
+        if T == 0:
+            return out
+        max_blocks = int(block_tables.shape[1])
+        decode = T <= GEMM_MIN_TOKENS
+        chunk = DECODE_CHUNK if decode else PREFILL_CHUNK
+        max_chunks = _ceil(max_blocks * block_size, chunk)
+        if window > 0 and key_limit is None:
+            max_chunks = min(max_chunks, (window - 1) // chunk + 1)
+        limit = positions if key_limit is None else key_limit
+        z = max(1, min(max_chunks, _ceil(2 * self.num_sms, nh * T)))
+        q = self._vec_in(q)
+        part_ml = self.scratch("part_ml", T * nh * max_chunks * 2)
+        part_o = self.scratch("part_o", T * nh * max_chunks * hd)
+        kv = _kv_suffix(k_cache, v_cache)
+        i32, f32 = np.int32, np.float32
+        args = (q, positions, limit, seq_ids, block_tables, i32(max_blocks), k_cache, v_cache, i32(nh), i32(nkv),
+                i32(hd), i32(block_size), f32(scale), i32(window), f32(softcap_value), i32(chunk),
+                i32(max_chunks), part_ml, part_o)
+        if decode:
+            self._launch("attn_decode" + kv, (nh, T, z), (128,), (*args, self._counters(T * nh), out))
+        else:
+            self._launch("attn_partial" + kv, (nh, T, z), (128,), args)
+            self._launch("attn_combine", (nh, T), (hd,),
+                         (positions, limit, part_ml, part_o, i32(nh), i32(hd), i32(window), i32(chunk),
+                          i32(max_chunks), out))
         return out
 
     # -- sampling on the device ------------------------------------------------------------
@@ -571,6 +763,15 @@ class CudaOps:
             seed = int(sampler._rng.integers(0, 2**63))
             st = self._rng_state[sampler] = [seed, 0]
         return st
+
+
+def _kv_suffix(k_cache: Any, v_cache: Any) -> str:
+    """The attention kernels' name suffix for the caches' element type ("" f32, "_bf16")."""
+    kd, vd = np.dtype(k_cache.dtype), np.dtype(v_cache.dtype)
+    if kd != vd or kd not in (np.dtype(np.float32), KV_BF16):
+        raise ValueError(f"KV caches of {kd.name} / {vd.name}: the cuda kernels take float32 or bfloat16 "
+                         "(uint16 bits) caches, both of one type")
+    return "_bf16" if kd == KV_BF16 else ""
 
 
 class _SampleRows:

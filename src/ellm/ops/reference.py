@@ -15,7 +15,7 @@ one shape, each matrix a `Linear` (usually a view into the weights file).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from .memory import HostMemory
 
 if TYPE_CHECKING:
     from ..lora import LoraProjection
+    from ..weights import Linear
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -95,6 +96,44 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, interleaved
     return out
 
 
+# A KV cache of this element type holds bfloat16 values as their 16-bit patterns (NumPy
+# has no bfloat16): each key and value rounded to nearest even as it is stored, widened
+# exactly to f32 as it is read (kv_cache_dtype="bfloat16", the cuda backend's cache).
+KV_BF16 = np.dtype(np.uint16)
+
+
+def kv_storage_dtype(name: str) -> np.dtype:
+    """EngineConfig.kv_cache_dtype ("float32", "float16", "bfloat16") -> the array dtype
+    a KV cache is made of (KV_BF16 for bfloat16)."""
+    if name == "bfloat16":
+        return KV_BF16
+    return np.dtype(name)
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """f32 -> bf16 bit patterns (uint16), round to nearest even (NaN stays NaN)."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, np.uint16(0x7FC0), r)
+
+
+def from_bf16_bits(u: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> f32, exactly."""
+    return (np.asarray(u, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def kv_store(cache: np.ndarray, index: tuple, value: np.ndarray) -> None:
+    """cache[index] = value, rounded to the cache's element type (bf16 bits for KV_BF16)."""
+    cache[index] = to_bf16_bits(value) if cache.dtype == KV_BF16 else value
+
+
+def kv_load(cache: np.ndarray, index: tuple) -> np.ndarray:
+    """cache[index] as the values it holds (bf16 bits widened to f32)."""
+    got = cache[index]
+    return from_bf16_bits(got) if cache.dtype == KV_BF16 else got
+
+
 def rope_attention(
     q: np.ndarray,             # (T, nh, hd)
     k: np.ndarray,             # (T, nkv, hd)
@@ -128,8 +167,8 @@ def rope_attention(
     k = rope(k, positions, inv_freq, interleaved, rope_mscale)
     for t in range(T):
         blk = block_tables[seq_ids[t], positions[t] // block_size]
-        k_cache[blk, positions[t] % block_size] = k[t]
-        v_cache[blk, positions[t] % block_size] = v[t]
+        kv_store(k_cache, (blk, positions[t] % block_size), k[t])
+        kv_store(v_cache, (blk, positions[t] % block_size), v[t])
     out = np.empty_like(q)
     if key_limit is not None and (np.shape(key_limit) != (T,) or np.any(key_limit < positions)):
         raise ValueError(f"key_limit must be (T,) = ({T},) with key_limit[t] >= positions[t]")
@@ -138,10 +177,60 @@ def rope_attention(
         lo = max(0, p - window + 1) if window > 0 else 0
         pos = np.arange(lo, (p if key_limit is None else int(key_limit[t])) + 1)
         table = block_tables[seq_ids[t]]
-        keys = k_cache[table[pos // block_size], pos % block_size]    # (L, nkv, hd)
-        vals = v_cache[table[pos // block_size], pos % block_size]
+        keys = kv_load(k_cache, (table[pos // block_size], pos % block_size))   # (L, nkv, hd)
+        vals = kv_load(v_cache, (table[pos // block_size], pos % block_size))
         for h in range(nh):
             s = keys[:, h // group, :] @ q[t, h] * np.float32(scale)  # (L,)
+            s = softcap(s, softcap_value)
+            w = np.exp(s - s.max())
+            out[t, h] = (w / w.sum()) @ vals[:, h // group, :]
+    return out
+
+
+def rope_kv_write(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
+                  block_tables: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, inv_freq: np.ndarray,
+                  interleaved: bool, rope_mscale: float = 1.0) -> np.ndarray:
+    """The first half of rope_attention: RoPE on q (T, nh, hd) and k (T, nkv, hd), the
+    rotated k and v stored in their cache slots (rounded to the cache's element type).
+    -> the rotated q."""
+    block_size = k_cache.shape[1]
+    q = rope(q, positions, inv_freq, interleaved, rope_mscale)
+    k = rope(k, positions, inv_freq, interleaved, rope_mscale)
+    for t in range(q.shape[0]):
+        blk = block_tables[seq_ids[t], positions[t] // block_size]
+        if blk < 0:   # a padding row of a captured batch: no slot
+            continue
+        kv_store(k_cache, (blk, positions[t] % block_size), k[t])
+        kv_store(v_cache, (blk, positions[t] % block_size), v[t])
+    return q
+
+
+def paged_attention(q: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, block_tables: np.ndarray,
+                    k_cache: np.ndarray, v_cache: np.ndarray, scale: float, window: int = 0,
+                    softcap_value: float = 0.0, key_limit: np.ndarray | None = None) -> np.ndarray:
+    """The second half of rope_attention: q (T, nh, hd), already rotated, attends to the
+    keys and values its sequence has in the cache (positions [lo, key_limit[t] or
+    positions[t]], lo as rope_attention says). A token whose sequence has no block (-1) for
+    a key it would read sees no keys at all and gets zeros (the padding rows of a captured
+    batch). -> (T, nh, hd)."""
+    T, nh, hd = q.shape
+    group = nh // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    if key_limit is not None and (np.shape(key_limit) != (T,) or np.any(key_limit < positions)):
+        raise ValueError(f"key_limit must be (T,) = ({T},) with key_limit[t] >= positions[t]")
+    out = np.zeros((T, nh, hd), np.float32)
+    for t in range(T):
+        p = int(positions[t])
+        lo = max(0, p - window + 1) if window > 0 else 0
+        pos = np.arange(lo, (p if key_limit is None else int(key_limit[t])) + 1)
+        table = block_tables[seq_ids[t]]
+        blocks = table[pos // block_size]
+        if np.any(blocks < 0):
+            continue
+        keys = kv_load(k_cache, (blocks, pos % block_size)).astype(np.float32)   # (L, nkv, hd)
+        vals = kv_load(v_cache, (blocks, pos % block_size)).astype(np.float32)
+        for h in range(nh):
+            s = keys[:, h // group, :] @ q[t, h].astype(np.float32) * np.float32(scale)
             s = softcap(s, softcap_value)
             w = np.exp(s - s.max())
             out[t, h] = (w / w.sum()) @ vals[:, h // group, :]
@@ -284,7 +373,67 @@ def _into(out: np.ndarray | None, value: np.ndarray) -> np.ndarray:
     return out
 
 
-class ReferenceOps(HostMemory):
+class FusedByComposition:
+    """The fused ops of the op set, each spelled as the plain ops it stands for.
+
+    A backend may run one of these as a single kernel (ops/cuda.py does, for decode: the
+    RMSNorm folded into the product after it, q/k/v + RoPE + the paged KV write in one
+    launch, gate/up + activation in one, the residual add in the down / o product's
+    epilogue); what it computes is what these compositions compute (up to f32 rounding:
+    a fused kernel may scale after the dot product rather than before), and
+    tests/test_backends.py holds every backend to them. The host backends inherit them
+    as they are, so their results are their own plain ops' (the cpu backend runs whole
+    layers through layer_stack instead; these are there for the op tests and for a
+    model that calls them). ops/fused_stack.py runs a decoder's layers with them."""
+
+    def norm_linear_multi(self, x: Any, norm: Any, eps: float, parts: Sequence[tuple],
+                          normed: Any = None) -> list[Any]:
+        """h = rmsnorm(x, norm, eps) (x itself when norm is None), then linear_multi(h,
+        parts): [(w, out), ...] -> outs. normed: where h may be kept (else a buffer of the
+        backend's own)."""
+        h = x if norm is None else self.rmsnorm(x, norm, eps, out=normed)
+        return self.linear_multi(h, parts)
+
+    def norm_linear_glu(self, x: Any, norm: Any, eps: float, gate: "Linear", up: "Linear", act: str,
+                        out: Any = None) -> Any:
+        """h = rmsnorm(x) (or x); -> act(h @ gate^T (+ bias)) * (h @ up^T (+ bias)) (T, F),
+        act "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"norm_linear_glu: act must be 'silu' or 'gelu_tanh', got {act!r}")
+        h = x if norm is None else self.rmsnorm(x, norm, eps)
+        g = self.linear(h, gate)
+        u = self.linear(h, up)
+        return (self.swiglu if act == "silu" else self.geglu)(g, u, out=out)
+
+    def linear_add(self, x: Any, w: "Linear", residual: Any) -> Any:
+        """residual += x @ W^T (+ bias), in place -> residual."""
+        return self.add(residual, self.linear(x, w))
+
+    def norm_qkv_rope_write(self, x: Any, norm: Any, eps: float, q: "Linear", k: "Linear", v: "Linear",
+                            head_dim: int, positions: Any, seq_ids: Any, block_tables: Any, k_cache: Any,
+                            v_cache: Any, inv_freq: Any, interleaved: bool, rope_mscale: float = 1.0,
+                            q_out: Any = None) -> Any:
+        """h = rmsnorm(x) (or x); the projections h @ q/k/v^T (+ biases) as (T, n, head_dim);
+        then rope_kv_write: RoPE on q and k, k and v into their cache slots. -> the rotated
+        q (T, nh, head_dim), in q_out when given. With paged_attention after it, this is
+        rope_attention of the projections."""
+        h = x if norm is None else self.rmsnorm(x, norm, eps)
+        T = int(h.shape[0])
+        qs, ks, vs = (self.to_host(self.linear(h, w)).reshape(T, -1, head_dim) for w in (q, k, v))
+        rotated = rope_kv_write(qs, ks, vs, self.to_host(positions), self.to_host(seq_ids),
+                                self.to_host(block_tables), k_cache, v_cache, self.to_host(inv_freq),
+                                interleaved, rope_mscale)
+        return _into(q_out, rotated)
+
+    def paged_attention(self, q: Any, positions: Any, seq_ids: Any, block_tables: Any, k_cache: Any,
+                        v_cache: Any, scale: float, window: int = 0, softcap_value: float = 0.0,
+                        key_limit: Any = None, out: Any = None) -> Any:
+        """paged_attention (above) of a rotated q (T, nh, hd) -> (T, nh, hd)."""
+        return _into(out, paged_attention(q, positions, seq_ids, block_tables, k_cache, v_cache, scale,
+                                          window, softcap_value, key_limit))
+
+
+class ReferenceOps(FusedByComposition, HostMemory):
     """The model op set in plain NumPy (slow): the oracle the fast backends are tested against.
 
     Same signatures as ops.cpu.CpuOps (an optional `out` on every op that makes an array).

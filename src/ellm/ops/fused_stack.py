@@ -1,0 +1,103 @@
+"""A decoder's layers run through the op set's fused ops (reference.FusedByComposition).
+
+`FusedLayerStack` is what a backend's `layer_stack` may return (models/blocks.py
+Decoder._layer_stack: every layer of a forward in one `run`, leaving `residual` and
+`h_buf` as the one-op-at-a-time loop leaves them). Per standard layer it calls
+
+    norm_qkv_rope_write   the input RMSNorm, q/k/v, RoPE, the paged KV write
+    paged_attention       attention over the cache
+    linear_add            o_proj, added into the residual
+    norm_linear_glu       the pre-MLP RMSNorm, gate/up and the activation
+    linear_add            down_proj, added into the residual
+
+and once at the end the final RMSNorm into h_buf: the norm each layer's residual goes
+through next is folded into the next product instead of a separate add + RMSNorm. On
+the cuda backend each of these is one kernel for decode batches (five launches a layer
+in place of ten). Layers that need more fall back, piece by piece, to the plain ops in
+the order models/blocks.py calls them: q/k norms (Qwen3, OLMo 2), post-block norms
+and residual multipliers (Gemma 2/3, Granite), q/k/v of different weight types.
+
+Only op-set calls: it runs on any backend, so tests/test_backends.py checks it on the
+reference backend against the plain loop.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class FusedLayerStack:
+    def __init__(self, ops: Any, specs: list[dict], t: int, hidden: int, residual: Any, proj: Any,
+                 h_buf: Any, eps: float) -> None:
+        self.ops, self.specs, self.t, self.eps = ops, specs, t, eps
+        self.residual, self.proj, self.h_buf = residual, proj, h_buf
+        self.final_norm = specs[-1]["next_norm"] if specs else None
+
+    def run(self, positions: Any, seq_ids: Any, block_tables: dict, key_limit: Any = None) -> None:
+        ops, eps, residual, h_buf = self.ops, self.eps, self.residual, self.h_buf
+        for i, s in enumerate(self.specs):
+            # the layer's input: the normed h_buf the decoder made for layer 0, else the
+            # residual with the norm the previous layer named folded into the products
+            if i == 0:
+                x, norm = (h_buf if s["reads_normed"] else residual), None
+            else:
+                x, norm = residual, self.specs[i - 1]["next_norm"]
+            self._attention(s, x, norm, eps, positions, seq_ids, block_tables[s["window"]], key_limit)
+            self._into_residual(s["attn_out"].reshape(self.t, -1), s["o"], s["post_attn_norm"],
+                                s["residual_multiplier"])
+            ops.norm_linear_glu(residual, s["pre_mlp_norm"], eps, s["gate"], s["up"], s["act"], out=s["act_out"])
+            self._into_residual(s["act_out"], s["down"], s["post_mlp_norm"], s["residual_multiplier"])
+        if self.final_norm is not None:
+            ops.rmsnorm(residual, self.final_norm, eps, out=h_buf)
+
+    def _attention(self, s: dict, x: Any, norm: Any, eps: float, positions: Any, seq_ids: Any,
+                   table: Any, key_limit: Any) -> None:
+        ops, t = self.ops, self.t
+        nh, nkv, hd = s["n_heads"], s["n_kv_heads"], s["head_dim"]
+        q3 = s["q_out"].reshape(t, nh, hd)
+        attn = s["attn_out"]
+        one_type = s["q"].qtype == s["k"].qtype == s["v"].qtype
+        if s["q_norm"] is None and one_type:
+            ops.norm_qkv_rope_write(x, norm, eps, s["q"], s["k"], s["v"], hd, positions, seq_ids, table,
+                                    s["k_cache"], s["v_cache"], s["inv_freq"], s["interleaved"],
+                                    s["rope_mscale"], q_out=q3)
+            ops.paged_attention(q3, positions, seq_ids, table, s["k_cache"], s["v_cache"], s["scale"],
+                                s["window"], s["softcap"], key_limit, out=attn)
+            return
+        # the plain path of models/blocks.py Attention (h_buf free to hold the normed input)
+        q, k, v = s["q_out"], s["k_out"], s["v_out"]
+        ops.norm_linear_multi(x, norm, eps, ((s["q"], q), (s["k"], k), (s["v"], v)),
+                              normed=None if norm is None else self.h_buf)
+        k3, v3 = k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
+        if s["q_norm"] is not None:
+            if s["qk_norm_whole"]:
+                ops.rmsnorm(q, s["q_norm"], s["attn_eps"], out=q)
+                ops.rmsnorm(k, s["k_norm"], s["attn_eps"], out=k)
+            else:
+                ops.rmsnorm(q3, s["q_norm"], s["attn_eps"], out=q3)
+                ops.rmsnorm(k3, s["k_norm"], s["attn_eps"], out=k3)
+        ops.rope_attention(q3, k3, v3, positions, seq_ids, table, s["k_cache"], s["v_cache"], s["inv_freq"],
+                           s["interleaved"], s["scale"], s["window"], s["softcap"], out=attn,
+                           rope_mscale=s["rope_mscale"], key_limit=key_limit)
+
+    def _into_residual(self, x: Any, w: Any, post_norm: Any, multiplier: float) -> None:
+        """residual += the block's output x @ W^T, through its post norm and multiplier."""
+        ops = self.ops
+        if post_norm is None and multiplier == 1.0:
+            ops.linear_add(x, w, self.residual)
+            return
+        ops.linear(x, w, out=self.proj)
+        if post_norm is not None:
+            ops.rmsnorm(self.proj, post_norm, self.eps, out=self.proj)
+        if multiplier != 1.0:
+            ops.scale(self.proj, multiplier)
+        ops.add(self.residual, self.proj)
+
+
+def fused_layer_stack(ops: Any, specs: list[dict], t: int, hidden: int, residual: Any, proj: Any,
+                      h_buf: Any, eps: float) -> FusedLayerStack | None:
+    """A FusedLayerStack for these layers, or None (the decoder then runs them one by one)
+    when a layer is not the pre-norm attention + gated MLP pair it knows."""
+    if not specs or any(s["act"] not in ("silu", "gelu_tanh") for s in specs):
+        return None
+    return FusedLayerStack(ops, specs, t, hidden, residual, proj, h_buf, eps)
+
