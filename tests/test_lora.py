@@ -22,14 +22,13 @@ import numpy as np
 import pytest
 
 import ellm
-from ellm.config import ModelConfig
 from ellm.engine.engine import EngineConfig, RequestError
 from ellm.engine.kv_cache import BlockManager
 from ellm.engine.runner import ModelRunner
 from ellm.formats.errors import FormatError
 from ellm.formats.safetensors import SafetensorsFolder
 from ellm.lora import LoraFactors, LoraProjection, attach_adapters
-from ellm.models import build_model
+from ellm.models import build_model, config_from_folder, config_from_gguf, gguf_weights
 from ellm.models.batch import Batch
 from ellm.ops import reference
 from ellm.sampling_params import SamplingParams
@@ -53,7 +52,7 @@ def tiny_lora(tmp_path_factory) -> Path:
 
 
 def _model(folder: Path, device: str, adapters: dict[str, Path]):
-    config = ModelConfig.from_folder(folder)
+    config = config_from_folder(folder)
     model = build_model(config, SafetensorsWeights(SafetensorsFolder(folder)), ops_or_skip(device))
     attach_adapters(model, adapters)
     return model
@@ -134,7 +133,7 @@ def test_adapters_use_only_ops_and_the_stack_gives_their_bits(tiny_lora) -> None
     seqs = [(ids, 0), (ids[::-1], -1), (ids, 2), (ids, 1)]
     outs = []
     for ops in (OpaqueOps(get_ops("cpu")), get_ops("cpu")):
-        model = build_model(ModelConfig.from_folder(folder), SafetensorsWeights(SafetensorsFolder(folder)), ops)
+        model = build_model(config_from_folder(folder), SafetensorsWeights(SafetensorsFolder(folder)), ops)
         attach_adapters(model, {n: folder / "adapters" / n for n in names})
         outs.append(_forward(model, seqs, CHUNKS))
     for got, want in zip(*outs):
@@ -378,11 +377,10 @@ def test_adapter_on_a_gguf_base_matches_peft(tiny_lora, lora_ggufs, arch, name, 
     same adapter as a llama.cpp LoRA GGUF, on the GGUF of the base. (Qwen2's GGUF drops
     the sliding window: compared on the positions the window of 8 does not cut.)"""
     from ellm.formats.gguf import GGUFFile
-    from ellm.weights import GGUFWeights
     folder = tiny_lora / arch
     adapter = folder / "adapters" / name
     gguf = lora_ggufs / f"{arch}-f32.gguf"
-    model = build_model(ModelConfig.from_gguf(GGUFFile(gguf)), GGUFWeights(GGUFFile(gguf)), ops_or_skip("cpu"))
+    model = build_model(config_from_gguf(GGUFFile(gguf)), gguf_weights(GGUFFile(gguf)), ops_or_skip("cpu"))
     attach_adapters(model, {name: adapter if kind == "peft" else adapter / "adapter.gguf"})
     ids = np.load(folder / "ids.npy").tolist()
     n = 8 if arch == "qwen2" else len(ids)

@@ -26,13 +26,18 @@ from typing import Any
 
 
 class FusedLayerStack:
+    takes_adapters = False   # [lora] a batch with adapters runs the layers one op at a time
+
     def __init__(self, ops: Any, specs: list[dict], t: int, hidden: int, residual: Any, proj: Any,
                  h_buf: Any, eps: float) -> None:
         self.ops, self.specs, self.t, self.eps = ops, specs, t, eps
         self.residual, self.proj, self.h_buf = residual, proj, h_buf
         self.final_norm = specs[-1]["next_norm"] if specs else None
 
-    def run(self, positions: Any, seq_ids: Any, block_tables: dict, key_limit: Any = None) -> None:
+    def run(self, positions: Any, seq_ids: Any, block_tables: dict, key_limit: Any = None,
+            adapter_slots: Any = None) -> None:
+        if adapter_slots is not None:
+            raise ValueError("the fused layer stack runs no LoRA adapters: run such a batch layer by layer")
         ops, eps, residual, h_buf = self.ops, self.eps, self.residual, self.h_buf
         for i, s in enumerate(self.specs):
             # the layer's input: the normed h_buf the decoder made for layer 0, else the
