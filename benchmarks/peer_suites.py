@@ -385,8 +385,10 @@ def vllm_guided_choice_regex_json(c: Client) -> None:
     out = c.ok("/v1/completions", model=c.model, prompt="IP:", max_tokens=20, guided_regex=r"\d{1,3}\.\d{1,3}")
     import re
     assert re.fullmatch(r"\d{1,3}\.\d{1,3}", out["choices"][0]["text"])
-    out = c.ok("/v1/completions", model=c.model, prompt="JSON:", max_tokens=30,
-               guided_json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    out = c.ok("/v1/completions", model=c.model, prompt="JSON:", max_tokens=60, temperature=0,
+               guided_json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                            "additionalProperties": False})
+    assert out["choices"][0]["finish_reason"] == "stop", out   # (a JSON object may be cut by max_tokens)
     assert isinstance(json.loads(out["choices"][0]["text"])["a"], int)
 
 
@@ -406,7 +408,8 @@ def vllm_chat_top_logprobs_without_logprobs_is_400(c: Client) -> None:
 
 @check("vllm/test_chat")
 def vllm_chat_guided_json(c: Client) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"]}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"],
+              "additionalProperties": False}
     out = c.chat("A name.", guided_json=schema, max_tokens=30)
     assert isinstance(json.loads(out["choices"][0]["message"]["content"])["name"], str)
 
