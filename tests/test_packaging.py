@@ -184,13 +184,17 @@ def _check_isa_module() -> ModuleType:
     return mod
 
 
-def _this_build() -> Path:
-    """The CMake build folder the loaded native modules come from (editable installs)."""
+def _this_build(check_isa: ModuleType, tmp_path: Path) -> tuple[Path, list[Path]]:
+    """The CMake build folder under build/ that made the loaded native modules (the
+    editable install's, whose installed copies are stripped), and those modules."""
     from ellm._native import _core
-    for folder in Path(_core.__file__).resolve().parents:
-        if (folder / "compile_commands.json").is_file():
-            return folder
-    pytest.skip(f"{_core.__file__} is not in a CMake build folder (an installed wheel)")
+    here = Path(_core.__file__).resolve().parent
+    libs = sorted(here.glob("libellm_kernels*.so")) + [Path(_core.__file__).resolve()]
+    root = Path(__file__).resolve().parents[1] / "build"
+    for build in check_isa.wheel_builds(root) if root.is_dir() else []:
+        if all(check_isa._with_symbols(lib, build, tmp_path) is not None for lib in libs):
+            return build, libs
+    pytest.skip(f"no build folder under {root} made {here} (an installed wheel)")
 
 
 needs_x86_linux_binutils = pytest.mark.skipif(
@@ -200,20 +204,18 @@ needs_x86_linux_binutils = pytest.mark.skipif(
 
 
 @needs_x86_linux_binutils
-def test_isa_check_passes_on_this_build() -> None:
+def test_isa_check_passes_on_this_build(tmp_path: Path) -> None:
     """What `wheels/build.sh` runs after auditwheel: no code beyond SSE2 outside the
     variants that CMake built with ISA flags (AVX2, AVX-512, AMX ...), which must all be
     recognized as such, so the wheel build fails here first."""
     check_isa = _check_isa_module()
-    build = _this_build()
+    build, libs = _this_build(check_isa, tmp_path)
     baseline, variants, problems = check_isa.classify(build)
     assert problems == []
     names = {o.name.split(".")[0] for o in variants}
     # every csrc file CMake gives ISA flags is a variant, by its flags (the AMX files too)
     assert {"quant_avx2", "quant_avx512", "matmul_amx", "matmul_bf16_amx"} <= names, names
     assert "dispatch" in {o.name.split(".")[0] for o in baseline}
-    libs = sorted(build.glob("*ellm_kernels*.so")) + sorted(build.glob("_core*.so"))
-    assert len(libs) == 2, libs
     assert check_isa.check(build, libs) == []
 
 
@@ -221,17 +223,18 @@ def test_isa_check_passes_on_this_build() -> None:
 def test_isa_check_catches_avx_in_a_baseline_object(tmp_path: Path) -> None:
     """The same check fails when an AVX2 object is declared built without ISA flags."""
     check_isa = _check_isa_module()
-    build = _this_build()
+    (tmp_path / "scratch").mkdir()
+    build, _ = _this_build(check_isa, tmp_path / "scratch")
     (obj,) = build.rglob("quant_avx2.c.o")
-    fake = tmp_path / "CMakeFiles" / "ellm_kernels.dir" / "csrc"
+    fake = tmp_path / "fake" / "CMakeFiles" / "ellm_kernels.dir" / "csrc"
     fake.mkdir(parents=True)
     shutil.copy(obj, fake / obj.name)
     (dispatch,) = build.rglob("dispatch.c.o")
     shutil.copy(dispatch, fake / dispatch.name)
-    commands = [{"directory": str(tmp_path), "file": f"csrc/{o.name[:-2]}",
+    commands = [{"directory": str(tmp_path / "fake"), "file": f"csrc/{o.name[:-2]}",
                  "output": f"CMakeFiles/ellm_kernels.dir/csrc/{o.name}",
                  "command": f"cc -O3 -c csrc/{o.name[:-2]} -o CMakeFiles/ellm_kernels.dir/csrc/{o.name}"}
                 for o in (obj, dispatch)]
-    (tmp_path / "compile_commands.json").write_text(json.dumps(commands))
-    problems = check_isa.check(tmp_path, [])
+    (tmp_path / "fake" / "compile_commands.json").write_text(json.dumps(commands))
+    problems = check_isa.check(tmp_path / "fake", [])
     assert problems and all("quant_avx2.c.o" in p for p in problems), problems

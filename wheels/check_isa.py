@@ -144,8 +144,11 @@ def _with_symbols(mod: Path, build_dir: Path, scratch: Path) -> Path | None:
         return mod
     want = _text(mod, scratch)
     for twin in sorted(build_dir.rglob(mod.name)):
-        if _has_symtab(twin) and _text(twin, scratch) == want:
-            return twin
+        try:
+            if _has_symtab(twin) and _text(twin, scratch) == want:
+                return twin
+        except subprocess.CalledProcessError:
+            continue  # another machine's build (wheels/cross.sh): binutils cannot read it
     return None
 
 
@@ -191,9 +194,21 @@ def classify(build: Path) -> tuple[list[Path], list[Path], list[str]]:
     return baseline, variants, problems
 
 
+def wheel_builds(build_dir: Path) -> list[Path]:
+    """The CMake build folders under build_dir, but wheels/cross.sh's (ELLM_KERNELS_ONLY:
+    the kernels cross-built for other machines, never part of a wheel)."""
+    found = []
+    for cc in sorted(build_dir.rglob("compile_commands.json")):
+        cache = cc.parent / "CMakeCache.txt"
+        if cache.is_file() and "ELLM_KERNELS_ONLY:BOOL=ON" in cache.read_text(errors="replace"):
+            continue
+        found.append(cc.parent)
+    return found
+
+
 def check(build_dir: Path, binaries: list[Path]) -> list[str]:
     """Every problem found, as lines to print; empty when the baseline is clean."""
-    builds = sorted(p.parent for p in build_dir.rglob("compile_commands.json"))
+    builds = wheel_builds(build_dir)
     if not builds:
         return [f"no compile_commands.json under {build_dir} (CMAKE_EXPORT_COMPILE_COMMANDS)"]
     problems: list[str] = []
