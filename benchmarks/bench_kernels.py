@@ -15,6 +15,12 @@ matrix, where the weights do not fit in cache. It takes ~15 s:
 
     python benchmarks/bench_kernels.py [--levels avx2,avx512] [--types Q4_1,Q8_0] [--threads N]
 
+Llama-3.2-1B's matrices (q/o, k/v, gate/up, down, the tied head), decode from DRAM, against
+benchmarks/bench_stream.py's figure:
+
+    python benchmarks/bench_kernels.py --types Q4_K,Q6_K,Q8_0 --prefill-tokens 512 --cold-mb 256 \
+        --shapes 2048x2048,512x2048,8192x2048,2048x8192,128256x2048 --threads 1
+
 On a machine others are using, wall-clock times (and any multi-thread run) measure the
 neighbours; `--threads 1 --cpu-time` times the kernels by this thread's CPU time, which
 stays steady under load.
@@ -47,6 +53,7 @@ bytes; what grouping and the weighted sum cost):
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -267,6 +274,9 @@ def main() -> None:
                     help="time linear with and without the bias epilogue instead")
     ap.add_argument("--shapes", default=None,
                     help="N x K matrices instead of SmolLM2's, e.g. 1024x640,640x2048 (Gemma 3)")
+    ap.add_argument("--cold-mb", type=float, default=0.0,
+                    help="decode from DRAM: cycle each matrix's calls through copies of it "
+                         "filling this many MB (past the L3), so no call finds its weights cached")
     args = ap.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
@@ -309,6 +319,9 @@ def main() -> None:
             if k % blk:
                 continue
             w = make_weights(qtype, n, k, rng)
+            # --cold-mb: copies (rows rotated, so no two share bytes) that the decode calls take in turn
+            copies = [w] + [np.roll(w, i + 1, axis=0) for i in range(int(args.cold_mb * 1e6 // w.nbytes))]
+            turn = itertools.count()
             x1 = rng.standard_normal((1, k), dtype=np.float32)
             y1 = np.empty((1, n), np.float32)
             xps = {T: rng.standard_normal((T, k), dtype=np.float32) for T in Ts}
@@ -318,7 +331,8 @@ def main() -> None:
                     continue  # seconds per call, and says nothing the small shapes don't
                 _core.set_simd_level(level)
                 _quant.set_simd_level(level)  # the kernels' own copy of the level
-                dec = time_call(lambda: _quant.linear(x1, w, qtype, y1), args.budget, 3, clock)
+                dec = time_call(lambda: _quant.linear(x1, copies[next(turn) % len(copies)], qtype, y1),
+                                args.budget, 3, clock)
                 gbs = w.nbytes / dec / 1e9
                 cols = []
                 for T in Ts:

@@ -228,7 +228,7 @@ def main() -> int:
     p.add_argument("--llamacpp-pythonpath", default=None,
                    help="extra PYTHONPATH for that Python only (e.g. its server extras installed with --target)")
     p.add_argument("--ray-replicas", type=int, default=0, metavar="N",
-                   help="also run `ellm serve --replicas N` (Ray Serve, needs ellm[ray]) with --threads split "
+                   help="also run `ellm serve --replicas N` (Ray Serve, needs ellm-engine[ray]) with --threads split "
                         "between the replicas, alternating with the single process")
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--ellm-pythons", default=sys.executable,

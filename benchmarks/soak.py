@@ -11,6 +11,12 @@ random mix of:
   hostile     parameters no kernel can represent, wrong types, lone surrogates, integers
               of thousands of digits, bad token ids (each must be a 4xx)
   oversized   prompts over the character limit or the context (4xx, refused before work)
+  constrained a valid guided_choice / json_schema / regex / grammar request (200), or a
+              hostile one: a 3,000-rule chain, 20,000 choices, a $ref cycle, a schema as
+              JSON text nested 5,000 deep (each must be a 4xx, the server alive)
+  vision      (--vision, a vision model) a chat with an image as a data: URL, or as an
+              http URL of a local image host (allowed by name), some of them slow (3 s):
+              a slow fetch must not hold up anyone else's text chat
 while a prober in a process of its own asks /health every 50 ms. Afterwards it checks, and prints as JSON:
   - no answer was a 5xx and no client saw a transport error other than its own cancel;
   - every KV block came back (ellm_kv_blocks_used == 0, nothing running or waiting);
@@ -43,11 +49,77 @@ _LAUNCH = r"""
 import sys, uvicorn, ellm
 from ellm.server import create_app
 from ellm.server.timeouts import header_timeout_protocol
-llm = ellm.load(sys.argv[1], max_model_len=int(sys.argv[3]), max_num_seqs=int(sys.argv[4]), progress=False)
-app = create_app(llm, served_model_name="m", max_queue=256)
+template = sys.argv[6] or None
+llm = ellm.load(sys.argv[1], max_model_len=int(sys.argv[3]), max_num_seqs=int(sys.argv[4]), progress=False,
+                chat_template=template)
+app = create_app(llm, served_model_name="m", max_queue=256, allow_image_urls=True,
+                 allowed_image_hosts=("127.0.0.1",))
 app.state.server.cfg.max_prompt_chars = int(sys.argv[5])
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning", http=header_timeout_protocol(10))
 """
+
+# The tiny SmolVLM's chat template (tests/test_vision_api.py): its tokenizer carries none.
+SMOLVLM_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}:{% if m['content'] is string %} "
+                    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>"
+                    "{% else %} {{ p['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+                    "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def _png(seed: int) -> bytes:
+    """A small PNG of noise (Pillow: the vision extra's)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _image_host() -> tuple[str, Any]:
+    """A local image host in a thread: /img.png at once, /slow.png after 3 s."""
+    import http.server
+    import threading
+    body = _png(7)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:   # noqa: N802
+            if self.path.startswith("/slow"):
+                time.sleep(3.0)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}", srv
+
+
+def _constraints(rng: random.Random) -> tuple[dict[str, Any], bool]:
+    """A structured-output field set, and whether it is valid."""
+    valid = [
+        {"guided_choice": ["red", "green", "blue"]},
+        {"guided_choice": [f"option {k}" for k in range(rng.choice([100, 2000]))]},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}},
+        {"guided_regex": "[a-z]{1,8}"},
+        {"guided_grammar": 'start: "yes" | "no"'},
+    ]
+    hostile = [
+        {"guided_grammar": "\n".join(["start: r0"] + [f'r{k}: "x" r{k + 1} | "y"' for k in range(3000)] + ['r3000: "z"'])},
+        {"guided_choice": [f"o{k}" for k in range(20_000)]},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+        {"guided_json": "[" * 5000 + "]" * 5000},
+    ]
+    if rng.random() < 0.75:
+        return rng.choice(valid), True
+    return rng.choice(hostile), False
 
 GREEDY = {"prompt": "The three primary colours are", "max_tokens": 24, "temperature": 0}
 
@@ -108,13 +180,18 @@ class Soak:
         self.health_ms: list[float] = []
         self.rss: list[tuple[float, int]] = []
         self.stop = asyncio.Event()
+        self.image_url = ""
+        self.prompt_repeat = 8 if args.vision else 20   # (the tiny SmolVLM's context is 256 tokens)
 
     async def client(self, i: int) -> None:
         rng = random.Random(i)
         limits = httpx.Limits(max_connections=4)
         async with httpx.AsyncClient(base_url=self.url, timeout=300, limits=limits) as c:
             while not self.stop.is_set():
-                kind = rng.choices(["stream", "cancel", "plain", "hostile", "oversized"], [3, 2, 2, 3, 1])[0]
+                kinds, weights = ["stream", "cancel", "plain", "hostile", "oversized", "constrained"], [3, 2, 2, 3, 1, 2]
+                if self.args.vision:
+                    kinds, weights = kinds + ["vision"], weights + [2]
+                kind = rng.choices(kinds, weights)[0]
                 self.kinds[kind] += 1
                 try:
                     await getattr(self, kind)(c, rng)
@@ -134,11 +211,13 @@ class Soak:
         if rng.random() < 0.5:
             return "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about " + rng.choice(
                 ["rivers", "bread", "stars", "cats"])}], **{k: v for k, v in params.items() if k != "logprobs"}}
-        return "/v1/completions", {"prompt": "Once upon a time " * rng.randint(1, 20), **params}
+        return "/v1/completions", {"prompt": "Once upon a time " * rng.randint(1, self.prompt_repeat), **params}
 
     async def stream(self, c: httpx.AsyncClient, rng: random.Random) -> None:
         path, body = self._body(rng, True)
         async with c.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
             chunks = [line async for line in r.aiter_lines() if line.startswith("data: ")]
         self._count(r, "stream", True)
         if r.status_code == 200 and (not chunks or chunks[-1] != "data: [DONE]"):
@@ -173,6 +252,35 @@ class Soak:
         else:                   # under it but over the context: refused after tokenizing
             prompt = "hello " * (self.args.max_model_len * 2)
         self._count(await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}), "oversized", False)
+
+    async def constrained(self, c: httpx.AsyncClient, rng: random.Random) -> None:
+        fields, valid = _constraints(rng)
+        body = {"messages": [{"role": "user", "content": "Answer."}], "max_tokens": 16, "temperature": 0.7,
+                "seed": rng.randint(0, 99), **fields}
+        self._count(await c.post("/v1/chat/completions", json=body), "constrained", valid)
+
+    async def vision(self, c: httpx.AsyncClient, rng: random.Random) -> None:
+        import base64
+        r_ = rng.random()
+        if r_ < 0.4:
+            url = "data:image/png;base64," + base64.b64encode(_png(rng.randint(0, 3))).decode()
+        elif r_ < 0.8:
+            url = self.image_url + "/img.png"
+        else:
+            url = self.image_url + "/slow.png"
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": "What is this?"}]}],
+                "max_tokens": rng.randint(1, 12), "temperature": 0.7, "stream": rng.random() < 0.5}
+        if body["stream"]:
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                chunks = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            self._count(r, "vision", True)
+            if r.status_code == 200 and (not chunks or chunks[-1] != "data: [DONE]"):
+                self.errors.append("vision: no [DONE]")
+        else:
+            self._count(await c.post("/v1/chat/completions", json=body), "vision", True)
 
     async def rss_sampler(self, pid: int | None) -> None:
         while pid is not None and not self.stop.is_set():
@@ -218,7 +326,10 @@ def main() -> int:
     ap.add_argument("--max-prompt-chars", type=int, default=100_000)
     ap.add_argument("--health-ms", type=float, default=100.0)
     ap.add_argument("--rss-slack", type=float, default=0.10, help="allowed RSS growth, a fraction")
+    ap.add_argument("--vision", action="store_true",
+                    help="--model is a tiny SmolVLM folder (tests/goldens/tiny_vision_models.py): add vision requests")
     args = ap.parse_args()
+    image_url, image_srv = _image_host()
 
     proc = None
     url = args.url
@@ -226,7 +337,8 @@ def main() -> int:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, args.model, str(port), str(args.max_model_len),
-                                 str(args.max_num_seqs), str(args.max_prompt_chars)],
+                                 str(args.max_num_seqs), str(args.max_prompt_chars),
+                                 SMOLVLM_TEMPLATE if args.vision else ""],
                                 stdout=subprocess.DEVNULL, stderr=open(os.devnull, "wb"))
         for _ in range(900):
             try:
@@ -237,6 +349,7 @@ def main() -> int:
     try:
         before = httpx.post(url + "/v1/completions", json=GREEDY, timeout=300).json()["choices"][0]["text"]
         soak = Soak(url, args)
+        soak.image_url = image_url
         t0 = time.perf_counter()
         asyncio.run(soak.run(proc.pid if proc else None))
         wall = time.perf_counter() - t0
@@ -266,7 +379,8 @@ def main() -> int:
     }
     report = {
         "clients": args.clients, "seconds": round(wall, 1), "requests": dict(soak.kinds), "status": dict(soak.status),
-        "errors": soak.errors[:20], "n_errors": len(soak.errors), "gauges_after": g,
+        "errors": soak.errors[:20], "n_errors": len(soak.errors),
+        "error_kinds": dict(Counter(e[:60] for e in soak.errors).most_common(10)), "gauges_after": g,
         "health_ms": {"n": len(h), "p50": round(h[len(h) // 2], 1) if h else None,
                       "p99": round(h[int(len(h) * 0.99)], 1) if h else None, "max": round(h[-1], 1) if h else None},
         "rss_mb": {"warm_median": rss_warm and round(rss_warm / 1024, 1), "end_median": rss_end and round(rss_end / 1024, 1),

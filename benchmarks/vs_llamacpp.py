@@ -7,6 +7,9 @@ ratios ellm / peer.
 
     python benchmarks/vs_llamacpp.py --models smollm2-135m-instruct gemma-3-270m --rounds 5
     python benchmarks/vs_llamacpp.py --install-llamacpp   # builds llama-cpp-python in benchmarks/.venv-llamacpp
+    python benchmarks/vs_llamacpp.py --models ~/.cache/ellm/random/llama-3.2-1b-Q4_K_M.gguf  # any GGUF path
+
+(benchmarks/make_random_gguf.py makes random-weight GGUF files of real 1B-8B shapes.)
 
 transformers (torch CPU) runs on the dequantized f32 folder when --hf-python points at a
 Python with transformers and the folder exists (tests/goldens/make.py --folders makes it).
@@ -212,20 +215,31 @@ def loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
+def run_label(name: str) -> str:
+    """A file-name-safe label for a model given by name or by path (a GGUF file of any
+    shape, e.g. from make_random_gguf.py): the name itself, or the file's stem."""
+    from ellm import hub
+    if name.strip().lower() in hub.KNOWN_MODELS:
+        return name.strip().lower()
+    path = Path(name).expanduser()
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
 def bench_model(name: str, args: argparse.Namespace) -> list[str]:
     import ellm
     from ellm import hub
     from ellm.bench import bench_prompt
     resolved = hub.resolve(name)
-    llm = ellm.load(name, progress=False, max_model_len=2048)
+    llm = ellm.load(str(resolved.path), progress=False, max_model_len=2048)
     ids = bench_prompt(llm, max([512] + args.contexts))
     del llm
-    ids_file = HERE / f".ids-{name}.json"
+    label = run_label(name)
+    ids_file = HERE / f".ids-{label}.json"
     ids_file.write_text(json.dumps(ids))
     engines = {"ellm": (sys.executable, str(resolved.path))}
     if args.llamacpp_python:
         engines["llama.cpp"] = (args.llamacpp_python, str(resolved.path))
-    hf_folder = hub.cache_dir() / "hf" / f"{name}-f32"
+    hf_folder = hub.cache_dir() / "hf" / f"{label}-f32"
     if args.hf_python and hf_folder.exists():
         engines["transformers"] = (args.hf_python, str(hf_folder))
     results: dict[str, list[dict]] = {e: [] for e in engines}
@@ -245,7 +259,7 @@ def bench_model(name: str, args: argparse.Namespace) -> list[str]:
     cols = ["prefill128", "prefill512", "decode128"] + ctx_cols + ["rss_mb"]
     heads = (["prefill tok/s @128", "prefill tok/s @512", "decode tok/s (128 new)"]
              + [f"decode tok/s at context {c}" for c in args.contexts] + ["peak RSS MB"])
-    lines = [f"### {name} ({args.threads} threads, medians of {args.rounds} rounds)", "",
+    lines = [f"### {label} ({args.threads} threads, medians of {args.rounds} rounds)", "",
              "| engine | " + " | ".join(heads) + " |", "| --- " * (len(heads) + 1) + "|"]
     for e, m in med.items():
         lines.append(f"| {e} | " + " | ".join(f"{m[k]:.0f}" if k == "rss_mb" else f"{m[k]:.1f}" if k in m
@@ -272,7 +286,8 @@ def context_list(text: str) -> list[int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"])
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma-3-270m"],
+                    help="known model names or GGUF paths (e.g. benchmarks/make_random_gguf.py's files)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--llamacpp-python", default=None,

@@ -2,7 +2,25 @@
  * tile kernels. Include only from files built with -mamx-tile. */
 #ifndef ELLM_AMX_TILE_H
 #define ELLM_AMX_TILE_H
+#include <immintrin.h>
 #include <stdint.h>
+
+/* MinGW-w64's GCC 12 passes the tile stride of these three as a `long`, 32 bits on
+ * Windows, and the assembler refuses a 32-bit index register: the same instructions with
+ * a 64-bit stride. */
+#if defined(_WIN32) && defined(__GNUC__) && !defined(__clang__)
+#undef _tile_loadd_internal
+#undef _tile_stream_loadd_internal
+#undef _tile_stored_internal
+#define ELLM_TILE_ASM_(op, t, base, stride, ...) \
+    __asm__ volatile(op : : "r"(base), "r"((int64_t)(stride))__VA_ARGS__)
+#define _tile_loadd_internal(t, base, stride) \
+    ELLM_TILE_ASM_("{tileloadd\t(%0,%1,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%0+%1*1]}", t, (const void *)(base), stride)
+#define _tile_stream_loadd_internal(t, base, stride) \
+    ELLM_TILE_ASM_("{tileloaddt1\t(%0,%1,1), %%tmm" #t "|tileloaddt1\t%%tmm" #t ", [%0+%1*1]}", t, (const void *)(base), stride)
+#define _tile_stored_internal(t, base, stride) \
+    ELLM_TILE_ASM_("{tilestored\t%%tmm" #t ", (%0,%1,1)|tilestored\t[%0+%1*1], %%tmm" #t "}", t, (void *)(base), stride, : "memory")
+#endif
 
 typedef struct __attribute__((packed, aligned(64))) {
     uint8_t palette, start_row, reserved[14];

@@ -12,19 +12,41 @@
 #endif
 
 #ifdef ELLM_X86
+#ifdef _MSC_VER
+#include <intrin.h> /* MSVC and clang-cl: __cpuidex, _xgetbv */
+#else
 #include <cpuid.h>
+#endif
 #ifdef __linux__
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
-/* CPUID leaf 7 and XGETBV read directly (not __builtin_cpu_supports, which needs a
- * runtime symbol some toolchains lack): a feature counts only if the OS also saves the
- * register state it needs. */
+/* CPUID and XGETBV read directly (not __builtin_cpu_supports, which needs a runtime
+ * symbol, __cpu_model, that Apple's and Microsoft's toolchains lack): a feature counts
+ * only if the OS also saves the register state it needs. */
 static uint64_t xgetbv0(void) {
+#ifdef _MSC_VER
+    return (uint64_t)_xgetbv(0);
+#else
     uint32_t lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     return ((uint64_t)hi << 32) | lo;
+#endif
+}
+
+/* CPUID leaf, subleaf -> a b c d; 0 when the CPU does not have that leaf. */
+static int cpuid(unsigned leaf, unsigned sub, unsigned *a, unsigned *b, unsigned *c, unsigned *d) {
+#ifdef _MSC_VER
+    int r[4];
+    __cpuid(r, (int)(leaf & 0x80000000u));
+    if ((unsigned)r[0] < leaf) return 0;
+    __cpuidex(r, (int)leaf, (int)sub);
+    *a = (unsigned)r[0], *b = (unsigned)r[1], *c = (unsigned)r[2], *d = (unsigned)r[3];
+    return 1;
+#else
+    return __get_cpuid_count(leaf, sub, a, b, c, d);
+#endif
 }
 
 typedef struct {
@@ -34,13 +56,13 @@ typedef struct {
 
 static x86_feature_set x86_features(void) {
     unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0, 0};
+    if (!cpuid(1, 0, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0, 0};
     int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
     if (!osxsave || !avx) return (x86_feature_set){0, 0, 0, 0, 0};
     uint64_t xcr0 = xgetbv0();
     int ymm_ok = (xcr0 & 0x6) == 0x6;            /* SSE + AVX state */
     int zmm_ok = ymm_ok && (xcr0 & 0xe0) == 0xe0; /* opmask + ZMM state */
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0, 0};
+    if (!cpuid(7, 0, &a, &b, &c, &d)) return (x86_feature_set){0, 0, 0, 0, 0};
     int avx2 = ymm_ok && ((b >> 5) & 1) && fma && f16c;
     int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
     int avx512 = avx2 && zmm_ok && f && dq && bw && vl;
@@ -63,6 +85,77 @@ static int amx_permitted(void) {
 #endif
 }
 #endif
+
+#ifdef ELLM_ARM64
+#if defined(__linux__)
+#include <sys/auxv.h>
+#define ELLM_HWCAP_ASIMDDP (1ul << 20) /* <asm/hwcap.h>: AT_HWCAP */
+#define ELLM_HWCAP2_I8MM (1ul << 13)   /* AT_HWCAP2 */
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#elif defined(_WIN32)
+#define WIN32_LEAN_AND_MEAN
+#include <windows.h>
+#endif
+
+#ifdef __APPLE__
+static int sysctl_flag(const char *name) {
+    int v = 0;
+    size_t n = sizeof v;
+    return sysctlbyname(name, &v, &n, NULL, 0) == 0 && v != 0;
+}
+#endif
+
+/* The optional extensions of the NEON level: SDOT/UDOT (Armv8.2 dotprod) and the int8
+ * matrix multiply (Armv8.6 i8mm), as the OS reports them. */
+static int arm_detect(void) {
+    int f = 0;
+#if defined(__linux__)
+    if (getauxval(AT_HWCAP) & ELLM_HWCAP_ASIMDDP) f |= ELLM_NEON_DOTPROD;
+    if (getauxval(AT_HWCAP2) & ELLM_HWCAP2_I8MM) f |= ELLM_NEON_I8MM;
+#elif defined(__APPLE__)
+    if (sysctl_flag("hw.optional.arm.FEAT_DotProd")) f |= ELLM_NEON_DOTPROD;
+    if (sysctl_flag("hw.optional.arm.FEAT_I8MM")) f |= ELLM_NEON_I8MM;
+#elif defined(_WIN32)
+    if (IsProcessorFeaturePresent(43 /* PF_ARM_V82_DP_INSTRUCTIONS_AVAILABLE */)) f |= ELLM_NEON_DOTPROD;
+#endif
+    /* every CPU with i8mm has dotprod; the i8mm kernels use both */
+    if (!(f & ELLM_NEON_DOTPROD)) f = 0;
+    return f;
+}
+#endif
+
+static atomic_int neon_best = -1;
+static atomic_int neon_active = -1;
+
+int ellm_neon_features_best(void) {
+    int f = atomic_load(&neon_best);
+    if (f < 0) {
+#ifdef ELLM_ARM64
+        f = arm_detect();
+#else
+        f = 0;
+#endif
+        atomic_store(&neon_best, f);
+    }
+    return f;
+}
+
+int ellm_neon_features(void) {
+    int f = atomic_load_explicit(&neon_active, memory_order_relaxed);
+    if (f < 0) {
+        f = ellm_neon_features_best();
+        atomic_store(&neon_active, f);
+    }
+    return f;
+}
+
+int ellm_neon_set_features(int mask) {
+    int best = ellm_neon_features_best();
+    if (mask < 0 || (mask & ~best) || ((mask & ELLM_NEON_I8MM) && !(mask & ELLM_NEON_DOTPROD))) return -1;
+    atomic_store(&neon_active, mask);
+    return 0;
+}
 
 static int detect(void) {
 #ifdef ELLM_X86
@@ -110,7 +203,7 @@ int ellm_cpu_is_amd(void) {
 #ifdef ELLM_X86
         unsigned a, b, c, d;
         /* the vendor string is EBX, EDX, ECX: "Auth" "enti" "cAMD" */
-        if (__get_cpuid(0, &a, &b, &c, &d)) v = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
+        if (cpuid(0, 0, &a, &b, &c, &d)) v = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
 #endif
         atomic_store(&is_amd, v);
     }

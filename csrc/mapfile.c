@@ -1,8 +1,89 @@
-/* Read-only memory maps of model files: weights stay in the page cache, never copied. */
+/* Read-only memory maps of model files: weights stay in the page cache, never copied.
+ * POSIX mmap, or on Windows a file mapping object (CreateFileMapping + MapViewOfFile). */
 #define _GNU_SOURCE
 #include "mapfile.h"
 
 #include <errno.h>
+#include <stdlib.h>
+
+#ifdef _WIN32
+#ifndef _WIN32_WINNT
+#define _WIN32_WINNT 0x0602 /* Windows 8: PrefetchVirtualMemory */
+#endif
+#include <windows.h>
+
+/* errno values for the Windows errors a map can meet (the caller prints strerror). */
+static int win_errno(DWORD e) {
+    switch (e) {
+    case ERROR_FILE_NOT_FOUND:
+    case ERROR_PATH_NOT_FOUND:
+    case ERROR_INVALID_DRIVE: return ENOENT;
+    case ERROR_ACCESS_DENIED:
+    case ERROR_SHARING_VIOLATION:
+    case ERROR_LOCK_VIOLATION: return EACCES;
+    case ERROR_NOT_ENOUGH_MEMORY:
+    case ERROR_OUTOFMEMORY:
+    case ERROR_COMMITMENT_LIMIT: return ENOMEM;
+    case ERROR_FILENAME_EXCED_RANGE: return ENAMETOOLONG;
+    default: return EIO;
+    }
+}
+
+int ellm_map_open(const char *path, ellm_map *out) {
+    out->data = NULL;
+    out->size = 0;
+    /* path is UTF-8 (Python's os.fsencode on Windows): the wide API takes any name */
+    int n = MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, path, -1, NULL, 0);
+    if (n <= 0) return EINVAL;
+    WCHAR *wpath = (WCHAR *)malloc((size_t)n * sizeof(WCHAR));
+    if (!wpath) return ENOMEM;
+    MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, path, -1, wpath, n);
+    /* FILE_SHARE_DELETE too: like POSIX, the file may be renamed or unlinked while mapped */
+    HANDLE f = CreateFileW(wpath, GENERIC_READ, FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
+                           NULL, OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, NULL);
+    free(wpath);
+    if (f == INVALID_HANDLE_VALUE) return win_errno(GetLastError());
+    LARGE_INTEGER size;
+    /* a directory, pipe or device is refused as not a regular file (EINVAL, as on POSIX) */
+    if (GetFileType(f) != FILE_TYPE_DISK || !GetFileSizeEx(f, &size)) {
+        CloseHandle(f);
+        return EINVAL;
+    }
+    if (size.QuadPart == 0) { /* a mapping of length 0 is an error; an empty map is not */
+        CloseHandle(f);
+        return 0;
+    }
+    if ((unsigned long long)size.QuadPart > (unsigned long long)SIZE_MAX) {
+        CloseHandle(f);
+        return EFBIG;
+    }
+    HANDLE m = CreateFileMappingW(f, NULL, PAGE_READONLY, 0, 0, NULL);
+    DWORD e = GetLastError();
+    CloseHandle(f); /* the mapping object keeps the file open */
+    if (!m) return win_errno(e);
+    void *p = MapViewOfFile(m, FILE_MAP_READ, 0, 0, 0);
+    e = GetLastError();
+    CloseHandle(m); /* the view keeps the mapping object alive */
+    if (!p) return win_errno(e);
+    out->data = (const uint8_t *)p;
+    out->size = (size_t)size.QuadPart;
+    return 0;
+}
+
+void ellm_map_close(ellm_map *m) {
+    if (m->data) UnmapViewOfFile((LPCVOID)m->data);
+    m->data = NULL;
+    m->size = 0;
+}
+
+void ellm_map_advise_willneed(const ellm_map *m, size_t offset, size_t len) {
+    if (!m->data || offset >= m->size) return;
+    if (len > m->size - offset) len = m->size - offset;
+    WIN32_MEMORY_RANGE_ENTRY range = {(PVOID)(m->data + offset), len};
+    PrefetchVirtualMemory(GetCurrentProcess(), 1, &range, 0); /* a hint: failure is fine */
+}
+
+#else /* POSIX */
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -52,3 +133,4 @@ void ellm_map_advise_willneed(const ellm_map *m, size_t offset, size_t len) {
     size_t start = offset - offset % (size_t)page;
     madvise((void *)(m->data + start), len + (offset - start), MADV_WILLNEED);
 }
+#endif

@@ -370,6 +370,14 @@ ellm_qdot_fn ellm_qdot_select(int qtype) {
     if (level >= ELLM_SIMD_AVX512) f = ellm_qdot_avx512(qtype, ellm_cpu_has_vnni());
     if (!f && level >= ELLM_SIMD_AVX2) f = ellm_qdot_avx2(qtype);
 #endif
+#ifdef ELLM_HAVE_NEON_KERNELS
+    if (ellm_simd_level() == ELLM_SIMD_NEON) {
+        const int ext = ellm_neon_features();
+        if (ext & ELLM_NEON_I8MM) f = ellm_qdot_neon_i8mm_select(qtype);
+        else if (ext & ELLM_NEON_DOTPROD) f = ellm_qdot_neon_dotprod(qtype);
+        if (!f) f = ellm_qdot_neon(qtype);
+    }
+#endif
     return f ? f : ellm_qdot_scalar(qtype);
 }
 

@@ -172,6 +172,14 @@ ellm_qgemm_fn ellm_qgemm_avx2(int qtype);
 ellm_qgemm_fn ellm_qgemm_avx512(int qtype, int vnni);
 ellm_fmm_fn ellm_fmm_avx512(int qtype);
 #endif
+#if defined(__aarch64__)
+#define ELLM_HAVE_NEON_KERNELS 1
+/* quant_neon.c (plain NEON), quant_neon_dotprod.c (SDOT): NULL where none */
+ellm_qdot_fn ellm_qdot_neon(int qtype);
+ellm_qdot_fn ellm_qdot_neon_dotprod(int qtype);
+/* quant_neon_i8mm.c: SMMLA kernels where there are some, else its SDOT ones */
+ellm_qdot_fn ellm_qdot_neon_i8mm_select(int qtype);
+#endif
 /* 1 when the CPU has AVX512-VNNI (vpdpbusd), checked apart from the AVX-512 level;
  * always 0 off x86. */
 int ellm_cpu_has_vnni(void);

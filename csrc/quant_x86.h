@@ -76,7 +76,8 @@ INLINE float hmax8(__m256 v) {
 
 INLINE float f16_at(const uint8_t *p) { return _cvtsh_ss(ellm_rd_u16(p)); }
 
-/* Software prefetch distance of the K-quant decode kernels, which read one row at a time:
+/* Software prefetch distance of the K-quant decode kernels that read one row at a time
+ * (all but Q4_K / Q6_K at one token on AVX2, which read 4: qdot_k_rows):
  * a weight row (and the rows after it, which follow it in memory) is fetched this many
  * bytes ahead of the block being read. benchmarks/bench_stream.py: 2 threads read 14.8
  * GB/s with the hardware prefetcher alone and 19.2 with 2048 bytes of software prefetch.
@@ -1119,11 +1120,163 @@ KINLINE void qdot_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
     for (int t = 0; t < nt; t++) y[t * y_stride] = hsum8(acc[t]);
 }
 
+/* ------------------------------------------------------------------------------------
+ * Q4_K and Q6_K decode at one token: QXK_ROWS weight rows side by side (lane r = row r
+ * of the float steps). Per block the rows' integer dots are formed as in qdot_k45 /
+ * qdot_q6k_body (exact, so their order never shows), the rows' 8-lane partial sums
+ * reduced together (one hadd tree for all the rows, in place of one per row), and the
+ * float steps -- Q4_K fma(isum, d d_x), then fma(msum, -dmin d_x); Q6_K fma(isum, d d_x)
+ * -- run with row r in lane r: the same single-rounding operations per output as the
+ * one-row kernels, so the outputs are bit for bit theirs. Row nr - 1 stands in for the
+ * rows past nr (computed, never stored), so every load stays inside w.
+ *
+ * The rows advance together, each by one block a step, which the hardware prefetcher
+ * follows poorly: the next QXK_ROWS rows (contiguous, after these) are fetched at the
+ * pace these are read, as qdot32_rows8 does (fetching QX_PF_BYTES ahead in each of the
+ * 4 rows instead ran 1.3-1.9x slower from DRAM).
+ *
+ * AVX2 level, AMD EPYC Zen 3, one thread, by thread CPU time (the host under a load of
+ * ~20 from other work), old one-row kernel -> this one, same bits: 256 x 2048 in L2,
+ * best of 300 calls, Q4_K 21.9 -> 18.2 us (1.20x), Q6_K 24.1 -> 20.6 us (1.16x);
+ * through _quant.linear in cache 1.07-1.13x; Llama-3.2-1B's matrices from DRAM
+ * (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192, 128256 x 2048), medians of
+ * alternated calls, 0.96-1.12x, within the noise of that load; Gemma 3 270M decode 1.02x.
+ * (The AVX-512 level keeps its one-row kernels: not measured there.)
+ * ------------------------------------------------------------------------------------ */
+#define QXK_ROWS 4
+
+/* lanes 0-3 = the sums of v[0..3]'s 8 lanes */
+INLINE __m128i hsum4x8_epi32(const __m256i v[4]) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* Q4_K block b of one row against the token's act256 block a: *sumi the 8-lane partial
+ * sums of sum_j sc[j] (q_j . x_j), *msum those of sum_j mn[j] (bsum[2j] + bsum[2j+1]) */
+KINLINE void k4_block_isums(const uint8_t *b, const ellm_act256 *a, __m256i *sumi, __m256i *msum) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    __m256i sc16, mins;
+    k4_scales(b + 4, &sc16, &mins);
+    const uint8_t *qs = b + 16;
+    __m256i acc = _mm256_setzero_si256();
+    _Pragma("GCC unroll 4")
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        const __m256i ql = _mm256_and_si256(q, lo4);
+        const __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+        const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * 2 * c)));
+        const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
+        const __m256i p0 = _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(a->qs + 64 * c)));
+        const __m256i p1 = _mm256_maddubs_epi16(qhi, _mm256_loadu_si256((const __m256i *)(a->qs + 64 * c + 32)));
+        acc = _mm256_add_epi32(acc, DOT2_S16(p0, s0, p1, s1));
+    }
+    *sumi = acc;
+    *msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsums), mins);
+}
+
+/* Q6_K block b of one row against a: the 8-lane partial sums of isum (the +32 offset
+ * taken off), as qdot_q6k_body forms them */
+KINLINE __m256i q6k_block_isum(const uint8_t *b, const ellm_act256 *a) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const int8_t *sc = (const int8_t *)(b + 192);
+    __m256i sch[2];
+    scales16_halves(sc, sch);
+    __m256i sumi = _mm256_setzero_si256();
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(ql0, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
+        q[1] = _mm256_or_si256(_mm256_and_si256(ql1, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4), _mm256_and_si256(qh, top2));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
+        _Pragma("GCC unroll 2")
+        for (int r = 0; r < 4; r += 2) {
+            const __m256i s0 = scale_pair(sch[h], r), s1 = scale_pair(sch[h], r + 1);
+            const __m256i p0 = _mm256_maddubs_epi16(q[r], _mm256_loadu_si256((const __m256i *)(a->qs + 128 * h + 32 * r)));
+            const __m256i p1 = _mm256_maddubs_epi16(q[r + 1], _mm256_loadu_si256((const __m256i *)(a->qs + 128 * h + 32 * r + 32)));
+            sumi = _mm256_add_epi32(sumi, DOT2_S16(p0, s0, p1, s1));
+        }
+    }
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a->bsums), sc16);
+    return _mm256_sub_epi32(sumi, _mm256_slli_epi32(off, 5));
+}
+
+KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x,
+                         float *y) {
+    const int q4 = type == ELLM_T_Q4_K;
+    const size_t bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    const uint8_t *wr[QXK_ROWS];
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < QXK_ROWS; r++) wr[r] = w + (size_t)(r < nr ? r : nr - 1) * ws;
+    const uintptr_t next = (uintptr_t)w + QXK_ROWS * ws; /* the next rows (an integer: may lie past w) */
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const size_t off = (size_t)i * bs;
+        for (size_t o = QXK_ROWS * off; o < QXK_ROWS * (off + bs); o += 64)
+            _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
+        const ellm_act256 *a = x + i;
+        const __m128 ad = _mm_set1_ps(a->d);
+        __m256i is[QXK_ROWS];
+        if (q4) {
+            __m256i ms[QXK_ROWS];
+            uint32_t dm[QXK_ROWS]; /* (d, dmin) of each row */
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < QXK_ROWS; r++) {
+                k4_block_isums(wr[r] + off, a, &is[r], &ms[r]);
+                dm[r] = ellm_rd_u32(wr[r] + off);
+            }
+            /* halves d0 dmin0 d1 dmin1 ... -> d0..d3 | dmin0..dmin3 */
+            const __m256 f = _mm256_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]));
+            const __m256 g = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+            const __m128 d = _mm256_castps256_ps128(g), dmin = _mm256_extractf128_ps(g, 1);
+            const __m128 isum = _mm_cvtepi32_ps(hsum4x8_epi32(is)), msum = _mm_cvtepi32_ps(hsum4x8_epi32(ms));
+            acc = _mm_fmadd_ps(isum, _mm_mul_ps(d, ad), acc);
+            acc = _mm_fmadd_ps(msum, _mm_mul_ps(_mm_xor_ps(dmin, _mm_set1_ps(-0.0f)), ad), acc);
+        } else {
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < QXK_ROWS; r++) is[r] = q6k_block_isum(wr[r] + off, a);
+            const __m128 d = _mm_cvtph_ps(_mm_setr_epi16((short)ellm_rd_u16(wr[0] + off + 208),
+                                                         (short)ellm_rd_u16(wr[1] + off + 208),
+                                                         (short)ellm_rd_u16(wr[2] + off + 208),
+                                                         (short)ellm_rd_u16(wr[3] + off + 208), 0, 0, 0, 0));
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(is)), _mm_mul_ps(d, ad), acc);
+        }
+    }
+    float out[QXK_ROWS] __attribute__((aligned(16)));
+    _mm_store_ps(out, acc);
+    for (int r = 0; r < nr; r++) y[r] = out[r];
+}
+_Static_assert(QXK_ROWS == 4, "qdot_k_rows spells out 4 rows");
+
+/* Q4_K / Q6_K: one token in row tiles (qdot_k_rows); several, row by row as DEFINE_QDOT */
+#define DEFINE_QDOT_K_ROWS(name, body_fn, TYPE)                                              \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        if (nt == 1) {                                                                       \
+            for (int64_t r = 0; r < nr; r += QXK_ROWS)                                       \
+                qdot_k_rows(TYPE, nb, w + (size_t)r * ws, ws, nr - r < QXK_ROWS ? (int)(nr - r) : QXK_ROWS, \
+                            (const ellm_act256 *)x, y + r);                                  \
+            return;                                                                          \
+        }                                                                                    \
+        for (int64_t r = 0; r < nr; r++)                                                     \
+            QX_FOR_TOKEN_TILES(nt, x, xs, y + r, ys, body_fn, TYPE, nb, w + (size_t)r * ws)  \
+    }
+
 DEFINE_QDOT(qdot_q2_k, qdot_k23, ELLM_T_Q2_K)
 DEFINE_QDOT(qdot_q3_k, qdot_k23, ELLM_T_Q3_K)
-DEFINE_QDOT(qdot_q4_k, qdot_k45, ELLM_T_Q4_K)
 DEFINE_QDOT(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
+#if QX_ZMM
+DEFINE_QDOT(qdot_q4_k, qdot_k45, ELLM_T_Q4_K)
 DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
+#else
+DEFINE_QDOT_K_ROWS(qdot_q4_k, qdot_k45, ELLM_T_Q4_K)
+DEFINE_QDOT_K_ROWS(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
+#endif
 
 /* ====================================================================================
  * Q4_K and Q6_K, many tokens: R weight rows against NG groups of ELLM_TG tokens (lane t =

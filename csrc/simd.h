@@ -24,6 +24,16 @@ int ellm_simd_level(void);
 /* Forces a level; returns 0, or -1 when the CPU or build lacks it. */
 int ellm_simd_set(int level);
 const char *ellm_simd_name(int level);
+/* The NEON level's optional extensions (aarch64), a bit mask: the kernels of the NEON
+ * level take the best variant these allow (plain NEON, SDOT, or SDOT + SMMLA). */
+enum { ELLM_NEON_DOTPROD = 1, ELLM_NEON_I8MM = 2 };
+/* What the CPU (and OS) offer; 0 off aarch64. */
+int ellm_neon_features_best(void);
+/* What the kernels use now. */
+int ellm_neon_features(void);
+/* Restricts the kernels to a subset of ellm_neon_features_best() (i8mm needs dotprod);
+ * returns 0, or -1 for a mask the CPU lacks. */
+int ellm_neon_set_features(int mask);
 /* AVX-512 VNNI (vpdpbusd) usable: lets the AVX-512 integer dot kernels use it. */
 int ellm_cpu_has_avx512_vnni(void);
 /* An AMD CPU (CPUID vendor "AuthenticAMD"; asked once): decode of a matrix too large for

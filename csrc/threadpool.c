@@ -20,6 +20,11 @@
  * inside a task, and any call with a single chunk run serially on the calling thread.
  * After fork() the child has no workers; the atfork handler resets the pool so the
  * first call in the child starts fresh ones.
+ *
+ * Platforms: POSIX threads, sleeping on a futex on Linux and on one condition variable
+ * elsewhere (macOS; or anywhere with -DELLM_THREADPOOL_CONDVAR, which the cross tests
+ * build so that path stays tested); Win32 threads, an SRW lock and WaitOnAddress on
+ * Windows.
  */
 #if defined(__linux__) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE
@@ -27,21 +32,33 @@
 #include "threadpool.h"
 
 #include <limits.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#ifdef _WIN32
+#define ELLM_WIN32_THREADS 1
+#ifndef _WIN32_WINNT
+#define _WIN32_WINNT 0x0602 /* Windows 8: WaitOnAddress */
+#endif
+#define WIN32_LEAN_AND_MEAN
+#include <windows.h>
+#else
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
-#include <stdatomic.h>
-#include <stdint.h>
 #include <time.h>
 #include <unistd.h>
+#endif
 
-#if defined(__linux__)
+#if defined(__linux__) && !defined(ELLM_THREADPOOL_CONDVAR)
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #define ELLM_HAVE_FUTEX 1
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(_WIN32)
+#define cpu_relax() YieldProcessor()
+#elif defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
 #elif defined(__aarch64__)
 #define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
@@ -63,6 +80,17 @@ static void word_wait(atomic_uint *w, unsigned expected) {
 static void word_wake(atomic_uint *w, int count) {
     syscall(SYS_futex, (unsigned *)w, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0);
 }
+#elif defined(ELLM_WIN32_THREADS)
+/* WaitOnAddress: the futex's counterpart (Windows 8+, Synchronization.lib). */
+static void word_wait(atomic_uint *w, unsigned expected) {
+    WaitOnAddress((volatile VOID *)w, &expected, sizeof expected, INFINITE);
+}
+static void word_wake(atomic_uint *w, int count) {
+    if (count == 1)
+        WakeByAddressSingle((PVOID)w);
+    else
+        WakeByAddressAll((PVOID)w);
+}
 #else
 /* Portable fallback: one mutex + condvar for every word; wakes everyone. */
 static pthread_mutex_t sleep_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -82,10 +110,34 @@ static void word_wake(atomic_uint *w, int count) {
 #endif
 
 static uint64_t now_ns(void) {
+#ifdef ELLM_WIN32_THREADS
+    static LARGE_INTEGER freq; /* racing first calls store the same value */
+    LARGE_INTEGER c;
+    if (freq.QuadPart == 0) QueryPerformanceFrequency(&freq);
+    QueryPerformanceCounter(&c);
+    return (uint64_t)(c.QuadPart / freq.QuadPart) * 1000000000u +
+           (uint64_t)(c.QuadPart % freq.QuadPart) * 1000000000u / (uint64_t)freq.QuadPart;
+#else
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+#endif
 }
+
+/* The pool lock and the worker threads: SRW lock and Win32 threads, or pthreads. */
+#ifdef ELLM_WIN32_THREADS
+typedef SRWLOCK pool_mutex;
+#define POOL_MUTEX_INIT SRWLOCK_INIT
+static int pool_trylock(pool_mutex *m) { return TryAcquireSRWLockExclusive(m) ? 0 : 1; }
+static void pool_unlock(pool_mutex *m) { ReleaseSRWLockExclusive(m); }
+typedef HANDLE pool_thread;
+#else
+typedef pthread_mutex_t pool_mutex;
+#define POOL_MUTEX_INIT PTHREAD_MUTEX_INITIALIZER
+static int pool_trylock(pool_mutex *m) { return pthread_mutex_trylock(m); }
+static void pool_unlock(pool_mutex *m) { pthread_mutex_unlock(m); }
+typedef pthread_t pool_thread;
+#endif
 
 /* ================================== pool state ================================== */
 
@@ -106,15 +158,17 @@ static struct {
     atomic_int max_tid;                   /* workers with id >= this sit the job out */
 } P = {.ticket = CLOSED};
 
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_t workers[MAX_THREADS];
+static pool_mutex pool_lock = POOL_MUTEX_INIT;
+static pool_thread workers[MAX_THREADS];
 static unsigned worker_start_gen[MAX_THREADS];
 static int n_workers;      /* started workers (ids 1..n_workers); under pool_lock */
 static uint32_t job_id;    /* under pool_lock */
 static atomic_int want_threads; /* 0 = not decided yet (use the CPU count) */
 static atomic_int spin_us = 200;
+#ifndef ELLM_WIN32_THREADS
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static int fork_locked;
+#endif
 
 static _Thread_local int tls_in_task;
 
@@ -193,8 +247,16 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+#ifdef ELLM_WIN32_THREADS
+static DWORD WINAPI worker_thunk(LPVOID arg) {
+    worker_main(arg);
+    return 0;
+}
+#endif
+
 /* ============================ starting and stopping ============================ */
 
+#ifndef ELLM_WIN32_THREADS /* no fork() on Windows */
 static void atfork_prepare(void) {
     /* Let a running job finish so the child does not inherit a half-written one. A fork
      * from inside a task would deadlock here, so it skips the lock. */
@@ -225,6 +287,7 @@ static void atfork_child(void) {
 }
 
 static void register_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
+#endif
 
 /* Under pool_lock. */
 static void stop_workers(void) {
@@ -232,7 +295,14 @@ static void stop_workers(void) {
     atomic_store(&P.stop, 1);
     atomic_fetch_add(&P.gen, 1u);
     word_wake(&P.gen, INT_MAX);
-    for (int i = 1; i <= n_workers; i++) pthread_join(workers[i], NULL);
+    for (int i = 1; i <= n_workers; i++) {
+#ifdef ELLM_WIN32_THREADS
+        WaitForSingleObject(workers[i], INFINITE);
+        CloseHandle(workers[i]);
+#else
+        pthread_join(workers[i], NULL);
+#endif
+    }
     n_workers = 0;
     atomic_store(&P.stop, 0);
 }
@@ -242,12 +312,21 @@ static void ensure_workers(int want) {
     if (want > MAX_THREADS - 1) want = MAX_THREADS - 1;
     if (n_workers > want) stop_workers();
     if (n_workers == want) return;
+    unsigned g = atomic_load(&P.gen);
+#ifdef ELLM_WIN32_THREADS
+    while (n_workers < want) {
+        int id = n_workers + 1;
+        worker_start_gen[id] = g;
+        workers[id] = CreateThread(NULL, 0, worker_thunk, (LPVOID)(intptr_t)id, 0, NULL);
+        if (workers[id] == NULL) break;
+        n_workers = id;
+    }
+#else
     pthread_once(&atfork_once, register_atfork);
     /* Workers never take signals: Python's handlers belong to the main thread. */
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    unsigned g = atomic_load(&P.gen);
     while (n_workers < want) {
         int id = n_workers + 1;
         worker_start_gen[id] = g;
@@ -255,11 +334,23 @@ static void ensure_workers(int want) {
         n_workers = id;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+#endif
 }
 
 /* ================================= public API ================================= */
 
 int ellm_cpu_count(void) {
+#ifdef ELLM_WIN32_THREADS
+    /* the CPUs of this process's affinity mask (its processor group) */
+    DWORD_PTR proc_mask, sys_mask;
+    if (GetProcessAffinityMask(GetCurrentProcess(), &proc_mask, &sys_mask) && proc_mask) {
+        int c = 0;
+        for (; proc_mask; proc_mask &= proc_mask - 1) c++;
+        return c;
+    }
+    DWORD n = GetActiveProcessorCount(ALL_PROCESSOR_GROUPS);
+    return n > 0 ? (int)n : 1;
+#else
 #if defined(__linux__)
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof set, &set) == 0) {
@@ -269,6 +360,7 @@ int ellm_cpu_count(void) {
 #endif
     long c = sysconf(_SC_NPROCESSORS_ONLN);
     return c > 0 ? (int)c : 1;
+#endif
 }
 
 int ellm_num_threads(void) {
@@ -328,7 +420,7 @@ void ellm_parallel_for_threads(int64_t n, int64_t grain, int max_threads, ellm_t
     }
     int threads = ellm_num_threads();
     if (max_threads > 0 && max_threads < threads) threads = max_threads;
-    if (threads <= 1 || pthread_mutex_trylock(&pool_lock) != 0) {
+    if (threads <= 1 || pool_trylock(&pool_lock) != 0) {
         /* Single-threaded, or another thread's job holds the pool: run it here. */
         run_serial(n, grain, fn, ctx, 0);
         return;
@@ -336,7 +428,7 @@ void ellm_parallel_for_threads(int64_t n, int64_t grain, int max_threads, ellm_t
     /* The pool keeps ellm_num_threads() - 1 workers; this job may use fewer. */
     ensure_workers(ellm_num_threads() - 1);
     if (n_workers == 0) {
-        pthread_mutex_unlock(&pool_lock);
+        pool_unlock(&pool_lock);
         run_serial(n, grain, fn, ctx, 0);
         return;
     }
@@ -386,7 +478,7 @@ void ellm_parallel_for_threads(int64_t n, int64_t grain, int max_threads, ellm_t
             }
         }
     }
-    pthread_mutex_unlock(&pool_lock);
+    pool_unlock(&pool_lock);
 }
 
 /* ================================== regions ================================== */

@@ -167,7 +167,8 @@ class StaticDecodeStep(EagerStep):
     def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
         n = len(batch.token_ids)
         decode = not hidden_only and n == len(batch.logits_rows) == int(batch.seq_ids.max()) + 1 \
-            and np.array_equal(batch.seq_ids, np.arange(n))
+            and np.array_equal(batch.seq_ids, np.arange(n)) \
+            and batch.adapter_slots is None   # [lora] as ops/cuda_graphs.py: adapters run eagerly
         if not decode:
             self.ops.counts["eager"] += 1
             return super().__call__(batch, hidden_only)

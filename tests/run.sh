@@ -3,7 +3,7 @@
 #
 #   1. .venv      ellm built from this checkout (C rebuilt every run, incrementally)
 #                 plus the [test] extras;
-#   2. .venv-ref  the reference implementation: torch (CPU), transformers, gguf;
+#   2. .venv-ref  the reference implementation: torch (its CPU build), transformers, gguf;
 #   3. the real models pulled into ellm's cache ($ELLM_HOME, default ~/.cache/ellm)
 #                 and, when missing, the Hugging Face folders made from them under
 #                 $ELLM_HOME/hf by tests/goldens/make.py (the goldens are committed);
@@ -22,10 +22,20 @@ export ELLM_HOME="${ELLM_HOME:-$HOME/.cache/ellm}"
 HF_DIR="$ELLM_HOME/hf"
 MODELS=(smollm2-135m-instruct gemma-3-270m)
 # The reference versions the committed goldens were made with; torch comes first and
-# alone so that nothing else can pull in a CUDA build of it.
-REF_TORCH="torch==2.13.0"
+# alone so that nothing else can pull in a CUDA build of it. On Linux and Windows the
+# package index's torch is a CUDA build (several GB): the CPU build ("+cpu") comes from
+# PyTorch's CPU index, or from any wheel pip already finds (find-links, a mirror).
+# macOS wheels on the package index are CPU builds and carry no "+cpu" label.
+TORCH_VERSION=2.13.0
+TORCH_CPU_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+if [ "$(uname -s)" = Darwin ]; then
+    REF_TORCH="torch==$TORCH_VERSION"
+else
+    REF_TORCH="torch==$TORCH_VERSION+cpu"
+fi
 # (accelerate: transformers needs it to load a GGUF; gguf does the dequantizing.)
-REF_REST=("transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "sentencepiece")
+# peft: the reference for LoRA adapters.
+REF_REST=("transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "sentencepiece" "peft==0.21.2")
 # A build directory of our own, so this never fights another checkout's build.
 BUILD_DIR_SETTING="--config-settings=build-dir=build/tests-{wheel_tag}"
 
@@ -41,7 +51,7 @@ VPY="$VENV/bin/python"
 # Dependencies are installed again only when pyproject.toml changes.
 deps_key="$("$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())' < pyproject.toml)"
 if [ "$(cat "$VENV/.ellm-deps" 2>/dev/null || true)" != "$deps_key" ]; then
-    step "installing build tools and ellm[test] into .venv"
+    step "installing build tools and ellm-engine[test] into .venv"
     # The build-system requirements of pyproject.toml, plus cmake and ninja, so the
     # build needs no build isolation (isolation would rebuild all C every run).
     mapfile -t build_reqs < <("$VPY" - <<'PY'
@@ -66,7 +76,13 @@ ref_key="$REF_TORCH ${REF_REST[*]}"
 if [ "$(cat "$REF/.ellm-ref" 2>/dev/null || true)" != "$ref_key" ]; then
     step "installing the reference ($ref_key) into .venv-ref"
     [ -x "$REF/bin/python" ] || "$PYTHON" -m venv "$REF"
-    "$REF/bin/python" -m pip install -q "$REF_TORCH"
+    if ! "$REF/bin/python" -m pip install -q --extra-index-url "$TORCH_CPU_INDEX" "$REF_TORCH"; then
+        # No CPU build reachable (the CPU index offline, no local wheel): the index's build
+        # works as well, only larger.
+        echo "warning: $REF_TORCH not found (CPU index $TORCH_CPU_INDEX unreachable?);" \
+             "installing torch==$TORCH_VERSION from the package index (on Linux a CUDA build)" >&2
+        "$REF/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+    fi
     "$REF/bin/python" -m pip install -q "${REF_REST[@]}"
     echo "$ref_key" > "$REF/.ellm-ref"
 fi

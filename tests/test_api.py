@@ -62,8 +62,8 @@ def test_bad_arguments_are_clear(llm) -> None:
 
 
 def test_module_level_generate_uses_the_default_model(smollm2_gguf) -> None:
-    text = ellm.generate("The capital of France is", max_tokens=4, temperature=0.0)
-    assert isinstance(text, str) and text
+    out = ellm.generate("The capital of France is", max_tokens=4, temperature=0.0)
+    assert isinstance(out, ellm.CompletionOutput) and out.text
 
 
 def test_a_failed_constraint_says_why_in_the_completion(llm) -> None:

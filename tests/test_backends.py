@@ -578,12 +578,10 @@ def test_bf16_kv_cache_through_the_runner(smollm2_gguf, fused_smollm2_logits) ->
 
 def _engine(path: Path, ops: Any, **cfg: Any) -> Engine:
     """An engine over the model of `path` built on `ops` (the opaque backend or cpu)."""
-    from ellm.config import ModelConfig
-    from ellm.models import build_model
+    from ellm.models import build_model, config_from_gguf, gguf_weights
     from ellm.tokenizer import Tokenizer
-    from ellm.weights import GGUFWeights
     f = GGUFFile(path)
-    model = build_model(ModelConfig.from_gguf(f), GGUFWeights(f), ops)
+    model = build_model(config_from_gguf(f), gguf_weights(f), ops)
     return Engine(model, Tokenizer.from_gguf(f), EngineConfig(max_model_len=256, **cfg))
 
 

@@ -40,3 +40,12 @@ def test_avx2_only_cpu_gets_no_avx512() -> None:
     assert got["GGML_AVX2"] == "ON" and got["GGML_FMA"] == "ON"
     assert got["GGML_AVX512"] == "OFF" and got["GGML_AVX512_VNNI"] == "OFF"
     assert got["GGML_AVX_VNNI"] == "OFF"
+
+
+def test_a_gguf_path_gets_a_file_name_safe_label() -> None:
+    """--models takes any GGUF path (make_random_gguf.py's files), not only known names:
+    the label that names its ids file and table is the file's stem, never a path."""
+    mod = load_script()
+    assert mod.run_label("/data/random/llama-3.2-1b-Q4_K_M.gguf") == "llama-3.2-1b-Q4_K_M"
+    assert mod.run_label("~/x/Model.GGUF") == "Model"
+    assert mod.run_label("SmolLM2-135M-Instruct") == "smollm2-135m-instruct"

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import ellm
+from ellm.cli import CHAT_MAX_TOKENS
 
 CTX = 1024
 GREEDY = ["--temperature", "0"]
@@ -152,7 +153,7 @@ def test_chat_on_a_terminal(smollm2_gguf: Path, llm: Any, tmp_path: Path) -> Non
 
     def expect_reply(typed: str) -> None:
         got = next_reply(term, typed)
-        want = llm.chat(messages, max_tokens=None, temperature=0.0).text
+        want = llm.chat(messages, max_tokens=CHAT_MAX_TOKENS, temperature=0.0).text
         assert got == want, (got, want)
         messages.append({"role": "assistant", "content": got})
 

@@ -29,7 +29,7 @@ from ellm.weights import Linear
 
 def _gpu_reason() -> str | None:
     if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed (pip install 'ellm[gpu]' or 'ellm[gpu-cuda13]')"
+        return "CuPy is not installed (pip install 'ellm-engine[gpu]' or 'ellm-engine[gpu-cuda13]')"
     try:
         from ellm.ops.cuda import import_cupy
         import_cupy()
@@ -51,7 +51,7 @@ def test_cuda_unavailable_error_says_what_is_missing() -> None:
         get_ops("cuda")
     msg = str(info.value)
     if importlib.util.find_spec("cupy") is None:
-        assert "CuPy" in msg and "ellm[gpu]" in msg and "ellm[gpu-cuda13]" in msg
+        assert "CuPy" in msg and "ellm-engine[gpu]" in msg and "ellm-engine[gpu-cuda13]" in msg
     else:
         assert "GPU" in msg
     assert "device='cpu'" in msg

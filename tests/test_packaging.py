@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -78,8 +80,8 @@ def test_compiled_modules_are_inside_the_package() -> None:
 
 
 def test_metadata_and_entry_point() -> None:
-    assert importlib.metadata.version("ellm") == ellm.__version__
-    reqs = [Requirement(r) for r in importlib.metadata.requires("ellm") or []]
+    assert importlib.metadata.version("ellm-engine") == ellm.__version__
+    reqs = [Requirement(r) for r in importlib.metadata.requires("ellm-engine") or []]
     assert not {r.name.lower() for r in reqs} & {"torch", "transformers", "tensorflow", "jax"}, reqs
     core = {r.name.lower() for r in reqs if r.marker is None}
     # tqdm (ellm pull's progress bar), filelock (the model cache lock) and llguidance
@@ -167,3 +169,69 @@ print(json.dumps({{"supported": _core.supported_simd_levels(),
     top2 = np.sort(native, axis=-1)[:, -2:]
     sure = (top2[:, 1] - top2[:, 0]) >= 1.0
     np.testing.assert_array_equal(emulated.argmax(-1)[sure], native.argmax(-1)[sure])
+
+
+# ---------------------------------------------------------------------------
+# The wheel build's ISA check (wheels/check_isa.py), on this checkout's build
+# ---------------------------------------------------------------------------
+
+def _check_isa_module() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "wheels" / "check_isa.py"
+    spec = importlib.util.spec_from_file_location("check_isa", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _this_build() -> Path:
+    """The CMake build folder the loaded native modules come from (editable installs)."""
+    from ellm._native import _core
+    for folder in Path(_core.__file__).resolve().parents:
+        if (folder / "compile_commands.json").is_file():
+            return folder
+    pytest.skip(f"{_core.__file__} is not in a CMake build folder (an installed wheel)")
+
+
+needs_x86_linux_binutils = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64")
+    or shutil.which("objdump") is None,
+    reason="the ISA check reads x86-64 ELF code with binutils")
+
+
+@needs_x86_linux_binutils
+def test_isa_check_passes_on_this_build() -> None:
+    """What `wheels/build.sh` runs after auditwheel: no code beyond SSE2 outside the
+    variants that CMake built with ISA flags (AVX2, AVX-512, AMX ...), which must all be
+    recognized as such, so the wheel build fails here first."""
+    check_isa = _check_isa_module()
+    build = _this_build()
+    baseline, variants, problems = check_isa.classify(build)
+    assert problems == []
+    names = {o.name.split(".")[0] for o in variants}
+    # every csrc file CMake gives ISA flags is a variant, by its flags (the AMX files too)
+    assert {"quant_avx2", "quant_avx512", "matmul_amx", "matmul_bf16_amx"} <= names, names
+    assert "dispatch" in {o.name.split(".")[0] for o in baseline}
+    libs = sorted(build.glob("*ellm_kernels*.so")) + sorted(build.glob("_core*.so"))
+    assert len(libs) == 2, libs
+    assert check_isa.check(build, libs) == []
+
+
+@needs_x86_linux_binutils
+def test_isa_check_catches_avx_in_a_baseline_object(tmp_path: Path) -> None:
+    """The same check fails when an AVX2 object is declared built without ISA flags."""
+    check_isa = _check_isa_module()
+    build = _this_build()
+    (obj,) = build.rglob("quant_avx2.c.o")
+    fake = tmp_path / "CMakeFiles" / "ellm_kernels.dir" / "csrc"
+    fake.mkdir(parents=True)
+    shutil.copy(obj, fake / obj.name)
+    (dispatch,) = build.rglob("dispatch.c.o")
+    shutil.copy(dispatch, fake / dispatch.name)
+    commands = [{"directory": str(tmp_path), "file": f"csrc/{o.name[:-2]}",
+                 "output": f"CMakeFiles/ellm_kernels.dir/csrc/{o.name}",
+                 "command": f"cc -O3 -c csrc/{o.name[:-2]} -o CMakeFiles/ellm_kernels.dir/csrc/{o.name}"}
+                for o in (obj, dispatch)]
+    (tmp_path / "compile_commands.json").write_text(json.dumps(commands))
+    problems = check_isa.check(tmp_path, [])
+    assert problems and all("quant_avx2.c.o" in p for p in problems), problems

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ellm.config import ConfigError, ModelConfig
+from ellm.models import config_from_folder
 
 PHI3 = dict(model_type="phi3", vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
@@ -25,7 +26,7 @@ QMOE = dict(model_type="qwen3_moe", vocab_size=32, hidden_size=64, intermediate_
 
 def _load(tmp_path: Path, cfg: dict) -> ModelConfig:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return ModelConfig.from_folder(tmp_path)
+    return config_from_folder(tmp_path)
 
 
 def test_phi3_transformers5_layout(tmp_path: Path) -> None:

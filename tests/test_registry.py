@@ -11,7 +11,8 @@ import pytest
 from ellm.config import ConfigError, ModelConfig
 from ellm.formats.ggml_types import GGMLType
 from ellm.formats.gguf import GGUFFile
-from ellm.models import family_for_gguf, family_for_model_type, supported_model_types
+from ellm.models import (config_from_folder, config_from_gguf, family_for_gguf, family_for_model_type,
+                         supported_model_types)
 from ellm.ops import get_ops
 from ellm.weights import Linear
 
@@ -35,10 +36,22 @@ def test_every_family_is_importable_and_has_its_parts() -> None:
 
 def test_unknown_model_type_is_one_line_listing_the_supported(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_folder(_folder(tmp_path, model_type="phi9"))
+        config_from_folder(_folder(tmp_path, model_type="phi9"))
     msg = str(e.value)
     assert "\n" not in msg and "'phi9'" in msg and "config.json" in msg
     assert all(t in msg for t in supported_model_types())
+
+
+def test_the_base_config_class_points_at_the_registry(tmp_path: Path) -> None:
+    """ModelConfig itself knows no family (the registry, a floor above, chooses one): its
+    constructors say which registry function to call instead of building a familyless config."""
+    folder = _folder(tmp_path)
+    for build, name in [(lambda: ModelConfig.from_folder(folder), "config_from_folder"),
+                        (lambda: ModelConfig.from_dict(dict(BASE)), "config_from_dict")]:
+        with pytest.raises(TypeError, match=f"ellm.models.{name}"):
+            build()
+    assert type(config_from_folder(folder)) is family_for_model_type("llama").Args
+    assert family_for_model_type("llama").Args.from_folder(folder) == config_from_folder(folder)
 
 
 @pytest.mark.parametrize("changes,needle", [
@@ -54,20 +67,20 @@ def test_unknown_model_type_is_one_line_listing_the_supported(tmp_path: Path) ->
 ])
 def test_bad_config_values_name_file_and_key(tmp_path: Path, changes, needle) -> None:
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_folder(_folder(tmp_path, **changes))
+        config_from_folder(_folder(tmp_path, **changes))
     assert needle in str(e.value) and "config.json" in str(e.value)
 
 
 def test_unknown_keys_are_ignored(tmp_path: Path) -> None:
-    config = ModelConfig.from_folder(_folder(tmp_path, model_type="granite", something_new=[1, 2],
+    config = config_from_folder(_folder(tmp_path, model_type="granite", something_new=[1, 2],
                                              logits_scaling=4.0))
     assert config.logits_scaling == 4.0 and config.head_dim == 16
 
 
 def test_mistral_window_without_layer_types_slides_every_layer(tmp_path: Path) -> None:
-    config = ModelConfig.from_folder(_folder(tmp_path, model_type="mistral", sliding_window=8))
+    config = config_from_folder(_folder(tmp_path, model_type="mistral", sliding_window=8))
     assert [config.layer_window(i) for i in range(2)] == [8, 8]
-    llama = ModelConfig.from_folder(_folder(tmp_path, model_type="llama", sliding_window=8))
+    llama = config_from_folder(_folder(tmp_path, model_type="llama", sliding_window=8))
     assert [llama.layer_window(i) for i in range(2)] == [0, 0]
 
 
@@ -93,7 +106,7 @@ def _gguf(path: Path, arch: str = "llama", **meta) -> GGUFFile:
 
 
 def test_gguf_config_reads(tmp_path: Path) -> None:
-    config = ModelConfig.from_gguf(_gguf(tmp_path / "m.gguf", "qwen3", **{"attention.key_length": 24}))
+    config = config_from_gguf(_gguf(tmp_path / "m.gguf", "qwen3", **{"attention.key_length": 24}))
     assert (config.model_type, config.head_dim, config.num_key_value_heads) == ("qwen3", 24, 2)
 
 
@@ -108,13 +121,13 @@ def test_gguf_config_reads(tmp_path: Path) -> None:
 def test_bad_gguf_metadata_names_file_and_key(tmp_path: Path, meta, needle) -> None:
     path = tmp_path / "bad.gguf"
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_gguf(_gguf(path, **meta))
+        config_from_gguf(_gguf(path, **meta))
     assert needle in str(e.value) and str(path) in str(e.value)
 
 
 def test_unknown_gguf_architecture(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="GGUF architecture 'mamba9' is not supported .*llama"):
-        ModelConfig.from_gguf(_gguf(tmp_path / "m.gguf", "mamba9"))
+        config_from_gguf(_gguf(tmp_path / "m.gguf", "mamba9"))
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.F32, GGMLType.Q8_0])

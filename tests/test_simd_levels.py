@@ -228,7 +228,7 @@ def _write_folder(folder: Path, arch: str) -> Path:
 
 
 def _tiny_logits(folder: Path, device: str, chunks: list[int], ids: np.ndarray) -> np.ndarray:
-    from ellm.config import ModelConfig
+    from ellm.models import config_from_folder
     from ellm.engine.kv_cache import BlockManager, KVCache
     from ellm.formats.safetensors import SafetensorsFolder
     from ellm.models import build_model
@@ -236,7 +236,7 @@ def _tiny_logits(folder: Path, device: str, chunks: list[int], ids: np.ndarray) 
     from ellm.ops import get_ops
     from ellm.weights import SafetensorsWeights
 
-    config = ModelConfig.from_folder(folder)
+    config = config_from_folder(folder)
     model = build_model(config, SafetensorsWeights(SafetensorsFolder(folder)), get_ops(device))
     kv = KVCache(config, num_blocks=16, block_size=4)
     blocks = BlockManager(kv, enable_prefix_caching=False)

@@ -29,17 +29,16 @@ import numpy as np
 import pytest
 
 import ellm
-from ellm.config import ModelConfig
 from ellm.engine.engine import EngineConfig
 from ellm.engine.kv_cache import BlockManager, KVCache
 from ellm.engine.runner import ModelRunner
 from ellm.formats.gguf import GGUFFile
 from ellm.formats.safetensors import SafetensorsFolder
-from ellm.models import build_model
+from ellm.models import build_model, config_from_folder, config_from_gguf, gguf_weights
 from ellm.models.batch import Batch
 from ellm.ops import get_ops
 from ellm.sampling_params import SamplingParams
-from ellm.weights import GGUFWeights, SafetensorsWeights
+from ellm.weights import SafetensorsWeights
 from conftest import ops_or_skip
 from ref_python import ref_python
 
@@ -77,11 +76,11 @@ def _forward(folder: Path, device: str, chunks: list[int], gguf: Path | None = N
     folder's model, or of the GGUF file when one is given), through a model runner whose
     KV cache (16 blocks of 4) and workspace the backend allocates."""
     if gguf is None:
-        config = ModelConfig.from_folder(folder)
+        config = config_from_folder(folder)
         weights = SafetensorsWeights(SafetensorsFolder(folder))
     else:
-        config = ModelConfig.from_gguf(GGUFFile(gguf))
-        weights = GGUFWeights(GGUFFile(gguf))
+        config = config_from_gguf(GGUFFile(gguf))
+        weights = gguf_weights(GGUFFile(gguf))
     model = build_model(config, weights, _ops(device))
     ids = np.load(folder / "ids.npy")
     runner = ModelRunner(model, EngineConfig(kv_cache_tokens=64, block_size=4, max_num_seqs=1))
@@ -259,7 +258,7 @@ def test_hidden_only_is_what_the_head_reads(tiny_dir, arch) -> None:
     """forward(hidden_only=True): the final-normed hidden states whose head product (and the
     family's logits scaling / capping) are the logits."""
     folder = tiny_dir / arch
-    config = ModelConfig.from_folder(folder)
+    config = config_from_folder(folder)
     model = build_model(config, SafetensorsWeights(SafetensorsFolder(folder)), get_ops("cpu"))
     ids = np.load(folder / "ids.npy")
     runs = []

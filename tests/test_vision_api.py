@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("PIL", reason="the vision tests need Pillow (pip install 'ellm[vision]')")
+pytest.importorskip("PIL", reason="the vision tests need Pillow (pip install 'ellm-engine[vision]')")
 from PIL import Image  # noqa: E402
 
 import ellm  # noqa: E402
@@ -313,19 +313,23 @@ def image_host(pictures) -> Iterator[str]:
 
 
 def test_fetch_is_bounded(image_host, pictures):
-    assert fetch_image(image_host + "/cat.png") == pictures["photo"].read_bytes()
-    with pytest.raises(ImageError, match="HTTP 404"):
-        fetch_image(image_host + "/missing.png")
+    local = FetchLimits(allowed_hosts=("127.0.0.1",))   # the test's image host is on loopback
+    assert fetch_image(image_host + "/cat.png", limits=local) == pictures["photo"].read_bytes()
+    with pytest.raises(ImageError, match="no image came back") as e:
+        fetch_image(image_host + "/missing.png", limits=local)
+    assert "404" not in str(e.value)   # the status is not repeated to the client
     with pytest.raises(ImageError, match="at most 1000"):
-        fetch_image(image_host + "/cat.png", limits=FetchLimits(max_bytes=1000))
+        fetch_image(image_host + "/cat.png", limits=FetchLimits(max_bytes=1000, allowed_hosts=("127.0.0.1",)))
     with pytest.raises(ImageError, match="redirects more than"):
-        fetch_image(image_host + "/redirect")
+        fetch_image(image_host + "/redirect", limits=local)
     t0 = time.monotonic()
     with pytest.raises(ImageError, match="more than 1 s"):
-        fetch_image(image_host + "/slow.png", limits=FetchLimits(timeout_s=1.0))
+        fetch_image(image_host + "/slow.png", limits=FetchLimits(timeout_s=1.0, allowed_hosts=("127.0.0.1",)))
     assert time.monotonic() - t0 < 30   # it gave up (a generous bound: this host is shared)
     with pytest.raises(ImageError, match="only http"):
         fetch_image("file:///etc/passwd")
+    with pytest.raises(ImageError, match="not a public internet address"):   # loopback, not allowed by name
+        fetch_image(image_host + "/cat.png")
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,3 +370,51 @@ def test_mmproj_gives_the_folders_preprocessing(tiny, pictures):
         finally:
             llm.close()
             ref.close()
+
+
+def test_slow_image_urls_do_not_hold_up_other_clients(tiny, image_host, tmp_path):
+    """Three chats whose image URL trickles for longer than the fetch deadline, then a
+    plain text chat from another client: the text chat is answered while the three still
+    wait for their images (fetches run in threads of their own, not the two tokenizer
+    threads that the text chat needs)."""
+    import concurrent.futures
+
+    import httpx
+    (tmp_path / "template.jinja").write_text(TEMPLATES["smolvlm"])
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "ellm", "serve", str(tiny / "smolvlm"), "--port", str(port),
+                                 "--served-model-name", "tiny", "--max-model-len", "1024", "--allow-image-urls",
+                                 "--allow-image-host", "127.0.0.1", "--chat-template", str(tmp_path / "template.jinja"),
+                                 "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+
+        def chat(content) -> httpx.Response:
+            return httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+        slow = [{"type": "image_url", "image_url": {"url": image_host + "/slow.png"}}, {"type": "text", "text": "?"}]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            slow_runs = [pool.submit(chat, slow) for _ in range(3)]
+            time.sleep(1.0)   # the three fetches have started
+            text = chat([{"type": "text", "text": "Hello"}])
+            still_waiting = sum(not f.done() for f in slow_runs)
+            results = [f.result() for f in slow_runs]
+        assert text.status_code == 200, text.text[:300]
+        assert still_waiting == 3, "the text chat waited for the image fetches"
+        for r in results:   # each slow URL ran into the fetch deadline: a 400 that names it
+            assert r.status_code == 400 and "more than 10 s" in r.json()["error"]["message"], r.text[:300]
+    finally:
+        proc.terminate()
+        proc.wait(15)

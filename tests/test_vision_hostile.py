@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from capped_child import run_capped
 
-pytest.importorskip("PIL", reason="the vision tests need Pillow (pip install 'ellm[vision]')")
+pytest.importorskip("PIL", reason="the vision tests need Pillow (pip install 'ellm-engine[vision]')")
 from PIL import Image  # noqa: E402
 
 from ellm.vision.images import ImageError, ImageLimits, decode_image, parse_data_url  # noqa: E402

@@ -25,11 +25,11 @@ import pytest
 
 import ellm
 from ellm._native import _kernels
-from ellm.config import ConfigError, ModelConfig
+from ellm.config import ConfigError
 from ellm.engine.engine import Engine, EngineConfig, RequestError
 from ellm.engine.kv_cache import BlockManager, KVCache
 from ellm.formats.safetensors import SafetensorsFolder
-from ellm.models import build_model
+from ellm.models import build_model, config_from_folder
 from ellm.models.batch import Batch
 from ellm.ops import get_ops
 from ellm.ops import reference as R
@@ -64,7 +64,7 @@ def _images(folder: Path, salt: str = "") -> list[ImageInput]:
 
 
 def _model(folder: Path, device: str):
-    config = ModelConfig.from_folder(folder)
+    config = config_from_folder(folder)
     return build_model(config, SafetensorsWeights(SafetensorsFolder(folder)), get_ops(device))
 
 
@@ -199,7 +199,7 @@ def test_gguf_with_mmproj_matches_transformers(vision_dir, vision_ggufs, name, d
                     device=device, progress=False)
     folder = vision_dir / name
     ids, want = np.load(folder / "ids.npy"), np.load(folder / "logits.npy")
-    assert llm.engine.model.config.image_token_id == ModelConfig.from_folder(folder).image_token_id
+    assert llm.engine.model.config.image_token_id == config_from_folder(folder).image_token_id
     _assert_close_relative(_forward(llm.engine.model, ids, _images(folder), [len(ids)]), want)
 
 

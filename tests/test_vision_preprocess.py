@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-PIL = pytest.importorskip("PIL", reason="the vision tests need Pillow (pip install 'ellm[vision]')")
+PIL = pytest.importorskip("PIL", reason="the vision tests need Pillow (pip install 'ellm-engine[vision]')")
 from PIL import Image  # noqa: E402
 
 from ellm.tokenizer import Tokenizer  # noqa: E402

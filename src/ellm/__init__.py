@@ -39,13 +39,13 @@ def _default() -> LLM:
         return _default_llm
 
 
-def generate(prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> Any:
-    """Generates with the default model (pulled on first use). Returns the text for a
-    single prompt, a list of texts for a list of prompts."""
-    out = _default().generate(prompt, params, **kwargs)
-    return [o.text for o in out] if isinstance(out, list) else out.text
+def generate(prompts: Any, params: SamplingParams | None = None, **kwargs: Any) -> Any:
+    """LLM.generate() on the default model (pulled and loaded on first use): the same
+    arguments and the same results (a CompletionOutput, or lists of them)."""
+    return _default().generate(prompts, params, **kwargs)
 
 
-def chat(messages: list[dict[str, Any]], params: SamplingParams | None = None, **kwargs: Any) -> str:
-    """Chats with the default model; returns the reply text."""
-    return _default().chat(messages, params, **kwargs).text
+def chat(messages: Any, params: SamplingParams | None = None, **kwargs: Any) -> Any:
+    """LLM.chat() on the default model (pulled and loaded on first use): the same arguments
+    (a list of messages, or a string for one user message) and the same results."""
+    return _default().chat(messages, params, **kwargs)

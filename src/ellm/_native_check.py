@@ -13,5 +13,5 @@ def check_native() -> None:
         raise NativeModuleError(
             "ellm's compiled extension (ellm._native._core) could not be loaded: "
             f"{e}. Reinstall ellm from a wheel for this platform, or build it from source "
-            "with a C compiler (`pip install --force-reinstall --no-binary ellm ellm`)."
+            "with a C compiler (`pip install --force-reinstall --no-binary ellm-engine ellm-engine`)."
         ) from e

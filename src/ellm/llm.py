@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any, Sequence, Union
 import numpy as np
 
 from .config import ModelConfig
-from .engine.async_engine import AsyncEngine, EngineDeadError, FinalOutput
+from .engine.async_engine import AsyncEngine, BlockingRequestStream, EngineDeadError, FinalOutput, RequestStream
 from .engine.engine import POOLINGS, Engine, EngineConfig
 from .engine.sequence import TokenLogprob
 from .sampling_defaults import SamplingDefaults
@@ -56,6 +57,29 @@ class _Encoded:
     """A prompt already turned into ids with its images (chat() with image parts)."""
     ids: list[int]
     images: list[Any]
+
+
+# What generate() says to chat-shaped input: messages are for chat(), which applies the template.
+CHAT_INPUT_HINT = ("generate() and stream() take text prompts (a string, a list of token ids, or a list of "
+                   "those); chat messages ({'role': ..., 'content': ...} dicts) go to chat(messages) or "
+                   "chat_stream(messages), which apply the model's chat template")
+
+
+def _is_messages(value: Any) -> bool:
+    """A message dict, or a non-empty list of them: the input of chat(), not generate()."""
+    return isinstance(value, dict) or (isinstance(value, (list, tuple)) and len(value) > 0
+                                       and all(isinstance(m, dict) for m in value))
+
+
+def _chat_messages(messages: Any) -> Any:
+    """chat()'s conversation: a list of message dicts; a string is taken as one user message
+    (the only thing a string can mean there). A lone dict is a TypeError, not guessed at."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    if isinstance(messages, dict):
+        raise TypeError("chat() takes a list of messages (or a string, one user message); wrap the one "
+                        "message in a list: chat([message])")
+    return messages
 
 
 def _is_single(prompt: Any) -> bool:
@@ -136,6 +160,13 @@ class LLM:
         """A string is encoded with the tokenizer's special tokens (BOS); no chat template."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if _is_messages(prompt):
+            raise TypeError(CHAT_INPUT_HINT)
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
+            raise TypeError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+        if bad is not None:
+            raise TypeError(f"a token-id prompt holds ints, not {type(bad).__name__} ({bad!r}); {CHAT_INPUT_HINT}")
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
@@ -193,12 +224,16 @@ class LLM:
 
     def _requests(self, prompts: Any, params: SamplingParams,
                   images: Sequence[ImageSource] | None = None) -> tuple[list[_Request], bool]:
+        if _is_messages(prompts):
+            raise TypeError(CHAT_INPUT_HINT)
         single = _is_single(prompts)
         if images is not None or isinstance(prompts, _Encoded):   # [vision]
             if not single:
                 raise ValueError("images= goes with one prompt; for several, call once per prompt")
             ids, inputs = self._prompt_with_images(prompts, images)
             return [(ids, _choice_params(params, j), inputs) for j in range(params.n)], True
+        if not single and not hasattr(prompts, "__iter__"):
+            raise TypeError(f"{CHAT_INPUT_HINT}; got {type(prompts).__name__}")
         batch = [prompts] if single else list(prompts)
         encoded = [self.encode_prompt(p) for p in batch]
         return [(ids, _choice_params(params, j), None) for ids in encoded for j in range(params.n)], single
@@ -211,7 +246,8 @@ class LLM:
     # -- generation (blocking; any thread) ----------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
-                 *, images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Any:
+                 *, images: Sequence[ImageSource] | None = None, adapter: str | None = None,
+                 **kwargs: Any) -> Any:
         """Runs prompts to the end. A string or token-id prompt gives one CompletionOutput;
         a list of prompts gives a list, in order, all run together in one batch. With
         n > 1 each prompt gives a list of n CompletionOutputs instead (seeded: choice i
@@ -219,7 +255,9 @@ class LLM:
         encoded as they are (no chat template; use chat() for that). Safe from any thread.
         images: for a model with a vision tower, the images (Pillow images, paths, bytes or
         data: URLs) of ONE string prompt that holds one placeholder per image
-        (`llm.processing.placeholder`)."""
+        (`llm.processing.placeholder`).
+        adapter: the name of a LoRA adapter given to ellm.load(lora_adapters=...) to run
+        these prompts with (None: the base model)."""
         params = self.sampling_params(params, **kwargs)
         reqs, single = self._requests(prompts, params, images)
         if not reqs:
@@ -228,27 +266,46 @@ class LLM:
         streams = []
         try:
             for ids, p, imgs in reqs:
-                streams.append(loop.submit_blocking(ids, p, images=imgs))
+                streams.append(loop.submit_blocking(ids, p, images=imgs, adapter=adapter))
             outs = [_completion(s.result(), params) for s in streams]
         finally:
             for s in streams:
                 s.close()
+        self._hint_chat_template(prompts, outs)
         return _shape(outs, params.n, single)
 
+    def _hint_chat_template(self, prompts: Any, outs: list[CompletionOutput]) -> None:
+        """A chat model given bare text often ends its turn at once, and '' alone says nothing:
+        warn that generate() applies no chat template and name the method that does."""
+        texts = isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and any(isinstance(p, str) for p in prompts))
+        tok = self.tokenizer
+        if not texts or not tok.chat_template or tok.chat_template_builtin:
+            return   # (a family's built-in template may belong to a base model: no hint)
+        if any(o.text == "" and o.finish_reason == "stop" and len(o.token_ids) <= 1 for o in outs):
+            warnings.warn(f"{self.source} ended its reply at once (an empty completion): it is a chat model, and "
+                          "generate() sends the text as it is, without the model's chat template; "
+                          "chat() applies it (llm.chat(\"...\"), or chat([{'role': 'user', 'content': ...}]))",
+                          UserWarning, stacklevel=3)
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Iterator[str]:
+               images: Sequence[ImageSource] | None = None, adapter: str | None = None,
+               **kwargs: Any) -> Iterator[str]:
         """Yields the text of one completion piece by piece. Closing the generator (or
-        dropping it) aborts the request and frees its blocks. images: as in generate()."""
+        dropping it) aborts the request and frees its blocks. images, adapter: as in
+        generate()."""
         params = self.sampling_params(params, **kwargs)
         if params.n != 1:
             raise ValueError(f"n={params.n}: stream() yields one completion; use generate() for n > 1")
+        self.engine.adapter_slot(adapter)   # [lora] an unknown name fails here, not at the first next()
         if images is not None or isinstance(prompt, _Encoded):
             ids, inputs = self._prompt_with_images(prompt, images)
-            return self._stream(ids, params, inputs)
-        return self._stream(self.encode_prompt(prompt), params)
+            return self._stream(ids, params, inputs, adapter)
+        return self._stream(self.encode_prompt(prompt), params, adapter=adapter)
 
-    def _stream(self, ids: list[int], params: SamplingParams, images: list[Any] | None = None) -> Iterator[str]:
-        s = self._loop().submit_blocking(ids, params, images=images)
+    def _stream(self, ids: list[int], params: SamplingParams, images: list[Any] | None = None,
+                adapter: str | None = None) -> Iterator[str]:
+        s = self._loop().submit_blocking(ids, params, images=images, adapter=adapter)
         try:
             for out in s:
                 if out.new_text:
@@ -256,7 +313,7 @@ class LLM:
         finally:
             s.close()
 
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+    def chat(self, messages: list[dict[str, Any]] | str, params: SamplingParams | None = None, *,
              tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
              parallel_tool_calls: bool = True, **kwargs: Any) -> Any:
         """Applies the model's chat template and generates the assistant's reply: one
@@ -269,15 +326,18 @@ class LLM:
 
         A message's content may be a list of parts, images among them:
         {"type": "image", "image": <Pillow image | path | bytes | data: URL>} or OpenAI's
-        {"type": "image_url", "image_url": {"url": "data:..."}} (see docs/vision.md)."""
+        {"type": "image_url", "image_url": {"url": "data:..."}} (see docs/vision.md).
+        A string is one user message: chat("Hi") is chat([{"role": "user", "content": "Hi"}])."""
+        messages = _chat_messages(messages)
         if tools is not None or tool_choice is not None:  # [tools]
             self._no_images_with_tools(messages)
             from .server.tools import ToolPlan
             plan = ToolPlan.make(self.tokenizer, tools, tool_choice, parallel_tool_calls)
+            adapter = kwargs.pop("adapter", None)   # [lora]
             sp = plan.sampling(self.sampling_params(params, **kwargs))
-            out = self.generate(plan.prompt_ids(self.tokenizer, messages), sp)
+            out = self.generate(plan.prompt_ids(self.tokenizer, messages), sp, adapter=adapter)
             for o in out if isinstance(out, list) else [out]:
-                o.content, calls = plan.parse(o.text)
+                o.content, calls = plan.parse(o.text, cut=o.finish_reason == "length")
                 o.tool_calls = calls or None
             return out
         return self.generate(self._chat_prompt(messages), params, **kwargs)
@@ -291,15 +351,16 @@ class LLM:
         if has_images(messages):
             raise ImageError("images together with tools are not supported yet: send them in separate calls")
 
-    def chat_stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+    def chat_stream(self, messages: list[dict[str, Any]] | str, params: SamplingParams | None = None,
                     **kwargs: Any) -> Iterator[str]:
         """stream() of the assistant's reply under the chat template."""
-        return self.stream(self._chat_prompt(messages), params, **kwargs)
+        return self.stream(self._chat_prompt(_chat_messages(messages)), params, **kwargs)
 
     # -- generation (asyncio) -------------------------------------------------------------
 
     async def agenerate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
-                        *, images: Sequence[ImageSource] | None = None, **kwargs: Any) -> Any:
+                        *, images: Sequence[ImageSource] | None = None, adapter: str | None = None,
+                        **kwargs: Any) -> Any:
         """generate() for asyncio: the same arguments and return shape. Cancelling the
         awaiting task aborts its requests and frees their blocks before the next step."""
         params = self.sampling_params(params, **kwargs)
@@ -307,17 +368,22 @@ class LLM:
         if not reqs:
             return []
         loop = self._loop()
-        tasks = [asyncio.ensure_future(loop.generate(ids, p, images=imgs)) for ids, p, imgs in reqs]
+        loop.engine.adapter_slot(adapter)   # [lora] an unknown name fails before any request starts
+        tasks = [asyncio.ensure_future(loop.generate(ids, p, images=imgs, adapter=adapter))
+                 for ids, p, imgs in reqs]
         try:
             finals = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:   # one failed or we were cancelled: stop the others too
                 t.cancel()
             raise
-        return _shape([_completion(f, params) for f in finals], params.n, single)
+        outs = [_completion(f, params) for f in finals]
+        self._hint_chat_template(prompts, outs)
+        return _shape(outs, params.n, single)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                      images: Sequence[ImageSource] | None = None, **kwargs: Any) -> AsyncIterator[str]:
+                      images: Sequence[ImageSource] | None = None, adapter: str | None = None,
+                      **kwargs: Any) -> AsyncIterator[str]:
         """stream() for asyncio (`async for piece in llm.astream(...)`); closing the
         iterator or cancelling its task aborts the request."""
         params = self.sampling_params(params, **kwargs)
@@ -327,7 +393,7 @@ class LLM:
             ids, inputs = self._prompt_with_images(prompt, images)
         else:
             ids, inputs = self.encode_prompt(prompt), None
-        s = self._loop().submit(ids, params, images=inputs)
+        s = self._loop().submit(ids, params, images=inputs, adapter=adapter)
         try:
             async for out in s:
                 if out.new_text:
@@ -335,10 +401,26 @@ class LLM:
         finally:
             s.close()
 
-    async def achat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+    async def achat(self, messages: list[dict[str, Any]] | str, params: SamplingParams | None = None,
                     **kwargs: Any) -> Any:
         """chat() for asyncio."""
-        return await self.agenerate(self._chat_prompt(messages), params, **kwargs)
+        return await self.agenerate(self._chat_prompt(_chat_messages(messages)), params, **kwargs)
+
+    # -- one request's deltas (for layers over LLM: ellm.integrations) ------------------
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+               images: list[Any] | None = None) -> BlockingRequestStream:
+        """Queues one request of prompt token ids (with the ImageInputs of its image tokens,
+        as encode_chat_with_images gives them) and returns its stream: an iterator of the
+        engine's RequestOutput deltas (new text and token ids, the totals so far, the
+        finish reason, the prompt ids), for code that needs more than the text. Closing the
+        stream, or dropping it, aborts the request. Safe from any thread."""
+        return self._loop().submit_blocking([int(t) for t in prompt_ids], params, images=images)
+
+    def asubmit(self, prompt_ids: Sequence[int], params: SamplingParams, *,
+                images: list[Any] | None = None) -> RequestStream:
+        """submit() for asyncio: call it inside a running event loop; `async for` the deltas."""
+        return self._loop().submit([int(t) for t in prompt_ids], params, images=images)
 
     # -- direct model access ----------------------------------------------------------
 
@@ -397,8 +479,9 @@ KV_CACHE_DEVICES = {"float16": ("cpu",), "bfloat16": ("cuda", "gpu", "reference"
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
          max_num_seqs: int = 64, max_batch_tokens: int = 512, quantize: str | None = None,
          threads: int | None = None, chat_template: str | None = None,
-         progress: bool = True, activations: str = "int8", mmproj: str | Path | None = None,
-         speculative_config: dict[str, Any] | str | None = None, kv_cache_dtype: str = "auto") -> LLM:
+         progress: bool = True, activations: str | None = None, mmproj: str | Path | None = None,
+         speculative_config: dict[str, Any] | str | None = None, kv_cache_dtype: str = "auto",
+         kv_cache_tokens: int = 0, lora_adapters: dict[str, str | Path] | None = None) -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
 
     max_model_len: prompt + output tokens per sequence (capped by the model's own limit).
@@ -406,8 +489,9 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     is, all CPUs this process may use unless set before; 0: all of them).
     chat_template: a Jinja chat template (the text, or a path to a file) used instead of
     the model's own by chat() and the server.
-    activations: "int8" (default) rounds a quantized matmul's input to 8-bit blocks;
-    "f32" multiplies the dequantized weights by it unrounded (see ops.get_ops).
+    activations: "int8" rounds a quantized matmul's input to 8-bit blocks; "f32" multiplies
+    the dequantized weights by it unrounded (see ops.get_ops). None: "int8", except for the
+    default model loaded as the default (no source), which gets hub.DEFAULT_MODEL_ACTIVATIONS.
     mmproj: [vision] llama.cpp's separate vision file (`convert_hf_to_gguf.py --mmproj`) for
     a .gguf text model (SmolVLM / Idefics3 on llama, Gemma 3); given explicitly, never guessed
     from the folder (docs/vision.md).
@@ -417,22 +501,30 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     kv_cache_dtype: "auto" (float32, the default: every logit as the model computes it),
     "float16" (cpu backend) or "bfloat16" (cuda backend): K and V are stored rounded to
     that type, half the cache's memory and of the bytes a decode step reads from it
-    (docs/kv-cache.md)."""
+    (docs/kv-cache.md).
+    kv_cache_tokens: the KV cache's size in tokens, all sequences together (0, the
+    default: max(max_model_len, 16384)); it bounds the cache's memory (ellm info shows
+    the bytes per token).
+    lora_adapters: [lora] {name: path} of LoRA adapters (PEFT folders, or llama.cpp LoRA
+    .gguf files for a .gguf base) served over this one base; a request picks one with
+    adapter=name (docs/lora.md)."""
     from . import hub
     from . import sampling_defaults as defaults
     from ._memory import release_freed_memory
     from .formats.gguf import GGUFFile
     from .formats.safetensors import SafetensorsFolder
-    from .models import build_model
+    from .models import build_model, config_from_folder, config_from_gguf, gguf_weights
     from .ops import get_ops
     from .tokenization.template import compile_template
     from .tokenizer import Tokenizer
-    from .weights import GGUFWeights, SafetensorsWeights
+    from .weights import SafetensorsWeights
 
     for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                         ("max_batch_tokens", max_batch_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 0:
+        raise ValueError(f"kv_cache_tokens must be an int >= 0 (0: the default size), got {kv_cache_tokens!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                          f"got {kv_cache_dtype!r}")
@@ -450,6 +542,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     from .engine.speculative import SpeculativeConfig, check_same_vocabulary
     spec = SpeculativeConfig.parse(speculative_config)  # [spec] a bad config fails before loading
     _set_threads(threads)
+    if activations is None:
+        activations = hub.DEFAULT_MODEL_ACTIVATIONS if source is None else "int8"
     ops = get_ops(device, activations=activations)
     resolved = hub.resolve(source, progress=progress)
     # Say what was loaded: a name and a path can look alike (see hub.resolve).
@@ -458,16 +552,18 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         print(f"ellm: loading {resolved.describe()}", file=sys.stderr, flush=True)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
-        config = ModelConfig.from_gguf(gguf)
-        weights: Any = GGUFWeights(gguf)
+        config = config_from_gguf(gguf)
+        weights: Any = gguf_weights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         sampling = defaults.from_gguf_metadata(gguf.metadata, str(resolved.path))
         gguf.drop_metadata("tokenizer.ggml.")  # the tokenizer holds its own copy
     else:
-        config = ModelConfig.from_folder(resolved.path)
+        config = config_from_folder(resolved.path)
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
         sampling = defaults.from_folder(resolved.path)
+    if source is None:   # the default model as the default: see hub.DEFAULT_MODEL_SAMPLING
+        sampling = sampling.in_place_of_fallback(hub.DEFAULT_MODEL_SAMPLING, "ellm's default model")
     if mmproj is not None:   # [vision]
         if resolved.kind != "gguf":
             raise ValueError(f"mmproj= goes with a .gguf text model; {resolved.describe()} is not one "
@@ -481,6 +577,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         from .quantize import QuantizedWeights
         weights = QuantizedWeights(weights, quantize)
     model = build_model(config, weights, ops)
+    model.source_files = weights.fingerprints()   # [files] the engine notices a rewrite in place
+    if lora_adapters:   # [lora] checked against the base's matrices here, before any request
+        from .lora import attach_adapters
+        attach_adapters(model, lora_adapters)
     draft = None
     if spec is not None and spec.method == "draft_model":  # [spec] the draft: same device, its own file
         draft_llm_parts = _load_draft(spec.model, ops, progress)
@@ -489,7 +589,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     release_freed_memory()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_batch_tokens=max_batch_tokens, speculative=spec,
-                                 kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype])
+                                 kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype], kv_cache_tokens=kv_cache_tokens)
     processing = _image_processing(model, resolved, mmproj)   # [vision]
     return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, processing,
                draft_model=draft)
@@ -512,21 +612,21 @@ def _load_draft(source: str, ops: Any, progress: bool) -> tuple[Any, Any]:
     from . import hub
     from .formats.gguf import GGUFFile
     from .formats.safetensors import SafetensorsFolder
-    from .models import build_model
+    from .models import build_model, config_from_folder, config_from_gguf, gguf_weights
     from .tokenizer import Tokenizer
-    from .weights import GGUFWeights, SafetensorsWeights
+    from .weights import SafetensorsWeights
 
     resolved = hub.resolve(source, progress=progress)
     if progress:
         print(f"ellm: loading the draft model {resolved.describe()}", file=sys.stderr, flush=True)
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
-        config = ModelConfig.from_gguf(gguf)
-        weights: Any = GGUFWeights(gguf)
+        config = config_from_gguf(gguf)
+        weights: Any = gguf_weights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         gguf.drop_metadata("tokenizer.ggml.")
     else:
-        config = ModelConfig.from_folder(resolved.path)
+        config = config_from_folder(resolved.path)
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
     return build_model(config, weights, ops), tokenizer

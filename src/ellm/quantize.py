@@ -5,6 +5,8 @@ run through the same quantized kernels as GGUF files. Norms and other vectors ar
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .formats.dequant import dequantize
@@ -23,6 +25,9 @@ class QuantizedWeights(WeightSource):
         self.inner, self.qtype = inner, QUANTIZE_TYPES[kind]
         self.norm_weights_include_one = inner.norm_weights_include_one
         self._done: dict[str, Linear] = {}
+
+    def fingerprints(self) -> list[Any]:
+        return self.inner.fingerprints()
 
     def linear(self, name: str) -> Linear:
         if name in self._done:  # tied embeddings ask twice

@@ -58,6 +58,17 @@ class SamplingDefaults:
     def as_dict(self) -> dict[str, float | int]:
         return {k: getattr(self, k) for k in FALLBACK}
 
+    def in_place_of_fallback(self, values: dict[str, float | int], source: str) -> SamplingDefaults:
+        """These defaults with `values` for the fields that fell back to ellm's (the model's
+        files left them unset); a model's own recommendation stays."""
+        fell_back = {k for k, where in self.sources if where == "ellm"}
+        chosen = {k: v for k, v in _checked(values, source).items() if k in fell_back}
+        merged = {**self.as_dict(), **chosen}
+        return SamplingDefaults(
+            temperature=float(merged["temperature"]), top_p=float(merged["top_p"]), top_k=int(merged["top_k"]),
+            min_p=float(merged["min_p"]), repetition_penalty=float(merged["repetition_penalty"]),
+            sources=tuple((k, source if k in chosen else where) for k, where in self.sources))
+
     def params(self, base: SamplingParams | None = None, **overrides: Any) -> SamplingParams:
         """A SamplingParams with these defaults, then `overrides` (the caller's choices;
         None values are ignored, so an unset command-line option keeps the default).

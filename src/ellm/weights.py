@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -85,6 +85,10 @@ class WeightSource:
     def __contains__(self, name: str) -> bool:
         return name in self._names
 
+    def fingerprints(self) -> list[Any]:
+        """The mapped files' formats.files.FileFingerprints (a rewrite in place is noticed)."""
+        return []
+
     def names(self) -> list[str]:
         return list(self._names)
 
@@ -122,14 +126,9 @@ class RenamedWeights(WeightSource):
 class GGUFWeights(WeightSource):
     norm_weights_include_one = True
 
-    def __init__(self, gguf: GGUFFile, table: Sequence[tuple[str, str]] | None = None) -> None:
-        """table: the family's GGUF -> Hugging Face names; by default the one of the file's
-        `general.architecture`."""
-        if table is None:
-            from .models import family_for_gguf
-            from .models.blocks import gguf_tensor_table
-            family = family_for_gguf(str(gguf.metadata.get("general.architecture", "")))
-            table = gguf_tensor_table(getattr(family, "GGUF_TENSORS", ()))
+    def __init__(self, gguf: GGUFFile, table: Sequence[tuple[str, str]]) -> None:
+        """table: the family's GGUF -> Hugging Face names (ellm.models.gguf_weights gives
+        the one of the file's `general.architecture`)."""
         names = {}
         for tname in gguf.tensors:
             hf = gguf_to_hf_name(tname, table)
@@ -137,6 +136,9 @@ class GGUFWeights(WeightSource):
                 names[hf] = tname
         super().__init__(gguf.path, names)
         self.gguf = gguf
+
+    def fingerprints(self) -> list[Any]:
+        return [self.gguf.fingerprint]
 
     def linear(self, name: str) -> Linear:
         self.require(name)
@@ -164,6 +166,9 @@ class SafetensorsWeights(WeightSource):
     def __init__(self, folder: SafetensorsFolder) -> None:
         super().__init__(folder.folder, {n: n for n in folder.names()})
         self.st = folder
+
+    def fingerprints(self) -> list[Any]:
+        return [f.fingerprint for f in self.st.files.values()]
 
     def linear(self, name: str) -> Linear:
         self.require(name)

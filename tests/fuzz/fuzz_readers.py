@@ -5,7 +5,7 @@ Targets:
   safetensors  formats.safetensors.SafetensorsFile, then every tensor read
   vocab        GGUFFile -> Tokenizer.from_gguf (the GGUF vocabulary builder), then
                encode / decode of a fixed text
-  config       GGUFFile -> ModelConfig.from_gguf (the model config builder)
+  config       GGUFFile -> ellm.models.config_from_gguf (the model config builder)
 
 An input passes when it parses or is refused with FormatError / ConfigError; any other
 exception (a TypeError, a RecursionError, a tokenizers PanicException, a MemoryError under
@@ -37,10 +37,11 @@ import atheris
 
 import numpy as np
 
-from ellm.config import ConfigError, ModelConfig
+from ellm.config import ConfigError
 from ellm.formats.errors import FormatError
 from ellm.formats.gguf import GGUFFile
 from ellm.formats.safetensors import SafetensorsFile
+from ellm.models import config_from_gguf
 from ellm.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -83,7 +84,7 @@ def one_input(target: str, data: bytes) -> None:
         elif target == "vocab":
             _build_vocab(GGUFFile(path))
         else:
-            ModelConfig.from_gguf(GGUFFile(path))
+            config_from_gguf(GGUFFile(path))
     except (FormatError, ConfigError):
         pass
 

@@ -27,6 +27,7 @@ cdef extern from "simd.h":
     int ellm_simd_level()
     int ellm_simd_set(int level)
     const char *ellm_simd_name(int level)
+    int ellm_neon_features()
 
 
 cdef class MappedFile:
@@ -119,6 +120,15 @@ def set_simd_level(name: str) -> None:
         raise ValueError(f"unknown SIMD level {name!r}; expected one of {sorted(SIMD_LEVELS)}")
     if ellm_simd_set(SIMD_LEVELS[name]) != 0:
         raise ValueError(f"SIMD level {name!r} is not supported on this CPU (best: {simd_best()})")
+
+
+def simd_extensions() -> list:
+    """The optional extensions the active level's kernels use: at the NEON level (aarch64)
+    "dotprod" (SDOT) and "i8mm" where the CPU has them; empty elsewhere."""
+    if ellm_simd_level() != SIMD_LEVELS["neon"]:
+        return []
+    cdef int f = ellm_neon_features()
+    return [name for name, bit in (("dotprod", 1), ("i8mm", 2)) if f & bit]
 
 
 def supported_simd_levels() -> list:

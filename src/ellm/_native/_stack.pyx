@@ -36,6 +36,27 @@ cdef extern from "threadpool.h":
     int ellm_num_threads() nogil
 
 
+cdef extern from "lora.h":
+    ctypedef struct ellm_lora_proj:
+        pass
+    ctypedef struct ellm_lora_part:
+        const ellm_lora_proj *proj
+        float *y
+        int64_t ldy
+    size_t ellm_lora_scratch_bytes(const ellm_lora_part *parts, int n_parts, int64_t T) nogil
+    int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_slot,
+                        const ellm_lora_part *parts, int n_parts, void *scratch,
+                        size_t scratch_bytes) nogil
+
+
+# [lora] one call of the LoRA kernel after a linear: the parts adapted (n = 0: none)
+ctypedef struct lora_call:
+    ellm_lora_part parts[3]
+    int n
+    const float *x
+    int64_t ldx
+
+
 # one RMSNorm (or none): rows of n at x (stride ld), written in place
 ctypedef struct norm_step:
     const float *w      # NULL: no norm
@@ -68,6 +89,8 @@ ctypedef struct layer_plan:
     const float *up
     int64_t F
     ellm_linear_part down
+    # [lora] the adapters' products after q/k/v, o, gate/up and down
+    lora_call lora[4]
 
 
 cdef class _Held:
@@ -100,16 +123,21 @@ cdef class LayerStack:
     cdef float *attn_scratch
     cdef int64_t attn_floats
     cdef object lock
+    cdef void *lora_scratch        # [lora] 8-byte aligned (malloc)
+    cdef size_t lora_bytes
+    cdef readonly bint has_lora
 
     def __cinit__(self):
         self.plans = NULL
         self.lin_scratch = NULL
         self.attn_scratch = NULL
+        self.lora_scratch = NULL
 
     def __dealloc__(self):
         free(self.plans)
         free(self.lin_scratch)
         free(self.attn_scratch)
+        free(self.lora_scratch)
 
     def __init__(self, list layers, int64_t T, int64_t H, residual, proj, h, double eps):
         if T < 1:
@@ -126,8 +154,20 @@ cdef class LayerStack:
         if self.plans == NULL:
             raise MemoryError("LayerStack: cannot allocate the layer plans")
         cdef size_t need = 0
+        cdef size_t lora_need = 0
+        cdef layer_plan *L
         for i, spec in enumerate(layers):
             need = max(need, self._plan(&self.plans[i], spec, <float>eps))
+            L = &self.plans[i]
+            for c in range(4):
+                if L.lora[c].n:
+                    self.has_lora = True
+                    lora_need = max(lora_need, ellm_lora_scratch_bytes(L.lora[c].parts, L.lora[c].n, T))
+        if self.has_lora:
+            self.lora_bytes = lora_need
+            self.lora_scratch = malloc(lora_need)
+            if self.lora_scratch == NULL:
+                raise MemoryError(f"LayerStack: cannot allocate {lora_need} bytes of LoRA scratch")
         self.lin_bytes = need
         if need:
             self.lin_scratch = malloc(need + 64)
@@ -184,6 +224,23 @@ cdef class LayerStack:
         p.y = y
         p.ldy = ldy
         p.bias = self._vector(lin.bias, N, name + " bias")
+        return 0
+
+    cdef int _lora_part(self, lora_call *c, dict tables, str name, float *y, int64_t ldy,
+                        int64_t K) except -1:
+        """[lora] Adds projection `name` (writing y, (T, ldy)) to the call c when any
+        adapter changes it (tables: name -> _lora.LoraTable)."""
+        table = tables.get(name)
+        if table is None:
+            return 0
+        if table.in_features != K or table.out_features != ldy:
+            raise ValueError(f"LayerStack: the LoRA table of {name} is ({table.out_features}, "
+                             f"{table.in_features}), the projection ({ldy}, {K})")
+        self.held.append(table)
+        c.parts[c.n].proj = <const ellm_lora_proj *><uintptr_t>table.address
+        c.parts[c.n].y = y
+        c.parts[c.n].ldy = ldy
+        c.n += 1
         return 0
 
     cdef int _norm_on_proj(self, norm_step *n, object w, float eps, str name) except -1:
@@ -273,6 +330,18 @@ cdef class LayerStack:
         self._part(&L.gate_up[0], s["gate"], H, <float *>L.gate, F, "gate_proj")
         self._part(&L.gate_up[1], s["up"], H, <float *>L.up, F, "up_proj")
         self._part(&L.down, s["down"], F, self.proj, H, "down_proj")
+        lora = s.get("lora") or {}   # [lora] projection name -> _lora.LoraTable
+        L.lora[0].x, L.lora[0].ldx = L.hin, H
+        self._lora_part(&L.lora[0], lora, "q", q, nh * hd, H)
+        self._lora_part(&L.lora[0], lora, "k", k, nkv * hd, H)
+        self._lora_part(&L.lora[0], lora, "v", v, nkv * hd, H)
+        L.lora[1].x, L.lora[1].ldx = attn, nh * hd
+        self._lora_part(&L.lora[1], lora, "o", self.proj, H, nh * hd)
+        L.lora[2].x, L.lora[2].ldx = L.mlp_in, H
+        self._lora_part(&L.lora[2], lora, "gate", <float *>L.gate, F, H)
+        self._lora_part(&L.lora[2], lora, "up", <float *>L.up, F, H)
+        L.lora[3].x, L.lora[3].ldx = L.act, F
+        self._lora_part(&L.lora[3], lora, "down", self.proj, H, F)
         return max(ellm_linear_multi_scratch_bytes(L.qkv, 3, T, H),
                    ellm_linear_multi_scratch_bytes(&L.o, 1, T, nh * hd),
                    ellm_linear_multi_scratch_bytes(L.gate_up, 2, T, H),
@@ -280,14 +349,25 @@ cdef class LayerStack:
 
     # -- running ----------------------------------------------------------------------
 
-    def run(self, positions, seq_ids, dict block_tables, key_limit=None) -> None:
+    def run(self, positions, seq_ids, dict block_tables, key_limit=None, adapter_slots=None) -> None:
         """Every layer for this step's tokens: the residual and h buffers end as the per-op
-        path leaves them. Two threads may not run one stack (its buffers are one forward's):
-        the second gets a RuntimeError."""
+        path leaves them. adapter_slots: [lora] (T,) int32 each row's LoRA adapter (-1:
+        none), or None (a batch of the base alone; a stack built without adapters takes
+        only None). Two threads may not run one stack (its buffers are one forward's): the
+        second gets a RuntimeError."""
         cdef const int32_t[::1] pv = positions
         cdef const int32_t[::1] sv = seq_ids
         cdef const int32_t[::1] lv
+        cdef const int32_t[::1] av
+        cdef const int32_t *slots = NULL
         cdef const int32_t *limits = NULL
+        if adapter_slots is not None:
+            if not self.has_lora:
+                raise ValueError("LayerStack.run: adapter slots for a stack without LoRA adapters")
+            av = adapter_slots
+            if av.shape[0] != self.T:
+                raise ValueError(f"LayerStack.run: {av.shape[0]} adapter slots for {self.T} rows")
+            slots = &av[0]
         if pv.shape[0] != self.T or sv.shape[0] != self.T:
             raise ValueError(f"LayerStack.run: {pv.shape[0]} positions and {sv.shape[0]} sequence ids "
                              f"for a stack of {self.T} rows")
@@ -325,6 +405,8 @@ cdef class LayerStack:
                 for li in range(self.n_layers):
                     L = &self.plans[li]
                     st = ellm_linear_multi(L.hin, T, H, L.qkv, 3, self.lin_ptr, self.lin_bytes)
+                    if st == 0 and slots != NULL:
+                        st = _lora_call(&L.lora[0], T, slots, self.lora_scratch, self.lora_bytes)
                     if st != 0:
                         break
                     if L.q_norm.w != NULL:
@@ -349,10 +431,14 @@ cdef class LayerStack:
                     if rc != 0:
                         break
                     st = ellm_linear_multi(L.attn_x, T, L.attn_width, &L.o, 1, self.lin_ptr, self.lin_bytes)
+                    if st == 0 and slots != NULL:
+                        st = _lora_call(&L.lora[1], T, slots, self.lora_scratch, self.lora_bytes)
                     if st != 0:
                         break
                     _block_out(&L.post_attn, L.multiplier, self.residual, L.pre_mlp_w, self.h)
                     st = ellm_linear_multi(L.mlp_in, T, H, L.gate_up, 2, self.lin_ptr, self.lin_bytes)
+                    if st == 0 and slots != NULL:
+                        st = _lora_call(&L.lora[2], T, slots, self.lora_scratch, self.lora_bytes)
                     if st != 0:
                         break
                     if L.gelu:
@@ -360,6 +446,8 @@ cdef class LayerStack:
                     else:
                         ellm_swiglu(L.gate, L.F, L.up, L.F, L.act, L.F, T, L.F)
                     st = ellm_linear_multi(L.act, T, L.F, &L.down, 1, self.lin_ptr, self.lin_bytes)
+                    if st == 0 and slots != NULL:
+                        st = _lora_call(&L.lora[3], T, slots, self.lora_scratch, self.lora_bytes)
                     if st != 0:
                         break
                     _block_out(&L.post_mlp, L.multiplier, self.residual, L.next_w, self.h)
@@ -370,7 +458,15 @@ cdef class LayerStack:
         if rc != 0:
             raise ValueError(f"rope_attention: {err.decode('utf-8', 'replace')}")
         if st != 0:
-            raise ValueError(f"linear_multi: {ellm_status_str(st).decode()}")
+            raise (IndexError if st == -5 else ValueError)(f"linear_multi / lora: {ellm_status_str(st).decode()}")
+
+
+cdef inline int _lora_call(lora_call *c, int64_t T, const int32_t *slots, void *scratch,
+                           size_t scratch_bytes) noexcept nogil:
+    """[lora] The adapters' products of one linear call (none when no adapter changes it)."""
+    if c.n == 0:
+        return 0
+    return ellm_lora_apply(c.x, c.ldx, T, slots, c.parts, c.n, scratch, scratch_bytes)
 
 
 cdef inline void _block_out(norm_step *n, float multiplier, float *residual, const float *next_w,

@@ -295,26 +295,32 @@ class AsyncEngine:
         return f"areq-{next(self._ids)}"
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               request_id: str | None = None, images: list[Any] | None = None) -> RequestStream:
+               request_id: str | None = None, images: list[Any] | None = None,
+               adapter: str | None = None) -> RequestStream:
         """Queues a request now (call from a running event loop) and returns its stream.
         Raises QueueFullError at once when max_queue requests are already in. Errors the
         engine finds when adding (an over-long prompt) come out of the stream. images:
-        [vision] ImageInputs for the prompt's image tokens (Engine.add_request)."""
+        [vision] ImageInputs for the prompt's image tokens (Engine.add_request). adapter:
+        [lora] an attached LoRA adapter's name (an unknown one is a RequestError here)."""
         loop = asyncio.get_running_loop()
         sink = _Sink(loop)
-        return RequestStream(self, self._add(prompt_ids, params, request_id, sink, images), sink)
+        return RequestStream(self, self._add(prompt_ids, params, request_id, sink, images, adapter), sink)
 
     def submit_blocking(self, prompt_ids: list[int], params: SamplingParams,
-                        request_id: str | None = None, images: list[Any] | None = None) -> BlockingRequestStream:
+                        request_id: str | None = None, images: list[Any] | None = None,
+                        adapter: str | None = None) -> BlockingRequestStream:
         """submit() for code without an event loop, from any thread: the stream is a plain
         iterator that blocks until the next delta."""
         sink = _ThreadSink()
-        return BlockingRequestStream(self, self._add(prompt_ids, params, request_id, sink, images), sink)
+        return BlockingRequestStream(self, self._add(prompt_ids, params, request_id, sink, images, adapter),
+                                     sink)
 
     def _add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-             sink: _Sink | _ThreadSink, images: list[Any] | None = None) -> str:
+             sink: _Sink | _ThreadSink, images: list[Any] | None = None, adapter: str | None = None) -> str:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
+        if adapter is not None:   # [lora] an unknown name fails the caller now (model.lora is fixed at load)
+            self.engine.adapter_slot(adapter)
         rid = request_id or self.new_request_id()
         with self._pending_lock:
             self._check_capacity_locked(1)
@@ -322,7 +328,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._pending.add(rid)
         try:
-            self._post(("add", (rid, list(prompt_ids), params, sink, images)))
+            self._post(("add", (rid, list(prompt_ids), params, sink, images, adapter)))
         except EngineDeadError:
             self._pending_discard(rid, sink)
             raise
@@ -339,10 +345,11 @@ class AsyncEngine:
                                  f"(limit {self.max_queue}); retry later")
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None, images: list[Any] | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, images: list[Any] | None = None,
+                     adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's RequestOutput deltas; closing or cancelling the consumer
         aborts the request."""
-        s = self.submit(prompt_ids, params, request_id, images)
+        s = self.submit(prompt_ids, params, request_id, images, adapter)
         try:
             async for out in s:
                 yield out
@@ -350,9 +357,10 @@ class AsyncEngine:
             s.close()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, images: list[Any] | None = None) -> FinalOutput:
+                       request_id: str | None = None, images: list[Any] | None = None,
+                       adapter: str | None = None) -> FinalOutput:
         """Runs one request to the end and returns all of it."""
-        s = self.submit(prompt_ids, params, request_id, images)
+        s = self.submit(prompt_ids, params, request_id, images, adapter)
         logprobs: list[TokenLogprob] = []
         try:
             async for out in s:
@@ -498,15 +506,17 @@ class AsyncEngine:
         kind, arg = cmd
         try:
             if kind == "add":
-                rid, prompt_ids, params, sink, images = arg
+                rid, prompt_ids, params, sink, images, adapter = arg
                 if sink.closed:
                     return   # closed before it was added; its abort finds nothing to do
                 self._sinks[rid] = sink
                 try:
+                    extra: dict[str, Any] = {}
                     if images:   # [vision]
-                        self.engine.add_request(prompt_ids, params, rid, images=images)
-                    else:
-                        self.engine.add_request(prompt_ids, params, rid)
+                        extra["images"] = images
+                    if adapter is not None:   # [lora]
+                        extra["adapter"] = adapter
+                    self.engine.add_request(prompt_ids, params, rid, **extra)
                 except ValueError as e:  # the request's own fault (too long, bad ids, bad bias)
                     self._fail(rid, e if isinstance(e, RequestError) else RequestError(str(e)), in_engine=False)
                 except Exception as e:  # noqa: BLE001 - anything else fails this request only

@@ -35,6 +35,11 @@ class RequestError(ValueError):
     """A request the engine cannot run (too long, bad ids); the message says why."""
 
 
+class ModelFileChanged(RequestError):
+    """The model's file was rewritten on disk while mapped: no request can be trusted to
+    run on it any more (the server answers 503); the message names the file."""
+
+
 class SequenceError(RuntimeError):
     """A request failed while it ran (its sampling or detokenizing raised); it alone was
     finished, with finish_reason "error", and the other requests went on."""
@@ -81,10 +86,27 @@ class Engine:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
+    def adapter_slot(self, adapter: str | None) -> int:
+        """[lora] The slot of a LoRA adapter by name (None: the base, -1); an unknown name
+        is a RequestError listing the ones attached."""
+        if adapter is None:
+            return -1
+        lora = getattr(self.model, "lora", None)
+        if not isinstance(adapter, str):
+            raise RequestError(f"adapter must be a name (str) or None, got {type(adapter).__name__}")
+        if lora is None or adapter not in lora.names:
+            have = ", ".join(map(repr, lora.names)) if lora is not None else "none were loaded"
+            raise RequestError(f"unknown LoRA adapter {adapter!r} (attached: {have})")
+        return lora.slot(adapter)
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, images: list[Any] | None = None) -> str:
-        """images: [vision] ImageInputs whose rows fill the prompt's image tokens, in order."""
+                    request_id: str | None = None, images: list[Any] | None = None,
+                    adapter: str | None = None) -> str:
+        """images: [vision] ImageInputs whose rows fill the prompt's image tokens, in order.
+        adapter: [lora] the name of an attached LoRA adapter to run the request with."""
+        slot = self.adapter_slot(adapter)
         request_id = request_id or self.new_request_id()
+        self.check_model_files()
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already running")
         vocab = self.model.config.vocab_size
@@ -109,6 +131,8 @@ class Engine:
             arrival=next(self._arrivals),
             eos_ids=frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_ids),
         )
+        if slot >= 0:   # [lora] its own prefix-cache chain: K/V differ from the base's
+            seq.adapter_slot, seq.prefix_salt = slot, hash(("lora", slot, adapter))
         if images:   # [vision]
             seq.images, seq.image_positions, seq.image_keys = list(images), image_positions, image_keys
             if image_spans:
@@ -118,6 +142,15 @@ class Engine:
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
         return request_id
+
+    def check_model_files(self) -> None:
+        """Raises ModelFileChanged when a file the weights are mapped from was rewritten in
+        place since loading (a stat() per file: done for every request)."""
+        from ..formats.files import MappedFileChanged, check_unchanged
+        try:
+            check_unchanged(getattr(self.model, "source_files", ()))
+        except MappedFileChanged as e:
+            raise ModelFileChanged(str(e)) from None
 
     def abort(self, request_id: str) -> None:
         """Stops a request now and returns its blocks to the pool."""
@@ -167,7 +200,7 @@ class Engine:
             # them all recorded already)
             if seq.num_computed >= len(seq.prompt_ids) > seq.num_computed - n:
                 self.blocks.cache_prefix(seq.request_id, seq.image_keys or seq.prompt_ids,  # [vision] keys
-                                         seq.num_computed)
+                                         seq.num_computed, seq.prefix_salt)   # [lora]
                 seq.image_rows = None   # [vision] the prompt is in the cache now
         if self.spec is not None and any(seq.draft_ids for seq in sampled):  # [spec] rows of guesses
             self._sample_checked(sampled, self.runner.to_host(logits), masks, outputs)
@@ -225,6 +258,9 @@ class Engine:
                 sampled.append(seq)
             t += n
         batch = Batch(token_ids, positions, seq_ids, self._block_tables(plan), np.asarray(rows, np.int32))
+        if any(seq.adapter_slot >= 0 for seq, _ in plan):   # [lora] each row's adapter
+            batch.adapter_slots = np.repeat(np.asarray([seq.adapter_slot for seq, _ in plan], np.int32),
+                                            [n for _, n in plan])
         if spliced:   # [vision]
             batch.embed_rows = np.concatenate([r for r, _ in spliced])
             batch.embed_values = np.concatenate([v for _, v in spliced])
@@ -250,6 +286,8 @@ class Engine:
         B = len(plan)
         batch = Batch(np.asarray(token_ids, np.int32), np.asarray(positions, np.int32),
                       np.arange(B, dtype=np.int32), self._block_tables(plan), np.asarray(rows, np.int32))
+        if any(seq.adapter_slot >= 0 for seq, _ in plan):   # [lora] each row's adapter
+            batch.adapter_slots = np.asarray([seq.adapter_slot for seq, _ in plan], np.int32)
         return batch, sampled
 
     def _block_tables(self, plan: list[tuple[Sequence, int]]) -> dict[int, np.ndarray]:
@@ -447,13 +485,20 @@ class Engine:
 
     # -- [structured] constrained decoding (ellm.engine.structured) -------------------
 
-    def prepare_constraints(self) -> None:
+    def prepare_constraints(self, params: SamplingParams | None = None) -> None:
         """Builds llguidance's view of the tokenizer now (any thread may call this), so the
         first constrained request does not pay for it (seconds for a 262k vocabulary) on
-        the engine thread while other requests wait."""
+        the engine thread while other requests wait; with params, the matcher of their
+        constraint too (the engine thread then only copies it). A constraint this
+        tokenizer cannot use is a RequestError."""
         from . import structured
 
-        structured.llg_tokenizer(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+        tok = structured.llg_tokenizer(self.tokenizer, self.model.config.vocab_size, self.eos_ids)
+        if params is not None and params.constraint is not None:
+            try:
+                structured.prepare_matcher(tok, params.constraint[1])
+            except ValueError as e:
+                raise RequestError(f"{params.constraint[0]}: {e}") from None
 
     def _grammar_state(self, params: SamplingParams) -> Any:
         """A fresh matcher for a constrained request, else None."""

@@ -190,20 +190,22 @@ class BlockManager:
     # -- prefix cache -------------------------------------------------------------
 
     @staticmethod
-    def block_hashes(tokens: list[int], block_size: int) -> list[int]:
-        hashes, prev = [], 0
+    def block_hashes(tokens: list[int], block_size: int, salt: int = 0) -> list[int]:
+        """The hash chain of tokens' full blocks; salt starts it ([lora] the adapter's)."""
+        hashes, prev = [], salt
         for j in range(len(tokens) // block_size):
             prev = hash((prev, tuple(tokens[j * block_size:(j + 1) * block_size])))
             hashes.append(prev)
         return hashes
 
-    def match_prefix(self, key: object, tokens: list[int]) -> int:
+    def match_prefix(self, key: object, tokens: list[int], salt: int = 0) -> int:
         """Gives the sequence every cached full block its prompt starts with (never the block
-        holding the last prompt token, whose logits must be computed). -> tokens covered."""
+        holding the last prompt token, whose logits must be computed). -> tokens covered.
+        salt: [lora] the adapter's start of the hash chain (0: the base)."""
         if not self.enable_prefix_caching or key in self.tables:
             return 0
         usable = (len(tokens) - 1) // self.block_size
-        hashes = self.block_hashes(tokens[:usable * self.block_size], self.block_size)
+        hashes = self.block_hashes(tokens[:usable * self.block_size], self.block_size, salt)
         self.queries += len(hashes)
         tables = {w: [] for w in self.windows}
         for h in hashes:
@@ -218,13 +220,14 @@ class BlockManager:
         self.tables[key] = tables
         return len(tables[0] if 0 in tables else next(iter(tables.values()))) * self.block_size
 
-    def cache_prefix(self, key: object, tokens: list[int], n_computed: int) -> None:
-        """Records the sequence's full, computed prompt blocks in the prefix cache."""
+    def cache_prefix(self, key: object, tokens: list[int], n_computed: int, salt: int = 0) -> None:
+        """Records the sequence's full, computed prompt blocks in the prefix cache (salt:
+        as in match_prefix)."""
         if not self.enable_prefix_caching or key not in self.tables:
             return
         tables = self.tables[key]
         n_full = min(n_computed, len(tokens)) // self.block_size
-        for j, h in enumerate(self.block_hashes(tokens[:n_full * self.block_size], self.block_size)):
+        for j, h in enumerate(self.block_hashes(tokens[:n_full * self.block_size], self.block_size, salt)):
             if h in self.cached:
                 continue
             blocks = {w: tables[w][j] for w in self.windows}

@@ -3,8 +3,11 @@
 Pure Python, no arrays. Each step has a token budget. Sequences already decoding get one
 token each first (so streams never stall behind a long prompt), then prompts are
 prefilled in chunks with what is left, then waiting requests are admitted. When the KV
-cache runs out of blocks, the most recently admitted sequence is preempted: its blocks
-are freed and it goes back to the front of the queue to be recomputed later.
+cache runs out of blocks, the most recently admitted sequence not yet in this step's plan
+is preempted: its blocks are freed and it goes back to the front of the queue to be
+recomputed later. A sequence already planned is never the victim (its blocks are about to
+be read by the step's forward); when only planned sequences are left, the one asking for
+room steps aside itself.
 """
 from __future__ import annotations
 
@@ -44,13 +47,20 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _grow(self, seq: Sequence, n_tokens: int) -> bool:
-        """Gets blocks for seq to hold n_tokens, preempting later arrivals if needed."""
+    def _grow(self, seq: Sequence, n_tokens: int, planned: set[int]) -> bool | None:
+        """Gets blocks for seq to hold n_tokens, preempting later arrivals if needed.
+        -> True (it has them), False (it cannot fit even alone) or None (it was preempted
+        itself, every other running sequence being already planned for this step).
+        planned: id() of the sequences in this step's plan, which are never victims."""
         while not self.blocks.allocate(seq.request_id, n_tokens):
-            victims = [s for s in self.running if s is not seq]
-            if not victims:
-                return False
-            self._preempt(max(victims, key=lambda s: s.arrival))
+            victims = [s for s in self.running if s is not seq and id(s) not in planned]
+            if victims:
+                self._preempt(max(victims, key=lambda s: s.arrival))
+                continue
+            if len(self.running) > 1:
+                self._preempt(seq)
+                return None
+            return False
         return True
 
     def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
@@ -58,6 +68,7 @@ class Scheduler:
         budget = self.max_batch_tokens
         plan: list[tuple[Sequence, int]] = []
         too_big: list[Sequence] = []
+        planned: set[int] = set()
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if budget == 0:
                 break
@@ -66,15 +77,20 @@ class Scheduler:
             n = 1 if not seq.in_prefill else _chunk(seq, budget)
             if n == 0:   # [vision] the next image does not fit in what is left of this step
                 continue
-            if not self._grow(seq, seq.num_computed + n):
+            grown = self._grow(seq, seq.num_computed + n, planned)
+            if grown is None:
+                continue
+            if not grown:
                 too_big.append(seq)
                 continue
             plan.append((seq, n))
+            planned.add(id(seq))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.request_id not in self.blocks.tables:
-                seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prefix_keys)  # [vision] keys
+                seq.num_computed = self.blocks.match_prefix(seq.request_id, seq.prefix_keys,  # [vision] keys
+                                                             seq.prefix_salt)   # [lora]
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed)
             n = _chunk(seq, budget)
             if n == 0:   # [vision] its next image waits for a step with room for all of it

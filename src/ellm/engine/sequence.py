@@ -73,6 +73,11 @@ class Sequence:
     # [start, end) positions, which a prefill chunk must not cut; None otherwise
     image_limits: Any = None
     image_spans: list[tuple[int, int]] | None = None
+    # [lora] the LoRA adapter's slot in model.lora (-1: the base alone), and what its
+    # prefix-cache hash chain starts from (0 for the base: blocks of different adapters
+    # hold different K/V and are never shared)
+    adapter_slot: int = -1
+    prefix_salt: int = 0
 
     @property
     def all_ids(self) -> list[int]:

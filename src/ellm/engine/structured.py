@@ -26,12 +26,15 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
+
+from .constraint_bounds import MAX_SCHEMA_DEPTH, check_constraint
 
 # The request fields that carry a constraint, in SamplingParams order.
 CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
@@ -52,22 +55,90 @@ def schema_dict(schema: Any) -> dict[str, Any]:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"json_schema is nested more than {MAX_SCHEMA_DEPTH} levels deep (the limit)") from None
     if not isinstance(schema, dict):
         raise ValueError("json_schema must be a dict, a JSON string or a pydantic model class, "
                          f"got {type(schema).__name__}")
     return schema
 
 
+# Compiled constraints, newest last: a request's constraint is checked by the server,
+# then again by SamplingParams, and once more per choice (dataclasses.replace validates
+# anew); the second and later compiles of the same value are a dict lookup.
+_COMPILED: OrderedDict[tuple[str, str], str] = OrderedDict()
+_COMPILED_KEEP = 64
+_COMPILED_LOCK = threading.Lock()
+
+
+# Keywords whose values are data, not schemas: never rewritten (strict_objects, and the
+# reference rewriting of ellm.server.tools).
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "required"})
+# Keywords whose values map names to schemas.
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def strict_objects(schema: Any) -> Any:
+    """schema with additionalProperties: false on every object schema, at every level,
+    that names its properties and says nothing of others (OpenAI's strict mode), so a
+    constrained output holds only the declared keys. Branches of an allOf (which add up
+    to one object) and objects with an allOf are left open."""
+    def walk(node: Any, in_all_of: bool = False) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            if k in DATA_KEYWORDS:
+                out[k] = v
+            elif k in SCHEMA_MAPS and isinstance(v, dict):
+                out[k] = {name: walk(sub) for name, sub in v.items()}
+            elif k == "allOf" and isinstance(v, list):
+                out[k] = [walk(x, in_all_of=True) for x in v]
+            else:
+                out[k] = walk(v)
+        kind = out.get("type", "object")
+        if ("properties" in out and not in_all_of and "allOf" not in out and "additionalProperties" not in out
+                and "unevaluatedProperties" not in out and (kind == "object" or
+                                                          (isinstance(kind, list) and "object" in kind))):
+            out["additionalProperties"] = False
+        return out
+    return walk(schema)
+
+
 def compile_constraint(kind: str, value: Any) -> str:
     """The llguidance grammar for one constraint field, validated (without a tokenizer).
-    kind is one of CONSTRAINT_FIELDS; value is already normalised by SamplingParams."""
+    kind is one of CONSTRAINT_FIELDS; value is already normalised by SamplingParams.
+    The value is measured against constraint_bounds' limits first (a ValueError naming
+    the limit), so llguidance never sees one that could overflow its stack or take
+    minutes. A value compiled recently is not compiled again."""
+    try:
+        check_constraint(kind, value)
+    except ValueError as e:
+        raise ValueError(f"{kind}: {e}") from None
+    key = (kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+    with _COMPILED_LOCK:
+        grammar = _COMPILED.get(key)
+        if grammar is not None:
+            _COMPILED.move_to_end(key)
+            return grammar
+    grammar = _compile(kind, value)
+    with _COMPILED_LOCK:
+        _COMPILED[key] = grammar
+        while len(_COMPILED) > _COMPILED_KEEP:
+            _COMPILED.popitem(last=False)
+    return grammar
+
+
+def _compile(kind: str, value: Any) -> str:
     try:
         if kind == "json_schema":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_DEFAULTS)
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(value)
         elif kind == "choice":
-            grammar = llguidance.grammar_from("choice", json.dumps(value))
+            grammar = llguidance.LLMatcher.grammar_from_regex(choice_regex(value))
         elif kind == "grammar":  # Lark, or GBNF (llguidance converts it to Lark)
             grammar = llguidance.grammar_from("grammar", value)
         else:
@@ -78,6 +149,59 @@ def compile_constraint(kind: str, value: Any) -> str:
     if is_error:
         raise ValueError(f"{kind} is invalid: {messages[0] if messages else 'rejected by llguidance'}")
     return grammar
+
+
+# Characters that mean something in llguidance's (Rust) regex syntax, escaped in a literal.
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")
+
+
+def _regex_literal(text: str) -> str:
+    return "".join(f"\\{ch}" if ch in _REGEX_META else (f"\\x{{{ord(ch):x}}}" if ord(ch) < 32 else ch)
+                   for ch in text)
+
+
+# Groups nested deeper than this in a choice regex (options that are prefixes of each
+# other, many levels down) go back to one alternative per option.
+_CHOICE_TRIE_DEPTH = 64
+
+
+def choice_regex(options: list[str]) -> str:
+    """One regex matching exactly the options, factored by common prefix (a trie), so the
+    lexer's work grows with the options' total size: one alternative per option (as
+    llguidance's own choice grammar has it) costs time quadratic in their number (20,000
+    options ~3 s, against ~0.2 s for this). Built without recursion; a trie whose groups
+    would nest past _CHOICE_TRIE_DEPTH gives the flat alternation instead."""
+    root: dict[str, Any] = {}
+    for option in dict.fromkeys(options):
+        node = root
+        for ch in option:
+            node = node.setdefault(ch, {})
+        node[""] = {}   # an option ends here
+    # post-order over the trie with an explicit stack; each node's regex from its children's
+    done: dict[int, str] = {}
+    depth: dict[int, int] = {}
+    stack: list[tuple[dict[str, Any], bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((child, False) for key, child in node.items() if key)
+            continue
+        ends = "" in node
+        branches = [_regex_literal(key) + done.pop(id(child)) for key, child in sorted(node.items()) if key]
+        below = max((depth.pop(id(child)) for key, child in node.items() if key), default=0)
+        # a single child path is a plain run of literals, no group
+        if not branches:
+            body = ""
+        elif len(branches) == 1 and not ends:
+            body = branches[0]
+        else:
+            body = "(" + "|".join(branches) + ")" + ("?" if ends else "")
+            below += 1
+        if below > _CHOICE_TRIE_DEPTH:
+            return "|".join(_regex_literal(o) for o in dict.fromkeys(options))
+        done[id(node)], depth[id(node)] = body, below
+    return done[id(root)]
 
 
 # One LLTokenizer per (ellm Tokenizer, vocab size, EOS ids): building one reads the whole
@@ -104,13 +228,39 @@ def llg_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: frozenset[int] | lis
         return built
 
 
+# One fresh matcher per (tokenizer, grammar), copied for each sequence: building one
+# compiles the grammar's lexer against the vocabulary (up to seconds for a large grammar),
+# a copy is cheap. The server builds it in its constraint threads (prepare_matcher), so the
+# engine thread only copies.
+_MATCHERS: OrderedDict[tuple[int, str], tuple[Any, llguidance.LLMatcher]] = OrderedDict()
+_MATCHERS_KEEP = 32
+_MATCHERS_LOCK = threading.Lock()
+
+
+def prepare_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """The fresh matcher of a grammar for a tokenizer, built once (any thread); a
+    ValueError when the grammar cannot be used with it."""
+    key = (id(tokenizer), grammar)
+    with _MATCHERS_LOCK:
+        got = _MATCHERS.get(key)
+        if got is not None and got[0] is tokenizer:
+            _MATCHERS.move_to_end(key)
+            return got[1]
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"the constraint cannot be used with this tokenizer: {matcher.get_error()}")
+    with _MATCHERS_LOCK:
+        _MATCHERS[key] = (tokenizer, matcher)
+        while len(_MATCHERS) > _MATCHERS_KEEP:
+            _MATCHERS.popitem(last=False)
+    return matcher
+
+
 class GrammarState:
     """One sequence's matcher. num_tokens counts the output tokens it has consumed."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ValueError(f"the constraint cannot be used with this tokenizer: {self.matcher.get_error()}")
+        self.matcher = prepare_matcher(tokenizer, grammar).deep_copy()
         self.num_tokens = 0
 
     def advance(self, token_id: int) -> bool:

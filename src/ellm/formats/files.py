@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FormatError
@@ -54,3 +56,50 @@ def read_regular_file(path: str | Path, limit: int) -> bytes:
     if len(data) != st.st_size:
         raise FormatError(path, "changed size while being read")
     return data
+
+
+class MappedFileChanged(RuntimeError):
+    """A model file this process has mapped was written to in place since it was loaded."""
+
+
+@dataclass(frozen=True)
+class FileFingerprint:
+    """What a mapped file looked like when it was opened: a later stat() of the same path
+    that finds the same inode with another size or modification time means the bytes
+    under the mapping were rewritten (the model would silently compute with a mix of old
+    and new weights). A file replaced by a new one (a new inode: `mv`, `ellm pull`) is not
+    a change: the mapping keeps the old file's bytes."""
+    path: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: str | Path) -> FileFingerprint:
+        st = os.stat(path)
+        return cls(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def changed(self) -> str | None:
+        """None while the file is as it was; else what changed (one stat(), a few µs)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None   # removed: the mapping still holds the bytes it had
+        if (st.st_dev, st.st_ino) != (self.device, self.inode):
+            return None
+        if st.st_size != self.size:
+            return f"its size went from {self.size} to {st.st_size} bytes"
+        if st.st_mtime_ns != self.mtime_ns:
+            return "it was written to (its modification time changed)"
+        return None
+
+
+def check_unchanged(fingerprints: Iterable[FileFingerprint]) -> None:
+    """Raises MappedFileChanged naming the first file that changed in place."""
+    for fp in fingerprints:
+        what = fp.changed()
+        if what is not None:
+            raise MappedFileChanged(f"the model file {fp.path} changed on disk while it was in use ({what}); "
+                                    "its weights can no longer be trusted: restart to load the new file "
+                                    "(replace model files with a new file and a rename, not in place)")

@@ -24,7 +24,7 @@ import numpy as np
 
 from .._native._core import MappedFile
 from .errors import FormatError
-from .files import regular_file_size
+from .files import FileFingerprint, regular_file_size
 from .ggml_types import BLOCK_LAYOUT, GGMLType
 
 GGUF_MAGIC = b"GGUF"
@@ -163,6 +163,7 @@ class GGUFFile:
         except OSError as e:
             raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
         self._buf = memoryview(self._map)
+        self.fingerprint = FileFingerprint.of(self.path)   # to notice a rewrite in place later
         self._size_checked = False
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}

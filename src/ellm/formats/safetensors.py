@@ -25,7 +25,7 @@ import numpy as np
 
 from .._native._core import MappedFile
 from .errors import FormatError
-from .files import read_regular_file, regular_file_size
+from .files import FileFingerprint, read_regular_file, regular_file_size
 
 # safetensors dtype -> (numpy dtype of the stored bits, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -61,6 +61,7 @@ class SafetensorsFile:
         except OSError as e:
             raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
         self._buf = memoryview(self._map)
+        self.fingerprint = FileFingerprint.of(self.path)   # to notice a rewrite in place later
         self._size_checked = False
         self.metadata: dict[str, str] = {}
         self.tensors: dict[str, SafeTensorInfo] = {}

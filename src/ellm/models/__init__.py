@@ -9,11 +9,13 @@ forward pass, composed of blocks). Adding a family is adding its file and a line
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..config import ConfigError, ModelConfig
-from ..weights import WeightSource
+from ..config import ConfigError, GGUFMeta, ModelConfig, config_in_file, read_config_json
+from ..weights import GGUFWeights, WeightSource
+from .blocks import gguf_tensor_table
 
 # model_type -> module name under ellm.models
 FAMILIES: dict[str, str] = {
@@ -63,6 +65,35 @@ def family_for_gguf(arch: str) -> ModuleType:
             return module
     names = sorted(a for m in _families() for a in m.Args.gguf_architectures)
     raise ConfigError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(names)})")
+
+
+def config_from_dict(raw: Any, generation: dict[str, Any] | None = None) -> ModelConfig:
+    """The config of config.json's contents, built by the family its model_type names."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config.json must hold a JSON object")
+    return family_for_model_type(raw.get("model_type")).Args.from_dict(raw, generation)
+
+
+def config_from_folder(folder: str | Path) -> ModelConfig:
+    """The config of a Hugging Face folder (config.json + generation_config.json)."""
+    raw, generation = read_config_json(folder)
+    return config_in_file(folder, lambda: config_from_dict(raw, generation))
+
+
+def config_from_gguf(gguf: Any) -> ModelConfig:
+    """The config of a GGUFFile, built by the family of its `general.architecture`."""
+    meta = GGUFMeta(gguf)
+    try:
+        family = family_for_gguf(meta.arch)
+    except ConfigError as e:
+        raise ConfigError(f"{gguf.path}: {e}") from None
+    return family.Args.from_gguf(gguf)
+
+
+def gguf_weights(gguf: Any) -> GGUFWeights:
+    """A GGUFFile's tensors under Hugging Face names, by its family's llama.cpp name table."""
+    family = family_for_gguf(str(gguf.metadata.get("general.architecture", "")))
+    return GGUFWeights(gguf, gguf_tensor_table(getattr(family, "GGUF_TENSORS", ())))
 
 
 def family_of(config: ModelConfig) -> ModuleType:

@@ -20,6 +20,9 @@ class Batch:
     # [vision] (T,) int32 last position each token attends to (>= its own): an image token
     # of a model with bidirectional images sees its whole image; None: causal everywhere
     key_limit: np.ndarray | None = None
+    # [lora] (T,) int32 each row's LoRA adapter slot (model.lora; -1: the base alone);
+    # None: no row of the batch uses an adapter
+    adapter_slots: np.ndarray | None = None
 
     @classmethod
     def single(cls, token_ids: np.ndarray, start: int, block_tables: dict[int, np.ndarray],

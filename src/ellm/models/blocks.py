@@ -143,6 +143,15 @@ def _same_buffers(old: Any, new: Any) -> bool:
     return True
 
 
+def _add_lora(ops: Any, lora: tuple[dict[str, Any], Any], x: Any, outs: tuple) -> None:
+    """Adds the batch's LoRA products of the projections in outs ((name, y), one input x)
+    that any adapter changes in this layer (ellm/lora.py)."""
+    tables, slots = lora
+    parts = [(tables[name], y) for name, y in outs if name in tables]
+    if parts:
+        ops.lora(x, slots, parts)
+
+
 @dataclass
 class Attention:
     q: Linear                          # (nh*hd, H)
@@ -164,11 +173,14 @@ class Attention:
     rope_mscale: float = 1.0           # multiplies RoPE's cos and sin (Phi-3 LongRoPE's attention factor)
 
     def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, batch: Batch, kv_layer: tuple,
-                 out: np.ndarray, rec: Any = None, layer: int = 0) -> np.ndarray:
+                 out: np.ndarray, rec: Any = None, layer: int = 0, lora: Any = None) -> np.ndarray:
         """h (T, H) -> out (T, H); this step's k/v are written into the paged cache.
-        rec: a trace.Recorder (or None), told what `layer` computes."""
+        rec: a trace.Recorder (or None), told what `layer` computes. lora: (this layer's
+        adapter tables by projection, each row's adapter slot) when the batch has adapters."""
         q, k, v, q3, k3, v3, attn, attn2, parts = _cached_views(self, ws, len(h), self._make_views)
         ops.linear_multi(h, parts)   # + their biases (Qwen2)
+        if lora is not None:
+            _add_lora(ops, lora, h, (("q", q), ("k", k), ("v", v)))
         if rec is not None:   # [trace]
             rec(layer, "q", q), rec(layer, "k", k), rec(layer, "v", v)
         if self.q_norm is not None:   # in place
@@ -190,6 +202,8 @@ class Attention:
                           self.interleaved, self.scale, self.window, self.softcap, self.rope_mscale)
             rec(layer, "attn", attn)
         ops.linear(attn2, self.o, out=out)
+        if lora is not None:
+            _add_lora(ops, lora, attn2, (("o", out),))
         if rec is not None:   # [trace]
             rec(layer, "o_proj", out)
         return out
@@ -212,11 +226,15 @@ class MLP:
     act: str = "silu"                  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
 
     def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, out: np.ndarray,
-                 rec: Any = None, layer: int = 0) -> np.ndarray:
+                 rec: Any = None, layer: int = 0, lora: Any = None) -> np.ndarray:
         gate, up, act, parts = _cached_views(self, ws, len(h), self._make_views)
         ops.linear_multi(h, parts)
+        if lora is not None:
+            _add_lora(ops, lora, h, (("gate", gate), ("up", up)))
         (ops.swiglu if self.act == "silu" else ops.geglu)(gate, up, out=act)
         ops.linear(act, self.down, out=out)
+        if lora is not None:
+            _add_lora(ops, lora, act, (("down", out),))
         if rec is not None:   # [trace]
             rec(layer, "gate", gate), rec(layer, "up", up), rec(layer, "act", act), rec(layer, "down", out)
         return out
@@ -270,6 +288,8 @@ class Decoder:
     # [vision] True: an image's tokens attend to each other both ways (Gemma 3); the
     # engine then gives the batch a key_limit and keeps each image in one prefill chunk
     bidirectional_images: bool = False
+    # [lora] the LoRA adapters attached (ellm.lora.attach_adapters), or None
+    lora: Any = None
 
     def __init__(self, config: ModelConfig, ops: Any, embed: Linear, lm_head: Linear,
                  layers: list[DecoderLayer], norm: np.ndarray, embed_scale: float = 1.0,
@@ -326,12 +346,15 @@ class Decoder:
             rec(None, "embed", residual)
         first = self.layers[0].input_norm
         h = residual if first is None else ops.rmsnorm(residual, first, eps, out=h_buf)
+        slots = batch.adapter_slots   # [lora] each row's adapter, or None: the base alone
+        if slots is not None and self.lora is None:
+            raise ValueError("the batch names LoRA adapters, and this model has none attached")
         stack = self._layer_stack(ws, t, kv) if rec is None else None
         if stack is not None:   # every layer in one call, leaving residual and h_buf as the loop does
-            stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit)
+            stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit, slots)
             h = residual if self.norm is None else h_buf
         else:
-            h = self._layers_one_by_one(ws, h, batch, kv, proj, h_buf, residual)
+            h = self._layers_one_by_one(ws, h, batch, kv, proj, h_buf, residual, slots)
         if rec is not None:   # [trace]
             rec(None, "final_norm", h)
         if r != t:
@@ -346,14 +369,18 @@ class Decoder:
         return logits
 
     def _layers_one_by_one(self, ws: Workspace, h: np.ndarray, batch: Batch, kv: Any, proj: np.ndarray,
-                           h_buf: np.ndarray, residual: np.ndarray) -> np.ndarray:
-        """The layers, each block's ops called from here (and told to the trace recorder)."""
+                           h_buf: np.ndarray, residual: np.ndarray, slots: Any = None) -> np.ndarray:
+        """The layers, each block's ops called from here (and told to the trace recorder).
+        slots: [lora] each row's adapter slot (-1: none), or None."""
         ops, eps, rec = self.ops, self.config.rms_norm_eps, self.recorder
+        lora = None
         # per layer: its norm after each block, and the norm the residual goes through next
         for i, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms())):
             if rec is not None and layer.input_norm is not None:   # [trace]
                 rec(i, "attn_norm", h)
-            layer.attn(ops, ws, h, batch, kv.layer(i), out=proj, rec=rec, layer=i)
+            if slots is not None:   # [lora]
+                lora = (self.lora.layers[i], slots)
+            layer.attn(ops, ws, h, batch, kv.layer(i), out=proj, rec=rec, layer=i, lora=lora)
             if layer.post_attn_norm is not None or layer.residual_multiplier != 1.0:
                 self._block_out(proj, layer.post_attn_norm, layer.residual_multiplier)
             if rec is not None and layer.post_attn_norm is not None:   # [trace]
@@ -364,7 +391,7 @@ class Decoder:
                 rec(i, "resid_attn", residual)
                 if pre_mlp is not None:
                     rec(i, "mlp_norm", h)
-            layer.mlp(ops, ws, h, out=proj, rec=rec, layer=i)
+            layer.mlp(ops, ws, h, out=proj, rec=rec, layer=i, lora=lora)
             if layer.post_mlp_norm is not None or layer.residual_multiplier != 1.0:
                 self._block_out(proj, layer.post_mlp_norm, layer.residual_multiplier)
             if rec is not None and layer.post_mlp_norm is not None:   # [trace]
@@ -384,7 +411,7 @@ class Decoder:
         cache = self.__dict__.setdefault("_stacks", {})
         key = (id(ws), t, id(kv))
         hit = cache.get(key)
-        ours = hit is not None and hit[0] is ws and hit[2] is kv and hit[3] is self.layers
+        ours = hit is not None and hit[0] is ws and hit[2] is kv and hit[3] is self.layers and hit[6] is self.lora
         if ours and (hit[1] == ws.generation or all(ws.holds(v) for v in hit[5])):
             hit[1] = ws.generation   # ws made buffers for something else since (the logits)
             return hit[4]
@@ -394,13 +421,16 @@ class Decoder:
             proj, h_buf, residual = _cached_views(self, ws, t, self._make_views)
             specs = [self._layer_spec(ws, t, kv, i, layer, next_norm)
                      for i, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms()))]
+            if self.lora is not None:   # [lora] the adapters' tables of each layer
+                for spec, tables in zip(specs, self.lora.layers):
+                    spec["lora"] = tables
             stack = make(specs, t, self.config.hidden_size, residual, proj, h_buf, self.config.rms_norm_eps)
             # one view of each workspace buffer the stack points into
             views = list({id(v.base): v for v in [proj, h_buf, residual] +
                           [spec[name] for spec in specs for name in _STACK_VIEWS]}.values())
         if len(cache) >= _VIEW_CACHE_ROWS:
             cache.clear()
-        cache[key] = [ws, ws.generation, kv, self.layers, stack, views]   # ws, kv held: their ids stay theirs
+        cache[key] = [ws, ws.generation, kv, self.layers, stack, views, self.lora]   # ws, kv held: their ids stay theirs
         return stack
 
     @staticmethod

@@ -57,9 +57,13 @@ class JoinedWeights(WeightSource):
             raise ConfigError(f"{vision.path}: tensors also in the text file: {sorted(clash)[:3]}")
         super().__init__(text.path, {n: n for n in text.names() + vision.names()})
         self._owner = {**{n: text for n in text.names()}, **{n: vision for n in vision.names()}}
+        self._text, self._vision = text, vision
         # both are GGUF files: llama.cpp's converter added Gemma's +1 to the text norms
         # and to the projector's soft_emb_norm alike
         self.norm_weights_include_one = text.norm_weights_include_one
+
+    def fingerprints(self) -> list[Any]:
+        return self._text.fingerprints() + self._vision.fingerprints()
 
     def linear(self, name: str) -> Linear:
         self.require(name)

@@ -95,7 +95,8 @@ class MoE:
     norm_topk_prob: bool
 
     def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, out: np.ndarray,
-                 rec: Any = None, layer: int = 0) -> np.ndarray:
+                 rec: Any = None, layer: int = 0, lora: Any = None) -> np.ndarray:
+        # lora: [lora] experts take no adapter (ellm.lora refuses one that targets them)
         ops.moe(h, self.router, self.experts, self.top_k, self.norm_topk_prob, out=out)
         if rec is not None:   # [trace] the block's output, under the MLP's name for it
             rec(layer, "down", out)

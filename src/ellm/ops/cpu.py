@@ -10,13 +10,25 @@ from typing import Sequence
 
 import numpy as np
 
-from .._native import _kernels, _moe, _quant, _stack, _vision
+from .._native import _kernels, _lora, _moe, _quant, _stack, _vision
 from .memory import HostMemory
 from .reference import Experts, FusedByComposition
 
 
 # linear_multi part lists remembered at once: two per layer for a few batch sizes
 _KERNEL_PARTS_KEPT = 1024
+
+
+def _lora_bits(m: np.ndarray, dtype: str) -> np.ndarray:
+    """A float32 factor (whose values the file held in `dtype`) as the kernel reads it:
+    float32, float16, or bfloat16 bits (the top half of each float32: exact, the values
+    came from bfloat16)."""
+    m = np.ascontiguousarray(m, dtype=np.float32)
+    if dtype == "f16":
+        return m.astype(np.float16)
+    if dtype == "bf16":
+        return np.ascontiguousarray((m.view(np.uint32) >> 16).astype(np.uint16))
+    return m
 
 
 def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
@@ -77,6 +89,21 @@ class CpuOps(FusedByComposition, HostMemory):
             hit = (parts, [(w.data, int(w.qtype), o, w.bias) for w, o in parts])
             self._kernel_parts[id(parts)] = hit
         return hit[1]
+
+    # -- LoRA adapters (ellm/lora.py, csrc/lora.c) -----------------------------------
+
+    def prepare_lora(self, projection) -> _lora.LoraTable:
+        """Every adapter's factors of one projection as the C kernel's table: A^T and B^T
+        in the adapter file's own type (16-bit factors stay 16-bit: half the bytes a step
+        reads), which the table holds."""
+        return _lora.LoraTable([None if f is None else (_lora_bits(f.a.T, f.dtype), _lora_bits(f.b.T, f.dtype),
+                                                        f.scale, f.dtype)
+                                for f in projection.slots], projection.out_features, projection.in_features)
+
+    def lora(self, x: np.ndarray, row_slots: np.ndarray, parts: Sequence[tuple]) -> None:
+        """y += each row's adapter's scale * B (A x) for every (table, y) of parts, every
+        adapter of the batch in one call into C (rows grouped by adapter there)."""
+        _lora.apply(np.ascontiguousarray(x, dtype=np.float32), row_slots, parts)
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
         if out is not None and x.ndim == 2 and out.ndim == 2:   # the blocks' rows: no reshaping

@@ -45,6 +45,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
                      "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16"),
     "sample.cu": ("sample_rows",),
+    "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
 }
 HEADER = "common.cuh"
 # Given to NVRTC through CuPy, which adds the architecture and -ftz=true (denormals flush
@@ -68,7 +69,7 @@ HEAD_DIM_MAX = 256
 ELEMENTWISE_THREADS = 256
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
 
-INSTALL_HINT = ("pip install 'ellm[gpu]' (CuPy for CUDA 12) or 'ellm[gpu-cuda13]' (CuPy for CUDA 13), "
+INSTALL_HINT = ("pip install 'ellm-engine[gpu]' (CuPy for CUDA 12) or 'ellm-engine[gpu-cuda13]' (CuPy for CUDA 13), "
                 "matching the CUDA version `nvidia-smi` reports")
 
 
@@ -350,6 +351,51 @@ class CudaOps:
                      (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x,
                       np.int32(T), np.int32(ws[0].in_features), *(np.int32(n) for n in ns)))
         return [o for _, o in parts]
+
+    # -- [lora] adapters (ellm/lora.py; csrc/cuda/lora.cu) ----------------------------------
+
+    @_on_stream
+    def prepare_lora(self, projection: Any) -> dict[str, Any]:
+        """Every adapter's factors of one projection on the device: A and B of all slots in
+        two flat float32 arrays, with each slot's offsets, rank (0: not adapted) and scale."""
+        a_parts, b_parts, a_off, b_off, ranks, scales = [], [], [], [], [], []
+        na = nb = 0
+        for f in projection.slots:
+            a_off.append(na)
+            b_off.append(nb)
+            ranks.append(0 if f is None else f.rank)
+            scales.append(0.0 if f is None else f.scale)
+            if f is not None:
+                a_parts.append(f.a.ravel())
+                b_parts.append(f.b.ravel())
+                na, nb = na + f.a.size, nb + f.b.size
+        cp = self.cp
+        return dict(a=cp.asarray(np.concatenate(a_parts).astype(np.float32)),
+                    b=cp.asarray(np.concatenate(b_parts).astype(np.float32)),
+                    a_off=cp.asarray(np.asarray(a_off, np.int64)), b_off=cp.asarray(np.asarray(b_off, np.int64)),
+                    ranks=cp.asarray(np.asarray(ranks, np.int32)), scales=cp.asarray(np.asarray(scales, np.float32)),
+                    max_rank=max(ranks), n_slots=len(ranks), N=projection.out_features, K=projection.in_features)
+
+    @_on_stream
+    def lora(self, x: Any, row_slots: Any, parts: Sequence[tuple]) -> None:
+        """y += each row's adapter's scale * B (A x) for every (prepared table, y) of parts."""
+        T = int(x.shape[0])
+        if T == 0:
+            return
+        x = self.cp.ascontiguousarray(x, dtype=np.float32)
+        slots = self.cp.ascontiguousarray(row_slots, dtype=np.int32)
+        for table, y in parts:
+            K, N, R = table["K"], table["N"], table["max_rank"]
+            if int(x.shape[1]) != K or int(slots.shape[0]) != T or tuple(y.shape[:1]) != (T,) or int(y.shape[1]) < N \
+                    or y.strides[1] != 4:
+                raise ValueError(f"lora: x {tuple(x.shape)}, {int(slots.shape[0])} slots and y {tuple(y.shape)} "
+                                 f"do not fit a ({N}, {K}) projection")
+            u = self.scratch("lora_u", T * R)
+            self._launch("lora_shrink_f32", (T, _ceil(R, 4)), (128,),
+                         (x, slots, table["a"], table["a_off"], table["ranks"], u, np.int32(K), np.int32(R)))
+            self._launch("lora_expand_f32", (T, _ceil(N, 256)), (256,),
+                         (u, slots, table["b"], table["b_off"], table["ranks"], table["scales"], y,
+                          np.int64(y.strides[0] // 4), np.int32(N), np.int32(R)))
 
     @_on_stream
     def embed(self, w: Linear, ids: Any, out: Any = None) -> Any:

@@ -111,7 +111,9 @@ class GraphStep:
     def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
         ops = self.ops
         with ops.stream:
-            if self.use_graphs and not hidden_only and is_decode_step(batch) and self._fits(batch):
+            # [lora] a step with adapters runs eagerly (the captured graphs hold no adapter slots)
+            if (self.use_graphs and not hidden_only and batch.adapter_slots is None and is_decode_step(batch)
+                    and self._fits(batch)):
                 try:
                     return self._replay(batch)
                 except Exception as e:   # capture not supported here: eager from now on

@@ -22,6 +22,7 @@ import numpy as np
 from .memory import HostMemory
 
 if TYPE_CHECKING:
+    from ..lora import LoraProjection
     from ..weights import Linear
 
 
@@ -241,6 +242,23 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x.astype(np.float32) @ w.astype(np.float32).T
 
 
+def lora_add(x: np.ndarray, row_slots: np.ndarray, slots: Sequence, y: np.ndarray) -> np.ndarray:
+    """LoRA adapters over a base product y (T, >= N), in place: for every row t whose slot
+    s = row_slots[t] >= 0 has factors (a (r, K), b (N, r), scale) in slots[s],
+    y[t, :N] += scale * b @ (a @ x[t]); rows of slot -1 or of an adapter that leaves this
+    projection alone (None) keep the base's product. A row's result depends only on its
+    own x, slot and the factors (batch invariance)."""
+    if len(row_slots) != len(x) or np.any((row_slots < -1) | (row_slots >= len(slots))):
+        raise IndexError(f"row slots must be ({len(x)},) in [-1, {len(slots)})")
+    for t in range(len(x)):
+        f = slots[row_slots[t]] if row_slots[t] >= 0 else None
+        if f is not None:
+            u = f.a.astype(np.float32) @ x[t].astype(np.float32)
+            n = f.b.shape[0]
+            y[t, :n] += np.float32(f.scale) * (f.b.astype(np.float32) @ u)
+    return y
+
+
 # ------------------------------------------------------------------------------------
 # Vision towers (SigLIP): layernorm with bias, GELU, attention without a mask
 # ------------------------------------------------------------------------------------
@@ -441,6 +459,19 @@ class ReferenceOps(FusedByComposition, HostMemory):
 
     def linear_multi(self, x: np.ndarray, parts) -> list[np.ndarray]:
         return [self.linear(x, w, o) for w, o in parts]
+
+    # -- LoRA adapters (ellm/lora.py) ----------------------------------------------
+
+    def prepare_lora(self, projection: "LoraProjection") -> "LoraProjection":
+        """One projection's factors of every adapter, as this backend runs them (once, when
+        adapters are attached). Here: the LoraProjection itself."""
+        return projection
+
+    def lora(self, x: np.ndarray, row_slots: np.ndarray, parts: Sequence[tuple]) -> None:
+        """For each (prepared projection, y) of parts, y += each row's adapter's
+        scale * B (A x) (lora_add); x (T, K) is the projections' common input."""
+        for proj, y in parts:
+            lora_add(x, np.asarray(row_slots), proj.slots, y)
 
     def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
         return _into(out, rmsnorm(x, weight, eps))

@@ -57,6 +57,8 @@ def _response_format(rf: Any) -> tuple[str, Any] | None:
         if schema is None:
             raise ConstraintError("response_format.json_schema.schema",
                                   "response_format.json_schema needs a 'schema' (a JSON schema object)")
+        if spec.get("strict") is True and isinstance(schema, Mapping):   # OpenAI's strict mode, at every level
+            schema = structured.strict_objects(dict(schema))
         return "json_schema", schema
     raise ConstraintError("response_format.type", f"response_format type {kind!r} is not supported "
                                                   "(text, json_object, json_schema are)")

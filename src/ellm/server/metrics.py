@@ -86,6 +86,10 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("ellm_request_latency_seconds", "Seconds from a request's arrival to its last token.",
                              buckets=E2E_BUCKETS, registry=r)
+        self.constraint_compile = Histogram(
+            "ellm_constraint_compile_seconds",
+            "Seconds a request's structured-output constraint took to check and compile (off the event loop; "
+            "part of that request's latency).", buckets=TTFT_BUCKETS, registry=r)
         self._engine = _EngineCollector(model)
         r.register(self._engine)
 

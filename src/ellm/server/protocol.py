@@ -4,9 +4,10 @@ Every field the server understands is typed and bounded here, so one bad field i
 naming it (see ellm.server.errors for the wording). The models are strict, as JSON is:
 a string is not a number and `true` is not 1; an integral float (16.0) is still an
 integer, as JSON Schema says. Unknown fields are ignored, as OpenAI-style servers
-commonly do, except those whose meaning the server cannot honour (tools, a non-text
-response_format, echo, suffix): their schema admits only the value that means "off", and
-anything else is refused rather than silently dropped.
+commonly do, except those whose meaning the server cannot honour (suffix, vLLM's
+prompt_logprobs and use_beam_search, best_of other than n): their schema admits only the
+value that means "off" (llama.cpp's n_probs too), and anything else is refused rather than
+silently dropped.
 
 What the schema cannot know (the context length, the vocabulary, the served model's
 names, how many sequences the server runs at once) is checked by the app and answered
@@ -195,6 +196,13 @@ class SamplingFields(_Strict):
         None, description="vLLM: {json | regex | choice | grammar | json_object}")
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}')
+    # vLLM's fields that would change what comes back: refused by name rather than dropped
+    prompt_logprobs: _off_only(None, "'prompt_logprobs' is not supported by this server (the prompt's logprobs "
+                               "are not computed)", "prompt_logprobs", {"type": "null"}) = None
+    use_beam_search: _off_only(False, "'use_beam_search' is not supported by this server (it samples)",
+                               "use_beam_search", {"type": "boolean", "enum": [False]}) = None
+    n_probs: _off_only(0, "llama.cpp's 'n_probs' is not supported; use 'logprobs' (and chat's 'top_logprobs')",
+                       "n_probs", {"type": "integer", "enum": [0]}) = None
 
     @model_validator(mode="after")
     def _shared_checks(self) -> SamplingFields:
@@ -230,15 +238,28 @@ class SamplingFields(_Strict):
 # POST /v1/completions
 # ---------------------------------------------------------------------------------------
 
+# echo with logprobs would mean the prompt's logprobs, which are not computed
+_ECHO_WITHOUT_LOGPROBS = {"if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                          "then": {"properties": {"logprobs": {"type": "null"}}}}
+
+
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_when_set("stream_options", "stream", True),
+                                                           _ECHO_WITHOUT_LOGPROBS]})
     prompt: Prompt = Field(description="text, texts, token ids, or arrays of token ids")
     max_tokens: _int(ge=1) | None = Field(None, description="default 16, as OpenAI's")
     logprobs: _bounded(int, 0, MAX_LOGPROBS) | None = Field(  # type: ignore[valid-type]
         None, description="top logprobs per generated token")
-    echo: _off_only(False, "'echo' is not supported by this server", "echo",
-                    {"type": "boolean", "enum": [False]}) = None
+    echo: bool | None = Field(None, description="the prompt's text before each completion's")
     suffix: _off_only("", "'suffix' is not supported by this server", "suffix",
                       {"type": "string", "maxLength": 0}) = None
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise refused("'echo' with 'logprobs' asks for the prompt's logprobs, which this server does not "
+                          "compute; leave out one of them", "echo")
+        return self
 
     @property
     def default_max_tokens(self) -> int | None:
@@ -455,6 +476,8 @@ class TokenizeRequest(_Strict):
     add_special: bool | None = Field(None, description="llama.cpp's name for add_special_tokens")
     add_generation_prompt: bool = Field(True, description="messages only")
     with_pieces: bool = Field(False, description="llama.cpp: tokens as {id, piece} objects")
+    return_token_strs: bool | None = Field(None, description="vLLM: also each token's vocabulary string "
+                                                             "(token_strs)")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, json_schema_extra={"propertyNames": {"not": {"enum": list(_RESERVED_TEMPLATE_KWARGS)}}})
 

@@ -98,7 +98,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # left out when no tool was called (as OpenAI does), never []
+    tool_calls: list[dict[str, Any]] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -149,6 +150,8 @@ class TokenizeResponse(BaseModel):
     tokens: list[int] | list[TokenPiece]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = Field(None, description="with return_token_strs: each token's vocabulary string",
+                                         exclude_if=lambda v: v is None)
 
 
 class DetokenizeResponse(BaseModel):
@@ -162,6 +165,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "ellm"
     root: str
+    parent: str | None = None   # [lora] a LoRA adapter's base model
     max_model_len: int
 
 

@@ -1,9 +1,13 @@
 """POST /v1/responses, stateless: OpenAI's Responses API over the chat path.
 
 A request's `input` (text, or items: messages, function_call, function_call_output) and
-`instructions` become chat messages; `tools` (flat function tools), `tool_choice` and
+`instructions` become chat messages (`reasoning` items, which clients replay from earlier
+responses, are skipped: a model without a reasoning channel never sees them, as OpenAI
+does not show them to one); `tools` (flat function tools), `tool_choice` and
 `parallel_tool_calls` go through ellm.server.tools like chat's; `text.format` (text,
-json_object, json_schema) becomes the output constraint. Nothing is stored:
+json_object, json_schema) becomes the output constraint; `top_logprobs` and `include:
+["message.output_text.logprobs"]` give each output_text its tokens' logprobs (in the
+deltas too). Nothing is stored:
 `previous_response_id` and `conversation` are refused by name (send the history as
 input items instead), and `store` is accepted but never keeps anything.
 
@@ -23,6 +27,16 @@ import secrets
 import time
 from typing import Any
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from . import generation as G
+from . import protocol as P
+from . import responses as R
+from .core import Server
+from .errors import APIError, from_validation
+from .streaming import SSEResponse, unless_disconnected
 from .tools import ToolCall, ToolError
 
 # Fields of a request that a stateless server cannot honour.
@@ -79,6 +93,8 @@ def input_messages(input_: Any, instructions: str | None = None) -> list[dict[st
                 msgs[-1]["tool_calls"].append(call)   # parallel calls: one assistant turn
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":   # a model's earlier reasoning, replayed: not part of the prompt
+            continue
         elif kind == "function_call_output":
             out = item.get("output")
             if not isinstance(out, (str, list)):
@@ -87,7 +103,7 @@ def input_messages(input_: Any, instructions: str | None = None) -> list[dict[st
                          "content": out if isinstance(out, str) else _text_of(out, where)})
         else:
             raise ToolError(f"{where}.type", f"{where}.type {kind!r} is not supported (message, function_call, "
-                                             f"function_call_output are)")
+                                             f"function_call_output, reasoning are)")
     return msgs
 
 
@@ -104,8 +120,33 @@ def format_fields(text: Any) -> dict[str, Any]:
         if not isinstance(fmt.get("schema"), dict):
             raise ToolError("text.format.schema", "text.format json_schema needs a 'schema' object")
         return {"response_format": {"type": "json_schema",
-                                    "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"]}}}
+                                    "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"],
+                                                    "strict": fmt.get("strict")}}}
     return {"response_format": {"type": fmt["type"]}}
+
+
+# include values for output this server never produces (no built-in tools, no reasoning):
+# asking for them changes nothing. Logprobs are the one it honours.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_INCLUDE_NOTHING = frozenset({"reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+                              "web_search_call.action.sources", "message.input_image.image_url",
+                              "computer_call_output.output.image_url", "code_interpreter_call.outputs"})
+
+
+def logprob_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """chat's logprobs / top_logprobs for `include` and `top_logprobs` (either asks)."""
+    include = body.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise ToolError("include", "include must be a list of strings")
+    bad = [v for v in include if v != LOGPROBS_INCLUDE and v not in _INCLUDE_NOTHING]
+    if bad:
+        raise ToolError("include", f"include value {bad[0]!r} is not supported ({LOGPROBS_INCLUDE!r} is)")
+    top = body.get("top_logprobs")
+    if top is None and LOGPROBS_INCLUDE not in include:
+        return {}
+    return {"logprobs": True, "top_logprobs": 0 if top is None else top}
 
 
 def check_stateless(body: dict[str, Any]) -> None:
@@ -127,6 +168,7 @@ class ResponseBuilder:
         self.output: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None   # the open assistant message item
         self._seq = 0
+        self.logprobs = bool(logprob_fields(request))   # output_text parts carry logprobs
 
     # -- the response object ------------------------------------------------------------
 
@@ -155,7 +197,8 @@ class ResponseBuilder:
         return [self._event("response.created", response=self.response("in_progress")),
                 self._event("response.in_progress", response=self.response("in_progress"))]
 
-    def content(self, text: str) -> list[dict[str, Any]]:
+    def content(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """Events for a piece of the message's text; logprobs: its tokens' (when asked)."""
         if not text:
             return []
         events = []
@@ -166,14 +209,21 @@ class ResponseBuilder:
             idx = len(self.output) - 1
             events.append(self._event("response.output_item.added", output_index=idx,
                                       item={**self._message, "content": []}))
-            self._message["content"].append({"type": "output_text", "text": "", "annotations": []})
+            def empty() -> dict[str, Any]:
+                lps: dict[str, Any] = {"logprobs": []} if self.logprobs else {}
+                return {"type": "output_text", "text": "", "annotations": [], **lps}
+            self._message["content"].append(empty())
             events.append(self._event("response.content_part.added", item_id=self._message["id"],
-                                      output_index=idx, content_index=0,
-                                      part={"type": "output_text", "text": "", "annotations": []}))
+                                      output_index=idx, content_index=0, part=empty()))
         part = self._message["content"][0]
         part["text"] += text
+        extra = {}
+        if self.logprobs:
+            part["logprobs"] += logprobs or []
+            extra["logprobs"] = logprobs or []
         events.append(self._event("response.output_text.delta", item_id=self._message["id"],
-                                  output_index=self.output.index(self._message), content_index=0, delta=text))
+                                  output_index=self.output.index(self._message), content_index=0, delta=text,
+                                  **extra))
         return events
 
     def _close_message(self) -> list[dict[str, Any]]:
@@ -231,7 +281,7 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat completions request that a Responses request means."""
     check_stateless(body)
     msgs = input_messages(body.get("input"), body.get("instructions"))
-    out: dict[str, Any] = {"messages": msgs, **format_fields(body.get("text"))}
+    out: dict[str, Any] = {"messages": msgs, **format_fields(body.get("text")), **logprob_fields(body)}
     for src, dst in (("model", "model"), ("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                      ("top_p", "top_p"), ("tools", "tools"), ("tool_choice", "tool_choice"),
                      ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
@@ -240,16 +290,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def create_response(server: Any, request: Any, body: Any) -> Any:
-    """POST /v1/responses on an ellm.server.app.Server."""
-    from fastapi.responses import JSONResponse, Response
-    from pydantic import ValidationError
-
-    from ..engine.async_engine import EngineDeadError, QueueFullError
-    from . import protocol as P
-    from .errors import APIError, from_validation
-    from .streaming import SSEResponse, unless_disconnected
-
+async def create_response(server: Server, request: Request, body: Any) -> Response:
+    """POST /v1/responses on an ellm.server.core.Server."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
@@ -258,38 +300,33 @@ async def create_response(server: Any, request: Any, body: Any) -> Any:
         raise APIError(400, str(e), param=e.param) from None
     except ValidationError as e:
         raise from_validation(e.errors()) from None
-    server.check_model(req.model)
+    adapter = server.check_model(req.model)   # [lora] the adapter named by "model", or None
     plan = server.tool_plan(req)
+    messages = req.template_messages()
+    fetched = await server.fetch_images(messages)   # [vision] in the fetcher's threads
     try:
-        ids = await server.off_loop(server.chat_ids, req.template_messages(), True, None, plan)  # (CPU work)
+        ids = await server.off_loop(server.chat_ids, messages, True, None, plan, fetched)  # (CPU work)
     except ToolError as e:
         raise APIError(400, str(e), param=e.param) from None
-    params = server.sampling_params(req)
-    if plan is not None:
-        try:
-            params = plan.sampling(params)
-        except ToolError as e:
-            raise APIError(400, str(e), param=e.param) from None
-    server.check_length(ids, "input", params.max_tokens, "max_output_tokens" if req.max_completion_tokens else None)
-    if params.constraint is not None:  # llguidance's tokenizer, built off the engine thread
-        import asyncio
-        await asyncio.get_running_loop().run_in_executor(None, server.engine.engine.prepare_constraints)
-    try:
-        server.engine.check_capacity(1)
-        stream = server.engine.submit(ids, params, new_id("resp"))
-    except QueueFullError as e:
-        raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
-    except EngineDeadError as e:
-        raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
-    server.metrics.prompt_tokens.inc(len(ids))
-    outputs = server._outputs([stream], time.perf_counter())
-    builder = ResponseBuilder(body, server.cfg.model_name)
+    params = await server.compile_params(req, plan)   # [structured] off the loop, once
+    outputs = (await G.start(server, req, [ids], params, what="input", rid=new_id("resp"),
+                             max_tokens_param="max_output_tokens" if req.max_completion_tokens else None,
+                             adapter=adapter)).outputs
+    builder = ResponseBuilder(body, server.reported_model(req.model))
     parser = plan.stream_parser() if plan is not None else None
+
+    pending_lps: list[dict[str, Any]] = []
+
+    def content(text: str) -> list[dict[str, Any]]:
+        events = builder.content(text, list(pending_lps))
+        if events:
+            pending_lps.clear()
+        return events
 
     def parsed(events: list[tuple[str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for kind, v in events:
-            out += builder.content(v) if kind == "content" else builder.call(v)
+            out += content(v) if kind == "content" else builder.call(v)
         return out
 
     async def run(emit: bool) -> Any:
@@ -301,10 +338,15 @@ async def create_response(server: Any, request: Any, body: Any) -> Any:
                     yield sse_event(ev)
             async for _, out in outputs:
                 n_out += len(out.new_token_ids)
+                if builder.logprobs:   # (held until some text comes out to carry them)
+                    pending_lps.extend(R.chat_logprobs(out.new_logprobs, server.token_text)["content"])
                 if parser is not None:
-                    events = parsed(parser.feed(out.new_text) + (parser.finish() if out.finished else []))
+                    found = parser.feed(out.new_text)
+                    if out.finished:
+                        found += parser.finish(cut=out.finish_reason == "length")
+                    events = parsed(found)
                 else:
-                    events = builder.content(out.new_text)
+                    events = content(out.new_text)
                 if out.finished:
                     cached = out.num_cached_tokens
                     events += builder.finish(out.finish_reason, len(ids), n_out, cached)
@@ -312,7 +354,7 @@ async def create_response(server: Any, request: Any, body: Any) -> Any:
                     for ev in events:
                         yield sse_event(ev)
         except Exception as e:  # noqa: BLE001 - an engine failure ends the stream with an error event
-            err = server._engine_error(e)
+            err = server.engine_error(e)
             if not emit:
                 raise err from None
             yield sse_event({"type": "error", "sequence_number": builder._seq, "code": err.code,

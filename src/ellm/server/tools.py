@@ -31,6 +31,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine import structured
+
 FORMATS = ("hermes", "llama3", "mistral", "generic")
 # How many calls a required turn may hold when parallel calls are allowed: at most this,
 # and at most one per function offered (small models otherwise repeat a call until
@@ -54,6 +56,7 @@ class Function:
     name: str
     description: str
     parameters: dict[str, Any]
+    where: str = field(default="tools", compare=False)   # the request field of its parameters
 
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
@@ -102,7 +105,7 @@ def parse_tools(tools: Any) -> list[Function]:
             raise ToolError(f"{where}.function.description", f"{where}.function.description must be a string")
         if any(f.name == name for f in out):
             raise ToolError(where, f"{where}: function {name!r} is defined twice")
-        out.append(Function(name, desc, params))
+        out.append(Function(name, desc, params, f"{where}.function.parameters"))
     return out
 
 
@@ -253,51 +256,114 @@ def generic_messages(messages: list[dict[str, Any]], functions: list[Function]) 
 
 # ---------------------------------------------------------------- constraints
 
-def _call_schema(functions: list[Function], args_key: str) -> dict[str, Any]:
-    """One call's JSON schema: {"name": one function's name, args_key: its parameters}."""
-    options = [{"type": "object",
-                "properties": {"name": {"const": f.name}, args_key: _strict(f.parameters)},
-                "required": ["name", args_key], "additionalProperties": False} for f in functions]
-    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+# Where a function's parameters go inside its call schema, so that their own "#..." refs
+# still resolve once the parameters sit under "arguments".
+_PARAMS_DEF = "ellm_parameters"
+
+
+def _relocate_refs(schema: Any, base: str) -> Any:
+    """schema with every local $ref ("#", "#/...") moved under the JSON pointer base."""
+    if isinstance(schema, list):
+        return [_relocate_refs(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in structured.DATA_KEYWORDS:
+            out[k] = v
+        elif k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        elif k in structured.SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _relocate_refs(sub, base) for name, sub in v.items()}
+        else:
+            out[k] = _relocate_refs(v, base)
+    return out
+
+
+def _has_refs(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return any((k == "$ref" and isinstance(v, str)) or (k not in structured.DATA_KEYWORDS and _has_refs(v))
+                   for k, v in schema.items())
+    if isinstance(schema, list):
+        return any(_has_refs(x) for x in schema)
+    return False
+
+
+def call_schema(f: Function, args_key: str = "arguments") -> dict[str, Any]:
+    """One call of f as a JSON schema: {"name": f's name, args_key: its parameters}. The
+    parameters are made strict (structured.strict_objects) and, when they use $ref, moved into the
+    call schema's $defs with their refs rewritten, so "#/$defs/X" (every nested pydantic
+    model) still resolves inside the call object."""
+    params = structured.strict_objects(f.parameters)
+    defs: dict[str, Any] = {}
+    if _has_refs(params):
+        defs[_PARAMS_DEF] = _relocate_refs(params, f"#/$defs/{_PARAMS_DEF}")
+        params = {"$ref": f"#/$defs/{_PARAMS_DEF}"}
+    schema: dict[str, Any] = {"type": "object", "properties": {"name": {"const": f.name}, args_key: params},
+                              "required": ["name", args_key], "additionalProperties": False}
+    if defs:
+        schema["$defs"] = defs
     return {**schema, "x-guidance": _COMPACT}
 
 
-def _repeat(separator: str, more: int) -> str:
-    """Lark for up to `more` further calls after the first, each after separator."""
-    return f" ({separator} call){{0,{more}}}" if more else ""
+def check_parameters(functions: list[Function]) -> None:
+    """Compiles each function's call schema; a schema llguidance cannot use (an unresolved
+    $ref, a bad keyword) is a ToolError naming that tool's parameters."""
+    for f in functions:
+        try:
+            structured.compile_constraint("json_schema", call_schema(f))
+        except ValueError as e:
+            raise ToolError(f.where, f"{f.where} (function {f.name!r}) cannot constrain a call: {e}") from None
 
 
-def _strict(parameters: dict[str, Any]) -> dict[str, Any]:
-    """An object schema that names its properties and says nothing of others gets
-    additionalProperties: false, as OpenAI's strict mode does, so a constrained call holds
-    only the declared arguments."""
-    if parameters.get("type") == "object" and "properties" in parameters and "additionalProperties" not in parameters:
-        return {**parameters, "additionalProperties": False}
-    return parameters
+# How each format writes a sequence of calls: (before the first, between two, after the last).
+_SEPARATORS = {"hermes": ("", r'"\n"', ""), "generic": ("", r'"\n"', ""), "llama3": ("", '"; "', ""),
+               "mistral": ('"["', '", "', '"]"')}
 
 
-def call_grammar(functions: list[Function], fmt: str, *, parallel: bool = True) -> str:
+def call_grammar(functions: list[Function], fmt: str, *, parallel: bool = True,
+                 answer: dict[str, Any] | None = None) -> str:
     """A Lark grammar (llguidance dialect: %json embeds a JSON schema) for one call, or
     when parallel 1..min(MAX_PARALLEL_CALLS, len(functions)) calls, of the given functions
-    in format fmt. The
-    Mistral grammar leaves out the [TOOL_CALLS] control token (a grammar matches text;
-    the parser reads the array with or without it)."""
+    in format fmt; each function is called at most once, in the order of the list (so a
+    small model cannot repeat a call until max_tokens). With answer (a JSON schema), the
+    output may instead be one JSON value of that schema: tool_choice "auto" with a
+    response format. The Mistral grammar leaves out the [TOOL_CALLS] control token (a
+    grammar matches text; the parser reads the array with or without it)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown tool call format {fmt!r}; known: {', '.join(FORMATS)}")
     if not functions:
         raise ValueError("a call grammar needs at least one function")
-    more = min(MAX_PARALLEL_CALLS, len(functions)) - 1 if parallel else 0
-    if fmt in ("hermes", "generic"):
-        schema = json.dumps(_call_schema(functions, "arguments"))
-        return ("start: call" + _repeat(r'"\n"', more) + "\n"
-                + r'call: "<tool_call>\n" body "\n</tool_call>"' + "\n"
-                + f"body: %json {schema}\n")
-    if fmt == "llama3":
-        schema = json.dumps(_call_schema(functions, "parameters"))
-        return "start: call" + _repeat('"; "', more) + f"\ncall: %json {schema}\n"
-    schema = json.dumps({"type": "array", "items": _call_schema(functions, "arguments"),
-                         "minItems": 1, "maxItems": more + 1, "x-guidance": _COMPACT})
-    return f"start: calls\ncalls: %json {schema}\n"
+    n = len(functions)
+    most = min(MAX_PARALLEL_CALLS, n) if parallel else 1
+    before, sep, after = _SEPARATORS[fmt]
+    key = "parameters" if fmt == "llama3" else "arguments"
+    rules = ["start: calls" + (" | answer" if answer is not None else ""),
+             "calls: " + " ".join(x for x in (before, "first0", after) if x)]
+    for i, f in enumerate(functions):
+        body = f"%json {json.dumps(call_schema(f, key))}"
+        if fmt in ("hermes", "generic"):
+            rules += [f"body{i}: {body}", rf'call{i}: "<tool_call>\n" body{i} "\n</tool_call>"']
+        else:
+            rules.append(f"call{i}: {body}")
+    # first<i>: calls from function i on, the first of them i or later; more<i>_<k>: up
+    # to k further calls, each after sep, from function i on (one rule set, unambiguous).
+    for i in range(n):
+        rest = f" more{i + 1}_{most - 1}" if i + 1 < n and most > 1 else ""
+        alts = [f"call{i}{rest}", f"call{i}"] if rest else [f"call{i}"]
+        if i + 1 < n:
+            alts.append(f"first{i + 1}")
+        rules.append(f"first{i}: " + " | ".join(alts))
+    for k in range(1, most):
+        for i in range(1, n):
+            rest = f" more{i + 1}_{k - 1}" if i + 1 < n and k > 1 else ""
+            alts = [f"{sep} call{i}{rest}", f"{sep} call{i}"] if rest else [f"{sep} call{i}"]
+            if i + 1 < n:
+                alts.append(f"more{i + 1}_{k}")
+            rules.append(f"more{i}_{k}: " + " | ".join(alts))
+    if answer is not None:
+        rules.append(f"answer: %json {json.dumps({'x-guidance': _COMPACT, **answer})}")
+    return "\n".join(rules) + "\n"
 
 
 # ---------------------------------------------------------------- parsing
@@ -344,9 +410,14 @@ def _json_values(text: str, seps: str) -> list[Any] | None:
         out.append(v)
 
 
-def parse_calls(text: str, fmt: str, functions: list[Function] | None = None) -> tuple[str | None, list[ToolCall]]:
+def parse_calls(text: str, fmt: str, functions: list[Function] | None = None,
+                cut: bool = False) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) from a model's whole output in format fmt. Calls to functions not
-    in `functions` (when given) and blocks that do not parse stay in the content."""
+    in `functions` (when given) and blocks that do not parse stay in the content, except,
+    when the output was cut short (cut: max_tokens), the unfinished call it ends with:
+    that is dropped, never shown as text."""
+    if cut:
+        text = _without_cut_call(text, fmt, functions)
     if fmt in ("hermes", "generic"):
         calls, kept, last = [], [], 0
         for m in _HERMES_BLOCK.finditer(text):
@@ -397,13 +468,34 @@ def parse_calls(text: str, fmt: str, functions: list[Function] | None = None) ->
     raise ValueError(f"unknown tool call format {fmt!r}")
 
 
+def _without_cut_call(text: str, fmt: str, functions: list[Function] | None) -> str:
+    """text less an unfinished call at its end (an output cut by max_tokens)."""
+    if fmt in ("hermes", "generic"):
+        at = text.rfind("<tool_call>")
+        if at >= 0 and "</tool_call>" not in text[at:]:
+            _, calls = parse_calls(text[at:], fmt, functions)
+            return text if calls else text[:at]   # (a whole JSON object without its closing tag stands)
+        return text[:len(text) - _partial_suffix(text, "<tool_call>")]
+    content, calls = parse_calls(text, fmt, functions)
+    if calls:
+        return text
+    body = text.lstrip()
+    markers = ("{", "<|python_tag|>") if fmt == "llama3" else ("[TOOL_CALLS]", "[")
+    if any(body.startswith(m) for m in markers):
+        return ""   # it opened as a call and was cut before it closed
+    at = text.find("[TOOL_CALLS]") if fmt == "mistral" else -1
+    return text[:at] if at >= 0 else text
+
+
 class StreamParser:
     """parse_calls for a stream: feed() text deltas, then finish(). Each returns events,
     ("content", text) or ("call", ToolCall), in order; together they give what
     parse_calls gives on the whole text. Content streams until something may be a call:
     hermes-style text is held only from a possible `<tool_call>` on, and each call comes
     out when its block closes; llama3 / mistral output that opens like a call is held to
-    the end (their calls have no closing marker)."""
+    the end (their calls have no closing marker). Whitespace alone (the newline between
+    two calls) is held until text follows it; beside calls it is not content, as in
+    parse_calls."""
 
     def __init__(self, fmt: str, functions: list[Function] | None = None) -> None:
         if fmt not in FORMATS:
@@ -413,24 +505,50 @@ class StreamParser:
         self._hold_all = False
         self._started = False   # some non-space text has been seen (llama3 / mistral)
         self._lead = ""         # whitespace before the first text, held until it is decided
+        self._space = ""        # whitespace-only content, held until what follows is known
+        self._calls = 0         # calls sent so far
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self._buf += text
         if self.fmt in ("hermes", "generic"):
-            return self._hermes(final=False)
-        return self._opener()
+            return self._settle(self._hermes(final=False), final=False)
+        return self._settle(self._opener(), final=False)
 
-    def finish(self) -> list[tuple[str, Any]]:
+    def finish(self, cut: bool = False) -> list[tuple[str, Any]]:
+        """The last events; cut: the output was cut short (max_tokens), so an unfinished
+        call at its end is dropped rather than sent as text (see parse_calls)."""
         if self.fmt in ("hermes", "generic"):
-            return self._hermes(final=True)
+            if cut:
+                self._buf = _without_cut_call(self._buf, self.fmt, self.functions)
+            return self._settle(self._hermes(final=True), final=True)
         text, self._buf = self._lead + self._buf, ""
         self._lead = ""
+        if cut and self._hold_all:
+            text = _without_cut_call(text, self.fmt, self.functions)
         if not text:
-            return []
+            return self._settle([], final=True)
         if not self._hold_all:
-            return [("content", text)]
+            return self._settle([("content", text)], final=True)
         content, calls = parse_calls(text, self.fmt, self.functions)
-        return ([("content", content)] if content else []) + [("call", c) for c in calls]
+        return self._settle(([("content", content)] if content else []) + [("call", c) for c in calls], final=True)
+
+    def _settle(self, events: list[tuple[str, Any]], final: bool) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for kind, v in events:
+            if kind == "content":
+                if not v.strip():
+                    self._space += v
+                    continue
+                v, self._space = self._space + v, ""
+            else:
+                self._space = ""
+                self._calls += 1
+            out.append((kind, v))
+        if final and self._space:
+            if not self._calls:   # a reply of whitespace alone is still the reply
+                out.append(("content", self._space))
+            self._space = ""
+        return _merge_content(out)
 
     def _opener(self) -> list[tuple[str, Any]]:
         if self._hold_all:
@@ -553,33 +671,54 @@ class ToolPlan:
             ids = [bos] + ids
         return ids
 
-    def grammar(self) -> str | None:
-        """The Lark grammar that constrains a required / named turn, else None."""
+    def grammar(self, answer: dict[str, Any] | None = None) -> str | None:
+        """The Lark grammar that constrains a required / named turn, or (answer: a JSON
+        schema) an auto turn that is either calls or an answer of that schema; else None."""
         if self.mode == "required":
             return call_grammar(self.functions, self.fmt, parallel=self.parallel)
         if self.mode == "named":
             return call_grammar([f for f in self.functions if f.name == self.name], self.fmt, parallel=False)
+        if self.mode == "auto" and answer is not None:
+            return call_grammar(self.functions, self.fmt, parallel=self.parallel, answer=answer)
         return None
 
     def sampling(self, params: Any) -> Any:
-        """params with the call grammar set (required / named); special tokens kept in
-        the text where the format's markers are special tokens."""
+        """params with the call grammar set; special tokens kept in the text where the
+        format's markers are special tokens. With a JSON schema response format: a
+        required / named turn is calls alone, so the format (which shapes the assistant's
+        answer) has nothing to apply to in it and the call grammar replaces it; an auto
+        turn is either calls or an answer in that schema (one grammar with both). A regex,
+        choice or grammar constraint cannot be joined with calls (a ToolError)."""
         changes: dict[str, Any] = {}
-        g = self.grammar()
+        answer = None
+        if params.constraint is not None and self.mode != "none":
+            kind = params.constraint[0]
+            if kind != "json_schema":
+                raise ToolError("tool_choice", f"tool_choice {self.mode!r} cannot be combined with {kind} (only "
+                                               f"with a JSON schema response format); use tool_choice 'none'")
+            if self.mode == "auto":
+                answer = params.json_schema
+        g = self.grammar(answer)
         if g is not None:
-            if params.constraint is not None:
-                raise ToolError("tool_choice", f"tool_choice {self.mode!r} constrains the output itself; "
-                                               f"it cannot be combined with {params.constraint[0]}")
-            changes["grammar"] = g
+            check_parameters(self.functions if self.mode != "named" else
+                             [f for f in self.functions if f.name == self.name])
+            changes.update(json_schema=None, regex=None, choice=None, grammar=g)
         if self.parses and self.fmt in ("llama3", "mistral"):
             changes["skip_special_tokens"] = False
-        return dataclasses.replace(params, **changes) if changes else params
+        try:
+            return dataclasses.replace(params, **changes) if changes else params
+        except ValueError as e:   # (each part was checked alone: this is their combination)
+            raise ToolError("tools", f"the tools' call grammar cannot be used: {e}") from None
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a reply; cut: it was cut short by max_tokens (an unfinished
+        call at its end is dropped, not returned as text)."""
         if not self.parses:
             return text, []
-        content, calls = parse_calls(text, self.fmt, self.functions)
-        return (content, calls) if calls else (text, [])
+        content, calls = parse_calls(text, self.fmt, self.functions, cut=cut)
+        if calls:
+            return content, calls
+        return (_without_cut_call(text, self.fmt, self.functions) or None) if cut else text, []
 
     def stream_parser(self) -> StreamParser | None:
         return StreamParser(self.fmt, self.functions) if self.parses else None

@@ -404,6 +404,9 @@ def render_chat(source: str, messages: list[dict], *, add_generation_prompt: boo
     bounded by render_limits (default: `default_limits()`); going past them is a
     ChatTemplateError saying which limit."""
     template = compile_template(source)
+    if isinstance(messages, (str, bytes, dict)):
+        raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts, "
+                                f"not a {type(messages).__name__}")
     chat = []
     for m in plain_data(list(messages)):
         if not isinstance(m, dict):

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from ..models.batch import Batch
+from .lens import logit_lens
 from .recorder import Key, Recorder
 
 _trace_ids = itertools.count()
@@ -78,8 +79,7 @@ def _traced_pass(engine: Any, model: Any, ids: list[int], rec: Recorder, lens_to
         blocks.free(key)
     out = Recording(rec.arrays(), rec.kept_positions, ids, logits)
     if lens_top_k:
-        from .lens import logit_lens
-        out.lens = logit_lens(model, out, lens_top_k)
+        out.lens = logit_lens(model, out.arrays, lens_top_k)
     return out
 
 

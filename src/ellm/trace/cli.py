@@ -91,7 +91,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         from .inspect.app import serve
     except ImportError as e:
-        print(f"error: `ellm inspect` needs the server extra: pip install 'ellm[server]' ({e})", file=sys.stderr)
+        print(f"error: `ellm inspect` needs the server extra: pip install 'ellm-engine[server]' ({e})", file=sys.stderr)
         return 2
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")

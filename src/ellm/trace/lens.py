@@ -6,11 +6,11 @@ own output. Attention: the weights each head gave every earlier position.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
-from .capture import Recording
+from .recorder import Key
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -35,10 +35,11 @@ def decode_residual(model: Any, x: np.ndarray) -> np.ndarray:
     return ops.softcap(logits, cap) if cap > 0 else logits
 
 
-def logit_lens(model: Any, rec: Recording, top_k: int = 5) -> dict[str, np.ndarray]:
-    """{"ids": (L, R, k) int, "probs": (L, R, k), "norms": (L, R)} for every layer and kept position."""
+def logit_lens(model: Any, arrays: Mapping[Key, np.ndarray], top_k: int = 5) -> dict[str, np.ndarray]:
+    """{"ids": (L, R, k) int, "probs": (L, R, k), "norms": (L, R)} for every layer and kept
+    position of a recording's arrays (Recording.arrays)."""
     n_layers = model.config.num_hidden_layers
-    res = np.stack([rec.arrays[(i, "resid_mlp")] for i in range(n_layers)])     # (L, R, H)
+    res = np.stack([arrays[(i, "resid_mlp")] for i in range(n_layers)])     # (L, R, H)
     L, R, H = res.shape
     probs = _softmax(decode_residual(model, res.reshape(L * R, H)).astype(np.float64))
     k = min(top_k, probs.shape[1])
@@ -48,9 +49,10 @@ def logit_lens(model: Any, rec: Recording, top_k: int = 5) -> dict[str, np.ndarr
             "norms": np.linalg.norm(res, axis=-1).astype(np.float32)}
 
 
-def attention_map(model: Any, rec: Recording, layer: int) -> np.ndarray:
-    """(nh, R, L) the attention weights of `layer` (rows: kept positions, columns: keys)."""
-    a = rec.arrays.get((layer, "attn_probs"))
+def attention_map(model: Any, arrays: Mapping[Key, np.ndarray], layer: int) -> np.ndarray:
+    """(nh, R, L) the attention weights of `layer` (rows: kept positions, columns: keys) in a
+    recording's arrays (Recording.arrays)."""
+    a = arrays.get((layer, "attn_probs"))
     if a is None:
         raise ValueError(f"layer {layer} has no attention weights in this recording")
     nh = model.config.num_attention_heads

@@ -99,7 +99,7 @@ def _pil() -> Any:
         import PIL.Image
         import PIL.ImageOps
     except ImportError:
-        raise ImportError("images need Pillow: pip install 'ellm[vision]' (or pip install pillow)") from None
+        raise ImportError("images need Pillow: pip install 'ellm-engine[vision]' (or pip install pillow)") from None
     return PIL
 
 

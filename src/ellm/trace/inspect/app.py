@@ -10,9 +10,18 @@
 Generation step by step is the page sending the ids again with one token more. Every
 trace is one traced prefill (trace.capture.record); the last few are kept for the
 attention requests. The model is used by one request at a time.
+
+The page is for the local user only, so requests are checked before any route runs
+(LocalOnly): the Host header must name loopback or the host the server was bound to (a
+DNS-rebinding page, whose Host is its own name, gets a 421); a request carrying an Origin
+must come from such a host too (a cross-site form or fetch gets a 403); /api/trace takes
+only application/json (a "simple" cross-site POST of text/plain gets a 415), and a body
+over MAX_BODY_BYTES is refused from its Content-Length before it is read, or once a
+chunked body passes the limit (413).
 """
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 from collections import OrderedDict
@@ -68,6 +77,11 @@ class Inspector:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise BadRequest("'prompt' must be a non-empty string")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:   # JSON can carry "\ud800"; text cannot hold it
+            raise BadRequest(f"'prompt' holds a lone surrogate (U+{ord(prompt[e.start]):04X} at "
+                             f"character {e.start}), which is not text") from None
         tok = self.llm.tokenizer
         if body.get("chat"):
             if not tok.chat_template:
@@ -113,12 +127,73 @@ class Inspector:
             raise BadRequest(f"layer must be in 0..{c.num_hidden_layers - 1}, got {layer}")
         if not 0 <= head < c.num_attention_heads:
             raise BadRequest(f"head must be in 0..{c.num_attention_heads - 1}, got {head}")
-        m = attention_map(self.llm.model, rec, layer)[head]     # (T, T)
+        m = attention_map(self.llm.model, rec.arrays, layer)[head]     # (T, T)
         return {"layer": layer, "head": head, "tokens": [self.piece(t) for t in rec.ids],
                 "matrix": m.round(4).tolist()}
 
 
-def create_app(inspector: Inspector) -> Starlette:
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+class LocalOnly:
+    """ASGI guard: Host and Origin must name an allowed host (see the module docstring)."""
+
+    def __init__(self, app: Any, hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self.hosts = {h.lower().strip("[]") for h in hosts}
+
+    def allowed(self, host_port: str) -> bool:
+        host = host_port.strip().lower()
+        if host.startswith("["):                       # [::1]:8765
+            host = host[1:host.find("]")] if "]" in host else host
+        elif host.count(":") == 1:                     # name:port
+            host = host.split(":")[0]
+        return host in self.hosts
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        problem = None
+        if not self.allowed(headers.get("host", "")):
+            problem = (421, "the Host header must name this machine (localhost or the address ellm inspect "
+                            "was started on); other names are refused")
+        elif "origin" in headers:
+            origin = headers["origin"]
+            scheme, _, rest = origin.partition("://")
+            if scheme not in ("http", "https") or not self.allowed(rest.split("/")[0]):
+                problem = (403, "requests from another site are refused (the Origin is not this machine)")
+        if problem is not None:
+            await _bad(problem[1], problem[0])(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _read_bounded(request: Request) -> bytes | Response:
+    """The body, or the 413/415 answer: JSON only, at most MAX_BODY_BYTES, refused from
+    Content-Length before reading and while reading a chunked body."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        return _bad(f"the body must be application/json, not {ctype or 'untyped'!r}", 415)
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            return _bad("the Content-Length header is not a number")
+        if int(declared) > MAX_BODY_BYTES:
+            return _bad(f"the body is over {MAX_BODY_BYTES} bytes", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return _bad(f"the body is over {MAX_BODY_BYTES} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(inspector: Inspector, hosts: tuple[str, ...] = ()) -> Any:
+    """The app, behind LocalOnly: hosts are the names allowed beside loopback (the bound
+    host, when it is not a wildcard)."""
     async def index(_: Request) -> Response:
         return FileResponse(STATIC / "index.html")
 
@@ -126,14 +201,15 @@ def create_app(inspector: Inspector) -> Starlette:
         return JSONResponse(inspector.model_info())
 
     async def trace(request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return _bad(f"the body is over {MAX_BODY_BYTES} bytes", 413)
+        raw = await _read_bounded(request)
+        if isinstance(raw, Response):
+            return raw
         try:
-            import json
             body = json.loads(raw or b"null")
         except ValueError as e:
             return _bad(f"the body is not JSON: {e}")
+        except RecursionError:
+            return _bad("the body is nested too deeply")
         try:
             ids = inspector.ids_of(body)
             from starlette.concurrency import run_in_threadpool
@@ -152,13 +228,15 @@ def create_app(inspector: Inspector) -> Starlette:
         except BadRequest as e:
             return _bad(str(e))
 
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/", index),
         Route("/api/model", model),
         Route("/api/trace", trace, methods=["POST"]),
         Route("/api/attention", attention),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ])
+    wildcard = ("", "0.0.0.0", "::")
+    return LocalOnly(app, LOOPBACK_NAMES + tuple(h for h in hosts if h not in wildcard))
 
 
 def _bad(message: str, status: int = 400) -> JSONResponse:
@@ -173,6 +251,6 @@ def serve(model: str | None, host: str = "127.0.0.1", port: int = 8765, device: 
     from ... import hub
     resolved = hub.resolve(model)
     llm = ellm.load(resolved.path, device=device, max_num_seqs=1)
-    app = create_app(Inspector(llm, resolved.name, max_tokens))
+    app = create_app(Inspector(llm, resolved.name, max_tokens), hosts=(host,))
     print(f"ellm inspect: {resolved.name} on http://{host}:{port}/  (Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,195 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Thin typed shims over csrc/lora.h: the LoRA products of every adapter of a batch.
+
+A LoraTable holds one projection's factors for every adapter (slot s = adapter s; None
+where that adapter leaves the projection alone), checked once when it is made; `apply`
+adds scale * B (A x) to each row's output for the row's adapter, all in C with the GIL
+released.
+"""
+
+import threading
+
+import numpy as np
+
+from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
+from libc.stdlib cimport free, malloc, calloc
+
+
+cdef extern from "quant.h":
+    const char *ellm_status_str(int status) nogil
+    enum:
+        ELLM_E_INDEX
+
+
+cdef extern from "lora.h":
+    enum:
+        ELLM_LORA_MAX_PARTS
+        ELLM_LORA_F32
+        ELLM_LORA_F16
+        ELLM_LORA_BF16
+    ctypedef struct ellm_lora_slot:
+        int32_t rank
+        int32_t dtype
+        float scale
+        const void *at
+        const void *bt
+    ctypedef struct ellm_lora_proj:
+        int64_t N, K
+        int32_t n_slots
+        const ellm_lora_slot *slots
+    ctypedef struct ellm_lora_part:
+        const ellm_lora_proj *proj
+        float *y
+        int64_t ldy
+    size_t ellm_lora_scratch_bytes(const ellm_lora_part *parts, int n_parts, int64_t T) nogil
+    int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_slot,
+                        const ellm_lora_part *parts, int n_parts, void *scratch,
+                        size_t scratch_bytes) nogil
+
+
+# the factors' element types the kernel reads: name -> (its code, the numpy dtype of the bits)
+DTYPES = {"f32": (ELLM_LORA_F32, np.float32), "f16": (ELLM_LORA_F16, np.float16),
+          "bf16": (ELLM_LORA_BF16, np.uint16)}
+
+
+MAX_PARTS = ELLM_LORA_MAX_PARTS
+
+
+cdef int _raise_status(int status, str fn) except -1:
+    if status == 0:
+        return 0
+    msg = f"{fn}: {ellm_status_str(status).decode()}"
+    if status == ELLM_E_INDEX:
+        raise IndexError(msg)
+    raise ValueError(msg)
+
+
+cdef class LoraTable:
+    """One projection (out_features N, in_features K) of every adapter.
+
+    slots: a sequence, one entry per adapter: None, or (At, Bt, scale, dtype) with A^T
+    (K, r) and B^T (r, N) C-contiguous arrays of `dtype` ("f32": float32, "f16": float16,
+    "bf16": uint16 bfloat16 bits), r >= 1. They are referenced, never copied."""
+
+    cdef ellm_lora_proj proj
+    cdef ellm_lora_slot *c_slots
+    cdef tuple _arrays
+    cdef readonly int64_t out_features
+    cdef readonly int64_t in_features
+    cdef readonly int n_slots
+
+    def __cinit__(self, slots, int64_t out_features, int64_t in_features):
+        self.c_slots = NULL
+        entries = tuple(slots)
+        cdef int S = len(entries)
+        if out_features < 1 or in_features < 1:
+            raise ValueError(f"LoraTable: shape ({out_features}, {in_features})")
+        self.c_slots = <ellm_lora_slot *>calloc(max(S, 1), sizeof(ellm_lora_slot))
+        if self.c_slots == NULL:
+            raise MemoryError()
+        held = []
+        for s, e in enumerate(entries):
+            if e is None:
+                continue
+            at, bt, scale, dtype = e
+            if dtype not in DTYPES:
+                raise ValueError(f"LoraTable: slot {s}'s dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+            code, np_dtype = DTYPES[dtype]
+            for name, m in (("A^T", at), ("B^T", bt)):
+                if not isinstance(m, np.ndarray) or m.dtype != np_dtype or m.ndim != 2 or not m.flags.c_contiguous:
+                    raise ValueError(f"LoraTable: slot {s}'s {name} must be a C-contiguous {np.dtype(np_dtype).name} "
+                                     f"matrix ({dtype})")
+            r = at.shape[1]
+            if r < 1 or at.shape[0] != in_features or bt.shape[0] != r or bt.shape[1] != out_features:
+                raise ValueError(f"LoraTable: slot {s} has A^T {at.shape} and B^T {bt.shape}; expected "
+                                 f"({in_features}, r) and (r, {out_features}) with r >= 1")
+            self.c_slots[s].rank = <int32_t>r
+            self.c_slots[s].dtype = <int32_t>code
+            self.c_slots[s].scale = <float>scale
+            self.c_slots[s].at = <const void *><uintptr_t>at.ctypes.data
+            self.c_slots[s].bt = <const void *><uintptr_t>bt.ctypes.data
+            held.extend((at, bt))
+        self._arrays = tuple(held)
+        self.proj.N, self.proj.K, self.proj.n_slots, self.proj.slots = out_features, in_features, S, self.c_slots
+        self.out_features, self.in_features, self.n_slots = out_features, in_features, S
+
+    def __dealloc__(self):
+        free(self.c_slots)
+
+    @property
+    def address(self) -> int:
+        """The C struct's address (for the layer stack, which holds this object)."""
+        return <uintptr_t>&self.proj
+
+
+cdef class _Scratch:
+    cdef void *raw
+    cdef uint8_t *ptr
+    cdef size_t cap
+
+    cdef int reserve(self, size_t nbytes) except -1:
+        if nbytes <= self.cap:
+            return 0
+        cdef size_t cap = max(nbytes, 2 * self.cap)
+        cdef void *p = malloc(cap + 64)
+        if p == NULL:
+            raise MemoryError(f"cannot allocate {cap} bytes of LoRA scratch")
+        free(self.raw)
+        self.raw = p
+        self.ptr = <uint8_t *>((<uintptr_t>p + 63) & ~(<uintptr_t>63))
+        self.cap = cap
+        return 0
+
+    def __dealloc__(self):
+        free(self.raw)
+
+
+_tls = threading.local()
+
+
+cdef _Scratch _scratch():
+    s = getattr(_tls, "scratch", None)
+    if s is None:
+        s = _Scratch()
+        _tls.scratch = s
+    return <_Scratch>s
+
+
+def apply(const float[:, ::1] x not None, const int32_t[::1] row_slots not None, parts) -> None:
+    """For each (table, y) of parts: y[t, :N] += scale_s * B_s (A_s x[t]) for every row t
+    whose slot s = row_slots[t] >= 0 adapts that table (-1: left alone). x (T, K) float32;
+    each y a writable float32 (T, >= N) array with contiguous rows."""
+    cdef int64_t T = x.shape[0], K = x.shape[1]
+    cdef int n = len(parts)
+    if n < 1 or n > ELLM_LORA_MAX_PARTS:
+        raise ValueError(f"lora apply: {n} parts; 1 to {ELLM_LORA_MAX_PARTS} allowed")
+    if row_slots.shape[0] != T:
+        raise ValueError(f"lora apply: {row_slots.shape[0]} row slots for {T} rows")
+    cdef ellm_lora_part c_parts[8]
+    cdef LoraTable table
+    cdef float[:, :] yv
+    held = []
+    for i, (tab, y) in enumerate(parts):
+        table = <LoraTable?>tab
+        if table.in_features != K:
+            raise ValueError(f"lora apply: part {i} takes {table.in_features} inputs, x has {K}")
+        if not isinstance(y, np.ndarray) or y.dtype != np.float32 or y.ndim != 2 or y.shape[0] != T \
+                or y.shape[1] < table.out_features or y.strides[1] != 4 or not y.flags.writeable:
+            raise ValueError(f"lora apply: part {i}'s output must be a writable float32 ({T}, "
+                             f">= {table.out_features}) array with contiguous rows")
+        yv = y
+        held.append(y)
+        c_parts[i].proj = &table.proj
+        c_parts[i].y = &yv[0, 0] if T else NULL
+        c_parts[i].ldy = y.strides[0] // 4 if T > 1 else table.out_features
+    if T == 0:
+        return
+    cdef size_t need = ellm_lora_scratch_bytes(c_parts, n, T)
+    if need == 0:
+        raise ValueError("lora apply: the tables disagree in shape")
+    cdef _Scratch sc = _scratch()
+    sc.reserve(need)
+    cdef int st
+    with nogil:
+        st = ellm_lora_apply(&x[0, 0], K, T, &row_slots[0], c_parts, n, sc.ptr, sc.cap)
+    _raise_status(st, "lora apply")
