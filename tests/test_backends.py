@@ -521,12 +521,10 @@ class _FusedCpu(CpuOps):
 
 def _logits_on(path: Path, ops: Any, kv_cache_dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
     """_runner_logits through a ModelRunner over the model of `path` built on `ops`."""
-    from ellm.config import ModelConfig
     from ellm.engine.runner import ModelRunner
-    from ellm.models import build_model
-    from ellm.weights import GGUFWeights
+    from ellm.models import build_model, config_from_gguf, gguf_weights
     f = GGUFFile(path)
-    runner = ModelRunner(build_model(ModelConfig.from_gguf(f), GGUFWeights(f), ops),
+    runner = ModelRunner(build_model(config_from_gguf(f), gguf_weights(f), ops),
                          EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache_tokens=256,
                                       kv_cache_dtype=kv_cache_dtype))
     assert runner.kv.k[0].dtype == kv_storage_dtype(kv_cache_dtype)
@@ -561,6 +559,11 @@ def test_fused_layer_stack_matches_the_layer_loop(model, smollm2_gguf, gemma3_gg
     stack = _FusedCpu(activations="f32").layer_stack([{"act": "silu", "next_norm": None}], 1, 1, None, None, None,
                                                      1e-6)
     assert isinstance(stack, FusedLayerStack)
+    with pytest.raises(ValueError, match="LoRA"):
+        stack.run(None, None, {}, None, np.zeros(1, np.int32))
+    # [lora] a model with adapters attached runs its layers one by one (ops.lora in between)
+    assert _FusedCpu(activations="f32").layer_stack([{"act": "silu", "next_norm": None, "lora": {}}], 1, 1, None,
+                                                    None, None, 1e-6) is None
 
 
 def test_bf16_kv_cache_through_the_runner(smollm2_gguf, fused_smollm2_logits) -> None:

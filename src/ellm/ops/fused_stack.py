@@ -32,7 +32,12 @@ class FusedLayerStack:
         self.residual, self.proj, self.h_buf = residual, proj, h_buf
         self.final_norm = specs[-1]["next_norm"] if specs else None
 
-    def run(self, positions: Any, seq_ids: Any, block_tables: dict, key_limit: Any = None) -> None:
+    def run(self, positions: Any, seq_ids: Any, block_tables: dict, key_limit: Any = None,
+            adapter_slots: Any = None) -> None:
+        """adapter_slots: [lora] always None here (a model with adapters attached gets no
+        fused stack: fused_layer_stack)."""
+        if adapter_slots is not None:
+            raise ValueError("this layer stack was made without LoRA adapters; the batch names some")
         ops, eps, residual, h_buf = self.ops, self.eps, self.residual, self.h_buf
         for i, s in enumerate(self.specs):
             # the layer's input: the normed h_buf the decoder made for layer 0, else the
@@ -96,8 +101,10 @@ class FusedLayerStack:
 def fused_layer_stack(ops: Any, specs: list[dict], t: int, hidden: int, residual: Any, proj: Any,
                       h_buf: Any, eps: float) -> FusedLayerStack | None:
     """A FusedLayerStack for these layers, or None (the decoder then runs them one by one)
-    when a layer is not the pre-norm attention + gated MLP pair it knows."""
-    if not specs or any(s["act"] not in ("silu", "gelu_tanh") for s in specs):
+    when a layer is not the pre-norm attention + gated MLP pair it knows, or the model has
+    LoRA adapters attached (specs carry "lora": their products go in between the fused
+    ops' pieces, which the layer loop does with ops.lora)."""
+    if not specs or any(s["act"] not in ("silu", "gelu_tanh") or "lora" in s for s in specs):
         return None
     return FusedLayerStack(ops, specs, t, hidden, residual, proj, h_buf, eps)
 
