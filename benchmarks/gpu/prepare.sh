@@ -29,7 +29,7 @@ fi
 
 # 2. wheels the GPU machine lacks (its package list: /work/.library/device/KINDS.md)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$OUT/wheels" llguidance gguf
 
 # 3. the models, cut into parts, with their sha256 (check.sh puts them back together)
