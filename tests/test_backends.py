@@ -559,11 +559,10 @@ def test_fused_layer_stack_matches_the_layer_loop(model, smollm2_gguf, gemma3_gg
     stack = _FusedCpu(activations="f32").layer_stack([{"act": "silu", "next_norm": None}], 1, 1, None, None, None,
                                                      1e-6)
     assert isinstance(stack, FusedLayerStack)
+    # [lora] a batch naming adapters runs layer by layer (the decoder asks takes_adapters)
+    assert stack.takes_adapters is False
     with pytest.raises(ValueError, match="LoRA"):
         stack.run(None, None, {}, None, np.zeros(1, np.int32))
-    # [lora] a model with adapters attached runs its layers one by one (ops.lora in between)
-    assert _FusedCpu(activations="f32").layer_stack([{"act": "silu", "next_norm": None, "lora": {}}], 1, 1, None,
-                                                    None, None, 1e-6) is None
 
 
 def test_bf16_kv_cache_through_the_runner(smollm2_gguf, fused_smollm2_logits) -> None:

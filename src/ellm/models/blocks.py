@@ -350,6 +350,8 @@ class Decoder:
         if slots is not None and self.lora is None:
             raise ValueError("the batch names LoRA adapters, and this model has none attached")
         stack = self._layer_stack(ws, t, kv) if rec is None else None
+        if stack is not None and slots is not None and not getattr(stack, "takes_adapters", True):
+            stack = None   # [lora] this backend's stack has no adapter path (ops/fused_stack.py)
         if stack is not None:   # every layer in one call, leaving residual and h_buf as the loop does
             stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit, slots)
             h = residual if self.norm is None else h_buf

@@ -26,6 +26,8 @@ from typing import Any
 
 
 class FusedLayerStack:
+    takes_adapters = False   # [lora] a batch naming adapters runs the layers one op at a time
+
     def __init__(self, ops: Any, specs: list[dict], t: int, hidden: int, residual: Any, proj: Any,
                  h_buf: Any, eps: float) -> None:
         self.ops, self.specs, self.t, self.eps = ops, specs, t, eps
@@ -34,10 +36,10 @@ class FusedLayerStack:
 
     def run(self, positions: Any, seq_ids: Any, block_tables: dict, key_limit: Any = None,
             adapter_slots: Any = None) -> None:
-        """adapter_slots: [lora] always None here (a model with adapters attached gets no
-        fused stack: fused_layer_stack)."""
+        """adapter_slots: [lora] always None here (takes_adapters: the decoder runs a batch
+        naming adapters layer by layer, ops.lora in between)."""
         if adapter_slots is not None:
-            raise ValueError("this layer stack was made without LoRA adapters; the batch names some")
+            raise ValueError("the fused layer stack runs no LoRA adapters: run such a batch layer by layer")
         ops, eps, residual, h_buf = self.ops, self.eps, self.residual, self.h_buf
         for i, s in enumerate(self.specs):
             # the layer's input: the normed h_buf the decoder made for layer 0, else the
@@ -101,10 +103,8 @@ class FusedLayerStack:
 def fused_layer_stack(ops: Any, specs: list[dict], t: int, hidden: int, residual: Any, proj: Any,
                       h_buf: Any, eps: float) -> FusedLayerStack | None:
     """A FusedLayerStack for these layers, or None (the decoder then runs them one by one)
-    when a layer is not the pre-norm attention + gated MLP pair it knows, or the model has
-    LoRA adapters attached (specs carry "lora": their products go in between the fused
-    ops' pieces, which the layer loop does with ops.lora)."""
-    if not specs or any(s["act"] not in ("silu", "gelu_tanh") or "lora" in s for s in specs):
+    when a layer is not the pre-norm attention + gated MLP pair it knows."""
+    if not specs or any(s["act"] not in ("silu", "gelu_tanh") for s in specs):
         return None
     return FusedLayerStack(ops, specs, t, hidden, residual, proj, h_buf, eps)
 
