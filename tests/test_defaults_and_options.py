@@ -1,5 +1,5 @@
 """Sampling defaults from the model (generation_config.json, GGUF general.sampling.*), the
-README's table against the code, and ellm.load's threads / max_model_len / chat_template."""
+defaults table of docs/python-api.md against the code, and ellm.load's threads / max_model_len / chat_template."""
 from __future__ import annotations
 
 import json
@@ -19,16 +19,16 @@ from ellm.engine.engine import RequestError
 from ellm.sampling_params import SamplingParams
 from ellm.tokenization.template import ChatTemplateError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+API_DOC = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 PROMPT = "The capital of France is"
 
 
 def readme_defaults() -> dict[str, str]:
-    """The `| field | default |` rows of the README's "Sampling defaults" section."""
-    text = README.read_text()
+    """The `| field | default |` rows of docs/python-api.md's "Sampling defaults" section."""
+    text = API_DOC.read_text()
     section = text.split("## Sampling defaults", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\w+)` \| ([^|]+?) \|$", section, flags=re.M)
-    assert rows, "no defaults table in the README's Sampling defaults section"
+    assert rows, "no defaults table in docs/python-api.md's Sampling defaults section"
     return dict(rows)
 
 
@@ -42,7 +42,7 @@ def test_readme_defaults_are_the_codes() -> None:
         assert number == getattr(sampling_defaults.SamplingDefaults(), name), name
         assert number == getattr(neutral, name), name   # SamplingParams() agrees with the table
     # "in the Python API max_tokens defaults to 256"
-    said = re.search(r"`max_tokens` defaults to (\d+)", README.read_text())
+    said = re.search(r"`max_tokens` defaults to (\d+)", API_DOC.read_text())
     assert said and int(said.group(1)) == SamplingParams().max_tokens
 
 

@@ -49,7 +49,7 @@ def _reference(engine, prompt, max_tokens=12):
 
 def test_plugin_is_found_through_its_entry_point():
     assert MODEL in {m.model_id for m in llm.get_models()}   # (loads the plugins)
-    assert "ellm" in {p["name"] for p in llm.get_plugins()}
+    assert "ellm-engine" in {p["name"] for p in llm.get_plugins()}   # (the distribution's name)
     assert MODEL in {m.model_id for m in llm.get_embedding_models()}
 
 

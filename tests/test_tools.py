@@ -198,6 +198,24 @@ def test_streaming_parser_agrees_with_the_whole_text_parser(fmt: str) -> None:
     assert p.feed("Hello there, ") == [("content", "Hello there, ")]
 
 
+def test_a_closing_tag_inside_an_argument_string_stays_in_the_arguments() -> None:
+    """A constrained call's JSON may hold "</tool_call>" in a string (Gemma 3 wrote one);
+    the block ends after the JSON value, whole or streamed in pieces of any size."""
+    fns = T.parse_tools(TOOLS)
+    name = fns[0].name
+    args = {"city": "x},</tool_call> /> 3"}
+    text = f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
+    content, calls = T.parse_calls(text, "hermes", fns)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [(name, args)]
+    for n in (1, 3, 7, len(text)):
+        parser, events = T.StreamParser("hermes", fns), []
+        for i in range(0, len(text), n):
+            events += parser.feed(text[i:i + n])
+        events += parser.finish()
+        assert [k for k, _ in events] == ["call"], (n, events)
+        assert json.loads(events[0][1].arguments) == args
+
+
 # ---------------------------------------------------------------- constrained calls
 
 @pytest.mark.parametrize("fmt", T.FORMATS)

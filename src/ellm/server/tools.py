@@ -29,7 +29,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from ..engine import structured
 
@@ -368,7 +368,48 @@ def call_grammar(functions: list[Function], fmt: str, *, parallel: bool = True,
 
 # ---------------------------------------------------------------- parsing
 
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_TAIL = re.compile(r"\s*</tool_call>")
+
+
+def _hermes_block_end(text: str, start: int, final: bool = True) -> int | None:
+    """Where the <tool_call> block opening at start ends (past its closing tag, or the end
+    of text). Its JSON value is read whole first, so a string in the arguments may hold
+    "</tool_call>" itself. None while the block may still grow (final False). A block
+    whose text is not one JSON value ends at its first closing tag."""
+    body = start + len(_HERMES_OPEN)
+    while body < len(text) and text[body].isspace():
+        body += 1
+    try:
+        _, after = json.JSONDecoder().raw_decode(text, body)
+    except json.JSONDecodeError:
+        if not final:
+            return None   # unfinished, or not JSON: known once the output ends
+        after = body
+    else:
+        tail = _HERMES_TAIL.match(text, after)
+        if tail is not None:
+            return tail.end()
+        rest = text[after:].strip()
+        if not final and (not rest or _HERMES_CLOSE.startswith(rest)):
+            return None   # the closing tag may still come
+    end = text.find(_HERMES_CLOSE, after)
+    if end < 0:
+        return len(text) if final else None
+    return end + len(_HERMES_CLOSE)
+
+
+def _hermes_blocks(text: str) -> Iterator[tuple[int, int, str]]:
+    """(start, end, the text inside the tags) of each <tool_call> block of a whole output."""
+    at = text.find(_HERMES_OPEN)
+    while at >= 0:
+        end = _hermes_block_end(text, at)
+        assert end is not None
+        inner = text[at + len(_HERMES_OPEN):end]
+        if inner.endswith(_HERMES_CLOSE):
+            inner = inner[:-len(_HERMES_CLOSE)]
+        yield at, end, inner.strip()
+        at = text.find(_HERMES_OPEN, end)
 _MISTRAL_ARGS = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
 
 
@@ -420,15 +461,15 @@ def parse_calls(text: str, fmt: str, functions: list[Function] | None = None,
         text = _without_cut_call(text, fmt, functions)
     if fmt in ("hermes", "generic"):
         calls, kept, last = [], [], 0
-        for m in _HERMES_BLOCK.finditer(text):
+        for start, end, inner in _hermes_blocks(text):
             try:
-                call = _as_call(json.loads(m.group(1)), functions, ("arguments", "parameters"))
+                call = _as_call(json.loads(inner), functions, ("arguments", "parameters"))
             except json.JSONDecodeError:
                 call = None
             if call is None:
                 continue
-            kept.append(text[last:m.start()])
-            last = m.end()
+            kept.append(text[last:start])
+            last = end
             calls.append(call)
         kept.append(text[last:])
         content = "".join(kept).strip()
@@ -578,7 +619,7 @@ class StreamParser:
 
     def _hermes(self, final: bool) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
-        open_, close = "<tool_call>", "</tool_call>"
+        open_ = _HERMES_OPEN
         while self._buf:
             start = self._buf.find(open_)
             if start < 0:
@@ -588,13 +629,12 @@ class StreamParser:
                 if text:
                     out.append(("content", text))
                 break
-            end = self._buf.find(close, start)
-            if end < 0 and not final:
+            stop = _hermes_block_end(self._buf, start, final)
+            if stop is None:
                 if start:
                     out.append(("content", self._buf[:start]))
                     self._buf = self._buf[start:]
                 break
-            stop = len(self._buf) if end < 0 else end + len(close)
             block = self._buf[:stop] if start == 0 else self._buf[start:stop]
             if start:
                 out.append(("content", self._buf[:start]))
