@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +20,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
+from served import serve_process
 from pydantic import BaseModel, Field
 
 import ellm
@@ -238,45 +235,12 @@ def test_llm_chat_nested_tools_and_response_format(smollm2: Any) -> None:
 # a real server
 # ---------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def url(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    log = tmp_path_factory.mktemp("round2") / "server.log"
-    cmd = [sys.executable, "-m", "ellm", "serve", str(smollm2_gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", "2048", "--max-num-seqs", "8",
-           "--log-level", "warning"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not come up:\n{log.read_text()[-4000:]}")
-            time.sleep(0.3)
+    args = [str(smollm2_gguf), "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", "2048",
+            "--max-num-seqs", "8", "--log-level", "warning"]
+    with serve_process(args, tmp_path_factory.mktemp("round2") / "server.log") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    assert proc.returncode in (0, -15), log.read_text()[-4000:]
-    assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
 
 
 @pytest.fixture(scope="module")

@@ -398,38 +398,13 @@ def test_gguf_adapter_is_refused_on_another_family(tiny_lora) -> None:
 
 @pytest.fixture(scope="module")
 def lora_server(tiny_lora, tmp_path_factory) -> Any:
-    import socket
-    import sys
-    import time
-    import httpx
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from served import serve_process
     folder = tiny_lora / "llama"
-    log = tmp_path_factory.mktemp("lora_serve") / "server.log"
-    cmd = [sys.executable, "-m", "ellm", "serve", str(folder), "--port", str(port), "--served-model-name", "base",
-           "--max-model-len", "256", "--log-level", "warning", "--lora-modules",
-           *(f"{n}={folder / 'adapters' / n}" for n in ADAPTERS["llama"])]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not come up in 120 s:\n{log.read_text()[-4000:]}")
-            time.sleep(0.2)
+    args = [str(folder), "--served-model-name", "base", "--max-model-len", "256", "--log-level", "warning",
+            "--lora-modules", *(f"{n}={folder / 'adapters' / n}" for n in ADAPTERS["llama"])]
+    with serve_process(args, tmp_path_factory.mktemp("lora_serve") / "server.log", up_within=120, poll=0.2,
+                       check_exit=False) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(15)
 
 
 def test_server_lists_picks_and_refuses_adapters(tiny_lora, lora_llms, lora_server) -> None:

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +23,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from served import serve_process
 
 API_KEY = "test-key"
 WEATHER = {"type": "function", "function": {
@@ -61,43 +59,11 @@ class Served:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve(gguf: Path, name: str, log: Path) -> Iterator[Served]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "ellm", "serve", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", name, "--api-key", API_KEY, "--max-model-len", "2048",
-           "--max-num-seqs", "16", "--log-level", "warning"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not come up:\n{log.read_text()[-4000:]}")
-            time.sleep(0.3)
+    args = [str(gguf), "--served-model-name", name, "--api-key", API_KEY, "--max-model-len", "2048",
+            "--max-num-seqs", "16", "--log-level", "warning"]
+    with serve_process(args, log) as url:
         yield Served(url, name)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    assert proc.returncode in (0, -15), log.read_text()[-4000:]
-    assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
 
 
 @pytest.fixture(scope="module")

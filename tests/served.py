@@ -1,0 +1,58 @@
+"""`ellm serve` in a child process, for tests that talk to a real server: started on a
+free loopback port, waited for through /health, stopped at the end; by default its exit
+status and log are checked for a crash."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_process(args: list[str], log: Path, up_within: float = 180, poll: float = 0.3,
+                  check_exit: bool = True) -> Iterator[str]:
+    """Runs `ellm serve ARGS --host 127.0.0.1 --port P`, its output into log, and yields
+    its base URL once /health answers. check_exit: the server must end by our SIGTERM
+    (status 0 or -15), with no traceback in its log."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "ellm", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + up_within
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not come up in {up_within:.0f} s:\n{log.read_text()[-4000:]}")
+            time.sleep(poll)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if check_exit:
+        assert proc.returncode in (0, -15), log.read_text()[-4000:]
+        assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
