@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._native._core import MappedFile
 from .errors import FormatError
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
@@ -103,3 +104,39 @@ def check_unchanged(fingerprints: Iterable[FileFingerprint]) -> None:
             raise MappedFileChanged(f"the model file {fp.path} changed on disk while it was in use ({what}); "
                                     "its weights can no longer be trusted: restart to load the new file "
                                     "(replace model files with a new file and a rename, not in place)")
+
+
+class MappedModelFile:
+    """A model file memory-mapped read-only, refused unless it is a regular file, and
+    checked once, before its first tensor is read, for having been cut short since."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        regular_file_size(self.path)  # a FIFO or device is refused before open() could block
+        try:
+            self._map = MappedFile(str(self.path))
+        except OSError as e:
+            raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
+        self._buf = memoryview(self._map)
+        self.fingerprint = FileFingerprint.of(self.path)   # to notice a rewrite in place later
+        self._size_checked = False
+
+    @property
+    def file_size(self) -> int:
+        return len(self._buf)
+
+    def check_size(self) -> None:
+        """FormatError if the file on disk is now shorter than the map (truncated since it
+        was opened): reading the missing pages would kill the process with SIGBUS."""
+        try:
+            now = regular_file_size(self.path)
+        except FormatError as e:
+            raise FormatError(self.path, f"changed since it was opened: {e.problem}") from None
+        if now < self.file_size:
+            raise FormatError(self.path, f"was truncated to {now} bytes since it was mapped "
+                                         f"({self.file_size}); reading it would crash the process")
+
+    def _first_use(self) -> None:
+        if not self._size_checked:  # one stat() per file, before the first tensor is read
+            self.check_size()
+            self._size_checked = True

@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from .._native._core import MappedFile
 from .errors import FormatError
-from .files import FileFingerprint, regular_file_size
+from .files import MappedModelFile
 from .ggml_types import BLOCK_LAYOUT, GGMLType
 
 GGUF_MAGIC = b"GGUF"
@@ -151,27 +150,15 @@ class _Cursor:
         raise FormatError(self.path, f"{what} has unknown element type {etype}")
 
 
-class GGUFFile:
+class GGUFFile(MappedModelFile):
     """A parsed GGUF file. `metadata` maps keys to values (arrays of numbers are numpy
     arrays, arrays of strings are lists); `tensors` maps names to TensorInfo."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        regular_file_size(self.path)  # a FIFO or device is refused before open() could block
-        try:
-            self._map = MappedFile(str(self.path))
-        except OSError as e:
-            raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
-        self._buf = memoryview(self._map)
-        self.fingerprint = FileFingerprint.of(self.path)   # to notice a rewrite in place later
-        self._size_checked = False
+        super().__init__(path)
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._parse()
-
-    @property
-    def file_size(self) -> int:
-        return len(self._buf)
 
     def _parse(self) -> None:
         c = _Cursor(self.path, self._buf)
@@ -248,22 +235,6 @@ class GGUFFile:
             raise FormatError(self.path, f"tensor {name!r} ends at byte {start + nbytes}, past the "
                                          f"end of the file ({self.file_size})")
         return TensorInfo(name, tuple(reversed(dims)), qtype, start, nbytes)
-
-    def check_size(self) -> None:
-        """FormatError if the file on disk is now shorter than the map (truncated since it
-        was opened): reading the missing pages would kill the process with SIGBUS."""
-        try:
-            now = regular_file_size(self.path)
-        except FormatError as e:
-            raise FormatError(self.path, f"changed since it was opened: {e.problem}") from None
-        if now < self.file_size:
-            raise FormatError(self.path, f"was truncated to {now} bytes since it was mapped "
-                                         f"({self.file_size}); reading it would crash the process")
-
-    def _first_use(self) -> None:
-        if not self._size_checked:  # one stat() per file, before the first tensor is read
-            self.check_size()
-            self._size_checked = True
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a (rows, row_bytes) uint8 view into the map."""

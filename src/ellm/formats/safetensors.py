@@ -23,9 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .._native._core import MappedFile
 from .errors import FormatError
-from .files import FileFingerprint, read_regular_file, regular_file_size
+from .files import MappedModelFile, read_regular_file
 
 # safetensors dtype -> (numpy dtype of the stored bits, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -46,7 +45,7 @@ class SafeTensorInfo:
     nbytes: int
 
 
-class SafetensorsFile:
+class SafetensorsFile(MappedModelFile):
     """One .safetensors file. `tensors` maps names to SafeTensorInfo; `array(name)` is a view.
 
     F16 and BF16 tensors are returned as uint16 bit patterns (numpy has no bf16);
@@ -54,15 +53,7 @@ class SafetensorsFile:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        regular_file_size(self.path)  # a FIFO or device is refused before open() could block
-        try:
-            self._map = MappedFile(str(self.path))
-        except OSError as e:
-            raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
-        self._buf = memoryview(self._map)
-        self.fingerprint = FileFingerprint.of(self.path)   # to notice a rewrite in place later
-        self._size_checked = False
+        super().__init__(path)
         self.metadata: dict[str, str] = {}
         self.tensors: dict[str, SafeTensorInfo] = {}
         self._parse()
@@ -130,21 +121,8 @@ class SafetensorsFile:
                                          f"{count * itemsize} bytes, data_offsets span {end - begin}")
         return SafeTensorInfo(name, dtype, tuple(shape), data_start + begin, end - begin)
 
-    def check_size(self) -> None:
-        """FormatError if the file on disk is now shorter than the map (truncated since it
-        was opened): reading the missing pages would kill the process with SIGBUS."""
-        try:
-            now = regular_file_size(self.path)
-        except FormatError as e:
-            raise FormatError(self.path, f"changed since it was opened: {e.problem}") from None
-        if now < len(self._buf):
-            raise FormatError(self.path, f"was truncated to {now} bytes since it was mapped "
-                                         f"({len(self._buf)}); reading it would crash the process")
-
     def array(self, name: str) -> np.ndarray:
-        if not self._size_checked:  # one stat() per file, before the first tensor is read
-            self.check_size()
-            self._size_checked = True
+        self._first_use()
         info = self.tensors[name]
         np_dtype, itemsize = DTYPES[info.dtype]
         return np.frombuffer(self._buf, dtype=np_dtype, count=info.nbytes // itemsize,
