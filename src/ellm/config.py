@@ -293,13 +293,16 @@ class GGUFMeta:
     def raw(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"{self.arch}.{key}", default)
 
-    def int(self, key: str, default: int | None = None, *, lo: int = 1, hi: int = 1 << 62) -> int:
+    def _required(self, key: str) -> Any:
         full = f"{self.arch}.{key}"
         if full not in self.meta:
-            if default is None:
-                raise ConfigError(f"{self.path}: GGUF metadata lacks {full}")
+            raise ConfigError(f"{self.path}: GGUF metadata lacks {full}")
+        return self.meta[full]
+
+    def int(self, key: str, default: int | None = None, *, lo: int = 1, hi: int = 1 << 62) -> int:
+        if default is not None and not self.has(key):
             return default
-        value = self.meta[full]
+        value = self._required(key)
         if isinstance(value, (list, tuple, np.ndarray)):  # per-layer arrays: all equal here
             values = {v for v in np.asarray(value).ravel().tolist()}
             if len(values) != 1:
@@ -312,12 +315,9 @@ class GGUFMeta:
         return int(value)
 
     def float(self, key: str, default: float | None = None) -> float:
-        full = f"{self.arch}.{key}"
-        if full not in self.meta:
-            if default is None:
-                raise ConfigError(f"{self.path}: GGUF metadata lacks {full}")
+        if default is not None and not self.has(key):
             return default
-        value = self.meta[full]
+        value = self._required(key)
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not math.isfinite(float(value)):
             raise self._fail(key, f"must be a finite number, got {value!r}")
