@@ -38,36 +38,57 @@ static inline float LORA_FN(bf16)(uint16_t h) {
 }
 
 /* u0[j] = sum over k of A^T[k][j0 + j] * x0[k] for j < jn (jn <= SHRINK_CHUNK), and the
- * same for a second row (x1, u1) when x1 is not NULL: both rows share each load of A. */
+ * same for a second row (x1, u1) when x1 is not NULL: both rows share each load of A.
+ * Each sum runs as two, over the even and the odd k (two chains of adds in flight, not
+ * one), added at the end: the same order on every path, so a row's bits do not depend
+ * on its pairing. */
 #define SHRINK_BODY(LOAD)                                                                     \
-    float a0[SHRINK_CHUNK] = {0}, a1[SHRINK_CHUNK] = {0};                                     \
+    float e0[SHRINK_CHUNK] = {0}, o0[SHRINK_CHUNK] = {0};                                     \
+    float e1[SHRINK_CHUNK] = {0}, o1[SHRINK_CHUNK] = {0};                                     \
+    const int64_t K2 = K & ~(int64_t)1;                                                       \
     if (jn == SHRINK_CHUNK && x1) {                                                           \
-        for (int64_t k = 0; k < K; k++) {                                                     \
-            const float xa = x0[k], xb = x1[k];                                               \
+        for (int64_t k = 0; k < K2; k += 2) {                                                 \
+            const float xa = x0[k], xa2 = x0[k + 1], xb = x1[k], xb2 = x1[k + 1];             \
             for (int c = 0; c < SHRINK_CHUNK; c++) {                                          \
-                const float a = LOAD(p + k * r + j0 + c);                                     \
-                a0[c] += a * xa;                                                              \
-                a1[c] += a * xb;                                                              \
+                const float a = LOAD(p + k * r + j0 + c), a2 = LOAD(p + (k + 1) * r + j0 + c); \
+                e0[c] += a * xa;                                                              \
+                o0[c] += a2 * xa2;                                                            \
+                e1[c] += a * xb;                                                              \
+                o1[c] += a2 * xb2;                                                            \
             }                                                                                 \
         }                                                                                     \
     } else if (jn == SHRINK_CHUNK) {                                                          \
-        for (int64_t k = 0; k < K; k++) {                                                     \
-            const float xa = x0[k];                                                           \
-            for (int c = 0; c < SHRINK_CHUNK; c++) a0[c] += LOAD(p + k * r + j0 + c) * xa;   \
+        for (int64_t k = 0; k < K2; k += 2) {                                                 \
+            const float xa = x0[k], xa2 = x0[k + 1];                                          \
+            for (int c = 0; c < SHRINK_CHUNK; c++) {                                          \
+                e0[c] += LOAD(p + k * r + j0 + c) * xa;                                       \
+                o0[c] += LOAD(p + (k + 1) * r + j0 + c) * xa2;                                \
+            }                                                                                 \
         }                                                                                     \
     } else {                                                                                  \
-        for (int64_t k = 0; k < K; k++) {                                                     \
-            const float xa = x0[k], xb = x1 ? x1[k] : 0.0f;                                   \
+        for (int64_t k = 0; k < K2; k += 2) {                                                 \
+            const float xa = x0[k], xa2 = x0[k + 1];                                          \
+            const float xb = x1 ? x1[k] : 0.0f, xb2 = x1 ? x1[k + 1] : 0.0f;                  \
             for (int c = 0; c < jn; c++) {                                                    \
-                const float a = LOAD(p + k * r + j0 + c);                                     \
-                a0[c] += a * xa;                                                              \
-                a1[c] += a * xb;                                                              \
+                const float a = LOAD(p + k * r + j0 + c), a2 = LOAD(p + (k + 1) * r + j0 + c); \
+                e0[c] += a * xa;                                                              \
+                o0[c] += a2 * xa2;                                                            \
+                e1[c] += a * xb;                                                              \
+                o1[c] += a2 * xb2;                                                            \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    for (int c = 0; c < jn; c++) u0[c] = a0[c];                                               \
+    if (K2 < K) { /* an odd K: the last k joins the even sums */                              \
+        const float xa = x0[K2], xb = x1 ? x1[K2] : 0.0f;                                     \
+        for (int c = 0; c < jn; c++) {                                                        \
+            const float a = LOAD(p + K2 * r + j0 + c);                                        \
+            e0[c] += a * xa;                                                                  \
+            e1[c] += a * xb;                                                                  \
+        }                                                                                     \
+    }                                                                                         \
+    for (int c = 0; c < jn; c++) u0[c] = e0[c] + o0[c];                                       \
     if (x1)                                                                                   \
-        for (int c = 0; c < jn; c++) u1[c] = a1[c];
+        for (int c = 0; c < jn; c++) u1[c] = e1[c] + o1[c];
 
 #define LOAD_F32(q) (*(q))
 #define LOAD_F16(q) LORA_FN(f16)(*(q))
@@ -87,33 +108,56 @@ static void LORA_FN(shrink)(const void *at, int32_t dtype, int64_t K, int32_t r,
     }
 }
 
-/* y[c] += scale * (sum over j < r of u[j] * B^T[j][n0 + c]) for c < nc (<= EXPAND_BLOCK). */
+/* y[c] += scale * (sum over j < r of u[j] * B^T[j][n0 + c]) for c < nc (<= EXPAND_BLOCK),
+ * B^T in blocks of 8 outputs (lora.h): output n's factor j at (n / 8) * r * 8 + j * 8 +
+ * n % 8. Every path sums each output alike (j ascending from 0, multiply then add). */
 #define EXPAND_BODY(LOAD)                                                                     \
     float acc[EXPAND_BLOCK] = {0};                                                            \
-    if (nc == EXPAND_BLOCK) {                                                                 \
+    const int64_t R8 = (int64_t)r * 8;                                                        \
+    if ((n0 & 7) == 0 && nc == EXPAND_BLOCK) {                                                \
+        const TYPE *q = p + (n0 >> 3) * R8;                                                   \
         for (int32_t j = 0; j < r; j++) {                                                     \
             const float uj = u[j];                                                            \
-            for (int c = 0; c < EXPAND_BLOCK; c++) acc[c] += uj * LOAD(p + j * N + n0 + c);   \
+            for (int g = 0; g < EXPAND_BLOCK / 8; g++)                                        \
+                for (int l = 0; l < 8; l++) acc[g * 8 + l] += uj * LOAD(q + g * R8 + j * 8 + l); \
+        }                                                                                     \
+    } else if ((n0 & 7) == 0) {  /* whole groups (the last one's padding is zeros) */         \
+        const TYPE *q = p + (n0 >> 3) * R8;                                                   \
+        for (int64_t g = 0; g < (nc + 7) / 8; g++) {                                          \
+            float a8[8] = {0};                                                                \
+            for (int32_t j = 0; j < r; j++) {                                                 \
+                const float uj = u[j];                                                        \
+                for (int l = 0; l < 8; l++) a8[l] += uj * LOAD(q + g * R8 + j * 8 + l);       \
+            }                                                                                 \
+            for (int l = 0; l < 8; l++) acc[g * 8 + l] = a8[l];                               \
         }                                                                                     \
     } else {                                                                                  \
         for (int32_t j = 0; j < r; j++) {                                                     \
             const float uj = u[j];                                                            \
-            for (int64_t c = 0; c < nc; c++) acc[c] += uj * LOAD(p + j * N + n0 + c);         \
+            for (int64_t c = 0; c < nc; c++) {                                                \
+                const int64_t n = n0 + c;                                                     \
+                acc[c] += uj * LOAD(p + (n >> 3) * R8 + j * 8 + (n & 7));                     \
+            }                                                                                 \
         }                                                                                     \
     }                                                                                         \
     for (int64_t c = 0; c < nc; c++) y[c] += scale * acc[c];
 
 static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r, int64_t n0, int64_t nc,
                             const float *u, float scale, float *y) {
+    (void)N;
     if (dtype == ELLM_LORA_F32) {
-        const float *p = bt;
+#define TYPE float
+        const TYPE *p = bt;
         EXPAND_BODY(LOAD_F32)
+#undef TYPE
     } else if (dtype == ELLM_LORA_BF16) {
-        const uint16_t *p = bt;
+#define TYPE uint16_t
+        const TYPE *p = bt;
         EXPAND_BODY(LOAD_BF16)
     } else {
-        const uint16_t *p = bt;
+        const TYPE *p = bt;
         EXPAND_BODY(LOAD_F16)
+#undef TYPE
     }
 }
 

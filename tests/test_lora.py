@@ -34,6 +34,7 @@ from ellm.ops import reference
 from ellm.sampling_params import SamplingParams
 from ellm.weights import SafetensorsWeights
 from conftest import ops_or_skip
+from golden_cache import cached_folder, ref_versions
 from ref_python import ref_python
 
 SCRIPT = Path(__file__).parent / "goldens" / "tiny_lora.py"
@@ -45,10 +46,15 @@ CHUNKS = [13, 7, 10] + [1] * 10   # chunked prefill, then decode: 40 tokens
 
 
 @pytest.fixture(scope="session")
-def tiny_lora(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny_lora")
-    subprocess.run([ref_python(), str(SCRIPT), str(out)], check=True, capture_output=True, text=True)
-    return out
+def tiny_lora() -> Path:
+    """The script's folder, made once per change of the script or the reference packages
+    (golden_cache.py): it is a minute of torch and peft."""
+    ref = ref_python()
+
+    def make(out: Path) -> None:
+        out.mkdir(parents=True)
+        subprocess.run([ref, str(SCRIPT), str(out)], check=True, capture_output=True, text=True)
+    return cached_folder("tiny_lora", [SCRIPT, ref_versions(ref)], make)
 
 
 def _model(folder: Path, device: str, adapters: dict[str, Path]):
@@ -363,11 +369,13 @@ def lora_ggufs(tiny_lora) -> Path:
     if not converter or not (Path(converter) / "convert_hf_to_gguf.py").is_file():
         pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
                     "`bash tests/run.sh`", pytrace=False)
-    out = tiny_lora / "gguf"
-    subprocess.run([ref_python(), str(Path(__file__).parent / "goldens" / "convert_tiny.py"), converter, str(out),
-                    *(str(tiny_lora / a) for a in MIXED), "--outtypes", "f32"],
-                   check=True, capture_output=True, text=True)
-    return out
+    ref, script = ref_python(), Path(__file__).parent / "goldens" / "convert_tiny.py"
+
+    def make(out: Path) -> None:
+        subprocess.run([ref, str(script), converter, str(out), *(str(tiny_lora / a) for a in MIXED),
+                        "--outtypes", "f32"], check=True, capture_output=True, text=True)
+    return cached_folder("tiny_lora_gguf", [tiny_lora.name, script, converter, Path(converter) / "convert_hf_to_gguf.py",
+                                            ref_versions(ref), *MIXED], make)
 
 
 @pytest.mark.parametrize("kind", ["peft", "gguf"])
