@@ -82,6 +82,8 @@ typedef struct {
                    const float *x0, const float *x1, float *u0, float *u1);
     void (*expand)(const void *bt, int32_t dtype, int64_t N, int32_t r, int64_t n0, int64_t nc,
                    const float *u, float scale, float *y);
+    void (*expand4)(const void *bt, int32_t dtype, int32_t r, int64_t n0, int64_t nc,
+                    const float *const u[4], float scale, float *const y[4], int rows);
 } ellm_lora_funcs;
 const ellm_lora_funcs *ellm_lora_funcs_scalar(void);
 const ellm_lora_funcs *ellm_lora_funcs_avx2(void);

@@ -161,6 +161,50 @@ static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r,
     }
 }
 
-static const ellm_lora_funcs LORA_FN(funcs) = {LORA_FN(shrink), LORA_FN(expand)};
+/* The expand of 4 rows of one adapter at once over outputs [n0, n0 + nc), n0 a multiple
+ * of 8: y_i[c] += scale * (sum over j < r of u_i[j] * B^T[j][n0 + c]) for i < 4, each
+ * load of B serving the four (rows past the real ones repeat one and are not written:
+ * rows < 4 of them are real). 16 outputs at a time, so 8 chains of adds are in flight.
+ * The same sums, term by term, as expand. */
+#define EXPAND4_BODY(LOAD)                                                                    \
+    const int64_t R8 = (int64_t)r * 8, ng = (nc + 7) / 8;                                     \
+    const TYPE *base = p + (n0 >> 3) * R8;                                                    \
+    for (int64_t g0 = 0; g0 < ng; g0 += 2) {                                                  \
+        const int two = g0 + 1 < ng;                                                          \
+        const TYPE *q = base + g0 * R8;                                                       \
+        float a[4][16] = {{0}};                                                               \
+        for (int32_t j = 0; j < r; j++) {                                                     \
+            float b[16];                                                                      \
+            for (int l = 0; l < 8; l++) b[l] = LOAD(q + j * 8 + l);                           \
+            for (int l = 0; l < 8; l++) b[8 + l] = two ? LOAD(q + R8 + j * 8 + l) : 0.0f;    \
+            for (int i = 0; i < 4; i++) {                                                     \
+                const float uj = u[i][j];                                                     \
+                for (int l = 0; l < 16; l++) a[i][l] += uj * b[l];                            \
+            }                                                                                 \
+        }                                                                                     \
+        const int64_t c0 = g0 * 8, cn = nc - c0 < 16 ? nc - c0 : 16;                          \
+        for (int i = 0; i < rows; i++)                                                        \
+            for (int64_t c = 0; c < cn; c++) y[i][c0 + c] += scale * a[i][c];                 \
+    }
+
+static void LORA_FN(expand4)(const void *bt, int32_t dtype, int32_t r, int64_t n0, int64_t nc,
+                             const float *const u[4], float scale, float *const y[4], int rows) {
+    if (dtype == ELLM_LORA_F32) {
+#define TYPE float
+        const TYPE *p = bt;
+        EXPAND4_BODY(LOAD_F32)
+#undef TYPE
+    } else if (dtype == ELLM_LORA_BF16) {
+#define TYPE uint16_t
+        const TYPE *p = bt;
+        EXPAND4_BODY(LOAD_BF16)
+    } else {
+        const TYPE *p = bt;
+        EXPAND4_BODY(LOAD_F16)
+#undef TYPE
+    }
+}
+
+static const ellm_lora_funcs LORA_FN(funcs) = {LORA_FN(shrink), LORA_FN(expand), LORA_FN(expand4)};
 
 const ellm_lora_funcs *LORA_FN(ellm_lora_funcs)(void) { return &LORA_FN(funcs); }
