@@ -203,35 +203,13 @@ int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_s
 
 /* The expand of lora part lp for outputs [n0, n1) of rows [t0, t1): each adapted row's
  * outputs in that block, right after the base product wrote them. The rows of one adapter
- * go four at a time where the block starts on a group of 8 outputs (each load of B serves
- * four), else one at a time; the same sums as task_b either way, so the same bits. */
-static void expand_rows(const lora_job *J, int lp, int64_t n0, int64_t n1, int64_t t0, int64_t t1);
-
+ * go four at a time (each load of B serves four); the same sums as task_b either way, so
+ * the same bits. */
 static void expand_block(const lora_job *J, int lp, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
-    /* a block that starts inside a group of 8 outputs (the tile kernels align their items
-     * to y's cache lines, not to 8 outputs): that group's part first, then whole groups */
-    const int64_t head = (n0 + 7) & ~(int64_t)7;
-    if (head > n0) {
-        const int64_t h1 = head < n1 ? head : n1;
-        const ellm_lora_part *part = &J->parts[lp];
-        for (int64_t t = t0; t < t1; t++) {
-            const int32_t s = J->row_slot[t];
-            const ellm_lora_slot *sl = s >= 0 ? &part->proj->slots[s] : NULL;
-            if (sl && sl->rank)
-                J->f->expand(sl->bt, sl->dtype, part->proj->N, sl->rank, n0, h1 - n0, J->u[lp] + t * J->ranks[lp],
-                             sl->scale, part->y + t * part->ldy + n0);
-        }
-        if (h1 == n1) return;
-        n0 = h1;
-    }
-    expand_rows(J, lp, n0, n1, t0, t1);
-}
-
-static void expand_rows(const lora_job *J, int lp, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
     const ellm_lora_part *part = &J->parts[lp];
     const ellm_lora_proj *proj = part->proj;
     const int32_t R = J->ranks[lp];
-    const int four = (n0 & 7) == 0 && t1 - t0 > 1;
+    const int four = t1 - t0 > 1;
     for (int32_t s = 0; s < proj->n_slots; s++) {
         const ellm_lora_slot *sl = &proj->slots[s];
         if (sl->rank == 0 || J->start[s] == J->start[s + 1]) continue;

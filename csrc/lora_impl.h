@@ -110,37 +110,36 @@ static void LORA_FN(shrink)(const void *at, int32_t dtype, int64_t K, int32_t r,
 
 /* y[c] += scale * (sum over j < r of u[j] * B^T[j][n0 + c]) for c < nc (<= EXPAND_BLOCK),
  * B^T in blocks of 8 outputs (lora.h): output n's factor j at (n / 8) * r * 8 + j * 8 +
- * n % 8. Every path sums each output alike (j ascending from 0, multiply then add). */
-#define EXPAND_BODY(LOAD)                                                                     \
-    float acc[EXPAND_BLOCK] = {0};                                                            \
-    const int64_t R8 = (int64_t)r * 8;                                                        \
-    if ((n0 & 7) == 0 && nc == EXPAND_BLOCK) {                                                \
-        const TYPE *q = p + (n0 >> 3) * R8;                                                   \
+ * n % 8. The sums run over whole groups of 8 from the group holding n0 (G of them, a
+ * constant in each case of the switch, so the accumulators stay in registers: G chains
+ * of adds in flight), and only outputs n0 .. n0 + nc are written. Every output is summed
+ * alike (j ascending from 0, multiply then add). */
+#define EXPAND_G(LOAD, G)                                                                     \
+    {                                                                                         \
+        float acc[(G) * 8] = {0};                                                             \
         for (int32_t j = 0; j < r; j++) {                                                     \
             const float uj = u[j];                                                            \
-            for (int g = 0; g < EXPAND_BLOCK / 8; g++)                                        \
+            for (int g = 0; g < (G); g++)                                                     \
                 for (int l = 0; l < 8; l++) acc[g * 8 + l] += uj * LOAD(q + g * R8 + j * 8 + l); \
         }                                                                                     \
-    } else if ((n0 & 7) == 0) {  /* whole groups (the last one's padding is zeros) */         \
-        const TYPE *q = p + (n0 >> 3) * R8;                                                   \
-        for (int64_t g = 0; g < (nc + 7) / 8; g++) {                                          \
-            float a8[8] = {0};                                                                \
-            for (int32_t j = 0; j < r; j++) {                                                 \
-                const float uj = u[j];                                                        \
-                for (int l = 0; l < 8; l++) a8[l] += uj * LOAD(q + g * R8 + j * 8 + l);       \
-            }                                                                                 \
-            for (int l = 0; l < 8; l++) acc[g * 8 + l] = a8[l];                               \
-        }                                                                                     \
-    } else {                                                                                  \
-        for (int32_t j = 0; j < r; j++) {                                                     \
-            const float uj = u[j];                                                            \
-            for (int64_t c = 0; c < nc; c++) {                                                \
-                const int64_t n = n0 + c;                                                     \
-                acc[c] += uj * LOAD(p + (n >> 3) * R8 + j * 8 + (n & 7));                     \
-            }                                                                                 \
-        }                                                                                     \
+        for (int64_t c = 0; c < nc; c++) y[c] += scale * acc[o + c];                          \
     }                                                                                         \
-    for (int64_t c = 0; c < nc; c++) y[c] += scale * acc[c];
+    break;
+
+#define EXPAND_BODY(LOAD)                                                                     \
+    const int64_t R8 = (int64_t)r * 8, o = n0 & 7;                                            \
+    const TYPE *q = p + (n0 >> 3) * R8;                                                       \
+    switch ((nc + o + 7) / 8) {                                                               \
+    case 1: EXPAND_G(LOAD, 1)                                                                 \
+    case 2: EXPAND_G(LOAD, 2)                                                                 \
+    case 3: EXPAND_G(LOAD, 3)                                                                 \
+    case 4: EXPAND_G(LOAD, 4)                                                                 \
+    case 5: EXPAND_G(LOAD, 5)                                                                 \
+    case 6: EXPAND_G(LOAD, 6)                                                                 \
+    case 7: EXPAND_G(LOAD, 7)                                                                 \
+    case 8: EXPAND_G(LOAD, 8)                                                                 \
+    default: EXPAND_G(LOAD, 9)                                                                \
+    }
 
 static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r, int64_t n0, int64_t nc,
                             const float *u, float scale, float *y) {
@@ -161,13 +160,13 @@ static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r,
     }
 }
 
-/* The expand of 4 rows of one adapter at once over outputs [n0, n0 + nc), n0 a multiple
- * of 8: y_i[c] += scale * (sum over j < r of u_i[j] * B^T[j][n0 + c]) for i < 4, each
- * load of B serving the four (rows past the real ones repeat one and are not written:
- * rows < 4 of them are real). 16 outputs at a time, so 8 chains of adds are in flight.
- * The same sums, term by term, as expand. */
+/* The expand of 4 rows of one adapter at once over outputs [n0, n0 + nc): y_i[c] +=
+ * scale * (sum over j < r of u_i[j] * B^T[j][n0 + c]) for i < rows (<= 4; the u past
+ * them repeat one and are not written), each load of B serving the four. 16 outputs at a
+ * time from the group of 8 holding n0, so 8 chains of adds are in flight. The same sums,
+ * term by term, as expand. */
 #define EXPAND4_BODY(LOAD)                                                                    \
-    const int64_t R8 = (int64_t)r * 8, ng = (nc + 7) / 8;                                     \
+    const int64_t R8 = (int64_t)r * 8, o = n0 & 7, span = nc + o, ng = (span + 7) / 8;       \
     const TYPE *base = p + (n0 >> 3) * R8;                                                    \
     for (int64_t g0 = 0; g0 < ng; g0 += 2) {                                                  \
         const int two = g0 + 1 < ng;                                                          \
@@ -182,9 +181,9 @@ static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r,
                 for (int l = 0; l < 16; l++) a[i][l] += uj * b[l];                            \
             }                                                                                 \
         }                                                                                     \
-        const int64_t c0 = g0 * 8, cn = nc - c0 < 16 ? nc - c0 : 16;                          \
+        const int64_t c0 = g0 * 8, lo = c0 < o ? o : c0, hi = c0 + 16 < span ? c0 + 16 : span; \
         for (int i = 0; i < rows; i++)                                                        \
-            for (int64_t c = 0; c < cn; c++) y[i][c0 + c] += scale * a[i][c];                 \
+            for (int64_t c = lo; c < hi; c++) y[i][c - o] += scale * a[i][c - c0];            \
     }
 
 static void LORA_FN(expand4)(const void *bt, int32_t dtype, int32_t r, int64_t n0, int64_t nc,
