@@ -141,7 +141,7 @@ static void LORA_FN(shrink)(const void *at, int32_t dtype, int64_t K, int32_t r,
     default: EXPAND_G(LOAD, 9)                                                                \
     }
 
-static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r, int64_t n0, int64_t nc,
+__attribute__((unused)) static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r, int64_t n0, int64_t nc,
                             const float *u, float scale, float *y) {
     (void)N;
     if (dtype == ELLM_LORA_F32) {
@@ -186,7 +186,7 @@ static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r,
             for (int64_t c = lo; c < hi; c++) y[i][c - o] += scale * a[i][c - c0];            \
     }
 
-static void LORA_FN(expand4)(const void *bt, int32_t dtype, int32_t r, int64_t n0, int64_t nc,
+__attribute__((unused)) static void LORA_FN(expand4)(const void *bt, int32_t dtype, int32_t r, int64_t n0, int64_t nc,
                              const float *const u[4], float scale, float *const y[4], int rows) {
     if (dtype == ELLM_LORA_F32) {
 #define TYPE float
@@ -204,6 +204,10 @@ static void LORA_FN(expand4)(const void *bt, int32_t dtype, int32_t r, int64_t n
     }
 }
 
-static const ellm_lora_funcs LORA_FN(funcs) = {LORA_FN(shrink), LORA_FN(expand), LORA_FN(expand4)};
+#ifndef LORA_EXPAND   /* a variant may bring its own expand kernels (the same sums) */
+#define LORA_EXPAND LORA_FN(expand)
+#define LORA_EXPAND4 LORA_FN(expand4)
+#endif
+static const ellm_lora_funcs LORA_FN(funcs) = {LORA_FN(shrink), LORA_EXPAND, LORA_EXPAND4};
 
 const ellm_lora_funcs *LORA_FN(ellm_lora_funcs)(void) { return &LORA_FN(funcs); }

@@ -244,6 +244,7 @@ static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n
     const size_t ldy = (size_t)p->ldy;
     float *y = p->y + (size_t)t0 * ldy + (size_t)n0;
     const int64_t nt = t1 - t0;
+    if (c->epi && c->epi->pre) c->epi->pre(c->epi->ctx, p->index, n0, n1, t0, t1);
     /* [amx] the AMX and bf16 tile kernels (16-token groups) store 16 outputs of a token at
      * once, whole 64-byte lines where lead_rows aligns them: staging them gave nothing
      * (SmolLM2's head at 16 rows 1.46-1.48 ms either way, Xeon with AMX, 2 threads) */

@@ -69,6 +69,9 @@ int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_pa
 typedef struct {
     void (*fn)(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1);
     void *ctx;
+    /* NULL, or run as the block starts, with the same arguments: to ask for what fn will
+     * read (a prefetch), which then arrives while the base product is summed */
+    void (*pre)(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1);
 } ellm_linear_epilogue;
 
 /* ellm_linear_multi with an epilogue (NULL: none). */
