@@ -94,7 +94,7 @@ static inline float LORA_FN(bf16)(uint16_t h) {
 #define LOAD_F16(q) LORA_FN(f16)(*(q))
 #define LOAD_BF16(q) LORA_FN(bf16)(*(q))
 
-static void LORA_FN(shrink)(const void *at, int32_t dtype, int64_t K, int32_t r, int32_t j0, int32_t jn,
+__attribute__((unused)) static void LORA_FN(shrink)(const void *at, int32_t dtype, int64_t K, int32_t r, int32_t j0, int32_t jn,
                             const float *x0, const float *x1, float *u0, float *u1) {
     if (dtype == ELLM_LORA_F32) {
         const float *p = at;
@@ -204,10 +204,11 @@ __attribute__((unused)) static void LORA_FN(expand4)(const void *bt, int32_t dty
     }
 }
 
-#ifndef LORA_EXPAND   /* a variant may bring its own expand kernels (the same sums) */
+#ifndef LORA_EXPAND   /* a variant may bring its own kernels (the same sums) */
+#define LORA_SHRINK LORA_FN(shrink)
 #define LORA_EXPAND LORA_FN(expand)
 #define LORA_EXPAND4 LORA_FN(expand4)
 #endif
-static const ellm_lora_funcs LORA_FN(funcs) = {LORA_FN(shrink), LORA_EXPAND, LORA_EXPAND4};
+static const ellm_lora_funcs LORA_FN(funcs) = {LORA_SHRINK, LORA_EXPAND, LORA_EXPAND4};
 
 const ellm_lora_funcs *LORA_FN(ellm_lora_funcs)(void) { return &LORA_FN(funcs); }
