@@ -84,7 +84,14 @@ static void expand4_avx2_x(const void *bt, int32_t dtype, int32_t r, int64_t n0,
             }
         }
         const int64_t c0 = g0 * 8, lo = c0 < o ? o : c0, hi = c0 + 16 < span ? c0 + 16 : span;
+        const __m256 sc = _mm256_set1_ps(scale);
         for (int i = 0; i < rows; i++) {
+            if (lo == c0 && hi == c0 + 16) {   /* a whole pair of groups: y += scale * sum, 8 at a time */
+                float *yi = y[i] + (c0 - o);
+                _mm256_storeu_ps(yi, _mm256_add_ps(_mm256_loadu_ps(yi), _mm256_mul_ps(sc, a[i][0])));
+                _mm256_storeu_ps(yi + 8, _mm256_add_ps(_mm256_loadu_ps(yi + 8), _mm256_mul_ps(sc, a[i][1])));
+                continue;
+            }
             float t[16];
             _mm256_storeu_ps(t, a[i][0]);
             _mm256_storeu_ps(t + 8, a[i][1]);
