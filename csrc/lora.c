@@ -3,6 +3,8 @@
 #define LORA_SUFFIX scalar
 #include "lora_impl.h"
 
+#include <stdatomic.h>
+
 #include "matmul.h"
 #include "quant.h"
 #include "simd.h"
@@ -69,6 +71,7 @@ typedef struct {
     int64_t ldx, K;
     const ellm_lora_part *parts;
     int n_parts, active;
+    int64_t deferred;      /* > 0: the shrink's items, left to the epilogue's first block */
     const int32_t *row_slot;
     const int32_t *order;  /* rows grouped by slot */
     const int64_t *start;  /* (S + 1,): slot s's rows are order[start[s] .. start[s + 1]) */
@@ -125,7 +128,8 @@ static void task_b(void *ctx, int64_t begin, int64_t end, int tid) {
 #define LORA_SERIAL_SHRINK_MACS ((int64_t)1 << 16)
 
 static int lora_prepare(lora_job *J, const float *x, int64_t ldx, int64_t T, const int32_t *row_slot,
-                        const ellm_lora_part *parts, int n_parts, void *scratch, size_t scratch_bytes) {
+                        const ellm_lora_part *parts, int n_parts, void *scratch, size_t scratch_bytes,
+                        int may_defer) {
     memset(J, 0, sizeof(*J));
     int st = check(parts, n_parts, T);
     if (st != ELLM_OK) return st;
@@ -186,16 +190,20 @@ static int lora_prepare(lora_job *J, const float *x, int64_t ldx, int64_t T, con
     J->row_slot = row_slot;
     for (int i = 0; i < n_parts; i++)
         J->b_first[i + 1] = J->b_first[i] + (parts[i].proj->N + EXPAND_BLOCK - 1) / EXPAND_BLOCK;
-    if (macs <= LORA_SERIAL_SHRINK_MACS || ellm_num_threads() < 2) task_a(J, 0, n_items, 0);
-    else ellm_parallel_for(n_items, 1, task_a, J);
     J->active = 1;
+    if (macs <= LORA_SERIAL_SHRINK_MACS || ellm_num_threads() < 2) {
+        if (may_defer) J->deferred = n_items;   /* the first block of the base's pass runs it */
+        else task_a(J, 0, n_items, 0);
+    } else {
+        ellm_parallel_for(n_items, 1, task_a, J);
+    }
     return ELLM_OK;
 }
 
 int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_slot,
                     const ellm_lora_part *parts, int n_parts, void *scratch, size_t scratch_bytes) {
     lora_job J;
-    const int st = lora_prepare(&J, x, ldx, T, row_slot, parts, n_parts, scratch, scratch_bytes);
+    const int st = lora_prepare(&J, x, ldx, T, row_slot, parts, n_parts, scratch, scratch_bytes, 0);
     if (st != ELLM_OK || !J.active) return st;
     ellm_parallel_for(J.b_first[n_parts], 1, task_b, &J);
     return ELLM_OK;
@@ -248,11 +256,34 @@ static void expand_block(const lora_job *J, int lp, int64_t n0, int64_t n1, int6
 typedef struct {
     const lora_job *J;
     int lora_of[ELLM_LINEAR_MAX_PARTS]; /* linear part -> its lora part, or -1 */
+    /* [deferred shrink] 0: not started, 1: a thread is summing it, 2: done */
+    _Atomic int shrink_state;
 } lora_epilogue;
 
+/* A small shrink (a decode step's) runs inside the base product's pass: the first thread
+ * to start a block sums it there and then, while the others start on their base blocks;
+ * an expand waits for it (a thread summing it is running, never waiting on anything, so
+ * the wait ends). Serial before the pass, it left the other threads idle for its length. */
+static void ensure_shrink(lora_epilogue *E) {
+    if (atomic_load_explicit(&E->shrink_state, memory_order_acquire) == 2) return;
+    int expected = 0;
+    if (atomic_compare_exchange_strong_explicit(&E->shrink_state, &expected, 1, memory_order_acq_rel,
+                                                memory_order_acquire)) {
+        task_a((void *)E->J, 0, E->J->deferred, 0);
+        atomic_store_explicit(&E->shrink_state, 2, memory_order_release);
+        return;
+    }
+    while (atomic_load_explicit(&E->shrink_state, memory_order_acquire) != 2) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+
 static void lora_epilogue_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
-    const lora_epilogue *E = ctx;
+    lora_epilogue *E = ctx;
     if (part < 0 || part >= ELLM_LINEAR_MAX_PARTS || E->lora_of[part] < 0) return;
+    ensure_shrink(E);
     expand_block(E->J, E->lora_of[part], n0, n1, t0, t1);
 }
 
@@ -260,7 +291,8 @@ static void lora_epilogue_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_
  * once), so that they come from memory while the base product is summed: read when the
  * base is done, they stalled the expand (SmolLM2 decode: 8% of a step, 1 thread). */
 static void lora_prefetch_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
-    const lora_epilogue *E = ctx;
+    lora_epilogue *E = ctx;
+    if (atomic_load_explicit(&E->shrink_state, memory_order_relaxed) == 0) ensure_shrink(E);
     if (part < 0 || part >= ELLM_LINEAR_MAX_PARTS || E->lora_of[part] < 0) return;
     const lora_job *J = E->J;
     const ellm_lora_proj *proj = J->parts[E->lora_of[part]].proj;
@@ -288,6 +320,7 @@ int ellm_linear_multi_lora(const float *x, int64_t T, int64_t K, const ellm_line
         return ELLM_E_SHAPE;
     lora_epilogue E;
     for (int i = 0; i < ELLM_LINEAR_MAX_PARTS; i++) E.lora_of[i] = -1;
+    atomic_init(&E.shrink_state, 0);
     for (int i = 0; i < n_parts; i++) {   /* each lora part adds to its own linear part's y */
         const int li = lin_index[i];
         if (li < 0 || li >= n_lin || E.lora_of[li] >= 0 || !parts[i].proj) return ELLM_E_SHAPE;
@@ -297,10 +330,11 @@ int ellm_linear_multi_lora(const float *x, int64_t T, int64_t K, const ellm_line
         E.lora_of[li] = i;
     }
     lora_job J;
-    const int st = lora_prepare(&J, x, K, T, row_slot, parts, n_parts, scratch, scratch_bytes);
+    const int st = lora_prepare(&J, x, K, T, row_slot, parts, n_parts, scratch, scratch_bytes, 1);
     if (st != ELLM_OK) return st;
     if (!J.active) return ellm_linear_multi(x, T, K, lin, n_lin, lin_scratch, lin_bytes);
     E.J = &J;
+    if (J.deferred == 0) atomic_init(&E.shrink_state, 2);
     const ellm_linear_epilogue epi = {lora_epilogue_fn, &E, lora_prefetch_fn};
     return ellm_linear_multi_epi(x, T, K, lin, n_lin, lin_scratch, lin_bytes, &epi);
 }
