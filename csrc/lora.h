@@ -4,11 +4,12 @@
  * One call serves every adapter of the batch and several projections of one input (q,
  * k and v, or gate and up): rows are grouped by slot here (a counting sort, stable in row
  * order), each adapter's factors are read once for all of its rows. The A products (the
- * shrink) run first: on the calling thread when they are small (a decode step's few
- * rows), else on the pool; then the B products. ellm_linear_multi_lora runs the B
- * products inside the base product's own pass over the pool, each block of outputs as
- * soon as the base wrote it: a decode step wakes the pool for adapters no more often
- * than without them. No Python anywhere in it.
+ * shrink) run first: on one thread when they are small (a decode step's few rows), else
+ * on the pool; then the B products. ellm_linear_multi_lora runs both inside the base
+ * product's own pass over the pool: a small shrink on the first thread to start a block,
+ * and the B products of each block of outputs as soon as the base wrote it (their
+ * factors prefetched as it starts), so a decode step wakes the pool for adapters no more
+ * often than without them. No Python anywhere in it.
  *
  * The factors are stored transposed, A^T (K, r) and B^T (r, N; in blocks of 8 outputs),
  * in float32, float16 or bfloat16 (an adapter's own type: half the bytes a step reads for
