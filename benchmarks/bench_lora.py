@@ -15,6 +15,7 @@ median over the rounds is the figure, with the ratio of the fastest steps beside
 (the least disturbed by other load).
 
     python benchmarks/bench_lora.py --threads 2 --rounds 9
+    python benchmarks/bench_lora.py --threads 2 --rounds 9 --alternate   # a busy machine
 
 The machine these figures come from may be shared: the load average is printed beside them.
 """
@@ -115,6 +116,9 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="time the process's CPU seconds, not the wall clock (with --threads 1: the work "
                          "itself, whatever else the machine runs)")
+    ap.add_argument("--alternate", action="store_true",
+                    help="alternate base and adapter step by step within each round (not --steps of one side, "
+                         "then of the other): load that drifts on a shared machine falls on both sides alike")
     args = ap.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,8 +138,12 @@ def main() -> None:
                 step.seconds(None, clock), step.seconds(slots, clock)
             ratios, tb, ta = [], [], []
             for _ in range(args.rounds):   # alternating sides; per side the median of its steps
-                b = statistics.median(step.seconds(None, clock) for _ in range(args.steps))
-                a = statistics.median(step.seconds(slots, clock) for _ in range(args.steps))
+                if args.alternate:
+                    pairs = [(step.seconds(None, clock), step.seconds(slots, clock)) for _ in range(args.steps)]
+                    b, a = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+                else:
+                    b = statistics.median(step.seconds(None, clock) for _ in range(args.steps))
+                    a = statistics.median(step.seconds(slots, clock) for _ in range(args.steps))
                 tb.append(b)
                 ta.append(a)
                 ratios.append(a / b)

@@ -3,6 +3,9 @@
 #define LORA_SUFFIX scalar
 #include "lora_impl.h"
 
+#include <stdatomic.h>
+
+#include "matmul.h"
 #include "quant.h"
 #include "simd.h"
 #include "threadpool.h"
@@ -67,6 +70,9 @@ typedef struct {
     const float *x;
     int64_t ldx, K;
     const ellm_lora_part *parts;
+    int n_parts, active;
+    int64_t deferred;      /* > 0: the shrink's items, left to the epilogue's first block */
+    const int32_t *row_slot;
     const int32_t *order;  /* rows grouped by slot */
     const int64_t *start;  /* (S + 1,): slot s's rows are order[start[s] .. start[s + 1]) */
     float *u[ELLM_LORA_MAX_PARTS];    /* (T, ranks[p]): A x of each row, for part p */
@@ -115,8 +121,16 @@ static void task_b(void *ctx, int64_t begin, int64_t end, int tid) {
     }
 }
 
-int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_slot,
-                    const ellm_lora_part *parts, int n_parts, void *scratch, size_t scratch_bytes) {
+/* Checks, groups the rows by slot and sums u = A x of every adapted row into the scratch
+ * (J set up for the expand); J->active is 0 when no row is adapted. A small shrink (a decode
+ * step's few rows) runs on the calling thread: it is a few microseconds, less than waking
+ * the pool for it. */
+#define LORA_SERIAL_SHRINK_MACS ((int64_t)1 << 16)
+
+static int lora_prepare(lora_job *J, const float *x, int64_t ldx, int64_t T, const int32_t *row_slot,
+                        const ellm_lora_part *parts, int n_parts, void *scratch, size_t scratch_bytes,
+                        int may_defer) {
+    memset(J, 0, sizeof(*J));
     int st = check(parts, n_parts, T);
     if (st != ELLM_OK) return st;
     const int64_t K = parts[0].proj->K;
@@ -130,16 +144,14 @@ int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_s
 
     /* scratch: start (S + 1) int64 | A items | u of each part | order (T) int32 */
     uint8_t *mem = scratch;
-    lora_job J;
-    memset(&J, 0, sizeof(J));
     int64_t *start = (int64_t *)mem;
     mem += (size_t)(S + 1) * sizeof(int64_t);
     a_item *items = (a_item *)mem;
     mem += (size_t)a_items_bound(parts, n_parts) * sizeof(a_item);
     for (int i = 0; i < n_parts; i++) {
-        J.ranks[i] = max_rank(parts[i].proj);
-        J.u[i] = (float *)mem;
-        mem += (size_t)T * (size_t)J.ranks[i] * sizeof(float);
+        J->ranks[i] = max_rank(parts[i].proj);
+        J->u[i] = (float *)mem;
+        mem += (size_t)T * (size_t)J->ranks[i] * sizeof(float);
     }
     int32_t *order = (int32_t *)mem;
 
@@ -155,27 +167,174 @@ int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_s
     for (int32_t s = S; s > 0; s--) start[s] = start[s - 1];
     start[0] = 0;
 
-    int64_t n_items = 0;
+    int64_t n_items = 0, macs = 0;
     for (int i = 0; i < n_parts; i++)
         for (int32_t s = 0; s < S; s++) {
             const int32_t r = parts[i].proj->slots[s].rank;
             if (r == 0 || start[s] == start[s + 1]) continue;
+            macs += (start[s + 1] - start[s]) * K * r;
             for (int32_t j = 0; j < r; j += SHRINK_CHUNK)
                 items[n_items++] = (a_item){i, s, j, r - j < SHRINK_CHUNK ? r - j : SHRINK_CHUNK};
         }
     if (n_items == 0) return ELLM_OK;
 
-    J.f = lora_funcs();
-    J.x = x;
-    J.ldx = ldx;
-    J.K = K;
-    J.parts = parts;
-    J.order = order;
-    J.start = start;
-    J.items = items;
+    J->f = lora_funcs();
+    J->x = x;
+    J->ldx = ldx;
+    J->K = K;
+    J->parts = parts;
+    J->n_parts = n_parts;
+    J->order = order;
+    J->start = start;
+    J->items = items;
+    J->row_slot = row_slot;
     for (int i = 0; i < n_parts; i++)
-        J.b_first[i + 1] = J.b_first[i] + (parts[i].proj->N + EXPAND_BLOCK - 1) / EXPAND_BLOCK;
-    ellm_parallel_for(n_items, 1, task_a, &J);
+        J->b_first[i + 1] = J->b_first[i] + (parts[i].proj->N + EXPAND_BLOCK - 1) / EXPAND_BLOCK;
+    J->active = 1;
+    if (macs <= LORA_SERIAL_SHRINK_MACS || ellm_num_threads() < 2) {
+        if (may_defer) J->deferred = n_items;   /* the first block of the base's pass runs it */
+        else task_a(J, 0, n_items, 0);
+    } else {
+        ellm_parallel_for(n_items, 1, task_a, J);
+    }
+    return ELLM_OK;
+}
+
+int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_slot,
+                    const ellm_lora_part *parts, int n_parts, void *scratch, size_t scratch_bytes) {
+    lora_job J;
+    const int st = lora_prepare(&J, x, ldx, T, row_slot, parts, n_parts, scratch, scratch_bytes, 0);
+    if (st != ELLM_OK || !J.active) return st;
     ellm_parallel_for(J.b_first[n_parts], 1, task_b, &J);
     return ELLM_OK;
+}
+
+/* The expand of lora part lp for outputs [n0, n1) of rows [t0, t1): each adapted row's
+ * outputs in that block, right after the base product wrote them. The rows of one adapter
+ * go four at a time (each load of B serves four); the same sums as task_b either way, so
+ * the same bits. */
+static void expand_block(const lora_job *J, int lp, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
+    const ellm_lora_part *part = &J->parts[lp];
+    const ellm_lora_proj *proj = part->proj;
+    const int32_t R = J->ranks[lp];
+    const int four = t1 - t0 > 1;
+    for (int32_t s = 0; s < proj->n_slots; s++) {
+        const ellm_lora_slot *sl = &proj->slots[s];
+        if (sl->rank == 0 || J->start[s] == J->start[s + 1]) continue;
+        const float *u[4];
+        float *y[4];
+        int rows = 0;
+        for (int64_t g = J->start[s]; g <= J->start[s + 1]; g++) {   /* this slot's rows, in order */
+            const int32_t t = g < J->start[s + 1] ? J->order[g] : -1;
+            if (t >= 0 && (t < t0 || t >= t1)) continue;
+            if (t >= 0 && four) {
+                u[rows] = J->u[lp] + t * R;
+                y[rows++] = part->y + t * part->ldy + n0;
+            } else if (t >= 0) {
+                for (int64_t c0 = n0; c0 < n1; c0 += EXPAND_BLOCK) {
+                    const int64_t nc = c0 + EXPAND_BLOCK < n1 ? EXPAND_BLOCK : n1 - c0;
+                    J->f->expand(sl->bt, sl->dtype, proj->N, sl->rank, c0, nc, J->u[lp] + t * R, sl->scale,
+                                 part->y + t * part->ldy + c0);
+                }
+            }
+            if (rows == 4 || (rows > 0 && t < 0)) {
+                if (rows == 1) {   /* one row: the single-row kernel's wider blocks */
+                    for (int64_t c0 = n0; c0 < n1; c0 += EXPAND_BLOCK) {
+                        const int64_t nc = c0 + EXPAND_BLOCK < n1 ? EXPAND_BLOCK : n1 - c0;
+                        J->f->expand(sl->bt, sl->dtype, proj->N, sl->rank, c0, nc, u[0], sl->scale, y[0] + (c0 - n0));
+                    }
+                } else {
+                    for (int i = rows; i < 4; i++) u[i] = u[0], y[i] = y[0];
+                    J->f->expand4(sl->bt, sl->dtype, sl->rank, n0, n1 - n0, u, sl->scale, y, rows);
+                }
+                rows = 0;
+            }
+        }
+    }
+}
+
+typedef struct {
+    const lora_job *J;
+    int lora_of[ELLM_LINEAR_MAX_PARTS]; /* linear part -> its lora part, or -1 */
+    /* [deferred shrink] 0: not started, 1: a thread is summing it, 2: done */
+    _Atomic int shrink_state;
+} lora_epilogue;
+
+/* A small shrink (a decode step's) runs inside the base product's pass: the first thread
+ * to start a block sums it there and then, while the others start on their base blocks;
+ * an expand waits for it (a thread summing it is running, never waiting on anything, so
+ * the wait ends). Serial before the pass, it left the other threads idle for its length. */
+static void ensure_shrink(lora_epilogue *E) {
+    if (atomic_load_explicit(&E->shrink_state, memory_order_acquire) == 2) return;
+    int expected = 0;
+    if (atomic_compare_exchange_strong_explicit(&E->shrink_state, &expected, 1, memory_order_acq_rel,
+                                                memory_order_acquire)) {
+        task_a((void *)E->J, 0, E->J->deferred, 0);
+        atomic_store_explicit(&E->shrink_state, 2, memory_order_release);
+        return;
+    }
+    while (atomic_load_explicit(&E->shrink_state, memory_order_acquire) != 2) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+
+static void lora_epilogue_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
+    lora_epilogue *E = ctx;
+    if (part < 0 || part >= ELLM_LINEAR_MAX_PARTS || E->lora_of[part] < 0) return;
+    ensure_shrink(E);
+    expand_block(E->J, E->lora_of[part], n0, n1, t0, t1);
+}
+
+/* Asks for the B factors expand_block will read for this block (each adapter of its rows
+ * once), so that they come from memory while the base product is summed: read when the
+ * base is done, they stalled the expand (SmolLM2 decode: 8% of a step, 1 thread). */
+static void lora_prefetch_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
+    lora_epilogue *E = ctx;
+    if (atomic_load_explicit(&E->shrink_state, memory_order_relaxed) == 0) ensure_shrink(E);
+    if (part < 0 || part >= ELLM_LINEAR_MAX_PARTS || E->lora_of[part] < 0) return;
+    const lora_job *J = E->J;
+    const ellm_lora_proj *proj = J->parts[E->lora_of[part]].proj;
+    int32_t last = -1;
+    for (int64_t t = t0; t < t1; t++) {
+        const int32_t s = J->row_slot[t];
+        if (s < 0 || s == last) continue;
+        last = s;
+        const ellm_lora_slot *sl = &proj->slots[s];
+        if (sl->rank == 0) continue;
+        const size_t elt = sl->dtype == ELLM_LORA_F32 ? 4 : 2, group = (size_t)sl->rank * 8 * elt;
+        const char *b = (const char *)sl->bt + (size_t)(n0 >> 3) * group;
+        const size_t bytes = (size_t)(((n1 - 1) >> 3) - (n0 >> 3) + 1) * group;
+        for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(b + off, 0, 3);
+    }
+}
+
+int ellm_linear_multi_lora(const float *x, int64_t T, int64_t K, const ellm_linear_part *lin, int n_lin,
+                           void *lin_scratch, size_t lin_bytes, const int32_t *row_slot,
+                           const ellm_lora_part *parts, const int *lin_index, int n_parts, void *scratch,
+                           size_t scratch_bytes) {
+    if (row_slot == NULL || n_parts == 0) return ellm_linear_multi(x, T, K, lin, n_lin, lin_scratch, lin_bytes);
+    if (!lin || n_lin < 1 || n_lin > ELLM_LINEAR_MAX_PARTS || !lin_index || n_parts < 0 ||
+        n_parts > ELLM_LORA_MAX_PARTS)
+        return ELLM_E_SHAPE;
+    lora_epilogue E;
+    for (int i = 0; i < ELLM_LINEAR_MAX_PARTS; i++) E.lora_of[i] = -1;
+    atomic_init(&E.shrink_state, 0);
+    for (int i = 0; i < n_parts; i++) {   /* each lora part adds to its own linear part's y */
+        const int li = lin_index[i];
+        if (li < 0 || li >= n_lin || E.lora_of[li] >= 0 || !parts[i].proj) return ELLM_E_SHAPE;
+        if (parts[i].y != lin[li].y || parts[i].ldy != lin[li].ldy || parts[i].proj->N != lin[li].N ||
+            parts[i].proj->K != K)
+            return ELLM_E_SHAPE;
+        E.lora_of[li] = i;
+    }
+    lora_job J;
+    const int st = lora_prepare(&J, x, K, T, row_slot, parts, n_parts, scratch, scratch_bytes, 1);
+    if (st != ELLM_OK) return st;
+    if (!J.active) return ellm_linear_multi(x, T, K, lin, n_lin, lin_scratch, lin_bytes);
+    E.J = &J;
+    if (J.deferred == 0) atomic_init(&E.shrink_state, 2);
+    const ellm_linear_epilogue epi = {lora_epilogue_fn, &E, lora_prefetch_fn};
+    return ellm_linear_multi_epi(x, T, K, lin, n_lin, lin_scratch, lin_bytes, &epi);
 }

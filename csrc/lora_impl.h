@@ -38,42 +38,63 @@ static inline float LORA_FN(bf16)(uint16_t h) {
 }
 
 /* u0[j] = sum over k of A^T[k][j0 + j] * x0[k] for j < jn (jn <= SHRINK_CHUNK), and the
- * same for a second row (x1, u1) when x1 is not NULL: both rows share each load of A. */
+ * same for a second row (x1, u1) when x1 is not NULL: both rows share each load of A.
+ * Each sum runs as two, over the even and the odd k (two chains of adds in flight, not
+ * one), added at the end: the same order on every path, so a row's bits do not depend
+ * on its pairing. */
 #define SHRINK_BODY(LOAD)                                                                     \
-    float a0[SHRINK_CHUNK] = {0}, a1[SHRINK_CHUNK] = {0};                                     \
+    float e0[SHRINK_CHUNK] = {0}, o0[SHRINK_CHUNK] = {0};                                     \
+    float e1[SHRINK_CHUNK] = {0}, o1[SHRINK_CHUNK] = {0};                                     \
+    const int64_t K2 = K & ~(int64_t)1;                                                       \
     if (jn == SHRINK_CHUNK && x1) {                                                           \
-        for (int64_t k = 0; k < K; k++) {                                                     \
-            const float xa = x0[k], xb = x1[k];                                               \
+        for (int64_t k = 0; k < K2; k += 2) {                                                 \
+            const float xa = x0[k], xa2 = x0[k + 1], xb = x1[k], xb2 = x1[k + 1];             \
             for (int c = 0; c < SHRINK_CHUNK; c++) {                                          \
-                const float a = LOAD(p + k * r + j0 + c);                                     \
-                a0[c] += a * xa;                                                              \
-                a1[c] += a * xb;                                                              \
+                const float a = LOAD(p + k * r + j0 + c), a2 = LOAD(p + (k + 1) * r + j0 + c); \
+                e0[c] += a * xa;                                                              \
+                o0[c] += a2 * xa2;                                                            \
+                e1[c] += a * xb;                                                              \
+                o1[c] += a2 * xb2;                                                            \
             }                                                                                 \
         }                                                                                     \
     } else if (jn == SHRINK_CHUNK) {                                                          \
-        for (int64_t k = 0; k < K; k++) {                                                     \
-            const float xa = x0[k];                                                           \
-            for (int c = 0; c < SHRINK_CHUNK; c++) a0[c] += LOAD(p + k * r + j0 + c) * xa;   \
+        for (int64_t k = 0; k < K2; k += 2) {                                                 \
+            const float xa = x0[k], xa2 = x0[k + 1];                                          \
+            for (int c = 0; c < SHRINK_CHUNK; c++) {                                          \
+                e0[c] += LOAD(p + k * r + j0 + c) * xa;                                       \
+                o0[c] += LOAD(p + (k + 1) * r + j0 + c) * xa2;                                \
+            }                                                                                 \
         }                                                                                     \
     } else {                                                                                  \
-        for (int64_t k = 0; k < K; k++) {                                                     \
-            const float xa = x0[k], xb = x1 ? x1[k] : 0.0f;                                   \
+        for (int64_t k = 0; k < K2; k += 2) {                                                 \
+            const float xa = x0[k], xa2 = x0[k + 1];                                          \
+            const float xb = x1 ? x1[k] : 0.0f, xb2 = x1 ? x1[k + 1] : 0.0f;                  \
             for (int c = 0; c < jn; c++) {                                                    \
-                const float a = LOAD(p + k * r + j0 + c);                                     \
-                a0[c] += a * xa;                                                              \
-                a1[c] += a * xb;                                                              \
+                const float a = LOAD(p + k * r + j0 + c), a2 = LOAD(p + (k + 1) * r + j0 + c); \
+                e0[c] += a * xa;                                                              \
+                o0[c] += a2 * xa2;                                                            \
+                e1[c] += a * xb;                                                              \
+                o1[c] += a2 * xb2;                                                            \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    for (int c = 0; c < jn; c++) u0[c] = a0[c];                                               \
+    if (K2 < K) { /* an odd K: the last k joins the even sums */                              \
+        const float xa = x0[K2], xb = x1 ? x1[K2] : 0.0f;                                     \
+        for (int c = 0; c < jn; c++) {                                                        \
+            const float a = LOAD(p + K2 * r + j0 + c);                                        \
+            e0[c] += a * xa;                                                                  \
+            e1[c] += a * xb;                                                                  \
+        }                                                                                     \
+    }                                                                                         \
+    for (int c = 0; c < jn; c++) u0[c] = e0[c] + o0[c];                                       \
     if (x1)                                                                                   \
-        for (int c = 0; c < jn; c++) u1[c] = a1[c];
+        for (int c = 0; c < jn; c++) u1[c] = e1[c] + o1[c];
 
 #define LOAD_F32(q) (*(q))
 #define LOAD_F16(q) LORA_FN(f16)(*(q))
 #define LOAD_BF16(q) LORA_FN(bf16)(*(q))
 
-static void LORA_FN(shrink)(const void *at, int32_t dtype, int64_t K, int32_t r, int32_t j0, int32_t jn,
+__attribute__((unused)) static void LORA_FN(shrink)(const void *at, int32_t dtype, int64_t K, int32_t r, int32_t j0, int32_t jn,
                             const float *x0, const float *x1, float *u0, float *u1) {
     if (dtype == ELLM_LORA_F32) {
         const float *p = at;
@@ -87,36 +108,107 @@ static void LORA_FN(shrink)(const void *at, int32_t dtype, int64_t K, int32_t r,
     }
 }
 
-/* y[c] += scale * (sum over j < r of u[j] * B^T[j][n0 + c]) for c < nc (<= EXPAND_BLOCK). */
-#define EXPAND_BODY(LOAD)                                                                     \
-    float acc[EXPAND_BLOCK] = {0};                                                            \
-    if (nc == EXPAND_BLOCK) {                                                                 \
+/* y[c] += scale * (sum over j < r of u[j] * B^T[j][n0 + c]) for c < nc (<= EXPAND_BLOCK),
+ * B^T in blocks of 8 outputs (lora.h): output n's factor j at (n / 8) * r * 8 + j * 8 +
+ * n % 8. The sums run over whole groups of 8 from the group holding n0 (G of them, a
+ * constant in each case of the switch, so the accumulators stay in registers: G chains
+ * of adds in flight), and only outputs n0 .. n0 + nc are written. Every output is summed
+ * alike (j ascending from 0, multiply then add). */
+#define EXPAND_G(LOAD, G)                                                                     \
+    {                                                                                         \
+        float acc[(G) * 8] = {0};                                                             \
         for (int32_t j = 0; j < r; j++) {                                                     \
             const float uj = u[j];                                                            \
-            for (int c = 0; c < EXPAND_BLOCK; c++) acc[c] += uj * LOAD(p + j * N + n0 + c);   \
+            for (int g = 0; g < (G); g++)                                                     \
+                for (int l = 0; l < 8; l++) acc[g * 8 + l] += uj * LOAD(q + g * R8 + j * 8 + l); \
         }                                                                                     \
-    } else {                                                                                  \
-        for (int32_t j = 0; j < r; j++) {                                                     \
-            const float uj = u[j];                                                            \
-            for (int64_t c = 0; c < nc; c++) acc[c] += uj * LOAD(p + j * N + n0 + c);         \
-        }                                                                                     \
+        for (int64_t c = 0; c < nc; c++) y[c] += scale * acc[o + c];                          \
     }                                                                                         \
-    for (int64_t c = 0; c < nc; c++) y[c] += scale * acc[c];
+    break;
 
-static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r, int64_t n0, int64_t nc,
+#define EXPAND_BODY(LOAD)                                                                     \
+    const int64_t R8 = (int64_t)r * 8, o = n0 & 7;                                            \
+    const TYPE *q = p + (n0 >> 3) * R8;                                                       \
+    switch ((nc + o + 7) / 8) {                                                               \
+    case 1: EXPAND_G(LOAD, 1)                                                                 \
+    case 2: EXPAND_G(LOAD, 2)                                                                 \
+    case 3: EXPAND_G(LOAD, 3)                                                                 \
+    case 4: EXPAND_G(LOAD, 4)                                                                 \
+    case 5: EXPAND_G(LOAD, 5)                                                                 \
+    case 6: EXPAND_G(LOAD, 6)                                                                 \
+    case 7: EXPAND_G(LOAD, 7)                                                                 \
+    case 8: EXPAND_G(LOAD, 8)                                                                 \
+    default: EXPAND_G(LOAD, 9)                                                                \
+    }
+
+__attribute__((unused)) static void LORA_FN(expand)(const void *bt, int32_t dtype, int64_t N, int32_t r, int64_t n0, int64_t nc,
                             const float *u, float scale, float *y) {
+    (void)N;
     if (dtype == ELLM_LORA_F32) {
-        const float *p = bt;
+#define TYPE float
+        const TYPE *p = bt;
         EXPAND_BODY(LOAD_F32)
+#undef TYPE
     } else if (dtype == ELLM_LORA_BF16) {
-        const uint16_t *p = bt;
+#define TYPE uint16_t
+        const TYPE *p = bt;
         EXPAND_BODY(LOAD_BF16)
     } else {
-        const uint16_t *p = bt;
+        const TYPE *p = bt;
         EXPAND_BODY(LOAD_F16)
+#undef TYPE
     }
 }
 
-static const ellm_lora_funcs LORA_FN(funcs) = {LORA_FN(shrink), LORA_FN(expand)};
+/* The expand of 4 rows of one adapter at once over outputs [n0, n0 + nc): y_i[c] +=
+ * scale * (sum over j < r of u_i[j] * B^T[j][n0 + c]) for i < rows (<= 4; the u past
+ * them repeat one and are not written), each load of B serving the four. 16 outputs at a
+ * time from the group of 8 holding n0, so 8 chains of adds are in flight. The same sums,
+ * term by term, as expand. */
+#define EXPAND4_BODY(LOAD)                                                                    \
+    const int64_t R8 = (int64_t)r * 8, o = n0 & 7, span = nc + o, ng = (span + 7) / 8;       \
+    const TYPE *base = p + (n0 >> 3) * R8;                                                    \
+    for (int64_t g0 = 0; g0 < ng; g0 += 2) {                                                  \
+        const int two = g0 + 1 < ng;                                                          \
+        const TYPE *q = base + g0 * R8;                                                       \
+        float a[4][16] = {{0}};                                                               \
+        for (int32_t j = 0; j < r; j++) {                                                     \
+            float b[16];                                                                      \
+            for (int l = 0; l < 8; l++) b[l] = LOAD(q + j * 8 + l);                           \
+            for (int l = 0; l < 8; l++) b[8 + l] = two ? LOAD(q + R8 + j * 8 + l) : 0.0f;    \
+            for (int i = 0; i < 4; i++) {                                                     \
+                const float uj = u[i][j];                                                     \
+                for (int l = 0; l < 16; l++) a[i][l] += uj * b[l];                            \
+            }                                                                                 \
+        }                                                                                     \
+        const int64_t c0 = g0 * 8, lo = c0 < o ? o : c0, hi = c0 + 16 < span ? c0 + 16 : span; \
+        for (int i = 0; i < rows; i++)                                                        \
+            for (int64_t c = lo; c < hi; c++) y[i][c - o] += scale * a[i][c - c0];            \
+    }
+
+__attribute__((unused)) static void LORA_FN(expand4)(const void *bt, int32_t dtype, int32_t r, int64_t n0, int64_t nc,
+                             const float *const u[4], float scale, float *const y[4], int rows) {
+    if (dtype == ELLM_LORA_F32) {
+#define TYPE float
+        const TYPE *p = bt;
+        EXPAND4_BODY(LOAD_F32)
+#undef TYPE
+    } else if (dtype == ELLM_LORA_BF16) {
+#define TYPE uint16_t
+        const TYPE *p = bt;
+        EXPAND4_BODY(LOAD_BF16)
+    } else {
+        const TYPE *p = bt;
+        EXPAND4_BODY(LOAD_F16)
+#undef TYPE
+    }
+}
+
+#ifndef LORA_EXPAND   /* a variant may bring its own kernels (the same sums) */
+#define LORA_SHRINK LORA_FN(shrink)
+#define LORA_EXPAND LORA_FN(expand)
+#define LORA_EXPAND4 LORA_FN(expand4)
+#endif
+static const ellm_lora_funcs LORA_FN(funcs) = {LORA_SHRINK, LORA_EXPAND, LORA_EXPAND4};
 
 const ellm_lora_funcs *LORA_FN(ellm_lora_funcs)(void) { return &LORA_FN(funcs); }

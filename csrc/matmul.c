@@ -170,6 +170,7 @@ typedef struct {
     int64_t row_items;     /* work items along N */
     int64_t first_item;    /* this part's items in the call's item list: [first, end) */
     int64_t end_item;
+    int index;             /* its index in the caller's parts (the epilogue's `part`) */
 } lin_part;
 
 typedef struct {
@@ -192,6 +193,7 @@ typedef struct {
      * bytes (matmul_bf16_amx.h), else xb is NULL */
     uint8_t *xb;
     size_t xb_stride;
+    const ellm_linear_epilogue *epi; /* run after each block (NULL: none) */
 } lin_ctx;
 
 /* The kernel call for output rows [n0, n1) of part p, tokens [t0, t1), into y (the
@@ -242,6 +244,7 @@ static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n
     const size_t ldy = (size_t)p->ldy;
     float *y = p->y + (size_t)t0 * ldy + (size_t)n0;
     const int64_t nt = t1 - t0;
+    if (c->epi && c->epi->pre) c->epi->pre(c->epi->ctx, p->index, n0, n1, t0, t1);
     /* [amx] the AMX and bf16 tile kernels (16-token groups) store 16 outputs of a token at
      * once, whole 64-byte lines where lead_rows aligns them: staging them gave nothing
      * (SmolLM2's head at 16 rows 1.46-1.48 ms either way, Xeon with AMX, 2 threads) */
@@ -259,6 +262,7 @@ static void run_block(const lin_ctx *c, const lin_part *p, int64_t n0, int64_t n
         run_kernel(c, p, n0, n1, t0, t1, y, ldy);
     }
     if (p->bias) add_bias(p->bias + n0, n1 - n0, y, ldy, nt);
+    if (c->epi) c->epi->fn(c->epi->ctx, p->index, n0, n1, t0, t1);
 }
 
 /* [amx] Asks for the first tile (16 rows) of the item after the one starting now into L2.
@@ -604,6 +608,7 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
         lin_part *p = &c->p[c->n_parts];
         if (q->N == 0) continue;
         p->w = q->w;
+        p->index = i;
         p->row_bytes = (size_t)ellm_row_bytes(q->qtype, K);
         p->N = q->N;
         p->y = q->y;
@@ -716,10 +721,18 @@ static int run_decode_regions(const lin_ctx *c, int64_t items) {
 
 int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
                       int n_parts, void *scratch, size_t scratch_bytes) {
+    return ellm_linear_multi_epi(x, T, K, parts, n_parts, scratch, scratch_bytes, NULL);
+}
+
+int ellm_linear_multi_epi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
+                          int n_parts, void *scratch, size_t scratch_bytes,
+                          const ellm_linear_epilogue *epi) {
     lin_ctx c;
     int64_t items;
     int st = lin_setup(&c, x, T, K, parts, n_parts, scratch, scratch_bytes, &items);
     if (st != ELLM_OK || items == 0) return st;
+    if (epi && !epi->fn) return ELLM_E_SHAPE;
+    c.epi = epi;
     /* Activation quantization is cheap next to the matmul; only spread it when there are
      * enough rows to pay for waking the pool. */
     if (c.has_act) {

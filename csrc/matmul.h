@@ -61,6 +61,24 @@ size_t ellm_linear_multi_scratch_bytes(const ellm_linear_part *parts, int n_part
 int ellm_linear_multi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
                       int n_parts, void *scratch, size_t scratch_bytes);
 
+/* A hook run right after each block of outputs is final (bias included): rows [n0, n1)
+ * of part `part` (its index in the call's parts) for tokens [t0, t1), on the thread that
+ * summed them, while the block is still in its cache. It may add to exactly that block of
+ * y and must write nothing else shared. [lora] The LoRA expand rides on the base product's
+ * pass over the pool this way (lora.c), with no pass of its own. */
+typedef struct {
+    void (*fn)(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1);
+    void *ctx;
+    /* NULL, or run as the block starts, with the same arguments: to ask for what fn will
+     * read (a prefetch), which then arrives while the base product is summed */
+    void (*pre)(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1);
+} ellm_linear_epilogue;
+
+/* ellm_linear_multi with an epilogue (NULL: none). */
+int ellm_linear_multi_epi(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts,
+                          int n_parts, void *scratch, size_t scratch_bytes,
+                          const ellm_linear_epilogue *epi);
+
 /* ------------------------------------------------------------------------------------
  * Groups: several ellm_linear_multi calls, each with its own X (of one width K), run as
  * one pass over the thread pool -- the experts of an MoE layer, each on the tokens routed

@@ -34,6 +34,7 @@ from ellm.ops import reference
 from ellm.sampling_params import SamplingParams
 from ellm.weights import SafetensorsWeights
 from conftest import ops_or_skip
+from golden_cache import cached_folder, ref_versions
 from ref_python import ref_python
 
 SCRIPT = Path(__file__).parent / "goldens" / "tiny_lora.py"
@@ -45,10 +46,15 @@ CHUNKS = [13, 7, 10] + [1] * 10   # chunked prefill, then decode: 40 tokens
 
 
 @pytest.fixture(scope="session")
-def tiny_lora(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny_lora")
-    subprocess.run([ref_python(), str(SCRIPT), str(out)], check=True, capture_output=True, text=True)
-    return out
+def tiny_lora() -> Path:
+    """The script's folder, made once per change of the script or the reference packages
+    (golden_cache.py): it is a minute of torch and peft."""
+    ref = ref_python()
+
+    def make(out: Path) -> None:
+        out.mkdir(parents=True)
+        subprocess.run([ref, str(SCRIPT), str(out)], check=True, capture_output=True, text=True)
+    return cached_folder("tiny_lora", [SCRIPT, ref_versions(ref)], make)
 
 
 def _model(folder: Path, device: str, adapters: dict[str, Path]):
@@ -269,6 +275,57 @@ def test_kernel_gives_the_same_bits_at_every_simd_level() -> None:
     assert len(set(results.values())) == 1, f"levels {list(results)} disagree"
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_kernel_gives_the_same_bits_at_every_simd_level_odd_k(dtype) -> None:
+    """The SIMD variants' own shrink and expand (lora_avx2.c: intrinsics) against the
+    baseline's loops: an odd K, ranks that are and are not whole chunks of 16, rows that
+    share an adapter, in each type an adapter file holds."""
+    from ellm._native import _core
+    cpu = ops_or_skip("cpu")
+    rng = np.random.default_rng(11)
+    p = _projection(rng, 203, 75, [16, 5, 32], dtype)
+    x = rng.standard_normal((11, 75), np.float32)
+    slots = np.asarray([0, 2, 2, 0, 1, -1, 2, 0, 0, 2, 1], np.int32)
+    results = {}
+    start = _core.simd_level()
+    try:
+        for level in _core.supported_simd_levels():
+            _core.set_simd_level(level)
+            y = np.ones((11, 203), np.float32)
+            cpu.lora(x, slots, [(cpu.prepare_lora(p), y)])
+            results[level] = y.tobytes()
+    finally:
+        _core.set_simd_level(start)
+    assert len(set(results.values())) == 1, f"levels {list(results)} disagree"
+
+
+def test_layer_stack_gives_the_ops_bits_at_every_simd_level(tiny_lora) -> None:
+    """At each SIMD level, a mixed batch through the layer stack (the expand inside the
+    base product's blocks, four rows of an adapter at once) gives the bits of the same
+    model run op by op (ops.lora after each linear)."""
+    from opaque_ops import OpaqueOps
+    from ellm._native import _core
+    from ellm.ops import get_ops
+    folder = tiny_lora / "llama"
+    names = ADAPTERS["llama"]
+    ids = np.load(folder / "ids.npy").tolist()
+    seqs = [(ids, 0), (ids[::-1], 1), (ids, 1), (ids, -1), (ids[1:] + ids[:1], 2)]
+    models = []
+    for ops in (OpaqueOps(get_ops("cpu")), get_ops("cpu")):
+        model = build_model(config_from_folder(folder), SafetensorsWeights(SafetensorsFolder(folder)), ops)
+        attach_adapters(model, {n: folder / "adapters" / n for n in names})
+        models.append(model)
+    start = _core.simd_level()
+    try:
+        for level in _core.supported_simd_levels():
+            _core.set_simd_level(level)
+            by_ops, by_stack = (_forward(m, seqs, CHUNKS) for m in models)
+            for a, b in zip(by_ops, by_stack):
+                assert a.tobytes() == b.tobytes(), f"level {level}: the stack's bits differ"
+    finally:
+        _core.set_simd_level(start)
+
+
 def test_kernel_refuses_a_slot_out_of_range() -> None:
     cpu = ops_or_skip("cpu")
     rng = np.random.default_rng(0)
@@ -363,11 +420,13 @@ def lora_ggufs(tiny_lora) -> Path:
     if not converter or not (Path(converter) / "convert_hf_to_gguf.py").is_file():
         pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
                     "`bash tests/run.sh`", pytrace=False)
-    out = tiny_lora / "gguf"
-    subprocess.run([ref_python(), str(Path(__file__).parent / "goldens" / "convert_tiny.py"), converter, str(out),
-                    *(str(tiny_lora / a) for a in MIXED), "--outtypes", "f32"],
-                   check=True, capture_output=True, text=True)
-    return out
+    ref, script = ref_python(), Path(__file__).parent / "goldens" / "convert_tiny.py"
+
+    def make(out: Path) -> None:
+        subprocess.run([ref, str(script), converter, str(out), *(str(tiny_lora / a) for a in MIXED),
+                        "--outtypes", "f32"], check=True, capture_output=True, text=True)
+    return cached_folder("tiny_lora_gguf", [tiny_lora.name, script, converter, Path(converter) / "convert_hf_to_gguf.py",
+                                            ref_versions(ref), *MIXED], make)
 
 
 @pytest.mark.parametrize("kind", ["peft", "gguf"])

@@ -64,12 +64,23 @@ cdef int _raise_status(int status, str fn) except -1:
     raise ValueError(msg)
 
 
+def _blocked(bt):
+    """B^T (r, N) as the kernel reads it (lora.h): (ceil(N / 8), r, 8), each block of 8
+    outputs' factors together, the last block padded with zeros."""
+    r, N = bt.shape
+    n8 = (N + 7) // 8 * 8
+    padded = np.zeros((r, n8), bt.dtype)
+    padded[:, :N] = bt
+    return np.ascontiguousarray(padded.reshape(r, n8 // 8, 8).transpose(1, 0, 2))
+
+
 cdef class LoraTable:
     """One projection (out_features N, in_features K) of every adapter.
 
     slots: a sequence, one entry per adapter: None, or (At, Bt, scale, dtype) with A^T
     (K, r) and B^T (r, N) C-contiguous arrays of `dtype` ("f32": float32, "f16": float16,
-    "bf16": uint16 bfloat16 bits), r >= 1. They are referenced, never copied."""
+    "bf16": uint16 bfloat16 bits), r >= 1. A^T is referenced; B^T is held in the kernel's
+    blocked layout (a copy)."""
 
     cdef ellm_lora_proj proj
     cdef ellm_lora_slot *c_slots
@@ -103,6 +114,7 @@ cdef class LoraTable:
             if r < 1 or at.shape[0] != in_features or bt.shape[0] != r or bt.shape[1] != out_features:
                 raise ValueError(f"LoraTable: slot {s} has A^T {at.shape} and B^T {bt.shape}; expected "
                                  f"({in_features}, r) and (r, {out_features}) with r >= 1")
+            bt = _blocked(bt)
             self.c_slots[s].rank = <int32_t>r
             self.c_slots[s].dtype = <int32_t>code
             self.c_slots[s].scale = <float>scale

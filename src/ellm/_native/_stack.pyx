@@ -47,14 +47,17 @@ cdef extern from "lora.h":
     int ellm_lora_apply(const float *x, int64_t ldx, int64_t T, const int32_t *row_slot,
                         const ellm_lora_part *parts, int n_parts, void *scratch,
                         size_t scratch_bytes) nogil
+    int ellm_linear_multi_lora(const float *x, int64_t T, int64_t K, const ellm_linear_part *lin, int n_lin,
+                               void *lin_scratch, size_t lin_bytes, const int32_t *row_slot,
+                               const ellm_lora_part *parts, const int *lin_index, int n_parts,
+                               void *scratch, size_t scratch_bytes) nogil
 
 
 # [lora] one call of the LoRA kernel after a linear: the parts adapted (n = 0: none)
 ctypedef struct lora_call:
     ellm_lora_part parts[3]
+    int lin[3]          # the linear call's part each one adds to
     int n
-    const float *x
-    int64_t ldx
 
 
 # one RMSNorm (or none): rows of n at x (stride ld), written in place
@@ -227,7 +230,7 @@ cdef class LayerStack:
         return 0
 
     cdef int _lora_part(self, lora_call *c, dict tables, str name, float *y, int64_t ldy,
-                        int64_t K) except -1:
+                        int64_t K, int lin) except -1:
         """[lora] Adds projection `name` (writing y, (T, ldy)) to the call c when any
         adapter changes it (tables: name -> _lora.LoraTable)."""
         table = tables.get(name)
@@ -240,6 +243,7 @@ cdef class LayerStack:
         c.parts[c.n].proj = <const ellm_lora_proj *><uintptr_t>table.address
         c.parts[c.n].y = y
         c.parts[c.n].ldy = ldy
+        c.lin[c.n] = lin
         c.n += 1
         return 0
 
@@ -331,17 +335,13 @@ cdef class LayerStack:
         self._part(&L.gate_up[1], s["up"], H, <float *>L.up, F, "up_proj")
         self._part(&L.down, s["down"], F, self.proj, H, "down_proj")
         lora = s.get("lora") or {}   # [lora] projection name -> _lora.LoraTable
-        L.lora[0].x, L.lora[0].ldx = L.hin, H
-        self._lora_part(&L.lora[0], lora, "q", q, nh * hd, H)
-        self._lora_part(&L.lora[0], lora, "k", k, nkv * hd, H)
-        self._lora_part(&L.lora[0], lora, "v", v, nkv * hd, H)
-        L.lora[1].x, L.lora[1].ldx = attn, nh * hd
-        self._lora_part(&L.lora[1], lora, "o", self.proj, H, nh * hd)
-        L.lora[2].x, L.lora[2].ldx = L.mlp_in, H
-        self._lora_part(&L.lora[2], lora, "gate", <float *>L.gate, F, H)
-        self._lora_part(&L.lora[2], lora, "up", <float *>L.up, F, H)
-        L.lora[3].x, L.lora[3].ldx = L.act, F
-        self._lora_part(&L.lora[3], lora, "down", self.proj, H, F)
+        self._lora_part(&L.lora[0], lora, "q", q, nh * hd, H, 0)
+        self._lora_part(&L.lora[0], lora, "k", k, nkv * hd, H, 1)
+        self._lora_part(&L.lora[0], lora, "v", v, nkv * hd, H, 2)
+        self._lora_part(&L.lora[1], lora, "o", self.proj, H, nh * hd, 0)
+        self._lora_part(&L.lora[2], lora, "gate", <float *>L.gate, F, H, 0)
+        self._lora_part(&L.lora[2], lora, "up", <float *>L.up, F, H, 1)
+        self._lora_part(&L.lora[3], lora, "down", self.proj, H, F, 0)
         return max(ellm_linear_multi_scratch_bytes(L.qkv, 3, T, H),
                    ellm_linear_multi_scratch_bytes(&L.o, 1, T, nh * hd),
                    ellm_linear_multi_scratch_bytes(L.gate_up, 2, T, H),
@@ -404,9 +404,8 @@ cdef class LayerStack:
             with nogil:
                 for li in range(self.n_layers):
                     L = &self.plans[li]
-                    st = ellm_linear_multi(L.hin, T, H, L.qkv, 3, self.lin_ptr, self.lin_bytes)
-                    if st == 0 and slots != NULL:
-                        st = _lora_call(&L.lora[0], T, slots, self.lora_scratch, self.lora_bytes)
+                    st = _linear(L.hin, T, H, L.qkv, 3, self.lin_ptr, self.lin_bytes, &L.lora[0], slots,
+                                 self.lora_scratch, self.lora_bytes)
                     if st != 0:
                         break
                     if L.q_norm.w != NULL:
@@ -430,24 +429,21 @@ cdef class LayerStack:
                     rc = ellm_rope_attention(a, self.attn_scratch, self.attn_floats, err, sizeof(err))
                     if rc != 0:
                         break
-                    st = ellm_linear_multi(L.attn_x, T, L.attn_width, &L.o, 1, self.lin_ptr, self.lin_bytes)
-                    if st == 0 and slots != NULL:
-                        st = _lora_call(&L.lora[1], T, slots, self.lora_scratch, self.lora_bytes)
+                    st = _linear(L.attn_x, T, L.attn_width, &L.o, 1, self.lin_ptr, self.lin_bytes, &L.lora[1],
+                                 slots, self.lora_scratch, self.lora_bytes)
                     if st != 0:
                         break
                     _block_out(&L.post_attn, L.multiplier, self.residual, L.pre_mlp_w, self.h)
-                    st = ellm_linear_multi(L.mlp_in, T, H, L.gate_up, 2, self.lin_ptr, self.lin_bytes)
-                    if st == 0 and slots != NULL:
-                        st = _lora_call(&L.lora[2], T, slots, self.lora_scratch, self.lora_bytes)
+                    st = _linear(L.mlp_in, T, H, L.gate_up, 2, self.lin_ptr, self.lin_bytes, &L.lora[2], slots,
+                                 self.lora_scratch, self.lora_bytes)
                     if st != 0:
                         break
                     if L.gelu:
                         ellm_geglu(L.gate, L.F, L.up, L.F, L.act, L.F, T, L.F)
                     else:
                         ellm_swiglu(L.gate, L.F, L.up, L.F, L.act, L.F, T, L.F)
-                    st = ellm_linear_multi(L.act, T, L.F, &L.down, 1, self.lin_ptr, self.lin_bytes)
-                    if st == 0 and slots != NULL:
-                        st = _lora_call(&L.lora[3], T, slots, self.lora_scratch, self.lora_bytes)
+                    st = _linear(L.act, T, L.F, &L.down, 1, self.lin_ptr, self.lin_bytes, &L.lora[3], slots,
+                                 self.lora_scratch, self.lora_bytes)
                     if st != 0:
                         break
                     _block_out(&L.post_mlp, L.multiplier, self.residual, L.next_w, self.h)
@@ -461,12 +457,15 @@ cdef class LayerStack:
             raise (IndexError if st == -5 else ValueError)(f"linear_multi / lora: {ellm_status_str(st).decode()}")
 
 
-cdef inline int _lora_call(lora_call *c, int64_t T, const int32_t *slots, void *scratch,
-                           size_t scratch_bytes) noexcept nogil:
-    """[lora] The adapters' products of one linear call (none when no adapter changes it)."""
-    if c.n == 0:
-        return 0
-    return ellm_lora_apply(c.x, c.ldx, T, slots, c.parts, c.n, scratch, scratch_bytes)
+cdef inline int _linear(const float *x, int64_t T, int64_t K, const ellm_linear_part *parts, int n,
+                        void *lin_scratch, size_t lin_bytes, lora_call *c, const int32_t *slots,
+                        void *scratch, size_t scratch_bytes) noexcept nogil:
+    """One linear call, and [lora] its adapters' products in the same pass over the pool
+    (ellm_linear_multi_lora: each block of outputs gets them as soon as it is written)."""
+    if slots == NULL or c.n == 0:
+        return ellm_linear_multi(x, T, K, parts, n, lin_scratch, lin_bytes)
+    return ellm_linear_multi_lora(x, T, K, parts, n, lin_scratch, lin_bytes, slots, c.parts, c.lin, c.n,
+                                  scratch, scratch_bytes)
 
 
 cdef inline void _block_out(norm_step *n, float multiplier, float *residual, const float *next_w,
