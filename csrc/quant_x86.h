@@ -1642,28 +1642,30 @@ DEFINE_QGEMMK(qgemm_q6_k, ELLM_T_Q6_K)
  * Q4_K and Q6_K, many tokens, at the AVX2 level (maddubs into int16, madd into int32).
  * A panel of up to QXA_PANEL weight rows is unpacked QXA_CHUNK blocks at a time, once
  * for every token group of the call (up to QXA_GROUPS at once, their float sums waiting
- * in memory between chunks), and each chunk runs against the groups two at a time, with
- * the panel's rows two at a time: 2 rows x 2 groups of accumulators, so each weight
- * broadcast serves 16 tokens and each activation load 2 rows. Per chunk and group pair
- * the activations (2 x QXA_CHUNK blocks) and the unpacked panel stay in L1; the call's
- * activations stream past once per chunk, not once per row tile.
+ * in memory between chunks), and each chunk runs against the groups QXA_TG at a time,
+ * with the panel's rows QXA_TR at a time. Per chunk and run of groups the activations
+ * and the unpacked panel stay in L1, and the call's activations stream past once per
+ * chunk, not once per row tile. (qgemmk_tile, the VNNI kernel, unpacks each block once
+ * per token group or two instead, which at this level cost as much as the dot products.)
  *
  * Each output gets qgemmk_tile's integer sums (exact, so their order never shows) and
  * its float steps, block by block in block order from 0 -- Q4_K fma(isum, d d_x) then
  * fma(msum, -dmin d_x), Q6_K fma(isum, d d_x) -- so the bits are those of the decode
  * kernels (qdot_k_rows, qdot_k45, qdot_q6k_body) and of any batch or thread split.
+ *
+ * AMD EPYC Zen 3, one thread, thread CPU time, old and new alternated in one process
+ * (the host under a load of ~8-10 from other work), items of 16 rows x 128 tokens as
+ * matmul.c runs them, same bits: the per-group kernel -> panels with 2 x 2 tiles 1.5-1.8x;
+ * then 1 row x 4 groups (one weight broadcast for 32 tokens, each activation load read
+ * by its maddubs) against 2 x 2, with Q4_K's mins taken in pairs: Q4_K 1.13-1.26x, Q6_K
+ * 1.03-1.10x; 4 x 1, 3 x 2 and 2 x 3 were between. GCC kept 1 x 4's 8 accumulators in
+ * registers; 2 x 4 would not fit 16.
  * ------------------------------------------------------------------------------------ */
 #define QXA_PANEL 16
-#ifndef QXA_CHUNK
 #define QXA_CHUNK 2
-#endif
 #define QXA_GROUPS 16
-#ifndef QXA_TR
-#define QXA_TR 2
-#endif
-#ifndef QXA_TG
-#define QXA_TG 2
-#endif
+#define QXA_TR 1
+#define QXA_TG 4
 
 /* One unpacked block of one row: the values as unsigned bytes, per run the scale in
  * both 16-bit halves of a dword (the madd factor, one broadcast load), the int16 pairs of
@@ -1679,13 +1681,27 @@ INLINE void qxa_unpack(int q4, const uint8_t *b, size_t ahead, qxa_block *o) {
     int32_t sc[16];
     qgemmk_unpack_block(q4, b, ahead, o->v, sc, o->pk, &o->d, &o->m);
     for (int j = 0; j < (q4 ? 8 : 16); j++) o->sc[j] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[j] * 0x10001u);
+    if (q4) /* the mins in pairs (mn[2k], mn[2k + 1]), against qxa_min_pairs' sums */
+        for (int k = 0; k < 4; k++) o->pk[k] = (int32_t)(((uint32_t)o->pk[2 * k] & 0xFFFFu) | ((uint32_t)o->pk[2 * k + 1] << 16));
+}
+
+/* Q4_K's min term needs each token's sums of 32 (bsum[2j] + bsum[2j + 1], |.| <= 32 x 127):
+ * for the group's block g, out[k] = those of j = 2k, 2k + 1 as int16 pairs, one madd with
+ * a row's (mn[2k], mn[2k + 1]) each (4 a row and group, in place of 8) */
+INLINE void qxa_min_pairs(const ellm_act256x8 *g, __m256i out[4]) {
+    const __m256i one = _mm256_set1_epi16(1), lo = _mm256_set1_epi32(0xFFFF);
+    for (int k = 0; k < 4; k++) {
+        const __m256i s0 = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)g->bsums[2 * k]), one);
+        const __m256i s1 = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)g->bsums[2 * k + 1]), one);
+        out[k] = _mm256_or_si256(_mm256_and_si256(s0, lo), _mm256_slli_epi32(s1, 16));
+    }
 }
 
 /* acc[g][r] (g < NG groups, r < R rows; acc's rows QXA_PANEL vectors apart) += the nc
  * blocks of blk ([nc][QXA_PANEL], this tile's first row at [.][0]) against the groups at
  * xg (the first group's first block of the chunk; the next group xs bytes on) */
 KINLINE void qxa_tile(const int q4, const int R, const int NG, const int nc, const qxa_block *blk,
-                      const ellm_act256x8 *xg, size_t xs, __m256 *acc) {
+                      const ellm_act256x8 *xg, size_t xs, const __m256i *mp, __m256 *acc) {
     const int nrun = q4 ? 8 : 16, rdw = q4 ? 8 : 4;
     /* dwords summed in int16 per madd: Q4_K 8 (8 x 2 x 15 x 127), Q6_K 2 (2 x 2 x 63 x 127) */
     const int G = q4 ? 8 : 2;
@@ -1738,7 +1754,9 @@ KINLINE void qxa_tile(const int q4, const int R, const int NG, const int nc, con
             for (int r = 0; r < R; r++) bsp[r] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8")
             for (int k = 0; k < 8; k++) {
-                const __m256i bs = _mm256_load_si256((const __m256i *)x[gi]->bsums[k]);
+                if (q4 && k == 4) break;
+                const __m256i bs = q4 ? mp[(ii * QXA_GROUPS + gi) * 4 + k]
+                                      : _mm256_load_si256((const __m256i *)x[gi]->bsums[k]);
                 _Pragma("GCC unroll 4")
                 for (int r = 0; r < R; r++)
                     bsp[r] = _mm256_add_epi32(bsp[r], _mm256_madd_epi16(bs, _mm256_set1_epi32(b[r]->pk[k])));
@@ -1771,6 +1789,7 @@ KINLINE void qgemmk_avx2(int type, int64_t nb, const uint8_t *w, size_t ws, int6
     const size_t bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
     qxa_block blk[QXA_CHUNK][QXA_PANEL];
     __m256 acc[QXA_GROUPS][QXA_PANEL];
+    __m256i mp[QXA_CHUNK][QXA_GROUPS][4]; /* Q4_K: qxa_min_pairs of the chunk's blocks */
     for (int64_t t0 = 0; t0 < nt; t0 += QXA_GROUPS * ELLM_TG) {
         const int64_t tn = nt - t0 < QXA_GROUPS * ELLM_TG ? nt - t0 : QXA_GROUPS * ELLM_TG;
         const int ng = (int)((tn + ELLM_TG - 1) / ELLM_TG);
@@ -1786,19 +1805,19 @@ KINLINE void qgemmk_avx2(int type, int64_t nb, const uint8_t *w, size_t ws, int6
                     for (int r = 0; r < np; r++)
                         qxa_unpack(q4, wp + (size_t)r * ws + (size_t)(i0 + ii) * bs, (size_t)QXA_PANEL * ws,
                                    &blk[ii][r]);
+                if (q4)
+                    for (int ii = 0; ii < nc; ii++)
+                        for (int g = 0; g < ng; g++)
+                            qxa_min_pairs((const ellm_act256x8 *)(xt + (size_t)g * xs) + i0 + ii, mp[ii][g]);
                 __asm__("" : "+m"(blk)); /* read back by broadcast loads (see qgemm32_tile) */
                 for (int g = 0; g < ng; g += QXA_TG) {
-                    const ellm_act256x8 *xg = (const ellm_act256x8 *)(xt + (size_t)g * xs) + i0;
-                    if (ng - g >= QXA_TG) {
-                        int r = 0;
-                        for (; r + QXA_TR <= np; r += QXA_TR) qxa_tile(q4, QXA_TR, QXA_TG, nc, &blk[0][r], xg, xs, &acc[g][r]);
-                        for (; r < np; r++) qxa_tile(q4, 1, QXA_TG, nc, &blk[0][r], xg, xs, &acc[g][r]);
-                    } else {
-                        for (int gg = g; gg < ng; gg++) {
-                            const ellm_act256x8 *xgg = (const ellm_act256x8 *)(xt + (size_t)gg * xs) + i0;
-                            int r = 0;
-                            for (; r + QXA_TR <= np; r += QXA_TR) qxa_tile(q4, QXA_TR, 1, nc, &blk[0][r], xgg, xs, &acc[gg][r]);
-                            for (; r < np; r++) qxa_tile(q4, 1, 1, nc, &blk[0][r], xgg, xs, &acc[gg][r]);
+                    const int whole = ng - g >= QXA_TG; /* else the last groups one at a time */
+                    for (int gg = g; gg < (whole ? g + 1 : ng); gg++) {
+                        const ellm_act256x8 *xg = (const ellm_act256x8 *)(xt + (size_t)gg * xs) + i0;
+                        for (int r = 0; r < np; r += QXA_TR) {
+                            _Static_assert(QXA_TR == 1, "a panel's rows need no remainder tile");
+                            if (whole) qxa_tile(q4, QXA_TR, QXA_TG, nc, &blk[0][r], xg, xs, mp[0][gg], &acc[gg][r]);
+                            else qxa_tile(q4, QXA_TR, 1, nc, &blk[0][r], xg, xs, mp[0][gg], &acc[gg][r]);
                         }
                     }
                 }
