@@ -1345,6 +1345,7 @@ INLINE void qgemmk_unpack_block(int q4, const uint8_t *b, size_t ahead, uint8_t 
     }
 }
 
+#if QX_VNNI
 KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const uint8_t *w, size_t ws,
                          const ellm_act256x8 *xg, size_t xgs, const int n0, const int n1, float *y,
                          size_t ys) {
@@ -1382,7 +1383,6 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
                 for (int gi = 0; gi < NG; gi++) tot[r][gi] = _mm256_setzero_si256();
             for (int j = 0; j < nrun; j++) {
                 __m256i s[4][2];
-#if QX_VNNI
                 _Pragma("GCC unroll 4")
                 for (int r = 0; r < R; r++)
                     _Pragma("GCC unroll 2")
@@ -1407,29 +1407,6 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
                     for (int gi = 0; gi < NG; gi++)
                         tot[r][gi] = _mm256_add_epi32(tot[r][gi], _mm256_mullo_epi32(s[r][gi], sc));
                 }
-#else
-                /* int16 partial sums: 8 dwords of 2 * 15 * 127 (Q4_K), or 2 of 2 * 63 * 127 (Q6_K) */
-                const int G = q4 ? 8 : 2;
-                _Pragma("GCC unroll 8")
-                for (int m = 0; m < rdw; m++) {
-                    const int dw = rdw * j + m;
-                    __m256i xm[2];
-                    _Pragma("GCC unroll 2")
-                    for (int gi = 0; gi < NG; gi++) xm[gi] = _mm256_loadu_si256((const __m256i *)(g[gi]->qs + 32 * dw));
-                    _Pragma("GCC unroll 4")
-                    for (int r = 0; r < R; r++) {
-                        const __m256i wm = _mm256_set1_epi32((int)ellm_rd_u32(wbuf[ii][r] + 4 * dw));
-                        _Pragma("GCC unroll 2")
-                        for (int gi = 0; gi < NG; gi++) {
-                            const __m256i p = _mm256_maddubs_epi16(wm, xm[gi]);
-                            s[r][gi] = m % G == 0 ? p : _mm256_add_epi16(s[r][gi], p);
-                            if (m % G == G - 1)
-                                tot[r][gi] = _mm256_add_epi32(tot[r][gi], _mm256_madd_epi16(
-                                    s[r][gi], _mm256_set1_epi16((short)sbuf[ii][r][j])));
-                        }
-                    }
-                }
-#endif
             }
             _Pragma("GCC unroll 2")
             for (int gi = 0; gi < NG; gi++) {
@@ -1659,5 +1636,213 @@ KINLINE void qgemmkz_rows_pairs(int type, const int R, int64_t nb, const uint8_t
 
 DEFINE_QGEMMK(qgemm_q4_k, ELLM_T_Q4_K)
 DEFINE_QGEMMK(qgemm_q6_k, ELLM_T_Q6_K)
+
+#else /* !QX_VNNI */
+/* ------------------------------------------------------------------------------------
+ * Q4_K and Q6_K, many tokens, at the AVX2 level (maddubs into int16, madd into int32).
+ * A panel of up to QXA_PANEL weight rows is unpacked QXA_CHUNK blocks at a time, once
+ * for every token group of the call (up to QXA_GROUPS at once, their float sums waiting
+ * in memory between chunks), and each chunk runs against the groups QXA_TG at a time,
+ * with the panel's rows QXA_TR at a time. Per chunk and run of groups the activations
+ * and the unpacked panel stay in L1, and the call's activations stream past once per
+ * chunk, not once per row tile. (qgemmk_tile, the VNNI kernel, unpacks each block once
+ * per token group or two instead, which at this level cost as much as the dot products.)
+ *
+ * Each output gets qgemmk_tile's integer sums (exact, so their order never shows) and
+ * its float steps, block by block in block order from 0 -- Q4_K fma(isum, d d_x) then
+ * fma(msum, -dmin d_x), Q6_K fma(isum, d d_x) -- so the bits are those of the decode
+ * kernels (qdot_k_rows, qdot_k45, qdot_q6k_body) and of any batch or thread split.
+ *
+ * AMD EPYC Zen 3, one thread, thread CPU time, old and new alternated in one process
+ * (the host under a load of ~8-10 from other work), items of 16 rows x 128 tokens as
+ * matmul.c runs them, same bits: the per-group kernel -> panels with 2 x 2 tiles 1.5-1.8x;
+ * then 1 row x 4 groups (one weight broadcast for 32 tokens, each activation load read
+ * by its maddubs) against 2 x 2, with Q4_K's mins taken in pairs: Q4_K 1.13-1.26x, Q6_K
+ * 1.03-1.10x; 4 x 1, 3 x 2 and 2 x 3 were between. GCC kept 1 x 4's 8 accumulators in
+ * registers; 2 x 4 would not fit 16.
+ * ------------------------------------------------------------------------------------ */
+#define QXA_PANEL 16
+#define QXA_CHUNK 2
+#define QXA_GROUPS 16
+#define QXA_TR 1
+#define QXA_TG 4
+
+/* One unpacked block of one row: the values as unsigned bytes, per run the scale in
+ * both 16-bit halves of a dword (the madd factor, one broadcast load), the int16 pairs of
+ * the bsums madd (Q4_K (mn, mn), Q6_K (sc, sc')), d and (Q4_K) -dmin */
+typedef struct {
+    uint8_t v[256] __attribute__((aligned(32)));
+    int32_t sc[16];
+    int32_t pk[8];
+    float d, m;
+} qxa_block;
+
+INLINE void qxa_unpack(int q4, const uint8_t *b, size_t ahead, qxa_block *o) {
+    int32_t sc[16];
+    qgemmk_unpack_block(q4, b, ahead, o->v, sc, o->pk, &o->d, &o->m);
+    for (int j = 0; j < (q4 ? 8 : 16); j++) o->sc[j] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[j] * 0x10001u);
+    if (q4) /* the mins in pairs (mn[2k], mn[2k + 1]), against qxa_min_pairs' sums */
+        for (int k = 0; k < 4; k++) o->pk[k] = (int32_t)(((uint32_t)o->pk[2 * k] & 0xFFFFu) | ((uint32_t)o->pk[2 * k + 1] << 16));
+}
+
+/* Q4_K's min term needs each token's sums of 32 (bsum[2j] + bsum[2j + 1], |.| <= 32 x 127):
+ * for the group's block g, out[k] = those of j = 2k, 2k + 1 as int16 pairs, one madd with
+ * a row's (mn[2k], mn[2k + 1]) each (4 a row and group, in place of 8) */
+INLINE void qxa_min_pairs(const ellm_act256x8 *g, __m256i out[4]) {
+    const __m256i one = _mm256_set1_epi16(1), lo = _mm256_set1_epi32(0xFFFF);
+    for (int k = 0; k < 4; k++) {
+        const __m256i s0 = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)g->bsums[2 * k]), one);
+        const __m256i s1 = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)g->bsums[2 * k + 1]), one);
+        out[k] = _mm256_or_si256(_mm256_and_si256(s0, lo), _mm256_slli_epi32(s1, 16));
+    }
+}
+
+/* acc[g][r] (g < NG groups, r < R rows; acc's rows QXA_PANEL vectors apart) += the nc
+ * blocks of blk ([nc][QXA_PANEL], this tile's first row at [.][0]) against the groups at
+ * xg (the first group's first block of the chunk; the next group xs bytes on) */
+KINLINE void qxa_tile(const int q4, const int R, const int NG, const int nc, const qxa_block *blk,
+                      const ellm_act256x8 *xg, size_t xs, const __m256i *mp, __m256 *acc) {
+    const int nrun = q4 ? 8 : 16, rdw = q4 ? 8 : 4;
+    /* dwords summed in int16 per madd: Q4_K 8 (8 x 2 x 15 x 127), Q6_K 2 (2 x 2 x 63 x 127) */
+    const int G = q4 ? 8 : 2;
+    __m256 a[QXA_TG][QXA_TR];
+    _Pragma("GCC unroll 4")
+    for (int gi = 0; gi < NG; gi++)
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) a[gi][r] = acc[gi * QXA_PANEL + r];
+    for (int ii = 0; ii < nc; ii++) {
+        const ellm_act256x8 *x[QXA_TG];
+        const qxa_block *b[QXA_TR];
+        _Pragma("GCC unroll 4")
+        for (int gi = 0; gi < NG; gi++) x[gi] = (const ellm_act256x8 *)((const uint8_t *)xg + (size_t)gi * xs) + ii;
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) b[r] = blk + ii * QXA_PANEL + r;
+        __m256i tot[QXA_TG][QXA_TR], s[QXA_TG][QXA_TR];
+        _Pragma("GCC unroll 4")
+        for (int gi = 0; gi < NG; gi++)
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) tot[gi][r] = _mm256_setzero_si256();
+        for (int j = 0; j < nrun; j++) {
+            _Pragma("GCC unroll 8")
+            for (int m = 0; m < rdw; m++) {
+                const int dw = rdw * j + m;
+                __m256i xm[QXA_TG];
+                _Pragma("GCC unroll 4")
+                for (int gi = 0; gi < NG; gi++) xm[gi] = _mm256_load_si256((const __m256i *)(x[gi]->qs + 32 * dw));
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++) {
+                    const __m256i wm = _mm256_set1_epi32((int)ellm_rd_u32(b[r]->v + 4 * dw));
+                    _Pragma("GCC unroll 4")
+                    for (int gi = 0; gi < NG; gi++) {
+                        const __m256i p = _mm256_maddubs_epi16(wm, xm[gi]);
+                        s[gi][r] = m % G == 0 ? p : _mm256_add_epi16(s[gi][r], p);
+                        /* one running sum in a register: GCC would otherwise sum the
+                         * products as a tree, keeping them all live (spilled) */
+                        __asm__("" : "+x"(s[gi][r]));
+                        if (m % G == G - 1)
+                            tot[gi][r] = _mm256_add_epi32(tot[gi][r],
+                                                          _mm256_madd_epi16(s[gi][r], _mm256_set1_epi32(b[r]->sc[j])));
+                    }
+                }
+            }
+        }
+        _Pragma("GCC unroll 4")
+        for (int gi = 0; gi < NG; gi++) {
+            const __m256 dx = _mm256_load_ps(x[gi]->d);
+            __m256i bsp[QXA_TR];
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) bsp[r] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8")
+            for (int k = 0; k < 8; k++) {
+                if (q4 && k == 4) break;
+                const __m256i bs = q4 ? mp[(ii * QXA_GROUPS + gi) * 4 + k]
+                                      : _mm256_load_si256((const __m256i *)x[gi]->bsums[k]);
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++)
+                    bsp[r] = _mm256_add_epi32(bsp[r], _mm256_madd_epi16(bs, _mm256_set1_epi32(b[r]->pk[k])));
+            }
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++) {
+                if (q4) {
+                    a[gi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[gi][r]),
+                                               _mm256_mul_ps(_mm256_set1_ps(b[r]->d), dx), a[gi][r]);
+                    a[gi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bsp[r]),
+                                               _mm256_mul_ps(_mm256_set1_ps(b[r]->m), dx), a[gi][r]);
+                } else {
+                    const __m256i isum = _mm256_sub_epi32(tot[gi][r], _mm256_slli_epi32(bsp[r], 5));
+                    a[gi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                               _mm256_mul_ps(_mm256_set1_ps(b[r]->d), dx), a[gi][r]);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int gi = 0; gi < NG; gi++)
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) acc[gi * QXA_PANEL + r] = a[gi][r];
+}
+
+/* The whole (nr x nt) block: tokens QXA_GROUPS groups at a time, rows a panel at a time */
+KINLINE void qgemmk_avx2(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
+                         size_t xs, int64_t nt, float *y, size_t ys) {
+    const int q4 = type == ELLM_T_Q4_K;
+    const size_t bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    qxa_block blk[QXA_CHUNK][QXA_PANEL];
+    __m256 acc[QXA_GROUPS][QXA_PANEL];
+    __m256i mp[QXA_CHUNK][QXA_GROUPS][4]; /* Q4_K: qxa_min_pairs of the chunk's blocks */
+    for (int64_t t0 = 0; t0 < nt; t0 += QXA_GROUPS * ELLM_TG) {
+        const int64_t tn = nt - t0 < QXA_GROUPS * ELLM_TG ? nt - t0 : QXA_GROUPS * ELLM_TG;
+        const int ng = (int)((tn + ELLM_TG - 1) / ELLM_TG);
+        const uint8_t *xt = x + (size_t)(t0 / ELLM_TG) * xs;
+        for (int64_t r0 = 0; r0 < nr; r0 += QXA_PANEL) {
+            const int np = nr - r0 < QXA_PANEL ? (int)(nr - r0) : QXA_PANEL;
+            const uint8_t *wp = w + (size_t)r0 * ws;
+            for (int g = 0; g < ng; g++)
+                for (int r = 0; r < np; r++) acc[g][r] = _mm256_setzero_ps();
+            for (int64_t i0 = 0; i0 < nb; i0 += QXA_CHUNK) {
+                const int nc = nb - i0 < QXA_CHUNK ? (int)(nb - i0) : QXA_CHUNK;
+                for (int ii = 0; ii < nc; ii++)
+                    for (int r = 0; r < np; r++)
+                        qxa_unpack(q4, wp + (size_t)r * ws + (size_t)(i0 + ii) * bs, (size_t)QXA_PANEL * ws,
+                                   &blk[ii][r]);
+                if (q4)
+                    for (int ii = 0; ii < nc; ii++)
+                        for (int g = 0; g < ng; g++)
+                            qxa_min_pairs((const ellm_act256x8 *)(xt + (size_t)g * xs) + i0 + ii, mp[ii][g]);
+                __asm__("" : "+m"(blk)); /* read back by broadcast loads (see qgemm32_tile) */
+                for (int g = 0; g < ng; g += QXA_TG) {
+                    const int whole = ng - g >= QXA_TG; /* else the last groups one at a time */
+                    for (int gg = g; gg < (whole ? g + 1 : ng); gg++) {
+                        const ellm_act256x8 *xg = (const ellm_act256x8 *)(xt + (size_t)gg * xs) + i0;
+                        for (int r = 0; r < np; r += QXA_TR) {
+                            _Static_assert(QXA_TR == 1, "a panel's rows need no remainder tile");
+                            if (whole) qxa_tile(q4, QXA_TR, QXA_TG, nc, &blk[0][r], xg, xs, mp[0][gg], &acc[gg][r]);
+                            else qxa_tile(q4, QXA_TR, 1, nc, &blk[0][r], xg, xs, mp[0][gg], &acc[gg][r]);
+                        }
+                    }
+                }
+            }
+            for (int g = 0; g < ng; g++) {
+                const int n = tn - (int64_t)g * ELLM_TG < ELLM_TG ? (int)(tn - (int64_t)g * ELLM_TG) : ELLM_TG;
+                float *yg = y + (size_t)(t0 + (int64_t)g * ELLM_TG) * ys + (size_t)r0;
+                for (int r = 0; r < np; r++) {
+                    float out[ELLM_TG] __attribute__((aligned(32)));
+                    _mm256_store_ps(out, acc[g][r]);
+                    for (int t = 0; t < n; t++) yg[(size_t)t * ys + (size_t)r] = out[t];
+                }
+            }
+        }
+    }
+}
+
+KFUNC void qgemm_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
+                      int64_t nt, float *y, size_t ys) {
+    qgemmk_avx2(ELLM_T_Q4_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+KFUNC void qgemm_q6_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
+                      int64_t nt, float *y, size_t ys) {
+    qgemmk_avx2(ELLM_T_Q6_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+#endif /* QX_VNNI */
 
 #endif

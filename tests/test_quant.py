@@ -454,7 +454,9 @@ def test_kquant_batch_invariant_across_block_chunks(qtype: GGMLType, level: str,
     """At the AVX-512 level Q4_K and Q6_K rows are unpacked 8 blocks at a time for up to 8
     token pairs (quant_x86.h, QXK_REUSE_BLOCKS and QXK_BATCH_PAIRS), their sums kept between
     chunks; rows of 8, 9 and 17 blocks, T past one batch, give each row's T=1 bits. 512 rows:
-    one pair at a time (two_pairs)."""
+    one pair at a time (two_pairs). At the AVX2 level panels of 16 rows are unpacked 2 blocks
+    at a time for up to 16 token groups, taken 4 at a time (QXA_*): 37 rows end in a short
+    panel, odd block counts in a short chunk, T = 16 and 40 in groups left over from the 4s."""
     use_level(level)
     assert_prefixes_match_rows_alone(qtype, rows, 256 * blocks, (9, 16, 40, 129, 160),
                                      np.random.default_rng(700 + blocks + rows + int(qtype)))
