@@ -11,8 +11,8 @@
 # then decodes GEN_TOKENS greedy tokens from SmolLM2-135M's GGUF (Q4_1: the NEON int8 dots,
 # SDOT and SMMLA kernels) on each of them. The three must give the same ids and logprobs
 # bit for bit; against this (x86-64) machine's run the ids must agree up to the first near
-# tie and the logprobs within 0.1 (x86's kernels sum in another float order, and its own
-# levels differ in the same way). Ends with "N passed, M failed" (exit 1 on any failure).
+# tie and the logprobs within 0.25 nats (x86 runs other kernels for the float ops, and its
+# own levels differ too: up to 0.07 on SmolLM2, 0.13 between x86 and arm64 on Gemma 3). Ends with "N passed, M failed" (exit 1 on any failure).
 # Usage:
 #
 #   wheels/qemu_python.sh                 # after tests/run.sh (its .venv: cmake, cython, ellm)
@@ -177,7 +177,7 @@ print(json.dumps({"level": "+".join([_core.simd_level(), *_core.simd_extensions(
         # runner-up within NEAR_TIE nats on either side), with the chosen logprobs close.
         verdicts="$("$HOST_PYTHON" - "$BUILD" "${CPUS[@]}" <<'EOF'
 import json, sys
-NEAR_TIE, LOGPROB_TOL = 0.1, 0.1
+NEAR_TIE, LOGPROB_TOL = 0.1, 0.25
 build, cpus = sys.argv[1], sys.argv[2:]
 def load(name):
     try:
