@@ -10,7 +10,9 @@
 # -Wno-unused-parameter: thread-pool tasks take arguments they may not use). The driver
 # checks every SIMD level against the scalar one; on aarch64 it runs on three emulated
 # CPUs: cortex-a53 (plain NEON), cortex-a76 (+ dotprod) and max (+ i8mm), and on `max`
-# it forces each extension set in turn. Ends with "N passed, M failed" (exit 1 on any
+# it forces each extension set in turn; on an x86-64 host it also builds the host driver
+# and checks that every NEON variant's quantized linear outputs are the bits of this
+# machine's AVX2 level (30 checks). Ends with "N passed, M failed" (exit 1 on any
 # failure). Debian packages: gcc-aarch64-linux-gnu qemu-user gcc-mingw-w64-x86-64 wine64.
 set -euo pipefail
 
@@ -51,7 +53,8 @@ run() {
     echo "== $label: $*"
     local out rc=0
     out="$("$@" 2>&1 | tr -d '\r'; exit "${PIPESTATUS[0]}")" || rc=$?  # (wine: CRLF)
-    printf '%s\n' "$out" | grep -v '^PASSED' || true
+    LAST_OUT="$out"
+    printf '%s\n' "$out" | grep -v '^PASSED\|^HASH' || true
     local last
     last="$(printf '%s\n' "$out" | tail -n 1)"
     if [[ "$last" =~ ^([0-9]+)\ passed,\ ([0-9]+)\ failed$ ]]; then
@@ -69,7 +72,37 @@ case "$TARGET" in
         # neon_detection: the extensions each CPU model has (dispatch.c reads HWCAP)
         run "cortex-a53 (Armv8.0)" qemu-aarch64 -L "$SYSROOT" -cpu cortex-a53 "$BUILD/cross_test" --expect-neon=0
         run "cortex-a76 (Armv8.2 + dotprod)" qemu-aarch64 -L "$SYSROOT" -cpu cortex-a76 "$BUILD/cross_test" --expect-neon=1
-        run "max (+ i8mm)" qemu-aarch64 -L "$SYSROOT" -cpu max "$BUILD/cross_test" --expect-neon=3 ;;
+        run "max (+ i8mm)" qemu-aarch64 -L "$SYSROOT" -cpu max "$BUILD/cross_test" --expect-neon=3 --hashes
+        neon_hashes="$LAST_OUT"
+        # The quantized dots sum as the x86 kernels do, so each NEON variant must give this
+        # machine's AVX2 bits (same seeded inputs): the host driver (build/cross-host, as
+        # `cross.sh host` builds it) prints its levels' hashes.
+        if [[ "$(uname -m)" == x86_64 ]]; then
+            HOST_BUILD="$ROOT/build/cross-host"
+            "$CMAKE" -S "$ROOT" -B "$HOST_BUILD" -DELLM_KERNELS_ONLY=ON -DCMAKE_BUILD_TYPE=Release \
+                "-DCMAKE_C_FLAGS=-Werror -DELLM_THREADPOOL_CONDVAR" >/dev/null
+            nice "$CMAKE" --build "$HOST_BUILD" -j "$(nproc 2>/dev/null || echo 2)" >"$HOST_BUILD/build.log" 2>&1 \
+                || { cat "$HOST_BUILD/build.log" >&2; echo "FAILED the host build"; failed=$((failed + 1)); }
+            x86_hashes="$("$HOST_BUILD/cross_test" --hashes 2>/dev/null | grep '^HASH' || true)"
+            echo "== NEON bits vs this machine's AVX2 (quantized linear, 20 tokens)"
+            if ! grep -q '^HASH q4_0 avx2 ' <<<"$x86_hashes"; then
+                echo "FAILED bits: no AVX2 hashes from $HOST_BUILD/cross_test (this CPU lacks AVX2?)"
+                failed=$((failed + 1))
+            else
+                for type in q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k q4_k q5_k q6_k; do
+                    want="$(awk -v t="$type" '$2 == t && $3 == "avx2" {print $4}' <<<"$x86_hashes")"
+                    for variant in neon neon+dotprod neon+dotprod+i8mm; do
+                        got="$(awk -v t="$type" -v v="$variant" '$2 == t && $3 == v {print $4}' <<<"$neon_hashes")"
+                        if [[ -n "$want" && "$got" == "$want" ]]; then
+                            passed=$((passed + 1))
+                        else
+                            echo "FAILED bits_${type}_equals_avx2 [$variant]: ${got:-none} vs ${want:-none}"
+                            failed=$((failed + 1))
+                        fi
+                    done
+                done
+            fi
+        fi ;;
     windows)
         export WINEPREFIX="${WINEPREFIX:-$BUILD/wineprefix}" WINEDEBUG=-all
         run "wine64" "$WINE" "$BUILD/cross_test.exe" ;;

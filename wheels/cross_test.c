@@ -11,7 +11,10 @@
  *   - a normalized mean squared error bound elsewhere (levels sum floats in other orders).
  * Also the thread pool (counts, nesting, regions) and the file maps.
  *
- *   cross_test [--expect-neon=MASK]   (MASK: the extensions the CPU must report)
+ *   cross_test [--expect-neon=MASK] [--hashes]
+ * MASK: the extensions the CPU must report. --hashes: also print "HASH <type> <level> <hex>",
+ * a hash of each level's 20-token linear outputs, so wheels/cross.sh can check that the
+ * NEON kernels give the bits of the x86 ones (the same inputs: the generator is seeded).
  * Prints one line per check and, last, "N passed, M failed"; exits 1 on any failure. */
 #include <errno.h>
 #include <math.h>
@@ -190,6 +193,16 @@ static int linear(int qtype, const float *x, int64_t T, int64_t K, const uint8_t
     return r;
 }
 
+static int print_hashes = 0;
+
+/* FNV-1a of the bytes of n floats */
+static void print_hash(const char *type, const char *level, const float *y, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    const unsigned char *p = (const unsigned char *)y;
+    for (size_t i = 0; i < n * sizeof(float); i++) h = (h ^ p[i]) * 1099511628211ull;
+    printf("HASH %s %s %016llx\n", type, level, (unsigned long long)h);
+}
+
 static void test_linear(const level_cfg *cfg, int n_cfg) {
     static const struct { int qtype; const char *name; } types[] = {
         {ELLM_T_Q4_0, "q4_0"}, {ELLM_T_Q4_1, "q4_1"}, {ELLM_T_Q5_0, "q5_0"}, {ELLM_T_Q5_1, "q5_1"},
@@ -216,6 +229,7 @@ static void test_linear(const level_cfg *cfg, int n_cfg) {
             linear(qt, x, T, K, w, wb, N, y);
             snprintf(name, sizeof name, "linear_%s_vs_scalar", types[ti].name);
             check_close(name, cfg[c].name, y, ref, T * N, 1e-5);
+            if (print_hashes) print_hash(types[ti].name, cfg[c].name, y, (size_t)(T * N));
             /* batch invariance: each token alone, 3 tokens, on one thread */
             for (int64_t t = 0; t < T; t++) linear(qt, x + t * K, 1, K, w, wb, N, y1 + t * N);
             snprintf(name, sizeof name, "linear_%s_T1_equals_T%d", types[ti].name, (int)T);
@@ -441,6 +455,7 @@ int main(int argc, char **argv) {
     if (!tmp) tmp = "/tmp";
     for (int i = 1; i < argc; i++)
         if (!strncmp(argv[i], "--expect-neon=", 14)) expect_neon = atoi(argv[i] + 14);
+        else if (!strcmp(argv[i], "--hashes")) print_hashes = 1;
     printf("SIMD: best %s, NEON extensions %d, %d threads\n", ellm_simd_name(ellm_simd_best()),
            ellm_neon_features_best(), ellm_num_threads());
     if (expect_neon >= 0) {
