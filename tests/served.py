@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,15 +22,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_process(args: list[str], log: Path, up_within: float = 180, poll: float = 0.3,
-                  check_exit: bool = True) -> Iterator[str]:
-    """Runs `ellm serve ARGS --host 127.0.0.1 --port P`, its output into log, and yields
-    its base URL once /health answers. check_exit: the server must end by our SIGTERM
-    (status 0 or -15), with no traceback in its log."""
+def child_server(command: Callable[[int], list[str]], log: Path, up_within: float = 180, poll: float = 0.3,
+                 check_exit: bool = True) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Runs command(port) (a server listening on 127.0.0.1:port), its output into log, and
+    yields (the process, its base URL) once /health answers. check_exit: the server must
+    end by our SIGTERM (status 0 or -15), with no traceback in its log."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ellm", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command(port), stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + up_within
@@ -45,7 +44,7 @@ def serve_process(args: list[str], log: Path, up_within: float = 180, poll: floa
             if time.monotonic() > deadline:
                 pytest.fail(f"the server did not come up in {up_within:.0f} s:\n{log.read_text()[-4000:]}")
             time.sleep(poll)
-        yield url
+        yield proc, url
     finally:
         proc.terminate()
         try:
@@ -56,3 +55,23 @@ def serve_process(args: list[str], log: Path, up_within: float = 180, poll: floa
     if check_exit:
         assert proc.returncode in (0, -15), log.read_text()[-4000:]
         assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
+
+
+@contextmanager
+def serve_process(args: list[str], log: Path, up_within: float = 180, poll: float = 0.3,
+                  check_exit: bool = True) -> Iterator[str]:
+    """Runs `ellm serve ARGS --host 127.0.0.1 --port P` (child_server) and yields its base URL."""
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "ellm", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    with child_server(command, log, up_within, poll, check_exit) as (_, url):
+        yield url
+
+
+@contextmanager
+def python_server(code: str, args: list[str], log: Path, up_within: float = 180, poll: float = 0.2,
+                  check_exit: bool = True) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Runs `python -c CODE ARGS... PORT` (child_server): for a server a test builds with
+    create_app and settings the CLI does not have; CODE reads its port from sys.argv[-1]."""
+    with child_server(lambda port: [sys.executable, "-c", code, *args, str(port)], log, up_within, poll,
+                      check_exit) as started:
+        yield started

@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -117,6 +118,45 @@ def test_deeply_nested_schema_is_refused_without_recursion() -> None:
         SamplingParams(json_schema=schema)
     with pytest.raises(ValueError, match="nested more than 64 levels"):
         SamplingParams(json_schema=json.dumps({"a": [[[[[[[[[[]]]]]]]]]]}).replace("[]", "[" * 80 + "]" * 80))
+
+
+def _parsed_depth(value: object) -> int:
+    if isinstance(value, list):
+        return 1 + max((_parsed_depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((_parsed_depth(v) for v in value.values()), default=0)
+    return 0
+
+
+def test_body_depth_agrees_with_the_parser_when_strings_hold_brackets_and_escapes() -> None:
+    from ellm.server.body_limits import json_depth
+    rng = random.Random(5)
+    leaves = [1, None, 2.5, "a\"b\\", "\\", 'x\\"[{', "]]}", '"}' * 3, "\u00e9[", 'q\\\\\\"{', "\\\\"]
+
+    def doc(depth: int) -> object:
+        r = rng.random()
+        if depth > 7 or r < 0.3:
+            return rng.choice(leaves)
+        if r < 0.65:
+            return [doc(depth + 1) for _ in range(rng.randint(0, 4))]
+        return {rng.choice(["k", "[", '\\"', "{}"]) + str(i): doc(depth + 1) for i in range(rng.randint(0, 4))}
+
+    for _ in range(3000):
+        value = doc(0)
+        raw = json.dumps(value, ensure_ascii=rng.random() < 0.5).encode()
+        assert json_depth(raw) == _parsed_depth(value), raw
+
+
+def test_body_depth_of_an_unterminated_string_full_of_escaped_quotes() -> None:
+    """The depth check runs on the event loop for every body. It used to cut strings out
+    with a regex that, on a string with no closing quote, retried from every quote: quadratic
+    (24 KB of 'a\\"' froze the loop for ~20 s). Brackets after the opening quote are the
+    string's, as the parser reads them."""
+    from ellm.server.body_limits import depth_error, json_depth
+    raw = b'{"prompt": "' + b'a\\"' * 3000 + b"[[[["
+    assert json_depth(raw) == 1
+    deep = b'{"prompt": "' + b'a\\"' * 200_000 + b"]" + b"[" * 150   # 600 KB: answered at once
+    assert json_depth(deep) == 1 and depth_error(deep) is None
 
 
 @pytest.mark.parametrize("schema", [

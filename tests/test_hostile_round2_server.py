@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,54 +28,23 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from served import python_server  # noqa: E402
+
 _LAUNCH = r"""
 import sys, uvicorn, ellm
 from ellm.server import create_app
-path, port = sys.argv[1], int(sys.argv[2])
+path, port = sys.argv[1], int(sys.argv[-1])
 llm = ellm.load(path, max_model_len=512, max_num_seqs=8, progress=False)
 app = create_app(llm, served_model_name="m", max_queue=64, allow_image_urls=True)
 uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=20)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(smollm2_gguf: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, str(smollm2_gguf), str(port)],
-                                stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail("the server did not start")
-
-
 @pytest.fixture(scope="module")
 def url(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("hostile2-serve") / "server.log"
-    proc, base = _start(smollm2_gguf, log)
-    try:
+    with python_server(_LAUNCH, [str(smollm2_gguf)], log, up_within=120) as (_, base):
         yield base
-    finally:
-        alive = proc.poll() is None
-        proc.terminate()
-        proc.wait(30)
-    text = log.read_text()
-    assert alive, text[-3000:]
-    assert "Traceback" not in text, text[-4000:]
 
 
 def chat(url: str, timeout: float = 120, **fields) -> httpx.Response:
@@ -208,8 +175,7 @@ def test_loopback_image_urls_are_refused_without_echo(url: str) -> None:
 
 
 def test_sigterm_ends_streams_with_an_error_event_and_done(smollm2_gguf: Path, tmp_path: Path) -> None:
-    proc, base = _start(smollm2_gguf, tmp_path / "server.log")
-    try:
+    with python_server(_LAUNCH, [str(smollm2_gguf)], tmp_path / "server.log", up_within=120) as (proc, base):
         lines: list[str] = []
         started = threading.Event()
 
@@ -229,6 +195,3 @@ def test_sigterm_ends_streams_with_an_error_event_and_done(smollm2_gguf: Path, t
         assert lines[-1] == "data: [DONE]", lines[-3:]
         assert "server_shutting_down" in lines[-2], lines[-3:]
         assert proc.wait(30) in (0, -signal.SIGTERM)   # (uvicorn re-raises the signal it caught)
-    finally:
-        if proc.poll() is None:
-            proc.kill()

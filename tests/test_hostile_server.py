@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +26,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from served import python_server  # noqa: E402
+
 TIMEOUT_S = 2.0
 MAX_PROMPT_CHARS = 300_000
 
@@ -35,7 +35,7 @@ _LAUNCH = r"""
 import sys, uvicorn, ellm
 from ellm.server import create_app
 from ellm.server.timeouts import header_timeout_protocol
-path, port, timeout, max_chars = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+path, timeout, max_chars, port = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = ellm.load(path, max_model_len=512, max_num_seqs=8, progress=False)
 app = create_app(llm, served_model_name="m", max_queue=16)
 cfg = app.state.server.cfg
@@ -46,36 +46,12 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http=header_t
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def url(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("hostile-serve") / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, str(smollm2_gguf), str(port), str(TIMEOUT_S),
-                                 str(MAX_PROMPT_CHARS)], stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with python_server(_LAUNCH, [str(smollm2_gguf), str(TIMEOUT_S), str(MAX_PROMPT_CHARS)], log,
+                       up_within=120) as (_, base):
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(15)
-    text = log.read_text()
-    assert "Traceback" not in text, text[-4000:]
 
 
 def post(url: str, path: str, raw: bytes) -> httpx.Response:

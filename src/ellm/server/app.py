@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -77,7 +78,7 @@ class _Guard:
             # waits for it forever; past write_timeout it counts as gone (a stream's
             # generation is then aborted, as on a disconnect).
             try:
-                await asyncio.wait_for(send(msg), cfg.write_timeout)
+                await _within(send(msg), cfg.write_timeout)
             except asyncio.TimeoutError:
                 raise ConnectionAbortedError(f"the client read nothing for {cfg.write_timeout:g} s") from None
 
@@ -130,6 +131,21 @@ class _Guard:
         return "other"
 
 
+_timeout = getattr(asyncio, "timeout", None)   # Python 3.11+
+
+
+async def _within(step: Awaitable[None], seconds: float) -> None:
+    """await step, raising asyncio.TimeoutError past `seconds`. Every message of every
+    response passes here (each chunk of a stream): asyncio.timeout arms a timer around the
+    await, where wait_for (Python 3.10) also wraps it in a task of its own, several times
+    the event loop's work per chunk."""
+    if _timeout is None:
+        await asyncio.wait_for(step, seconds)
+        return
+    async with _timeout(seconds):
+        await step
+
+
 def _declared_length(scope: Scope) -> int:
     for name, value in scope.get("headers", []):
         if name == b"content-length":
@@ -163,6 +179,16 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 
 
 
+def _freeze_startup_heap() -> None:
+    """Moves every object alive at startup (the model's and tokenizer's Python objects,
+    the app, the modules) out of the garbage collector's generations (gc.freeze): they
+    live as long as the server, and otherwise every collection of the older generations
+    walks all of them again (~87k objects for the tiny SmolVLM), holding the GIL: each
+    one stalls every client and /health. Garbage made later is collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
     """The ASGI app. With manage_engine, the app's lifespan starts and stops the engine thread."""
 
@@ -174,6 +200,7 @@ def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
             # request: building it holds the GIL for a second or more (a 262k vocabulary:
             # several), which, at the first constrained request, would stall every client
             await asyncio.get_running_loop().run_in_executor(None, server.engine.engine.prepare_constraints)
+        _freeze_startup_heap()
         # SIGTERM / Ctrl-C end running streams with an error event and [DONE] at once,
         # before the server's grace period cuts them (streaming.DRAIN)
         restore_signals = drain_on_signals()
@@ -181,6 +208,7 @@ def build_app(server: Server, manage_engine: bool = True) -> FastAPI:
             yield
         finally:
             restore_signals()
+            gc.unfreeze()
             if manage_engine:
                 await asyncio.get_running_loop().run_in_executor(None, server.engine.shutdown)
 
