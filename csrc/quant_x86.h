@@ -845,7 +845,133 @@ DEFINE_QGEMM32(qgemm_q4_0, ELLM_T_Q4_0)
 DEFINE_QGEMM32(qgemm_q4_1, ELLM_T_Q4_1)
 DEFINE_QGEMM32(qgemm_q5_0, ELLM_T_Q5_0)
 DEFINE_QGEMM32(qgemm_q5_1, ELLM_T_Q5_1)
+#if !QX_VNNI
+/* ------------------------------------------------------------------------------------
+ * Q8_0, many tokens, at the AVX2 level, as qgemmk_avx2 does the K-quants: a panel of up
+ * to QX8_PANEL weight rows is unpacked QX8_CHUNK blocks at a time (|q| and q, d) once for
+ * all the call's token groups (up to QX8_GROUPS at once, their float sums waiting in
+ * memory between chunks), and each chunk runs against the groups QX8_TG at a time, one
+ * row at a time: one broadcast of a weight dword (and of its signs) serves 32 tokens, and
+ * the groups' activations stay in L1 across the panel's rows. (qgemm32_tile unpacked
+ * every block once per 8-token group and read each weight dword twice per group.)
+ *
+ * Each output gets qgemm32_tile's integer sums (exact: psign moves q's sign onto x,
+ * maddubs' pair sums stay below 2 x 128 x 127, madd widens each dword step) and its
+ * float step, fma(isum, d d_x, acc) block by block in block order from 0, so the bits
+ * are those of the decode kernels and of any batch or thread split.
+ *
+ * AMD EPYC Zen 3, one thread, thread CPU time, old and new alternated in one process,
+ * items of 16 rows x 128 tokens as matmul.c runs them, T=512, same bits (load ~3-4 on 2
+ * cores): 2048 x 2048 1.22-1.52x, 8192 x 2048 1.36x, 2048 x 8192 1.28-1.67x (~75 -> ~100
+ * GFLOP/s); the 1B Llama-shape Q8_0 file's prefill of 512 at one thread 14.2-16.1 ->
+ * 10.8-11.2 s of CPU. Chunks of 4 or 16 blocks measured the same; weights and activations
+ * widened to int16 (two madds a dword, no psign) ran slower (~85 GFLOP/s).
+ * ------------------------------------------------------------------------------------ */
+#define QX8_PANEL 16
+#define QX8_CHUNK 8
+#define QX8_GROUPS 16
+#define QX8_TG 4
+
+/* One unpacked block of one row: |q| (maddubs' unsigned operand) and q (the signs) */
+typedef struct {
+    uint8_t u[32] __attribute__((aligned(32)));
+    uint8_t s[32] __attribute__((aligned(32))); /* (the bytes of q) */
+} qx8_block;
+
+/* acc[g * QX8_PANEL] (g < NG) += the nc blocks of one row (blk[ii * QX8_PANEL], d[ii *
+ * QX8_PANEL]) against the groups at xg (the first group's first block of the chunk; the
+ * next group xs bytes on) */
+KINLINE void qx8_tile(const int NG, const int nc, const qx8_block *blk, const float *d,
+                      const ellm_act32x8 *xg, size_t xs, __m256 *acc) {
+    __m256 a[QX8_TG];
+    _Pragma("GCC unroll 4")
+    for (int gi = 0; gi < NG; gi++) a[gi] = acc[gi * QX8_PANEL];
+    for (int ii = 0; ii < nc; ii++) {
+        const qx8_block *b = blk + ii * QX8_PANEL;
+        const ellm_act32x8 *x[QX8_TG];
+        __m256i isum[QX8_TG];
+        _Pragma("GCC unroll 4")
+        for (int gi = 0; gi < NG; gi++) {
+            x[gi] = (const ellm_act32x8 *)((const uint8_t *)xg + (size_t)gi * xs) + ii;
+            isum[gi] = _mm256_setzero_si256();
+        }
+        _Pragma("GCC unroll 8")
+        for (int m = 0; m < 8; m++) {
+            const __m256i wu = _mm256_set1_epi32((int)ellm_rd_u32(b->u + 4 * m));
+            const __m256i ws = _mm256_set1_epi32((int)ellm_rd_u32(b->s + 4 * m));
+            _Pragma("GCC unroll 4")
+            for (int gi = 0; gi < NG; gi++) {
+                const __m256i xm = _mm256_loadu_si256((const __m256i *)(x[gi]->qs + 32 * m));
+                const __m256i p = _mm256_maddubs_epi16(wu, _mm256_sign_epi8(xm, ws));
+                isum[gi] = _mm256_add_epi32(isum[gi], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+                /* one running sum in a register: GCC would otherwise sum the products as
+                 * a tree, keeping them all live (spilled) */
+                __asm__("" : "+x"(isum[gi]));
+            }
+        }
+        _Pragma("GCC unroll 4")
+        for (int gi = 0; gi < NG; gi++)
+            a[gi] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[gi]),
+                                    _mm256_mul_ps(_mm256_set1_ps(d[ii * QX8_PANEL]), _mm256_loadu_ps(x[gi]->d)),
+                                    a[gi]);
+    }
+    _Pragma("GCC unroll 4")
+    for (int gi = 0; gi < NG; gi++) acc[gi * QX8_PANEL] = a[gi];
+}
+
+/* The whole (nr x nt) block: tokens QX8_GROUPS groups at a time, rows a panel at a time */
+KFUNC void qgemm_q8_0(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
+                      int64_t nt, float *y, size_t ys) {
+    qx8_block blk[QX8_CHUNK][QX8_PANEL];
+    float dbuf[QX8_CHUNK][QX8_PANEL];
+    __m256 acc[QX8_GROUPS][QX8_PANEL];
+    for (int64_t t0 = 0; t0 < nt; t0 += QX8_GROUPS * ELLM_TG) {
+        const int64_t tn = nt - t0 < QX8_GROUPS * ELLM_TG ? nt - t0 : QX8_GROUPS * ELLM_TG;
+        const int ng = (int)((tn + ELLM_TG - 1) / ELLM_TG);
+        const uint8_t *xt = x + (size_t)(t0 / ELLM_TG) * xs;
+        for (int64_t r0 = 0; r0 < nr; r0 += QX8_PANEL) {
+            const int np = nr - r0 < QX8_PANEL ? (int)(nr - r0) : QX8_PANEL;
+            const uint8_t *wp = w + (size_t)r0 * ws;
+            for (int g = 0; g < ng; g++)
+                for (int r = 0; r < np; r++) acc[g][r] = _mm256_setzero_ps();
+            for (int64_t i0 = 0; i0 < nb; i0 += QX8_CHUNK) {
+                const int nc = nb - i0 < QX8_CHUNK ? (int)(nb - i0) : QX8_CHUNK;
+                for (int r = 0; r < np; r++)
+                    for (int ii = 0; ii < nc; ii++) {
+                        const uint8_t *b = wp + (size_t)r * ws + (size_t)(i0 + ii) * Q8_0_BYTES;
+                        float c;
+                        block32_scales(ELLM_T_Q8_0, b, (size_t)QX8_PANEL * ws, &dbuf[ii][r], &c);
+                        __m256i sq = _mm256_setzero_si256();
+                        _mm256_store_si256((__m256i *)blk[ii][r].u, values32(ELLM_T_Q8_0, b, &sq));
+                        _mm256_store_si256((__m256i *)blk[ii][r].s, sq);
+                    }
+                __asm__("" : "+m"(blk)); /* read back by broadcast loads (see qgemm32_tile) */
+                for (int g = 0; g < ng; g += QX8_TG) {
+                    const int whole = ng - g >= QX8_TG; /* else the last groups one at a time */
+                    for (int gg = g; gg < (whole ? g + 1 : ng); gg++) {
+                        const ellm_act32x8 *xg = (const ellm_act32x8 *)(xt + (size_t)gg * xs) + i0;
+                        for (int r = 0; r < np; r++) {
+                            if (whole) qx8_tile(QX8_TG, nc, &blk[0][r], &dbuf[0][r], xg, xs, &acc[gg][r]);
+                            else qx8_tile(1, nc, &blk[0][r], &dbuf[0][r], xg, xs, &acc[gg][r]);
+                        }
+                    }
+                }
+            }
+            for (int g = 0; g < ng; g++) {
+                const int n = tn - (int64_t)g * ELLM_TG < ELLM_TG ? (int)(tn - (int64_t)g * ELLM_TG) : ELLM_TG;
+                float *yg = y + (size_t)(t0 + (int64_t)g * ELLM_TG) * ys + (size_t)r0;
+                for (int r = 0; r < np; r++) {
+                    float out[ELLM_TG] __attribute__((aligned(32)));
+                    _mm256_store_ps(out, acc[g][r]);
+                    for (int t = 0; t < n; t++) yg[(size_t)t * ys + (size_t)r] = out[t];
+                }
+            }
+        }
+    }
+}
+#else
 DEFINE_QGEMM32(qgemm_q8_0, ELLM_T_Q8_0)
+#endif
 
 /* The whole (nr x nt) block from a body that takes one weight row against nt <= 4
  * tokens (the K-quants): rows one by one (at one token, a single sequential stream
