@@ -119,5 +119,6 @@ ellm_qgemm_fn ellm_qgemm_avx2(int qtype) {
 }
 
 ellm_qdot_fn ellm_qdot_stream_avx2(int qtype) {
-    return qdot_stream_kernel(qtype);
+    /* Q8_0's one-token kernel (4 rows at a time, qdot_q8_rows4) streams faster */
+    return qtype == ELLM_T_Q8_0 ? NULL : qdot_stream_kernel(qtype);
 }
