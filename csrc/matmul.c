@@ -137,7 +137,9 @@ _Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS && AMX_FEW_TOKENS <= FEW_TOKENS_VNNI
  * AMD CPUs the kernel variant that reads one row at a time (same results) streams it
  * faster than the 8-row tiles with their software prefetch, on Intel's the tiles do. AMD
  * EPYC, 2 threads: Gemma 3's 178 MB head 7.4-7.7 -> 6.1-6.8 ms, SmolLM2's 30 MB one
- * 1.24-1.33 -> 1.00-1.10 ms; the layers' matrices (under 1 MB) were slower that way. */
+ * 1.24-1.33 -> 1.00-1.10 ms; the layers' matrices (under 1 MB) were slower that way.
+ * A type whose stream variant is NULL at the level keeps its tiles: Q8_0 at AVX2, whose
+ * 4-row one-token kernel was faster than the one-row stream at every size tried. */
 #define DECODE_ROW_STREAM_BYTES ((size_t)16 << 20)
 
 static int64_t decode_item_bytes(size_t call_bytes) {
