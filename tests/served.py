@@ -6,13 +6,17 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -75,3 +79,30 @@ def python_server(code: str, args: list[str], log: Path, up_within: float = 180,
     with child_server(lambda port: [sys.executable, "-c", code, *args, str(port)], log, up_within, poll,
                       check_exit) as started:
         yield started
+
+
+def health_answers_during(url: str, request: Callable[[], T]) -> tuple[T, int]:
+    """Runs request() while another thread asks url's /health every 10 ms; returns its
+    result and how many /health answers came back while it ran (none, if the request
+    held the server's event loop)."""
+    answers: list[None] = []
+    done = threading.Event()
+
+    def pinger() -> None:
+        with httpx.Client(timeout=30) as c:
+            while not done.is_set():
+                if c.get(url + "/health").status_code == 200:
+                    answers.append(None)
+                time.sleep(0.01)
+
+    t = threading.Thread(target=pinger)
+    t.start()
+    try:
+        time.sleep(0.2)
+        before = len(answers)
+        result = request()
+        during = len(answers) - before
+    finally:
+        done.set()
+        t.join(30)
+    return result, during

@@ -28,7 +28,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from served import python_server  # noqa: E402
+from served import health_answers_during, python_server  # noqa: E402
 
 _LAUNCH = r"""
 import sys, uvicorn, ellm
@@ -81,26 +81,8 @@ def test_constraints_compile_off_the_event_loop(url: str) -> None:
     as before, none could be)."""
     tag = time.time_ns() % 100_000   # options no earlier request compiled
     options = [f"opt {tag} {k}" for k in range(10_000)]
-    events: list[str] = []
-    done = threading.Event()
-
-    def pinger() -> None:
-        with httpx.Client(timeout=30) as c:
-            while not done.is_set():
-                if c.get(url + "/health").status_code == 200:
-                    events.append("health")
-                time.sleep(0.01)
-
-    t = threading.Thread(target=pinger)
-    t.start()
-    try:
-        time.sleep(0.2)
-        before = len(events)
-        r = chat(url, guided_choice=options, messages=[{"role": "user", "content": "hello " * 600}])
-        during = len(events) - before
-    finally:
-        done.set()
-        t.join(30)
+    r, during = health_answers_during(url, lambda: chat(
+        url, guided_choice=options, messages=[{"role": "user", "content": "hello " * 600}]))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
     assert during >= 3, f"only {during} /health answers while the constraint compiled"
     metrics = httpx.get(url + "/metrics", timeout=30).text
@@ -112,26 +94,8 @@ def test_constraints_compile_off_the_event_loop(url: str) -> None:
 
 def test_detokenize_of_millions_of_ids_stays_off_the_loop(url: str) -> None:
     raw = json.dumps({"tokens": [42] * 2_000_000}).encode()
-    events: list[str] = []
-    done = threading.Event()
-
-    def pinger() -> None:
-        with httpx.Client(timeout=30) as c:
-            while not done.is_set():
-                if c.get(url + "/health").status_code == 200:
-                    events.append("health")
-                time.sleep(0.01)
-
-    t = threading.Thread(target=pinger)
-    t.start()
-    try:
-        time.sleep(0.2)
-        before = len(events)
-        r = httpx.post(url + "/detokenize", content=raw, headers={"content-type": "application/json"}, timeout=300)
-        during = len(events) - before
-    finally:
-        done.set()
-        t.join(30)
+    r, during = health_answers_during(url, lambda: httpx.post(
+        url + "/detokenize", content=raw, headers={"content-type": "application/json"}, timeout=300))
     assert r.status_code == 200, r.text[:300]
     assert during >= 3, f"only {during} /health answers while the ids were decoded"
 

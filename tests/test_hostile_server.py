@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from served import python_server  # noqa: E402
+from served import health_answers_during, python_server  # noqa: E402
 
 TIMEOUT_S = 2.0
 MAX_PROMPT_CHARS = 300_000
@@ -107,26 +105,8 @@ def test_health_answers_while_a_long_prompt_is_tokenized(url: str) -> None:
     it is tokenized, which takes a while; /health requests made meanwhile must be answered
     before it (with tokenizing on the event loop, none could be)."""
     long_prompt = "hello world, " * (MAX_PROMPT_CHARS // 13 - 10)
-    events: list[str] = []
-    done = threading.Event()
-
-    def pinger() -> None:
-        with httpx.Client(timeout=30) as c:
-            while not done.is_set():
-                if c.get(url + "/health").status_code == 200:
-                    events.append("health")
-                time.sleep(0.01)
-
-    t = threading.Thread(target=pinger)
-    t.start()
-    try:
-        time.sleep(0.2)
-        before = len(events)
-        r = httpx.post(url + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 1}, timeout=120)
-        during = len(events) - before
-    finally:
-        done.set()
-        t.join(30)
+    r, during = health_answers_during(url, lambda: httpx.post(
+        url + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 1}, timeout=120))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert during >= 3, f"only {during} /health answers while the prompt was tokenized"
 
