@@ -134,37 +134,8 @@ cdef class LoraTable:
         return <uintptr_t>&self.proj
 
 
-cdef class _Scratch:
-    cdef void *raw
-    cdef uint8_t *ptr
-    cdef size_t cap
-
-    cdef int reserve(self, size_t nbytes) except -1:
-        if nbytes <= self.cap:
-            return 0
-        cdef size_t cap = max(nbytes, 2 * self.cap)
-        cdef void *p = malloc(cap + 64)
-        if p == NULL:
-            raise MemoryError(f"cannot allocate {cap} bytes of LoRA scratch")
-        free(self.raw)
-        self.raw = p
-        self.ptr = <uint8_t *>((<uintptr_t>p + 63) & ~(<uintptr_t>63))
-        self.cap = cap
-        return 0
-
-    def __dealloc__(self):
-        free(self.raw)
-
-
-_tls = threading.local()
-
-
-cdef _Scratch _scratch():
-    s = getattr(_tls, "scratch", None)
-    if s is None:
-        s = _Scratch()
-        _tls.scratch = s
-    return <_Scratch>s
+SCRATCH_USE = "LoRA"
+include "scratch.pxi"
 
 
 def apply(const float[:, ::1] x not None, const int32_t[::1] row_slots not None, parts) -> None:

@@ -167,41 +167,11 @@ cdef int _check_weights(Py_buffer *buf, int qtype, int64_t k, str fn) except -1:
 
 
 # ------------------------------------------------------------------------------------
-# Scratch for the quantized activations: one buffer per Python thread, grown only
-# when a call needs more (two threads may run kernels at once with the GIL released)
+# Scratch for the quantized activations (scratch.pxi: one buffer per Python thread)
 # ------------------------------------------------------------------------------------
 
-cdef class _Scratch:
-    cdef void *raw
-    cdef uint8_t *ptr   # 64-byte aligned inside raw
-    cdef size_t cap
-
-    cdef int reserve(self, size_t nbytes) except -1:
-        if nbytes <= self.cap:
-            return 0
-        cdef size_t cap = max(nbytes, 2 * self.cap)
-        cdef void *p = malloc(cap + 64)
-        if p == NULL:
-            raise MemoryError(f"cannot allocate {cap} bytes of scratch")
-        free(self.raw)
-        self.raw = p
-        self.ptr = <uint8_t *>((<uintptr_t>p + 63) & ~(<uintptr_t>63))
-        self.cap = cap
-        return 0
-
-    def __dealloc__(self):
-        free(self.raw)
-
-
-_tls = threading.local()
-
-
-cdef _Scratch _scratch():
-    s = getattr(_tls, "scratch", None)
-    if s is None:
-        s = _Scratch()
-        _tls.scratch = s
-    return <_Scratch>s
+SCRATCH_USE = "activation"
+include "scratch.pxi"
 
 
 def scratch_bytes() -> int:
