@@ -1,5 +1,5 @@
-"""What `ellm`'s command line means, checked before a model loads: the words of `ellm run`
-and whether `ellm serve` can have its port. A mistake here costs the user a model load
+"""What `ellm`'s command line means, checked before a model loads: the words of `ellm run`,
+whether `ellm serve` can have its port, and the NAME=PATH items of --lora-modules. A mistake here costs the user a model load
 (seconds to minutes) when it is found only afterwards."""
 from __future__ import annotations
 
@@ -59,3 +59,16 @@ def port_problem(host: str, port: int) -> str | None:
                 return f"port {port} on {host} is in use (another server?); choose another with --port"
             return f"cannot listen on {host}:{port}: {e.strerror or e}"
     return None
+
+
+def lora_modules(items: list[str] | None) -> dict[str, str]:
+    """[lora] --lora-modules NAME=PATH ... (vLLM's spelling) -> {name: path}, in order."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise CommandLineError(f"--lora-modules takes NAME=PATH items, got {item!r}")
+        if name in out:
+            raise CommandLineError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out

@@ -89,14 +89,11 @@ def main(args: argparse.Namespace) -> int:
         return _usage_error(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         return _usage_error("--served-model-name names must not be empty")
-    lora_adapters: dict[str, str] = {}
-    for item in args.lora_modules or ():   # [lora] NAME=PATH, as vLLM's --lora-modules
-        name, sep, path = item.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            return _usage_error(f"--lora-modules takes NAME=PATH items, got {item!r}")
-        if name in lora_adapters:
-            return _usage_error(f"--lora-modules names {name!r} twice")
-        lora_adapters[name] = path
+    from ..cli_args import CommandLineError, lora_modules
+    try:
+        lora_adapters = lora_modules(args.lora_modules)   # [lora] NAME=PATH, as vLLM's --lora-modules
+    except CommandLineError as e:
+        return _usage_error(str(e))
     if lora_adapters and args.replicas is not None:
         return _usage_error("--lora-modules is not supported with --replicas yet")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
