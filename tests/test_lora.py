@@ -210,6 +210,58 @@ def test_unknown_adapter_is_refused(lora_llms) -> None:
         llm.stream([1, 2, 3], max_tokens=2, adapter="nope")
 
 
+# -- ellm trace / inspect with an adapter --------------------------------------------------
+
+def test_trace_runs_the_adapter_against_transformers_and_peft(tiny_lora, lora_llms, tmp_path) -> None:
+    """`ellm trace` with an adapter: every op of ellm + the adapter within its band of
+    transformers + peft's, the traced logits the peft golden's, and not the base's."""
+    from ellm.cli import main as cli_main
+    from ellm.trace import make_reference, record, trace
+    from ellm.trace.references import ReferenceError
+    folder, name = tiny_lora / "llama", "all16"
+    path = folder / "adapters" / name
+    llm = lora_llms["llama"]
+    ids = np.load(folder / "ids.npy").tolist()
+    result = trace(llm, ids, make_reference("transformers", folder, ref_python(), adapter=path),
+                   model_path=folder, adapter=name)
+    assert result.first is None, result.table()
+    assert result.adapter == name and "adapter all16" in result.table()
+    traced = record(llm, ids, adapter=name).logits
+    _assert_close_relative(traced, np.load(path / "logits.npy"))
+    base = record(llm, ids).logits
+    _assert_close_relative(base, np.load(folder / "logits.npy"))
+    assert np.abs(traced - base).max() > 0.05 * np.abs(base).max()
+    # the reference ops run the same adapter; a reference without it is refused, not diffed
+    ops_result = trace(llm, ids, make_reference("reference", folder, adapter=path), model_path=folder, adapter=name)
+    assert ops_result.first is None, ops_result.table()
+    with pytest.raises(ReferenceError, match="reference runs the base alone"):
+        trace(llm, ids, make_reference("reference", folder), model_path=folder, adapter=name)
+    # the command line: --lora-modules NAME=PATH (the only one: traced), and --adapter
+    # (against the reference ops here: transformers + peft ran above)
+    out = tmp_path / "trace.json"
+    args = ["trace", str(folder), "hello world", "--lora-modules", f"{name}={path}", "--json", str(out),
+            "--reference", "reference", "--quiet"]
+    assert cli_main(args) == 0
+    got = json.loads(out.read_text())
+    assert got["adapter"] == name and got["first_divergence"] is None and str(path) in got["reference"]
+    assert cli_main([*args, "--adapter", "other"]) == 2
+    assert cli_main([*args[:4], f"{name}={path}", f"two={path}", *args[5:]]) == 2   # which one?
+
+
+def test_inspect_page_traces_an_adapter(tiny_lora, lora_llms) -> None:
+    pytest.importorskip("starlette")
+    from ellm.trace.inspect.app import BadRequest, Inspector
+    llm = lora_llms["llama"]
+    page = Inspector(llm, "tiny-llama")
+    assert page.model_info()["adapters"] == ADAPTERS["llama"]
+    ids = np.load(tiny_lora / "llama" / "ids.npy").tolist()[:12]
+    base, adapted = page.trace(ids), page.trace(ids, page.adapter_of({"ids": ids, "adapter": "all16"}))
+    assert adapted["adapter"] == "all16" and base["adapter"] is None
+    assert adapted["norms"] != base["norms"]
+    with pytest.raises(BadRequest, match="unknown adapter 'nope'"):
+        page.adapter_of({"ids": ids, "adapter": "nope"})
+
+
 # -- the kernel against its specification ------------------------------------------------
 
 def _in_dtype(m: np.ndarray, dtype: str) -> np.ndarray:

@@ -41,9 +41,11 @@ def check_ids(ids: Sequence[int], vocab: int, max_len: int) -> list[int]:
 
 
 def record(llm: Any, ids: Sequence[int], positions: Iterable[int] | None = None,
-           attention_weights: bool = True, max_tokens: int = 1024, lens_top_k: int = 0) -> Recording:
+           attention_weights: bool = True, max_tokens: int = 1024, lens_top_k: int = 0,
+           adapter: str | None = None) -> Recording:
     """One forward pass of `llm` over ids with a Recorder; positions default to all;
-    lens_top_k > 0 adds the logit lens.
+    lens_top_k > 0 adds the logit lens; adapter: [lora] the name of a LoRA adapter given
+    to ellm.load(lora_adapters=...) to run the pass with (None: the base alone).
 
     The pass (and the lens: the kernels' thread pool serves one caller at a time) runs on
     the LLM's engine thread between two steps, so tracing is safe while the LLM serves
@@ -51,16 +53,18 @@ def record(llm: Any, ids: Sequence[int], positions: Iterable[int] | None = None,
     model = llm.model
     ids = check_ids(ids, model.config.vocab_size, min(max_tokens, llm.engine.cfg.max_model_len))
     wanted = None if positions is None else sorted({_position(p, len(ids)) for p in positions})
+    slot = llm.engine.adapter_slot(adapter)   # [lora] an unknown name is a RequestError naming those loaded
     rec = Recorder(wanted, attention_weights)
     loop = getattr(llm, "async_engine", None)
     if loop is None:   # an engine without a loop thread
-        return _traced_pass(llm.engine, model, ids, rec, lens_top_k)
+        return _traced_pass(llm.engine, model, ids, rec, lens_top_k, slot)
     if not loop.is_running:
         loop.start()
-    return loop.call(lambda engine: _traced_pass(engine, model, ids, rec, lens_top_k)).result()
+    return loop.call(lambda engine: _traced_pass(engine, model, ids, rec, lens_top_k, slot)).result()
 
 
-def _traced_pass(engine: Any, model: Any, ids: list[int], rec: Recorder, lens_top_k: int) -> Recording:
+def _traced_pass(engine: Any, model: Any, ids: list[int], rec: Recorder, lens_top_k: int,
+                 slot: int = -1) -> Recording:
     key = ("trace", next(_trace_ids))
     blocks = engine.blocks
     if not blocks.allocate(key, len(ids)):
@@ -68,6 +72,8 @@ def _traced_pass(engine: Any, model: Any, ids: list[int], rec: Recorder, lens_to
     try:
         tables = {w: np.asarray([blocks.table(key, w)], np.int32) for w in engine.kv.windows}
         batch = Batch.single(np.asarray(ids, np.int32), 0, tables, all_logits=True)
+        if slot >= 0:   # [lora] every row through the adapter's factors
+            batch.adapter_slots = np.full(len(ids), slot, np.int32)
         rec.start(batch)
         model.recorder = rec
         try:

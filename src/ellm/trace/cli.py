@@ -35,6 +35,33 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", type=_positions, default=None, metavar="L,L,...",
                    help="also write these layers' attention weights into --json")
     p.add_argument("--quiet", action="store_true", help="print only the verdict, not the table")
+    _add_lora_arguments(p)
+    p.add_argument("--adapter", default=None, metavar="NAME",
+                   help="the adapter of --lora-modules to trace (default: the only one given); the "
+                        "reference runs it too (transformers through peft: a PEFT folder)")
+
+
+def _add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",  # [lora]
+                   help="LoRA adapters over the model, as `ellm serve` takes them (PEFT folders, or "
+                        "llama.cpp LoRA .gguf files for a .gguf model; docs/lora.md)")
+
+
+def traced_adapter(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """[lora] (name, path) of the adapter `ellm trace` runs: --adapter among --lora-modules,
+    or the only one given; (None, None): the base alone."""
+    from ..cli_args import CommandLineError, lora_modules
+    adapters = lora_modules(args.lora_modules)
+    name = args.adapter
+    if name is None:
+        if len(adapters) > 1:
+            raise CommandLineError(f"--lora-modules gives {len(adapters)} adapters: name the one to trace "
+                                   f"with --adapter ({', '.join(adapters)})")
+        name = next(iter(adapters), None)
+    elif name not in adapters:
+        given = ", ".join(adapters) if adapters else "none"
+        raise CommandLineError(f"--adapter {name!r} is not among --lora-modules (given: {given})")
+    return name, None if name is None else adapters[name]
 
 
 def prompt_ids(llm: Any, prompt: str, chat: bool) -> list[int]:
@@ -52,13 +79,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from .references import ReferenceError
     from .tracer import make_reference, trace
 
+    adapter, adapter_path = traced_adapter(args)   # checked before the model loads
     resolved = hub.resolve(args.model)
-    llm = ellm.load(resolved.path, device=args.device, max_num_seqs=1, progress=False)
+    llm = ellm.load(resolved.path, device=args.device, max_num_seqs=1, progress=False,
+                    lora_adapters=None if adapter is None else {adapter: adapter_path})
     ids = prompt_ids(llm, args.prompt, args.chat)
     try:
-        reference = make_reference(args.reference, resolved.path, args.reference_python)
+        reference = make_reference(args.reference, resolved.path, args.reference_python, adapter=adapter_path)
         result = trace(llm, ids, reference, model_path=resolved.path, positions=args.positions,
-                       attention_layers=_layers(args.attention, llm.config.num_hidden_layers))
+                       attention_layers=_layers(args.attention, llm.config.num_hidden_layers), adapter=adapter)
     except ReferenceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -85,6 +114,7 @@ def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--device", default="cpu", choices=["cpu", "reference"])
     p.add_argument("--max-tokens", type=int, default=256, help="longest prompt the page may trace")
+    _add_lora_arguments(p)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -95,5 +125,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 2
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    serve(args.model, host=args.host, port=args.port, device=args.device, max_tokens=args.max_tokens)
+    from ..cli_args import lora_modules
+    serve(args.model, host=args.host, port=args.port, device=args.device, max_tokens=args.max_tokens,
+          lora_adapters=lora_modules(args.lora_modules))
     return 0

@@ -4,12 +4,13 @@ Run as a script by a Python that has torch and transformers (`--reference-python
 ELLM_REF_PYTHON); it imports nothing from ellm, so ellm need not be installed there:
 
     python -c "import runpy,sys; sys.argv=sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" \
-        hf_reference.py --model FOLDER [--gguf-file NAME] --ids 1,2,3 --out ref.npz
+        hf_reference.py --model FOLDER [--gguf-file NAME] [--adapter PEFT_FOLDER] --ids 1,2,3 --out ref.npz
 
 The model is loaded in float32 with eager attention (a GGUF through gguf_file=, which
 dequantizes every tensor), run once over the ids, and observed only through transformers'
 own module hooks, plus a wrapper around the modeling module's apply_rotary_pos_emb that
-keeps what it returns. Every array is saved in transformers' layout, one row per position:
+keeps what it returns. With --adapter, peft puts a LoRA adapter's layers into the model
+first (the hooked projections' outputs then include the adapter's products). Every array is saved in transformers' layout, one row per position:
 (T, features) float32 under "<layer>.<op>" (layer "-" for embed / final_norm / logits),
 with op names as in ellm/trace/recorder.py; attn_probs rows are (nh * T).
 """
@@ -180,7 +181,7 @@ class Capture:
         self.restore.append(lambda: setattr(mod, "apply_rotary_pos_emb", original))
 
 
-def load(model_path: str, gguf_file: str | None) -> Any:
+def load(model_path: str, gguf_file: str | None, adapter: str | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -188,6 +189,14 @@ def load(model_path: str, gguf_file: str | None) -> Any:
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    if adapter:
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise SystemExit("error: tracing with a LoRA adapter needs peft in the reference Python") from None
+        # peft swaps the adapted projections for its LoRA layers inside the model itself;
+        # the model (not the wrapper) is what the hooks look into
+        model = PeftModel.from_pretrained(model, adapter).get_base_model()
     model.eval()
     return model
 
@@ -230,11 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a Hugging Face folder (or the folder of --gguf-file)")
     p.add_argument("--gguf-file", default=None, help="a GGUF file name inside --model")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA folder to run the model with")
     p.add_argument("--ids", action="append", default=[],
                    help="comma-separated token ids; repeat with --out for several prompts")
     p.add_argument("--out", action="append", default=[], help="the .npz to write, one per --ids")
     p.add_argument("--jobs", default=None, metavar="JSON",
-                   help='instead of the above: a file [{"model", "gguf_file", "ids": [...], "out"}, ...] '
+                   help='instead of the above: a file [{"model", "gguf_file", "adapter", "ids": [...], "out"}, ...] '
                         "(several models in one process: torch and transformers load once)")
     a = p.parse_args(argv)
     if a.jobs:
@@ -244,13 +254,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--model (or --jobs) is required")
         if len(a.ids) != len(a.out) or not a.ids:
             p.error(f"give --ids and --out in pairs ({len(a.ids)} --ids, {len(a.out)} --out)")
-        jobs = [{"model": a.model, "gguf_file": a.gguf_file, "ids": t, "out": o} for t, o in zip(a.ids, a.out)]
-    models: dict[tuple[str, str | None], tuple[Any, float]] = {}
+        jobs = [{"model": a.model, "gguf_file": a.gguf_file, "adapter": a.adapter, "ids": t, "out": o}
+                for t, o in zip(a.ids, a.out)]
+    models: dict[tuple[str, str | None, str | None], tuple[Any, float]] = {}
     for job in jobs:
         ids = job["ids"] if isinstance(job["ids"], list) else _parse_ids(job["ids"])
         if not ids or not all(isinstance(t, int) for t in ids):
             p.error(f"job for {job['model']}: ids must be a non-empty list of integers")
-        key = (job["model"], job.get("gguf_file"))
+        key = (job["model"], job.get("gguf_file"), job.get("adapter"))
         if key not in models:
             models.clear()   # one model in memory at a time; jobs come grouped by model
             t0 = time.perf_counter()

@@ -4,6 +4,10 @@
   a Hugging Face folder or on a GGUF that transformers loads and dequantizes;
 - ellm's own NumPy reference ops (ops/reference.py) on the same weights, recorded by the
   same forward pass with the same Recorder.
+
+Either may run the model with a LoRA adapter ([lora], `adapter=`): transformers through
+peft on a PEFT folder, the reference ops through ellm's own loader (a PEFT folder or a
+llama.cpp LoRA GGUF).
 """
 from __future__ import annotations
 
@@ -37,16 +41,32 @@ def reference_python(explicit: str | None) -> str:
     return py
 
 
-class TransformersReference:
-    """transformers on a folder or GGUF file; results kept per ids (one run serves many traces)."""
+def peft_folder(adapter: str | Path) -> Path:
+    """A LoRA adapter transformers can run (through peft): a PEFT folder; a llama.cpp LoRA
+    GGUF is refused here, naming the reference that reads it."""
+    p = Path(adapter).expanduser()
+    if p.is_file() and p.name == "adapter_config.json":
+        p = p.parent
+    if not (p / "adapter_config.json").is_file():
+        what = "a llama.cpp LoRA GGUF" if p.suffix == ".gguf" else "not a PEFT folder (no adapter_config.json)"
+        raise ReferenceError(f"the adapter {p} is {what}: transformers runs PEFT folders only "
+                             "(trace it with --reference reference, ellm's NumPy ops)")
+    return p
 
-    def __init__(self, path: Path, python: str | None = None, timeout_s: float = 900.0) -> None:
+
+class TransformersReference:
+    """transformers on a folder or GGUF file; results kept per ids (one run serves many traces).
+    adapter: [lora] a PEFT folder that peft applies to the model (None: the base alone)."""
+
+    def __init__(self, path: Path, python: str | None = None, timeout_s: float = 900.0,
+                 adapter: str | Path | None = None) -> None:
         self.path = Path(path).expanduser()
         if not self.path.is_file() and not (self.path / "config.json").is_file():
             raise ReferenceError(f"{self.path} is neither a GGUF file nor a Hugging Face folder")
+        self.adapter = None if adapter is None else peft_folder(adapter)
         self.python = reference_python(python)
         self.timeout_s = timeout_s
-        self.label = f"transformers on {self.path}"
+        self.label = f"transformers on {self.path}" + ("" if self.adapter is None else f" + peft {self.adapter}")
         self.meta: dict[str, Any] = {}
         self._runs: dict[tuple[int, ...], dict[Key, np.ndarray]] = {}
 
@@ -70,7 +90,8 @@ def prefetch_together(work: Sequence[tuple[TransformersReference, Sequence[Seque
         for ids in dict.fromkeys(tuple(int(t) for t in p) for p in prompts):
             if ids not in ref._runs:
                 jobs.append({"model": str(ref.path.parent if ref.path.is_file() else ref.path),
-                             "gguf_file": ref.path.name if ref.path.is_file() else None, "ids": list(ids)})
+                             "gguf_file": ref.path.name if ref.path.is_file() else None,
+                             "adapter": None if ref.adapter is None else str(ref.adapter), "ids": list(ids)})
                 owners.append((ref, ids))
     if not jobs:
         return
@@ -105,16 +126,20 @@ def _key(name: str) -> Key:
 
 
 class OpsReference:
-    """ellm's forward pass on ops/reference.py (NumPy, f32 on dequantized weights)."""
+    """ellm's forward pass on ops/reference.py (NumPy, f32 on dequantized weights), with
+    adapter ([lora]: a PEFT folder or llama.cpp LoRA GGUF) when one is given."""
 
-    def __init__(self, source: str | Path) -> None:
+    def __init__(self, source: str | Path, adapter: str | Path | None = None) -> None:
         self.source = source
-        self.label = "ellm reference ops"
+        self.adapter = adapter
+        self.label = "ellm reference ops" + ("" if adapter is None else f" + {adapter}")
         self._llm: Any = None
 
     def record(self, ids: Sequence[int], positions: Iterable[int] | None) -> Any:
         import ellm
         from .capture import record
         if self._llm is None:
-            self._llm = ellm.load(self.source, device="reference", max_num_seqs=1, progress=False)
-        return record(self._llm, ids, positions)
+            adapters = None if self.adapter is None else {"traced": self.adapter}
+            self._llm = ellm.load(self.source, device="reference", max_num_seqs=1, progress=False,
+                                  lora_adapters=adapters)
+        return record(self._llm, ids, positions, adapter=None if self.adapter is None else "traced")

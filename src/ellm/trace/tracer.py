@@ -1,8 +1,12 @@
 """`ellm trace`: run ellm and a reference on the same ids, diff every named op, name the first
 one that goes wrong.
 
-    result = trace(llm, ids, "transformers", model_path=path, ref_python=...)
+    result = trace(llm, ids, make_reference("transformers", path, ref_python), model_path=path)
     print(result.table()); json.dump(result.as_json(), f)
+
+With a LoRA adapter ([lora]): ellm loaded with lora_adapters={NAME: PATH}, traced with
+adapter=NAME, against make_reference(..., adapter=PATH) (transformers + peft, or the
+reference ops with the same adapter).
 """
 from __future__ import annotations
 
@@ -35,13 +39,15 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     position_errors: list[float] = field(default_factory=list)  # the first divergence's, per kept position
+    adapter: str | None = None   # [lora] the LoRA adapter the pass ran with (None: the base alone)
 
     def as_json(self) -> dict[str, Any]:
         first = None
         if self.first is not None:
             first = {**self.first.as_json(), "position_errors": self.position_errors}
         return {
-            "model": self.model, "reference": self.reference, "ids": self.ids, "tokens": self.tokens,
+            "model": self.model, "adapter": self.adapter, "reference": self.reference, "ids": self.ids,
+            "tokens": self.tokens,
             "positions": self.positions, "weight_class": self.weight_class,
             "band_measured": tolerances.is_measured(self.weight_class),
             "first_divergence": first,
@@ -52,7 +58,8 @@ class TraceResult:
         }
 
     def table(self) -> str:
-        lines = [f"ellm trace: {self.model} vs {self.reference} ({self.weight_class} weights), "
+        model = self.model if self.adapter is None else f"{self.model} + adapter {self.adapter}"
+        lines = [f"ellm trace: {model} vs {self.reference} ({self.weight_class} weights), "
                  f"{len(self.ids)} tokens, positions {_ranges(self.positions)}",
                  f"{'layer':>5}  {'op':<15}{'max_abs':>11}{'rel':>11}{'cos':>11}{'tol':>9}"]
         for r in self.rows:
@@ -83,31 +90,40 @@ def _ranges(ps: Sequence[int]) -> str:
 
 
 
-def make_reference(spec: str, model_path: Path, ref_python: str | None = None) -> Any:
+def make_reference(spec: str, model_path: Path, ref_python: str | None = None,
+                   adapter: str | Path | None = None) -> Any:
     """'transformers' (on model_path), 'reference' (ellm's reference ops on model_path), or a
-    folder / GGUF file for transformers to run."""
+    folder / GGUF file for transformers to run; adapter: [lora] the LoRA adapter's path, run
+    by the reference too (transformers takes a PEFT folder, through peft)."""
     if spec == "transformers":
-        ref = TransformersReference(model_path, ref_python)
-        ref.label = "transformers"
+        ref = TransformersReference(model_path, ref_python, adapter=adapter)
+        ref.label = "transformers" + ("" if adapter is None else " + peft")
         return ref
     if spec == "reference":
-        return OpsReference(model_path)
+        return OpsReference(model_path, adapter)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ReferenceError(f"--reference {spec!r}: expected 'transformers', 'reference' or the path of "
                              "a Hugging Face folder or GGUF file (no such path)")
-    return TransformersReference(path, ref_python)
+    return TransformersReference(path, ref_python, adapter=adapter)
 
 
 def trace(llm: Any, ids: Sequence[int], reference: Any, *, model_path: Path,
           positions: Iterable[int] | None = None, lens_top_k: int = 5,
-          attention_layers: Iterable[int] = ()) -> TraceResult:
+          attention_layers: Iterable[int] = (), adapter: str | None = None) -> TraceResult:
     """Diff `llm` (any backend) against `reference` (make_reference()) on ids.
 
-    model_path: the files llm was loaded from (they tell the weight type, hence the bands)."""
+    model_path: the files llm was loaded from (they tell the weight type, hence the bands).
+    adapter: [lora] the name of one of llm's LoRA adapters to run ellm with; the reference
+    must have been made with that adapter's path (and without one when adapter is None)."""
+    if (adapter is None) != (getattr(reference, "adapter", None) is None):
+        have = "the base alone" if adapter is None else f"adapter {adapter!r}"
+        raise ReferenceError(f"ellm runs {have} but the reference runs "
+                             f"{'an adapter' if adapter is None else 'the base alone'}: give both the adapter "
+                             "(make_reference(..., adapter=PATH)) or neither")
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    mine = record(llm, ids, positions, lens_top_k=lens_top_k)
+    mine = record(llm, ids, positions, lens_top_k=lens_top_k, adapter=adapter)
     seconds["ellm"] = round(time.perf_counter() - t0, 3)
     cfg = llm.model.config
     notes: list[str] = []
@@ -142,7 +158,7 @@ def trace(llm: Any, ids: Sequence[int], reference: Any, *, model_path: Path,
         tokens=[tok.decode([t]) for t in mine.ids], positions=mine.positions.tolist(),
         weight_class=wclass, rows=rows, first=first, lens=lens,
         attention={int(i): mine.arrays[(int(i), "attn_probs")] for i in attention_layers},
-        notes=notes, seconds=seconds, position_errors=pos_err)
+        notes=notes, seconds=seconds, position_errors=pos_err, adapter=adapter)
 
 
 __all__ = ["TraceResult", "trace", "make_reference", "Recording"]

@@ -2,9 +2,10 @@
 
     GET  /                 the page (static/index.html; app.js and style.css beside it)
     GET  /api/model        name, layers, heads, vocabulary size, longest prompt
-    POST /api/trace        {"prompt": str, "chat": bool} or {"ids": [int]} ->
-                           tokens, per layer x token the residual norm and logit-lens top
-                           tokens, the next token's distribution, and a trace id
+    POST /api/trace        {"prompt": str, "chat": bool} or {"ids": [int]}, and "adapter":
+                           a LoRA adapter's name or null (the base) -> tokens, per layer x
+                           token the residual norm and logit-lens top tokens, the next
+                           token's distribution, and a trace id
     GET  /api/attention    ?trace=ID&layer=L&head=H -> that head's weights (tokens x tokens)
 
 Generation step by step is the page sending the ids again with one token more. Every
@@ -62,9 +63,21 @@ class Inspector:
 
     def model_info(self) -> dict[str, Any]:
         c = self.llm.config
+        lora = getattr(self.llm.model, "lora", None)
         return {"name": self.name, "model_type": c.model_type, "layers": c.num_hidden_layers,
                 "heads": c.num_attention_heads, "vocab_size": c.vocab_size, "max_tokens": self.max_tokens,
-                "chat_template": bool(self.llm.tokenizer.chat_template)}
+                "chat_template": bool(self.llm.tokenizer.chat_template),
+                "adapters": list(lora.names) if lora is not None else []}
+
+    def adapter_of(self, body: Any) -> str | None:
+        """[lora] The body's "adapter": a loaded adapter's name, or null / absent (the base)."""
+        name = body.get("adapter") if isinstance(body, dict) else None
+        if name is None:
+            return None
+        have = self.model_info()["adapters"]
+        if not isinstance(name, str) or name not in have:
+            raise BadRequest(f"unknown adapter {name!r} (loaded: {', '.join(have) if have else 'none'})")
+        return name
 
     def ids_of(self, body: Any) -> list[int]:
         if not isinstance(body, dict):
@@ -89,10 +102,10 @@ class Inspector:
             return tok.encode_chat([{"role": "user", "content": prompt}])
         return self.llm.encode_prompt(prompt)
 
-    def trace(self, ids: list[int]) -> dict[str, Any]:
+    def trace(self, ids: list[int], adapter: str | None = None) -> dict[str, Any]:
         with self.lock:
             try:
-                rec = record(self.llm, ids, max_tokens=self.max_tokens, lens_top_k=LENS_TOP)
+                rec = record(self.llm, ids, max_tokens=self.max_tokens, lens_top_k=LENS_TOP, adapter=adapter)
             except ValueError as e:
                 raise BadRequest(str(e)) from None
             lens = rec.lens
@@ -107,6 +120,7 @@ class Inspector:
         lens_ids = lens["ids"]                                    # (L, T, k)
         return {
             "trace": trace_id,
+            "adapter": adapter,
             "ids": rec.ids,
             "tokens": [self.piece(t) for t in rec.ids],
             "layers": int(lens_ids.shape[0]),
@@ -212,8 +226,9 @@ def create_app(inspector: Inspector, hosts: tuple[str, ...] = ()) -> Any:
             return _bad("the body is nested too deeply")
         try:
             ids = inspector.ids_of(body)
+            adapter = inspector.adapter_of(body)
             from starlette.concurrency import run_in_threadpool
-            return JSONResponse(await run_in_threadpool(inspector.trace, ids))
+            return JSONResponse(await run_in_threadpool(inspector.trace, ids, adapter))
         except BadRequest as e:
             return _bad(str(e))
 
@@ -244,13 +259,13 @@ def _bad(message: str, status: int = 400) -> JSONResponse:
 
 
 def serve(model: str | None, host: str = "127.0.0.1", port: int = 8765, device: str = "cpu",
-          max_tokens: int = 256) -> None:
+          max_tokens: int = 256, lora_adapters: dict[str, str] | None = None) -> None:
     import uvicorn
 
     import ellm
     from ... import hub
     resolved = hub.resolve(model)
-    llm = ellm.load(resolved.path, device=device, max_num_seqs=1)
+    llm = ellm.load(resolved.path, device=device, max_num_seqs=1, lora_adapters=lora_adapters or None)
     app = create_app(Inspector(llm, resolved.name, max_tokens), hosts=(host,))
     print(f"ellm inspect: {resolved.name} on http://{host}:{port}/  (Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -167,15 +167,24 @@ $("prompt-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
   const prompt = $("prompt").value;
   if (!prompt) { show("type a prompt first"); return; }
-  runTrace({ prompt, chat: $("chat").checked });
+  runTrace({ prompt, chat: $("chat").checked, adapter: $("adapter").value || null });
 });
 
 $("step").addEventListener("click", () => {
-  if (current) runTrace({ ids: current.ids.concat([current.next[0].id]) });
+  // the next step runs with the adapter of the trace it continues
+  if (current) runTrace({ ids: current.ids.concat([current.next[0].id]), adapter: current.adapter });
 });
 
 api("/api/model").then((m) => {
   $("model-name").textContent = `${m.name} \u00b7 ${m.layers} layers \u00b7 ${m.heads} heads`;
   $("chat-label").hidden = !m.chat_template;
+  // LoRA adapters loaded with --lora-modules: the page traces the base or one of them
+  for (const name of m.adapters || []) {
+    const opt = document.createElement("option");
+    opt.value = name;
+    opt.textContent = name;
+    $("adapter").appendChild(opt);
+  }
+  $("adapter-label").hidden = !(m.adapters && m.adapters.length);
   document.body.dataset.layers = m.layers;
 }).catch((e) => show("error: " + e.message));
