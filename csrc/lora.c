@@ -71,7 +71,7 @@ typedef struct {
     int64_t ldx, K;
     const ellm_lora_part *parts;
     int n_parts, active;
-    int64_t deferred;      /* > 0: the shrink's items, left to the epilogue's first block */
+    int64_t deferred;      /* > 0: the shrink's items, left to the base's pass (help_shrink) */
     const int32_t *row_slot;
     const int32_t *order;  /* rows grouped by slot */
     const int64_t *start;  /* (S + 1,): slot s's rows are order[start[s] .. start[s + 1]) */
@@ -192,7 +192,7 @@ static int lora_prepare(lora_job *J, const float *x, int64_t ldx, int64_t T, con
         J->b_first[i + 1] = J->b_first[i] + (parts[i].proj->N + EXPAND_BLOCK - 1) / EXPAND_BLOCK;
     J->active = 1;
     if (macs <= LORA_SERIAL_SHRINK_MACS || ellm_num_threads() < 2) {
-        if (may_defer) J->deferred = n_items;   /* the first block of the base's pass runs it */
+        if (may_defer) J->deferred = n_items;   /* the base's pass runs it, as its blocks start */
         else task_a(J, 0, n_items, 0);
     } else {
         ellm_parallel_for(n_items, 1, task_a, J);
@@ -256,24 +256,34 @@ static void expand_block(const lora_job *J, int lp, int64_t n0, int64_t n1, int6
 typedef struct {
     const lora_job *J;
     int lora_of[ELLM_LINEAR_MAX_PARTS]; /* linear part -> its lora part, or -1 */
-    /* [deferred shrink] 0: not started, 1: a thread is summing it, 2: done */
-    _Atomic int shrink_state;
+    /* [deferred shrink] its J->deferred items: the next one to claim, and how many are done */
+    _Atomic int64_t shrink_next, shrink_done;
 } lora_epilogue;
 
-/* A small shrink (a decode step's) runs inside the base product's pass: the first thread
- * to start a block sums it there and then, while the others start on their base blocks;
- * an expand waits for it (a thread summing it is running, never waiting on anything, so
- * the wait ends). Serial before the pass, it left the other threads idle for its length. */
-static void ensure_shrink(lora_epilogue *E) {
-    if (atomic_load_explicit(&E->shrink_state, memory_order_acquire) == 2) return;
-    int expected = 0;
-    if (atomic_compare_exchange_strong_explicit(&E->shrink_state, &expected, 1, memory_order_acq_rel,
-                                                memory_order_acquire)) {
-        task_a((void *)E->J, 0, E->J->deferred, 0);
-        atomic_store_explicit(&E->shrink_state, 2, memory_order_release);
-        return;
+/* A small shrink (a decode step's) runs inside the base product's pass: each thread that
+ * starts a block while some of its items (a chunk of 16 ranks of one adapter's A for one
+ * projection: q, k and v are three) are unclaimed sums them one by one there and then, the
+ * others start on their base blocks; an expand waits until every item is done (a thread
+ * summing one is running, never waiting on anything, so the wait ends), taking unclaimed
+ * items itself rather than spinning. Each item is the same sums whichever thread runs it,
+ * so the bits do not depend on the sharing. Serial before the pass, the shrink left the
+ * other threads idle for its length; on one thread inside it, an expand of the other
+ * thread's first block waited for all of q/k/v's items. */
+static void help_shrink(lora_epilogue *E) {
+    const int64_t n = E->J->deferred;
+    while (atomic_load_explicit(&E->shrink_next, memory_order_relaxed) < n) {
+        const int64_t it = atomic_fetch_add_explicit(&E->shrink_next, 1, memory_order_relaxed);
+        if (it >= n) break;
+        task_a((void *)E->J, it, it + 1, 0);
+        atomic_fetch_add_explicit(&E->shrink_done, 1, memory_order_release);
     }
-    while (atomic_load_explicit(&E->shrink_state, memory_order_acquire) != 2) {
+}
+
+static void ensure_shrink(lora_epilogue *E) {
+    const int64_t n = E->J->deferred;
+    if (atomic_load_explicit(&E->shrink_done, memory_order_acquire) == n) return;
+    help_shrink(E);
+    while (atomic_load_explicit(&E->shrink_done, memory_order_acquire) != n) {
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
@@ -292,7 +302,7 @@ static void lora_epilogue_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_
  * base is done, they stalled the expand (SmolLM2 decode: 8% of a step, 1 thread). */
 static void lora_prefetch_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
     lora_epilogue *E = ctx;
-    if (atomic_load_explicit(&E->shrink_state, memory_order_relaxed) == 0) ensure_shrink(E);
+    help_shrink(E);   /* unclaimed shrink items first: every expand waits for them */
     if (part < 0 || part >= ELLM_LINEAR_MAX_PARTS || E->lora_of[part] < 0) return;
     const lora_job *J = E->J;
     const ellm_lora_proj *proj = J->parts[E->lora_of[part]].proj;
@@ -320,7 +330,8 @@ int ellm_linear_multi_lora(const float *x, int64_t T, int64_t K, const ellm_line
         return ELLM_E_SHAPE;
     lora_epilogue E;
     for (int i = 0; i < ELLM_LINEAR_MAX_PARTS; i++) E.lora_of[i] = -1;
-    atomic_init(&E.shrink_state, 0);
+    atomic_init(&E.shrink_next, 0);
+    atomic_init(&E.shrink_done, 0);
     for (int i = 0; i < n_parts; i++) {   /* each lora part adds to its own linear part's y */
         const int li = lin_index[i];
         if (li < 0 || li >= n_lin || E.lora_of[li] >= 0 || !parts[i].proj) return ELLM_E_SHAPE;
@@ -333,8 +344,7 @@ int ellm_linear_multi_lora(const float *x, int64_t T, int64_t K, const ellm_line
     const int st = lora_prepare(&J, x, K, T, row_slot, parts, n_parts, scratch, scratch_bytes, 1);
     if (st != ELLM_OK) return st;
     if (!J.active) return ellm_linear_multi(x, T, K, lin, n_lin, lin_scratch, lin_bytes);
-    E.J = &J;
-    if (J.deferred == 0) atomic_init(&E.shrink_state, 2);
+    E.J = &J;   /* J.deferred == 0 (the shrink ran before the pass): every item is done */
     const ellm_linear_epilogue epi = {lora_epilogue_fn, &E, lora_prefetch_fn};
     return ellm_linear_multi_epi(x, T, K, lin, n_lin, lin_scratch, lin_bytes, &epi);
 }

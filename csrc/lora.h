@@ -6,7 +6,7 @@
  * order), each adapter's factors are read once for all of its rows. The A products (the
  * shrink) run first: on one thread when they are small (a decode step's few rows), else
  * on the pool; then the B products. ellm_linear_multi_lora runs both inside the base
- * product's own pass over the pool: a small shrink on the first thread to start a block,
+ * product's own pass over the pool: a small shrink by the threads as they start blocks,
  * and the B products of each block of outputs as soon as the base wrote it (their
  * factors prefetched as it starts), so a decode step wakes the pool for adapters no more
  * often than without them. No Python anywhere in it.
