@@ -253,47 +253,78 @@ static void expand_block(const lora_job *J, int lp, int64_t n0, int64_t n1, int6
     }
 }
 
+/* A block of outputs whose expand waits for the shrink: the thread that completes the
+ * shrink runs it (ready: its fields are written). */
+typedef struct {
+    int part;
+    int64_t n0, n1, t0, t1;
+    _Atomic int ready;
+} waiting_block;
+
+#define LORA_WAITING_MAX 32
+#define SHRINK_COMPLETE ((uint64_t)1 << 63)
+
 typedef struct {
     const lora_job *J;
     int lora_of[ELLM_LINEAR_MAX_PARTS]; /* linear part -> its lora part, or -1 */
     /* [deferred shrink] its J->deferred items: the next one to claim, and how many are done */
     _Atomic int64_t shrink_next, shrink_done;
+    /* SHRINK_COMPLETE once every item is done; below it, how many of `waiting` are taken */
+    _Atomic uint64_t state;
+    waiting_block waiting[LORA_WAITING_MAX];
 } lora_epilogue;
+
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
 
 /* A small shrink (a decode step's) runs inside the base product's pass: each thread that
  * starts a block while some of its items (a chunk of 16 ranks of one adapter's A for one
  * projection: q, k and v are three) are unclaimed sums them one by one there and then, the
- * others start on their base blocks; an expand waits until every item is done (a thread
- * summing one is running, never waiting on anything, so the wait ends), taking unclaimed
- * items itself rather than spinning. Each item is the same sums whichever thread runs it,
- * so the bits do not depend on the sharing. Serial before the pass, the shrink left the
- * other threads idle for its length; on one thread inside it, an expand of the other
- * thread's first block waited for all of q/k/v's items. */
+ * others start on their base blocks. A block whose base product is done before the
+ * shrink does not wait for it: its expand is left in `waiting`, and the thread that
+ * completes the shrink runs it (then and there, inside the same pass), so no thread
+ * spins while another sums A. Each item and each expand is the same sums whichever thread
+ * runs it, so the bits do not depend on the sharing. Serial before the pass, the shrink
+ * left the other threads idle for its length; on one thread inside it, with the expands
+ * waiting for it, they spun for it (SmolLM2 decode, 2 threads: ~2% of the samples). */
 static void help_shrink(lora_epilogue *E) {
     const int64_t n = E->J->deferred;
     while (atomic_load_explicit(&E->shrink_next, memory_order_relaxed) < n) {
         const int64_t it = atomic_fetch_add_explicit(&E->shrink_next, 1, memory_order_relaxed);
         if (it >= n) break;
         task_a((void *)E->J, it, it + 1, 0);
-        atomic_fetch_add_explicit(&E->shrink_done, 1, memory_order_release);
-    }
-}
-
-static void ensure_shrink(lora_epilogue *E) {
-    const int64_t n = E->J->deferred;
-    if (atomic_load_explicit(&E->shrink_done, memory_order_acquire) == n) return;
-    help_shrink(E);
-    while (atomic_load_explicit(&E->shrink_done, memory_order_acquire) != n) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
+        if (atomic_fetch_add_explicit(&E->shrink_done, 1, memory_order_acq_rel) + 1 == n) {
+            /* the last item: every u is summed; the blocks left waiting are this thread's */
+            const uint64_t taken = atomic_fetch_or_explicit(&E->state, SHRINK_COMPLETE, memory_order_acq_rel);
+            for (uint64_t i = 0; i < taken; i++) {
+                waiting_block *w = &E->waiting[i];
+                while (!atomic_load_explicit(&w->ready, memory_order_acquire)) spin_pause();   /* being written */
+                expand_block(E->J, E->lora_of[w->part], w->n0, w->n1, w->t0, w->t1);
+            }
+        }
     }
 }
 
 static void lora_epilogue_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
     lora_epilogue *E = ctx;
     if (part < 0 || part >= ELLM_LINEAR_MAX_PARTS || E->lora_of[part] < 0) return;
-    ensure_shrink(E);
+    help_shrink(E);
+    uint64_t s = atomic_load_explicit(&E->state, memory_order_acquire);
+    while (!(s & SHRINK_COMPLETE)) {
+        if (s >= LORA_WAITING_MAX) {   /* no room left: wait for the shrink (a thread is summing it) */
+            while (!(atomic_load_explicit(&E->state, memory_order_acquire) & SHRINK_COMPLETE)) spin_pause();
+            break;
+        }
+        if (atomic_compare_exchange_weak_explicit(&E->state, &s, s + 1, memory_order_acq_rel, memory_order_acquire)) {
+            waiting_block *w = &E->waiting[s];
+            w->part = part, w->n0 = n0, w->n1 = n1, w->t0 = t0, w->t1 = t1;
+            atomic_store_explicit(&w->ready, 1, memory_order_release);
+            return;   /* the thread completing the shrink expands it */
+        }
+    }
     expand_block(E->J, E->lora_of[part], n0, n1, t0, t1);
 }
 
@@ -302,7 +333,7 @@ static void lora_epilogue_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_
  * base is done, they stalled the expand (SmolLM2 decode: 8% of a step, 1 thread). */
 static void lora_prefetch_fn(void *ctx, int part, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
     lora_epilogue *E = ctx;
-    help_shrink(E);   /* unclaimed shrink items first: every expand waits for them */
+    help_shrink(E);   /* unclaimed shrink items first: every expand needs them */
     if (part < 0 || part >= ELLM_LINEAR_MAX_PARTS || E->lora_of[part] < 0) return;
     const lora_job *J = E->J;
     const ellm_lora_proj *proj = J->parts[E->lora_of[part]].proj;
@@ -332,6 +363,8 @@ int ellm_linear_multi_lora(const float *x, int64_t T, int64_t K, const ellm_line
     for (int i = 0; i < ELLM_LINEAR_MAX_PARTS; i++) E.lora_of[i] = -1;
     atomic_init(&E.shrink_next, 0);
     atomic_init(&E.shrink_done, 0);
+    atomic_init(&E.state, 0);
+    for (int i = 0; i < LORA_WAITING_MAX; i++) atomic_init(&E.waiting[i].ready, 0);
     for (int i = 0; i < n_parts; i++) {   /* each lora part adds to its own linear part's y */
         const int li = lin_index[i];
         if (li < 0 || li >= n_lin || E.lora_of[li] >= 0 || !parts[i].proj) return ELLM_E_SHAPE;
@@ -344,7 +377,8 @@ int ellm_linear_multi_lora(const float *x, int64_t T, int64_t K, const ellm_line
     const int st = lora_prepare(&J, x, K, T, row_slot, parts, n_parts, scratch, scratch_bytes, 1);
     if (st != ELLM_OK) return st;
     if (!J.active) return ellm_linear_multi(x, T, K, lin, n_lin, lin_scratch, lin_bytes);
-    E.J = &J;   /* J.deferred == 0 (the shrink ran before the pass): every item is done */
+    E.J = &J;
+    if (J.deferred == 0) atomic_init(&E.state, SHRINK_COMPLETE);   /* the shrink ran before the pass */
     const ellm_linear_epilogue epi = {lora_epilogue_fn, &E, lora_prefetch_fn};
     return ellm_linear_multi_epi(x, T, K, lin, n_lin, lin_scratch, lin_bytes, &epi);
 }
