@@ -424,5 +424,3 @@ ellm_act_fn ellm_act_select(int qtype) {
 #endif
     return blk == QK32 ? ellm_act32_scalar : ellm_act256_scalar;
 }
-
-int ellm_dbg_switch = 0; /* DBG */

@@ -194,5 +194,4 @@ ellm_qdot_fn ellm_qdot_stream_select(int qtype);
 /* The kernel in force for many tokens, or NULL (then the qdot kernel serves every T). */
 ellm_qgemm_fn ellm_qgemm_select(int qtype);
 
-extern int ellm_dbg_switch; /* DBG */
 #endif

@@ -1336,39 +1336,6 @@ KINLINE __m256i q6k_block_isum(const uint8_t *b, const ellm_act256 *a) {
     return _mm256_sub_epi32(sumi, _mm256_slli_epi32(off, 5));
 }
 
-/* q6k_block_isum for two tokens at once: the block unpacked once */
-KINLINE void q6k_block_isum2(const uint8_t *b, const ellm_act256 *a0, const ellm_act256 *a1, __m256i *i0, __m256i *i1) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-    const int8_t *sc = (const int8_t *)(b + 192);
-    __m256i sch[2];
-    scales16_halves(sc, sch);
-    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-    _Pragma("GCC unroll 2")
-    for (int h = 0; h < 2; h++) {
-        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(ql0, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
-        q[1] = _mm256_or_si256(_mm256_and_si256(ql1, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4), _mm256_and_si256(qh, top2));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4),
-                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
-        _Pragma("GCC unroll 2")
-        for (int r = 0; r < 4; r += 2) {
-            const __m256i sa = scale_pair(sch[h], r), sb = scale_pair(sch[h], r + 1);
-            const int o = 128 * h + 32 * r;
-            s0 = _mm256_add_epi32(s0, DOT2_S16(_mm256_maddubs_epi16(q[r], _mm256_loadu_si256((const __m256i *)(a0->qs + o))), sa,
-                                               _mm256_maddubs_epi16(q[r + 1], _mm256_loadu_si256((const __m256i *)(a0->qs + o + 32))), sb));
-            s1 = _mm256_add_epi32(s1, DOT2_S16(_mm256_maddubs_epi16(q[r], _mm256_loadu_si256((const __m256i *)(a1->qs + o))), sa,
-                                               _mm256_maddubs_epi16(q[r + 1], _mm256_loadu_si256((const __m256i *)(a1->qs + o + 32))), sb));
-        }
-    }
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-    *i0 = _mm256_sub_epi32(s0, _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a0->bsums), sc16), 5));
-    *i1 = _mm256_sub_epi32(s1, _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a1->bsums), sc16), 5));
-}
-
 KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x,
                          float *y) {
     const int q4 = type == ELLM_T_Q4_K;
@@ -1416,42 +1383,29 @@ KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int 
 }
 _Static_assert(QXK_ROWS == 4, "qdot_k_rows spells out 4 rows");
 
-/* Q4_K / Q6_K at two tokens: the QXK_ROWS rows of qdot_k_rows against tokens x0 and x1 at once.
+/* Q4_K at two tokens: the QXK_ROWS rows of qdot_k_rows against tokens x0 and x1 at once.
  * Each row's block is unpacked once (nibbles, scales) for both tokens, and the reductions
  * and float steps run with row r in lane r, per token, as qdot_k_rows does for one: the
- * same exact integer sums and the same roundings in the same order as qdot_k45 /
- * qdot_q6k_body and qdot_k_rows, so the bits are theirs at every token count. The one-row
- * few-token kernels (up to 4 tokens) ran each extra token at nearly a whole token's cost. One
+ * same exact integer sums and the same roundings in the same order as qdot_k45 and
+ * qdot_k_rows, so the bits are theirs at every token count. The one-row few-token kernel
+ * (qdot_k45, up to 4 tokens) ran each extra token at nearly a whole token's cost. One
  * thread, thread CPU time, the Q4_K matrices of 4 layers of the 1B Llama shape (117 MB, on
  * 2 MiB pages), alternated call by call against it, same bits (AMD EPYC Zen 3, load ~5):
  * T=2 13.8 -> 11.2 ms (1.23x), T=3 1.07x, T=4 1.07x, T=8 1.08x, T=15 1.10x; T=1 7.5 ms. */
-KINLINE void qdot_k_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x0,
-                            const ellm_act256 *x1, float *y0, float *y1) {
+KINLINE void qdot_k4_rows_t2(int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x0,
+                             const ellm_act256 *x1, float *y0, float *y1) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    const size_t bs = type == ELLM_T_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
     const uint8_t *wr[QXK_ROWS];
     _Pragma("GCC unroll 4")
     for (int r = 0; r < QXK_ROWS; r++) wr[r] = w + (size_t)(r < nr ? r : nr - 1) * ws;
     const uintptr_t next = (uintptr_t)w + QXK_ROWS * ws; /* the next rows (an integer: may lie past w) */
     __m128 acc0 = _mm_setzero_ps(), acc1 = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        const size_t off = (size_t)i * bs;
-        for (size_t o = QXK_ROWS * off; o < QXK_ROWS * (off + bs); o += 64)
+        const size_t off = (size_t)i * Q4_K_BYTES;
+        for (size_t o = QXK_ROWS * off; o < QXK_ROWS * (off + Q4_K_BYTES); o += 64)
             _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
         const ellm_act256 *a0 = x0 + i, *a1 = x1 + i;
-        const __m128 ad0 = _mm_set1_ps(a0->d), ad1 = _mm_set1_ps(a1->d);
         __m256i is0[QXK_ROWS], is1[QXK_ROWS], ms0[QXK_ROWS], ms1[QXK_ROWS];
-        if (type == ELLM_T_Q6_K) {
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < QXK_ROWS; r++) q6k_block_isum2(wr[r] + off, a0, a1, &is0[r], &is1[r]);
-            const __m128 d = _mm_cvtph_ps(_mm_setr_epi16((short)ellm_rd_u16(wr[0] + off + 208),
-                                                         (short)ellm_rd_u16(wr[1] + off + 208),
-                                                         (short)ellm_rd_u16(wr[2] + off + 208),
-                                                         (short)ellm_rd_u16(wr[3] + off + 208), 0, 0, 0, 0));
-            acc0 = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(is0)), _mm_mul_ps(d, ad0), acc0);
-            acc1 = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(is1)), _mm_mul_ps(d, ad1), acc1);
-            continue;
-        }
         uint32_t dm[QXK_ROWS];
         _Pragma("GCC unroll 4")
         for (int r = 0; r < QXK_ROWS; r++) {
@@ -1480,6 +1434,7 @@ KINLINE void qdot_k_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, i
         const __m256 f = _mm256_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]));
         const __m256 g = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
         const __m128 d = _mm256_castps256_ps128(g), ndmin = _mm_xor_ps(_mm256_extractf128_ps(g, 1), _mm_set1_ps(-0.0f));
+        const __m128 ad0 = _mm_set1_ps(a0->d), ad1 = _mm_set1_ps(a1->d);
         acc0 = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(is0)), _mm_mul_ps(d, ad0), acc0);
         acc0 = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(ms0)), _mm_mul_ps(ndmin, ad0), acc0);
         acc1 = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(is1)), _mm_mul_ps(d, ad1), acc1);
@@ -1505,12 +1460,12 @@ KINLINE void qdot_k_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, i
                             (const ellm_act256 *)x, y + r);                                  \
             return;                                                                          \
         }                                                                                    \
-        if (TYPE == ELLM_T_Q4_K || ellm_dbg_switch) { /* DBG */                             \
+        if (TYPE == ELLM_T_Q4_K) { /* token pairs in row tiles (qdot_k4_rows_t2) */         \
             for (int64_t r = 0; r < nr; r += QXK_ROWS) {                                     \
                 const int n4 = nr - r < QXK_ROWS ? (int)(nr - r) : QXK_ROWS;                 \
                 int64_t t = 0;                                                               \
                 for (; t + 2 <= nt; t += 2)                                                  \
-                    qdot_k_rows_t2(TYPE, nb, w + (size_t)r * ws, ws, n4, (const ellm_act256 *)(x + (size_t)t * xs), \
+                    qdot_k4_rows_t2(nb, w + (size_t)r * ws, ws, n4, (const ellm_act256 *)(x + (size_t)t * xs), \
                                     (const ellm_act256 *)(x + (size_t)(t + 1) * xs), y + (size_t)t * ys + r, \
                                     y + (size_t)(t + 1) * ys + r);                           \
                 if (t < nt)                                                                  \
