@@ -24,6 +24,10 @@ void ellm_map_advise_willneed(const ellm_map *m, size_t offset, size_t len);
  * Stops early, leaving the rest on the file's pages, when *stop becomes nonzero (read
  * between pieces), or when a piece cannot be had. Returns the bytes now on such memory;
  * 0 where the platform has none (anything but Linux) or the map is not 2 MiB aligned. */
-size_t ellm_map_move_to_huge_pages(ellm_map *m, const volatile int *stop);
+size_t ellm_map_move_to_huge_pages(ellm_map *m, const int *stop);
+
+/* Sets *stop for a move running on another thread (an atomic store; the move reads it
+ * atomically between pieces). */
+void ellm_map_request_stop(int *stop);
 
 #endif

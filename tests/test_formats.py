@@ -279,3 +279,20 @@ def test_load_moves_gguf_weights_and_decodes_the_same(smollm2_gguf: Path, monkey
     monkeypatch.setattr(GGUFFile, "move_onto_huge_pages", lambda self: None)
     kept = ellm.load(str(smollm2_gguf), progress=False, max_model_len=256).generate(prompt, greedy)
     assert moved.token_ids == kept.token_ids and len(kept.token_ids) == 12
+
+
+def test_huge_page_move_is_refused_when_asked_or_short_of_memory(smollm2_gguf: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """ELLM_HUGE_PAGES=0 keeps the weights on the file's pages (shared page cache), and so
+    does a machine where the private copy would take over half of the available memory."""
+    from ellm.formats import files
+
+    monkeypatch.setenv("ELLM_HUGE_PAGES", "0")
+    assert GGUFFile(smollm2_gguf).move_onto_huge_pages() is None
+    monkeypatch.delenv("ELLM_HUGE_PAGES")
+    size = 100 << 20
+    assert files.room_for_a_private_copy(size, "MemTotal: 900000 kB\nMemAvailable: 204800 kB\n")
+    assert not files.room_for_a_private_copy(size, "MemTotal: 900000 kB\nMemAvailable: 204796 kB\n")
+    assert not files.room_for_a_private_copy(size, "MemTotal: 900000 kB\n")   # no figure: stay put
+    monkeypatch.setattr(files, "MEMINFO", smollm2_gguf.parent / "no-such-meminfo")
+    assert GGUFFile(smollm2_gguf).move_onto_huge_pages() is None

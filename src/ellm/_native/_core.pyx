@@ -13,7 +13,8 @@ cdef extern from "mapfile.h":
     int ellm_map_open(const char *path, ellm_map *out)
     void ellm_map_close(ellm_map *m)
     void ellm_map_advise_willneed(const ellm_map *m, size_t offset, size_t len)
-    size_t ellm_map_move_to_huge_pages(ellm_map *m, const volatile int *stop) nogil
+    size_t ellm_map_move_to_huge_pages(ellm_map *m, const int *stop) nogil
+    void ellm_map_request_stop(int *stop)
 
 
 cdef extern from "convert.h":
@@ -39,7 +40,7 @@ cdef class MappedFile:
     cdef ellm_map m
     cdef readonly str path
     cdef int exports
-    cdef volatile int stop_moving_flag
+    cdef int stop_moving_flag   # written and read only atomically (csrc/mapfile.c)
 
     def __cinit__(self, path):
         self.path = str(path)
@@ -72,7 +73,7 @@ cdef class MappedFile:
 
     def stop_moving(self) -> None:
         """Makes a move_to_huge_pages running on another thread return after its piece."""
-        self.stop_moving_flag = 1
+        ellm_map_request_stop(&self.stop_moving_flag)
 
     def __getbuffer__(self, Py_buffer *buffer, int flags):
         if flags & PyBUF_WRITABLE:

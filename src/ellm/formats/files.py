@@ -120,6 +120,30 @@ def transparent_huge_pages() -> bool:
     return "[always]" in setting or "[madvise]" in setting
 
 
+MEMINFO = Path("/proc/meminfo")
+HUGE_PAGES_SWITCH = "ELLM_HUGE_PAGES"   # "0" keeps the weights on the file's pages
+
+
+def room_for_a_private_copy(file_size: int, meminfo: str) -> bool:
+    """Whether a private copy of `file_size` bytes leaves at least as much memory again
+    available (MemAvailable in /proc/meminfo's text). The moved weights are anonymous memory,
+    which the kernel cannot drop under pressure as it drops file pages: a model that only
+    just fits stays on the file's pages rather than risk the OOM killer."""
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            fields = line.split()
+            try:
+                available = int(fields[1]) * 1024   # kB
+            except (IndexError, ValueError):
+                return False
+            return 2 * file_size <= available
+    return False
+
+
+def huge_pages_refused_by_user() -> bool:
+    return os.environ.get(HUGE_PAGES_SWITCH, "").strip().lower() in ("0", "off", "false", "no")
+
+
 def _move_at_low_priority(mapped: MappedFile) -> None:
     try:   # this thread only (Linux: a thread's nice value is its own), below the kernels'
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -165,10 +189,18 @@ class MappedModelFile:
         views keep reading the same bytes throughout, so the model runs meanwhile. A CPU
         decode reads all its weights from DRAM each token; on 4 KiB file pages a core reads
         them 8% slower. Resident memory stays one copy of the file. Returns the thread
-        doing it (join() to wait), or None where the kernel gives no such pages."""
+        doing it (join() to wait), or None where the kernel gives no such pages, where
+        ELLM_HUGE_PAGES=0 says not to (processes that share one file's page cache, say),
+        or where the copy would take more than half of the memory available."""
         if self._mover is not None:
             return self._mover
-        if not transparent_huge_pages():
+        if huge_pages_refused_by_user() or not transparent_huge_pages():
+            return None
+        try:
+            meminfo = MEMINFO.read_text()
+        except OSError:
+            return None
+        if not room_for_a_private_copy(self.file_size, meminfo):
             return None
         self._first_use()   # a file cut short since it was mapped is refused before the copy reads it
         self._mover = threading.Thread(target=_move_at_low_priority, args=(self._map,), daemon=True,
