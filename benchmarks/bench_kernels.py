@@ -104,6 +104,9 @@ def model_token_fns(path: str, exact: bool = False, rows: int = 1) -> dict[str, 
     from ellm.formats.gguf import GGUFFile
 
     f = GGUFFile(path)
+    mover = f.move_onto_huge_pages()   # as ellm.load on the CPU: the weights on 2 MiB pages
+    if mover is not None:
+        mover.join()
     rng = np.random.default_rng(1)
     xs: dict[int, np.ndarray] = {}
 

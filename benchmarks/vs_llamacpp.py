@@ -26,6 +26,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def worker_ellm(model: str, threads: int, ids: list[int], contexts: list[int]) -
     llm.engine.blocks.enable_prefix_caching = False
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(ids[:16], greedy1)  # warm-up: pages in the weights
+    for t in threading.enumerate():  # the steady state: the weights' move onto 2 MiB pages done
+        if t.name.startswith("ellm huge pages"):  # (a few seconds at 8B, formats/files.py)
+            t.join()
     out = {}
     for n in (128, 512):
         out[f"prefill{n}"] = _prefill_rate(lambda k: llm.generate(ids[:k], greedy1), n)

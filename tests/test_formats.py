@@ -1,8 +1,10 @@
 """Parsers trust nothing: malformed safetensors and GGUF files raise FormatError, never crash."""
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -227,3 +229,70 @@ def test_fuzz_safetensors(tmp_path: Path) -> None:
 
     ok, failed = _fuzz(tmp_path, src.read_bytes(), SafetensorsFile, touch, 3000, seed=3)
     assert failed > 500 and ok + failed == 3000
+
+
+# -- weights moved onto 2 MiB pages (ellm.load on the CPU) ---------------------------------
+
+def test_gguf_map_moved_onto_huge_pages_reads_the_same_bytes(smollm2_gguf: Path) -> None:
+    """The in-place move changes no byte that a view made before it reads, and leaves the
+    map where it was; stop_moving() before it moves nothing."""
+    from ellm._native._core import MappedFile
+    from ellm.formats.files import transparent_huge_pages
+
+    m = MappedFile(str(smollm2_gguf))
+    view = np.frombuffer(m, np.uint8)
+    address = view.ctypes.data
+    moved = m.move_to_huge_pages()
+    on_linux_thp = sys.platform.startswith("linux") and transparent_huge_pages()
+    if on_linux_thp:  # every whole 2 MiB piece of the ~98 MB file
+        assert moved == len(m) // (2 << 20) * (2 << 20)
+    else:
+        assert moved == 0
+    assert view.ctypes.data == address
+    assert hashlib.sha256(view).digest() == hashlib.sha256(smollm2_gguf.read_bytes()).digest()
+    again = MappedFile(str(smollm2_gguf))
+    again.stop_moving()
+    assert again.move_to_huge_pages() == 0
+
+
+def test_load_moves_gguf_weights_and_decodes_the_same(smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ellm.load on the CPU starts the move; greedy tokens are the same with the weights
+    left on the file's pages and with them moved (the same bytes, the same kernels)."""
+    import ellm
+    from ellm.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(300, 340))
+    started = []
+    real = GGUFFile.move_onto_huge_pages
+
+    def move_and_wait(self: GGUFFile) -> None:
+        mover = real(self)
+        if mover is not None:
+            mover.join(timeout=120)
+            assert not mover.is_alive()
+        started.append(mover)
+
+    monkeypatch.setattr(GGUFFile, "move_onto_huge_pages", move_and_wait)
+    moved = ellm.load(str(smollm2_gguf), progress=False, max_model_len=256).generate(prompt, greedy)
+    assert len(started) == 1
+    monkeypatch.setattr(GGUFFile, "move_onto_huge_pages", lambda self: None)
+    kept = ellm.load(str(smollm2_gguf), progress=False, max_model_len=256).generate(prompt, greedy)
+    assert moved.token_ids == kept.token_ids and len(kept.token_ids) == 12
+
+
+def test_huge_page_move_is_refused_when_asked_or_short_of_memory(smollm2_gguf: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """ELLM_HUGE_PAGES=0 keeps the weights on the file's pages (shared page cache), and so
+    does a machine where the private copy would take over half of the available memory."""
+    from ellm.formats import files
+
+    monkeypatch.setenv("ELLM_HUGE_PAGES", "0")
+    assert GGUFFile(smollm2_gguf).move_onto_huge_pages() is None
+    monkeypatch.delenv("ELLM_HUGE_PAGES")
+    size = 100 << 20
+    assert files.room_for_a_private_copy(size, "MemTotal: 900000 kB\nMemAvailable: 204800 kB\n")
+    assert not files.room_for_a_private_copy(size, "MemTotal: 900000 kB\nMemAvailable: 204796 kB\n")
+    assert not files.room_for_a_private_copy(size, "MemTotal: 900000 kB\n")   # no figure: stay put
+    monkeypatch.setattr(files, "MEMINFO", smollm2_gguf.parent / "no-such-meminfo")
+    assert GGUFFile(smollm2_gguf).move_onto_huge_pages() is None

@@ -553,6 +553,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
         config = config_from_gguf(gguf)
+        if device == "cpu":   # its weights used in place, read from DRAM each decode step
+            gguf.move_onto_huge_pages()
         weights: Any = gguf_weights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         sampling = defaults.from_gguf_metadata(gguf.metadata, str(resolved.path))
@@ -622,6 +624,8 @@ def _load_draft(source: str, ops: Any, progress: bool) -> tuple[Any, Any]:
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
         config = config_from_gguf(gguf)
+        if getattr(ops, "name", None) == "cpu":   # as the target's weights (load)
+            gguf.move_onto_huge_pages()
         weights: Any = gguf_weights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         gguf.drop_metadata("tokenizer.ggml.")

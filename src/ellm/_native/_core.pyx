@@ -13,6 +13,8 @@ cdef extern from "mapfile.h":
     int ellm_map_open(const char *path, ellm_map *out)
     void ellm_map_close(ellm_map *m)
     void ellm_map_advise_willneed(const ellm_map *m, size_t offset, size_t len)
+    size_t ellm_map_move_to_huge_pages(ellm_map *m, const int *stop) nogil
+    void ellm_map_request_stop(int *stop)
 
 
 cdef extern from "convert.h":
@@ -38,6 +40,7 @@ cdef class MappedFile:
     cdef ellm_map m
     cdef readonly str path
     cdef int exports
+    cdef int stop_moving_flag   # written and read only atomically (csrc/mapfile.c)
 
     def __cinit__(self, path):
         self.path = str(path)
@@ -58,6 +61,19 @@ cdef class MappedFile:
 
     def advise_willneed(self, size_t offset, size_t length):
         ellm_map_advise_willneed(&self.m, offset, length)
+
+    def move_to_huge_pages(self) -> int:
+        """Moves the map's whole 2 MiB pieces onto anonymous huge pages in place (same
+        addresses, same bytes; csrc/mapfile.h), without the GIL; the bytes moved (0 where
+        the platform has no such pages). Views keep reading correct bytes meanwhile."""
+        cdef size_t moved
+        with nogil:
+            moved = ellm_map_move_to_huge_pages(&self.m, &self.stop_moving_flag)
+        return moved
+
+    def stop_moving(self) -> None:
+        """Makes a move_to_huge_pages running on another thread return after its piece."""
+        ellm_map_request_stop(&self.stop_moving_flag)
 
     def __getbuffer__(self, Py_buffer *buffer, int flags):
         if flags & PyBUF_WRITABLE:

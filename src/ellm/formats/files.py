@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,51 @@ def check_unchanged(fingerprints: Iterable[FileFingerprint]) -> None:
                                     "(replace model files with a new file and a rename, not in place)")
 
 
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def transparent_huge_pages() -> bool:
+    """Whether the kernel gives 2 MiB pages to memory that asks (Linux THP "always" or
+    "madvise", not "never")."""
+    try:
+        setting = THP_SETTING.read_text()
+    except OSError:
+        return False
+    return "[always]" in setting or "[madvise]" in setting
+
+
+MEMINFO = Path("/proc/meminfo")
+HUGE_PAGES_SWITCH = "ELLM_HUGE_PAGES"   # "0" keeps the weights on the file's pages
+
+
+def room_for_a_private_copy(file_size: int, meminfo: str) -> bool:
+    """Whether a private copy of `file_size` bytes leaves at least as much memory again
+    available (MemAvailable in /proc/meminfo's text). The moved weights are anonymous memory,
+    which the kernel cannot drop under pressure as it drops file pages: a model that only
+    just fits stays on the file's pages rather than risk the OOM killer."""
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            fields = line.split()
+            try:
+                available = int(fields[1]) * 1024   # kB
+            except (IndexError, ValueError):
+                return False
+            return 2 * file_size <= available
+    return False
+
+
+def huge_pages_refused_by_user() -> bool:
+    return os.environ.get(HUGE_PAGES_SWITCH, "").strip().lower() in ("0", "off", "false", "no")
+
+
+def _move_at_low_priority(mapped: MappedFile) -> None:
+    try:   # this thread only (Linux: a thread's nice value is its own), below the kernels'
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+    mapped.move_to_huge_pages()
+
+
 class MappedModelFile:
     """A model file memory-mapped read-only, refused unless it is a regular file, and
     checked once, before its first tensor is read, for having been cut short since."""
@@ -118,6 +164,7 @@ class MappedModelFile:
         except OSError as e:
             raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
         self._buf = memoryview(self._map)
+        self._mover: threading.Thread | None = None
         self.fingerprint = FileFingerprint.of(self.path)   # to notice a rewrite in place later
         self._size_checked = False
 
@@ -135,6 +182,31 @@ class MappedModelFile:
         if now < self.file_size:
             raise FormatError(self.path, f"was truncated to {now} bytes since it was mapped "
                                          f"({self.file_size}); reading it would crash the process")
+
+    def move_onto_huge_pages(self) -> threading.Thread | None:
+        """Starts moving the file's bytes, 2 MiB at a time, onto memory on 2 MiB pages, in
+        place and at the lowest priority (csrc/mapfile.h ellm_map_move_to_huge_pages):
+        views keep reading the same bytes throughout, so the model runs meanwhile. A CPU
+        decode reads all its weights from DRAM each token; on 4 KiB file pages a core reads
+        them 8% slower. Resident memory stays one copy of the file. Returns the thread
+        doing it (join() to wait), or None where the kernel gives no such pages, where
+        ELLM_HUGE_PAGES=0 says not to (processes that share one file's page cache, say),
+        or where the copy would take more than half of the memory available."""
+        if self._mover is not None:
+            return self._mover
+        if huge_pages_refused_by_user() or not transparent_huge_pages():
+            return None
+        try:
+            meminfo = MEMINFO.read_text()
+        except OSError:
+            return None
+        if not room_for_a_private_copy(self.file_size, meminfo):
+            return None
+        self._first_use()   # a file cut short since it was mapped is refused before the copy reads it
+        self._mover = threading.Thread(target=_move_at_low_priority, args=(self._map,), daemon=True,
+                                       name=f"ellm huge pages {self.path.name}")
+        self._mover.start()
+        return self._mover
 
     def _first_use(self) -> None:
         if not self._size_checked:  # one stat() per file, before the first tensor is read
