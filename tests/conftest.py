@@ -10,6 +10,7 @@ The goldens (``tests/goldens/<model>.npz``) are committed and come from transfor
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -88,6 +89,55 @@ def gemma3_hf_f32() -> Path:
 def gemma3_hf_bf16() -> Path:
     """Gemma 3 270M as one bf16 model.safetensors."""
     return hf_folder(GEMMA3, "bf16")
+
+
+# ---------------------------------------------------------------------------
+# Tiny random models made by transformers (fixed seeds), once per session
+# ---------------------------------------------------------------------------
+
+
+def _made_by_reference(script: str, folder: Path) -> Path:
+    """Runs tests/goldens/<script> FOLDER under the reference Python (torch, transformers)."""
+    from ref_python import ref_python
+    proc = subprocess.run([ref_python(), str(GOLDENS_DIR / script), str(folder)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/goldens/tiny_models.py's folders (<dir>/<family>: weights, ids, logits, greedy),
+    shared by tests/test_tiny_models.py and tests/test_trace.py. Treat as read-only, but
+    for new subfolders of one's own."""
+    return _made_by_reference("tiny_models.py", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/goldens/tiny_vision_models.py's folders (<dir>/smolvlm, <dir>/gemma3, the
+    images' pixel values), shared by tests/test_vision_models.py and tests/test_vision_api.py.
+    Treat as read-only, but for new subfolders of one's own."""
+    return _made_by_reference("tiny_vision_models.py", tmp_path_factory.mktemp("tiny-vision"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_ggufs(tiny_vision_dir: Path) -> Path:
+    """Both tiny vision folders converted by llama.cpp's converter at f32 (once for the
+    session): <dir>/<name>-f32.gguf (the text model), <dir>/mmproj-<name>-f32.gguf (the
+    tower and projector)."""
+    import os
+    llama_cpp = os.environ.get("ELLM_LLAMA_CPP_DIR")
+    if not llama_cpp or not (Path(llama_cpp) / "convert_hf_to_gguf.py").is_file():
+        pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
+                    "`bash tests/run.sh` (it fetches it), or point it at vendor/llama.cpp of the "
+                    "llama-cpp-python 0.3.36 sdist", pytrace=False)
+    from ref_python import ref_python
+    out = tiny_vision_dir / "gguf"
+    proc = subprocess.run([ref_python(), str(GOLDENS_DIR / "convert_tiny.py"), llama_cpp, str(out),
+                           *(str(tiny_vision_dir / m) for m in ("smolvlm", "gemma3")), "--outtypes", "f32",
+                           "--mmproj"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -347,23 +347,6 @@ def test_replica_killed_under_load(cluster: str) -> None:
     print(f"2 replicas running again {time.monotonic() - killed_at[0]:.1f} s after the kill")
 
 
-def test_delete_drains_running_streams(cluster: str) -> None:
-    """serve.delete (what `ellm serve --replicas` does on SIGTERM) lets a running stream
-    finish before the replicas go."""
-    async def run() -> list[str]:
-        async with httpx.AsyncClient(base_url=cluster, headers={"authorization": f"Bearer {API_KEY}"},
-                                     timeout=120) as c:
-            started, streaming = asyncio.Event(), [0]
-            tasks = [asyncio.ensure_future(_stream(c, 100 + i, 120, started, streaming)) for i in range(16)]
-            await asyncio.wait_for(started.wait(), 90)    # all 16 are streaming
-            await asyncio.get_running_loop().run_in_executor(None, serve.delete, ray_serve.APP_NAME)
-            return list(await asyncio.gather(*tasks))
-
-    outcomes = asyncio.run(run())
-    assert outcomes == ["done"] * 16, outcomes
-    # (No redeploy here: the test after this one deploys fresh replicas of its own.)
-
-
 # ---------------------------------------------------------------------------------------
 # prefix affinity vs round robin
 # ---------------------------------------------------------------------------------------
@@ -406,12 +389,35 @@ def _multi_turn(url: str, turns: int = 3) -> float:
 
 
 def test_prefix_affinity_beats_round_robin(cluster: str, smollm2_gguf: Path) -> None:
-    serve.delete(ray_serve.APP_NAME)          # fresh replicas: empty prefix caches
-    _deploy(smollm2_gguf, "prefix")
+    # The module's prefix-router replicas (one restarted by the test above): the earlier
+    # tests' prompts share no 16-token block with these conversations (their first block
+    # already holds a different system prompt), so they cannot add hits here.
     affinity = _multi_turn(cluster)
-    serve.delete(ray_serve.APP_NAME)
+    serve.delete(ray_serve.APP_NAME)          # fresh replicas: empty prefix caches
     _deploy(smollm2_gguf, "round-robin")
     round_robin = _multi_turn(cluster)
     print(f"prefix-cache hit rate, 6 conversations x 3 turns on 2 replicas: "
           f"affinity {affinity:.3f}, round robin {round_robin:.3f}")
     assert affinity > round_robin
+
+
+# ---------------------------------------------------------------------------------------
+# shutdown (last: it deletes the application; draining is the replicas' own, so the
+# round-robin deployment the test above leaves serves as well as any)
+# ---------------------------------------------------------------------------------------
+
+def test_delete_drains_running_streams(cluster: str) -> None:
+    """serve.delete (what `ellm serve --replicas` does on SIGTERM) lets a running stream
+    finish before the replicas go."""
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=cluster, headers={"authorization": f"Bearer {API_KEY}"},
+                                     timeout=120) as c:
+            started, streaming = asyncio.Event(), [0]
+            tasks = [asyncio.ensure_future(_stream(c, 100 + i, 120, started, streaming)) for i in range(16)]
+            await asyncio.wait_for(started.wait(), 90)    # all 16 are streaming
+            await asyncio.get_running_loop().run_in_executor(None, serve.delete, ray_serve.APP_NAME)
+            return list(await asyncio.gather(*tasks))
+
+    outcomes = asyncio.run(run())
+    assert outcomes == ["done"] * 16, outcomes
+    # (The last test of the module: nothing is deployed after it.)

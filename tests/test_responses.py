@@ -142,14 +142,19 @@ def _check_tool_answer(served: Served, i: int) -> tuple[str, int]:
     return ("auto-call" if choice == "auto" else "constrained"), len(calls)
 
 
-@pytest.mark.parametrize("model", ["smol", pytest.param("gemma", marks=pytest.mark.slow)])
-def test_tool_calls_parse_and_validate_over_many_requests(model: str, request: pytest.FixtureRequest) -> None:
-    """50 varied requests per model, 16 at a time (see _tool_request)."""
+# _tool_request(i) repeats its shape (tools, tool_choice, stream, parallel, question,
+# temperature) every 30 requests: Gemma (its 262k-token vocabulary makes every
+# constrained step dearer) gets each shape once, SmolLM2 50 requests.
+@pytest.mark.parametrize("model, requests", [("smol", 50), pytest.param("gemma", 30, marks=pytest.mark.slow)])
+def test_tool_calls_parse_and_validate_over_many_requests(model: str, requests: int,
+                                                          request: pytest.FixtureRequest) -> None:
+    """`requests` varied requests, 16 at a time (see _tool_request)."""
     served = request.getfixturevalue(model)
-    results = _pool_map(lambda i: _check_tool_answer(served, i), list(range(50)))
+    results = _pool_map(lambda i: _check_tool_answer(served, i), list(range(requests)))
     kinds = [k for k, _ in results]
-    assert kinds.count("constrained") == 34  # every required and named request made valid calls
-    assert sum(n for _, n in results) >= 34
+    constrained = sum(1 for i in range(requests) if i % 3 != 2)   # tool_choice required or named
+    assert kinds.count("constrained") == constrained  # every required and named request made valid calls
+    assert sum(n for _, n in results) >= constrained
 
 
 def test_tool_round_trip(smol: Served) -> None:

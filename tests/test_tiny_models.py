@@ -40,7 +40,6 @@ from ellm.ops import get_ops
 from ellm.sampling_params import SamplingParams
 from ellm.weights import SafetensorsWeights
 from conftest import ops_or_skip
-from ref_python import ref_python
 
 ARCHS = ["llama", "gemma", "gemma2", "gemma3_text"]
 FAMILIES = ["qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "phi3", "qwen3_moe", "qwen3_moe_mixed"]
@@ -56,11 +55,9 @@ GGUF_KEEPS_ALL = ["qwen3", "olmo2", "granite", "qwen3_moe"]
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    ref = ref_python()
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([ref, str(SCRIPT), str(out)], check=True, capture_output=True, text=True)
-    return out
+def tiny_dir(tiny_models_dir: Path) -> Path:
+    """The folders of SCRIPT (conftest.py makes them once for the session)."""
+    return tiny_models_dir
 
 
 def _ops(device: str):

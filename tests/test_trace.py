@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -180,10 +179,9 @@ TINY = ["gemma2", "qwen2", "qwen3", "olmo2", "granite", "phi3", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([ref_python(), str(TINY_SCRIPT), str(out)], check=True, capture_output=True, text=True)
-    return out
+def tiny_dir(tiny_models_dir: Path) -> Path:
+    """The folders of TINY_SCRIPT (conftest.py makes them once for the session)."""
+    return tiny_models_dir
 
 
 def tiny_ids(folder: Path) -> list[int]:

@@ -29,9 +29,8 @@ from PIL import Image  # noqa: E402
 import ellm  # noqa: E402
 from ellm.vision.fetch import FetchLimits, fetch_image  # noqa: E402
 from ellm.vision.images import ImageError  # noqa: E402
-from vision_data import ref_python, run_ref, skimage_photos  # noqa: E402
+from vision_data import run_ref, skimage_photos  # noqa: E402
 
-GOLDENS = Path(__file__).resolve().parent / "goldens"
 NEW_TOKENS = 5
 # A chat template of our own for the tiny models (their tokenizers carry none): it writes
 # each image part as the processor's placeholder.
@@ -48,12 +47,9 @@ PLACEHOLDER = {"smolvlm": "<image>", "gemma3": "<start_of_image>"}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-vision")
-    proc = subprocess.run([ref_python(), str(GOLDENS / "tiny_vision_models.py"), str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+def tiny(tiny_vision_dir: Path) -> Path:
+    """tests/goldens/tiny_vision_models.py's folders (conftest.py makes them once for the session)."""
+    return tiny_vision_dir
 
 
 @pytest.fixture(scope="module")
@@ -336,19 +332,11 @@ def test_fetch_is_bounded(image_host, pictures):
 # GGUF + mmproj: the processor's settings from the mmproj's clip.vision.* metadata
 # ---------------------------------------------------------------------------------------
 
-def test_mmproj_gives_the_folders_preprocessing(tiny, pictures):
-    import os
+def test_mmproj_gives_the_folders_preprocessing(tiny, tiny_vision_ggufs, pictures):
     from ellm.formats.gguf import GGUFFile
     from ellm.vision.images import decode_image
     from ellm.vision.preprocess import load_processing, processing_from_mmproj
-    llama_cpp = os.environ.get("ELLM_LLAMA_CPP_DIR")
-    if not llama_cpp or not (Path(llama_cpp) / "convert_hf_to_gguf.py").is_file():
-        pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
-                    "`bash tests/run.sh`", pytrace=False)
-    out = tiny / "gguf-visionio"
-    subprocess.run([ref_python(), str(GOLDENS / "convert_tiny.py"), llama_cpp, str(out),
-                    str(tiny / "smolvlm"), str(tiny / "gemma3"), "--outtypes", "f32", "--mmproj"],
-                   check=True, capture_output=True, text=True)
+    out = tiny_vision_ggufs
     for name in ("smolvlm", "gemma3"):
         path = out / f"mmproj-{name}-f32.gguf"
         from_gguf = processing_from_mmproj(GGUFFile(path).metadata, where=str(path))

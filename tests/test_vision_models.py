@@ -16,8 +16,6 @@ text model) and Gemma 3 (SigLIP, average-pooled RMSNorm projector, Gemma 3 text 
 """
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -37,20 +35,15 @@ from ellm.sampling_params import SamplingParams
 from ellm.tokenizer import Tokenizer
 from ellm.vision.inputs import ImageInput
 from ellm.weights import SafetensorsWeights
-from ref_python import ref_python
 from test_kernels import simd  # noqa: F401  (the fixture: every SIMD level, both modules)
 
-GOLDENS = Path(__file__).parent / "goldens"
 MODELS = ["smolvlm", "gemma3"]
 
 
 @pytest.fixture(scope="session")
-def vision_dir(tmp_path_factory) -> Path:
-    ref = ref_python()
-    out = tmp_path_factory.mktemp("tiny-vision")
-    subprocess.run([ref, str(GOLDENS / "tiny_vision_models.py"), str(out)], check=True, capture_output=True,
-                   text=True)
-    return out
+def vision_dir(tiny_vision_dir: Path) -> Path:
+    """tests/goldens/tiny_vision_models.py's folders (conftest.py makes them once for the session)."""
+    return tiny_vision_dir
 
 
 def _images(folder: Path, salt: str = "") -> list[ImageInput]:
@@ -175,18 +168,11 @@ def test_chunk_boundaries_inside_images(vision_dir, name) -> None:
 # -- GGUF text file + llama.cpp's mmproj file -------------------------------------------
 
 @pytest.fixture(scope="session")
-def vision_ggufs(vision_dir) -> Path:
-    """Both folders converted by llama.cpp's converter at f32: <name>-f32.gguf (the text
-    model) and mmproj-<name>-f32.gguf (the tower and projector)."""
-    llama_cpp = os.environ.get("ELLM_LLAMA_CPP_DIR")
-    if not llama_cpp or not (Path(llama_cpp) / "convert_hf_to_gguf.py").is_file():
-        pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
-                    "`bash tests/run.sh`", pytrace=False)
-    out = vision_dir / "gguf"
-    subprocess.run([os.environ["ELLM_REF_PYTHON"], str(GOLDENS / "convert_tiny.py"), llama_cpp, str(out),
-                    *(str(vision_dir / m) for m in MODELS), "--outtypes", "f32", "--mmproj"],
-                   check=True, capture_output=True, text=True)
-    return out
+def vision_ggufs(tiny_vision_ggufs: Path) -> Path:
+    """Both folders converted by llama.cpp's converter at f32 (conftest.py, once for the
+    session): <name>-f32.gguf (the text model) and mmproj-<name>-f32.gguf (the tower and
+    projector)."""
+    return tiny_vision_ggufs
 
 
 @pytest.mark.parametrize("name", MODELS)
