@@ -29,6 +29,8 @@ import ellm
 HEAVY = ("torch", "transformers", "tensorflow", "jax", "safetensors.torch")
 # Optional extras: `import ellm` and a CPU generate must not need them.
 EXTRAS = ("cupy", "starlette", "uvicorn", "fastapi", "pydantic", "prometheus_client", "ray", "PIL")
+# Run-time dependencies loaded only when used: a generate without a constraint needs no llguidance.
+ON_USE = ("llguidance",)
 # qemu's user-mode emulator runs this Python as on an Intel Nehalem: x86-64-v2 (SSE4.2,
 # POPCNT) without AVX. That is numpy 2's own baseline, so the oldest CPU the run-time
 # dependencies support; ellm must pick its scalar kernels there and give the same model.
@@ -61,7 +63,7 @@ import ellm
 llm = ellm.load({str(smollm2_gguf)!r}, device="cpu", max_model_len=128)
 out = llm.generate("The capital of France is", max_tokens=4, temperature=0.0)
 assert len(out.token_ids) >= 1, out
-""" + loaded(HEAVY + EXTRAS)
+""" + loaded(HEAVY + EXTRAS + ON_USE)
     proc = run_python(code, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1]) == []

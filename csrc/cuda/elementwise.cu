@@ -53,9 +53,9 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm_f32(
     for (int i = threadIdx.x; i < H; i += NORM_THREADS) o[i] = (r[i] / denom) * w[i];
 }
 
-// out = silu(gate) * up over n elements.
-extern "C" __global__ void swiglu_f32(const float* __restrict__ gate, const float* __restrict__ up,
-                                      float* __restrict__ out, long long n) {
+// out = silu(gate) * up over n elements (out may be gate: models/blocks.py MLP).
+extern "C" __global__ void swiglu_f32(const float* gate, const float* __restrict__ up,
+                                      float* out, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
@@ -63,9 +63,9 @@ extern "C" __global__ void swiglu_f32(const float* __restrict__ gate, const floa
     }
 }
 
-// out = gelu_tanh(gate) * up over n elements.
-extern "C" __global__ void geglu_f32(const float* __restrict__ gate, const float* __restrict__ up,
-                                     float* __restrict__ out, long long n) {
+// out = gelu_tanh(gate) * up over n elements (out may be gate).
+extern "C" __global__ void geglu_f32(const float* gate, const float* __restrict__ up,
+                                     float* out, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];

@@ -169,14 +169,15 @@ class SamplingParams:
     # -- constrained decoding -------------------------------------------------------------
 
     def _check_constraint(self) -> None:
-        from .engine import structured  # llguidance is needed only once a constraint is set
+        from .engine.constraint_bounds import CONSTRAINT_FIELDS
 
-        given = [f for f in structured.CONSTRAINT_FIELDS if getattr(self, f) is not None]
+        given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
         if len(given) > 1:
             raise ValueError(f"only one constraint may be given at a time, got {' and '.join(given)}")
         self._constraint: tuple[str, str] | None = None
         if not given:
             return
+        from .engine import structured  # llguidance (2 MB of RSS) loads only once a constraint is set
         kind = given[0]
         if kind == "json_schema":
             self.json_schema = structured.schema_dict(self.json_schema)

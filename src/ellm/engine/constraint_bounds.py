@@ -15,6 +15,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+# The request fields that carry a constraint, in SamplingParams order. (Here, not in
+# structured.py, so that checking a request that sets none loads no llguidance.)
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
+
 MAX_GRAMMAR_BYTES = 128 * 1024      # grammar text (Lark or GBNF), UTF-8
 MAX_GRAMMAR_RULES = 2000            # rules and terminals defined
 MAX_GRAMMAR_RULE_DEPTH = 200        # longest chain of rules each naming the next

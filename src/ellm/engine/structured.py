@@ -34,10 +34,7 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from .constraint_bounds import MAX_SCHEMA_DEPTH, check_constraint
-
-# The request fields that carry a constraint, in SamplingParams order.
-CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
+from .constraint_bounds import CONSTRAINT_FIELDS, MAX_SCHEMA_DEPTH, check_constraint
 
 # JSON is generated compactly, spaced as json.dumps spaces it: a free-whitespace JSON
 # grammar lets a small model emit newlines until max_tokens. A schema's own "x-guidance"
