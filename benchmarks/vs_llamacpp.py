@@ -39,6 +39,15 @@ TASKS = ("prefill128", "prefill512", "decode128")
 # -- workers (run in a subprocess each) ------------------------------------------------
 
 def _peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux: VmHWM, which starts afresh at exec;
+    ru_maxrss does not (it keeps the parent's resident size at the fork, so a parent that
+    holds a 262k-token tokenizer set both workers' figure to its own)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

@@ -553,13 +553,13 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     if resolved.kind == "gguf":
         gguf = GGUFFile(resolved.path)
         config = config_from_gguf(gguf)
-        if device == "cpu":   # its weights used in place, read from DRAM each decode step
-            gguf.move_onto_huge_pages()
         weights: Any = gguf_weights(gguf)
         tokenizer = Tokenizer.from_gguf(gguf)
         sampling = defaults.from_gguf_metadata(gguf.metadata, str(resolved.path))
         gguf.drop_metadata("tokenizer.ggml.")  # the tokenizer holds its own copy
+        moves_to_huge_pages = gguf if device == "cpu" else None
     else:
+        moves_to_huge_pages = None
         config = config_from_folder(resolved.path)
         weights = SafetensorsWeights(SafetensorsFolder(resolved.path))
         tokenizer = Tokenizer.from_folder(resolved.path)
@@ -589,6 +589,12 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         check_same_vocabulary(tokenizer, draft_llm_parts[1])
         draft = draft_llm_parts[0]
     release_freed_memory()
+    if moves_to_huge_pages is not None:
+        # A GGUF's weights are read in place from DRAM each decode step: onto 2 MiB pages, in the
+        # background. Started only now, so that the copy does not page the weights in while
+        # the load's own transient memory (the tokenizer's build) is still held: on Gemma 3
+        # 270M that raised the process's peak resident memory from ~419 to ~506 MB.
+        moves_to_huge_pages.move_onto_huge_pages()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_batch_tokens=max_batch_tokens, speculative=spec,
                                  kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype], kv_cache_tokens=kv_cache_tokens)
