@@ -22,7 +22,7 @@ static void shrink_avx2_x(const void *at, int32_t dtype, int64_t K, int32_t r, i
 #include "lora_impl.h"
 
 /* 8 factors of one group (one j) widened exactly to float32 */
-static inline __m256 load8(const void *p, int32_t dtype, int64_t i) {
+static inline __attribute__((always_inline)) __m256 load8(const void *p, int32_t dtype, int64_t i) {
     if (dtype == ELLM_LORA_F32) return _mm256_loadu_ps((const float *)p + i);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
     if (dtype == ELLM_LORA_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -30,7 +30,7 @@ static inline __m256 load8(const void *p, int32_t dtype, int64_t i) {
 }
 
 /* sums of groups [g0, g0 + 4) (4 chains in flight) into acc + g0 * 8 */
-static inline void groups4(const void *bt, int32_t dtype, int64_t R8, int64_t gq, int32_t r, const float *u,
+static inline __attribute__((always_inline)) void groups4(const void *bt, int32_t dtype, int64_t R8, int64_t gq, int32_t r, const float *u,
                            float *acc) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int32_t j = 0; j < r; j++) {
@@ -47,9 +47,17 @@ static inline void groups4(const void *bt, int32_t dtype, int64_t R8, int64_t gq
     _mm256_storeu_ps(acc + 24, a3);
 }
 
-static void expand_avx2_x(const void *bt, int32_t dtype, int64_t N, int32_t r, int64_t n0, int64_t nc,
-                          const float *u, float scale, float *y) {
-    (void)N;
+/* Each kernel's body is inlined once per factor type (dtype a constant there), so that no
+ * test of the type is left in its loops. */
+#define BY_DTYPE(body, dtype, ...)                                                            \
+    do {                                                                                      \
+        if ((dtype) == ELLM_LORA_BF16) body(ELLM_LORA_BF16, __VA_ARGS__);                     \
+        else if ((dtype) == ELLM_LORA_F16) body(ELLM_LORA_F16, __VA_ARGS__);                  \
+        else body(ELLM_LORA_F32, __VA_ARGS__);                                                \
+    } while (0)
+
+static inline __attribute__((always_inline)) void expand_body(const int32_t dtype, const void *bt, int32_t r, int64_t n0,
+                                                              int64_t nc, const float *u, float scale, float *y) {
     const int64_t R8 = (int64_t)r * 8, o = n0 & 7, G = (nc + o + 7) / 8, gb = n0 >> 3;
     float acc[(EXPAND_BLOCK / 8 + 4) * 8];
     int64_t g = 0;
@@ -67,8 +75,15 @@ static void expand_avx2_x(const void *bt, int32_t dtype, int64_t N, int32_t r, i
     for (; c < nc; c++) y[c] += scale * acc[o + c];
 }
 
-static void expand4_avx2_x(const void *bt, int32_t dtype, int32_t r, int64_t n0, int64_t nc,
-                           const float *const u[4], float scale, float *const y[4], int rows) {
+static void expand_avx2_x(const void *bt, int32_t dtype, int64_t N, int32_t r, int64_t n0, int64_t nc,
+                          const float *u, float scale, float *y) {
+    (void)N;
+    BY_DTYPE(expand_body, dtype, bt, r, n0, nc, u, scale, y);
+}
+
+static inline __attribute__((always_inline)) void expand4_body(const int32_t dtype, const void *bt, int32_t r, int64_t n0,
+                                                               int64_t nc, const float *const u[4], float scale,
+                                                               float *const y[4], int rows) {
     const int64_t R8 = (int64_t)r * 8, o = n0 & 7, span = nc + o, ng = (span + 7) / 8, gb = n0 >> 3;
     for (int64_t g0 = 0; g0 < ng; g0 += 2) {
         const int two = g0 + 1 < ng;
@@ -100,18 +115,20 @@ static void expand4_avx2_x(const void *bt, int32_t dtype, int32_t r, int64_t n0,
     }
 }
 
+static void expand4_avx2_x(const void *bt, int32_t dtype, int32_t r, int64_t n0, int64_t nc,
+                           const float *const u[4], float scale, float *const y[4], int rows) {
+    BY_DTYPE(expand4_body, dtype, bt, r, n0, nc, u, scale, y, rows);
+}
+
 /* A's rows (one k each) asked for this many bytes ahead of the one summed */
 #define SHRINK_PREFETCH_BYTES 1024
 
 /* shrink (lora_impl.h) of a whole chunk of 16 ranks: the even and the odd k in their own
  * sums, added at the end, as the baseline; rows of A prefetched ahead (the decode step's
  * shrink runs on one thread, A from memory). Other chunks: the baseline's loops. */
-static void shrink_avx2_x(const void *at, int32_t dtype, int64_t K, int32_t r, int32_t j0, int32_t jn,
-                          const float *x0, const float *x1, float *u0, float *u1) {
-    if (jn != SHRINK_CHUNK) {
-        shrink_avx2(at, dtype, K, r, j0, jn, x0, x1, u0, u1);
-        return;
-    }
+static inline __attribute__((always_inline)) void shrink_body(const int32_t dtype, const void *at, int64_t K, int32_t r,
+                                                              int32_t j0, const float *x0, const float *x1, float *u0,
+                                                              float *u1) {
     const int64_t K2 = K & ~(int64_t)1, elt = dtype == ELLM_LORA_F32 ? 4 : 2, ahead = SHRINK_PREFETCH_BYTES / elt;
     const char *bytes = (const char *)at;
     __m256 e0a = _mm256_setzero_ps(), e0b = e0a, o0a = e0a, o0b = e0a;
@@ -153,4 +170,13 @@ static void shrink_avx2_x(const void *at, int32_t dtype, int64_t K, int32_t r, i
         _mm256_storeu_ps(u1, _mm256_add_ps(e1a, o1a));
         _mm256_storeu_ps(u1 + 8, _mm256_add_ps(e1b, o1b));
     }
+}
+
+static void shrink_avx2_x(const void *at, int32_t dtype, int64_t K, int32_t r, int32_t j0, int32_t jn,
+                          const float *x0, const float *x1, float *u0, float *u1) {
+    if (jn != SHRINK_CHUNK) {
+        shrink_avx2(at, dtype, K, r, j0, jn, x0, x1, u0, u1);
+        return;
+    }
+    BY_DTYPE(shrink_body, dtype, at, K, r, j0, x0, x1, u0, u1);
 }

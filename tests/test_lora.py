@@ -307,6 +307,41 @@ def test_kernel_matches_reference_and_is_row_invariant(T, dtype) -> None:
             assert alone.tobytes() == y[t:t + 1].tobytes()
 
 
+def test_cpu_tables_pack_the_factors_in_one_buffer_in_the_order_made() -> None:
+    """The CPU backend copies each table's factors (A^T, then B^T, slot by slot) one after
+    the other into one large buffer (_lora.FactorArena: a decode step's reads in a run of
+    huge pages), each on a 64-byte line, and the products are the same bits as from the
+    tables' own arrays."""
+    ops_or_skip("cpu")
+    from ellm._native import _lora
+    from ellm.ops.cpu import CpuOps, _lora_bits
+    cpu = CpuOps()   # its own arena, empty
+    rng = np.random.default_rng(11)
+    projs = [_projection(rng, 140, 75, [16, None, 3], "bf16"), _projection(rng, 17, 75, [None, 8, 1], "bf16")]
+    tables = [cpu.prepare_lora(p) for p in projs]
+    factors = [f for p in projs for f in p.slots if f is not None]
+    arena = cpu._lora_arena
+    assert isinstance(arena, _lora.FactorArena)
+    start = arena._buf.ctypes.data + -arena._buf.ctypes.data % (2 << 20)   # on a 2 MiB boundary
+    placed = [arena.place(m) for m in (np.arange(5, dtype=np.uint16), np.ones((3, 7), np.float32))]
+    assert placed[0].tolist() == list(range(5)) and placed[1].tolist() == np.ones((3, 7)).tolist()
+    assert all(a.ctypes.data % 64 == 0 for a in placed) and placed[0].ctypes.data < placed[1].ctypes.data
+    # the tables' 4 pairs and these two lie in one buffer, in that order
+    used = placed[1].ctypes.data + placed[1].nbytes - start
+    packed = sum((f.a.size + (f.b.shape[0] + 7) // 8 * 8 * f.rank) * 2 for f in factors)
+    assert packed <= used <= packed + 64 * (2 * len(factors) + 2)
+    x = rng.standard_normal((6, 75), np.float32)
+    slots = np.asarray([0, 1, 2, -1, 2, 0], np.int32)
+    for p, tab in zip(projs, tables):
+        own = _lora.LoraTable([None if f is None else (_lora_bits(f.a.T, f.dtype), _lora_bits(f.b.T, f.dtype),
+                                                        f.scale, f.dtype) for f in p.slots],
+                              p.out_features, p.in_features)
+        y, y_own = np.ones((6, p.out_features), np.float32), np.ones((6, p.out_features), np.float32)
+        cpu.lora(x, slots, [(tab, y)])
+        cpu.lora(x, slots, [(own, y_own)])
+        assert y.tobytes() == y_own.tobytes()
+
+
 def test_kernel_gives_the_same_bits_at_every_simd_level() -> None:
     from ellm._native import _core
     cpu = ops_or_skip("cpu")

@@ -7,6 +7,7 @@ adds scale * B (A x) to each row's output for the row's adapter, all in C with t
 released.
 """
 
+import mmap
 import threading
 
 import numpy as np
@@ -74,13 +75,55 @@ def _blocked(bt):
     return np.ascontiguousarray(padded.reshape(r, n8 // 8, 8).transpose(1, 0, 2))
 
 
+# The factors' buffers are this big (or one factor's size, if larger)
+_ARENA_CHUNK = 16 << 20
+_HUGE_PAGE = 2 << 20
+
+
+class FactorArena:
+    """The factors of many tables, copied one after the other (each on a 64-byte line) into
+    large anonymous mappings asked for on 2 MiB pages (madvise(MADV_HUGEPAGE)): a decode
+    step reads an adapter's factors in the order its tables were made (layer by layer, A
+    then B of each projection), a run of a few huge pages instead of hundreds of separate
+    small arrays over as many 4 KiB pages (and TLB entries)."""
+
+    def __init__(self) -> None:
+        self._buf = None
+        self._used = 0
+
+    def place(self, m):
+        """A copy of the C-contiguous array m in the arena (a view of its buffer)."""
+        n = max(int(m.nbytes), 1)
+        at = (self._used + 63) & ~63
+        if self._buf is None or at + n > self._buf.nbytes:
+            # room to start on a 2 MiB boundary (the mapping itself may not be on one)
+            size = max(_ARENA_CHUNK, n) + _HUGE_PAGE
+            size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+            if hasattr(mmap, "MAP_PRIVATE"):   # private: THP's madvise mode covers it (shared: shmem)
+                region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            else:
+                region = mmap.mmap(-1, size)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    region.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:   # no transparent huge pages here: 4 KiB pages still work
+                    pass
+            self._buf = np.frombuffer(region, np.uint8)
+            at = -self._buf.ctypes.data % _HUGE_PAGE
+        view = self._buf[at:at + m.nbytes].view(m.dtype).reshape(m.shape)
+        view[...] = m
+        self._used = at + n
+        return view
+
+
 cdef class LoraTable:
     """One projection (out_features N, in_features K) of every adapter.
 
     slots: a sequence, one entry per adapter: None, or (At, Bt, scale, dtype) with A^T
     (K, r) and B^T (r, N) C-contiguous arrays of `dtype` ("f32": float32, "f16": float16,
     "bf16": uint16 bfloat16 bits), r >= 1. A^T is referenced; B^T is held in the kernel's
-    blocked layout (a copy)."""
+    blocked layout (a copy). arena: a FactorArena to copy both into (A^T, then B^T), or
+    None."""
 
     cdef ellm_lora_proj proj
     cdef ellm_lora_slot *c_slots
@@ -89,7 +132,7 @@ cdef class LoraTable:
     cdef readonly int64_t in_features
     cdef readonly int n_slots
 
-    def __cinit__(self, slots, int64_t out_features, int64_t in_features):
+    def __cinit__(self, slots, int64_t out_features, int64_t in_features, arena=None):
         self.c_slots = NULL
         entries = tuple(slots)
         cdef int S = len(entries)
@@ -115,6 +158,8 @@ cdef class LoraTable:
                 raise ValueError(f"LoraTable: slot {s} has A^T {at.shape} and B^T {bt.shape}; expected "
                                  f"({in_features}, r) and (r, {out_features}) with r >= 1")
             bt = _blocked(bt)
+            if arena is not None:
+                at, bt = arena.place(at), arena.place(bt)
             self.c_slots[s].rank = <int32_t>r
             self.c_slots[s].dtype = <int32_t>code
             self.c_slots[s].scale = <float>scale

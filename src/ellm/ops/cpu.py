@@ -53,6 +53,8 @@ class CpuOps(FusedByComposition, HostMemory):
         # pass the same tuple every decode step (models/blocks.py caches it with the
         # views), so it is converted once; the tuple is held so its id cannot be reused
         self._kernel_parts: dict[int, tuple[tuple, list[tuple]]] = {}
+        # [lora] the adapters' factors, packed in the order the tables are made (prepare_lora)
+        self._lora_arena: _lora.FactorArena | None = None
 
     def embed(self, w, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
@@ -96,9 +98,12 @@ class CpuOps(FusedByComposition, HostMemory):
         """Every adapter's factors of one projection as the C kernel's table: A^T and B^T
         in the adapter file's own type (16-bit factors stay 16-bit: half the bytes a step
         reads), which the table holds."""
+        if self._lora_arena is None:
+            self._lora_arena = _lora.FactorArena()
         return _lora.LoraTable([None if f is None else (_lora_bits(f.a.T, f.dtype), _lora_bits(f.b.T, f.dtype),
                                                         f.scale, f.dtype)
-                                for f in projection.slots], projection.out_features, projection.in_features)
+                                for f in projection.slots], projection.out_features, projection.in_features,
+                               self._lora_arena)
 
     def lora(self, x: np.ndarray, row_slots: np.ndarray, parts: Sequence[tuple]) -> None:
         """y += each row's adapter's scale * B (A x) for every (table, y) of parts, every
