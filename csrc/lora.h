@@ -32,7 +32,7 @@ typedef struct {
     int32_t rank;     /* 0: this adapter leaves the projection alone */
     int32_t dtype;    /* ELLM_LORA_F32 / F16 / BF16: the element type of at and bt */
     float scale;      /* lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA */
-    const void *at;   /* A^T (K, rank) row-major */
+    const void *at;   /* A^T (K, rank) row-major; [bf16] at and bt in units of 16 (lora_impl.h) */
     const void *bt;   /* B^T in blocks of 8 outputs: (ceil(N / 8), rank, 8) row-major, the
                        * last block's outputs past N zeros -- the factors of an output
                        * block lie together, one read (_lora.pyx LoraTable lays them so) */

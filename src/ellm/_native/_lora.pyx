@@ -75,6 +75,19 @@ def _blocked(bt):
     return np.ascontiguousarray(padded.reshape(r, n8 // 8, 8).transpose(1, 0, 2))
 
 
+def _bf16_units(m):
+    """A bfloat16 factor matrix as the kernel reads it (csrc/lora_impl.h): in each row
+    (a row of A^T, or a block of B^T flattened), every whole unit of 16 from its start
+    with its middle two quarters swapped, so that one AVX2 load of a unit widens into its
+    first and last 8 factors in place; the factors past the last whole unit as they are."""
+    n = m.shape[m.ndim - 1]   # (no negative index: the module is built with wraparound=False)
+    order = np.arange(n)
+    whole = n & ~15
+    head = order[:whole]
+    head ^= (((head >> 2) ^ (head >> 3)) & 1) * 12
+    return np.ascontiguousarray(m[..., order])
+
+
 # The factors' buffers are this big (or one factor's size, if larger)
 _ARENA_CHUNK = 16 << 20
 _HUGE_PAGE = 2 << 20
@@ -121,8 +134,8 @@ cdef class LoraTable:
 
     slots: a sequence, one entry per adapter: None, or (At, Bt, scale, dtype) with A^T
     (K, r) and B^T (r, N) C-contiguous arrays of `dtype` ("f32": float32, "f16": float16,
-    "bf16": uint16 bfloat16 bits), r >= 1. A^T is referenced; B^T is held in the kernel's
-    blocked layout (a copy). arena: a FactorArena to copy both into (A^T, then B^T), or
+    "bf16": uint16 bfloat16 bits), r >= 1. A^T is referenced (bf16: copied in the
+    kernel's order, _bf16_units); B^T is held in the kernel's blocked layout (a copy). arena: a FactorArena to copy both into (A^T, then B^T), or
     None."""
 
     cdef ellm_lora_proj proj
@@ -158,6 +171,8 @@ cdef class LoraTable:
                 raise ValueError(f"LoraTable: slot {s} has A^T {at.shape} and B^T {bt.shape}; expected "
                                  f"({in_features}, r) and (r, {out_features}) with r >= 1")
             bt = _blocked(bt)
+            if dtype == "bf16":
+                at, bt = _bf16_units(at), _bf16_units(bt.reshape(bt.shape[0], -1)).reshape(bt.shape)
             if arena is not None:
                 at, bt = arena.place(at), arena.place(bt)
             self.c_slots[s].rank = <int32_t>r
