@@ -92,6 +92,19 @@ def test_gguf_array_counts_bounded_by_file(tmp_path: Path, payload: bytes, needl
     assert "bad.array" in str(err)
 
 
+def test_gguf_string_array_cut_short_names_the_element(tmp_path: Path) -> None:
+    # three strings announced, room for their lengths, but the file ends in the third's length
+    strings = struct.pack("<Q", 10) + b"x" * 10 + struct.pack("<Q", 2) + b"ok"
+    data = gguf_bytes([kv("cut.strings", ARRAY, struct.pack("<IQ", STRING, 3) + strings)], [])
+    end = data.index(strings) + len(strings) + 4
+    err = refused(GGUFFile, write(tmp_path, data[:end]), "truncated")
+    assert "'cut.strings'[2] length" in str(err)
+    # the second string claims more bytes than are left
+    payload = struct.pack("<IQ", STRING, 3) + struct.pack("<Q", 1) + b"x" + struct.pack("<Q", 99) + b"\0" * 16
+    err = refused(GGUFFile, write(tmp_path, gguf_bytes([kv("long.string", ARRAY, payload)], [])), "claims 99 bytes")
+    assert "'long.string'[1]" in str(err)
+
+
 def test_gguf_many_nested_arrays_refused_in_bounded_memory(tmp_path: Path) -> None:
     # 200k real empty arrays inside one array (2.4 MB of file): more than any file has
     n = 200_000

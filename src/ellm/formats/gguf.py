@@ -55,6 +55,7 @@ _SCALAR_DTYPES: dict[int, str] = {
     10: "<u8", 11: "<i8", 12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,33 @@ class _Cursor:
             # Some vocabularies hold byte tokens that are not valid UTF-8 on their own.
             return raw.decode("utf-8", errors="surrogateescape")
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings one after the other: `string` without its per-element work (a
+        vocabulary is 100k-260k of them: Gemma 3's took 0.6 s through `string`), the same
+        checks and the same errors."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for i in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, f"{what}[{i}] length")
+            (n,) = length(buf, pos)
+            pos += 8
+            if n > MAX_STRING_BYTES or n > end - pos:
+                raise FormatError(self.path, f"{what}[{i}] claims {n} bytes, more than the {end - pos} "
+                                             "bytes left in the file")
+            raw = buf[pos:pos + n]
+            pos += n
+            try:
+                append(str(raw, "utf-8"))
+            except UnicodeDecodeError:
+                # Some vocabularies hold byte tokens that are not valid UTF-8 on their own.
+                append(str(raw, "utf-8", "surrogateescape"))
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALARS:
             return self.scalar(vtype, what)
@@ -142,6 +170,8 @@ class _Cursor:
             if count * _MIN_ELEMENT_BYTES[etype] > self.remaining():
                 raise FormatError(self.path, f"{what} claims {count} elements, more than the "
                                              f"{self.remaining()} bytes left in the file hold")
+            if etype == _STRING:
+                return self.strings(count, what)
             self.depth += 1
             try:
                 return [self.value(etype, f"{what}[{i}]") for i in range(count)]
