@@ -166,6 +166,42 @@ def test_derive_merges_hashed_equals_plain():
     assert derive_merges(dup) == _derive_merges_plain(dup, None)
 
 
+def test_derived_merges_kept_in_the_cache_and_refused_when_damaged(tmp_path):
+    """The merges come back from the cache file the first derivation wrote, the same list;
+    a damaged or foreign cache file (garbage, ids past the vocabulary) is derived again
+    and rewritten; an unwritable cache costs nothing but the derivation."""
+    rng = random.Random(5)
+    tokens = list("abcdé▁")
+    while len(tokens) < 300:
+        a, b = rng.choice(tokens), rng.choice(tokens)
+        if a + b not in tokens:
+            tokens.append(a + b)
+    scores = np.array([rng.choice([-1.0, -2.0, 0.5]) for _ in tokens], np.float32)
+    want = derive_merges(tokens, scores)
+    cache = tmp_path / "tokenizers"
+    assert derive_merges(tokens, scores, cache=cache) == want
+    (file,) = cache.glob("merges-*.npy")
+    ids = np.load(file)
+    assert ids.dtype == np.int32 and ids.shape == (len(want), 2)
+    assert [(tokens[a], tokens[b]) for a, b in ids.tolist()] == want
+    ids[0] = ids[1]   # a cache file that is read back, not derived again
+    np.save(file, ids)
+    assert derive_merges(tokens, scores, cache=cache)[0] == want[1]
+    # other scores are another vocabulary: another file
+    assert derive_merges(tokens, None, cache=cache) == derive_merges(tokens, None)
+    assert len(list(cache.glob("merges-*.npy"))) == 2
+    for damage in (b"not a numpy file", None):
+        if damage is None:   # ids past the end of the vocabulary
+            np.save(file, np.full((3, 2), len(tokens), np.int32))
+        else:
+            file.write_bytes(damage)
+        assert derive_merges(tokens, scores, cache=cache) == want
+        assert np.array_equal(np.load(file), np.asarray([[tokens.index(a), tokens.index(b)] for a, b in want]))
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    assert derive_merges(tokens, scores, cache=blocked) == want
+
+
 def test_unsupported_tokenizer_model():
     with pytest.raises(ValueError, match="not supported"):
         backend_from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a", "b"]})

@@ -95,8 +95,9 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
+        from .hub import cache_dir
         meta = gguf.metadata
-        backend = backend_from_gguf(meta)
+        backend = backend_from_gguf(meta, merges_cache=cache_dir() / "tokenizers")
         tokens = meta["tokenizer.ggml.tokens"]
 
         def named(key: str) -> str | None:
