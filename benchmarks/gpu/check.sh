@@ -11,12 +11,15 @@
 #   4. the GPU tests (at most ~150 s): tests/test_cuda_compile.py (nvcc, if there),
 #      tests/test_cuda.py and the cuda rows of tests/test_backends.py (every op and fused
 #      op against the reference, both SmolLM2 files' logits against the CPU f32 path,
-#      greedy ids, batched == single, graphs == eager, the device sampler)
+#      greedy ids, batched == single, graphs == eager, the device sampler), then the
+#      cuda rows of tests/test_lora.py (at most 120 s: the adapters' logits against peft's,
+#      whose tiny models and adapters the machine's own torch, transformers and peft make)
 #   5. benchmarks/gpu/bench.py until 460 s: SmolLM2 (GGUF, folder), random bf16 folders
 #      of Llama-3.2-1B and Llama-3-8B shape made here, the 8B quantized to q8_0 at load;
 #      ellm (fused graphs, unfused graphs, eager) and transformers (compiled static
 #      cache, eager) side by side, in priority order (bench.py)
-# Everything goes to $OUT (check.log, pytest.log, gpu_bench.md, gpu_bench.json).
+# Everything goes to $OUT (check.log, pytest.log, pytest_lora.log, gpu_bench.md,
+# gpu_bench.json).
 # CHECK_BENCH_ONLY=1 skips 3-4 (a second run for the figures alone).
 set -uo pipefail
 T0=$(date +%s)
@@ -84,6 +87,9 @@ if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
   timeout 150 $PY -m pytest tests/test_cuda_compile.py tests/test_cuda.py tests/test_backends.py -k "cuda or nvcc or nvrtc or kernel" \
     -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
   say "  pytest exit ${PIPESTATUS[0]}"
+  ELLM_REF_PYTHON=$PY timeout 120 $PY -m pytest tests/test_lora.py -k cuda -q -rs -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_lora.log" | tail -8
+  say "  LoRA pytest exit ${PIPESTATUS[0]}"
 fi
 
 say "5. benchmark"
