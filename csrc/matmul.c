@@ -105,20 +105,26 @@ _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
 /* With 512-bit VNNI both kinds run at 512 bits (quant_x86.h: QX_ZMM), and the token
  * groups take over sooner. Layers of both GGUF models, 2 threads, one process switching
  * between the two (AMD EPYC Zen 5): T=8 rows 6.0 / 7.7 ms against groups 6.8 / 8.5 (SmolLM2
- * / Gemma 3), T=9 9.0 / 9.6 against 8.8 / 8.5, T=12 9.3 / 10.5 against 7.4 / 7.9. (At the
- * AVX2 level T=9 rows 15.8 / 12.8 against 19.6 / 15.1, T=12 about even: FEW_TOKENS.) */
+ * / Gemma 3), T=9 9.0 / 9.6 against 8.8 / 8.5, T=12 9.3 / 10.5 against 7.4 / 7.9. */
 #define FEW_TOKENS_VNNI512 9
+/* At the AVX2 level the groups take over from 13 tokens. One step's matmuls (layers and
+ * head, q/k/v and gate/up fused as the engine calls them), 2 threads, one process switching
+ * between the two, medians of 25 (AMD EPYC Zen 2): SmolLM2 rows / groups T=11 36.5 / 35.0 ms,
+ * T=12 33.9 / 30.0, T=13 37.4 / 30.6, T=15 42.4 / 30.9; Gemma 3 T=11 63.1 / 70.5, T=12
+ * 66.2 / 70.0, T=13 73.8 / 69.8, T=14 92.7 / 80.8, T=15 88.1 / 75.9. */
+#define FEW_TOKENS_AVX2 13
 
 /* Whether a call of T tokens uses the group layouts and the qgemm kernels. */
 static int takes_token_groups(int64_t T) {
-    const int zmm = ellm_simd_is_avx512(ellm_simd_level()) && ellm_cpu_has_vnni();
-    return T >= (zmm ? FEW_TOKENS_VNNI512 : FEW_TOKENS);
+    const int level = ellm_simd_level();
+    if (ellm_simd_is_avx512(level) && ellm_cpu_has_vnni()) return T >= FEW_TOKENS_VNNI512;
+    return T >= (level == ELLM_SIMD_AVX2 ? FEW_TOKENS_AVX2 : FEW_TOKENS);
 }
 /* The AMX tiles take a 16-token group in the time the row-layout kernels take about 8
  * tokens (Q4_1 1536x576, one thread: T=8 0.17 ms on VNNI rows, T=16 0.12-0.15 ms on
  * tiles), so at the AMX level calls from this many tokens on use them, padded to 16 */
 #define AMX_FEW_TOKENS 8
-_Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS && AMX_FEW_TOKENS <= FEW_TOKENS_VNNI512,
+_Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS && AMX_FEW_TOKENS <= FEW_TOKENS_VNNI512 && AMX_FEW_TOKENS <= FEW_TOKENS_AVX2,
                "tiles start no later than the token groups, and the scratch (rows padded to 16 "
                "from AMX_FEW_TOKENS on) has room for the groups");
 /* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, which the row kernels fetch
