@@ -229,8 +229,41 @@ static inline __attribute__((always_inline)) void shrink_body(const int32_t dtyp
     }
 }
 
+/* shrink of a chunk of 8 ranks (rank 8, PEFT's default, or the last 8 of 24, 40 ...),
+ * the same sums as the baseline's loops: even and odd k apart, added at the end. Such a
+ * chunk lies past the row's last whole unit of 16, so its BF16 factors are in order. */
+static inline __attribute__((always_inline)) void shrink8_body(const int32_t dtype, const void *at, int64_t K, int32_t r,
+                                                               int32_t j0, const float *x0, const float *x1, float *u0,
+                                                               float *u1) {
+    const int64_t K2 = K & ~(int64_t)1, elt = dtype == ELLM_LORA_F32 ? 4 : 2, ahead = SHRINK_PREFETCH_BYTES / elt;
+    const char *bytes = (const char *)at;
+    __m256 e0 = _mm256_setzero_ps(), o0 = e0, e1 = e0, o1 = e0;
+    for (int64_t k = 0; k < K2; k += 2) {
+        const int64_t i = k * r + j0;
+        __builtin_prefetch(bytes + (i + ahead) * elt, 0, 3);
+        const __m256 a = load8(at, dtype, i), a2 = load8(at, dtype, i + r);
+        e0 = _mm256_add_ps(e0, _mm256_mul_ps(a, _mm256_set1_ps(x0[k])));
+        o0 = _mm256_add_ps(o0, _mm256_mul_ps(a2, _mm256_set1_ps(x0[k + 1])));
+        if (x1) {
+            e1 = _mm256_add_ps(e1, _mm256_mul_ps(a, _mm256_set1_ps(x1[k])));
+            o1 = _mm256_add_ps(o1, _mm256_mul_ps(a2, _mm256_set1_ps(x1[k + 1])));
+        }
+    }
+    if (K2 < K) { /* an odd K: the last k joins the even sums */
+        const __m256 a = load8(at, dtype, K2 * r + j0);
+        e0 = _mm256_add_ps(e0, _mm256_mul_ps(a, _mm256_set1_ps(x0[K2])));
+        if (x1) e1 = _mm256_add_ps(e1, _mm256_mul_ps(a, _mm256_set1_ps(x1[K2])));
+    }
+    _mm256_storeu_ps(u0, _mm256_add_ps(e0, o0));
+    if (x1) _mm256_storeu_ps(u1, _mm256_add_ps(e1, o1));
+}
+
 static void shrink_avx2_x(const void *at, int32_t dtype, int64_t K, int32_t r, int32_t j0, int32_t jn,
                           const float *x0, const float *x1, float *u0, float *u1) {
+    if (jn == 8) {
+        BY_DTYPE(shrink8_body, dtype, at, K, r, j0, x0, x1, u0, u1);
+        return;
+    }
     if (jn != SHRINK_CHUNK) {
         shrink_avx2(at, dtype, K, r, j0, jn, x0, x1, u0, u1);
         return;

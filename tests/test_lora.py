@@ -365,14 +365,15 @@ def test_kernel_gives_the_same_bits_at_every_simd_level() -> None:
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_kernel_gives_the_same_bits_at_every_simd_level_odd_k(dtype) -> None:
     """The SIMD variants' own shrink and expand (lora_avx2.c: intrinsics) against the
-    baseline's loops: an odd K, ranks that are and are not whole chunks of 16, rows that
-    share an adapter, in each type an adapter file holds."""
+    baseline's loops: an odd K, ranks that are and are not whole chunks of 16 (8 and the
+    last 8 of 24: their own kernel), rows that share an adapter, in each type an adapter
+    file holds."""
     from ellm._native import _core
     cpu = ops_or_skip("cpu")
     rng = np.random.default_rng(11)
-    p = _projection(rng, 203, 75, [16, 5, 32], dtype)
+    p = _projection(rng, 203, 75, [16, 5, 32, 8, 24], dtype)
     x = rng.standard_normal((11, 75), np.float32)
-    slots = np.asarray([0, 2, 2, 0, 1, -1, 2, 0, 0, 2, 1], np.int32)
+    slots = np.asarray([0, 2, 3, 0, 1, -1, 4, 3, 0, 2, 4], np.int32)
     results = {}
     start = _core.simd_level()
     try:
