@@ -125,13 +125,8 @@ def tiny_vision_ggufs(tiny_vision_dir: Path) -> Path:
     """Both tiny vision folders converted by llama.cpp's converter at f32 (once for the
     session): <dir>/<name>-f32.gguf (the text model), <dir>/mmproj-<name>-f32.gguf (the
     tower and projector)."""
-    import os
-    llama_cpp = os.environ.get("ELLM_LLAMA_CPP_DIR")
-    if not llama_cpp or not (Path(llama_cpp) / "convert_hf_to_gguf.py").is_file():
-        pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
-                    "`bash tests/run.sh` (it fetches it), or point it at vendor/llama.cpp of the "
-                    "llama-cpp-python 0.3.36 sdist", pytrace=False)
-    from ref_python import ref_python
+    from ref_python import llama_cpp_dir, ref_python
+    llama_cpp = llama_cpp_dir()
     out = tiny_vision_dir / "gguf"
     proc = subprocess.run([ref_python(), str(GOLDENS_DIR / "convert_tiny.py"), llama_cpp, str(out),
                            *(str(tiny_vision_dir / m) for m in ("smolvlm", "gemma3")), "--outtypes", "f32",

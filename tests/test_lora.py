@@ -503,11 +503,8 @@ def test_missing_adapter_and_bad_names(tiny_lora, tmp_path) -> None:
 @pytest.fixture(scope="session")
 def lora_ggufs(tiny_lora) -> Path:
     """The tiny bases converted to f32 GGUF by llama.cpp's own converter."""
-    import os
-    converter = os.environ.get("ELLM_LLAMA_CPP_DIR")
-    if not converter or not (Path(converter) / "convert_hf_to_gguf.py").is_file():
-        pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
-                    "`bash tests/run.sh`", pytrace=False)
+    from ref_python import llama_cpp_dir
+    converter = llama_cpp_dir()
     ref, script = ref_python(), Path(__file__).parent / "goldens" / "convert_tiny.py"
 
     def make(out: Path) -> None:

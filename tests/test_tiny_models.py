@@ -169,11 +169,8 @@ def test_family_batched_greedy_equals_one_at_a_time(tiny_dir, family_llms, arch)
 @pytest.fixture(scope="session")
 def tiny_ggufs(tiny_dir) -> Path:
     """Every family's folder converted at f32 and q8_0: <dir>/<family>-<type>.gguf."""
-    converter = os.environ.get("ELLM_LLAMA_CPP_DIR")
-    if not converter or not (Path(converter) / "convert_hf_to_gguf.py").is_file():
-        pytest.fail("ELLM_LLAMA_CPP_DIR does not hold llama.cpp's convert_hf_to_gguf.py: run the tests through "
-                    "`bash tests/run.sh` (it fetches it), or point it at vendor/llama.cpp of the "
-                    "llama-cpp-python 0.3.36 sdist", pytrace=False)
+    from ref_python import llama_cpp_dir
+    converter = llama_cpp_dir()
     out = tiny_dir / "gguf"
     subprocess.run([os.environ["ELLM_REF_PYTHON"], str(GOLDENS / "convert_tiny.py"), converter, str(out),
                     *(str(tiny_dir / f) for f in GGUF_FAMILIES)], check=True, capture_output=True, text=True)
