@@ -296,3 +296,38 @@ def test_huge_page_move_is_refused_when_asked_or_short_of_memory(smollm2_gguf: P
     assert not files.room_for_a_private_copy(size, "MemTotal: 900000 kB\n")   # no figure: stay put
     monkeypatch.setattr(files, "MEMINFO", smollm2_gguf.parent / "no-such-meminfo")
     assert GGUFFile(smollm2_gguf).move_onto_huge_pages() is None
+
+
+def _python_strings(buf: bytes, count: int) -> tuple[list[str], int]:
+    """The GGUF string-array layout read one element at a time in Python, the reference
+    for the C decoder."""
+    out, pos = [], 0
+    for _ in range(count):
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        out.append(buf[pos + 8:pos + 8 + n].decode("utf-8", "surrogateescape"))
+        pos += 8 + n
+    return out, pos
+
+
+def test_gguf_string_arrays_decode_in_c_as_python_does() -> None:
+    from ellm._native import _core
+    rng = np.random.default_rng(7)
+    # valid text, empty strings, lone continuation bytes and cut-off sequences (byte tokens
+    # of SentencePiece vocabularies), NULs and newlines
+    pieces = [b"", b"hello", "▁über".encode(), b"\x80", b"\xe2\x96", b"a\x00b\n", "日本".encode()]
+    pieces += [rng.integers(0, 256, int(rng.integers(0, 40)), dtype=np.uint8).tobytes() for _ in range(500)]
+    buf = b"".join(struct.pack("<Q", len(p)) + p for p in pieces)
+    want, end = _python_strings(buf, len(pieces))
+    got, pos = _core.gguf_strings(buf, 0, len(pieces), 1 << 30)
+    assert (got, pos) == (want, end)
+    # from an offset, and fewer than all
+    first = len(pieces[0]) + 8 + len(pieces[1]) + 8
+    got, pos = _core.gguf_strings(buf, first, 3, 1 << 30)
+    assert got == want[2:5] and pos == first + sum(8 + len(p) for p in pieces[2:5])
+    # it stops before an element cut short (its length or its bytes) or over the limit
+    cut = buf[:first + 8 + 3]            # the third string's length, then 3 of its 6 bytes
+    assert _core.gguf_strings(cut, 0, 3, 1 << 30) == (want[:2], first)
+    assert _core.gguf_strings(buf[:first + 5], 0, 3, 1 << 30) == (want[:2], first)
+    assert _core.gguf_strings(buf, 0, 3, 4) == (want[:1], 8)
+    assert _core.gguf_strings(b"", 0, 2, 1 << 30) == ([], 0)
+    assert _core.gguf_strings(buf, len(buf) + 5, 1, 1 << 30) == ([], len(buf) + 5)

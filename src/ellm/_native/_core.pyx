@@ -2,7 +2,8 @@
 """Thin typed shims over csrc/: file maps, float conversions and the SIMD level."""
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_FillInfo
-from libc.stdint cimport uint8_t, uint16_t
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport uint8_t, uint16_t, uint64_t
 from libc.string cimport strerror
 
 
@@ -85,6 +86,33 @@ cdef class MappedFile:
 
     def __releasebuffer__(self, Py_buffer *buffer):
         self.exports -= 1
+
+
+def gguf_strings(const uint8_t[::1] buf, size_t pos, size_t count, uint64_t max_bytes):
+    """GGUF string-array elements from byte `pos` of `buf` on (a little-endian u64 length,
+    then that many UTF-8 bytes; invalid bytes kept as surrogate escapes): (strings, the
+    position after them). It stops before the first element whose length is cut short,
+    or claims more than max_bytes or than the bytes left, so fewer than `count` strings
+    come back and the caller names that element. (formats/gguf.py: a 262k-token vocabulary
+    is 0.03 s here against 0.25 s in a Python loop.)"""
+    cdef size_t end = <size_t>buf.shape[0], i
+    cdef const uint8_t *p = &buf[0] if end else NULL
+    cdef uint64_t n
+    cdef int b
+    cdef list out = []
+    if pos > end:
+        return out, pos
+    for i in range(count):
+        if end - pos < 8:
+            break
+        n = 0
+        for b in range(8):
+            n |= (<uint64_t>p[pos + b]) << (8 * b)
+        if n > max_bytes or n > end - pos - 8:
+            break
+        out.append(PyUnicode_DecodeUTF8(<const char *>(p + pos + 8), <Py_ssize_t>n, "surrogateescape"))
+        pos += 8 + <size_t>n
+    return out, pos
 
 
 def bf16_to_f32(const uint16_t[::1] src, float[::1] dst):

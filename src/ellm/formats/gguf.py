@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .._native import _core
 from .errors import FormatError
 from .files import MappedModelFile
 from .ggml_types import BLOCK_LAYOUT, GGMLType
@@ -114,14 +115,17 @@ class _Cursor:
             return raw.decode("utf-8", errors="surrogateescape")
 
     def strings(self, count: int, what: str) -> list[str]:
-        """`count` strings one after the other: `string` without its per-element work (a
-        vocabulary is 100k-260k of them: Gemma 3's took 0.6 s through `string`), the same
-        checks and the same errors."""
-        buf, pos, end = self.buf, self.pos, len(self.buf)
+        """`count` strings one after the other: `string`'s checks and errors, decoded in C
+        (a vocabulary is 100k-260k of them: Gemma 3's took 0.6 s through `string`). The
+        element that fails a check is named by the loop below."""
+        out, pos = _core.gguf_strings(self.buf, self.pos, count, MAX_STRING_BYTES)
+        if len(out) == count:
+            self.pos = pos
+            return out
+        buf, end = self.buf, len(self.buf)
         length = _U64.unpack_from
-        out: list[str] = []
         append = out.append
-        for i in range(count):
+        for i in range(len(out), count):
             if pos + 8 > end:
                 self.pos = pos
                 self.need(8, f"{what}[{i}] length")
