@@ -3,7 +3,9 @@
 Same GGUF file, same prompt token ids, same thread count, greedy. Each engine runs in its
 own subprocess (so peak RSS is its own); rounds alternate the engines' order and the
 table reports medians over rounds (of a median of 3 prefill calls within each round) and
-ratios ellm / peer.
+ratios ellm / peer (above 1 is better for the speeds, below 1 for peak RSS and for the time
+to the first token: from the worker's import of the engine, through loading the file, to
+the first token of a 16-token prompt, the file already in the page cache).
 
     python benchmarks/vs_llamacpp.py --models smollm2-135m-instruct gemma-3-270m --rounds 5
     python benchmarks/vs_llamacpp.py --install-llamacpp   # builds llama-cpp-python in benchmarks/.venv-llamacpp
@@ -67,6 +69,7 @@ def _max_len(contexts: list[int]) -> int:
 
 
 def worker_ellm(model: str, threads: int, ids: list[int], contexts: list[int]) -> dict:
+    t_start = time.perf_counter()
     import ellm
     from ellm._native import _kernels
     from ellm.sampling_params import SamplingParams
@@ -75,10 +78,11 @@ def worker_ellm(model: str, threads: int, ids: list[int], contexts: list[int]) -
     llm.engine.blocks.enable_prefix_caching = False
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(ids[:16], greedy1)  # warm-up: pages in the weights
+    first_token_s = time.perf_counter() - t_start
     for t in threading.enumerate():  # the steady state: the weights' move onto 2 MiB pages done
         if t.name.startswith("ellm huge pages"):  # (a few seconds at 8B, formats/files.py)
             t.join()
-    out = {}
+    out = {"first_token_s": first_token_s}
     for n in (128, 512):
         out[f"prefill{n}"] = _prefill_rate(lambda k: llm.generate(ids[:k], greedy1), n)
 
@@ -100,6 +104,7 @@ def worker_ellm(model: str, threads: int, ids: list[int], contexts: list[int]) -
 
 
 def worker_llamacpp(model: str, threads: int, ids: list[int], contexts: list[int]) -> dict:
+    t_start = time.perf_counter()
     from llama_cpp import Llama
     llm = Llama(model_path=model, n_ctx=_max_len(contexts), n_batch=512, n_threads=threads, n_threads_batch=threads,
                 verbose=False)
@@ -111,7 +116,7 @@ def worker_llamacpp(model: str, threads: int, ids: list[int], contexts: list[int
         sampler.sample(llm._ctx, -1)
 
     prefill(ids[:16])
-    out = {}
+    out = {"first_token_s": time.perf_counter() - t_start}
     for n in (128, 512):
         out[f"prefill{n}"] = _prefill_rate(lambda k: prefill(ids[:k]), n)
 
@@ -269,14 +274,15 @@ def bench_model(name: str, args: argparse.Namespace) -> list[str]:
     ids_file.unlink()
     med = {e: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for e, runs in results.items()}
     ctx_cols = [f"decode@{c}" for c in args.contexts]
-    cols = ["prefill128", "prefill512", "decode128"] + ctx_cols + ["rss_mb"]
+    cols = ["prefill128", "prefill512", "decode128"] + ctx_cols + ["rss_mb", "first_token_s"]
     heads = (["prefill tok/s @128", "prefill tok/s @512", "decode tok/s (128 new)"]
-             + [f"decode tok/s at context {c}" for c in args.contexts] + ["peak RSS MB"])
+             + [f"decode tok/s at context {c}" for c in args.contexts] + ["peak RSS MB", "first token s"])
+    fmt = {"rss_mb": "{:.0f}", "first_token_s": "{:.2f}"}
     lines = [f"### {label} ({args.threads} threads, medians of {args.rounds} rounds)", "",
              "| engine | " + " | ".join(heads) + " |", "| --- " * (len(heads) + 1) + "|"]
     for e, m in med.items():
-        lines.append(f"| {e} | " + " | ".join(f"{m[k]:.0f}" if k == "rss_mb" else f"{m[k]:.1f}" if k in m
-                                              else "-" for k in cols) + " |")
+        lines.append(f"| {e} | " + " | ".join(fmt.get(k, "{:.1f}").format(m[k]) if k in m else "-" for k in cols)
+                     + " |")
     for peer in engines:
         if peer == "ellm":
             continue

@@ -202,6 +202,27 @@ def test_derived_merges_kept_in_the_cache_and_refused_when_damaged(tmp_path):
     assert derive_merges(tokens, scores, cache=blocked) == want
 
 
+def test_byte_level_token_written_outside_the_alphabet_is_respelled():
+    """A gpt2-style vocabulary normally spells every token in the byte alphabet ("日" as
+    three letters, one per UTF-8 byte); one written in plain UTF-8 is respelled through
+    it, so both files encode alike."""
+    from ellm.tokenization.gguf_vocab import byte_alphabet
+    alphabet = byte_alphabet()
+    spell = lambda t: "".join(alphabet[b] for b in t.encode("utf-8"))  # noqa: E731
+    base = [alphabet[b] for b in range(256)]
+    day = spell("日")
+    merges = [f"{day[0]} {day[1]}", f"{day[:2]} {day[2]}", f"{day} t"]
+
+    def meta(written: list[str]) -> dict:
+        return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": base + written,
+                "tokenizer.ggml.merges": merges}
+    proper = backend_from_gguf(meta([day[:2], day, spell("日t")]))
+    plain = backend_from_gguf(meta([day[:2], "日", "日t"]))
+    for text in ("日t", "日日t", "t 日"):
+        assert plain.encode(text).ids == proper.encode(text).ids
+    assert proper.encode("日t").ids == [258]
+
+
 def test_unsupported_tokenizer_model():
     with pytest.raises(ValueError, match="not supported"):
         backend_from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a", "b"]})

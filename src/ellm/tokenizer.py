@@ -15,6 +15,7 @@ adds BOS only where the model adds it.
 """
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -90,7 +91,7 @@ class Tokenizer:
     def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
         """The tokenizer described by a GGUF file's `tokenizer.ggml.*` metadata. A
         vocabulary that cannot be built is a FormatError naming the file."""
-        with _vocabulary_errors(gguf.path, "tokenizer.ggml.* metadata"):
+        with _vocabulary_errors(gguf.path, "tokenizer.ggml.* metadata"), _collector_paused():
             return cls._from_gguf(gguf)
 
     @classmethod
@@ -121,7 +122,7 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{folder}: no tokenizer.json")
-        with _vocabulary_errors(folder, "tokenizer files"):
+        with _vocabulary_errors(folder, "tokenizer files"), _collector_paused():
             return cls._from_folder(folder, path)
 
     @classmethod
@@ -228,6 +229,23 @@ class Tokenizer:
 
 
 # ---- folder helpers --------------------------------------------------------------------
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a vocabulary is built. The build makes
+    hundreds of thousands of small tuples (a merge list), and each 700 of them start a
+    collection that walks the young objects, and now and then every object: on Gemma 3's
+    515k merges, about 0.25 s of its 1.6 s load. The build makes no cycles, so nothing is left
+    for the collector afterwards."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
 
 @contextmanager
 def _vocabulary_errors(path: str | Path, what: str) -> Iterator[None]:

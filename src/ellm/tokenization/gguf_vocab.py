@@ -325,8 +325,12 @@ def _family_vocab_style(arch: str) -> str | None:
 def _byte_level(meta: Mapping[str, Any], tokens: list[str]) -> Backend:
     alphabet = byte_alphabet()
     letters = set(alphabet.values())
-    # Tokens written outside the byte alphabet (rare) are respelled through it.
-    spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
+    # Tokens written outside the byte alphabet (rare) are respelled through it; the common
+    # case, none, is one pass over all the text.
+    if set("".join(tokens)) <= letters:
+        spelled = tokens
+    else:
+        spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
     vocab = dict(zip(spelled, range(len(spelled))))
     merges = []
     for i, m in enumerate(meta.get("tokenizer.ggml.merges") or ()):
