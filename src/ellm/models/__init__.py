@@ -60,6 +60,11 @@ def _families() -> list[ModuleType]:
 
 def family_for_gguf(arch: str) -> ModuleType:
     """The family module reading GGUF files of `general.architecture` arch."""
+    named = FAMILIES.get(ALIASES.get(arch, arch))
+    if named is not None:   # most architectures are read by the family of their name:
+        module = importlib.import_module(f"{__name__}.{named}")   # import that one alone
+        if arch in module.Args.gguf_architectures:
+            return module
     for module in _families():
         if arch in module.Args.gguf_architectures:
             return module
