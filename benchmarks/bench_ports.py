@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 
-from bench_stream import cpu_line
+from bench_stream import build_c, cpu_line
 
 # Each t_ function runs `n` iterations of 12 independent instructions (or of the mix
-# named) and returns the seconds taken; the empty asm statements use every chain's value each iteration, so none is dropped.
+# named) and returns the seconds taken; the empty asm statements use every chain's value
+# each iteration, so none is dropped.
 C_SOURCE = r"""
 #include <immintrin.h>
 #include <time.h>
@@ -110,16 +107,7 @@ TESTS = [
 
 
 def build() -> ctypes.CDLL:
-    tag = hashlib.sha256(C_SOURCE.encode()).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"ellm_ports_{tag}.so"
-    if not lib.exists():
-        src = lib.with_suffix(".c")
-        src.write_text(C_SOURCE)
-        tmp = lib.with_suffix(f".{os.getpid()}.so")
-        subprocess.run([os.environ.get("CC", "cc"), "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", str(src),
-                        "-o", str(tmp)], check=True)
-        os.replace(tmp, lib)
-    dll = ctypes.CDLL(str(lib))
+    dll = build_c(C_SOURCE, "ports", ["-O3", "-mavx2", "-mfma"])
     for fn in ["scalar_adds"] + [name for name, _ in TESTS]:
         getattr(dll, fn).restype = ctypes.c_double
         getattr(dll, fn).argtypes = [ctypes.c_long]

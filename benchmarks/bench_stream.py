@@ -99,19 +99,24 @@ def cpu_line() -> str:
     return f"{model}; flags: {' '.join(f for f in keep if f in flags) or 'none of ' + ','.join(keep)}"
 
 
-def build_reader() -> ctypes.CDLL:
-    """Compiles C_SOURCE once per source text (cached in the temp folder) and loads it."""
-    tag = hashlib.sha256(C_SOURCE.encode()).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"ellm_stream_{tag}.so"
+def build_c(source: str, name: str, flags: list[str]) -> ctypes.CDLL:
+    """Compiles C source with the system compiler ($CC, else cc) and these flags, once per
+    source text (cached in the temp folder as ellm_<name>_<hash>.so), and loads it."""
+    tag = hashlib.sha256(source.encode()).hexdigest()[:16]
+    lib = Path(tempfile.gettempdir()) / f"ellm_{name}_{tag}.so"
     if not lib.exists():
         src = lib.with_suffix(".c")
-        src.write_text(C_SOURCE)
-        cc = os.environ.get("CC", "cc")
+        src.write_text(source)
         tmp = lib.with_suffix(f".{os.getpid()}.so")
-        subprocess.run([cc, "-O2", "-mavx2", "-shared", "-fPIC", "-pthread", str(src), "-o", str(tmp)],
+        subprocess.run([os.environ.get("CC", "cc"), *flags, "-shared", "-fPIC", str(src), "-o", str(tmp)],
                        check=True)
         os.replace(tmp, lib)
-    dll = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+def build_reader() -> ctypes.CDLL:
+    """C_SOURCE compiled and loaded (build_c)."""
+    dll = build_c(C_SOURCE, "stream", ["-O2", "-mavx2", "-pthread"])
     dll.stream_read.restype = ctypes.c_double
     dll.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t]
     return dll
