@@ -515,7 +515,6 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     from .formats.safetensors import SafetensorsFolder
     from .models import build_model, config_from_folder, config_from_gguf, gguf_weights
     from .ops import get_ops
-    from .tokenization.template import compile_template
     from .tokenizer import Tokenizer
     from .weights import SafetensorsWeights
 
@@ -537,6 +536,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     if chat_template is not None:
         if not isinstance(chat_template, str):
             raise TypeError(f"chat_template must be a string (template or path), got {type(chat_template).__name__}")
+        from .tokenization.template import compile_template
         template = _chat_template_source(chat_template)
         compile_template(template)   # a broken template fails here, not at the first chat
     from .engine.speculative import SpeculativeConfig, check_same_vocabulary

@@ -30,7 +30,7 @@ from .formats.errors import FormatError
 from .formats.files import read_regular_file
 from .tokenization.gguf_vocab import backend_from_gguf, template_processor
 from .tokenization.incremental import IncrementalDetokenizer
-from .tokenization.template import ChatTemplateError, render_chat
+from .tokenization.template_errors import ChatTemplateError
 
 if TYPE_CHECKING:
     from .formats.gguf import GGUFFile
@@ -213,6 +213,7 @@ class Tokenizer:
             raise ChatTemplateError(f"{self.name or 'this tokenizer'} has no chat template")
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                    "unk_token": self.unk_token, "pad_token": self.pad_token}
+        from .tokenization.template import render_chat  # jinja2: at the first chat, not at load
         return render_chat(template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
                            special_tokens=special, **kwargs)
 

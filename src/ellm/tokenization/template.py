@@ -46,10 +46,7 @@ from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.filters import do_batch, do_center, do_format, do_indent, do_replace, sync_do_join, sync_do_slice
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-
-class ChatTemplateError(ValueError):
-    """A chat template failed to compile or render, raised on purpose (raise_exception),
-    tried to reach Python internals, or went past its size or time limit."""
+from .template_errors import ChatTemplateError
 
 
 @dataclass(frozen=True)
