@@ -184,7 +184,10 @@ def _freeze_startup_heap() -> None:
     the app, the modules) out of the garbage collector's generations (gc.freeze): they
     live as long as the server, and otherwise every collection of the older generations
     walks all of them again (~87k objects for the tiny SmolVLM), holding the GIL: each
-    one stalls every client and /health. Garbage made later is collected as before."""
+    one stalls every client and /health. Garbage made later is collected as before.
+    The chat-template sandbox (jinja2), which a plain load leaves for the first chat, is
+    imported first, so that the first chat request does not pay for it."""
+    from ..tokenization import template  # noqa: F401
     gc.collect()
     gc.freeze()
 
