@@ -242,6 +242,55 @@ def test_rope_attention_matches_reference(ops, case: str) -> None:
     assert nmse(ops.to_host(kd), k_cache) <= 1e-12 and nmse(ops.to_host(vd), v_cache) == 0.0
 
 
+PREFILL_CASES = {
+    # name: (nh, nkv, hd, window, softcap, key_limit extra, prompts (context, new tokens))
+    "hd128_three_prompts": (8, 2, 128, 0, 0.0, 0, [(0, 70), (5, 33), (40, 20)]),
+    "hd64_window_softcap": (4, 1, 64, 40, 30.0, 0, [(0, 90), (17, 50)]),
+    "hd96_image_limits": (6, 3, 96, 0, 0.0, 7, [(3, 75)]),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_attention_on_tensor_cores_matches_reference(ops, case: str, kv_dtype: str) -> None:
+    """attn_prefill (more than 64 tokens, head_dim a multiple of 32 up to 128) against the
+    reference's paged_attention: several prompts in one step (a warp's 16 tokens then span
+    two sequences), earlier context in the cache, sliding window and soft-capping, key
+    limits past the position (an image's tokens), f32 and bf16 caches."""
+    nh, nkv, hd, window, cap, extra, prompts = PREFILL_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    bs, blocks, width = 16, 64, 12
+    tables = np.full((len(prompts), width), -1, np.int32)
+    perm = rng.permutation(blocks).astype(np.int32)
+    used, positions, seq_ids = 0, [], []
+    for b, (ctx, new) in enumerate(prompts):
+        need = -(-(ctx + new + extra) // bs)
+        tables[b, :need] = perm[used:used + need]
+        used += need
+        positions += list(range(ctx, ctx + new))
+        seq_ids += [b] * new
+    pos, sid = np.array(positions, np.int32), np.array(seq_ids, np.int32)
+    limit = None if not extra else (pos + extra).astype(np.int32)
+    T = len(pos)
+    assert T > 64
+    k_cache = rng.standard_normal((blocks, bs, nkv, hd)).astype(np.float32)
+    v_cache = rng.standard_normal((blocks, bs, nkv, hd)).astype(np.float32)
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    if kv_dtype == "bfloat16":
+        kd, vd = ops.kv_zeros(k_cache.shape, R.KV_BF16), ops.kv_zeros(v_cache.shape, R.KV_BF16)
+        kd.set(R.to_bf16_bits(k_cache))
+        vd.set(R.to_bf16_bits(v_cache))
+        k_cache, v_cache = R.from_bf16_bits(R.to_bf16_bits(k_cache)), R.from_bf16_bits(R.to_bf16_bits(v_cache))
+    else:
+        kd, vd = ops.upload(k_cache), ops.upload(v_cache)
+    want = R.paged_attention(q, pos, sid, tables, k_cache, v_cache, hd ** -0.5, window, cap, limit)
+    up = ops.upload
+    got = ops.paged_attention(up(q), up(pos), up(sid), up(tables), kd, vd, hd ** -0.5, window, cap,
+                              None if limit is None else up(limit))
+    assert nmse(ops.to_host(got), want) <= 1e-9
+
+
 # -- the real models ---------------------------------------------------------------------------
 
 PROMPT = "The capital of France is Paris. The largest planet of the solar system is"

@@ -25,8 +25,9 @@ from ellm.ops import cuda as cuda_ops
 NVCC = shutil.which("nvcc") or next(iter(glob.glob("/usr/local/cuda*/bin/nvcc")), None)
 ARCHS = ("sm_80", "sm_90")
 PTXAS = (shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")) if NVCC else None
-# the kernels of the fused decode path (ops/fused_stack.py through ops/cuda.py)
-FUSED_DECODE_KERNELS = ("nmv3_", "glu_", "gemv_add_", "qkv_rope_", "attn_decode")
+# the kernels of the fused decode path (ops/fused_stack.py through ops/cuda.py) and the
+# tensor-core prefill attention: no stack frame at all
+FUSED_DECODE_KERNELS = ("nmv3_", "glu_", "gemv_add_", "qkv_rope_", "attn_decode", "mmv", "attn_prefill")
 SOURCES = sorted(cuda_ops.kernel_dir().glob("*.cu"))
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA toolkit) is not installed; "

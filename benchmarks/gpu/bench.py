@@ -12,8 +12,9 @@ different lengths, so prefill and start-up cancel out.
         [--random llama-1b] [--random llama-8b] [--quantize llama-8b=q8_0] [--budget 300]
     python benchmarks/gpu/bench.py --dry-run --out DIR     # on a CPU: the whole harness, tiny shapes
 
-Engines: `ellm cuda graphs` (fused decode kernels, bf16 KV cache), `ellm cuda graphs
-unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
+Engines: `ellm cuda graphs` (fused decode kernels, tensor-core decode products, bf16 KV
+cache), `ellm cuda graphs f32 gemv` (the same with linear.cu's f32 decode products:
+ELLM_CUDA_MMV=0), `ellm cuda graphs unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
 `generate(..., cache_implementation="static")`: compiled, CUDA graphs) and `transformers
 eager` (plain `generate`). Rows run in priority order (the issue's targets first) and a
 row that would start after --budget seconds is written as skipped, so a run cut short
@@ -133,8 +134,9 @@ def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> Non
 # -- ellm ----------------------------------------------------------------------------------
 
 def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
-               deadline: float) -> dict[str, float]:
-    os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # read when the backend is made
+               deadline: float, mmv: bool = True) -> dict[str, float]:
+    os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # both read when the backend is made
+    os.environ["ELLM_CUDA_MMV"] = "1" if mmv else "0"
     import ellm
     from ellm.sampling_params import SamplingParams
     options: dict[str, Any] = dict(max_model_len=plan.max_model_len, max_num_seqs=max(plan.batches),
@@ -407,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_transformers:
         for s in folders:
             record(s, "transformers", lambda d, s=s: bench_transformers(s, plans[s.name], device, True, d), 0.4)
+    for s in sources:   # round two's f32 decode kernels (ELLM_CUDA_MMV=0) against mmv.cu's
+        if not s.quantize:
+            record(s, f"ellm {device} graphs f32 gemv",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], device, True, True, d, mmv=False), 0.3)
     for s in sources:
         if not s.quantize:
             record(s, f"ellm {device} graphs unfused",

@@ -253,3 +253,246 @@ extern "C" __global__ void attn_combine(
     attn_merge(blockIdx.x, blockIdx.y, positions, key_limit, part_ml, part_o, nh, hd, window, chunk,
                max_chunks, out);
 }
+
+// ---------------------------------------------------------------------------------
+// Prefill attention on the tensor cores (the meaning of attn_partial + attn_combine, for
+// head_dim a multiple of 32 up to 128): one warp per 16 query tokens of one head, every
+// key they see, flash-attention style (running max and sum per row, no partials in
+// memory). Scores Q K^T and the sums P V are mma.sync m16n8k16 with f32 accumulation; each
+// f32 operand goes in as two bf16 terms (hi + lo, 16 significant bits) and the products
+// that matter are summed (hi hi, hi lo, lo hi), so the result stays near f32 (a bf16 cache
+// holds exact bf16: its lo terms are zero and skipped). The query rows of a warp may
+// belong to several sequences (a batched prefill): the warp walks its sequences in turn,
+// each with its own keys, masking the rows of the others.
+//
+// Lane 4 g + q holds query rows g and g + 8; of each 32 dims it reads the 8 at 8q (for Q
+// in shared memory and K from the cache, the same positions on both sides of the dot).
+// ---------------------------------------------------------------------------------
+#define FA_HD_MAX 128
+#define FA_KEYS 16     // keys per step: two n8 tiles of scores, one k16 of P V
+
+__device__ __forceinline__ void split_bf16(float a, float b, u32& hi, u32& lo) {
+    hi = pack_bf16x2(a, b);
+    lo = pack_bf16x2(a - bf16_to_f32((u16)(hi & 0xffffu)), b - bf16_to_f32((u16)(hi >> 16)));
+}
+
+__device__ __forceinline__ void kv_load8(const float* p, long long i, float* v) {
+    float4 a = *(const float4*)(p + i), b = *(const float4*)(p + i + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+__device__ __forceinline__ void kv_load8(const u16* p, long long i, float* v) {
+    uint4 u = *(const uint4*)(p + i);
+    u32 w[4] = {u.x, u.y, u.z, u.w};
+    #pragma unroll
+    for (int j = 0; j < 4; j++) {
+        v[2 * j] = bf16_to_f32((u16)(w[j] & 0xffffu));
+        v[2 * j + 1] = bf16_to_f32((u16)(w[j] >> 16));
+    }
+}
+
+__device__ __forceinline__ int warp_min_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int warp_max_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// grid (nh, ceil(T / 16)), block 32. hd % 32 == 0, hd <= FA_HD_MAX (ops/cuda.py checks).
+template <typename KV>
+__device__ __forceinline__ void attn_prefill_t(
+        const float* __restrict__ q_rot, const int* __restrict__ positions, const int* __restrict__ key_limit,
+        const int* __restrict__ seq_ids, const int* __restrict__ block_tables, int max_blocks,
+        const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, int T, int nh, int nkv, int hd,
+        int block_size, float scale, int window, float softcap, float* __restrict__ out) {
+    constexpr bool EXACT = sizeof(KV) == 2;   // a bf16 cache: no lo terms for K and V
+    __shared__ __align__(16) u16 qs[2][16][FA_HD_MAX + 8];       // hi, lo: rows x dims
+    __shared__ __align__(16) u16 vs[2][FA_HD_MAX][FA_KEYS + 2];  // hi, lo: dims x keys
+    const int NO_SEQ = 0x7fffffff;
+    int h = blockIdx.x, t0 = blockIdx.y * 16, lane = threadIdx.x, g = lane >> 2, q = lane & 3;
+    int kvh = h / (nh / nkv), chunks = hd >> 5, tiles = hd >> 3;
+    int row[2] = {t0 + g, t0 + g + 8}, seq[2], lo[2], hi_key[2];
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        bool ok = row[r] < T;
+        int p = ok ? positions[row[r]] : 0;
+        seq[r] = ok ? seq_ids[row[r]] : NO_SEQ;
+        hi_key[r] = ok ? key_limit[row[r]] : -1;
+        lo[r] = window > 0 ? max(0, p - window + 1) : 0;
+    }
+    for (int i = lane; i < 16 * (hd >> 1); i += 32) {   // the 16 query rows, split hi / lo
+        int r = i / (hd >> 1), d = 2 * (i - r * (hd >> 1));
+        float a = 0.0f, b = 0.0f;
+        if (t0 + r < T) {
+            const float* qp = q_rot + ((long long)(t0 + r) * nh + h) * hd + d;
+            a = qp[0];
+            b = qp[1];
+        }
+        u32 wh, wl;
+        split_bf16(a, b, wh, wl);
+        *(u32*)&qs[0][r][d] = wh;
+        *(u32*)&qs[1][r][d] = wl;
+    }
+    __syncwarp();
+    float o[FA_HD_MAX / 8][4];
+    #pragma unroll
+    for (int t = 0; t < FA_HD_MAX / 8; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+    float m[2] = {ELLM_NEG_INF, ELLM_NEG_INF}, l[2] = {0.0f, 0.0f};
+    for (int prev = -1;;) {
+        int cand = NO_SEQ;   // the next sequence among the warp's rows
+        #pragma unroll
+        for (int r = 0; r < 2; r++)
+            if (seq[r] != NO_SEQ && seq[r] > prev) cand = min(cand, seq[r]);
+        cand = warp_min_int(cand);
+        if (cand == NO_SEQ) break;
+        prev = cand;
+        bool in[2] = {seq[0] == cand, seq[1] == cand};
+        int kbeg = warp_min_int(min(in[0] ? lo[0] : NO_SEQ, in[1] ? lo[1] : NO_SEQ));
+        int kend = warp_max_int(max(in[0] ? hi_key[0] : -1, in[1] ? hi_key[1] : -1));
+        const int* table = block_tables + (long long)cand * max_blocks;
+        for (int kb = kbeg; kb <= kend; kb += FA_KEYS) {
+            // scores of rows g, g + 8 against keys kb + 8 j + g (as B columns)
+            float s[2][4];
+            long long kbase[2];
+            #pragma unroll
+            for (int j = 0; j < 2; j++) {
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+                int key = kb + 8 * j + g, blk = key <= kend ? table[key / block_size] : -1;
+                kbase[j] = blk < 0 ? -1 : (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd;
+            }
+            for (int c = 0; c < chunks; c++) {
+                int d0 = 32 * c + 8 * q;
+                uint4 qa = *(const uint4*)&qs[0][g][d0], qb = *(const uint4*)&qs[0][g + 8][d0];
+                uint4 la = *(const uint4*)&qs[1][g][d0], lb = *(const uint4*)&qs[1][g + 8][d0];
+                const u32 ah1[4] = {qa.x, qb.x, qa.y, qb.y}, ah2[4] = {qa.z, qb.z, qa.w, qb.w};
+                const u32 al1[4] = {la.x, lb.x, la.y, lb.y}, al2[4] = {la.z, lb.z, la.w, lb.w};
+                #pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    float kv8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                    if (kbase[j] >= 0) kv_load8(k_cache, kbase[j] + d0, kv8);
+                    u32 kh[4], kl[4];
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) split_bf16(kv8[2 * i], kv8[2 * i + 1], kh[i], kl[i]);
+                    const u32 bh1[2] = {kh[0], kh[1]}, bh2[2] = {kh[2], kh[3]};
+                    mma_bf16_16816(s[j], ah1, bh1);
+                    mma_bf16_16816(s[j], ah2, bh2);
+                    mma_bf16_16816(s[j], al1, bh1);
+                    mma_bf16_16816(s[j], al2, bh2);
+                    if (!EXACT) {
+                        const u32 bl1[2] = {kl[0], kl[1]}, bl2[2] = {kl[2], kl[3]};
+                        mma_bf16_16816(s[j], ah1, bl1);
+                        mma_bf16_16816(s[j], ah2, bl2);
+                    }
+                }
+            }
+            // scale, soft-cap and mask; element (j, i): row i >> 1, key kb + 8 j + 2 q + (i & 1)
+            float mx[2] = {ELLM_NEG_INF, ELLM_NEG_INF};
+            #pragma unroll
+            for (int j = 0; j < 2; j++) {
+                #pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int r = i >> 1, key = kb + 8 * j + 2 * q + (i & 1);
+                    bool ok = in[r] && key >= lo[r] && key <= hi_key[r] && table[key / block_size] >= 0;
+                    float x = s[j][i] * scale;
+                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                    s[j][i] = ok ? x : ELLM_NEG_INF;
+                    mx[r] = fmaxf(mx[r], s[j][i]);
+                }
+            }
+            float corr[2];
+            #pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                float m_new = fmaxf(m[r], mx[r]);
+                corr[r] = m_new == ELLM_NEG_INF ? 1.0f : expf(m[r] - m_new);
+                m[r] = m_new;
+            }
+            float psum[2] = {0.0f, 0.0f};
+            #pragma unroll
+            for (int j = 0; j < 2; j++) {
+                #pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int r = i >> 1;
+                    float p = s[j][i] == ELLM_NEG_INF ? 0.0f : expf(s[j][i] - m[r]);
+                    s[j][i] = p;
+                    psum[r] += p;
+                }
+            }
+            l[0] = l[0] * corr[0] + psum[0];
+            l[1] = l[1] * corr[1] + psum[1];
+            #pragma unroll
+            for (int t = 0; t < FA_HD_MAX / 8; t++) {   // constant bounds keep o[] in registers
+                if (t >= tiles) break;
+                o[t][0] *= corr[0]; o[t][1] *= corr[0];
+                o[t][2] *= corr[1]; o[t][3] *= corr[1];
+            }
+            u32 ph[4], pl[4];   // P as the A operand: keys of tile 0 at k 0-7, tile 1 at 8-15
+            split_bf16(s[0][0], s[0][1], ph[0], pl[0]);
+            split_bf16(s[0][2], s[0][3], ph[1], pl[1]);
+            split_bf16(s[1][0], s[1][1], ph[2], pl[2]);
+            split_bf16(s[1][2], s[1][3], ph[3], pl[3]);
+            for (int i = lane; i < FA_KEYS * (hd >> 3); i += 32) {   // V: 16 keys x hd, transposed
+                int kk = i / (hd >> 3), d0 = 8 * (i - kk * (hd >> 3)), key = kb + kk;
+                float v8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                int blk = key <= kend ? table[key / block_size] : -1;
+                if (blk >= 0)
+                    kv_load8(v_cache, (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd + d0, v8);
+                #pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    u16 vh = f32_to_bf16(v8[e]);
+                    vs[0][d0 + e][kk] = vh;
+                    vs[1][d0 + e][kk] = f32_to_bf16(v8[e] - bf16_to_f32(vh));
+                }
+            }
+            __syncwarp();
+            #pragma unroll
+            for (int t = 0; t < FA_HD_MAX / 8; t++) {
+                if (t >= tiles) break;
+                int d = 8 * t + g;
+                const u32 bh[2] = {*(const u32*)&vs[0][d][2 * q], *(const u32*)&vs[0][d][8 + 2 * q]};
+                mma_bf16_16816(o[t], ph, bh);
+                mma_bf16_16816(o[t], pl, bh);
+                if (!EXACT) {
+                    const u32 bl[2] = {*(const u32*)&vs[1][d][2 * q], *(const u32*)&vs[1][d][8 + 2 * q]};
+                    mma_bf16_16816(o[t], ph, bl);
+                }
+            }
+            __syncwarp();   // every lane has read vs before the next step writes it
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    #pragma unroll
+    for (int t = 0; t < FA_HD_MAX / 8; t++) {
+        if (t >= tiles) break;
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int r = i >> 1;
+            if (row[r] >= T) continue;
+            float v = l[r] > 0.0f ? o[t][i] / l[r] : 0.0f;
+            out[((long long)row[r] * nh + h) * hd + 8 * t + 2 * q + (i & 1)] = v;
+        }
+    }
+}
+
+#define ELLM_ATTN_PREFILL(suffix, KV)                                                     \
+extern "C" __global__ void __launch_bounds__(32) attn_prefill##suffix(                    \
+        const float* __restrict__ q_rot, const int* __restrict__ positions,               \
+        const int* __restrict__ key_limit, const int* __restrict__ seq_ids,               \
+        const int* __restrict__ block_tables, int max_blocks,                             \
+        const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, int T, int nh,    \
+        int nkv, int hd, int block_size, float scale, int window, float softcap,          \
+        float* __restrict__ out) {                                                        \
+    attn_prefill_t<KV>(q_rot, positions, key_limit, seq_ids, block_tables, max_blocks,    \
+                       k_cache, v_cache, T, nh, nkv, hd, block_size, scale, window,       \
+                       softcap, out);                                                     \
+}
+ELLM_ATTN_PREFILL(, float)
+ELLM_ATTN_PREFILL(_bf16, u16)

@@ -18,6 +18,18 @@ typedef signed char i8;
 
 #define ELLM_NEG_INF (__int_as_float(0xff800000))
 
+#ifdef ELLM_HOST_CUDA   // a host build for checking without a GPU (tests/cuda_host)
+__device__ __forceinline__ float f16_to_f32(u16 h) { return cuda_host_f16_to_f32(h); }
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return cuda_host_bf16_to_f32(h); }
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    return (u32)cuda_host_f32_to_bf16(lo) | ((u32)cuda_host_f32_to_bf16(hi) << 16);
+}
+__device__ __forceinline__ u16 f32_to_bf16(float f) { return cuda_host_f32_to_bf16(f); }
+// D = A B + C on the tensor cores, m16n8k16, bf16 inputs, f32 accumulation
+__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32* b) {
+    cuda_host_mma_bf16_16816(c, a, b);
+}
+#else
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -41,6 +53,17 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
     return r;
 }
+
+// D = A B + C on the tensor cores, m16n8k16, bf16 inputs, f32 accumulation; the fragment
+// layout is the PTX ISA's (lane 4 g + q: A rows g, g + 8; B column g; C rows g, g + 8).
+__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
 
 // KV cache elements: f32, or bf16 (u16 bits) rounded on the way in; read back exactly
 __device__ __forceinline__ float kv_load(const float* p, long long i) { return p[i]; }

@@ -92,6 +92,19 @@ extern "C" __global__ void add_f32(float* __restrict__ a, const float* __restric
     if (i < n) a[i] += b[i];
 }
 
+// out = bf16(x), round to nearest even (the input of a cuBLAS product).
+extern "C" __global__ void to_bf16_f32(const float* __restrict__ x, u16* __restrict__ out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f32_to_bf16(x[i]);
+}
+
+// y (rows, N) += bias (N,) on every row; n = rows * N.
+extern "C" __global__ void add_bias_rows_f32(float* __restrict__ y, const float* __restrict__ bias, long long n,
+                                             int N) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += bias[i % N];
+}
+
 // out[r] = x[rows[r]]; grid R, block 256.
 extern "C" __global__ void gather_rows_f32(const float* __restrict__ x,   // (T, H)
                                            const int* __restrict__ rows,  // (R,)

@@ -96,14 +96,6 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV3)
 #define GK 32
 #define GPAD 8   // keeps 32-bit fragment reads aligned and spreads banks
 
-__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // grid (ceil(N / GN), ceil(T / GM)), block 128.
 #define ELLM_GEMM(name, deq)                                                              \
 extern "C" __global__ void __launch_bounds__(128, 4) gemm_##name(                           \

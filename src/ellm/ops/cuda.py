@@ -41,11 +41,14 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                               "qkv_rope") for t in WEIGHT_TYPES.values()),
     "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "swiglu_f32", "geglu_f32", "softcap_f32",
                        "scale_f32", "add_f32", "gather_rows_f32", "scatter_rows_f32",
-                       "scatter_add_rows_f32"),
+                       "scatter_add_rows_f32", "to_bf16_f32", "add_bias_rows_f32"),
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
-                     "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16"),
+                     "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16",
+                     "attn_prefill", "attn_prefill_bf16"),
     "sample.cu": ("sample_rows",),
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
+    "mmv.cu": tuple(f"{op}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope")
+                    for q, t in WEIGHT_TYPES.items() if q not in (GGMLType.F32, GGMLType.F16)),
 }
 HEADER = "common.cuh"
 # Given to NVRTC through CuPy, which adds the architecture and -ftz=true (denormals flush
@@ -58,6 +61,13 @@ NVRTC_OPTIONS: tuple[str, ...] = ()
 GEMM_MIN_TOKENS = 64
 GEMV_TOKENS, GEMV_WARPS = 8, 4          # as in linear.cu
 FUSED_WARPS = 4                         # as in linear.cu (the fused decode kernels)
+# Decode products of these types on the tensor cores (mmv.cu: every weight read once per
+# step, whatever the batch) when K % 32 == 0; F32 and F16 rows stay on linear.cu's kernels.
+MMV_TYPES = frozenset(q for q in WEIGHT_TYPES if q not in (GGMLType.F32, GGMLType.F16))
+MMV_ROWS, MMV_TASKS, MMV_THREADS = 16, 8, 256   # rows (tasks) a block; as in mmv.cu
+# ELLM_CUDA_MMV=0: decode products on linear.cu's f32 kernels for every type (the benchmark
+# compares both; a fallback should mmv.cu misbehave on some GPU)
+MMV_ENV = "ELLM_CUDA_MMV"
 # ELLM_CUDA_FUSED=0: decode runs one kernel per op (the benchmark compares both)
 FUSED_ENV = "ELLM_CUDA_FUSED"
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -66,8 +76,17 @@ GEMM_TILE = 64                          # as in linear.cu
 # (bounded partial buffers). Fixed per side of GEMM_MIN_TOKENS, like the products.
 DECODE_CHUNK, PREFILL_CHUNK = 64, 512
 HEAD_DIM_MAX = 256
+FA_HEAD_DIM_MAX = 128   # attn_prefill (tensor cores): head_dim % 32 == 0 up to this; else attn_partial
 ELEMENTWISE_THREADS = 256
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
+
+# cuBLAS (cublasGemmEx, the API's constants) for prefill products of BF16 weights: bf16
+# inputs, f32 accumulation and output, as gemm_bf16 means, near the tensor cores' peak
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUDA_R_32F, CUDA_R_16BF = 0, 14
+CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
+# ELLM_CUDA_CUBLAS=0: every prefill product on linear.cu's gemm kernels
+CUBLAS_ENV = "ELLM_CUDA_CUBLAS"
 
 INSTALL_HINT = ("pip install 'ellm-engine[gpu]' (CuPy for CUDA 12) or 'ellm-engine[gpu-cuda13]' (CuPy for CUDA 13), "
                 "matching the CUDA version `nvidia-smi` reports")
@@ -152,6 +171,9 @@ class CudaOps:
         self.graphs = graphs
         # the fused decode kernels through ops/fused_stack.py (layer_stack); off: one per op
         self.fused = os.environ.get(FUSED_ENV, "1") != "0"
+        self.use_mmv = os.environ.get(MMV_ENV, "1") != "0"
+        self._cublas: Any = None   # (module, handle) once a prefill product first asks
+        self.use_cublas = os.environ.get(CUBLAS_ENV, "1") != "0"
         # One stream for everything (kernels, copies, graph replays; see _on_stream): a
         # graph is captured on a stream of its own, non-blocking as CuPy advises.
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -316,14 +338,51 @@ class CudaOps:
         tname = WEIGHT_TYPES[w.qtype]
         bias = _NULL if w.bias is None else w.bias
         args = (data, np.int64(data.strides[0]), x, bias, out, np.int32(T), np.int32(K), np.int32(N))
-        if T > GEMM_MIN_TOKENS and K % 32 == 0 and w.qtype != GGMLType.F32:
+        if T > GEMM_MIN_TOKENS and w.qtype == GGMLType.BF16 and K % 8 == 0 and self._cublas_handle():
+            self._gemm_cublas(x, data, w.bias, out, T, K, N)
+        elif T > GEMM_MIN_TOKENS and K % 32 == 0 and w.qtype != GGMLType.F32:
             self._launch(f"gemm_{tname}", (_ceil(N, GEMM_TILE), _ceil(T, GEMM_TILE)), (128,), args)
+        elif T <= GEMM_MIN_TOKENS and self._mmv(w.qtype, K):
+            self._mmv3(x, [w, w, w], [out, out, out], [N, 0, 0], None, 0.0)
         else:
             if K % 8:
                 raise ValueError(f"linear: in_features {K} is not a multiple of 8 (the CUDA kernels need it)")
             self._launch(f"gemv_{tname}", (_ceil(N, GEMV_WARPS), _ceil(T, GEMV_TOKENS)),
                          (32 * GEMV_WARPS,), args)
         return out
+
+    def _cublas_handle(self) -> Any:
+        """CuPy's cuBLAS module and handle, or None where it cannot be loaded (then the
+        gemm kernels serve; logged once)."""
+        if not self.use_cublas:
+            return None
+        if self._cublas is None:
+            try:
+                from cupy_backends.cuda.libs import cublas
+                handle = self.cp.cuda.device.get_cublas_handle()
+                self._cublas = (cublas, handle)
+            except Exception as e:   # no libcublas in this CuPy install
+                import logging
+                logging.getLogger(__name__).warning(
+                    "cuBLAS is unavailable (%s: %s); prefill products run on ellm's gemm kernels", type(e).__name__, e)
+                self.use_cublas = False
+                return None
+        return self._cublas
+
+    def _gemm_cublas(self, x: Any, w: Any, bias: Any, out: Any, T: int, K: int, N: int) -> None:
+        """out (T, N) = bf16(x) @ w^T (+ bias) through cublasGemmEx: bf16 inputs, f32
+        accumulation. Column-major, that is out^T (N x T) = w (K x N)^T . x^T (K x T)."""
+        cublas, handle = self._cublas
+        xb = self.scratch("x_bf16", T * K, np.uint16)
+        self._elementwise("to_bf16_f32", T * K, x, xb, np.int64(T * K))
+        one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+        cublas.setStream(handle, self.stream.ptr)
+        cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, one.ctypes.data, w.data.ptr, CUDA_R_16BF,
+                      int(w.strides[0]) // 2,
+                      xb.data.ptr, CUDA_R_16BF, K, zero.ctypes.data, out.data.ptr, CUDA_R_32F, N,
+                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        if bias is not None:
+            self._elementwise("add_bias_rows_f32", T * N, out, bias, np.int64(T * N), np.int32(N))
 
     @_on_stream
     def linear_multi(self, x: Any, parts: Sequence[tuple]) -> list[Any]:
@@ -345,6 +404,9 @@ class CudaOps:
         ns = [w.out_features for w in ws]
         if len(parts) == 2:   # a third part of no rows
             datas, outs, ns, ws = datas + [datas[0]], outs + [outs[0]], ns + [0], ws + [ws[0]]
+        if self._mmv(ws[0].qtype, ws[0].in_features):
+            self._mmv3(x, ws, outs, ns, None, 0.0)
+            return [o for _, o in parts]
         biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
         self._launch(f"gemv3_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), GEMV_WARPS), _ceil(T, GEMV_TOKENS)),
                      (32 * GEMV_WARPS,),
@@ -519,14 +581,18 @@ class CudaOps:
         k = cp.ascontiguousarray(k, dtype=np.float32)
         v = cp.ascontiguousarray(v, dtype=np.float32)
         q_rot = self.scratch("q_rot", T * nh * hd)
-        part_ml = self.scratch("part_ml", T * nh * max_chunks * 2)
-        part_o = self.scratch("part_o", T * nh * max_chunks * hd)
         i32, f32 = np.int32, np.float32
         kv = _kv_suffix(k_cache, v_cache)
         self._launch("rope_kv_write" + kv, (T, nh + nkv), (hd,),
                      (q, k, v, positions, seq_ids, block_tables, i32(max_blocks), q_rot, k_cache, v_cache,
                       inv_freq, i32(n_rot), i32(bool(interleaved)), f32(rope_mscale),
                       i32(nh), i32(nkv), i32(hd), i32(block_size)))
+        if self._prefill_on_tensor_cores(T, hd):
+            self._attn_prefill(kv, q_rot.reshape(T, nh, hd), positions, limit, seq_ids, block_tables, k_cache, v_cache, scale,
+                               window, softcap_value, out)
+            return out
+        part_ml = self.scratch("part_ml", T * nh * max_chunks * 2)
+        part_o = self.scratch("part_o", T * nh * max_chunks * hd)
         self._launch("attn_partial" + kv, (nh, T, z), (128,),
                      (q_rot, positions, limit, seq_ids, block_tables, i32(max_blocks), k_cache, v_cache,
                       i32(nh), i32(nkv), i32(hd), i32(block_size), f32(scale), i32(window),
@@ -535,6 +601,22 @@ class CudaOps:
                      (positions, limit, part_ml, part_o, i32(nh), i32(hd), i32(window), i32(chunk),
                       i32(max_chunks), out))
         return out
+
+    @staticmethod
+    def _prefill_on_tensor_cores(T: int, hd: int) -> bool:
+        return T > GEMM_MIN_TOKENS and hd % 32 == 0 and hd <= FA_HEAD_DIM_MAX
+
+    def _attn_prefill(self, kv: str, q: Any, positions: Any, limit: Any, seq_ids: Any, block_tables: Any,
+                      k_cache: Any, v_cache: Any, scale: float, window: int, softcap_value: float,
+                      out: Any) -> None:
+        """attn_prefill: a warp per 16 tokens of a head, every key they see, on the tensor
+        cores (the meaning of attn_partial + attn_combine)."""
+        T, nh, hd = (int(s) for s in q.shape)
+        i32, f32 = np.int32, np.float32
+        self._launch("attn_prefill" + kv, (nh, _ceil(T, 16)), (32,),
+                     (q, positions, limit, seq_ids, block_tables, i32(int(block_tables.shape[1])), k_cache,
+                      v_cache, i32(T), i32(nh), i32(int(k_cache.shape[2])), i32(hd), i32(int(k_cache.shape[1])),
+                      f32(scale), i32(window), f32(softcap_value), out))
 
     # -- fused ops (ops/reference.py FusedByComposition says what each means) -------------
 
@@ -557,6 +639,22 @@ class CudaOps:
         T, K = int(x.shape[0]), int(x.shape[1])
         return (0 < T <= GEMM_MIN_TOKENS and K % 8 == 0 and len({w.qtype for w in ws}) == 1
                 and ws[0].qtype in WEIGHT_TYPES and all(w.in_features == K for w in ws))
+
+    def _mmv(self, qtype: GGMLType, K: int) -> bool:
+        """Whether decode products of this type and width run on mmv.cu's tensor-core kernels."""
+        return self.use_mmv and qtype in MMV_TYPES and K % 32 == 0
+
+    def _mmv3(self, x: Any, ws: Sequence[Linear], outs: Sequence[Any], ns: Sequence[int], norm: Any,
+              eps: float, add: bool = False) -> None:
+        """mmv3: up to three matrices (ns[i] == 0: absent) against x (T <= 64 rows, aligned),
+        with the norm folded in (norm not None) or the results added to outs (add)."""
+        T, K = int(x.shape[0]), ws[0].in_features
+        datas = [self._weight(w) for w in ws]
+        biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
+        self._launch(f"mmv3_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), MMV_ROWS),), (MMV_THREADS,),
+                     (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x,
+                      _NULL if norm is None else norm, np.float32(eps), np.int32(T), np.int32(K),
+                      *(np.int32(n) for n in ns), np.int32(bool(add))))
 
     def _normed(self, x: Any, norm: Any, eps: float, out: Any = None) -> Any:
         if norm is None:
@@ -583,6 +681,9 @@ class CudaOps:
         while len(datas) < 3:   # absent parts: no rows
             datas, outs, ns, biases = datas + [datas[0]], outs + [outs[0]], ns + [0], biases + [_NULL]
         K = ws[0].in_features
+        if self._mmv(ws[0].qtype, K):
+            self._mmv3(x, ws + [ws[0]] * (3 - len(ws)), outs, ns, norm, eps)
+            return [o for _, o in parts]
         self._launch(f"nmv3_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
                      (32 * FUSED_WARPS,),
                      (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x, norm,
@@ -603,8 +704,10 @@ class CudaOps:
             return (self.swiglu if act == "silu" else self.geglu)(g, u, out=out)
         x = self._vec_in(x)
         dg, du = self._weight(gate), self._weight(up)
-        self._launch(f"glu_{WEIGHT_TYPES[gate.qtype]}", (_ceil(F, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
-                     (32 * FUSED_WARPS,),
+        mmv = self._mmv(gate.qtype, gate.in_features)
+        self._launch(f"mmv_glu_{WEIGHT_TYPES[gate.qtype]}" if mmv else f"glu_{WEIGHT_TYPES[gate.qtype]}",
+                     (_ceil(F, MMV_TASKS),) if mmv else (_ceil(F, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
                      (dg, du, np.int64(dg.strides[0]), np.int64(du.strides[0]),
                       _NULL if gate.bias is None else gate.bias, _NULL if up.bias is None else up.bias,
                       x, _NULL if norm is None else norm, np.float32(eps), out, np.int32(T),
@@ -617,6 +720,9 @@ class CudaOps:
         if not (self._fusable(x, [w]) and residual.flags.c_contiguous and tuple(residual.shape) == (T, N)):
             return self.add(residual, self.linear(x, w, out=self.scratch("linear_add", T * N).reshape(T, N)))
         x = self._vec_in(x)
+        if self._mmv(w.qtype, w.in_features):
+            self._mmv3(x, [w, w, w], [residual] * 3, [N, 0, 0], None, 0.0, add=True)
+            return residual
         data = self._weight(w)
         self._launch(f"gemv_add_{WEIGHT_TYPES[w.qtype]}", (_ceil(N, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
                      (32 * FUSED_WARPS,),
@@ -656,8 +762,10 @@ class CudaOps:
         x = self._vec_in(x)
         dq, dk, dv = self._weight(q), self._weight(k), self._weight(v)
         tasks = (nh + nkv) * (hd - n_rot) + nkv * hd
-        self._launch(f"qkv_rope_{WEIGHT_TYPES[q.qtype]}", (_ceil(tasks, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
-                     (32 * FUSED_WARPS,),
+        mmv = self._mmv(q.qtype, q.in_features)
+        self._launch(f"mmv_qkv_rope_{WEIGHT_TYPES[q.qtype]}" if mmv else f"qkv_rope_{WEIGHT_TYPES[q.qtype]}",
+                     (_ceil(tasks, MMV_TASKS),) if mmv else (_ceil(tasks, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
                      (dq, dk, dv, np.int64(dq.strides[0]), np.int64(dk.strides[0]), np.int64(dv.strides[0]),
                       *(_NULL if w.bias is None else w.bias for w in (q, k, v)),
                       x, _NULL if norm is None else norm, f32(eps), positions, seq_ids, block_tables,
@@ -690,9 +798,13 @@ class CudaOps:
         limit = positions if key_limit is None else key_limit
         z = max(1, min(max_chunks, _ceil(2 * self.num_sms, nh * T)))
         q = self._vec_in(q)
+        kv = _kv_suffix(k_cache, v_cache)
+        if not decode and self._prefill_on_tensor_cores(T, hd):
+            self._attn_prefill(kv, q, positions, limit, seq_ids, block_tables, k_cache, v_cache, scale, window,
+                               softcap_value, out)
+            return out
         part_ml = self.scratch("part_ml", T * nh * max_chunks * 2)
         part_o = self.scratch("part_o", T * nh * max_chunks * hd)
-        kv = _kv_suffix(k_cache, v_cache)
         i32, f32 = np.int32, np.float32
         args = (q, positions, limit, seq_ids, block_tables, i32(max_blocks), k_cache, v_cache, i32(nh), i32(nkv),
                 i32(hd), i32(block_size), f32(scale), i32(window), f32(softcap_value), i32(chunk),

@@ -8,8 +8,8 @@ replay: token ids, positions, sequence rows and block tables, copied in with one
 host-to-device copy. Padding rows point at block tables full of -1: they write no cache
 slot and read no key (csrc/cuda/attention.cu), and their logits are never looked at.
 
-Only RawKernels run inside a captured step (CuPy cannot capture cuBLAS, and ellm's ops
-use none), and nothing is allocated during a capture: the graphs share one workspace,
+Only RawKernels run inside a captured step (cuBLAS serves only products of more than 64
+tokens, which a decode step never has), and nothing is allocated during a capture: the graphs share one workspace,
 sized for the largest bucket by an eager warm-up before the first capture. Any other
 batch (prefill, mixed, hidden states) runs eagerly, as does everything when capture is
 unavailable (`enabled=False`, or CuPy without stream capture): the same kernels either

@@ -1,0 +1,533 @@
+// Decode products on the tensor cores: up to MMV_TOKENS tokens against BF16 or quantized
+// weight rows, each weight read once whatever the batch. The same meanings as linear.cu's
+// gemv / nmv3 / glu / gemv_add / qkv_rope (ops/reference.py), which keep serving F32 and
+// F16 weights and K not a multiple of 32.
+//
+// A block takes a tile of 16 weight rows (slots 0..15) and every token; its MMV_WARPS warps
+// split K in steps of 32 (warp w takes steps w, w + MMV_WARPS, ...), each step two
+// mma.sync.m16n8k16 per 8 tokens, and the block sums the warps' partials in warp order.
+//
+// Exactness. Activations are split into two bfloat16 terms, x = hi + lo (hi = bf16(x),
+// lo = bf16(x - hi): 16 significant bits), and both go through the tensor cores, so the
+// products lose ~2^-17 of x rather than bf16's 2^-9. BF16 weights are exact bf16; a
+// quantized block goes in as its integers (exact in bf16: |q| <= 32 or int8) and its f32
+// scale multiplies the step's sum afterwards; a block min multiplies the step's sum of x
+// (an mma against ones). f32 accumulation.
+//
+// Batch invariance: a token's result depends on its own column only. Each output's steps,
+// mma order and warp order are fixed by K, never by the number of tokens, so a token gets
+// the same bits in a batch of 1 or of 64 (DESIGN.md's contract among decode steps).
+//
+// Fragments. Lane l = 4 g + q of a warp holds slots g and g + 8 of A (weights) and token
+// column g of B (activations). The 32 k of a step are dealt to lanes so that each lane
+// reads contiguous weight bytes: "wide" types give lane q the 8 k at 8q (word i = k 8q + 2i,
+// 8q + 2i + 1; words 0-1 feed the first mma, 2-3 the second); "split" types give it the 4 k
+// at 4q for the first mma and the 4 k at 16 + 4q for the second (so each mma covers 16
+// consecutive k: Q6_K's scales change every 16, Q4_0 / Q4_1 keep k and k + 16 in one
+// byte). The sum over k does not care which mma slot a k lands in, as long as the weight
+// and activation fragments agree: both use the lane's positions below.
+#include "common.cuh"
+
+#define MMV_TOKENS 64   // = ops/cuda.py GEMM_MIN_TOKENS: the largest decode step
+#define MMV_WARPS 8
+
+struct Frag {
+    u32 w[4];      // the A words of this lane's row for the step (bf16 pairs, low half first)
+    float sc[2];   // the scale of the first / second mma's k (quantized types; 0: no row)
+    float mn[2];   // the added constant per element of each (types with a min)
+};
+
+__device__ __forceinline__ u32 pack_int_pair(int a, int b) {
+    return pack_bf16x2((float)a, (float)b);   // |a|, |b| <= 256: exact
+}
+
+__device__ __forceinline__ u32 ld_u16x2(const u8* p) {   // 4 bytes at a 2-byte boundary
+    const u16* h = (const u16*)p;
+    return (u32)h[0] | ((u32)h[1] << 16);
+}
+
+__device__ __forceinline__ void frag_zero(Frag& f) {
+    f.w[0] = f.w[1] = f.w[2] = f.w[3] = 0u;
+    f.sc[0] = f.sc[1] = f.mn[0] = f.mn[1] = 0.0f;
+}
+
+// BF16 rows: 16 bytes at k0 + 8q.
+struct WBf16 {
+    static constexpr bool split = false, scaled = false, has_min = false;
+    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+        if (!row) { frag_zero(f); return; }
+        uint4 v = *(const uint4*)(row + 2 * (k0 + 8 * q));   // 16-byte aligned (K % 32 == 0)
+        f.w[0] = v.x; f.w[1] = v.y; f.w[2] = v.z; f.w[3] = v.w;
+        f.sc[0] = f.sc[1] = 1.0f;
+        f.mn[0] = f.mn[1] = 0.0f;
+    }
+};
+
+// Q8_0 (34 bytes / 32): f16 d, int8 q; the 8 q at 8q.
+struct WQ8_0 {
+    static constexpr bool split = false, scaled = true, has_min = false;
+    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+        if (!row) { frag_zero(f); return; }
+        const u8* b = row + (k0 >> 5) * 34;
+        float d = rd_f16(b);
+        const u16* qs = (const u16*)(b + 2 + 8 * q);
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u16 two = qs[i];
+            f.w[i] = pack_int_pair((int)(i8)(two & 0xff), (int)(i8)(two >> 8));
+        }
+        f.sc[0] = f.sc[1] = d;
+        f.mn[0] = f.mn[1] = 0.0f;
+    }
+};
+
+// Q4_0 (18 bytes / 32): k < 16 the low nibble of qs[k], k >= 16 the high nibble of
+// qs[k - 16]; value d (q - 8). Split: qs[4q .. 4q + 3] hold both mmas' k.
+struct WQ4_0 {
+    static constexpr bool split = true, scaled = true, has_min = false;
+    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+        if (!row) { frag_zero(f); return; }
+        const u8* b = row + (k0 >> 5) * 18;
+        float d = rd_f16(b);
+        u32 v = ld_u16x2(b + 2 + 4 * q);
+        #pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
+            f.w[i] = pack_int_pair((c0 & 15) - 8, (c1 & 15) - 8);
+            f.w[2 + i] = pack_int_pair((c0 >> 4) - 8, (c1 >> 4) - 8);
+        }
+        f.sc[0] = f.sc[1] = d;
+        f.mn[0] = f.mn[1] = 0.0f;
+    }
+};
+
+// Q4_1 (20 bytes / 32): f16 d, f16 m, nibbles as Q4_0; value d q + m.
+struct WQ4_1 {
+    static constexpr bool split = true, scaled = true, has_min = true;
+    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+        if (!row) { frag_zero(f); return; }
+        const u8* b = row + (k0 >> 5) * 20;
+        float d = rd_f16(b), m = rd_f16(b + 2);
+        u32 v = ld_u16x2(b + 4 + 4 * q);
+        #pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
+            f.w[i] = pack_int_pair(c0 & 15, c1 & 15);
+            f.w[2 + i] = pack_int_pair(c0 >> 4, c1 >> 4);
+        }
+        f.sc[0] = f.sc[1] = d;
+        f.mn[0] = f.mn[1] = m;
+    }
+};
+
+// Q4_K (144 bytes / 256): step s of a block is sub-block s (scale d * sc, min dmin * mn):
+// the low (s even) or high nibbles of qs[32 (s / 2) ..]; value d sc q - dmin mn.
+struct WQ4_K {
+    static constexpr bool split = false, scaled = true, has_min = true;
+    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+        if (!row) { frag_zero(f); return; }
+        const u8* b = row + (k0 >> 8) * 144;
+        int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
+        float sc, mn;
+        k4_scale_min(b + 4, s, &sc, &mn);
+        const u16* qs = (const u16*)(b + 16 + 32 * (s >> 1) + 8 * q);
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u16 two = qs[i];
+            f.w[i] = pack_int_pair(((two & 0xff) >> sh) & 15, ((two >> 8) >> sh) & 15);
+        }
+        f.sc[0] = f.sc[1] = rd_f16(b) * sc;
+        f.mn[0] = f.mn[1] = -(rd_f16(b + 2) * mn);
+    }
+};
+
+// Q5_K (176 bytes / 256): Q4_K's fields plus qh[32]: bit s of qh[l] is the fifth bit of
+// element l of sub-block s.
+struct WQ5_K {
+    static constexpr bool split = false, scaled = true, has_min = true;
+    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+        if (!row) { frag_zero(f); return; }
+        const u8* b = row + (k0 >> 8) * 176;
+        int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
+        float sc, mn;
+        k4_scale_min(b + 4, s, &sc, &mn);
+        const u16* qs = (const u16*)(b + 48 + 32 * (s >> 1) + 8 * q);
+        const u16* qh = (const u16*)(b + 16 + 8 * q);
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            u16 two = qs[i], hb = qh[i];
+            int a = (((two & 0xff) >> sh) & 15) | ((((hb & 0xff) >> s) & 1) << 4);
+            int c = (((two >> 8) >> sh) & 15) | ((((hb >> 8) >> s) & 1) << 4);
+            f.w[i] = pack_int_pair(a, c);
+        }
+        f.sc[0] = f.sc[1] = rd_f16(b) * sc;
+        f.mn[0] = f.mn[1] = -(rd_f16(b + 2) * mn);
+    }
+};
+
+// Q6_K (210 bytes / 256): ql[128], qh[64], int8 scales[16] (one per 16 elements), f16 d;
+// element e of a 128-half: ql[e & 63] nibble e >> 6, qh[e & 31] bits 2 (e >> 5); value
+// d scale (q - 32). Split: each mma's 16 k share one scale.
+struct WQ6_K {
+    static constexpr bool split = true, scaled = true, has_min = false;
+    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+        if (!row) { frag_zero(f); return; }
+        const u8* b = row + (k0 >> 8) * 210;
+        int e0 = k0 & 255, half = e0 >> 7, r = e0 & 127;
+        int shl = 4 * (r >> 6), shh = 2 * (r >> 5);
+        const u8* ql = b + half * 64 + (r & 63);
+        const u8* qh = b + 128 + half * 32;
+        float d = rd_f16(b + 208);
+        #pragma unroll
+        for (int m = 0; m < 2; m++) {   // the two mmas: k 4q .. and 16 + 4q ..
+            int l = 16 * m + 4 * q;
+            u32 lo = ld_u16x2(ql + l), hi = ld_u16x2(qh + l);
+            int v[4];
+            #pragma unroll
+            for (int i = 0; i < 4; i++)
+                v[i] = ((int)((lo >> (8 * i + shl)) & 15) | (int)(((hi >> (8 * i + shh)) & 3) << 4)) - 32;
+            f.w[2 * m] = pack_int_pair(v[0], v[1]);
+            f.w[2 * m + 1] = pack_int_pair(v[2], v[3]);
+            f.sc[m] = d * (float)((const i8*)(b + 192))[(e0 >> 4) + m];
+        }
+        f.mn[0] = f.mn[1] = 0.0f;
+    }
+};
+
+// hi and lo bf16 words of the activations of one token at this lane's 8 k of the step
+// (times the norm weight g when folded); zeros for a token past T.
+template <bool SPLIT>
+__device__ __forceinline__ void act_frag(const float* __restrict__ xrow, const float* __restrict__ g, int k0,
+                                         int q, u32* hi, u32* lo) {
+    int p0 = SPLIT ? k0 + 4 * q : k0 + 8 * q, p1 = SPLIT ? k0 + 16 + 4 * q : k0 + 8 * q + 4;
+    float4 a = *(const float4*)(xrow + p0), b = *(const float4*)(xrow + p1);
+    float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    if (g) {
+        float4 ga = *(const float4*)(g + p0), gb = *(const float4*)(g + p1);
+        float gs[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+        #pragma unroll
+        for (int i = 0; i < 8; i++) x[i] *= gs[i];
+    }
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 h = pack_bf16x2(x[2 * i], x[2 * i + 1]);
+        hi[i] = h;
+        lo[i] = pack_bf16x2(x[2 * i] - bf16_to_f32((u16)(h & 0xffff)), x[2 * i + 1] - bf16_to_f32((u16)(h >> 16)));
+    }
+}
+
+// This warp's share of the tile: rows row_a (slot g) and row_b (slot g + 8) of this lane
+// against tokens 0 .. T-1 of X (rows of K floats), over its steps of K; written to
+// part[warp][slot][token] for the block's ordered sum.
+template <class WT>
+__device__ __forceinline__ void mmv_warp(const u8* row_a, const u8* row_b, const float* __restrict__ X,
+                                         const float* __restrict__ g, int T, int K,
+                                         float (*part)[16][MMV_TOKENS]) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, q = lane & 3;
+    int tiles = (T + 7) >> 3;
+    float acc[MMV_TOKENS / 8][4];
+    #pragma unroll
+    for (int j = 0; j < MMV_TOKENS / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    const u32 ones = 0x3f803f80u;   // bf16 1.0 twice
+    const u32 ones_a[4] = {ones, ones, ones, ones};
+    for (int s = warp; s < (K >> 5); s += MMV_WARPS) {
+        int k0 = s << 5;
+        Frag fa, fb;
+        WT::frag(row_a, k0, q, fa);
+        WT::frag(row_b, k0, q, fb);
+        const u32 a1[4] = {fa.w[0], fb.w[0], fa.w[1], fb.w[1]};
+        const u32 a2[4] = {fa.w[2], fb.w[2], fa.w[3], fb.w[3]};
+        #pragma unroll
+        for (int j = 0; j < MMV_TOKENS / 8; j++) {
+            if (j >= tiles) break;
+            int t = 8 * j + gi;
+            u32 hi[4] = {0u, 0u, 0u, 0u}, lo[4] = {0u, 0u, 0u, 0u};
+            if (t < T) act_frag<WT::split>(X + (long long)t * K, g, k0, q, hi, lo);
+            const u32 bh1[2] = {hi[0], hi[1]}, bl1[2] = {lo[0], lo[1]};
+            const u32 bh2[2] = {hi[2], hi[3]}, bl2[2] = {lo[2], lo[3]};
+            if (!WT::scaled) {
+                mma_bf16_16816(acc[j], a1, bh1);
+                mma_bf16_16816(acc[j], a1, bl1);
+                mma_bf16_16816(acc[j], a2, bh2);
+                mma_bf16_16816(acc[j], a2, bl2);
+                continue;
+            }
+            float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16_16816(c1, a1, bh1);
+            mma_bf16_16816(c1, a1, bl1);
+            mma_bf16_16816(c2, a2, bh2);
+            mma_bf16_16816(c2, a2, bl2);
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {   // c[0], c[1]: slot g; c[2], c[3]: slot g + 8
+                const Frag& f = i < 2 ? fa : fb;
+                acc[j][i] += f.sc[0] * c1[i] + f.sc[1] * c2[i];
+            }
+            if (WT::has_min) {
+                float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_bf16_16816(s1, ones_a, bh1);
+                mma_bf16_16816(s1, ones_a, bl1);
+                mma_bf16_16816(s2, ones_a, bh2);
+                mma_bf16_16816(s2, ones_a, bl2);
+                #pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const Frag& f = i < 2 ? fa : fb;
+                    acc[j][i] += f.mn[0] * s1[i] + f.mn[1] * s2[i];
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < MMV_TOKENS / 8; j++) {
+        if (j >= tiles) break;
+        int t = 8 * j + 2 * q;
+        part[warp][gi][t] = acc[j][0];
+        part[warp][gi][t + 1] = acc[j][1];
+        part[warp][gi + 8][t] = acc[j][2];
+        part[warp][gi + 8][t + 1] = acc[j][3];
+    }
+}
+
+// The block's sum of slot s, token t (warps in order).
+__device__ __forceinline__ float tile_sum(float (*part)[16][MMV_TOKENS], int s, int t) {
+    float v = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < MMV_WARPS; w++) v += part[w][s][t];
+    return v;
+}
+
+// inv[t] = 1 / sqrt(mean(X[t]^2) + eps) for t < T, or 1 without a norm weight; each
+// token's squares summed in one order (thread-strided, then warps in order).
+__device__ __forceinline__ void tokens_inv_rms(const float* __restrict__ X, const float* __restrict__ g, int T,
+                                               int K, float eps, float* inv, float (*sq)[MMV_TOKENS]) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (g) {
+        for (int t = 0; t < T; t++) {
+            const float* x = X + (long long)t * K;
+            float ss = 0.0f;
+            for (int k = threadIdx.x; k < K; k += 32 * MMV_WARPS) ss += x[k] * x[k];
+            ss = warp_sum(ss);
+            if (lane == 0) sq[warp][t] = ss;
+        }
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
+        float v = 1.0f;
+        if (g) {
+            float ss = 0.0f;
+            for (int w = 0; w < MMV_WARPS; w++) ss += sq[w][t];
+            v = 1.0f / sqrtf(ss / (float)K + eps);
+        }
+        inv[t] = v;
+    }
+}
+
+#define MMV_SHARED                                                                        \
+    __shared__ float part[MMV_WARPS][16][MMV_TOKENS];                                     \
+    __shared__ float sq[MMV_WARPS][MMV_TOKENS];                                           \
+    __shared__ float inv[MMV_TOKENS];
+
+// Up to three matrices of one type against X, with the norm folded in when g is not null
+// (nmv3's meaning; gemv3's with g null): Yi (T, Ni) = rmsnorm(X) @ Wi^T (+ bi), or with
+// add, Yi += ... (gemv_add's meaning). Rows of the three are one sequence of N0 + N1 + N2;
+// a block takes 16 of them. grid ceil((N0 + N1 + N2) / 16), block 32 * MMV_WARPS.
+// T <= MMV_TOKENS, K % 32 == 0.
+template <class WT>
+__device__ __forceinline__ void mmv3_t(
+        const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
+        long long rb0, long long rb1, long long rb2,
+        const float* __restrict__ b0, const float* __restrict__ b1, const float* __restrict__ b2,
+        float* Y0, float* Y1, float* Y2, const float* __restrict__ X, const float* __restrict__ g,
+        float eps, int T, int K, int N0, int N1, int N2, int add) {
+    MMV_SHARED
+    tokens_inv_rms(X, g, T, K, eps, inv, sq);
+    int n0 = blockIdx.x * 16, lane = threadIdx.x & 31, gi = lane >> 2;
+    auto row_of = [&](int n) -> const u8* {
+        if (n < N0) return W0 + (long long)n * rb0;
+        if (n < N0 + N1) return W1 + (long long)(n - N0) * rb1;
+        if (n < N0 + N1 + N2) return W2 + (long long)(n - N0 - N1) * rb2;
+        return nullptr;
+    };
+    mmv_warp<WT>(row_of(n0 + gi), row_of(n0 + gi + 8), X, g, T, K, part);
+    __syncthreads();
+    for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
+        int s = it & 15, t = it >> 4, n = n0 + s;
+        float v = tile_sum(part, s, t) * inv[t], *y;
+        const float* bias;
+        if (n < N0) { y = Y0 + (long long)t * N0 + n; bias = b0; }
+        else if (n < N0 + N1) { n -= N0; y = Y1 + (long long)t * N1 + n; bias = b1; }
+        else if (n < N0 + N1 + N2) { n -= N0 + N1; y = Y2 + (long long)t * N2 + n; bias = b2; }
+        else continue;
+        float r = bias ? v + bias[n] : v;
+        *y = add ? *y + r : r;
+    }
+}
+
+// glu's meaning: out (T, F) = act(h Wg^T + bg) * (h Wu^T + bu), h = rmsnorm(X) (g null:
+// X). A block takes 8 outputs: gate rows in slots 0-7, up rows in 8-15. grid ceil(F / 8).
+template <class WT>
+__device__ __forceinline__ void mmv_glu_t(
+        const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rbg, long long rbu,
+        const float* __restrict__ bg, const float* __restrict__ bu, const float* __restrict__ X,
+        const float* __restrict__ g, float eps, float* __restrict__ out, int T, int K, int F, int act) {
+    MMV_SHARED
+    tokens_inv_rms(X, g, T, K, eps, inv, sq);
+    int n0 = blockIdx.x * 8, lane = threadIdx.x & 31, n = n0 + (lane >> 2);
+    mmv_warp<WT>(n < F ? Wg + (long long)n * rbg : nullptr, n < F ? Wu + (long long)n * rbu : nullptr,
+                 X, g, T, K, part);
+    __syncthreads();
+    for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
+        int s = it & 7, t = it >> 3, m = n0 + s;
+        if (m >= F) continue;
+        float a = tile_sum(part, s, t) * inv[t], u = tile_sum(part, s + 8, t) * inv[t];
+        if (bg) a += bg[m];
+        if (bu) u += bu[m];
+        float y;
+        if (act == 0) {
+            y = a / (1.0f + expf(-a)) * u;
+        } else {
+            const float c = 0.7978845608028654f;   // sqrt(2 / pi)
+            y = 0.5f * a * (1.0f + tanhf(c * (a + 0.044715f * a * a * a))) * u;
+        }
+        out[(long long)t * F + m] = y;
+    }
+}
+
+// qkv_rope's meaning (linear.cu): norm + q/k/v + bias + RoPE + the paged KV write. Tasks
+// as there (per q / k head hd - n_rot: a rotated pair or a passed-through dim; per v head
+// hd single rows); a block takes 8 tasks: a task's first row in slot s, its pair's row
+// (none for a single) in slot s + 8. grid ceil(tasks / 8).
+struct QkvTask {
+    int which, head, d0, d1, pair;   // which: 0 q, 1 k, 2 v, -1 none
+};
+
+__device__ __forceinline__ QkvTask qkv_task(int task, int nh, int nkv, int hd, int n_rot, int interleaved) {
+    QkvTask r = {-1, 0, 0, -1, -1};
+    int per_head = hd - n_rot, tq = nh * per_head, tk = nkv * per_head;
+    if (task < tq + tk) {
+        r.which = task < tq ? 0 : 1;
+        int i = task < tq ? task : task - tq;
+        r.head = i / per_head;
+        int j = i - r.head * per_head;
+        if (j < n_rot) {
+            r.pair = j;
+            r.d0 = interleaved ? 2 * j : j;
+            r.d1 = interleaved ? 2 * j + 1 : j + n_rot;
+        } else {
+            r.d0 = n_rot + j;
+        }
+    } else if (task < tq + tk + nkv * hd) {
+        r.which = 2;
+        r.head = (task - tq - tk) / hd;
+        r.d0 = (task - tq - tk) - r.head * hd;
+    }
+    return r;
+}
+
+template <class WT>
+__device__ __forceinline__ void mmv_qkv_rope_t(
+        const u8* __restrict__ Wq, const u8* __restrict__ Wk, const u8* __restrict__ Wv,
+        long long rbq, long long rbk, long long rbv,
+        const float* __restrict__ bq, const float* __restrict__ bk, const float* __restrict__ bv,
+        const float* __restrict__ X, const float* __restrict__ g, float eps,
+        const int* __restrict__ positions, const int* __restrict__ seq_ids,
+        const int* __restrict__ block_tables, int max_blocks,
+        float* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache,
+        int kv_bf16, const float* __restrict__ inv_freq, int n_rot, int interleaved,
+        float mscale, int T, int K, int nh, int nkv, int hd, int block_size) {
+    MMV_SHARED
+    tokens_inv_rms(X, g, T, K, eps, inv, sq);
+    int task0 = blockIdx.x * 8, lane = threadIdx.x & 31;
+    {
+        QkvTask k = qkv_task(task0 + (lane >> 2), nh, nkv, hd, n_rot, interleaved);
+        const u8* W = k.which == 0 ? Wq : k.which == 1 ? Wk : Wv;
+        long long rb = k.which == 0 ? rbq : k.which == 1 ? rbk : rbv;
+        const u8* ra = k.which >= 0 ? W + (long long)(k.head * hd + k.d0) * rb : nullptr;
+        const u8* rb1 = k.which >= 0 && k.d1 >= 0 ? W + (long long)(k.head * hd + k.d1) * rb : nullptr;
+        mmv_warp<WT>(ra, rb1, X, g, T, K, part);
+    }
+    __syncthreads();
+    for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
+        int s = it & 7, t = it >> 3;
+        QkvTask k = qkv_task(task0 + s, nh, nkv, hd, n_rot, interleaved);
+        if (k.which < 0) continue;
+        const float* b = k.which == 0 ? bq : k.which == 1 ? bk : bv;
+        int r0 = k.head * hd + k.d0, r1 = k.head * hd + k.d1;
+        float x0 = tile_sum(part, s, t) * inv[t];
+        float x1 = k.d1 >= 0 ? tile_sum(part, s + 8, t) * inv[t] : 0.0f;
+        if (b) {
+            x0 += b[r0];
+            if (k.d1 >= 0) x1 += b[r1];
+        }
+        int pos = positions[t];
+        if (k.pair >= 0) {
+            // the angle reduced to [-pi, pi] in double, then the fast sine and cosine: no
+            // Payne-Hanek path (a stack frame) for the large angles of long positions
+            float ang = (float)pos * inv_freq[k.pair];
+            double turns = rint((double)ang * 0.15915494309189535);
+            float red = (float)((double)ang - turns * 6.283185307179586), c, sn;
+            __sincosf(red, &sn, &c);
+            c *= mscale;
+            sn *= mscale;
+            float y0 = x0 * c - x1 * sn, y1 = x1 * c + x0 * sn;
+            x0 = y0;
+            x1 = y1;
+        }
+        if (k.which == 0) {
+            float* qp = q_out + ((long long)t * nh + k.head) * hd;
+            qp[k.d0] = x0;
+            if (k.d1 >= 0) qp[k.d1] = x1;
+            continue;
+        }
+        int blk = block_tables[(long long)seq_ids[t] * max_blocks + pos / block_size];
+        if (blk < 0) continue;   // a padding row of a captured batch
+        long long slot = (((long long)blk * block_size + pos % block_size) * nkv + k.head) * hd;
+        void* cache = k.which == 1 ? k_cache : v_cache;
+        if (kv_bf16) {
+            kv_store((u16*)cache, slot + k.d0, x0);
+            if (k.d1 >= 0) kv_store((u16*)cache, slot + k.d1, x1);
+        } else {
+            kv_store((float*)cache, slot + k.d0, x0);
+            if (k.d1 >= 0) kv_store((float*)cache, slot + k.d1, x1);
+        }
+    }
+}
+
+#define ELLM_MMV_KERNELS(name, WT)                                                        \
+extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv3_##name(                 \
+        const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,  \
+        long long rb0, long long rb1, long long rb2,                                      \
+        const float* __restrict__ b0, const float* __restrict__ b1,                       \
+        const float* __restrict__ b2, float* Y0, float* Y1, float* Y2,                    \
+        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
+        int T, int K, int N0, int N1, int N2, int add) {                                  \
+    mmv3_t<WT>(W0, W1, W2, rb0, rb1, rb2, b0, b1, b2, Y0, Y1, Y2, X, g, eps, T, K, N0, N1, N2, add); \
+}                                                                                         \
+extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_glu_##name(              \
+        const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rbg, long long rbu, \
+        const float* __restrict__ bg, const float* __restrict__ bu,                       \
+        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
+        float* __restrict__ out, int T, int K, int F, int act) {                          \
+    mmv_glu_t<WT>(Wg, Wu, rbg, rbu, bg, bu, X, g, eps, out, T, K, F, act);                \
+}                                                                                         \
+extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope_##name(         \
+        const u8* __restrict__ Wq, const u8* __restrict__ Wk, const u8* __restrict__ Wv,  \
+        long long rbq, long long rbk, long long rbv,                                      \
+        const float* __restrict__ bq, const float* __restrict__ bk,                       \
+        const float* __restrict__ bv,                                                     \
+        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
+        const int* __restrict__ positions, const int* __restrict__ seq_ids,               \
+        const int* __restrict__ block_tables, int max_blocks,                             \
+        float* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache, \
+        int kv_bf16, const float* __restrict__ inv_freq, int n_rot, int interleaved,      \
+        float mscale, int T, int K, int nh, int nkv, int hd, int block_size) {            \
+    mmv_qkv_rope_t<WT>(Wq, Wk, Wv, rbq, rbk, rbv, bq, bk, bv, X, g, eps, positions, seq_ids, \
+                       block_tables, max_blocks, q_out, k_cache, v_cache, kv_bf16, inv_freq, \
+                       n_rot, interleaved, mscale, T, K, nh, nkv, hd, block_size);        \
+}
+ELLM_MMV_KERNELS(bf16, WBf16)
+ELLM_MMV_KERNELS(q4_0, WQ4_0)
+ELLM_MMV_KERNELS(q4_1, WQ4_1)
+ELLM_MMV_KERNELS(q8_0, WQ8_0)
+ELLM_MMV_KERNELS(q4_k, WQ4_K)
+ELLM_MMV_KERNELS(q5_k, WQ5_K)
+ELLM_MMV_KERNELS(q6_k, WQ6_K)

@@ -1,0 +1,367 @@
+// The CUDA built-ins ellm's kernels use, for a host build of csrc/cuda/*.cu (g++ -include
+// this file): the kernels' own text runs on the CPU, so their indexing, fragment layouts,
+// reductions and batch invariance can be checked without a GPU (tests/cuda_host/cupy).
+//
+// A block runs as blockDim fibers on one OS thread, switched cooperatively at every
+// __syncthreads, warp shuffle and mma (each a barrier of its block or warp); blocks run one
+// after another, so `__shared__` (made `static`) is the block's shared memory. What this
+// cannot show: speed, data races between threads or blocks (the fibers never run at the
+// same time), and the hardware's own rounding inside mma.sync (emulated here as f32 sums of
+// exact products of the bf16 inputs).
+#pragma once
+#if !defined(__x86_64__)
+#error "the host CUDA runtime switches fibers with x86-64 code"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <ffi.h>
+#include <sys/mman.h>
+#include <xmmintrin.h>
+
+#define ELLM_HOST_CUDA 1
+#define __global__ __attribute__((visibility("default")))
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+
+namespace cuda_host {
+
+// -- fibers ---------------------------------------------------------------------------------
+struct Group {            // a barrier: a block's threads, or a warp's
+    int live = 0, arrived = 0;
+    unsigned long long generation = 0;
+};
+
+struct Fiber {
+    void* sp = nullptr;
+    unsigned char* stack = nullptr;
+    unsigned tid = 0;
+    unsigned exchanges = 0;  // warp exchanges made (selects the exchange buffer)
+    bool done = true;
+    const Group* waits_on = nullptr;   // resumed only once this group's generation moves on
+    unsigned long long waits_for = 0;
+    dim3 idx;
+};
+
+constexpr size_t kStack = 256 * 1024;
+constexpr int kSlotWords = 10;   // one lane's part of an exchange: mma's a[4], b[2], c[4]
+
+struct Launch {
+    ffi_cif cif;
+    void (*fn)(void) = nullptr;
+    void** values = nullptr;
+    Fiber* fibers = nullptr;
+    unsigned n_fibers = 0, cap = 0;
+    Group block;
+    Group* warps = nullptr;
+    uint32_t (*slots)[32][kSlotWords] = nullptr;   // [warp * 2 + buffer][lane][word]
+    unsigned long long progress = 0;
+    Fiber* current = nullptr;
+    void* scheduler_sp = nullptr;
+    char error[256] = {0};
+};
+
+inline Launch& launch() { static Launch L; return L; }
+
+}  // namespace cuda_host
+
+inline dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+extern "C" void cuda_host_switch(void** save_sp, void* next_sp);
+__asm__(
+    ".text\n"
+    ".globl cuda_host_switch\n"
+    ".hidden cuda_host_switch\n"
+    ".type cuda_host_switch,@function\n"
+    "cuda_host_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  subq $8, %rsp\n  stmxcsr (%rsp)\n  fnstcw 4(%rsp)\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  ldmxcsr (%rsp)\n  fldcw 4(%rsp)\n  addq $8, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size cuda_host_switch, .-cuda_host_switch\n");
+
+namespace cuda_host {
+
+inline void yield() {
+    Launch& L = launch();
+    cuda_host_switch(&L.current->sp, L.scheduler_sp);
+}
+
+inline void release(Group& g) {
+    g.arrived = 0;
+    g.generation++;
+    launch().progress++;
+}
+
+// Wait until every live member of g has arrived (an exited thread no longer counts).
+inline void arrive(Group& g) {
+    Launch& L = launch();
+    L.progress++;
+    unsigned long long gen = g.generation;
+    if (++g.arrived == g.live) {
+        release(g);
+        return;
+    }
+    Fiber* f = L.current;
+    f->waits_on = &g;
+    f->waits_for = gen;
+    while (g.generation == gen) yield();
+    f->waits_on = nullptr;
+}
+
+inline Group& my_warp() {
+    Launch& L = launch();
+    return L.warps[L.current->tid >> 5];
+}
+
+// Every lane of the warp deposits `words` 32-bit words; returns the warp's deposits
+// ([lane][word]) once all have, valid until this lane's next exchange but one.
+inline uint32_t (*exchange(const uint32_t* mine, int words))[kSlotWords] {
+    Launch& L = launch();
+    Fiber* f = L.current;
+    unsigned warp = f->tid >> 5, lane = f->tid & 31, buffer = f->exchanges++ & 1;
+    uint32_t (*slots)[kSlotWords] = L.slots[warp * 2 + buffer];
+    std::memcpy(slots[lane], mine, sizeof(uint32_t) * words);
+    arrive(L.warps[warp]);
+    return slots;
+}
+
+extern "C" inline void fiber_main() {
+    Launch& L = launch();
+    Fiber* f = L.current;
+    ffi_arg ignored;
+    ffi_call(&L.cif, L.fn, &ignored, L.values);
+    f->done = true;
+    L.progress++;
+    Group& w = L.warps[f->tid >> 5];
+    for (Group* g : {&L.block, &w}) {
+        g->live--;
+        if (g->live > 0 && g->arrived == g->live) release(*g);
+    }
+    cuda_host_switch(&f->sp, L.scheduler_sp);
+    std::abort();   // a finished fiber is never resumed
+}
+
+inline void start_fiber(Fiber& f) {
+    if (!f.stack) {
+        void* p = mmap(nullptr, kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) std::abort();
+        f.stack = (unsigned char*)p;
+    }
+    // cuda_host_switch pops: control words (8 bytes), r15 r14 r13 r12 rbx rbp, then returns
+    // into fiber_main with the stack as after a call (rsp % 16 == 8).
+    uint64_t* top = (uint64_t*)(f.stack + kStack);
+    *--top = 0;                                  // fiber_main's return address (never used)
+    *--top = (uint64_t)(uintptr_t)&fiber_main;
+    for (int i = 0; i < 6; i++) *--top = 0;
+    uint32_t control[2];
+    __asm__ volatile("stmxcsr %0\n fnstcw %1" : "=m"(control[0]), "=m"(control[1]));
+    *--top = (uint64_t)control[0] | ((uint64_t)(control[1] & 0xffff) << 32);
+    f.sp = top;
+    f.done = false;
+    f.exchanges = 0;
+    f.waits_on = nullptr;
+}
+
+}  // namespace cuda_host
+
+// Runs fn(args) over the grid. types: one letter per argument (p pointer, i int32, q int64,
+// f float, d double); values: one 8-byte slot each. Returns 0, or -1 with cuda_host_error().
+extern "C" __attribute__((visibility("default"))) const char* cuda_host_error() {
+    return cuda_host::launch().error;
+}
+
+extern "C" __attribute__((visibility("default"))) int cuda_host_launch(
+        void (*fn)(void), unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+        int nargs, const char* types, uint64_t* values) {
+    using namespace cuda_host;
+    Launch& L = launch();
+    L.error[0] = 0;
+    unsigned n = bx * by * bz;
+    if (n == 0 || n > 1024 || nargs > 64) {
+        std::snprintf(L.error, sizeof L.error, "block of %u threads or %d arguments", n, nargs);
+        return -1;
+    }
+    ffi_type* arg_types[64];
+    void* arg_values[64];
+    for (int i = 0; i < nargs; i++) {
+        switch (types[i]) {
+            case 'p': arg_types[i] = &ffi_type_pointer; break;
+            case 'i': arg_types[i] = &ffi_type_sint32; break;
+            case 'q': arg_types[i] = &ffi_type_sint64; break;
+            case 'f': arg_types[i] = &ffi_type_float; break;
+            case 'd': arg_types[i] = &ffi_type_double; break;
+            default:
+                std::snprintf(L.error, sizeof L.error, "argument %d of unknown type %c", i, types[i]);
+                return -1;
+        }
+        arg_values[i] = &values[i];
+    }
+    if (ffi_prep_cif(&L.cif, FFI_DEFAULT_ABI, nargs, &ffi_type_void, arg_types) != FFI_OK) {
+        std::snprintf(L.error, sizeof L.error, "ffi_prep_cif failed");
+        return -1;
+    }
+    L.fn = fn;
+    L.values = arg_values;
+    if (n > L.cap) {
+        L.fibers = (Fiber*)std::realloc((void*)L.fibers, sizeof(Fiber) * n);
+        for (unsigned i = L.cap; i < n; i++) new (&L.fibers[i]) Fiber();
+        L.cap = n;
+    }
+    unsigned n_warps = (n + 31) / 32;
+    Group warps[32];
+    static uint32_t slots[64][32][kSlotWords];
+    L.warps = warps;
+    L.slots = slots;
+    blockDim = dim3{bx, by, bz};
+    gridDim = dim3{gx, gy, gz};
+    unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);   // flush denormals to zero, as NVRTC's -ftz=true (CuPy's default)
+    int rc = 0;
+    for (unsigned z = 0; z < gz && !rc; z++)
+        for (unsigned y = 0; y < gy && !rc; y++)
+            for (unsigned x = 0; x < gx && !rc; x++) {
+                blockIdx = dim3{x, y, z};
+                L.block = Group{(int)n, 0, 0};
+                for (unsigned w = 0; w < n_warps; w++) warps[w] = Group{(int)std::min(32u, n - 32 * w), 0, 0};
+                for (unsigned t = 0; t < n; t++) {
+                    Fiber& f = L.fibers[t];
+                    start_fiber(f);
+                    f.tid = t;
+                    f.idx = dim3{t % bx, (t / bx) % by, t / (bx * by)};
+                }
+                unsigned left = n;
+                while (left) {
+                    unsigned long long before = L.progress;
+                    left = 0;
+                    for (unsigned t = 0; t < n; t++) {
+                        Fiber& f = L.fibers[t];
+                        if (f.done) continue;
+                        if (f.waits_on && f.waits_on->generation == f.waits_for) {
+                            left++;
+                            continue;
+                        }
+                        L.current = &f;
+                        threadIdx = f.idx;
+                        cuda_host_switch(&L.scheduler_sp, f.sp);
+                        left += !f.done;
+                    }
+                    if (left && L.progress == before) {
+                        std::snprintf(L.error, sizeof L.error,
+                                      "deadlock in block (%u, %u, %u): %u threads wait at barriers the others "
+                                      "never reach", x, y, z, left);
+                        rc = -1;
+                        break;
+                    }
+                }
+            }
+    _mm_setcsr(csr);
+    L.current = nullptr;
+    return rc;
+}
+
+// -- the built-ins ----------------------------------------------------------------------------
+template <class T> inline float __int_as_float(T v) {
+    int32_t i = (int32_t)(uint32_t)v; float f; std::memcpy(&f, &i, 4); return f;
+}
+inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+
+template <class A, class B> inline typename std::common_type<A, B>::type min(A a, B b) {
+    typedef typename std::common_type<A, B>::type C; return (C)a < (C)b ? (C)a : (C)b;
+}
+template <class A, class B> inline typename std::common_type<A, B>::type max(A a, B b) {
+    typedef typename std::common_type<A, B>::type C; return (C)a < (C)b ? (C)b : (C)a;
+}
+
+inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
+
+inline void __syncthreads() { cuda_host::arrive(cuda_host::launch().block); }
+inline void __syncwarp(unsigned = 0xffffffffu) { cuda_host::arrive(cuda_host::my_warp()); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+    static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
+    if (mask != 0xffffffffu) std::abort();   // the kernels shuffle whole warps only
+    uint32_t mine[2] = {0, 0};
+    std::memcpy(mine, &v, sizeof(T));
+    auto slots = cuda_host::exchange(mine, 2);
+    unsigned lane = cuda_host::launch().current->tid & 31;
+    T r;
+    std::memcpy(&r, slots[(lane ^ lane_mask) & 31], sizeof(T));
+    return r;
+}
+
+template <class T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+template <class T> inline T atomicMin(T* p, T v) { T old = *p; if (v < old) *p = v; return old; }
+template <class T> inline T atomicMax(T* p, T v) { T old = *p; if (v > old) *p = v; return old; }
+
+// -- what common.cuh writes as inline PTX ------------------------------------------------------
+inline float cuda_host_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) { bits = sign; }
+        else {   // subnormal half: value man * 2^-24, exact in f32
+            float f = std::ldexp((float)man, -24);
+            return sign ? -f : f;
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return __uint_as_float(bits);
+}
+
+inline uint16_t cuda_host_f32_to_bf16(float f) {   // round to nearest even; NaN stays NaN
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+inline float cuda_host_bf16_to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 over the warp: lane l = 4 g + q holds
+// A rows g, g + 8 at k 2q, 2q + 1 (a0, a1) and 2q + 8, 2q + 9 (a2, a3), B column g at k 2q,
+// 2q + 1 (b0) and 2q + 8, 2q + 9 (b1), and C rows g, g + 8 at columns 2q, 2q + 1 (PTX ISA).
+inline void cuda_host_mma_bf16_16816(float* c, const uint32_t* a, const uint32_t* b) {
+    uint32_t mine[10];
+    std::memcpy(mine, a, 16);
+    std::memcpy(mine + 4, b, 8);
+    std::memcpy(mine + 6, c, 16);
+    auto s = cuda_host::exchange(mine, 10);
+    auto A = [&](int r, int k) {   // element (r, k) of A
+        int lane = (r & 7) * 4 + ((k & 7) >> 1), reg = (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+        return cuda_host_bf16_to_f32((s[lane][reg] >> (16 * (k & 1))) & 0xffffu);
+    };
+    auto B = [&](int k, int n) {   // element (k, n) of B
+        int lane = n * 4 + ((k & 7) >> 1), reg = 4 + (k >= 8 ? 1 : 0);
+        return cuda_host_bf16_to_f32((s[lane][reg] >> (16 * (k & 1))) & 0xffffu);
+    };
+    unsigned lane = cuda_host::launch().current->tid & 31;
+    int g = lane >> 2, q = lane & 3;
+    float out[4];
+    for (int i = 0; i < 4; i++) {
+        int r = g + 8 * (i >> 1), n = 2 * q + (i & 1);
+        float acc = __uint_as_float(s[lane][6 + i]);
+        for (int k = 0; k < 16; k++) acc += A(r, k) * B(k, n);
+        out[i] = acc;
+    }
+    std::memcpy(c, out, 16);
+}

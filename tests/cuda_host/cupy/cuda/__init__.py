@@ -1,0 +1,63 @@
+"""cupy.cuda for the host stand-in: one "device", streams, and graph capture that records
+kernel launches (ops/cuda_graphs.py's use)."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import device, runtime
+
+__all__ = ["Device", "Stream", "Graph", "device", "runtime"]
+
+# the launches being recorded while a stream captures, else None
+_capture: list[Any] | None = None
+
+
+class Device:
+    def __init__(self, device_id: int = 0) -> None:
+        if device_id != 0:
+            raise runtime.CUDARuntimeError(f"invalid device ordinal {device_id} (the host stand-in has one)")
+        self.id = device_id
+        # an H100's figures, so launch shapes sized from them are the ones a GPU gets
+        self.attributes = {"MultiProcessorCount": 132}
+        self.compute_capability = "90"
+
+    def use(self) -> None:
+        pass
+
+
+class Graph:
+    def __init__(self, launches: list[Any]) -> None:
+        self._launches = launches
+
+    def launch(self, stream: Any = None) -> None:
+        from .. import _run
+        for launch in self._launches:
+            _run(*launch)
+
+
+class Stream:
+    def __init__(self, non_blocking: bool = False) -> None:
+        self.non_blocking = non_blocking
+        self.ptr = id(self)
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def begin_capture(self) -> None:
+        global _capture
+        if _capture is not None:
+            raise runtime.CUDARuntimeError("a capture is already under way")
+        _capture = []
+
+    def end_capture(self) -> Graph:
+        global _capture
+        if _capture is None:
+            raise runtime.CUDARuntimeError("end_capture without begin_capture")
+        launches, _capture = _capture, None
+        return Graph(launches)

@@ -1,0 +1,10 @@
+"""cupy.cuda.runtime for the host stand-in: one device."""
+from __future__ import annotations
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def getDeviceCount() -> int:
+    return 1

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU tests with ellm's CUDA kernels running on the CPU (tests/cuda_host/README.md):
+#   bash tests/cuda_host/run.sh                      # the op-level checks (a few minutes)
+#   bash tests/cuda_host/run.sh --all                # and the model-level ones (~30 minutes)
+#   bash tests/cuda_host/run.sh tests/test_cuda.py -k attention   # anything pytest takes
+# Needs g++ and libffi's header (Debian: libffi-dev). Run after `bash tests/run.sh` has
+# built ellm into .venv.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD/tests/cuda_host${PYTHONPATH:+:$PYTHONPATH}"
+PY=.venv/bin/python
+[ -x "$PY" ] || PY=python3
+if [ "${1:-}" = "--all" ]; then
+    shift
+    exec "$PY" -m pytest -p no:randomly tests/test_cuda.py tests/test_backends.py tests/test_lora.py \
+        -k "cuda or not (test_backends or test_lora)" "$@"
+elif [ $# -eq 0 ]; then
+    exec "$PY" -m pytest -p no:randomly tests/test_cuda.py tests/test_backends.py \
+        -k "(test_cuda and not model_logits and not batched_equals) or (test_backends and cuda and not runner and not layer_stack)"
+fi
+exec "$PY" -m pytest -p no:randomly "$@"

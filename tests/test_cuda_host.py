@@ -1,0 +1,104 @@
+"""The CUDA kernels' op-level checks with the kernels running on the CPU (tests/cuda_host:
+g++ builds csrc/cuda/*.cu against a host runtime, a stand-in for CuPy launches them).
+
+Each check runs in a child process with tests/cuda_host on PYTHONPATH, so the stand-in is
+`cupy` there and nowhere else. The op checks are tests/test_cuda.py's and the `cuda` rows
+of tests/test_backends.py, unchanged; the model-level ones and the sampler's frequency
+test (minutes here) run with `bash tests/cuda_host/run.sh --all`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = ROOT / "tests" / "cuda_host"
+OP_CHECKS = ("(test_cuda and not model_logits and not batched_equals and not sampling_distribution) "
+             "or (test_backends and cuda and not runner and not layer_stack)")
+
+
+def _ffi_header() -> bool:
+    probe = subprocess.run(["g++", "-x", "c++", "-fsyntax-only", "-"], input="#include <ffi.h>\n",
+                           capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+needs_host_build = pytest.mark.skipif(
+    shutil.which("g++") is None or not _ffi_header(),
+    reason="the host build of the CUDA kernels needs g++ and libffi's header (Debian: libffi-dev)")
+
+
+def _child(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HOST), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@needs_host_build
+def test_cuda_op_checks_pass_with_the_kernels_on_the_cpu() -> None:
+    proc = _child(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "tests/test_cuda.py",
+                   "tests/test_backends.py", "-k", OP_CHECKS], timeout=900)
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= 100, tail   # the checks ran, not skipped
+    assert "failed" not in proc.stdout.splitlines()[-1], tail
+
+
+@needs_host_build
+def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
+    """A kernel whose threads wait at barriers of different kinds (its warp's, its block's)
+    is reported, not hung; a Python
+    int as a kernel argument and a host-side write while a graph is captured are refused."""
+    script = textwrap.dedent('''
+        import numpy as np, cupy
+        mod = cupy.RawModule(code=r"""
+            extern "C" __global__ void uneven(float* x) {
+                float v = x[threadIdx.x];
+                // lane 0 waits for its warp at a shuffle, the others for the block: a hang
+                if (threadIdx.x == 0) v = __shfl_xor_sync(0xffffffffu, v, 1);
+                else __syncthreads();
+                x[threadIdx.x] = v;
+            }
+            extern "C" __global__ void twice(float* x, int n) {
+                int i = blockIdx.x * blockDim.x + threadIdx.x;
+                if (i < n) x[i] *= 2.0f;
+            }""")
+        x = cupy.zeros(64, np.float32)
+        try:
+            mod.get_function("uneven")((1,), (32,), (x,))
+        except RuntimeError as e:
+            assert "deadlock" in str(e), e
+            print("deadlock reported")
+        x[...] = 1.0
+        try:
+            mod.get_function("twice")((1,), (64,), (x, 64))
+        except TypeError as e:
+            print("python int refused")
+        mod.get_function("twice")((1,), (64,), (x, np.int32(64)))
+        assert float(x.get().sum()) == 128.0
+        s = cupy.cuda.Stream()
+        s.begin_capture()
+        mod.get_function("twice")((1,), (64,), (x, np.int32(64)))
+        try:
+            x.fill(0)
+        except RuntimeError as e:
+            print("write during capture refused")
+        g = s.end_capture()
+        assert float(x.get().sum()) == 128.0   # a captured launch does not run at capture
+        g.launch(s)
+        g.launch(s)
+        assert float(x.get().sum()) == 512.0
+        print("graph replayed")
+    ''')
+    proc = _child(["-c", script], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("deadlock reported", "python int refused", "write during capture refused", "graph replayed"):
+        assert line in proc.stdout, proc.stdout + proc.stderr
