@@ -3,7 +3,7 @@ g++ builds csrc/cuda/*.cu against a host runtime, a stand-in for CuPy launches t
 
 Each check runs in a child process with tests/cuda_host on PYTHONPATH, so the stand-in is
 `cupy` there and nowhere else. The op checks are tests/test_cuda.py's and the `cuda` rows
-of tests/test_backends.py, unchanged; the model-level ones and the sampler's frequency
+of tests/test_backends.py and tests/test_lora.py (adapters against PEFT), unchanged; the model-level ones and the sampler's frequency
 test (minutes here) run with `bash tests/cuda_host/run.sh --all`.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 HOST = ROOT / "tests" / "cuda_host"
 OP_CHECKS = ("(test_cuda and not model_logits and not batched_equals and not sampling_distribution) "
-             "or (test_backends and cuda and not runner and not layer_stack)")
+             "or (test_backends and cuda and not runner and not layer_stack) or (test_lora and cuda)")
 
 
 def _ffi_header() -> bool:
@@ -44,7 +44,7 @@ def _child(args: list[str], timeout: int) -> subprocess.CompletedProcess:
 @needs_host_build
 def test_cuda_op_checks_pass_with_the_kernels_on_the_cpu() -> None:
     proc = _child(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                   "tests/test_backends.py", "-k", OP_CHECKS], timeout=900)
+                   "tests/test_backends.py", "tests/test_lora.py", "-k", OP_CHECKS], timeout=900)
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)

@@ -347,10 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--dry-run", action="store_true",
                     help="on the CPU: a tiny random folder through every engine row (checks the harness)")
+    ap.add_argument("--ellm-device", choices=("cpu", "cuda"),
+                    help="ellm's device (default: cuda, cpu with --dry-run); a dry run with cuda and "
+                         "tests/cuda_host on PYTHONPATH runs ellm's rows through the CUDA kernels on the CPU")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    device = "cpu" if args.dry_run else "cuda"
+    device = "cpu" if args.dry_run else "cuda"        # transformers' and the random folders'
+    ellm_device = args.ellm_device or device
     rows: list[dict[str, Any]] = []
 
     def write() -> str:
@@ -405,21 +409,23 @@ def main(argv: list[str] | None = None) -> int:
     plans = {s.name: Plan.for_model(s.name, args.dry_run) for s in sources}
     folders = [s for s in sources if s.weights == "bf16 folder"]
     for s in sources:
-        record(s, f"ellm {device} graphs", lambda d, s=s: bench_ellm(s, plans[s.name], device, True, True, d), 0.3)
+        record(s, f"ellm {ellm_device} graphs",
+               lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d), 0.3)
     if not args.no_transformers:
         for s in folders:
             record(s, "transformers", lambda d, s=s: bench_transformers(s, plans[s.name], device, True, d), 0.4)
     for s in sources:   # round two's f32 decode kernels (ELLM_CUDA_MMV=0) against mmv.cu's
         if not s.quantize:
-            record(s, f"ellm {device} graphs f32 gemv",
-                   lambda d, s=s: bench_ellm(s, plans[s.name], device, True, True, d, mmv=False), 0.3)
+            record(s, f"ellm {ellm_device} graphs f32 gemv",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, mmv=False), 0.3)
     for s in sources:
         if not s.quantize:
-            record(s, f"ellm {device} graphs unfused",
-                   lambda d, s=s: bench_ellm(s, plans[s.name], device, True, False, d), 0.3)
+            record(s, f"ellm {ellm_device} graphs unfused",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, False, d), 0.3)
     for s in sources:
         if not s.quantize:
-            record(s, f"ellm {device} eager", lambda d, s=s: bench_ellm(s, plans[s.name], device, False, True, d), 0.3)
+            record(s, f"ellm {ellm_device} eager",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, False, True, d), 0.3)
     if not args.no_transformers:
         for s in folders:
             record(s, "transformers eager",

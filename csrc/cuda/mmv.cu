@@ -30,6 +30,7 @@
 
 #define MMV_TOKENS 64   // = ops/cuda.py GEMM_MIN_TOKENS: the largest decode step
 #define MMV_WARPS 8
+#define MMV_UNROLL 4    // steps whose weights a warp loads before multiplying
 
 struct Frag {
     u32 w[4];      // the A words of this lane's row for the step (bf16 pairs, low half first)
@@ -230,11 +231,27 @@ __device__ __forceinline__ void mmv_warp(const u8* row_a, const u8* row_b, const
     for (int j = 0; j < MMV_TOKENS / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     const u32 ones = 0x3f803f80u;   // bf16 1.0 twice
     const u32 ones_a[4] = {ones, ones, ones, ones};
-    for (int s = warp; s < (K >> 5); s += MMV_WARPS) {
+    int steps = K >> 5;
+    // MMV_UNROLL of this warp's steps at a time: their weight loads are all issued before
+    // the first product, so enough bytes are in flight at batch 1 (the steps, and so the
+    // order of the sums, are those of a one-step loop)
+    for (int s0 = warp; s0 < steps; s0 += MMV_UNROLL * MMV_WARPS) {
+      Frag fas[MMV_UNROLL], fbs[MMV_UNROLL];
+      #pragma unroll
+      for (int u = 0; u < MMV_UNROLL; u++) {
+        int s = s0 + u * MMV_WARPS;
+        if (s < steps) {
+            WT::frag(row_a, s << 5, q, fas[u]);
+            WT::frag(row_b, s << 5, q, fbs[u]);
+        }
+      }
+      #pragma unroll
+      for (int u = 0; u < MMV_UNROLL; u++) {
+        int s = s0 + u * MMV_WARPS;
+        if (s >= steps) break;
         int k0 = s << 5;
-        Frag fa, fb;
-        WT::frag(row_a, k0, q, fa);
-        WT::frag(row_b, k0, q, fb);
+        const Frag& fa = fas[u];
+        const Frag& fb = fbs[u];
         const u32 a1[4] = {fa.w[0], fb.w[0], fa.w[1], fb.w[1]};
         const u32 a2[4] = {fa.w[2], fb.w[2], fa.w[3], fb.w[3]};
         #pragma unroll
@@ -275,6 +292,7 @@ __device__ __forceinline__ void mmv_warp(const u8* row_a, const u8* row_b, const
                 }
             }
         }
+      }
     }
     #pragma unroll
     for (int j = 0; j < MMV_TOKENS / 8; j++) {

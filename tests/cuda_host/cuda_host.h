@@ -23,6 +23,12 @@
 #include <ffi.h>
 #include <sys/mman.h>
 #include <xmmintrin.h>
+#if defined(__SANITIZE_ADDRESS__)   // ELLM_CUDA_HOST_ASAN=1: a reused fiber stack starts clean
+#include <sanitizer/asan_interface.h>
+#define CUDA_HOST_UNPOISON(p, n) __asan_unpoison_memory_region((p), (n))
+#else
+#define CUDA_HOST_UNPOISON(p, n) ((void)0)
+#endif
 
 #define ELLM_HOST_CUDA 1
 #define __global__ __attribute__((visibility("default")))
@@ -163,6 +169,7 @@ inline void start_fiber(Fiber& f) {
         if (p == MAP_FAILED) std::abort();
         f.stack = (unsigned char*)p;
     }
+    CUDA_HOST_UNPOISON(f.stack, kStack);
     // cuda_host_switch pops: control words (8 bytes), r15 r14 r13 r12 rbx rbp, then returns
     // into fiber_main with the stack as after a call (rsp % 16 == 8).
     uint64_t* top = (uint64_t*)(f.stack + kStack);

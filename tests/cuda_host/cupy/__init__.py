@@ -142,7 +142,8 @@ def _cache_dir() -> Path:
 def compile_source(code: str) -> Path:
     """The shared library g++ makes of a kernel source (cached by the text of both)."""
     header = HEADER.read_text()
-    key = hashlib.sha256((header + "\0" + code).encode()).hexdigest()[:24]
+    asan = bool(os.environ.get("ELLM_CUDA_HOST_ASAN"))
+    key = hashlib.sha256((header + "\0" + code + "\0" + str(asan)).encode()).hexdigest()[:24]
     so = _cache_dir() / f"{key}.so"
     if so.exists():
         return so
@@ -153,7 +154,7 @@ def compile_source(code: str) -> Path:
         cmd = ["g++", "-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden",
                "-ffp-contract=off", "-Wno-unknown-pragmas", "-include", str(HEADER), "-x", "c++", str(src),
                "-o", str(out), "-lffi"]
-        if os.environ.get("ELLM_CUDA_HOST_ASAN"):
+        if asan:
             cmd[1:1] = ["-fsanitize=address", "-fno-omit-frame-pointer"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
