@@ -205,3 +205,102 @@ __device__ __forceinline__ void deq8_q6_k(const u8* row, int k0, float* v) {
     X(f32, deq8_f32) X(f16, deq8_f16) X(bf16, deq8_bf16) X(q4_0, deq8_q4_0) \
     X(q4_1, deq8_q4_1) X(q8_0, deq8_q8_0) X(q4_k, deq8_q4_k) X(q5_k, deq8_q5_k) \
     X(q6_k, deq8_q6_k)
+
+// ---------------------------------------------------------------------------------
+// Norm + q/k/v + RoPE + paged KV write (linear.cu qkv_rope_<type>, mmv.cu
+// mmv_qkv_rope_<type>): their parameters, their tasks and their stores.
+// ---------------------------------------------------------------------------------
+#define ELLM_QKV_ROPE_PARAMS                                                              \
+        const u8* __restrict__ Wq, const u8* __restrict__ Wk, const u8* __restrict__ Wv,  \
+        long long rbq, long long rbk, long long rbv,                                      \
+        const float* __restrict__ bq, const float* __restrict__ bk,                       \
+        const float* __restrict__ bv,                                                     \
+        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
+        const int* __restrict__ positions, const int* __restrict__ seq_ids,               \
+        const int* __restrict__ block_tables, int max_blocks,                             \
+        float* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache, \
+        int kv_bf16, const float* __restrict__ inv_freq, int n_rot, int interleaved,      \
+        float mscale, int T, int K, int nh, int nkv, int hd, int block_size
+#define ELLM_QKV_ROPE_ARGS                                                                \
+        Wq, Wk, Wv, rbq, rbk, rbv, bq, bk, bv, X, g, eps, positions, seq_ids, block_tables, \
+        max_blocks, q_out, k_cache, v_cache, kv_bf16, inv_freq, n_rot, interleaved, mscale, T, \
+        K, nh, nkv, hd, block_size
+#define ELLM_QKV_ROPE_STORE_ARGS                                                          \
+        bq, bk, bv, positions, seq_ids, block_tables, max_blocks, q_out, k_cache, v_cache,  \
+        kv_bf16, inv_freq, mscale, nh, nkv, hd, block_size
+
+// A task is one row (a passed-through dim, a v row) or a rotated pair of rows: per q / k
+// head hd - n_rot tasks (pairs j < n_rot: dims (2j, 2j + 1) interleaved, else (j, j +
+// n_rot)), per v head hd.
+struct QkvTask {
+    int which, head, d0, d1, pair;   // which: 0 q, 1 k, 2 v, -1 none
+};
+
+__device__ __forceinline__ QkvTask qkv_task(int task, int nh, int nkv, int hd, int n_rot, int interleaved) {
+    QkvTask r = {-1, 0, 0, -1, -1};
+    int per_head = hd - n_rot, tq = nh * per_head, tk = nkv * per_head;
+    if (task < tq + tk) {
+        r.which = task < tq ? 0 : 1;
+        int i = task < tq ? task : task - tq;
+        r.head = i / per_head;
+        int j = i - r.head * per_head;
+        if (j < n_rot) {
+            r.pair = j;
+            r.d0 = interleaved ? 2 * j : j;
+            r.d1 = interleaved ? 2 * j + 1 : j + n_rot;
+        } else {
+            r.d0 = n_rot + j;
+        }
+    } else if (task < tq + tk + nkv * hd) {
+        r.which = 2;
+        r.head = (task - tq - tk) / hd;
+        r.d0 = (task - tq - tk) - r.head * hd;
+    }
+    return r;
+}
+
+// Token t's results of task k (x1: the pair's second row): + bias, RoPE (the angle reduced
+// to [-pi, pi] in double, then the fast sine and cosine: no Payne-Hanek path, no stack
+// frame, for the large angles of long positions), then q into q_out or k / v into their
+// cache slot (f32, or bf16 rounded to nearest even); none for a padding row (block -1).
+__device__ __forceinline__ void qkv_rope_store(
+        const QkvTask& k, int t, float x0, float x1, const float* __restrict__ bq,
+        const float* __restrict__ bk, const float* __restrict__ bv, const int* __restrict__ positions,
+        const int* __restrict__ seq_ids, const int* __restrict__ block_tables, int max_blocks,
+        float* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache, int kv_bf16,
+        const float* __restrict__ inv_freq, float mscale, int nh, int nkv, int hd, int block_size) {
+    const float* b = k.which == 0 ? bq : k.which == 1 ? bk : bv;
+    if (b) {
+        x0 += b[k.head * hd + k.d0];
+        if (k.d1 >= 0) x1 += b[k.head * hd + k.d1];
+    }
+    int pos = positions[t];
+    if (k.pair >= 0) {
+        float ang = (float)pos * inv_freq[k.pair];
+        double turns = rint((double)ang * 0.15915494309189535);
+        float red = (float)((double)ang - turns * 6.283185307179586), c, sn;
+        __sincosf(red, &sn, &c);
+        c *= mscale;
+        sn *= mscale;
+        float y0 = x0 * c - x1 * sn, y1 = x1 * c + x0 * sn;
+        x0 = y0;
+        x1 = y1;
+    }
+    if (k.which == 0) {
+        float* qp = q_out + ((long long)t * nh + k.head) * hd;
+        qp[k.d0] = x0;
+        if (k.d1 >= 0) qp[k.d1] = x1;
+        return;
+    }
+    int blk = block_tables[(long long)seq_ids[t] * max_blocks + pos / block_size];
+    if (blk < 0) return;   // a padding row of a captured batch
+    long long slot = (((long long)blk * block_size + pos % block_size) * nkv + k.head) * hd;
+    void* cache = k.which == 1 ? k_cache : v_cache;
+    if (kv_bf16) {
+        kv_store((u16*)cache, slot + k.d0, x0);
+        if (k.d1 >= 0) kv_store((u16*)cache, slot + k.d1, x1);
+    } else {
+        kv_store((float*)cache, slot + k.d0, x0);
+        if (k.d1 >= 0) kv_store((float*)cache, slot + k.d1, x1);
+    }
+}

@@ -391,89 +391,30 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV_ADD)
 // slot (f32, or bf16 when kv_bf16: rounded to nearest even). RoPE as ops/reference.py
 // rope: dims < 2 n_rot rotate in pairs (2i, 2i+1) when interleaved, else (i, i + n_rot),
 // cos and sin of pos * inv_freq[i] times mscale; the rest pass through. A warp computes
-// both rows of a rotated pair (one task), one row otherwise: per q / k head hd - n_rot
-// tasks, per v head hd. Tokens whose block-table entry is -1 (the padding rows of a
+// a task (common.cuh qkv_task: both rows of a rotated pair, or one row) and stores it
+// through qkv_rope_store. Tokens whose block-table entry is -1 (the padding rows of a
 // captured batch) write no cache slot. grid (ceil(tasks / FUSED_WARPS), ceil(T /
 // GEMV_TOKENS)), block 32 * FUSED_WARPS.
 #define ELLM_QKV_ROPE(name, deq)                                                          \
 extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) qkv_rope_##name(          \
-        const u8* __restrict__ Wq, const u8* __restrict__ Wk, const u8* __restrict__ Wv,  \
-        long long rbq, long long rbk, long long rbv,                                      \
-        const float* __restrict__ bq, const float* __restrict__ bk,                       \
-        const float* __restrict__ bv,                                                     \
-        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
-        const int* __restrict__ positions, const int* __restrict__ seq_ids,               \
-        const int* __restrict__ block_tables, int max_blocks,                             \
-        float* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache, \
-        int kv_bf16, const float* __restrict__ inv_freq, int n_rot, int interleaved,      \
-        float mscale, int T, int K, int nh, int nkv, int hd, int block_size) {            \
+        ELLM_QKV_ROPE_PARAMS) {                                                           \
     __shared__ float inv[GEMV_TOKENS];                                                    \
     int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
     tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \
-    int task = blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5);                             \
-    int per_head = hd - n_rot, tq = nh * per_head, tk = nkv * per_head;                   \
-    int which, head, d0, d1 = -1, pair = -1;                                              \
-    if (task < tq + tk) {                                                                 \
-        which = task < tq ? 0 : 1;                                                        \
-        int r = task < tq ? task : task - tq;                                             \
-        head = r / per_head;                                                              \
-        int j = r - head * per_head;                                                      \
-        if (j < n_rot) {                                                                  \
-            pair = j;                                                                     \
-            d0 = interleaved ? 2 * j : j;                                                 \
-            d1 = interleaved ? 2 * j + 1 : j + n_rot;                                     \
-        } else {                                                                          \
-            d0 = n_rot + j;                                                               \
-        }                                                                                 \
-    } else if (task < tq + tk + nkv * hd) {                                               \
-        which = 2;                                                                        \
-        head = (task - tq - tk) / hd;                                                     \
-        d0 = (task - tq - tk) - head * hd;                                                \
-    } else {                                                                              \
-        return;                                                                           \
-    }                                                                                     \
-    const u8* W = which == 0 ? Wq : which == 1 ? Wk : Wv;                                 \
-    long long rb = which == 0 ? rbq : which == 1 ? rbk : rbv;                             \
-    const float* b = which == 0 ? bq : which == 1 ? bk : bv;                              \
-    int r0 = head * hd + d0, r1 = head * hd + d1;                                         \
+    QkvTask k = qkv_task(blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5), nh, nkv, hd, n_rot, interleaved); \
+    if (k.which < 0) return;                                                              \
+    const u8* W = k.which == 0 ? Wq : k.which == 1 ? Wk : Wv;                             \
+    long long rb = k.which == 0 ? rbq : k.which == 1 ? rbk : rbv;                         \
     float a0[GEMV_TOKENS], a1[GEMV_TOKENS];                                               \
     _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) a0[t] = a1[t] = 0.0f;         \
-    dot2_##name(W + (long long)r0 * rb, d1 >= 0 ? W + (long long)r1 * rb : nullptr, X, g, K, \
+    dot2_##name(W + (long long)(k.head * hd + k.d0) * rb,                                 \
+                k.d1 >= 0 ? W + (long long)(k.head * hd + k.d1) * rb : nullptr, X, g, K,  \
                 t0, nt, lane, a0, a1);                                                    \
     _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
         if (t >= nt) continue;                                                            \
         float x0 = warp_sum(a0[t]) * inv[t];                                              \
-        float x1 = d1 >= 0 ? warp_sum(a1[t]) * inv[t] : 0.0f;                             \
-        if (lane != 0) continue;                                                          \
-        if (b) {                                                                          \
-            x0 += b[r0];                                                                  \
-            if (d1 >= 0) x1 += b[r1];                                                     \
-        }                                                                                 \
-        int tt = t0 + t, pos = positions[tt];                                             \
-        if (pair >= 0) {                                                                  \
-            float ang = (float)pos * inv_freq[pair];                                      \
-            float c = cosf(ang) * mscale, s = sinf(ang) * mscale;                         \
-            float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;                             \
-            x0 = y0;                                                                      \
-            x1 = y1;                                                                      \
-        }                                                                                 \
-        if (which == 0) {                                                                 \
-            float* q = q_out + ((long long)tt * nh + head) * hd;                          \
-            q[d0] = x0;                                                                   \
-            if (d1 >= 0) q[d1] = x1;                                                      \
-            continue;                                                                     \
-        }                                                                                 \
-        int blk = block_tables[(long long)seq_ids[tt] * max_blocks + pos / block_size];   \
-        if (blk < 0) continue;                                                            \
-        long long slot = (((long long)blk * block_size + pos % block_size) * nkv + head) * hd; \
-        void* cache = which == 1 ? k_cache : v_cache;                                     \
-        if (kv_bf16) {                                                                    \
-            kv_store((u16*)cache, slot + d0, x0);                                         \
-            if (d1 >= 0) kv_store((u16*)cache, slot + d1, x1);                            \
-        } else {                                                                          \
-            kv_store((float*)cache, slot + d0, x0);                                       \
-            if (d1 >= 0) kv_store((float*)cache, slot + d1, x1);                          \
-        }                                                                                 \
+        float x1 = k.d1 >= 0 ? warp_sum(a1[t]) * inv[t] : 0.0f;                           \
+        if (lane == 0) qkv_rope_store(k, t0 + t, x0, x1, ELLM_QKV_ROPE_STORE_ARGS);       \
     }                                                                                     \
 }
 ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_QKV_ROPE)

@@ -410,48 +410,12 @@ __device__ __forceinline__ void mmv_glu_t(
     }
 }
 
-// qkv_rope's meaning (linear.cu): norm + q/k/v + bias + RoPE + the paged KV write. Tasks
-// as there (per q / k head hd - n_rot: a rotated pair or a passed-through dim; per v head
-// hd single rows); a block takes 8 tasks: a task's first row in slot s, its pair's row
-// (none for a single) in slot s + 8. grid ceil(tasks / 8).
-struct QkvTask {
-    int which, head, d0, d1, pair;   // which: 0 q, 1 k, 2 v, -1 none
-};
-
-__device__ __forceinline__ QkvTask qkv_task(int task, int nh, int nkv, int hd, int n_rot, int interleaved) {
-    QkvTask r = {-1, 0, 0, -1, -1};
-    int per_head = hd - n_rot, tq = nh * per_head, tk = nkv * per_head;
-    if (task < tq + tk) {
-        r.which = task < tq ? 0 : 1;
-        int i = task < tq ? task : task - tq;
-        r.head = i / per_head;
-        int j = i - r.head * per_head;
-        if (j < n_rot) {
-            r.pair = j;
-            r.d0 = interleaved ? 2 * j : j;
-            r.d1 = interleaved ? 2 * j + 1 : j + n_rot;
-        } else {
-            r.d0 = n_rot + j;
-        }
-    } else if (task < tq + tk + nkv * hd) {
-        r.which = 2;
-        r.head = (task - tq - tk) / hd;
-        r.d0 = (task - tq - tk) - r.head * hd;
-    }
-    return r;
-}
-
+// qkv_rope's meaning (linear.cu): norm + q/k/v + bias + RoPE + the paged KV write, over
+// common.cuh's tasks (a rotated pair of rows, or one row); a block takes 8 tasks: a
+// task's first row in slot s, its pair's row (none for a single) in slot s + 8, and
+// stores them through qkv_rope_store. grid ceil(tasks / 8).
 template <class WT>
-__device__ __forceinline__ void mmv_qkv_rope_t(
-        const u8* __restrict__ Wq, const u8* __restrict__ Wk, const u8* __restrict__ Wv,
-        long long rbq, long long rbk, long long rbv,
-        const float* __restrict__ bq, const float* __restrict__ bk, const float* __restrict__ bv,
-        const float* __restrict__ X, const float* __restrict__ g, float eps,
-        const int* __restrict__ positions, const int* __restrict__ seq_ids,
-        const int* __restrict__ block_tables, int max_blocks,
-        float* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache,
-        int kv_bf16, const float* __restrict__ inv_freq, int n_rot, int interleaved,
-        float mscale, int T, int K, int nh, int nkv, int hd, int block_size) {
+__device__ __forceinline__ void mmv_qkv_rope_t(ELLM_QKV_ROPE_PARAMS) {
     MMV_SHARED
     tokens_inv_rms(X, g, T, K, eps, inv, sq);
     int task0 = blockIdx.x * 8, lane = threadIdx.x & 31;
@@ -468,45 +432,8 @@ __device__ __forceinline__ void mmv_qkv_rope_t(
         int s = it & 7, t = it >> 3;
         QkvTask k = qkv_task(task0 + s, nh, nkv, hd, n_rot, interleaved);
         if (k.which < 0) continue;
-        const float* b = k.which == 0 ? bq : k.which == 1 ? bk : bv;
-        int r0 = k.head * hd + k.d0, r1 = k.head * hd + k.d1;
-        float x0 = tile_sum(part, s, t) * inv[t];
-        float x1 = k.d1 >= 0 ? tile_sum(part, s + 8, t) * inv[t] : 0.0f;
-        if (b) {
-            x0 += b[r0];
-            if (k.d1 >= 0) x1 += b[r1];
-        }
-        int pos = positions[t];
-        if (k.pair >= 0) {
-            // the angle reduced to [-pi, pi] in double, then the fast sine and cosine: no
-            // Payne-Hanek path (a stack frame) for the large angles of long positions
-            float ang = (float)pos * inv_freq[k.pair];
-            double turns = rint((double)ang * 0.15915494309189535);
-            float red = (float)((double)ang - turns * 6.283185307179586), c, sn;
-            __sincosf(red, &sn, &c);
-            c *= mscale;
-            sn *= mscale;
-            float y0 = x0 * c - x1 * sn, y1 = x1 * c + x0 * sn;
-            x0 = y0;
-            x1 = y1;
-        }
-        if (k.which == 0) {
-            float* qp = q_out + ((long long)t * nh + k.head) * hd;
-            qp[k.d0] = x0;
-            if (k.d1 >= 0) qp[k.d1] = x1;
-            continue;
-        }
-        int blk = block_tables[(long long)seq_ids[t] * max_blocks + pos / block_size];
-        if (blk < 0) continue;   // a padding row of a captured batch
-        long long slot = (((long long)blk * block_size + pos % block_size) * nkv + k.head) * hd;
-        void* cache = k.which == 1 ? k_cache : v_cache;
-        if (kv_bf16) {
-            kv_store((u16*)cache, slot + k.d0, x0);
-            if (k.d1 >= 0) kv_store((u16*)cache, slot + k.d1, x1);
-        } else {
-            kv_store((float*)cache, slot + k.d0, x0);
-            if (k.d1 >= 0) kv_store((float*)cache, slot + k.d1, x1);
-        }
+        qkv_rope_store(k, t, tile_sum(part, s, t) * inv[t], k.d1 >= 0 ? tile_sum(part, s + 8, t) * inv[t] : 0.0f,
+                       ELLM_QKV_ROPE_STORE_ARGS);
     }
 }
 
@@ -528,19 +455,8 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_glu_##name(    
     mmv_glu_t<WT>(Wg, Wu, rbg, rbu, bg, bu, X, g, eps, out, T, K, F, act);                \
 }                                                                                         \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope_##name(         \
-        const u8* __restrict__ Wq, const u8* __restrict__ Wk, const u8* __restrict__ Wv,  \
-        long long rbq, long long rbk, long long rbv,                                      \
-        const float* __restrict__ bq, const float* __restrict__ bk,                       \
-        const float* __restrict__ bv,                                                     \
-        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
-        const int* __restrict__ positions, const int* __restrict__ seq_ids,               \
-        const int* __restrict__ block_tables, int max_blocks,                             \
-        float* __restrict__ q_out, void* __restrict__ k_cache, void* __restrict__ v_cache, \
-        int kv_bf16, const float* __restrict__ inv_freq, int n_rot, int interleaved,      \
-        float mscale, int T, int K, int nh, int nkv, int hd, int block_size) {            \
-    mmv_qkv_rope_t<WT>(Wq, Wk, Wv, rbq, rbk, rbv, bq, bk, bv, X, g, eps, positions, seq_ids, \
-                       block_tables, max_blocks, q_out, k_cache, v_cache, kv_bf16, inv_freq, \
-                       n_rot, interleaved, mscale, T, K, nh, nkv, hd, block_size);        \
+        ELLM_QKV_ROPE_PARAMS) {                                                           \
+    mmv_qkv_rope_t<WT>(ELLM_QKV_ROPE_ARGS);                                               \
 }
 ELLM_MMV_KERNELS(bf16, WBf16)
 ELLM_MMV_KERNELS(q4_0, WQ4_0)
