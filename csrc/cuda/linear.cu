@@ -201,6 +201,23 @@ extern "C" __global__ void embed_##name(                                        
 }
 ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_EMBED)
 
+// out (N, K) bf16 = W dequantized and rounded to nearest even: the input cuBLAS takes for
+// a prefill product (ops/cuda.py), the same rounding gemm_<type> does in shared memory.
+// grid ceil(N * K / 8 / 256), block 256.
+#define ELLM_DEQUANT_BF16(name, deq)                                                      \
+extern "C" __global__ void dequant_bf16_##name(                                           \
+        const u8* __restrict__ W, long long row_bytes, u16* __restrict__ out, int N, int K) { \
+    long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x, per_row = K >> 3;     \
+    if (c >= (long long)N * per_row) return;                                              \
+    long long n = c / per_row;                                                            \
+    int k0 = (int)(c - n * per_row) << 3;                                                 \
+    float w[8];                                                                           \
+    deq(W + n * row_bytes, k0, w);                                                        \
+    u32* o = (u32*)(out + n * K + k0);                                                    \
+    _Pragma("unroll") for (int i = 0; i < 4; i++) o[i] = pack_bf16x2(w[2 * i], w[2 * i + 1]); \
+}
+ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_DEQUANT_BF16)
+
 // ---------------------------------------------------------------------------------
 // Fused decode kernels (up to GEMM_MIN_TOKENS tokens; ops/reference.py says what each
 // means: norm_linear_multi, norm_linear_glu, linear_add, norm_qkv_rope_write). One warp

@@ -38,7 +38,7 @@ WEIGHT_TYPES: dict[GGMLType, str] = {
 }
 KERNELS: dict[str, tuple[str, ...]] = {
     "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed", "nmv3", "glu", "gemv_add",
-                                              "qkv_rope") for t in WEIGHT_TYPES.values()),
+                                              "qkv_rope", "dequant_bf16") for t in WEIGHT_TYPES.values()),
     "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "swiglu_f32", "geglu_f32", "softcap_f32",
                        "scale_f32", "add_f32", "gather_rows_f32", "scatter_rows_f32",
                        "scatter_add_rows_f32", "to_bf16_f32", "add_bias_rows_f32"),
@@ -87,6 +87,9 @@ CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
 # ELLM_CUDA_CUBLAS=0: every prefill product on linear.cu's gemm kernels
 CUBLAS_ENV = "ELLM_CUDA_CUBLAS"
+# A quantized matrix of at most this many weights is dequantized to bf16 (a grow-only
+# scratch) for cuBLAS; a larger one (a vocabulary head) stays on gemm_<type>
+CUBLAS_DEQUANT_MAX = 64 << 20
 
 INSTALL_HINT = ("pip install 'ellm-engine[gpu]' (CuPy for CUDA 12) or 'ellm-engine[gpu-cuda13]' (CuPy for CUDA 13), "
                 "matching the CUDA version `nvidia-smi` reports")
@@ -338,7 +341,13 @@ class CudaOps:
         tname = WEIGHT_TYPES[w.qtype]
         bias = _NULL if w.bias is None else w.bias
         args = (data, np.int64(data.strides[0]), x, bias, out, np.int32(T), np.int32(K), np.int32(N))
-        if T > GEMM_MIN_TOKENS and w.qtype == GGMLType.BF16 and K % 8 == 0 and self._cublas_handle():
+        if T > GEMM_MIN_TOKENS and K % 32 == 0 and w.qtype != GGMLType.F32 and self._cublas_handle() and (
+                w.qtype == GGMLType.BF16 or N * K <= CUBLAS_DEQUANT_MAX):
+            if w.qtype != GGMLType.BF16:   # dequantized to bf16 first: gemm_<type>'s rounding
+                dense = self.scratch("w_bf16", N * K, np.uint16).reshape(N, K)
+                self._launch(f"dequant_bf16_{tname}", (_ceil(N * K // 8, 256),), (256,),
+                             (data, np.int64(data.strides[0]), dense, np.int32(N), np.int32(K)))
+                data = dense
             self._gemm_cublas(x, data, w.bias, out, T, K, N)
         elif T > GEMM_MIN_TOKENS and K % 32 == 0 and w.qtype != GGMLType.F32:
             self._launch(f"gemm_{tname}", (_ceil(N, GEMM_TILE), _ceil(T, GEMM_TILE)), (128,), args)
@@ -370,7 +379,7 @@ class CudaOps:
         return self._cublas
 
     def _gemm_cublas(self, x: Any, w: Any, bias: Any, out: Any, T: int, K: int, N: int) -> None:
-        """out (T, N) = bf16(x) @ w^T (+ bias) through cublasGemmEx: bf16 inputs, f32
+        """out (T, N) = bf16(x) @ w^T (+ bias) through cublasGemmEx: w (N, K) bf16, f32
         accumulation. Column-major, that is out^T (N x T) = w (K x N)^T . x^T (K x T)."""
         cublas, handle = self._cublas
         xb = self.scratch("x_bf16", T * K, np.uint16)
