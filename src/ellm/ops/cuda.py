@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import logging
 import math
 import os
 import re
@@ -28,6 +29,8 @@ from ..formats.ggml_types import GGMLType
 from ..models.batch import Batch
 from ..weights import Linear
 from .reference import KV_BF16, Experts
+
+log = logging.getLogger(__name__)
 
 # The kernel files, in the order they are compiled, and the kernels each must define
 # (tests/test_cuda_compile.py checks every name against nvcc's PTX).
@@ -80,8 +83,8 @@ FA_HEAD_DIM_MAX = 128   # attn_prefill (tensor cores): head_dim % 32 == 0 up to 
 ELEMENTWISE_THREADS = 256
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
 
-# cuBLAS (cublasGemmEx, the API's constants) for prefill products of BF16 weights: bf16
-# inputs, f32 accumulation and output, as gemm_bf16 means, near the tensor cores' peak
+# cuBLAS (cublasGemmEx, the API's constants) for prefill products: bf16 inputs, f32
+# accumulation and output, as gemm_<type> means, near the tensor cores' peak
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
@@ -341,16 +344,16 @@ class CudaOps:
         tname = WEIGHT_TYPES[w.qtype]
         bias = _NULL if w.bias is None else w.bias
         args = (data, np.int64(data.strides[0]), x, bias, out, np.int32(T), np.int32(K), np.int32(N))
-        if T > GEMM_MIN_TOKENS and K % 32 == 0 and w.qtype != GGMLType.F32 and self._cublas_handle() and (
-                w.qtype == GGMLType.BF16 or N * K <= CUBLAS_DEQUANT_MAX):
-            if w.qtype != GGMLType.BF16:   # dequantized to bf16 first: gemm_<type>'s rounding
-                dense = self.scratch("w_bf16", N * K, np.uint16).reshape(N, K)
-                self._launch(f"dequant_bf16_{tname}", (_ceil(N * K // 8, 256),), (256,),
-                             (data, np.int64(data.strides[0]), dense, np.int32(N), np.int32(K)))
-                data = dense
-            self._gemm_cublas(x, data, w.bias, out, T, K, N)
-        elif T > GEMM_MIN_TOKENS and K % 32 == 0 and w.qtype != GGMLType.F32:
-            self._launch(f"gemm_{tname}", (_ceil(N, GEMM_TILE), _ceil(T, GEMM_TILE)), (128,), args)
+        if T > GEMM_MIN_TOKENS and K % 32 == 0 and w.qtype != GGMLType.F32:
+            if self._cublas_handle() and (w.qtype == GGMLType.BF16 or N * K <= CUBLAS_DEQUANT_MAX):
+                if w.qtype != GGMLType.BF16:   # dequantized to bf16 first: gemm_<type>'s rounding
+                    dense = self.scratch("w_bf16", N * K, np.uint16).reshape(N, K)
+                    self._launch(f"dequant_bf16_{tname}", (_ceil(N * K // 8, 256),), (256,),
+                                 (data, np.int64(data.strides[0]), dense, np.int32(N), np.int32(K)))
+                    data = dense
+                self._gemm_cublas(x, data, w.bias, out, T, K, N)
+            else:
+                self._launch(f"gemm_{tname}", (_ceil(N, GEMM_TILE), _ceil(T, GEMM_TILE)), (128,), args)
         elif T <= GEMM_MIN_TOKENS and self._mmv(w.qtype, K):
             self._mmv3(x, [w, w, w], [out, out, out], [N, 0, 0], None, 0.0)
         else:
@@ -371,8 +374,7 @@ class CudaOps:
                 handle = self.cp.cuda.device.get_cublas_handle()
                 self._cublas = (cublas, handle)
             except Exception as e:   # no libcublas in this CuPy install
-                import logging
-                logging.getLogger(__name__).warning(
+                log.warning(
                     "cuBLAS is unavailable (%s: %s); prefill products run on ellm's gemm kernels", type(e).__name__, e)
                 self.use_cublas = False
                 return None
