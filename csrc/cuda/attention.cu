@@ -271,11 +271,6 @@ extern "C" __global__ void attn_combine(
 #define FA_HD_MAX 128
 #define FA_KEYS 16     // keys per step: two n8 tiles of scores, one k16 of P V
 
-__device__ __forceinline__ void split_bf16(float a, float b, u32& hi, u32& lo) {
-    hi = pack_bf16x2(a, b);
-    lo = pack_bf16x2(a - bf16_to_f32((u16)(hi & 0xffffu)), b - bf16_to_f32((u16)(hi >> 16)));
-}
-
 __device__ __forceinline__ void kv_load8(const float* p, long long i, float* v) {
     float4 a = *(const float4*)(p + i), b = *(const float4*)(p + i + 4);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;

@@ -65,6 +65,13 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32
 }
 #endif
 
+// Two f32 as two bf16 terms each, a = hi + lo to 16 significant bits (packed pairs, a in
+// the low halves): the tensor-core operands of mmv.cu and attn_prefill, near f32
+__device__ __forceinline__ void split_bf16(float a, float b, u32& hi, u32& lo) {
+    hi = pack_bf16x2(a, b);
+    lo = pack_bf16x2(a - bf16_to_f32((u16)(hi & 0xffffu)), b - bf16_to_f32((u16)(hi >> 16)));
+}
+
 // KV cache elements: f32, or bf16 (u16 bits) rounded on the way in; read back exactly
 __device__ __forceinline__ float kv_load(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ float kv_load(const u16* p, long long i) { return bf16_to_f32(p[i]); }

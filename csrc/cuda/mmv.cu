@@ -210,11 +210,7 @@ __device__ __forceinline__ void act_frag(const float* __restrict__ xrow, const f
         for (int i = 0; i < 8; i++) x[i] *= gs[i];
     }
     #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        u32 h = pack_bf16x2(x[2 * i], x[2 * i + 1]);
-        hi[i] = h;
-        lo[i] = pack_bf16x2(x[2 * i] - bf16_to_f32((u16)(h & 0xffff)), x[2 * i + 1] - bf16_to_f32((u16)(h >> 16)));
-    }
+    for (int i = 0; i < 4; i++) split_bf16(x[2 * i], x[2 * i + 1], hi[i], lo[i]);
 }
 
 // This warp's share of the tile: rows row_a (slot g) and row_b (slot g + 8) of this lane
