@@ -195,6 +195,37 @@ def test_norms_and_elementwise_match_reference(ops) -> None:
     assert np.array_equal(ops.to_host(ops.gather_rows(up(x), up(rows))), x[rows])
 
 
+@needs_gpu
+def test_dependent_launches_in_a_graph_wait_for_the_kernel_before(ops) -> None:
+    """A chain of kernels each reading what the one before wrote, captured as programmatic
+    dependent launches (ops/cuda_pdl.py) and replayed: a kernel that started reading
+    before its predecessor finished would see stale values."""
+    if ops.dependent_launcher is None:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+ and cuLaunchKernelEx")
+    n, links, replays = 1 << 22, 40, 3   # thousands of blocks a kernel, so neighbours could overlap
+    x0 = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    half = np.full(n, 0.5, np.float32)
+    x, y = ops.upload(x0), ops.upload(half)
+    ops.stream.synchronize()
+    ops.dependent_launch = True
+    try:
+        ops.stream.begin_capture()
+        try:
+            for _ in range(links):
+                ops.add(x, y)
+                ops.scale(x, 0.5)
+        finally:
+            graph = ops.stream.end_capture()
+    finally:
+        ops.dependent_launch = False
+    for _ in range(replays):
+        graph.launch(ops.stream)
+    want = x0.copy()
+    for _ in range(links * replays):
+        want = (want + half) * np.float32(0.5)
+    assert np.array_equal(ops.to_host(x), want)
+
+
 ATTN_CASES = {
     # name: (nh, nkv, hd, n_rot, window, softcap, interleaved, mscale, prompt lengths, new tokens)
     "llama_decode": (9, 3, 64, 32, 0, 0.0, False, 1.0, [37, 300], 1),
@@ -338,6 +369,8 @@ def test_batched_equals_single_and_graphs_equal_eager(smollm2_gguf: Path) -> Non
         assert together == alone
         executor = llm.engine.runner.executor   # ops/cuda_graphs.py GraphStep
         assert executor.stats["replays"] > 0, executor.stats
+        if executor.ops.dependent_launcher is not None:   # sm_90+: captured as dependent launches
+            assert executor.stats["dependent_captures"] == executor.stats["captures"], executor.stats
         executor.use_graphs = False
         eager = [o.token_ids for o in llm.generate(prompts, p)]
         assert eager == together
@@ -367,6 +400,37 @@ def test_device_greedy_with_penalties_and_bias_is_argmax_of_host_processing(ops)
         want = int(np.argmax(s.process(row)))
         got = ops.sample(ops.upload(row[None, :].copy()), [s])[0].token_id
         assert got == want
+
+
+def _first_argmax(x: np.ndarray) -> int:
+    """numpy's first index of the maximum, -inf and NaN never chosen (none left: 0)."""
+    ok = np.flatnonzero(x > -np.inf)
+    return int(ok[np.argmax(x[ok])]) if ok.size else 0
+
+
+@needs_gpu
+def test_greedy_argmax_on_many_blocks_matches_the_one_block_sampler(ops) -> None:
+    """argmax_rows (plain greedy rows, a row cut into chunks of 2,048) against numpy and
+    against sample_rows' greedy branch (a logit_bias of 0 sends rows there): ties across
+    chunks go to the first index, rows of -inf or NaN give 0, lengths around a chunk."""
+    rng = np.random.default_rng(9)
+    for V in (1, 5, 2047, 2048, 2049, 49159):
+        x = rng.standard_normal((6, V)).astype(np.float32)
+        x[1] = -np.inf
+        x[2, V // 3] = x[2, V - 1] = 9.0
+        x[3, ::2] = np.nan
+        x[4] = np.nan
+        x[5, :V // 2] = -np.inf
+        want = [_first_argmax(row) for row in x]
+        got = ops.to_host(ops.argmax_rows(ops.upload(x))).tolist()
+        assert got == want, (V, got, want)
+        samplers = [SequenceSampler(SamplingParams(temperature=0.0, logit_bias={0: 0.0}), [], V)
+                    for _ in range(len(x))]
+        assert not any(s.plain_greedy for s in samplers)
+        one_block = [r.token_id for r in ops.sample(ops.upload(x), samplers)]
+        assert one_block == want, (V, one_block, want)
+        plain = [SequenceSampler(SamplingParams(temperature=0.0), [], V) for _ in range(len(x))]
+        assert [r.token_id for r in ops.sample(ops.upload(x), plain)] == want
 
 
 @needs_gpu

@@ -51,6 +51,9 @@ def test_nvcc_ptx_without_warnings(source: Path, arch: str, tmp_path: Path) -> N
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx.read_text()))
     missing = set(cuda_ops.KERNELS[source.name]) - entries
     assert not missing, f"{source.name} does not define {sorted(missing)}"
+    if arch == "sm_90":
+        late = [k for k, why in _dependency_sync_order(ptx.read_text()).items() if why]
+        assert not late, f"kernels touching global memory before grid_dependency_sync: {late}"
     # ptxas assembles it for this architecture without spilling registers to local memory
     # (a spill in a decode kernel costs more than the kernel itself), and says per kernel
     # what it uses (-v): the fused decode kernels keep no stack frame at all
@@ -62,6 +65,39 @@ def test_nvcc_ptx_without_warnings(source: Path, arch: str, tmp_path: Path) -> N
     assert all(k in frames for k in fused), f"ptxas -v said nothing of {[k for k in fused if k not in frames]}"
     assert not [k for k in fused if frames[k] != "0"], \
         f"stack frames in {[(k, frames[k]) for k in fused if frames[k] != '0']} ({arch})"
+
+
+# a load, store or atomic that may reach global memory (parameter, shared, local and
+# constant spaces excepted)
+_MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red)\.(?!param|shared|local|const)[\w.]*", re.M)
+
+
+def _dependency_sync_order(ptx: str) -> dict[str, str]:
+    """Per kernel entry of an sm_90 PTX: "" when `griddepcontrol.wait` comes before its
+    first global memory access, else what comes first. A kernel launched dependently
+    (ops/cuda_pdl.py) may otherwise read what the kernel before is still writing."""
+    verdict: dict[str, str] = {}
+    for m in re.finditer(r"\.entry\s+(\w+)(.*?)(?=\.entry\s|\Z)", ptx, re.S):
+        body = m.group(2)
+        wait = body.find("griddepcontrol.wait")
+        first = _MEMORY_OP.search(body)
+        if wait < 0:
+            verdict[m.group(1)] = "no griddepcontrol.wait"
+        elif first is not None and first.start() < wait:
+            verdict[m.group(1)] = first.group(0).strip()
+        else:
+            verdict[m.group(1)] = ""
+    return verdict
+
+
+def test_dependency_sync_order_sees_a_late_wait() -> None:
+    ptx = """.entry good( .param .u64 a ) { ld.param.u64 %rd1, [a]; griddepcontrol.wait;
+    ld.global.f32 %f1, [%rd1]; }
+.entry late( .param .u64 a ) { ld.param.u64 %rd1, [a];
+    ld.global.nc.f32 %f1, [%rd1];
+    griddepcontrol.wait; }
+.entry none( .param .u64 a ) { st.shared.f32 [%r1], %f1; }"""
+    assert _dependency_sync_order(ptx) == {"good": "", "late": "ld.global.nc.f32", "none": "no griddepcontrol.wait"}
 
 
 def test_sources_paste_the_header_in() -> None:
@@ -105,6 +141,15 @@ def test_nvrtc_compiles(source: Path, arch: str) -> None:
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     buf = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, buf)
+    ptx = b""
+    if rc == 0:
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        out = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, out)
+        ptx = out.value
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     assert rc == 0, buf.value.decode(errors="replace")
+    if arch == "compute_90":   # what CuPy runs on Hopper: every kernel waits before touching memory
+        late = [k for k, why in _dependency_sync_order(ptx.decode()).items() if why]
+        assert not late, f"kernels touching global memory before grid_dependency_sync: {late}"
 

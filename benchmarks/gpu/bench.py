@@ -13,7 +13,8 @@ different lengths, so prefill and start-up cancel out.
     python benchmarks/gpu/bench.py --dry-run --out DIR     # on a CPU: the whole harness, tiny shapes
 
 Engines: `ellm cuda graphs` (fused decode kernels, tensor-core decode products, bf16 KV
-cache), `ellm cuda graphs f32 gemv` (the same with linear.cu's f32 decode products:
+cache, the captured kernels as programmatic dependent launches on sm_90+), `ellm cuda
+graphs plain launches` (the same without them: ELLM_CUDA_PDL=0), `ellm cuda graphs f32 gemv` (the same with linear.cu's f32 decode products:
 ELLM_CUDA_MMV=0), `ellm cuda graphs unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
 `generate(..., cache_implementation="static")`: compiled, CUDA graphs) and `transformers
 eager` (plain `generate`). Rows run in priority order (the issue's targets first) and a
@@ -134,9 +135,10 @@ def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> Non
 # -- ellm ----------------------------------------------------------------------------------
 
 def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
-               deadline: float, mmv: bool = True) -> dict[str, float]:
-    os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # both read when the backend is made
+               deadline: float, mmv: bool = True, pdl: bool = True) -> dict[str, float]:
+    os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # all read when the backend is made
     os.environ["ELLM_CUDA_MMV"] = "1" if mmv else "0"
+    os.environ["ELLM_CUDA_PDL"] = "1" if pdl else "0"
     import ellm
     from ellm.sampling_params import SamplingParams
     options: dict[str, Any] = dict(max_model_len=plan.max_model_len, max_num_seqs=max(plan.batches),
@@ -183,7 +185,9 @@ def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
                 out[f"prefill_{n_prompt}_tflops"] = flops / t / 1e12
                 out[f"prefill_{n_prompt}_peak"] = flops / t / BF16_PEAK_FLOPS
         add_rates(out, wb, plan.batches)
-        out["graph_replays"] = float(getattr(executor, "stats", {}).get("replays", 0))
+        stats = getattr(executor, "stats", {})
+        out["graph_replays"] = float(stats.get("replays", 0))
+        out["dependent_captures"] = float(stats.get("dependent_captures", 0))   # ops/cuda_pdl.py
         return out
     finally:
         llm.close()
@@ -414,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_transformers:
         for s in folders:
             record(s, "transformers", lambda d, s=s: bench_transformers(s, plans[s.name], device, True, d), 0.4)
+    for s in sources:   # the same graphs with plain launches (ELLM_CUDA_PDL=0): what PDL gains
+        if (s.name, s.weights) in (("smollm2", "gguf"), ("tiny", "bf16 folder")):   # step_profile.py: 1B
+            record(s, f"ellm {ellm_device} graphs plain launches",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, pdl=False), 0.3)
     for s in sources:   # round two's f32 decode kernels (ELLM_CUDA_MMV=0) against mmv.cu's
         if not s.quantize:
             record(s, f"ellm {ellm_device} graphs f32 gemv",

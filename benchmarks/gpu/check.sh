@@ -14,13 +14,16 @@
 #      greedy ids, batched == single, graphs == eager, the device sampler), then the
 #      cuda rows of tests/test_lora.py (at most 120 s: the adapters' logits against peft's,
 #      whose tiny models and adapters the machine's own torch, transformers and peft make)
-#   5. benchmarks/gpu/bench.py until 460 s: SmolLM2 (GGUF, folder), random bf16 folders
+#   5. one decode step of SmolLM2 and of the Llama-3.2-1B shape: its graph replay time
+#      with and without programmatic dependent launches, then (where ncu is) each of its
+#      kernels measured alone (benchmarks/gpu/step_profile.py)
+#   6. benchmarks/gpu/bench.py until 460 s: SmolLM2 (GGUF, folder), random bf16 folders
 #      of Llama-3.2-1B and Llama-3-8B shape made here, the 8B quantized to q8_0 at load;
 #      ellm (fused graphs, unfused graphs, eager) and transformers (compiled static
 #      cache, eager) side by side, in priority order (bench.py)
-# Everything goes to $OUT (check.log, pytest.log, pytest_lora.log, gpu_bench.md,
-# gpu_bench.json).
-# CHECK_BENCH_ONLY=1 skips 3-4 (a second run for the figures alone).
+# Everything goes to $OUT (check.log, pytest.log, pytest_lora.log, step_time.md,
+# step_kernels_*.md / .csv, ncu_*.log, gpu_bench.md, gpu_bench.json).
+# CHECK_BENCH_ONLY=1 skips 3-5 (a second run for the figures alone).
 set -uo pipefail
 T0=$(date +%s)
 W=/tmp/ellm-gpu
@@ -92,7 +95,34 @@ if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
   say "  LoRA pytest exit ${PIPESTATUS[0]}"
 fi
 
-say "5. benchmark"
+say "5. one decode step: replay time, then each kernel under Nsight Compute"
+if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
+  sargs=()
+  for m in "${MODELS[@]}"; do
+    [ "${m%%-*}" = smollm2 ] && sargs+=(--gguf "smollm2=$(ls "$ELLM_HOME/models/$m"/*.gguf)")
+  done
+  timeout 75 $PY benchmarks/gpu/step_profile.py time "${sargs[@]}" --random llama-1b --work "$W/random" --batch 1 \
+    2>&1 | tee "$OUT/step_time.md"
+  say "  step time exit ${PIPESTATUS[0]}"
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ]; then
+    for spec in "${sargs[@]:1:1}" "llama-1b"; do
+      [ -n "$spec" ] || continue
+      name=${spec%%=*}
+      if [ "$name" = llama-1b ]; then src=(--random llama-1b --work "$W/random"); else src=(--gguf "$spec"); fi
+      timeout 60 "$NCU" --profile-from-start off --graph-profiling node --clock-control none \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -f -o "$W/step_$name" \
+        $PY benchmarks/gpu/step_profile.py profile "${src[@]}" > "$OUT/ncu_$name.log" 2>&1
+      say "  ncu $name exit $?"
+      "$NCU" --import "$W/step_$name.ncu-rep" --csv --page raw --print-units base > "$OUT/step_kernels_$name.csv" 2>>"$OUT/ncu_$name.log" \
+        && $PY benchmarks/gpu/step_profile.py summarize "$OUT/step_kernels_$name.csv" | tee "$OUT/step_kernels_$name.md"
+    done
+  else
+    say "  no ncu on this machine: no per-kernel table"
+  fi
+fi
+
+say "6. benchmark"
 bargs=()
 for m in "${MODELS[@]}"; do
   short=${m%%-*}

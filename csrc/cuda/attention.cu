@@ -85,6 +85,7 @@ extern "C" __global__ void rope_kv_write##suffix(                               
         KV* __restrict__ k_cache, KV* __restrict__ v_cache,                               \
         const float* __restrict__ inv_freq, int n_rot, int interleaved, float mscale,     \
         int nh, int nkv, int hd, int block_size) {                                        \
+    grid_dependency_sync();                                                               \
     rope_kv_write_t<KV>(q, k, v, positions, seq_ids, block_tables, max_blocks, q_rot,     \
                         k_cache, v_cache, inv_freq, n_rot, interleaved, mscale, nh, nkv,  \
                         hd, block_size);                                                  \
@@ -214,6 +215,7 @@ __device__ __forceinline__ void attn_merge(
 #define ELLM_ATTN_PARTIAL(suffix, KV)                                                     \
 extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 8) attn_partial##suffix(   \
         ATTN_PARTIAL_PARAMS(KV)) {                                                        \
+    grid_dependency_sync();                                                               \
     attn_chunks<KV>(ATTN_PARTIAL_ARGS);                                                   \
 }
 ELLM_ATTN_PARTIAL(, float)
@@ -226,6 +228,7 @@ ELLM_ATTN_PARTIAL(_bf16, u16)
 #define ELLM_ATTN_DECODE(suffix, KV)                                                      \
 extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 8) attn_decode##suffix(    \
         ATTN_PARTIAL_PARAMS(KV), int* __restrict__ counters, float* __restrict__ out) {   \
+    grid_dependency_sync();                                                               \
     __shared__ int last;                                                                  \
     attn_chunks<KV>(ATTN_PARTIAL_ARGS);                                                   \
     __threadfence();   /* this block's partials visible to the merging block */           \
@@ -250,6 +253,7 @@ extern "C" __global__ void attn_combine(
         const float* __restrict__ part_o,
         int nh, int hd, int window, int chunk, int max_chunks,
         float* __restrict__ out) {
+    grid_dependency_sync();
     attn_merge(blockIdx.x, blockIdx.y, positions, key_limit, part_ml, part_o, nh, hd, window, chunk,
                max_chunks, out);
 }
@@ -485,6 +489,7 @@ extern "C" __global__ void __launch_bounds__(32) attn_prefill##suffix(          
         const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, int T, int nh,    \
         int nkv, int hd, int block_size, float scale, int window, float softcap,          \
         float* __restrict__ out) {                                                        \
+    grid_dependency_sync();                                                               \
     attn_prefill_t<KV>(q_rot, positions, key_limit, seq_ids, block_tables, max_blocks,    \
                        k_cache, v_cache, T, nh, nkv, hd, block_size, scale, window,       \
                        softcap, out);                                                     \

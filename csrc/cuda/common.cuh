@@ -18,6 +18,18 @@ typedef signed char i8;
 
 #define ELLM_NEG_INF (__int_as_float(0xff800000))
 
+// Programmatic dependent launch (sm_90+, ops/cuda_pdl.py): inside a captured decode step
+// the next kernel's blocks may be scheduled while this one still runs. Every kernel calls
+// this before it reads or writes global memory: it waits until the kernel before has
+// finished and its writes are visible, then lets the next one be scheduled. After a plain
+// launch, and before sm_90, it does nothing.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #ifdef ELLM_HOST_CUDA   // a host build for checking without a GPU (tests/cuda_host)
 __device__ __forceinline__ float f16_to_f32(u16 h) { return cuda_host_f16_to_f32(h); }
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return cuda_host_bf16_to_f32(h); }

@@ -23,6 +23,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_f32(
         const float* __restrict__ w,      // (H,)
         float* out,                       // (rows, H)
         int H, float eps) {
+    grid_dependency_sync();
     __shared__ float scratch[32];
     const float* xr = x + (long long)blockIdx.x * H;
     float* o = out + (long long)blockIdx.x * H;
@@ -39,6 +40,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm_f32(
         const float* __restrict__ w,      // (H,)
         float* __restrict__ out,          // (rows, H)
         int H, float eps) {
+    grid_dependency_sync();
     __shared__ float scratch[32];
     float* r = residual + (long long)blockIdx.x * H;
     const float* xr = x + (long long)blockIdx.x * H;
@@ -56,6 +58,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm_f32(
 // out = silu(gate) * up over n elements (out may be gate: models/blocks.py MLP).
 extern "C" __global__ void swiglu_f32(const float* gate, const float* __restrict__ up,
                                       float* out, long long n) {
+    grid_dependency_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
@@ -66,6 +69,7 @@ extern "C" __global__ void swiglu_f32(const float* gate, const float* __restrict
 // out = gelu_tanh(gate) * up over n elements (out may be gate).
 extern "C" __global__ void geglu_f32(const float* gate, const float* __restrict__ up,
                                      float* out, long long n) {
+    grid_dependency_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
@@ -76,24 +80,28 @@ extern "C" __global__ void geglu_f32(const float* gate, const float* __restrict_
 
 // x = cap * tanh(x / cap), in place.
 extern "C" __global__ void softcap_f32(float* x, long long n, float cap) {
+    grid_dependency_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }
 
 // x *= s, in place.
 extern "C" __global__ void scale_f32(float* x, long long n, float s) {
+    grid_dependency_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= s;
 }
 
 // a += b, in place.
 extern "C" __global__ void add_f32(float* __restrict__ a, const float* __restrict__ b, long long n) {
+    grid_dependency_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) a[i] += b[i];
 }
 
 // out = bf16(x), round to nearest even (the input of a cuBLAS product).
 extern "C" __global__ void to_bf16_f32(const float* __restrict__ x, u16* __restrict__ out, long long n) {
+    grid_dependency_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f32_to_bf16(x[i]);
 }
@@ -101,6 +109,7 @@ extern "C" __global__ void to_bf16_f32(const float* __restrict__ x, u16* __restr
 // y (rows, N) += bias (N,) on every row; n = rows * N.
 extern "C" __global__ void add_bias_rows_f32(float* __restrict__ y, const float* __restrict__ bias, long long n,
                                              int N) {
+    grid_dependency_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] += bias[i % N];
 }
@@ -110,6 +119,7 @@ extern "C" __global__ void gather_rows_f32(const float* __restrict__ x,   // (T,
                                            const int* __restrict__ rows,  // (R,)
                                            float* __restrict__ out,       // (R, H)
                                            int H) {
+    grid_dependency_sync();
     const float* src = x + (long long)rows[blockIdx.x] * H;
     float* dst = out + (long long)blockIdx.x * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
@@ -122,6 +132,7 @@ extern "C" __global__ void scatter_add_rows_f32(float* __restrict__ out,        
                                                 const float* __restrict__ w,    // (R,)
                                                 const float* __restrict__ h,    // (R, H)
                                                 int H) {
+    grid_dependency_sync();
     float* dst = out + (long long)rows[blockIdx.x] * H;
     const float* src = h + (long long)blockIdx.x * H;
     float s = w[blockIdx.x];
@@ -134,6 +145,7 @@ extern "C" __global__ void scatter_rows_f32(float* __restrict__ x,             /
                                             const int* __restrict__ rows,      // (R,)
                                             const float* __restrict__ values,  // (R, H)
                                             int H) {
+    grid_dependency_sync();
     float* dst = x + (long long)rows[blockIdx.x] * H;
     const float* src = values + (long long)blockIdx.x * H;
     for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];

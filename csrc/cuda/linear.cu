@@ -56,6 +56,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1) gemv_##name(   
         const float* __restrict__ bias,  /* (N,) or null */                               \
         float* __restrict__ Y,           /* (T, N) */                                     \
         int T, int K, int N) {                                                            \
+    grid_dependency_sync();                                                               \
     int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);                                 \
     if (n >= N) return;                                                                   \
     gemv_row_##name(W + (long long)n * row_bytes, X, bias, Y, T, K, n, N,                 \
@@ -73,6 +74,7 @@ extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1) gemv3_##name(  
         const float* __restrict__ b2,                                                     \
         float* __restrict__ Y0, float* __restrict__ Y1, float* __restrict__ Y2,           \
         const float* __restrict__ X, int T, int K, int N0, int N1, int N2) {              \
+    grid_dependency_sync();                                                               \
     int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);                                 \
     int t0 = blockIdx.y * GEMV_TOKENS, lane = threadIdx.x & 31;                           \
     if (n < N0) {                                                                         \
@@ -104,6 +106,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) gemm_##name(               
         const float* __restrict__ bias,  /* (N,) or null */                               \
         float* __restrict__ Y,           /* (T, N) */                                     \
         int T, int K, int N) {                                                            \
+    grid_dependency_sync();                                                               \
     __shared__ __align__(16) u16 As[GM][GK + GPAD];   /* tokens x k, bf16 */              \
     __shared__ __align__(16) u16 Bs[GN][GK + GPAD];   /* outputs x k, bf16 */             \
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;                              \
@@ -187,6 +190,7 @@ extern "C" __global__ void embed_##name(                                        
         const int* __restrict__ ids,     /* (T,) */                                       \
         float* __restrict__ out,         /* (T, K) */                                     \
         int K) {                                                                          \
+    grid_dependency_sync();                                                               \
     int t = blockIdx.x, id = ids[t];                                                      \
     float* o = out + (long long)t * K;                                                    \
     for (int c = threadIdx.x; c < (K >> 3); c += blockDim.x) {                            \
@@ -207,6 +211,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_EMBED)
 #define ELLM_DEQUANT_BF16(name, deq)                                                      \
 extern "C" __global__ void dequant_bf16_##name(                                           \
         const u8* __restrict__ W, long long row_bytes, u16* __restrict__ out, int N, int K) { \
+    grid_dependency_sync();                                                               \
     long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x, per_row = K >> 3;     \
     if (c >= (long long)N * per_row) return;                                              \
     long long n = c / per_row;                                                            \
@@ -327,6 +332,7 @@ extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) nmv3_##name(  
         float* __restrict__ Y0, float* __restrict__ Y1, float* __restrict__ Y2,           \
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         int T, int K, int N0, int N1, int N2) {                                           \
+    grid_dependency_sync();                                                               \
     __shared__ float inv[GEMV_TOKENS];                                                    \
     int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
     tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \
@@ -352,6 +358,7 @@ extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) glu_##name(   
         const float* __restrict__ bg, const float* __restrict__ bu,                       \
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         float* __restrict__ out, int T, int K, int F, int act) {                          \
+    grid_dependency_sync();                                                               \
     __shared__ float inv[GEMV_TOKENS];                                                    \
     int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
     tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \
@@ -385,6 +392,7 @@ extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) gemv_add_##nam
         const u8* __restrict__ W, long long row_bytes,                                    \
         const float* __restrict__ X, const float* __restrict__ bias,                      \
         float* __restrict__ Y, int T, int K, int N) {                                     \
+    grid_dependency_sync();                                                               \
     int n = blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;       \
     int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0);                     \
     if (n >= N) return;                                                                   \
@@ -415,6 +423,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV_ADD)
 #define ELLM_QKV_ROPE(name, deq)                                                          \
 extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) qkv_rope_##name(          \
         ELLM_QKV_ROPE_PARAMS) {                                                           \
+    grid_dependency_sync();                                                               \
     __shared__ float inv[GEMV_TOKENS];                                                    \
     int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
     tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \

@@ -18,6 +18,7 @@ extern "C" __global__ void __launch_bounds__(32 * LORA_WARPS) lora_shrink_f32(
         const int* __restrict__ ranks,        // (S,) 0: the slot leaves this projection alone
         float* __restrict__ u,                // (T, max_rank)
         int K, int max_rank) {
+    grid_dependency_sync();
     const int t = blockIdx.x, lane = threadIdx.x & 31;
     const int j = blockIdx.y * LORA_WARPS + (threadIdx.x >> 5);
     const int s = slots[t];
@@ -40,6 +41,7 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) lora_expand_f32(
         const float* __restrict__ scales,     // (S,)
         float* __restrict__ y, long long ldy, // (T, >= N)
         int N, int max_rank) {
+    grid_dependency_sync();
     const int t = blockIdx.x, n = blockIdx.y * LORA_THREADS + threadIdx.x;
     const int s = slots[t];
     if (s < 0 || n >= N) return;

@@ -441,6 +441,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv3_##name(       
         const float* __restrict__ b2, float* Y0, float* Y1, float* Y2,                    \
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         int T, int K, int N0, int N1, int N2, int add) {                                  \
+    grid_dependency_sync();                                                               \
     mmv3_t<WT>(W0, W1, W2, rb0, rb1, rb2, b0, b1, b2, Y0, Y1, Y2, X, g, eps, T, K, N0, N1, N2, add); \
 }                                                                                         \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_glu_##name(              \
@@ -448,10 +449,12 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_glu_##name(    
         const float* __restrict__ bg, const float* __restrict__ bu,                       \
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         float* __restrict__ out, int T, int K, int F, int act) {                          \
+    grid_dependency_sync();                                                               \
     mmv_glu_t<WT>(Wg, Wu, rbg, rbu, bg, bu, X, g, eps, out, T, K, F, act);                \
 }                                                                                         \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope_##name(         \
         ELLM_QKV_ROPE_PARAMS) {                                                           \
+    grid_dependency_sync();                                                               \
     mmv_qkv_rope_t<WT>(ELLM_QKV_ROPE_ARGS);                                               \
 }
 ELLM_MMV_KERNELS(bf16, WBf16)

@@ -70,6 +70,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
         const u64* __restrict__ seeds,          // (B,)
         u64* __restrict__ steps,                // (B,) draws so far; incremented
         int* __restrict__ out_ids) {            // (B,)
+    grid_dependency_sync();
     __shared__ float shf[32];
     __shared__ int shi[32];
     __shared__ float s_best;
@@ -192,5 +193,78 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     if (tid == 0) {
         out_ids[b] = s_found == 0x7fffffff ? argmax : s_found;
         steps[b] += 1;
+    }
+}
+
+// Greedy rows on many blocks (a row without logit_bias, penalties or logprobs: what
+// sample_rows' greedy branch gives, in a fraction of its time: one block scanning a
+// 128k-entry row alone is the slowest kernel of a small model's step). Each element
+// becomes a 64-bit key, its order key above the complement of its index, so the largest
+// key is the largest value at its first index; -inf and NaN become 0 (never chosen; a
+// row of nothing else gives 0, as sample_rows does). A maximum is the same in any order,
+// so the result does not depend on how the row is cut. grid (chunks, B), block
+// ARGMAX_THREADS, chunks = ceil(V / ARGMAX_CHUNK); partial (B, chunks); counters (B,)
+// start at zero and are left at zero (the last block of a row resets its own).
+#define ARGMAX_THREADS 256
+#define ARGMAX_CHUNK (ARGMAX_THREADS * 8)
+
+__device__ __forceinline__ u64 argmax_key(float v, int i) {
+    if (!(v > ELLM_NEG_INF)) return 0ull;   // -inf, NaN
+    return ((u64)order_key(v) << 32) | (u64)(0xffffffffu - (u32)i);
+}
+
+__device__ __forceinline__ u64 block_max_u64(u64 v, u64* sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < (ARGMAX_THREADS / 32) ? sh[lane] : 0ull;
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
+        const float* __restrict__ logits,   // (B, V)
+        int V,
+        u64* __restrict__ partial,          // (B, chunks)
+        int* __restrict__ counters,         // (B,)
+        int* __restrict__ out_ids) {        // (B,)
+    grid_dependency_sync();
+    __shared__ u64 sh[ARGMAX_THREADS / 32];
+    __shared__ int last;
+    int c = blockIdx.x, b = blockIdx.y, chunks = gridDim.x;
+    const float* x = logits + (long long)b * V;
+    int end = min(V, (c + 1) * ARGMAX_CHUNK);
+    u64 best = 0ull;
+    for (int i = c * ARGMAX_CHUNK + threadIdx.x; i < end; i += ARGMAX_THREADS) {
+        u64 k = argmax_key(x[i], i);
+        best = k > best ? k : best;
+    }
+    best = block_max_u64(best, sh);
+    if (threadIdx.x == 0) {
+        partial[(long long)b * chunks + c] = best;
+        __threadfence();   // this block's key visible to the row's last block
+        last = atomicAdd(counters + b, 1) == chunks - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const volatile u64* row = partial + (long long)b * chunks;
+    best = 0ull;
+    for (int j = threadIdx.x; j < chunks; j += ARGMAX_THREADS) {
+        u64 k = row[j];
+        best = k > best ? k : best;
+    }
+    best = block_max_u64(best, sh);
+    if (threadIdx.x == 0) {
+        out_ids[b] = best ? (int)(0xffffffffu - (u32)best) : 0;
+        counters[b] = 0;   // ready for the next launch
     }
 }

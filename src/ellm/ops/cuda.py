@@ -28,6 +28,7 @@ import numpy as np
 from ..formats.ggml_types import GGMLType
 from ..models.batch import Batch
 from ..weights import Linear
+from .cuda_pdl import DependentLauncher
 from .reference import KV_BF16, Experts
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
                      "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16",
                      "attn_prefill", "attn_prefill_bf16"),
-    "sample.cu": ("sample_rows",),
+    "sample.cu": ("sample_rows", "argmax_rows"),
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
     "mmv.cu": tuple(f"{op}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope")
                     for q, t in WEIGHT_TYPES.items() if q not in (GGMLType.F32, GGMLType.F16)),
@@ -73,8 +74,12 @@ MMV_ROWS, MMV_TASKS, MMV_THREADS = 16, 8, 256   # rows (tasks) a block; as in mm
 MMV_ENV = "ELLM_CUDA_MMV"
 # ELLM_CUDA_FUSED=0: decode runs one kernel per op (the benchmark compares both)
 FUSED_ENV = "ELLM_CUDA_FUSED"
+# ELLM_CUDA_PDL=0: a captured decode step's kernels launched plainly, not as programmatic
+# dependent launches (ops/cuda_pdl.py; the benchmark compares both)
+PDL_ENV = "ELLM_CUDA_PDL"
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
 GEMM_TILE = 64                          # as in linear.cu
+ARGMAX_THREADS, ARGMAX_CHUNK = 256, 2048   # as in sample.cu
 # Keys per attention chunk: small for decode (more blocks at batch 1), large for prefill
 # (bounded partial buffers). Fixed per side of GEMM_MIN_TOKENS, like the products.
 DECODE_CHUNK, PREFILL_CHUNK = 64, 512
@@ -190,11 +195,15 @@ class CudaOps:
                                        "need 8.0 or newer (Ampere, Hopper, Blackwell); use device='cpu'")
         self._modules: dict[str, Any] = {}
         self._kernels: dict[str, Any] = {}
+        # programmatic dependent launches (sm_90+) for the kernels of a captured decode
+        # step: cuda_graphs.py sets `dependent_launch` while it captures
+        self.dependent_launcher = self._dependent_launcher(cc)
+        self.dependent_launch = False
+        self.launches = 0   # kernels launched so far (cuda_graphs.py counts a step's)
         self._scratch: dict[str, Any] = {}
         self.capture_keep: list[Any] | None = None   # set while a graph is captured
         # per SequenceSampler: its seed and the draws made so far (device sampling)
         self._rng_state: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
-        self._greedy_rows: dict[int, dict[str, Any]] = {}   # B -> device parameters of B greedy rows
 
     # -- kernels -----------------------------------------------------------------------
 
@@ -211,8 +220,22 @@ class CudaOps:
             k = self._kernels[name] = mod.get_function(name)
         return k
 
+    def _dependent_launcher(self, cc: int) -> DependentLauncher | None:
+        if cc < 90 or os.environ.get(PDL_ENV, "1") == "0":
+            return None
+        try:
+            return DependentLauncher.from_driver()
+        except (OSError, AttributeError) as e:   # no libcuda (a stand-in CuPy) or a pre-12.0 driver
+            log.info("programmatic dependent launch unavailable (%s); graphs launch kernels plainly", e)
+            return None
+
     def _launch(self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
-        self.kernel(name)(grid, block, args)
+        k = self.kernel(name)
+        self.launches += 1
+        if self.dependent_launch and self.dependent_launcher is not None:
+            self.dependent_launcher(k.kernel.ptr, grid, block, args, self.stream.ptr, name)
+        else:
+            k(grid, block, args)
 
     def _elementwise(self, name: str, n: int, *args: Any) -> None:
         if n:
@@ -243,12 +266,13 @@ class CudaOps:
                              "bfloat16 (an f16 cache is a cpu-backend option)")
         return self.cp.zeros(shape, dtype)
 
-    def _counters(self, size: int) -> Any:
-        """attn_decode's per-(token, head) completion counters: zeroed once, grow-only
-        (the kernel leaves them at zero), held by a graph being captured."""
-        buf = self._scratch.get("attn_counters")
+    def _counters(self, size: int, name: str = "attn_counters") -> Any:
+        """Completion counters (attn_decode's per (token, head), argmax_rows' per row):
+        zeroed once, grow-only (the kernels leave them at zero), held by a graph being
+        captured."""
+        buf = self._scratch.get(name)
         if buf is None or buf.size < size:
-            buf = self._scratch["attn_counters"] = self.cp.zeros(max(size, 1), np.int32)
+            buf = self._scratch[name] = self.cp.zeros(max(size, 1), np.int32)
         if self.capture_keep is not None:
             self.capture_keep.append(buf)
         return buf
@@ -843,27 +867,40 @@ class CudaOps:
             raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
         V = int(logits.shape[1])
         with self.stream:
-            if all(s.plain_greedy for s in samplers):   # the common case: parameters made once per B
-                dev = self._greedy_rows.get(B)
-                if dev is None:
-                    dev = self._greedy_rows[B] = self._upload_packed(_SampleRows(B).arrays())
+            out_ids = self.cp.empty(B, np.int32)
+            logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
+            if all(s.plain_greedy for s in samplers):   # the common case: a bare argmax per row
+                self.argmax_rows(logits, out_ids)
             else:
                 rows = _SampleRows(B)
                 for b, s in enumerate(samplers):
                     rows.add(b, s, self._rng_for(s))
                 dev = self._upload_packed(rows.arrays())
-            out_ids = self.cp.empty(B, np.int32)
-            logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
-            self._launch("sample_rows", (B,), (1024,),
-                         (logits, np.int32(V), dev["inv_temp"], dev["top_k"], dev["top_p"],
-                          dev["log_min_p"], dev["rep"], dev["freq"], dev["pres"], dev["bias_off"],
-                          dev["bias_ids"], dev["bias_vals"], dev["pen_off"], dev["pen_ids"],
-                          dev["pen_counts"], dev["seeds"], dev["steps"], out_ids))
+                self._launch("sample_rows", (B,), (1024,),
+                             (logits, np.int32(V), dev["inv_temp"], dev["top_k"], dev["top_p"],
+                              dev["log_min_p"], dev["rep"], dev["freq"], dev["pres"], dev["bias_off"],
+                              dev["bias_ids"], dev["bias_vals"], dev["pen_off"], dev["pen_ids"],
+                              dev["pen_counts"], dev["seeds"], dev["steps"], out_ids))
             ids = self.cp.asnumpy(out_ids, stream=self.stream)   # the only copy back: B token ids
         for b, s in enumerate(samplers):
             if not (s.params.greedy or s.params.top_k == 1):
                 self._rng_state[s][1] += 1
         return [SampleResult(int(t), math.nan, None) for t in ids.tolist()]
+
+    @_on_stream
+    def argmax_rows(self, logits: Any, out: Any = None) -> Any:
+        """The first index of each row's maximum (B, V) -> int32 (B,), -inf and NaN never
+        chosen (a row of only those -> 0): sample_rows' greedy answer, on B x V / 2048
+        blocks (sample.cu argmax_rows)."""
+        B, V = int(logits.shape[0]), int(logits.shape[1])
+        out = self.cp.empty(B, np.int32) if out is None else out
+        if B == 0:
+            return out
+        chunks = _ceil(V, ARGMAX_CHUNK)
+        self._launch("argmax_rows", (chunks, B), (ARGMAX_THREADS,),
+                     (logits, np.int32(V), self.scratch("argmax_partial", B * chunks, np.uint64),
+                      self._counters(B, "argmax_counters"), out))
+        return out
 
     def _upload_packed(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         """The sampler's per-row arrays in one host-to-device copy: packed into one byte

@@ -13,7 +13,10 @@ tokens, which a decode step never has), and nothing is allocated during a captur
 sized for the largest bucket by an eager warm-up before the first capture. Any other
 batch (prefill, mixed, hidden states) runs eagerly, as does everything when capture is
 unavailable (`enabled=False`, or CuPy without stream capture): the same kernels either
-way, so a step's logits are the same replayed or eager.
+way, so a step's logits are the same replayed or eager. On compute capability 9.0+ the
+captured kernels are programmatic dependent launches (ops/cuda_pdl.py: a kernel's blocks
+may be scheduled before the previous kernel ends, and wait for it in the kernel); a
+capture that fails with them is retried once with plain launches.
 """
 from __future__ import annotations
 
@@ -91,8 +94,9 @@ def unpack_inputs(buf: Any, b: int, widths: dict[int, int]) -> Batch:
 class _Graph:
     """One bucket's captured step: its static inputs, its graph and its output view."""
 
-    def __init__(self, graph: Any, ints_dev: Any, batch: Batch, logits: Any, keep: list[Any]) -> None:
+    def __init__(self, graph: Any, ints_dev: Any, batch: Batch, logits: Any, keep: list[Any], kernels: int) -> None:
         self.graph, self.ints_dev, self.batch, self.logits, self.keep = graph, ints_dev, batch, logits, keep
+        self.kernels = kernels   # ellm's kernel launches in the step (CuPy's own copies aside)
 
 
 class GraphStep:
@@ -106,7 +110,7 @@ class GraphStep:
         self.widths = {w: int(kv.num_blocks[w]) for w in kv.windows}
         self.graph_ws: Workspace | None = None
         self.graphs: dict[int, _Graph] = {}
-        self.stats = {"replays": 0, "eager": 0, "captures": 0}
+        self.stats = {"replays": 0, "eager": 0, "captures": 0, "dependent_captures": 0}
 
     def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
         ops = self.ops
@@ -116,7 +120,18 @@ class GraphStep:
                     and self._fits(batch)):
                 try:
                     return self._replay(batch)
-                except Exception as e:   # capture not supported here: eager from now on
+                except Exception as e:
+                    if ops.dependent_launcher is not None:
+                        # capture once more with plain launches before giving graphs up
+                        log.warning("CUDA graph capture with programmatic dependent launches failed "
+                                    "(%s: %s); capturing with plain launches", type(e).__name__, e)
+                        ops.dependent_launcher = None
+                        self.graphs.clear()
+                        try:
+                            return self._replay(batch)
+                        except Exception as e2:
+                            e = e2
+                    # capture not supported here: eager from now on
                     log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly",
                                 type(e).__name__, e)
                     self.use_graphs = False
@@ -162,6 +177,10 @@ class GraphStep:
         ops.stream.synchronize()
         keep: list[Any] = []
         ops.capture_keep = keep
+        # the step's kernels as programmatic dependent launches where the GPU has them
+        # (ops/cuda_pdl.py): the gaps between a step's ~5 kernels a layer shrink
+        ops.dependent_launch = ops.dependent_launcher is not None
+        launched = ops.launches
         try:
             ops.stream.begin_capture()
             try:
@@ -170,6 +189,9 @@ class GraphStep:
                 graph = ops.stream.end_capture()
         finally:
             ops.capture_keep = None
-        g = self.graphs[b] = _Graph(graph, ints_dev, static, logits, keep)
+            ops.dependent_launch = False
+        if ops.dependent_launcher is not None:
+            self.stats["dependent_captures"] += 1
+        g = self.graphs[b] = _Graph(graph, ints_dev, static, logits, keep, ops.launches - launched)
         self.stats["captures"] += 1
         return g

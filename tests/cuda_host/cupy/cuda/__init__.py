@@ -2,11 +2,12 @@
 kernel launches (ops/cuda_graphs.py's use)."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from . import device, runtime
 
-__all__ = ["Device", "Stream", "Graph", "device", "runtime"]
+__all__ = ["Device", "Stream", "Graph", "Event", "get_elapsed_time", "device", "runtime"]
 
 # the launches being recorded while a stream captures, else None
 _capture: list[Any] | None = None
@@ -61,3 +62,25 @@ class Stream:
             raise runtime.CUDARuntimeError("end_capture without begin_capture")
         launches, _capture = _capture, None
         return Graph(launches)
+
+
+class Event:
+    """Kernels run as they are launched here, so an event's time is the host's clock."""
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        self._t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        if _capture is not None:
+            raise runtime.CUDARuntimeError("event recording inside a capture is not supported here")
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two recorded events."""
+    if start._t is None or end._t is None:
+        raise runtime.CUDARuntimeError("cudaErrorInvalidResourceHandle: an event was not recorded")
+    return (end._t - start._t) * 1e3
