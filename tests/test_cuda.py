@@ -499,6 +499,36 @@ def test_graph_inputs_pack_and_unpack_with_padding() -> None:
     assert static.token_ids.tolist() == [0, 0, 0, 0] and static.block_tables[0].max() == -1
 
 
+def test_graph_input_image_refilled_in_place_equals_a_fresh_pack() -> None:
+    """GraphStep refills one host image per bucket each step (InputImage): after batches
+    of any size in any order it holds what pack_inputs builds from scratch."""
+    from ellm.ops.cuda_graphs import InputImage, pack_inputs
+    rng = np.random.default_rng(3)
+    widths = {0: 7, 256: 2}
+    image = InputImage(8, widths)
+    for t in (5, 8, 2, 1, 7, 3, 8):
+        tables = {0: rng.integers(-1, 50, (t, int(rng.integers(1, 8)))).astype(np.int32),
+                  256: rng.integers(-1, 50, (t, int(rng.integers(1, 3)))).astype(np.int32)}
+        batch = Batch(rng.integers(0, 1000, t).astype(np.int32), rng.integers(0, 500, t).astype(np.int32),
+                      np.arange(t, dtype=np.int32), tables, np.arange(t, dtype=np.int32))
+        assert np.array_equal(image.fill(batch), pack_inputs(batch, 8, widths)), t
+
+
+def test_decode_step_shape_check() -> None:
+    from ellm.ops.cuda_graphs import is_decode_step
+    t = 4
+    ar = np.arange(t, dtype=np.int32)
+    tables = {0: np.zeros((t, 3), np.int32)}
+    assert is_decode_step(Batch(ar, ar, ar, tables, ar))
+    assert is_decode_step(Batch(ar, ar, ar.astype(np.int64), tables, ar.astype(np.int64)))   # other dtypes
+    assert not is_decode_step(Batch(ar, ar, ar, tables, ar[::-1].copy()))            # rows out of order
+    assert not is_decode_step(Batch(ar, ar, np.array([0, 0, 1, 1], np.int32), tables, ar))   # a prefill
+    assert not is_decode_step(Batch(ar, ar, ar, tables, ar[:2].copy()))                 # not every row
+    assert not is_decode_step(Batch(ar, ar, ar, {0: np.zeros((2, 3), np.int32)}, ar))
+    big = np.arange(65, dtype=np.int32)
+    assert not is_decode_step(Batch(big, big, big, {0: np.zeros((65, 1), np.int32)}, big))
+
+
 def test_device_sampler_rows_carry_the_host_samplers_state() -> None:
     from ellm.ops.cuda import _SampleRows
     V = 100
