@@ -10,8 +10,9 @@ by kernel.
 
 `time`: per model and batch size, the replay time of the captured decode step (CUDA
 events around 50 replays, median of 5), with the captured kernels as programmatic
-dependent launches and with plain launches (ops/cuda_pdl.py), beside the step's kernel
-count. `profile`: one replay of each model's batch-1 step between cudaProfilerStart and
+dependent launches and with plain launches (ops/cuda_pdl.py), the step's kernel count,
+and a decode step through `generate` (what the engine's host work, the input copy,
+sampling and the copy back add to the replay). `profile`: one replay of each model's batch-1 step between cudaProfilerStart and
 cudaProfilerStop, for Nsight Compute (`--profile-from-start off`) to measure each kernel
 of it alone. `summarize`: ncu's CSV as a table per kernel name: launches, microseconds,
 DRAM bytes and bandwidth, share of the step. benchmarks/gpu/check.sh runs all three.
@@ -70,6 +71,20 @@ def replay_us(ops: Any, graph: Any, replays: int = 50, repeats: int = 5) -> floa
     return statistics.median(times)
 
 
+def generate_step_us(llm: Any, batch: int, short: int = 16, long: int = 64) -> float:
+    """A decode step end to end (engine, host work, replay, sampling, copy back): the
+    difference of two generate lengths, so prefill and start-up cancel."""
+    import time
+    from ellm.sampling_params import SamplingParams
+    times = []
+    for n in (short, long, short, long):
+        p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([PROMPT_IDS] * batch, p)
+        times.append(time.perf_counter() - t)
+    return (min(times[1], times[3]) - min(times[0], times[2])) / (long - short) * 1e6
+
+
 def sources(args: argparse.Namespace) -> list[tuple[str, Path]]:
     out = [(name, Path(path)) for name, path in (s.split("=", 1) for s in args.gguf)]
     for shape in args.random:
@@ -78,23 +93,25 @@ def sources(args: argparse.Namespace) -> list[tuple[str, Path]]:
 
 
 def cmd_time(args: argparse.Namespace) -> int:
-    print("| model | batch | step µs, dependent launches | step µs, plain launches | tok/s (dependent) | kernels |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | batch | replay µs, dependent launches | replay µs, plain launches | kernels "
+          "| generate µs a step | of which not the replay |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, path in sources(args):
         for batch in args.batch:
             row: dict[bool, float] = {}
-            kernels = 0
+            kernels, whole = 0, float("nan")
             for pdl in (True, False):
                 llm = load(path, batch, pdl)
                 try:
                     ops, g = captured_step(llm, batch)
                     row[pdl] = replay_us(ops, g, args.replays)
                     kernels = g.kernels
+                    if pdl:
+                        whole = generate_step_us(llm, batch)
                 finally:
                     llm.close()
-            rate = batch / row[True] * 1e6
-            print(f"| {name} | {batch} | {row[True]:.1f} | {row[False]:.1f} | {rate:,.0f} | {kernels or '–'} |",
-                  flush=True)
+            print(f"| {name} | {batch} | {row[True]:.1f} | {row[False]:.1f} | {kernels or '–'} | {whole:.1f} "
+                  f"| {whole - row[True]:.1f} |", flush=True)
     return 0
 
 
