@@ -275,11 +275,14 @@ class Engine:
         (every plain decode step): the same Batch from short lists, without the slicing
         per sequence."""
         token_ids, positions, rows, sampled = [], [], [], []
+        sliding = any(w for w in self.blocks.windows)
         for b, (seq, _) in enumerate(plan):
             start = seq.num_computed
-            token_ids.append(seq.token_slice(start, 1)[0])
+            p = len(seq.prompt_ids)
+            token_ids.append(seq.output_ids[start - p] if start >= p else seq.prompt_ids[start])
             positions.append(start)
-            self.blocks.release_out_of_window(seq.request_id, start)
+            if sliding:
+                self.blocks.release_out_of_window(seq.request_id, start)
             if start + 1 == seq.num_tokens:
                 rows.append(b)
                 sampled.append(seq)

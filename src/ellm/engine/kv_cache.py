@@ -132,9 +132,13 @@ class BlockManager:
 
     def allocate(self, key: object, n_tokens: int) -> bool:
         """Grows the sequence's tables to hold n_tokens positions. False (nothing taken) if short."""
+        tables = self.tables.get(key)
+        if tables is not None:   # most decode steps: every table already reaches n_tokens
+            reach = n_tokens - 1
+            if all(len(tables[w]) * self.block_size > reach for w in self.windows):
+                return True
         if not self.can_allocate(key, n_tokens):
             return False
-        tables = self.tables.get(key)
         if tables is None:
             tables = self.tables[key] = {w: [] for w in self.windows}
         for w in self.windows:

@@ -69,10 +69,12 @@ class Scheduler:
         plan: list[tuple[Sequence, int]] = []
         too_big: list[Sequence] = []
         planned: set[int] = set()
+        preempted_before = self.num_preemptions
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted while growing another
+            # preempted while growing another (a list scan, so only once someone was)
+            if self.num_preemptions != preempted_before and seq not in self.running:
                 continue
             n = 1 if not seq.in_prefill else _chunk(seq, budget)
             if n == 0:   # [vision] the next image does not fit in what is left of this step
