@@ -506,7 +506,7 @@ def test_graph_input_image_refilled_in_place_equals_a_fresh_pack() -> None:
     rng = np.random.default_rng(3)
     widths = {0: 7, 256: 2}
     image = InputImage(8, widths)
-    for t in (5, 8, 2, 1, 7, 3, 8):
+    for t in (5, 8, 2, 1, 7, 3, 8, 8, 1):
         tables = {0: rng.integers(-1, 50, (t, int(rng.integers(1, 8)))).astype(np.int32),
                   256: rng.integers(-1, 50, (t, int(rng.integers(1, 3)))).astype(np.int32)}
         batch = Batch(rng.integers(0, 1000, t).astype(np.int32), rng.integers(0, 500, t).astype(np.int32),

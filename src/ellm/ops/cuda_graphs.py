@@ -96,20 +96,26 @@ class InputImage:
         self.b, self.buf = b, pack_inputs(None, b, widths)
         self.parts = unpack_inputs(self.buf, b, widths)   # views into buf
         self.filled = 0   # rows holding a batch's values (the rest are padding)
+        # per window, the leading columns that may hold blocks (the rest are -1): a table
+        # is as wide as a sequence's largest possible table, mostly unused
+        self.used = {w: 0 for w in widths}
 
     def fill(self, batch: Batch) -> np.ndarray:
-        t, p = len(batch.token_ids), self.parts
+        t, p, filled = len(batch.token_ids), self.parts, self.filled
         p.token_ids[:t] = batch.token_ids
         p.positions[:t] = batch.positions
-        if self.filled > t:   # rows a larger batch used before go back to padding
-            p.token_ids[t:self.filled] = 0
-            p.positions[t:self.filled] = 0
+        if filled > t:   # rows a larger batch used before go back to padding
+            p.token_ids[t:filled] = 0
+            p.positions[t:filled] = 0
         for w, dst in p.block_tables.items():
-            src = batch.block_tables[w]
-            dst[:t, :src.shape[1]] = src
-            dst[:t, src.shape[1]:] = -1
-            if self.filled > t:
-                dst[t:self.filled] = -1
+            src, used = batch.block_tables[w], self.used[w]
+            width = src.shape[1]
+            dst[:t, :width] = src
+            if used > width:
+                dst[:t, width:used] = -1
+            if filled > t:
+                dst[t:filled, :used] = -1
+            self.used[w] = width
         self.filled = t
         return self.buf
 
