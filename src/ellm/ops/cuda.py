@@ -200,6 +200,9 @@ class CudaOps:
         self.dependent_launcher = self._dependent_launcher(cc)
         self.dependent_launch = False
         self.launches = 0   # kernels launched so far (cuda_graphs.py counts a step's)
+        # (logits, greedy ids) of the decode step just replayed: its graph ends with
+        # argmax_rows, so sample() needs no launch for plain greedy rows of those logits
+        self.graph_argmax: tuple[Any, Any] | None = None
         self._scratch: dict[str, Any] = {}
         self.capture_keep: list[Any] | None = None   # set while a graph is captured
         # per SequenceSampler: its seed and the draws made so far (device sampling)
@@ -866,12 +869,16 @@ class CudaOps:
         if int(logits.shape[0]) != B:
             raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
         V = int(logits.shape[1])
+        done, self.graph_argmax = self.graph_argmax, None
         with self.stream:
-            out_ids = self.cp.empty(B, np.int32)
-            logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
-            if all(s.plain_greedy for s in samplers):   # the common case: a bare argmax per row
-                self.argmax_rows(logits, out_ids)
+            greedy = all(s.plain_greedy for s in samplers)   # the common case: a bare argmax per row
+            if greedy and done is not None and done[0] is logits:   # computed by the replayed graph
+                out_ids = done[1]
+            elif greedy:
+                out_ids = self.argmax_rows(self.cp.ascontiguousarray(logits, dtype=np.float32))
             else:
+                out_ids = self.cp.empty(B, np.int32)
+                logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
                 rows = _SampleRows(B)
                 for b, s in enumerate(samplers):
                     rows.add(b, s, self._rng_for(s))

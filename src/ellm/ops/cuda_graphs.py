@@ -138,8 +138,10 @@ def unpack_inputs(buf: Any, b: int, widths: dict[int, int]) -> Batch:
 class _Graph:
     """One bucket's captured step: its static inputs, its graph and its output view."""
 
-    def __init__(self, graph: Any, ints_dev: Any, batch: Batch, logits: Any, keep: list[Any], kernels: int) -> None:
+    def __init__(self, graph: Any, ints_dev: Any, batch: Batch, logits: Any, argmax: Any, keep: list[Any],
+                 kernels: int) -> None:
         self.graph, self.ints_dev, self.batch, self.logits, self.keep = graph, ints_dev, batch, logits, keep
+        self.argmax = argmax     # each row's greedy token, computed in the graph (ops.argmax_rows)
         self.kernels = kernels   # ellm's kernel launches in the step (CuPy's own copies aside)
 
 
@@ -159,6 +161,7 @@ class GraphStep:
 
     def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
         ops = self.ops
+        ops.graph_argmax = None   # set again only by a replay
         with ops.stream:
             # [lora] a step with adapters runs eagerly (the captured graphs hold no adapter slots)
             if (self.use_graphs and not hidden_only and batch.adapter_slots is None and is_decode_step(batch)
@@ -212,7 +215,10 @@ class GraphStep:
         g.ints_dev.set(self._fill_inputs(batch, b), stream=self.ops.stream)
         g.graph.launch(self.ops.stream)
         self.stats["replays"] += 1
-        return g.logits[:t]
+        logits = g.logits[:t]
+        # plain greedy rows then need no sampling launch: ops.sample reads these
+        self.ops.graph_argmax = (logits, g.argmax[:t])
+        return logits
 
     def _capture(self, b: int) -> _Graph:
         ops, cp = self.ops, self.ops.cp
@@ -221,8 +227,9 @@ class GraphStep:
             self.graph_ws = Workspace(ops)
             big = BUCKETS[-1]
             warm = cp.asarray(self._host_inputs(None, big))
-            self.model.forward(self._static_batch(warm, big), self.kv, ws=self.graph_ws)
+            ops.argmax_rows(self.model.forward(self._static_batch(warm, big), self.kv, ws=self.graph_ws))
         ints_dev = cp.asarray(self._host_inputs(None, b))
+        argmax = cp.empty(b, np.int32)
         static = self._static_batch(ints_dev, b)
         self.model.forward(static, self.kv, ws=self.graph_ws)   # compiles anything not yet compiled
         ops.stream.synchronize()
@@ -236,6 +243,7 @@ class GraphStep:
             ops.stream.begin_capture()
             try:
                 logits = self.model.forward(static, self.kv, ws=self.graph_ws)
+                ops.argmax_rows(logits, out=argmax)
             finally:
                 graph = ops.stream.end_capture()
         finally:
@@ -243,6 +251,6 @@ class GraphStep:
             ops.dependent_launch = False
         if ops.dependent_launcher is not None:
             self.stats["dependent_captures"] += 1
-        g = self.graphs[b] = _Graph(graph, ints_dev, static, logits, keep, ops.launches - launched)
+        g = self.graphs[b] = _Graph(graph, ints_dev, static, logits, argmax, keep, ops.launches - launched)
         self.stats["captures"] += 1
         return g
