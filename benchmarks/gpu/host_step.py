@@ -1,0 +1,76 @@
+"""The host's share of a CUDA decode step, measured on a machine without a GPU.
+
+    PYTHONPATH=tests/cuda_host python benchmarks/gpu/host_step.py MODEL [--batch 1 --batch 64]
+
+Runs ellm's CUDA path on the host stand-in for CuPy (tests/cuda_host) with every kernel
+and cuBLAS call skipped, so what a `generate` step costs is the engine's and the
+backend's Python: scheduling, the batch, the graph's inputs, sampling's bookkeeping,
+detokenizing, the outputs. On a GPU this time adds to each step's replay (the engine
+waits for a step's ids before it plans the next), which benchmarks/gpu/step_profile.py
+measures there as "of which not the replay". The stand-in's own replay loop (a few
+microseconds a kernel) is included, so this is an upper bound. Greedy ids are all 0
+(no logits are computed).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def skip_kernels() -> None:
+    """Kernels, cuBLAS and the greedy argmax become no-ops on the stand-in."""
+    import cupy
+    import numpy as np
+    if not hasattr(cupy, "_run"):
+        raise SystemExit("host_step.py needs the host stand-in for CuPy: PYTHONPATH=tests/cuda_host")
+    cupy._run = lambda *a, **k: None
+    import cupy_backends.cuda.libs.cublas as cublas
+    cublas.gemmEx = lambda *a, **k: None
+    from ellm.ops.cuda import CudaOps
+
+    def argmax_rows(self: Any, logits: Any, out: Any = None) -> Any:
+        out = self.cp.empty(int(logits.shape[0]), np.int32) if out is None else out
+        out.view(np.ndarray)[...] = 0   # the stand-in's memory, written as a kernel would (captures too)
+        return out
+    CudaOps.argmax_rows = argmax_rows
+
+
+def step_us(llm: Any, ids: list[int], batch: int, short: int = 32, long: int = 160, repeats: int = 3) -> float:
+    """A decode step from the difference of two generate lengths (best of `repeats`)."""
+    from ellm.sampling_params import SamplingParams
+    best: dict[int, float] = {}
+    for _ in range(repeats):
+        for n in (short, long):
+            p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            t = time.perf_counter()
+            llm.generate([ids] * batch, p)
+            best[n] = min(best.get(n, float("inf")), time.perf_counter() - t)
+    return (best[long] - best[short]) / (long - short) * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", type=Path, help="a GGUF file or Hugging Face folder")
+    ap.add_argument("--batch", type=int, action="append", default=None)
+    args = ap.parse_args(argv)
+    skip_kernels()
+    import ellm
+    from ellm.sampling_params import SamplingParams
+    llm = ellm.load(args.model, device="cuda", kv_cache_dtype="bfloat16", max_model_len=1024, progress=False)
+    try:
+        ids = llm.encode_prompt("The history of the printing press begins")
+        print("| batch | host µs a decode step | µs a sequence |\n|---:|---:|---:|")
+        for b in args.batch or [1, 16, 64]:
+            llm.generate([ids] * b, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))   # capture
+            us = step_us(llm, ids, b)
+            print(f"| {b} | {us:.0f} | {us / b:.1f} |", flush=True)
+    finally:
+        llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
