@@ -384,6 +384,33 @@ def test_batched_equals_single_and_graphs_equal_eager(smollm2_gguf: Path) -> Non
         llm.close()
 
 
+@needs_gpu
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_trace_recording_on_the_gpu_matches_the_cpu(smollm2_gguf: Path, kv: str) -> None:
+    """`ellm trace` on device="cuda": the recorder copies each op's rows back, reads k
+    after RoPE from the device cache (widened from bfloat16), and the logit lens runs the
+    head there; every recorded op against the CPU f32 pass's, and the lens's top token."""
+    from ellm.trace.capture import record
+    cpu = ellm.load(smollm2_gguf, device="cpu", activations="f32", max_model_len=256)
+    gpu = ellm.load(smollm2_gguf, device="cuda", max_model_len=256, kv_cache_dtype=kv)
+    try:
+        ids = cpu.encode_prompt("Paris is the capital of")[:4]
+        want = record(cpu, ids, lens_top_k=3)
+        if kv == "float32":   # one token: a decode-shaped pass, which must still run eagerly
+            assert set(record(gpu, [ids[0]]).arrays) == set(record(cpu, [ids[0]]).arrays)
+        got = record(gpu, ids, lens_top_k=3)
+        assert set(got.arrays) == set(want.arrays)
+        tol = 1e-4 if kv == "float32" else 3e-2   # bf16 rounds each stored key and value
+        for key, a in want.arrays.items():
+            b = got.arrays[key]
+            assert b.shape == a.shape, key
+            err = float(np.max(np.abs(b - a)) / max(float(np.max(np.abs(a))), 1e-30))
+            assert err <= tol, (key, err)
+        assert np.array_equal(got.lens["ids"][-1, :, 0], want.lens["ids"][-1, :, 0])
+    finally:
+        cpu.close(), gpu.close()
+
+
 # -- the device sampler ------------------------------------------------------------------------
 
 @needs_gpu

@@ -348,3 +348,24 @@ def test_inspect_command_defaults_to_loopback_and_checks_its_port(capsys: pytest
     assert args.host == "127.0.0.1"
     assert cli_main(["inspect", "smollm2-135m-instruct", "--port", "70000"]) == 2
     assert "--port must be in 1..65535" in capsys.readouterr().err
+
+
+def test_a_float16_cache_is_read_back_as_float32_values(smollm2_gguf: Path) -> None:
+    """k after RoPE comes from the KV cache: a float16 cache's rows are widened to float32
+    like every other recorded op, and match a float32 cache's within f16 rounding (the
+    cuda rows of tests/test_cuda.py do the same for a bfloat16 cache's bits)."""
+    ids = None
+    recs = {}
+    for kv in ("float32", "float16"):
+        llm = ellm.load(smollm2_gguf, progress=False, kv_cache_dtype=kv)
+        try:
+            ids = ids or llm.encode_prompt(PROMPT)
+            recs[kv] = record(llm, ids)
+        finally:
+            llm.close()
+    for layer, tol in ((0, 2.0 ** -10), (7, 5e-2)):   # past layer 0 the f16 cache changed the inputs too
+        a, b = recs["float32"].arrays[(layer, "k_rope")], recs["float16"].arrays[(layer, "k_rope")]
+        assert b.dtype == np.float32
+        assert np.max(np.abs(b - a)) <= tol * np.max(np.abs(a)), layer
+        probs = recs["float16"].arrays[(layer, "attn_probs")].reshape(len(ids), -1, len(ids))
+        assert np.allclose(probs.sum(-1), 1.0, atol=1e-5)

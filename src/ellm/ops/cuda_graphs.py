@@ -163,8 +163,10 @@ class GraphStep:
         ops = self.ops
         ops.graph_argmax = None   # set again only by a replay
         with ops.stream:
-            # [lora] a step with adapters runs eagerly (the captured graphs hold no adapter slots)
-            if (self.use_graphs and not hidden_only and batch.adapter_slots is None and is_decode_step(batch)
+            # [lora] a step with adapters runs eagerly (the captured graphs hold no adapter slots);
+            # [trace] so does a pass being recorded (a replay would tell the recorder nothing)
+            if (self.use_graphs and not hidden_only and batch.adapter_slots is None
+                    and getattr(self.model, "recorder", None) is None and is_decode_step(batch)
                     and self._fits(batch)):
                 try:
                     return self._replay(batch)

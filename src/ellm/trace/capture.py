@@ -75,6 +75,7 @@ def _traced_pass(engine: Any, model: Any, ids: list[int], rec: Recorder, lens_to
         if slot >= 0:   # [lora] every row through the adapter's factors
             batch.adapter_slots = np.full(len(ids), slot, np.int32)
         rec.start(batch)
+        rec.bind(engine.runner.ops)
         model.recorder = rec
         try:
             logits = np.array(engine.runner.forward(batch), np.float32)   # (T, vocab), copied

@@ -23,7 +23,7 @@ def decode_residual(model: Any, x: np.ndarray) -> np.ndarray:
     """(N, H) residual rows -> (N, vocab) logits through the final norm and the head, with
     the model's own output bias, scale and soft-cap (blocks.Decoder's tail)."""
     ops, c = model.ops, model.config
-    h = ops.rmsnorm(np.ascontiguousarray(x, np.float32), model.norm, c.rms_norm_eps)
+    h = ops.rmsnorm(ops.upload(np.ascontiguousarray(x, np.float32)), model.norm, c.rms_norm_eps)
     logits = ops.linear(h, model.lm_head)
     bias = getattr(model.lm_head, "bias", None)
     if bias is not None and not getattr(ops, "linear_adds_bias", False):
@@ -32,7 +32,7 @@ def decode_residual(model: Any, x: np.ndarray) -> np.ndarray:
     if scale != 1.0:
         ops.scale(logits, scale)
     cap = getattr(model, "final_softcap", 0.0)
-    return ops.softcap(logits, cap) if cap > 0 else logits
+    return np.asarray(ops.to_host(ops.softcap(logits, cap) if cap > 0 else logits))   # a device backend's copied back
 
 
 def logit_lens(model: Any, arrays: Mapping[Key, np.ndarray], top_k: int = 5) -> dict[str, np.ndarray]:

@@ -55,6 +55,24 @@ class Recorder:
     _batch: Any = field(init=False, default=None)
     _parts: dict[Key, np.ndarray] = field(init=False, default_factory=dict)
     _kept: np.ndarray = field(init=False, default_factory=lambda: np.zeros(0, np.int32))
+    # the backend the pass runs on (bind()): its arrays are copied back through it; None:
+    # host arrays
+    _ops: Any = field(init=False, default=None)
+
+    def bind(self, ops: Any) -> None:
+        """Reads the pass's arrays through `ops` (a device backend's are copied back on its
+        stream, and only the cache rows a trace needs leave the device)."""
+        self._ops = ops
+
+    def _host(self, x: Any) -> np.ndarray:
+        return np.asarray(x) if self._ops is None else np.asarray(self._ops.to_host(x))
+
+    def _cache_rows(self, cache: Any, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """cache[blocks, offsets] as float32 on the host (a bfloat16 cache's bits widened)."""
+        if self._ops is not None:
+            blocks, offsets = self._ops.upload(blocks), self._ops.upload(offsets)
+        rows = self._host(cache[blocks, offsets])
+        return ref.from_bf16_bits(rows) if rows.dtype == ref.KV_BF16 else rows.astype(np.float32, copy=False)
 
     def __post_init__(self) -> None:
         if self.positions is not None:
@@ -78,7 +96,7 @@ class Recorder:
         """x (T, ...): one row per token of the batch given to start()."""
         if self._rows is None:
             raise RuntimeError("Recorder.start(batch) was not called before the forward pass")
-        x = np.asarray(x)
+        x = self._host(x)
         self._parts[(layer, op)] = x.reshape(x.shape[0], -1)[self._rows].astype(np.float32, copy=True)
 
     def attention(self, layer: int, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
@@ -93,12 +111,13 @@ class Recorder:
         rows = self._rows
         pos = np.asarray(b.positions)[rows].astype(np.int32)
         nh = q.shape[1]
-        q_rope = ref.rope(np.asarray(q, np.float32)[rows], pos, inv_freq, interleaved, rope_mscale)  # (R, nh, hd)
+        q_rope = ref.rope(self._host(q).astype(np.float32)[rows], pos, self._host(inv_freq), interleaved,
+                          rope_mscale)                                                    # (R, nh, hd)
         self._parts[(layer, "q_rope")] = q_rope.reshape(len(rows), -1)
-        table = block_table[int(b.seq_ids[0])]
+        table = self._host(block_table)[int(b.seq_ids[0])]
         bs = k_cache.shape[1]
         nkv = k_cache.shape[2]
-        k_rows = k_cache[table[pos // bs], pos % bs]                                      # (R, nkv, hd)
+        k_rows = self._cache_rows(k_cache, table[pos // bs], pos % bs)                    # (R, nkv, hd)
         self._parts[(layer, "k_rope")] = k_rows.reshape(len(rows), -1).copy()
         if not self.attention_weights or len(rows) == 0:
             return
@@ -109,7 +128,7 @@ class Recorder:
         if (blocks < 0).any():   # a sliding layer's early blocks may be handed back already
             key_pos = key_pos[blocks >= 0]
             blocks = blocks[blocks >= 0]
-        keys = k_cache[blocks, key_pos % bs]                                              # (L, nkv, hd)
+        keys = self._cache_rows(k_cache, blocks, key_pos % bs)                           # (L, nkv, hd)
         group = nh // nkv
         kh = np.repeat(keys, group, axis=1)                                               # (L, nh, hd)
         s = np.einsum("rhd,lhd->rhl", q_rope, kh) * np.float32(scale)                     # (R, nh, L)
