@@ -16,7 +16,8 @@
 #      whose tiny models and adapters the machine's own torch, transformers and peft make)
 #   5. one decode step of SmolLM2 and of the Llama-3.2-1B shape: its graph replay time
 #      with and without programmatic dependent launches, then (where ncu is) each of its
-#      kernels measured alone (benchmarks/gpu/step_profile.py)
+#      kernels measured alone, and those of a 64-sequence 1B step
+#      (benchmarks/gpu/step_profile.py)
 #   6. benchmarks/gpu/bench.py until 460 s: SmolLM2 (GGUF, folder), random bf16 folders
 #      of Llama-3.2-1B and Llama-3-8B shape made here, the 8B quantized to q8_0 at load;
 #      ellm (fused graphs, unfused graphs, eager) and transformers (compiled static
@@ -106,13 +107,16 @@ if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
   say "  step time exit ${PIPESTATUS[0]}"
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
-    for spec in "${sargs[@]:1:1}" "llama-1b"; do
+    for spec in "${sargs[@]:1:1}" "llama-1b" "llama-1b@64"; do
       [ -n "$spec" ] || continue
       name=${spec%%=*}
-      if [ "$name" = llama-1b ]; then src=(--random llama-1b --work "$W/random"); else src=(--gguf "$spec"); fi
+      batch=1; [ "$name" = llama-1b@64 ] && batch=64
+      if [ "${name%@*}" = llama-1b ]; then src=(--random llama-1b --work "$W/random"); else src=(--gguf "$spec"); fi
+      name=${name/@/_b}
       timeout 60 "$NCU" --profile-from-start off --graph-profiling node --clock-control none \
-        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -f -o "$W/step_$name" \
-        $PY benchmarks/gpu/step_profile.py profile "${src[@]}" > "$OUT/ncu_$name.log" 2>&1
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
+        -f -o "$W/step_$name" $PY benchmarks/gpu/step_profile.py profile "${src[@]}" --batch "$batch" \
+        > "$OUT/ncu_$name.log" 2>&1
       say "  ncu $name exit $?"
       "$NCU" --import "$W/step_$name.ncu-rep" --csv --page raw --print-units base > "$OUT/step_kernels_$name.csv" 2>>"$OUT/ncu_$name.log" \
         && $PY benchmarks/gpu/step_profile.py summarize "$OUT/step_kernels_$name.csv" | tee "$OUT/step_kernels_$name.md"

@@ -3,7 +3,7 @@ by kernel.
 
     python benchmarks/gpu/step_profile.py time --gguf smollm2=PATH --random llama-1b --work DIR > step_time.md
     ncu --profile-from-start off --graph-profiling node --clock-control none \\
-        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum -o DIR/step \\
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum -o DIR/step \\
         python benchmarks/gpu/step_profile.py profile --gguf smollm2=PATH
     ncu --import DIR/step.ncu-rep --csv --page raw --print-units base > DIR/step.csv
     python benchmarks/gpu/step_profile.py summarize DIR/step.csv > step_kernels.md
@@ -12,10 +12,13 @@ by kernel.
 events around 50 replays, median of 5), with the captured kernels as programmatic
 dependent launches and with plain launches (ops/cuda_pdl.py), the step's kernel count,
 and a decode step through `generate` (what the engine's host work, the input copy,
-sampling and the copy back add to the replay). `profile`: one replay of each model's batch-1 step between cudaProfilerStart and
-cudaProfilerStop, for Nsight Compute (`--profile-from-start off`) to measure each kernel
-of it alone. `summarize`: ncu's CSV as a table per kernel name: launches, microseconds,
-DRAM bytes and bandwidth, share of the step. benchmarks/gpu/check.sh runs all three.
+sampling and the copy back add to the replay). `profile`: one replay of each model's
+step (`--batch` sequences, default 1) between cudaProfilerStart and cudaProfilerStop,
+for Nsight Compute (`--profile-from-start off`) to measure each kernel of it alone.
+`summarize`: ncu's CSV as a table per kernel name: launches, microseconds, DRAM bytes
+and bandwidth, L2 bytes (what a kernel rereads from L2: mmv.cu reads every activation
+once per 16 weight rows, which at 64 sequences is more than the weights), share of the
+step. benchmarks/gpu/check.sh runs all three.
 """
 from __future__ import annotations
 
@@ -117,15 +120,15 @@ def cmd_time(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     for name, path in sources(args):
-        llm = load(path, 1, True)
+        llm = load(path, args.batch, True)
         try:
-            ops, g = captured_step(llm, 1)
+            ops, g = captured_step(llm, args.batch)
             ops.stream.synchronize()
             ops.cp.cuda.runtime.profilerStart()
             g.graph.launch(ops.stream)
             ops.stream.synchronize()
             ops.cp.cuda.runtime.profilerStop()
-            print(f"{name}: one batch-1 decode step replayed under the profiler", flush=True)
+            print(f"{name}: one decode step of {args.batch} sequences replayed under the profiler", flush=True)
         finally:
             llm.close()
     return 0
@@ -193,18 +196,20 @@ def summarize(launches: list[dict[str, Any]]) -> str:
         a["n"] += 1
         a["s"] += launch.get("gpu__time_duration.sum", 0.0)
         a["bytes"] += launch.get("dram__bytes_read.sum", 0.0) + launch.get("dram__bytes_write.sum", 0.0)
+        a["l2"] += launch.get("lts__t_bytes.sum", 0.0)
     total = sum(a["s"] for a in agg.values()) or float("nan")
-    lines = ["| kernel | launches | µs | µs each | DRAM MB | GB/s | % of HBM | % of step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| kernel | launches | µs | µs each | DRAM MB | GB/s | % of HBM | L2 MB | % of step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, a in sorted(agg.items(), key=lambda kv: -kv[1]["s"]):
         rate = a["bytes"] / a["s"] if a["s"] else 0.0
         lines.append(f"| {name} | {a['n']:.0f} | {a['s'] * 1e6:.1f} | {a['s'] * 1e6 / a['n']:.2f} | "
                      f"{a['bytes'] / 1e6:.2f} | {rate / 1e9:,.0f} | {rate / HBM_BYTES_PER_S:.0%} | "
-                     f"{a['s'] / total:.0%} |")
+                     f"{a['l2'] / 1e6:.2f} | {a['s'] / total:.0%} |")
     n = sum(a["n"] for a in agg.values())
     moved = sum(a["bytes"] for a in agg.values())
+    l2 = sum(a["l2"] for a in agg.values())
     lines.append(f"| **all** | {n:.0f} | {total * 1e6:.1f} | | {moved / 1e6:.2f} | {moved / total / 1e9:,.0f} | "
-                 f"{moved / total / HBM_BYTES_PER_S:.0%} | |")
+                 f"{moved / total / HBM_BYTES_PER_S:.0%} | {l2 / 1e6:.2f} | |")
     return "\n".join(lines)
 
 
@@ -221,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "time":
             p.add_argument("--batch", type=int, action="append", default=None)
             p.add_argument("--replays", type=int, default=50)
+        else:
+            p.add_argument("--batch", type=int, default=1)
     p = sub.add_parser("summarize")
     p.add_argument("csv", type=Path)
     args = ap.parse_args(argv)
