@@ -109,11 +109,12 @@ if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
   if [ -n "$NCU" ]; then
     for spec in "${sargs[@]:1:1}" "llama-1b" "llama-1b@64"; do
       [ -n "$spec" ] || continue
+      if [ $(( $(date +%s) - T0 )) -gt 300 ]; then say "  past 300 s: no more profiles (the benchmark needs the rest)"; break; fi
       name=${spec%%=*}
       batch=1; [ "$name" = llama-1b@64 ] && batch=64
       if [ "${name%@*}" = llama-1b ]; then src=(--random llama-1b --work "$W/random"); else src=(--gguf "$spec"); fi
       name=${name/@/_b}
-      timeout 60 "$NCU" --profile-from-start off --graph-profiling node --clock-control none \
+      timeout 45 "$NCU" --profile-from-start off --graph-profiling node --clock-control none \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
         -f -o "$W/step_$name" $PY benchmarks/gpu/step_profile.py profile "${src[@]}" --batch "$batch" \
         > "$OUT/ncu_$name.log" 2>&1
