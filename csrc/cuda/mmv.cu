@@ -213,43 +213,47 @@ __device__ __forceinline__ void act_frag(const float* __restrict__ xrow, const f
     for (int i = 0; i < 4; i++) split_bf16(x[2 * i], x[2 * i + 1], hi[i], lo[i]);
 }
 
-// This warp's share of the tile: rows row_a (slot g) and row_b (slot g + 8) of this lane
-// against tokens 0 .. T-1 of X (rows of K floats), over its steps of K; written to
-// part[warp][slot][token] for the block's ordered sum.
-template <class WT>
-__device__ __forceinline__ void mmv_warp(const u8* row_a, const u8* row_b, const float* __restrict__ X,
+// This warp's share of RT tiles: for tile r, rows ra[r] (slot g) and rb[r] (slot g + 8)
+// of this lane against tokens 0 .. T-1 of X (rows of K floats), over its steps of K, into
+// acc[r]. The activations of a step are read once for the RT tiles (a block of RT tiles
+// reads X once, not RT times); each tile's accumulator sees the same products in the same
+// order whatever RT is, so its sums are the same bits.
+template <class WT, int RT>
+__device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* rb, const float* __restrict__ X,
                                          const float* __restrict__ g, int T, int K,
-                                         float (*part)[16][MMV_TOKENS]) {
+                                         float (&acc)[RT][MMV_TOKENS / 8][4]) {
+    constexpr int U = MMV_UNROLL / RT;   // steps loaded ahead: the same bytes in flight for any RT
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, q = lane & 3;
     int tiles = (T + 7) >> 3;
-    float acc[MMV_TOKENS / 8][4];
     #pragma unroll
-    for (int j = 0; j < MMV_TOKENS / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int r = 0; r < RT; r++) {
+        #pragma unroll
+        for (int j = 0; j < MMV_TOKENS / 8; j++) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.0f;
+    }
     const u32 ones = 0x3f803f80u;   // bf16 1.0 twice
     const u32 ones_a[4] = {ones, ones, ones, ones};
     int steps = K >> 5;
-    // MMV_UNROLL of this warp's steps at a time: their weight loads are all issued before
-    // the first product, so enough bytes are in flight at batch 1 (the steps, and so the
-    // order of the sums, are those of a one-step loop)
-    for (int s0 = warp; s0 < steps; s0 += MMV_UNROLL * MMV_WARPS) {
-      Frag fas[MMV_UNROLL], fbs[MMV_UNROLL];
+    // U of this warp's steps at a time: their weight loads are all issued before the first
+    // product, so enough bytes are in flight at batch 1 (the steps, and so the order of
+    // the sums, are those of a one-step loop)
+    for (int s0 = warp; s0 < steps; s0 += U * MMV_WARPS) {
+      Frag fas[U][RT], fbs[U][RT];
       #pragma unroll
-      for (int u = 0; u < MMV_UNROLL; u++) {
+      for (int u = 0; u < U; u++) {
         int s = s0 + u * MMV_WARPS;
         if (s < steps) {
-            WT::frag(row_a, s << 5, q, fas[u]);
-            WT::frag(row_b, s << 5, q, fbs[u]);
+            #pragma unroll
+            for (int r = 0; r < RT; r++) {
+                WT::frag(ra[r], s << 5, q, fas[u][r]);
+                WT::frag(rb[r], s << 5, q, fbs[u][r]);
+            }
         }
       }
       #pragma unroll
-      for (int u = 0; u < MMV_UNROLL; u++) {
+      for (int u = 0; u < U; u++) {
         int s = s0 + u * MMV_WARPS;
         if (s >= steps) break;
         int k0 = s << 5;
-        const Frag& fa = fas[u];
-        const Frag& fb = fbs[u];
-        const u32 a1[4] = {fa.w[0], fb.w[0], fa.w[1], fb.w[1]};
-        const u32 a2[4] = {fa.w[2], fb.w[2], fa.w[3], fb.w[3]};
         #pragma unroll
         for (int j = 0; j < MMV_TOKENS / 8; j++) {
             if (j >= tiles) break;
@@ -258,38 +262,52 @@ __device__ __forceinline__ void mmv_warp(const u8* row_a, const u8* row_b, const
             if (t < T) act_frag<WT::split>(X + (long long)t * K, g, k0, q, hi, lo);
             const u32 bh1[2] = {hi[0], hi[1]}, bl1[2] = {lo[0], lo[1]};
             const u32 bh2[2] = {hi[2], hi[3]}, bl2[2] = {lo[2], lo[3]};
-            if (!WT::scaled) {
-                mma_bf16_16816(acc[j], a1, bh1);
-                mma_bf16_16816(acc[j], a1, bl1);
-                mma_bf16_16816(acc[j], a2, bh2);
-                mma_bf16_16816(acc[j], a2, bl2);
-                continue;
-            }
-            float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_bf16_16816(c1, a1, bh1);
-            mma_bf16_16816(c1, a1, bl1);
-            mma_bf16_16816(c2, a2, bh2);
-            mma_bf16_16816(c2, a2, bl2);
             #pragma unroll
-            for (int i = 0; i < 4; i++) {   // c[0], c[1]: slot g; c[2], c[3]: slot g + 8
-                const Frag& f = i < 2 ? fa : fb;
-                acc[j][i] += f.sc[0] * c1[i] + f.sc[1] * c2[i];
-            }
-            if (WT::has_min) {
-                float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                mma_bf16_16816(s1, ones_a, bh1);
-                mma_bf16_16816(s1, ones_a, bl1);
-                mma_bf16_16816(s2, ones_a, bh2);
-                mma_bf16_16816(s2, ones_a, bl2);
+            for (int r = 0; r < RT; r++) {
+                const Frag& fa = fas[u][r];
+                const Frag& fb = fbs[u][r];
+                const u32 a1[4] = {fa.w[0], fb.w[0], fa.w[1], fb.w[1]};
+                const u32 a2[4] = {fa.w[2], fb.w[2], fa.w[3], fb.w[3]};
+                if (!WT::scaled) {
+                    mma_bf16_16816(acc[r][j], a1, bh1);
+                    mma_bf16_16816(acc[r][j], a1, bl1);
+                    mma_bf16_16816(acc[r][j], a2, bh2);
+                    mma_bf16_16816(acc[r][j], a2, bl2);
+                    continue;
+                }
+                float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_bf16_16816(c1, a1, bh1);
+                mma_bf16_16816(c1, a1, bl1);
+                mma_bf16_16816(c2, a2, bh2);
+                mma_bf16_16816(c2, a2, bl2);
                 #pragma unroll
-                for (int i = 0; i < 4; i++) {
+                for (int i = 0; i < 4; i++) {   // c[0], c[1]: slot g; c[2], c[3]: slot g + 8
                     const Frag& f = i < 2 ? fa : fb;
-                    acc[j][i] += f.mn[0] * s1[i] + f.mn[1] * s2[i];
+                    acc[r][j][i] += f.sc[0] * c1[i] + f.sc[1] * c2[i];
+                }
+                if (WT::has_min) {
+                    float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_bf16_16816(s1, ones_a, bh1);
+                    mma_bf16_16816(s1, ones_a, bl1);
+                    mma_bf16_16816(s2, ones_a, bh2);
+                    mma_bf16_16816(s2, ones_a, bl2);
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const Frag& f = i < 2 ? fa : fb;
+                        acc[r][j][i] += f.mn[0] * s1[i] + f.mn[1] * s2[i];
+                    }
                 }
             }
         }
       }
     }
+}
+
+// One tile's accumulators into part[warp][slot][token], for the block's ordered sum.
+__device__ __forceinline__ void store_part(const float (&acc)[MMV_TOKENS / 8][4], int T,
+                                           float (*part)[16][MMV_TOKENS]) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, q = lane & 3;
+    int tiles = (T + 7) >> 3;
     #pragma unroll
     for (int j = 0; j < MMV_TOKENS / 8; j++) {
         if (j >= tiles) break;
@@ -343,9 +361,9 @@ __device__ __forceinline__ void tokens_inv_rms(const float* __restrict__ X, cons
 // Up to three matrices of one type against X, with the norm folded in when g is not null
 // (nmv3's meaning; gemv3's with g null): Yi (T, Ni) = rmsnorm(X) @ Wi^T (+ bi), or with
 // add, Yi += ... (gemv_add's meaning). Rows of the three are one sequence of N0 + N1 + N2;
-// a block takes 16 of them. grid ceil((N0 + N1 + N2) / 16), block 32 * MMV_WARPS.
-// T <= MMV_TOKENS, K % 32 == 0.
-template <class WT>
+// a block takes RT tiles of 16 of them. grid ceil((N0 + N1 + N2) / (16 RT)), block
+// 32 * MMV_WARPS. T <= MMV_TOKENS, K % 32 == 0.
+template <class WT, int RT>
 __device__ __forceinline__ void mmv3_t(
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
         long long rb0, long long rb1, long long rb2,
@@ -354,87 +372,129 @@ __device__ __forceinline__ void mmv3_t(
         float eps, int T, int K, int N0, int N1, int N2, int add) {
     MMV_SHARED
     tokens_inv_rms(X, g, T, K, eps, inv, sq);
-    int n0 = blockIdx.x * 16, lane = threadIdx.x & 31, gi = lane >> 2;
+    int lane = threadIdx.x & 31, gi = lane >> 2;
     auto row_of = [&](int n) -> const u8* {
         if (n < N0) return W0 + (long long)n * rb0;
         if (n < N0 + N1) return W1 + (long long)(n - N0) * rb1;
         if (n < N0 + N1 + N2) return W2 + (long long)(n - N0 - N1) * rb2;
         return nullptr;
     };
-    mmv_warp<WT>(row_of(n0 + gi), row_of(n0 + gi + 8), X, g, T, K, part);
-    __syncthreads();
-    for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
-        int s = it & 15, t = it >> 4, n = n0 + s;
-        float v = tile_sum(part, s, t) * inv[t], *y;
-        const float* bias;
-        if (n < N0) { y = Y0 + (long long)t * N0 + n; bias = b0; }
-        else if (n < N0 + N1) { n -= N0; y = Y1 + (long long)t * N1 + n; bias = b1; }
-        else if (n < N0 + N1 + N2) { n -= N0 + N1; y = Y2 + (long long)t * N2 + n; bias = b2; }
-        else continue;
-        float r = bias ? v + bias[n] : v;
-        *y = add ? *y + r : r;
+    const u8* ra[RT];
+    const u8* rbs[RT];
+    #pragma unroll
+    for (int r = 0; r < RT; r++) {
+        int n0 = (blockIdx.x * RT + r) * 16;
+        ra[r] = row_of(n0 + gi);
+        rbs[r] = row_of(n0 + gi + 8);
+    }
+    float acc[RT][MMV_TOKENS / 8][4];
+    mmv_warp<WT, RT>(ra, rbs, X, g, T, K, acc);
+    #pragma unroll
+    for (int r = 0; r < RT; r++) {
+        if (r) __syncthreads();   // the previous tile's sums are read
+        store_part(acc[r], T, part);
+        __syncthreads();
+        int n0 = (blockIdx.x * RT + r) * 16;
+        for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
+            int s = it & 15, t = it >> 4, n = n0 + s;
+            float v = tile_sum(part, s, t) * inv[t], *y;
+            const float* bias;
+            if (n < N0) { y = Y0 + (long long)t * N0 + n; bias = b0; }
+            else if (n < N0 + N1) { n -= N0; y = Y1 + (long long)t * N1 + n; bias = b1; }
+            else if (n < N0 + N1 + N2) { n -= N0 + N1; y = Y2 + (long long)t * N2 + n; bias = b2; }
+            else continue;
+            float r2 = bias ? v + bias[n] : v;
+            *y = add ? *y + r2 : r2;
+        }
     }
 }
 
 // glu's meaning: out (T, F) = act(h Wg^T + bg) * (h Wu^T + bu), h = rmsnorm(X) (g null:
-// X). A block takes 8 outputs: gate rows in slots 0-7, up rows in 8-15. grid ceil(F / 8).
-template <class WT>
+// X). A tile takes 8 outputs: gate rows in slots 0-7, up rows in 8-15; a block RT tiles.
+// grid ceil(F / (8 RT)).
+template <class WT, int RT>
 __device__ __forceinline__ void mmv_glu_t(
         const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rbg, long long rbu,
         const float* __restrict__ bg, const float* __restrict__ bu, const float* __restrict__ X,
         const float* __restrict__ g, float eps, float* __restrict__ out, int T, int K, int F, int act) {
     MMV_SHARED
     tokens_inv_rms(X, g, T, K, eps, inv, sq);
-    int n0 = blockIdx.x * 8, lane = threadIdx.x & 31, n = n0 + (lane >> 2);
-    mmv_warp<WT>(n < F ? Wg + (long long)n * rbg : nullptr, n < F ? Wu + (long long)n * rbu : nullptr,
-                 X, g, T, K, part);
-    __syncthreads();
-    for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
-        int s = it & 7, t = it >> 3, m = n0 + s;
-        if (m >= F) continue;
-        float a = tile_sum(part, s, t) * inv[t], u = tile_sum(part, s + 8, t) * inv[t];
-        if (bg) a += bg[m];
-        if (bu) u += bu[m];
-        float y;
-        if (act == 0) {
-            y = a / (1.0f + expf(-a)) * u;
-        } else {
-            const float c = 0.7978845608028654f;   // sqrt(2 / pi)
-            y = 0.5f * a * (1.0f + tanhf(c * (a + 0.044715f * a * a * a))) * u;
+    int lane = threadIdx.x & 31;
+    const u8* ra[RT];
+    const u8* rbs[RT];
+    #pragma unroll
+    for (int r = 0; r < RT; r++) {
+        int n = (blockIdx.x * RT + r) * 8 + (lane >> 2);
+        ra[r] = n < F ? Wg + (long long)n * rbg : nullptr;
+        rbs[r] = n < F ? Wu + (long long)n * rbu : nullptr;
+    }
+    float acc[RT][MMV_TOKENS / 8][4];
+    mmv_warp<WT, RT>(ra, rbs, X, g, T, K, acc);
+    #pragma unroll
+    for (int r = 0; r < RT; r++) {
+        if (r) __syncthreads();
+        store_part(acc[r], T, part);
+        __syncthreads();
+        int n0 = (blockIdx.x * RT + r) * 8;
+        for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
+            int s = it & 7, t = it >> 3, m = n0 + s;
+            if (m >= F) continue;
+            float a = tile_sum(part, s, t) * inv[t], u = tile_sum(part, s + 8, t) * inv[t];
+            if (bg) a += bg[m];
+            if (bu) u += bu[m];
+            float y;
+            if (act == 0) {
+                y = a / (1.0f + expf(-a)) * u;
+            } else {
+                const float c = 0.7978845608028654f;   // sqrt(2 / pi)
+                y = 0.5f * a * (1.0f + tanhf(c * (a + 0.044715f * a * a * a))) * u;
+            }
+            out[(long long)t * F + m] = y;
         }
-        out[(long long)t * F + m] = y;
     }
 }
 
 // qkv_rope's meaning (linear.cu): norm + q/k/v + bias + RoPE + the paged KV write, over
-// common.cuh's tasks (a rotated pair of rows, or one row); a block takes 8 tasks: a
-// task's first row in slot s, its pair's row (none for a single) in slot s + 8, and
-// stores them through qkv_rope_store. grid ceil(tasks / 8).
-template <class WT>
+// common.cuh's tasks (a rotated pair of rows, or one row); a tile takes 8 tasks: a task's
+// first row in slot s, its pair's row (none for a single) in slot s + 8, and stores them
+// through qkv_rope_store; a block RT tiles. grid ceil(tasks / (8 RT)).
+template <class WT, int RT>
 __device__ __forceinline__ void mmv_qkv_rope_t(ELLM_QKV_ROPE_PARAMS) {
     MMV_SHARED
     tokens_inv_rms(X, g, T, K, eps, inv, sq);
-    int task0 = blockIdx.x * 8, lane = threadIdx.x & 31;
-    {
-        QkvTask k = qkv_task(task0 + (lane >> 2), nh, nkv, hd, n_rot, interleaved);
+    int lane = threadIdx.x & 31;
+    const u8* ra[RT];
+    const u8* rbs[RT];
+    #pragma unroll
+    for (int r = 0; r < RT; r++) {
+        QkvTask k = qkv_task((blockIdx.x * RT + r) * 8 + (lane >> 2), nh, nkv, hd, n_rot, interleaved);
         const u8* W = k.which == 0 ? Wq : k.which == 1 ? Wk : Wv;
         long long rb = k.which == 0 ? rbq : k.which == 1 ? rbk : rbv;
-        const u8* ra = k.which >= 0 ? W + (long long)(k.head * hd + k.d0) * rb : nullptr;
-        const u8* rb1 = k.which >= 0 && k.d1 >= 0 ? W + (long long)(k.head * hd + k.d1) * rb : nullptr;
-        mmv_warp<WT>(ra, rb1, X, g, T, K, part);
+        ra[r] = k.which >= 0 ? W + (long long)(k.head * hd + k.d0) * rb : nullptr;
+        rbs[r] = k.which >= 0 && k.d1 >= 0 ? W + (long long)(k.head * hd + k.d1) * rb : nullptr;
     }
-    __syncthreads();
-    for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
-        int s = it & 7, t = it >> 3;
-        QkvTask k = qkv_task(task0 + s, nh, nkv, hd, n_rot, interleaved);
-        if (k.which < 0) continue;
-        qkv_rope_store(k, t, tile_sum(part, s, t) * inv[t], k.d1 >= 0 ? tile_sum(part, s + 8, t) * inv[t] : 0.0f,
-                       ELLM_QKV_ROPE_STORE_ARGS);
+    float acc[RT][MMV_TOKENS / 8][4];
+    mmv_warp<WT, RT>(ra, rbs, X, g, T, K, acc);
+    #pragma unroll
+    for (int r = 0; r < RT; r++) {
+        if (r) __syncthreads();
+        store_part(acc[r], T, part);
+        __syncthreads();
+        int task0 = (blockIdx.x * RT + r) * 8;
+        for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
+            int s = it & 7, t = it >> 3;
+            QkvTask k = qkv_task(task0 + s, nh, nkv, hd, n_rot, interleaved);
+            if (k.which < 0) continue;
+            qkv_rope_store(k, t, tile_sum(part, s, t) * inv[t],
+                           k.d1 >= 0 ? tile_sum(part, s + 8, t) * inv[t] : 0.0f, ELLM_QKV_ROPE_STORE_ARGS);
+        }
     }
 }
 
-#define ELLM_MMV_KERNELS(name, WT)                                                        \
-extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv3_##name(                 \
+// RT = 1 for up to MMV_TILE2_FROM - 1 tokens (more blocks at batch 1), RT = 2 above (the
+// activations read half as often); ops/cuda.py chooses. Same bits either way.
+#define ELLM_MMV_KERNELS_RT(name, WT, sfx, RT)                                            \
+extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv3##sfx##_##name(          \
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,  \
         long long rb0, long long rb1, long long rb2,                                      \
         const float* __restrict__ b0, const float* __restrict__ b1,                       \
@@ -442,21 +502,24 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv3_##name(       
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         int T, int K, int N0, int N1, int N2, int add) {                                  \
     grid_dependency_sync();                                                               \
-    mmv3_t<WT>(W0, W1, W2, rb0, rb1, rb2, b0, b1, b2, Y0, Y1, Y2, X, g, eps, T, K, N0, N1, N2, add); \
+    mmv3_t<WT, RT>(W0, W1, W2, rb0, rb1, rb2, b0, b1, b2, Y0, Y1, Y2, X, g, eps, T, K, N0, N1, N2, add); \
 }                                                                                         \
-extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_glu_##name(              \
+extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_glu##sfx##_##name(       \
         const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rbg, long long rbu, \
         const float* __restrict__ bg, const float* __restrict__ bu,                       \
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         float* __restrict__ out, int T, int K, int F, int act) {                          \
     grid_dependency_sync();                                                               \
-    mmv_glu_t<WT>(Wg, Wu, rbg, rbu, bg, bu, X, g, eps, out, T, K, F, act);                \
+    mmv_glu_t<WT, RT>(Wg, Wu, rbg, rbu, bg, bu, X, g, eps, out, T, K, F, act);            \
 }                                                                                         \
-extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope_##name(         \
+extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope##sfx##_##name(  \
         ELLM_QKV_ROPE_PARAMS) {                                                           \
     grid_dependency_sync();                                                               \
-    mmv_qkv_rope_t<WT>(ELLM_QKV_ROPE_ARGS);                                               \
+    mmv_qkv_rope_t<WT, RT>(ELLM_QKV_ROPE_ARGS);                                           \
 }
+#define ELLM_MMV_KERNELS(name, WT)                                                        \
+    ELLM_MMV_KERNELS_RT(name, WT, , 1)                                                    \
+    ELLM_MMV_KERNELS_RT(name, WT, x2, 2)
 ELLM_MMV_KERNELS(bf16, WBf16)
 ELLM_MMV_KERNELS(q4_0, WQ4_0)
 ELLM_MMV_KERNELS(q4_1, WQ4_1)

@@ -51,7 +51,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
                      "attn_prefill", "attn_prefill_bf16"),
     "sample.cu": ("sample_rows", "argmax_rows"),
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
-    "mmv.cu": tuple(f"{op}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope")
+    "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2")
                     for q, t in WEIGHT_TYPES.items() if q not in (GGMLType.F32, GGMLType.F16)),
 }
 HEADER = "common.cuh"
@@ -68,7 +68,13 @@ FUSED_WARPS = 4                         # as in linear.cu (the fused decode kern
 # Decode products of these types on the tensor cores (mmv.cu: every weight read once per
 # step, whatever the batch) when K % 32 == 0; F32 and F16 rows stay on linear.cu's kernels.
 MMV_TYPES = frozenset(q for q in WEIGHT_TYPES if q not in (GGMLType.F32, GGMLType.F16))
-MMV_ROWS, MMV_TASKS, MMV_THREADS = 16, 8, 256   # rows (tasks) a block; as in mmv.cu
+MMV_ROWS, MMV_TASKS, MMV_THREADS = 16, 8, 256   # rows (tasks) a tile; as in mmv.cu
+# Above this many tokens a block of mmv.cu takes two tiles (the `x2` kernels): it reads the
+# activations once for both, which halves the reads that dominate at 32-64 tokens; at
+# fewer, one tile a block keeps twice the blocks (batch 1). The same bits either way.
+# ELLM_CUDA_MMV_X2=0: one tile a block for every step (the benchmark's comparison).
+MMV_X2_ABOVE = 16
+MMV_X2_ENV = "ELLM_CUDA_MMV_X2"
 # ELLM_CUDA_MMV=0: decode products on linear.cu's f32 kernels for every type (the benchmark
 # compares both; a fallback should mmv.cu misbehave on some GPU)
 MMV_ENV = "ELLM_CUDA_MMV"
@@ -183,6 +189,7 @@ class CudaOps:
         # the fused decode kernels through ops/fused_stack.py (layer_stack); off: one per op
         self.fused = os.environ.get(FUSED_ENV, "1") != "0"
         self.use_mmv = os.environ.get(MMV_ENV, "1") != "0"
+        self.mmv_x2 = os.environ.get(MMV_X2_ENV, "1") != "0"
         self._cublas: Any = None   # (module, handle) once a prefill product first asks
         self.use_cublas = os.environ.get(CUBLAS_ENV, "1") != "0"
         # One stream for everything (kernels, copies, graph replays; see _on_stream): a
@@ -682,6 +689,10 @@ class CudaOps:
         """Whether decode products of this type and width run on mmv.cu's tensor-core kernels."""
         return self.use_mmv and qtype in MMV_TYPES and K % 32 == 0
 
+    def _mmv_tiles(self, T: int) -> tuple[str, int]:
+        """(kernel name suffix, tiles a block) of mmv.cu's kernels for T tokens."""
+        return ("x2", 2) if self.mmv_x2 and T > MMV_X2_ABOVE else ("", 1)
+
     def _mmv3(self, x: Any, ws: Sequence[Linear], outs: Sequence[Any], ns: Sequence[int], norm: Any,
               eps: float, add: bool = False) -> None:
         """mmv3: up to three matrices (ns[i] == 0: absent) against x (T <= 64 rows, aligned),
@@ -689,7 +700,8 @@ class CudaOps:
         T, K = int(x.shape[0]), ws[0].in_features
         datas = [self._weight(w) for w in ws]
         biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
-        self._launch(f"mmv3_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), MMV_ROWS),), (MMV_THREADS,),
+        sfx, rt = self._mmv_tiles(T)
+        self._launch(f"mmv3{sfx}_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), MMV_ROWS * rt),), (MMV_THREADS,),
                      (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x,
                       _NULL if norm is None else norm, np.float32(eps), np.int32(T), np.int32(K),
                       *(np.int32(n) for n in ns), np.int32(bool(add))))
@@ -743,8 +755,9 @@ class CudaOps:
         x = self._vec_in(x)
         dg, du = self._weight(gate), self._weight(up)
         mmv = self._mmv(gate.qtype, gate.in_features)
-        self._launch(f"mmv_glu_{WEIGHT_TYPES[gate.qtype]}" if mmv else f"glu_{WEIGHT_TYPES[gate.qtype]}",
-                     (_ceil(F, MMV_TASKS),) if mmv else (_ceil(F, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+        sfx, rt = self._mmv_tiles(T)
+        self._launch(f"mmv_glu{sfx}_{WEIGHT_TYPES[gate.qtype]}" if mmv else f"glu_{WEIGHT_TYPES[gate.qtype]}",
+                     (_ceil(F, MMV_TASKS * rt),) if mmv else (_ceil(F, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
                      (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
                      (dg, du, np.int64(dg.strides[0]), np.int64(du.strides[0]),
                       _NULL if gate.bias is None else gate.bias, _NULL if up.bias is None else up.bias,
@@ -801,8 +814,9 @@ class CudaOps:
         dq, dk, dv = self._weight(q), self._weight(k), self._weight(v)
         tasks = (nh + nkv) * (hd - n_rot) + nkv * hd
         mmv = self._mmv(q.qtype, q.in_features)
-        self._launch(f"mmv_qkv_rope_{WEIGHT_TYPES[q.qtype]}" if mmv else f"qkv_rope_{WEIGHT_TYPES[q.qtype]}",
-                     (_ceil(tasks, MMV_TASKS),) if mmv else (_ceil(tasks, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+        sfx, rt = self._mmv_tiles(T)
+        self._launch(f"mmv_qkv_rope{sfx}_{WEIGHT_TYPES[q.qtype]}" if mmv else f"qkv_rope_{WEIGHT_TYPES[q.qtype]}",
+                     (_ceil(tasks, MMV_TASKS * rt),) if mmv else (_ceil(tasks, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
                      (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
                      (dq, dk, dv, np.int64(dq.strides[0]), np.int64(dk.strides[0]), np.int64(dv.strides[0]),
                       *(_NULL if w.bias is None else w.bias for w in (q, k, v)),
