@@ -213,6 +213,16 @@ __device__ __forceinline__ void act_frag(const float* __restrict__ xrow, const f
     for (int i = 0; i < 4; i++) split_bf16(x[2 * i], x[2 * i + 1], hi[i], lo[i]);
 }
 
+// A step's products on the tensor cores: c1 += a1 (bh1 + bl1), then c2 += a2 (bh2 + bl2),
+// each activation as its hi and then its lo bf16 term (c1 and c2 may be one array).
+__device__ __forceinline__ void step_products(float* c1, float* c2, const u32* a1, const u32* a2,
+                                              const u32* bh1, const u32* bl1, const u32* bh2, const u32* bl2) {
+    mma_bf16_16816(c1, a1, bh1);
+    mma_bf16_16816(c1, a1, bl1);
+    mma_bf16_16816(c2, a2, bh2);
+    mma_bf16_16816(c2, a2, bl2);
+}
+
 // This warp's share of RT tiles: for tile r, rows ra[r] (slot g) and rb[r] (slot g + 8)
 // of this lane against tokens 0 .. T-1 of X (rows of K floats), over its steps of K, into
 // acc[r]. The activations of a step are read once for the RT tiles (a block of RT tiles
@@ -269,17 +279,11 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
                 const u32 a1[4] = {fa.w[0], fb.w[0], fa.w[1], fb.w[1]};
                 const u32 a2[4] = {fa.w[2], fb.w[2], fa.w[3], fb.w[3]};
                 if (!WT::scaled) {
-                    mma_bf16_16816(acc[r][j], a1, bh1);
-                    mma_bf16_16816(acc[r][j], a1, bl1);
-                    mma_bf16_16816(acc[r][j], a2, bh2);
-                    mma_bf16_16816(acc[r][j], a2, bl2);
+                    step_products(acc[r][j], acc[r][j], a1, a2, bh1, bl1, bh2, bl2);
                     continue;
                 }
                 float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                mma_bf16_16816(c1, a1, bh1);
-                mma_bf16_16816(c1, a1, bl1);
-                mma_bf16_16816(c2, a2, bh2);
-                mma_bf16_16816(c2, a2, bl2);
+                step_products(c1, c2, a1, a2, bh1, bl1, bh2, bl2);
                 #pragma unroll
                 for (int i = 0; i < 4; i++) {   // c[0], c[1]: slot g; c[2], c[3]: slot g + 8
                     const Frag& f = i < 2 ? fa : fb;
@@ -287,10 +291,7 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
                 }
                 if (WT::has_min) {
                     float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_bf16_16816(s1, ones_a, bh1);
-                    mma_bf16_16816(s1, ones_a, bl1);
-                    mma_bf16_16816(s2, ones_a, bh2);
-                    mma_bf16_16816(s2, ones_a, bl2);
+                    step_products(s1, s2, ones_a, ones_a, bh1, bl1, bh2, bl2);
                     #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         const Frag& f = i < 2 ? fa : fb;
@@ -358,6 +359,23 @@ __device__ __forceinline__ void tokens_inv_rms(const float* __restrict__ X, cons
     __shared__ float sq[MMV_WARPS][MMV_TOKENS];                                           \
     __shared__ float inv[MMV_TOKENS];
 
+// The block's RT tiles: the warps' products (mmv_warp), then, tile by tile, the partials
+// into part and epilogue(r) over them (the block's sums read through tile_sum).
+template <class WT, int RT, class Epilogue>
+__device__ __forceinline__ void mmv_tiles(const u8* const* ra, const u8* const* rb, const float* __restrict__ X,
+                                          const float* __restrict__ g, int T, int K,
+                                          float (*part)[16][MMV_TOKENS], Epilogue epilogue) {
+    float acc[RT][MMV_TOKENS / 8][4];
+    mmv_warp<WT, RT>(ra, rb, X, g, T, K, acc);
+    #pragma unroll
+    for (int r = 0; r < RT; r++) {
+        if (r) __syncthreads();   // the previous tile's sums are read
+        store_part(acc[r], T, part);
+        __syncthreads();
+        epilogue(r);
+    }
+}
+
 // Up to three matrices of one type against X, with the norm folded in when g is not null
 // (nmv3's meaning; gemv3's with g null): Yi (T, Ni) = rmsnorm(X) @ Wi^T (+ bi), or with
 // add, Yi += ... (gemv_add's meaning). Rows of the three are one sequence of N0 + N1 + N2;
@@ -387,13 +405,7 @@ __device__ __forceinline__ void mmv3_t(
         ra[r] = row_of(n0 + gi);
         rbs[r] = row_of(n0 + gi + 8);
     }
-    float acc[RT][MMV_TOKENS / 8][4];
-    mmv_warp<WT, RT>(ra, rbs, X, g, T, K, acc);
-    #pragma unroll
-    for (int r = 0; r < RT; r++) {
-        if (r) __syncthreads();   // the previous tile's sums are read
-        store_part(acc[r], T, part);
-        __syncthreads();
+    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, [&](int r) {
         int n0 = (blockIdx.x * RT + r) * 16;
         for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
             int s = it & 15, t = it >> 4, n = n0 + s;
@@ -406,7 +418,7 @@ __device__ __forceinline__ void mmv3_t(
             float r2 = bias ? v + bias[n] : v;
             *y = add ? *y + r2 : r2;
         }
-    }
+    });
 }
 
 // glu's meaning: out (T, F) = act(h Wg^T + bg) * (h Wu^T + bu), h = rmsnorm(X) (g null:
@@ -428,13 +440,7 @@ __device__ __forceinline__ void mmv_glu_t(
         ra[r] = n < F ? Wg + (long long)n * rbg : nullptr;
         rbs[r] = n < F ? Wu + (long long)n * rbu : nullptr;
     }
-    float acc[RT][MMV_TOKENS / 8][4];
-    mmv_warp<WT, RT>(ra, rbs, X, g, T, K, acc);
-    #pragma unroll
-    for (int r = 0; r < RT; r++) {
-        if (r) __syncthreads();
-        store_part(acc[r], T, part);
-        __syncthreads();
+    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, [&](int r) {
         int n0 = (blockIdx.x * RT + r) * 8;
         for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
             int s = it & 7, t = it >> 3, m = n0 + s;
@@ -451,7 +457,7 @@ __device__ __forceinline__ void mmv_glu_t(
             }
             out[(long long)t * F + m] = y;
         }
-    }
+    });
 }
 
 // qkv_rope's meaning (linear.cu): norm + q/k/v + bias + RoPE + the paged KV write, over
@@ -473,13 +479,7 @@ __device__ __forceinline__ void mmv_qkv_rope_t(ELLM_QKV_ROPE_PARAMS) {
         ra[r] = k.which >= 0 ? W + (long long)(k.head * hd + k.d0) * rb : nullptr;
         rbs[r] = k.which >= 0 && k.d1 >= 0 ? W + (long long)(k.head * hd + k.d1) * rb : nullptr;
     }
-    float acc[RT][MMV_TOKENS / 8][4];
-    mmv_warp<WT, RT>(ra, rbs, X, g, T, K, acc);
-    #pragma unroll
-    for (int r = 0; r < RT; r++) {
-        if (r) __syncthreads();
-        store_part(acc[r], T, part);
-        __syncthreads();
+    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, [&](int r) {
         int task0 = (blockIdx.x * RT + r) * 8;
         for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
             int s = it & 7, t = it >> 3;
@@ -488,7 +488,7 @@ __device__ __forceinline__ void mmv_qkv_rope_t(ELLM_QKV_ROPE_PARAMS) {
             qkv_rope_store(k, t, tile_sum(part, s, t) * inv[t],
                            k.d1 >= 0 ? tile_sum(part, s + 8, t) * inv[t] : 0.0f, ELLM_QKV_ROPE_STORE_ARGS);
         }
-    }
+    });
 }
 
 // RT = 1 for up to MMV_TILE2_FROM - 1 tokens (more blocks at batch 1), RT = 2 above (the
