@@ -368,7 +368,10 @@ def test_batched_equals_single_and_graphs_equal_eager(smollm2_gguf: Path) -> Non
         alone = [llm.generate(q, p).token_ids for q in prompts]
         assert together == alone
         executor = llm.engine.runner.executor   # ops/cuda_graphs.py GraphStep
-        assert executor.stats["replays"] > 0, executor.stats
+        assert executor.stats["replays"] > 0 and executor.stats["fed"] > 0, executor.stats
+        llm.engine.overlap = False   # each step's tokens read before the next is launched
+        assert [o.token_ids for o in llm.generate(prompts, p)] == together
+        llm.engine.overlap = True
         if executor.ops.dependent_launcher is not None:   # sm_90+: captured as dependent launches
             assert executor.stats["dependent_captures"] == executor.stats["captures"], executor.stats
         executor.use_graphs = False
@@ -380,6 +383,59 @@ def test_batched_equals_single_and_graphs_equal_eager(smollm2_gguf: Path) -> Non
         a = llm.generate(prompts[0], ps).token_ids
         b = [o.token_ids for o in llm.generate(prompts, ps)][0]
         assert a == b
+    finally:
+        llm.close()
+
+
+def _scripted(eng, script: dict[int, list], between: dict[int, object] | None = None) -> dict[str, tuple]:
+    """Steps the engine, adding (id, prompt ids, params) at the step numbers of `script`
+    and calling between[i](), if given, before step i -> per request (ids, text, reason)."""
+    done: dict[str, tuple] = {}
+    for i in range(300):
+        for rid, ids, params in script.get(i, []):
+            eng.add_request(ids, params, request_id=rid)
+        if between and i in between:
+            between[i]()
+        if not eng.has_unfinished() and i > max(script):
+            break
+        for o in eng.step():
+            assert o.request_id not in done, o.request_id
+            if o.finished:
+                done[o.request_id] = (o.token_ids, o.text, o.finish_reason)
+    return done
+
+
+@needs_gpu
+def test_overlapped_greedy_decode_feeds_each_steps_ids_to_the_next(tiny_models_dir: Path) -> None:
+    """On cuda the engine launches greedy decode step N+1 before it reads step N's tokens,
+    N+1's token ids copied from N's on the device (GraphStep.launch_greedy): the same
+    tokens, text and finish reasons as one step at a time and as eager steps, with a stop
+    token mid-run, a late arrival, and a one-token engine.logits() between two steps
+    (which replays the batch-1 graph: the engine then reads before it launches again)."""
+    llm = ellm.load(tiny_models_dir / "llama", device="cuda", max_model_len=256)
+    try:
+        eng, executor = llm.engine, llm.engine.runner.executor
+        assert eng.overlap and executor.overlaps
+        rng = np.random.default_rng(4)
+        prompts = [rng.integers(3, 320, n).tolist() for n in (7, 19, 4)]
+        free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        eng.overlap = False
+        first = _scripted(eng, {0: [("probe", prompts[1], free)]})["probe"][0]
+        stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[first[9]])
+        script = {0: [("a", prompts[0], free), ("b", prompts[1], stop)],
+                  5: [("c", prompts[2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]}
+        poke = {3: lambda: eng.logits([5]), 25: lambda: eng.logits([9])}   # at 25 "a" runs alone
+        plain = _scripted(eng, script, poke)
+        assert plain["b"][2] == "stop" and len(plain["b"][0]) <= 10
+        eng.overlap = True
+        fed = executor.stats["fed"]
+        ahead = _scripted(eng, script, poke)
+        assert ahead == plain
+        assert executor.stats["fed"] - fed > 20, executor.stats
+        executor.use_graphs = False   # launch_greedy declines: the plain path, eager steps
+        assert _scripted(eng, script, poke) == plain
+        eng.blocks.clear_prefix_cache()
+        assert eng.blocks.num_used() == 0 and not eng.has_unfinished()
     finally:
         llm.close()
 

@@ -14,7 +14,9 @@ different lengths, so prefill and start-up cancel out.
 
 Engines: `ellm cuda graphs` (fused decode kernels, tensor-core decode products, bf16 KV
 cache, the captured kernels as programmatic dependent launches on sm_90+), `ellm cuda
-graphs plain launches` (the same without them: ELLM_CUDA_PDL=0), `ellm cuda graphs one
+graphs plain launches` (the same without them: ELLM_CUDA_PDL=0), `ellm cuda graphs no
+overlap` (each greedy step's tokens read before the next step is launched: the engine's
+overlap off), `ellm cuda graphs one
 tile` (mmv.cu's one-tile blocks at 32-64 tokens too: ELLM_CUDA_MMV_X2=0), `ellm cuda graphs f32 gemv` (the same with linear.cu's f32 decode products:
 ELLM_CUDA_MMV=0), `ellm cuda graphs unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
 `generate(..., cache_implementation="static")`: compiled, CUDA graphs) and `transformers
@@ -136,7 +138,8 @@ def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> Non
 # -- ellm ----------------------------------------------------------------------------------
 
 def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
-               deadline: float, mmv: bool = True, pdl: bool = True, x2: bool = True) -> dict[str, float]:
+               deadline: float, mmv: bool = True, pdl: bool = True, x2: bool = True,
+               overlap: bool = True) -> dict[str, float]:
     os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # all read when the backend is made
     os.environ["ELLM_CUDA_MMV"] = "1" if mmv else "0"
     os.environ["ELLM_CUDA_PDL"] = "1" if pdl else "0"
@@ -156,6 +159,7 @@ def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
         executor = llm.engine.runner.executor
         if hasattr(executor, "use_graphs"):
             executor.use_graphs = graphs
+        llm.engine.overlap = overlap and llm.engine.runner.overlaps
         ids = list(RANDOM_PROMPT) if src.random_ids else llm.encode_prompt(PROMPT)
 
         def run(n_seqs: int, n_tokens: int) -> None:
@@ -424,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         if (s.name, s.weights) in (("smollm2", "gguf"), ("tiny", "bf16 folder")):   # step_profile.py: 1B
             record(s, f"ellm {ellm_device} graphs plain launches",
                    lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, pdl=False), 0.3)
+    for s in sources:   # step N's tokens read before step N+1 is launched: what the overlap gains
+        if (s.name, s.weights) in (("smollm2", "gguf"), ("tiny", "bf16 folder")):
+            record(s, f"ellm {ellm_device} graphs no overlap",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, overlap=False), 0.3)
     for s in sources:   # one mmv.cu tile a block at 32-64 tokens too (ELLM_CUDA_MMV_X2=0): what x2 gains
         if (s.name, s.weights) in (("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
             record(s, f"ellm {ellm_device} graphs one tile",

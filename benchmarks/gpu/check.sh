@@ -11,8 +11,9 @@
 #   4. the GPU tests (at most ~150 s): tests/test_cuda_compile.py (nvcc, if there),
 #      tests/test_cuda.py and the cuda rows of tests/test_backends.py (every op and fused
 #      op against the reference, both SmolLM2 files' logits against the CPU f32 path,
-#      greedy ids, batched == single, graphs == eager, the device sampler), then the
-#      cuda rows of tests/test_lora.py (at most 120 s: the adapters' logits against peft's,
+#      greedy ids, batched == single, graphs == eager, greedy steps launched one ahead
+#      == one at a time on a tiny llama the machine's transformers make, the device
+#      sampler), then the cuda rows of tests/test_lora.py (at most 120 s: the adapters' logits against peft's,
 #      whose tiny models and adapters the machine's own torch, transformers and peft make)
 #   5. one decode step of SmolLM2 and of the Llama-3.2-1B shape: its graph replay time
 #      with and without programmatic dependent launches, then (where ncu is) each of its
@@ -88,7 +89,7 @@ fi
 
 say "4. GPU tests"
 if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
-  timeout 150 $PY -m pytest tests/test_cuda_compile.py tests/test_cuda.py tests/test_backends.py -k "cuda or nvcc or nvrtc or kernel" \
+  ELLM_REF_PYTHON=$PY timeout 150 $PY -m pytest tests/test_cuda_compile.py tests/test_cuda.py tests/test_backends.py -k "cuda or nvcc or nvrtc or kernel" \
     -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
   say "  pytest exit ${PIPESTATUS[0]}"
   ELLM_REF_PYTHON=$PY timeout 120 $PY -m pytest tests/test_lora.py -k cuda -q -rs -p no:cacheprovider 2>&1 \

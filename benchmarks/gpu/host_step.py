@@ -5,11 +5,13 @@
 Runs ellm's CUDA path on the host stand-in for CuPy (tests/cuda_host) with every kernel
 and cuBLAS call skipped, so what a `generate` step costs is the engine's and the
 backend's Python: scheduling, the batch, the graph's inputs, sampling's bookkeeping,
-detokenizing, the outputs. On a GPU this time adds to each step's replay (the engine
-waits for a step's ids before it plans the next), which benchmarks/gpu/step_profile.py
-measures there as "of which not the replay". The stand-in's own replay loop (a few
-microseconds a kernel) is included, so this is an upper bound. Greedy ids are all 0
-(no logits are computed).
+detokenizing, the outputs. On a GPU, with the engine's overlap off, this time adds to
+each step's replay (the engine reads a step's ids before it plans the next); with it on
+(the default there, for plain greedy rows) the host does it while the next step runs,
+and only the launch's share stays on the critical path. benchmarks/gpu/step_profile.py
+measures both there. A graph replay costs nothing here (on a GPU: one driver call of a
+few microseconds); the stand-in's copies and events cost about what CuPy's Python
+does. Greedy ids are all 0 (no logits are computed).
 """
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ from typing import Any
 
 
 def skip_kernels() -> None:
-    """Kernels, cuBLAS and the greedy argmax become no-ops on the stand-in."""
+    """Kernels, graph replays, cuBLAS and the greedy argmax become no-ops on the stand-in."""
     import cupy
     import numpy as np
     if not hasattr(cupy, "_run"):
         raise SystemExit("host_step.py needs the host stand-in for CuPy: PYTHONPATH=tests/cuda_host")
     cupy._run = lambda *a, **k: None
+    cupy.cuda.Graph.launch = lambda self, stream=None: None   # a replay is one driver call on a GPU
     import cupy_backends.cuda.libs.cublas as cublas
     cublas.gemmEx = lambda *a, **k: None
     from ellm.ops.cuda import CudaOps
@@ -62,11 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     llm = ellm.load(args.model, device="cuda", kv_cache_dtype="bfloat16", max_model_len=1024, progress=False)
     try:
         ids = llm.encode_prompt("The history of the printing press begins")
-        print("| batch | host µs a decode step | µs a sequence |\n|---:|---:|---:|")
+        print("| batch | host µs a decode step | µs a sequence | overlapped: host µs a step |\n"
+              "|---:|---:|---:|---:|")
         for b in args.batch or [1, 16, 64]:
             llm.generate([ids] * b, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))   # capture
+            llm.engine.overlap = False
             us = step_us(llm, ids, b)
-            print(f"| {b} | {us:.0f} | {us / b:.1f} |", flush=True)
+            llm.engine.overlap = True
+            ahead = step_us(llm, ids, b)
+            print(f"| {b} | {us:.0f} | {us / b:.1f} | {ahead:.0f} |", flush=True)
     finally:
         llm.close()
     return 0

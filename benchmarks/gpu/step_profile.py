@@ -12,7 +12,8 @@ by kernel.
 events around 50 replays, median of 5), with the captured kernels as programmatic
 dependent launches and with plain launches (ops/cuda_pdl.py), the step's kernel count,
 and a decode step through `generate` (what the engine's host work, the input copy,
-sampling and the copy back add to the replay). `profile`: one replay of each model's
+sampling and the copy back add to the replay), with the engine's overlap (step N+1
+launched before step N's tokens are read) and without it. `profile`: one replay of each model's
 step (`--batch` sequences, default 1) between cudaProfilerStart and cudaProfilerStop,
 for Nsight Compute (`--profile-from-start off`) to measure each kernel of it alone.
 `summarize`: ncu's CSV as a table per kernel name: launches, microseconds, DRAM bytes
@@ -97,12 +98,12 @@ def sources(args: argparse.Namespace) -> list[tuple[str, Path]]:
 
 def cmd_time(args: argparse.Namespace) -> int:
     print("| model | batch | replay µs, dependent launches | replay µs, plain launches | kernels "
-          "| generate µs a step | of which not the replay |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "| generate µs a step | of which not the replay | generate µs a step, no overlap |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, path in sources(args):
         for batch in args.batch:
             row: dict[bool, float] = {}
-            kernels, whole, dependent = 0, float("nan"), False
+            kernels, whole, alone, dependent = 0, float("nan"), float("nan"), False
             for pdl in (True, False):
                 llm = load(path, batch, pdl)
                 try:
@@ -111,6 +112,8 @@ def cmd_time(args: argparse.Namespace) -> int:
                     kernels = g.kernels
                     if pdl:
                         whole = generate_step_us(llm, batch)
+                        llm.engine.overlap = False   # each step's tokens read before the next launch
+                        alone = generate_step_us(llm, batch)
                         dependent = llm.engine.runner.executor.stats["dependent_captures"] > 0
                 finally:
                     llm.close()
@@ -118,7 +121,7 @@ def cmd_time(args: argparse.Namespace) -> int:
             # measure plain launches: say so rather than show a difference of noise
             first = f"{row[True]:.1f}" if dependent else f"{row[True]:.1f} (plain: unavailable)"
             print(f"| {name} | {batch} | {first} | {row[False]:.1f} | {kernels or '–'} | {whole:.1f} "
-                  f"| {whole - row[True]:.1f} |", flush=True)
+                  f"| {whole - row[True]:.1f} | {alone:.1f} |", flush=True)
     return 0
 
 

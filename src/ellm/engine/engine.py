@@ -2,7 +2,9 @@
 
 Engine.step() = schedule -> build one Batch for all scheduled sequences -> the model
 runner (engine/runner.py: the backend's KV cache, workspace and step executor) -> sample
-the sequences whose logits are due -> detokenize, check stops, finish. Every
+the sequences whose logits are due -> detokenize, check stops, finish. On a device
+backend, a run of plain greedy decode steps overlaps the host with the device instead
+(see `_step_ahead`): step N+1 is launched before step N's tokens are read. Every
 user-facing call (generate, stream, chat, the server) is a loop over step(), run by one
 AsyncEngine thread (engine/async_engine.py): the Engine itself is not thread-safe.
 logits() and embed() run whole prompts through the model outside the scheduler, between
@@ -11,6 +13,7 @@ two steps, on blocks they free before returning.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +22,8 @@ import numpy as np
 from ..models.batch import Batch
 from ..sampling_params import SamplingParams, check_token_ids
 from .kv_cache import BlockManager
-from .runner import ModelRunner
-from .sampler import SequenceSampler, sample_batch
+from .runner import ModelRunner, PendingTokens
+from .sampler import SampleResult, SequenceSampler, sample_batch
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SeqStatus, TokenLogprob
 from .stop import StopStringMatcher
@@ -55,6 +58,16 @@ class EngineConfig:
     kv_cache_dtype: str = "float32"  # or "float16" (cpu) / "bfloat16" (cuda): K and V stored rounded
     enable_prefix_caching: bool = True
     speculative: Any = None          # [spec] a speculative.SpeculativeConfig, or None (off)
+    # launch greedy decode steps one ahead of reading their tokens (Engine._step_ahead);
+    # None: where the backend gains from it (a GPU replaying captured steps)
+    overlap_decode: bool | None = None
+
+
+@dataclass
+class _Ahead:
+    """A decode step launched and not yet read: its sequences, in row order, and its ids."""
+    seqs: list[Sequence]
+    pending: PendingTokens
 
 
 class Engine:
@@ -72,7 +85,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
+        self.overlap = self.runner.overlaps if cfg.overlap_decode is None else bool(cfg.overlap_decode)
+        self._ahead: _Ahead | None = None   # a decode step launched, its tokens not read yet
         self._masks: Any = None  # structured.MaskFiller, made on the first constrained request
         self.loop_owner: Any = None   # the AsyncEngine whose thread steps this engine
         self.spec: Any = None  # [spec] a speculative.Speculator when speculative decoding is on
@@ -177,6 +192,10 @@ class Engine:
     # -- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self._ahead is not None:
+            outputs = self._step_ahead()
+            if outputs or self._ahead is not None:
+                return outputs
         plan, too_big = self.scheduler.schedule()
         outputs = []
         for seq in too_big:  # cannot fit in the KV cache even alone
@@ -187,6 +206,14 @@ class Engine:
         if self.spec is not None:  # [spec] decoding sequences may add guesses to check
             plan = self._add_guesses(plan)
         batch, sampled = self._build_batch(plan)
+        if self.overlap and not too_big and self._overlappable(plan, sampled):
+            pending = self.runner.launch_greedy(batch, [s.sampler for s in sampled])
+            if pending is not None:
+                self.stats["steps"] += 1
+                for seq, _ in plan:
+                    seq.num_computed += 1
+                self._ahead = _Ahead(sampled, pending)
+                return self._step_ahead()
         # [structured] grammar masks are filled in a worker thread while the forward runs
         pending = self._masks.start([s.grammar for s in sampled]) if self._masks else None
         try:
@@ -231,6 +258,81 @@ class Engine:
             if seq.status is SeqStatus.FINISHED or seq.pending_ids:
                 outputs.append(seq.take_output())
         return outputs
+
+    # -- overlapped greedy decoding ----------------------------------------------------
+
+    def _overlappable(self, plan: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
+        """A step that may run ahead: one token per sequence, each sampled, plain greedy,
+        no grammar, no guesses, nobody waiting to be admitted."""
+        return (self.spec is None and not self.scheduler.waiting and len(sampled) == len(plan)
+                and all(n == 1 and seq is s and s.grammar is None and s.sampler.plain_greedy
+                        for (seq, n), s in zip(plan, sampled)))
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Step N was launched and its tokens are unread: launch step N+1 for the same
+        sequences with N's tokens taken on the device, then read N's tokens and run the
+        host's part (detokenizing, stops) while N+1 computes. Where N+1 cannot follow
+        (someone waiting, a sequence finished or about to by length, no block for the
+        next token) N's tokens are read alone and the next step() schedules anew. A
+        sequence that stops on a token of step N (EOS, a stop string) already has a row
+        in step N+1: that row's token is dropped, and the K/V it wrote lies past the
+        sequence's end, in blocks freed with it."""
+        ahead = self._ahead
+        assert ahead is not None
+        seqs = ahead.seqs
+        nxt = None
+        if self._can_follow(ahead):
+            batch = self._ahead_batch(seqs)
+            nxt = self.runner.launch_greedy(batch, [s.sampler for s in seqs], ahead.pending)
+            if nxt is not None:
+                self.stats["steps"] += 1
+                self.stats["overlapped_steps"] += 1
+                for seq in seqs:
+                    seq.num_computed += 1
+        self._ahead = _Ahead(seqs, nxt) if nxt is not None else None
+        if all(seq.status is SeqStatus.FINISHED for seq in seqs):
+            return []   # nobody left to read these tokens for (aborted)
+        ids = ahead.pending.wait()
+        outputs = []
+        for seq, tok in zip(seqs, ids.tolist()):
+            if seq.status is SeqStatus.FINISHED:   # stopped on the step before, or aborted
+                continue
+            try:
+                self._append(seq, SampleResult(tok, math.nan, None))
+            except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
+                seq.error = f"sampling failed: {type(e).__name__}: {e}"
+                self._finish(seq, "error")
+            if seq.status is SeqStatus.FINISHED or seq.pending_ids:
+                outputs.append(seq.take_output())
+        return outputs
+
+    def _can_follow(self, ahead: _Ahead) -> bool:
+        """Whether step N+1 may be launched before step N's tokens are known: overlap on,
+        nobody waiting, N's ids still on the device, every sequence still running and
+        not finishing by length on N's token, and a KV slot for N+1's token in every
+        sequence's tables."""
+        if not self.overlap or self.scheduler.waiting or not ahead.pending.feeds_next:
+            return False
+        limit = self.cfg.max_model_len
+        for seq in ahead.seqs:
+            mt = seq.params.max_tokens
+            if (seq.status is not SeqStatus.RUNNING or seq.num_tokens + 1 >= limit
+                    or (mt is not None and len(seq.output_ids) + 1 >= mt)):
+                return False
+        # num_computed counts N's token already: N+1's K/V go to position num_computed
+        return all(self.blocks.allocate(seq.request_id, seq.num_computed + 1) for seq in ahead.seqs)
+
+    def _ahead_batch(self, seqs: list[Sequence]) -> Batch:
+        """The decode batch of step N+1: positions and tables; its tokens (placeholders
+        here) come from step N's ids on the device."""
+        B = len(seqs)
+        positions = np.fromiter((seq.num_computed for seq in seqs), np.int32, B)
+        if any(w for w in self.blocks.windows):
+            for seq in seqs:
+                self.blocks.release_out_of_window(seq.request_id, seq.num_computed)
+        plan = [(seq, 1) for seq in seqs]
+        return Batch(np.zeros(B, np.int32), positions, np.arange(B, dtype=np.int32), self._block_tables(plan),
+                     np.arange(B, dtype=np.int32))
 
     def _build_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
         if all(n == 1 and not seq.draft_ids and not seq.images for seq, n in plan):

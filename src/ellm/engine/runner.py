@@ -5,11 +5,13 @@ what lives on the backend: the paged KV cache and the activation workspace, both
 allocated by the op set (ops.kv_zeros, ops.empty), and the step executor that runs a
 Batch through the model (ops.step_executor: eager here, a CUDA-graph replay on a backend
 that captures its decode steps). It hands back logits on the host for the sampler, or
-lets the backend sample on its device so that only token ids cross the bus.
+lets the backend sample on its device so that only token ids cross the bus. A greedy
+decode step can also be launched without waiting for its ids (launch_greedy), the next
+one taking them as its tokens on the device.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
@@ -21,6 +23,30 @@ from .kv_cache import KVCache
 if TYPE_CHECKING:
     from .engine import EngineConfig
     from .sampler import SampleResult, SequenceSampler
+
+
+class PendingTokens(Protocol):
+    """The token ids of a launched step: `wait` blocks until they are known (rows,);
+    `feeds_next` says whether a step launched now may still take them as its tokens."""
+
+    rows: int
+
+    @property
+    def feeds_next(self) -> bool: ...
+
+    def wait(self) -> np.ndarray: ...
+
+
+class ReadyTokens:
+    """PendingTokens already known: a host backend's step has run when it is launched."""
+
+    feeds_next = True
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids, self.rows = ids, len(ids)
+
+    def wait(self) -> np.ndarray:
+        return self.ids
 
 
 class ModelRunner:
@@ -47,6 +73,28 @@ class ModelRunner:
         the final-normed hidden states (R, H), R = len(batch.logits_rows). A workspace view,
         valid until the next pass."""
         return self.executor(batch, hidden_only)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether launch_greedy lets the host go on while the step runs (a device backend
+        replaying captured steps); on a host backend the step runs in the call."""
+        return bool(getattr(self.executor, "overlaps", False))
+
+    def launch_greedy(self, batch: Batch, samplers: Sequence["SequenceSampler"],
+                      after: PendingTokens | None = None) -> PendingTokens | None:
+        """Starts a decode step whose rows are all plain greedy (samplers[i].plain_greedy)
+        and returns its ids to wait for, or None when this step cannot be launched so (run
+        it with execute). after: the step launched just before, same rows in the same
+        order, whose ids are this step's tokens (batch.token_ids are placeholders then):
+        on a device they go from one step to the next without crossing the bus."""
+        launch = getattr(self.executor, "launch_greedy", None)
+        if launch is not None:
+            return launch(batch, after)
+        from .sampler import sample_batch
+        if after is not None:
+            batch.token_ids[:] = after.wait()
+        logits = self.to_host(self.execute(batch))
+        return ReadyTokens(np.array([r.token_id for r in sample_batch(list(samplers), logits)], np.int32))
 
     def sample(self, logits: Any, samplers: Sequence["SequenceSampler"]) -> list["SampleResult"] | None:
         """The tokens chosen on the device for every row of logits, or None: sample on the

@@ -17,6 +17,12 @@ way, so a step's logits are the same replayed or eager. On compute capability 9.
 captured kernels are programmatic dependent launches (ops/cuda_pdl.py: a kernel's blocks
 may be scheduled before the previous kernel ends, and wait for it in the kernel); a
 capture that fails with them is retried once with plain launches.
+
+`launch_greedy` starts a step without waiting for it: its inputs go up from page-locked
+host memory and its greedy ids come back into page-locked memory, both as copies on the
+step's stream, and the next step's token ids may be taken from this one's on the device.
+So the engine can launch step N+1 before it reads step N's tokens, and its host work
+(detokenizing, stops, the next batch) runs while the GPU computes.
 """
 from __future__ import annotations
 
@@ -87,13 +93,26 @@ def pack_inputs(batch: Batch | None, b: int, widths: dict[int, int]) -> np.ndarr
     return np.concatenate(chunks)
 
 
+def pinned_empty(cp: Any, n: int, dtype: Any) -> np.ndarray:
+    """A host array of n elements in page-locked memory: a copy from or to it on a stream
+    is asynchronous (from pageable memory the driver may wait for the stream first)."""
+    dtype = np.dtype(dtype)
+    mem = cp.cuda.alloc_pinned_memory(max(n, 1) * dtype.itemsize)
+    return np.frombuffer(mem, dtype, n)   # keeps mem alive
+
+
 class InputImage:
     """Bucket b's host image of its static buffer, kept and refilled in place each step:
     what pack_inputs makes, without building it anew (the seq_ids and logits_rows parts
-    never change)."""
+    never change). out: the array to keep it in (page-locked memory), else a new one."""
 
-    def __init__(self, b: int, widths: dict[int, int]) -> None:
-        self.b, self.buf = b, pack_inputs(None, b, widths)
+    def __init__(self, b: int, widths: dict[int, int], out: np.ndarray | None = None) -> None:
+        image = pack_inputs(None, b, widths)
+        if out is not None:
+            out[:] = image
+            image = out
+        self.b, self.buf, self.ptr = b, image, image.ctypes.data
+        self.copied: Any = None   # the event after the last copy of buf to the device
         self.parts = unpack_inputs(self.buf, b, widths)   # views into buf
         self.filled = 0   # rows holding a batch's values (the rest are padding)
         # per window, the leading columns that may hold blocks (the rest are -1): a table
@@ -138,11 +157,49 @@ def unpack_inputs(buf: Any, b: int, widths: dict[int, int]) -> Batch:
 class _Graph:
     """One bucket's captured step: its static inputs, its graph and its output view."""
 
-    def __init__(self, graph: Any, ints_dev: Any, batch: Batch, logits: Any, argmax: Any, keep: list[Any],
-                 kernels: int) -> None:
-        self.graph, self.ints_dev, self.batch, self.logits, self.keep = graph, ints_dev, batch, logits, keep
+    def __init__(self, b: int, graph: Any, ints_dev: Any, batch: Batch, logits: Any, argmax: Any,
+                 keep: list[Any], kernels: int) -> None:
+        self.b, self.graph, self.ints_dev, self.batch, self.logits = b, graph, ints_dev, batch, logits
+        self.keep = keep
+        # the addresses the step's copies use, looked up once
+        self.ints_ptr, self.argmax_ptr = int(ints_dev.data.ptr), int(argmax.data.ptr)
         self.argmax = argmax     # each row's greedy token, computed in the graph (ops.argmax_rows)
         self.kernels = kernels   # ellm's kernel launches in the step (CuPy's own copies aside)
+        self.last: PendingIds | None = None   # launch_greedy's, when the latest replay was one
+
+
+class _IdsSlot:
+    """Page-locked room for one launched step's ids, and which PendingIds holds it now."""
+
+    def __init__(self, cp: Any, b: int) -> None:
+        self.host = pinned_empty(cp, b, np.int32)
+        self.host_ptr = self.host.ctypes.data
+        self.event = cp.cuda.Event(disable_timing=True)
+        self.owner: PendingIds | None = None
+
+
+class PendingIds:
+    """The greedy token ids of a decode step launched by `GraphStep.launch_greedy`: on the
+    device (at `dev_ptr`, until the same graph runs again) and, once `wait` returns, on the host."""
+
+    def __init__(self, graph: _Graph, slot: _IdsSlot, rows: int) -> None:
+        self._graph, self._slot, self.rows = graph, slot, rows
+        self.dev_ptr = graph.argmax_ptr
+        slot.owner = self
+
+    @property
+    def feeds_next(self) -> bool:
+        """Whether a step launched now may take these ids as its tokens: no replay of the
+        same graph came after (an engine.logits() call of one token could)."""
+        return self._graph.last is self
+
+    def wait(self) -> np.ndarray:
+        """Blocks until the step and the copy of its ids are done -> int32 (rows,)."""
+        if self._slot.owner is not self:
+            raise RuntimeError("these token ids were overwritten: a step's ids must be read before the "
+                               "second launch after it")
+        self._slot.event.synchronize()
+        return self._slot.host[:self.rows].copy()
 
 
 class GraphStep:
@@ -156,39 +213,90 @@ class GraphStep:
         self.widths = {w: int(kv.num_blocks[w]) for w in kv.windows}
         self.graph_ws: Workspace | None = None
         self.graphs: dict[int, _Graph] = {}
-        self.images: dict[int, InputImage] = {}   # per bucket, refilled each replay
-        self.stats = {"replays": 0, "eager": 0, "captures": 0, "dependent_captures": 0}
+        # per bucket, two host images of its inputs, used in turn: one may still be on its
+        # way to the device while the next step's is filled
+        self.images: dict[int, list[InputImage]] = {}
+        self.ids_slots: dict[int, list[_IdsSlot]] = {}   # per bucket, launch_greedy's ids, in turn
+        self.stats = {"replays": 0, "eager": 0, "captures": 0, "dependent_captures": 0, "fed": 0}
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether launch_greedy runs steps on the device while the host goes on."""
+        return self.use_graphs
 
     def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
         ops = self.ops
         ops.graph_argmax = None   # set again only by a replay
         with ops.stream:
-            # [lora] a step with adapters runs eagerly (the captured graphs hold no adapter slots);
-            # [trace] so does a pass being recorded (a replay would tell the recorder nothing)
-            if (self.use_graphs and not hidden_only and batch.adapter_slots is None
-                    and getattr(self.model, "recorder", None) is None and is_decode_step(batch)
-                    and self._fits(batch)):
-                try:
-                    return self._replay(batch)
-                except Exception as e:
-                    if ops.dependent_launcher is not None:
-                        # capture once more with plain launches before giving graphs up
-                        log.warning("CUDA graph capture with programmatic dependent launches failed "
-                                    "(%s: %s); capturing with plain launches", type(e).__name__, e)
-                        ops.dependent_launcher = None
-                        self.graphs.clear()
-                        try:
-                            return self._replay(batch)
-                        except Exception as e2:
-                            e = e2
-                    # capture not supported here: eager from now on
-                    log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly",
-                                type(e).__name__, e)
-                    self.use_graphs = False
-                    self.graphs.clear()
+            if not hidden_only and self._replayable(batch):
+                g = self._guarded(batch, None)
+                if g is not None:
+                    t = len(batch.token_ids)
+                    logits = g.logits[:t]
+                    # plain greedy rows then need no sampling launch: ops.sample reads these
+                    ops.graph_argmax = (logits, g.argmax[:t])
+                    return logits
             self.stats["eager"] += 1
             return self.model.forward(ops.upload_batch(batch), self.kv, hidden_only=hidden_only,
                                       ws=self.workspace)
+
+    def launch_greedy(self, batch: Batch, after: PendingIds | None = None) -> PendingIds | None:
+        """Replays the decode step of `batch` and starts the copy of its rows' greedy ids
+        to the host, without waiting: -> what to wait for, or None when the step is not
+        one a graph replays (the caller runs it through __call__). after: the step
+        launched just before, with the same rows in the same order, whose ids are this
+        step's token ids: copied on the device (batch.token_ids are placeholders then)."""
+        ops = self.ops
+        ops.graph_argmax = None
+        if not self._replayable(batch):
+            return None
+        t = len(batch.token_ids)
+        if after is not None and not (after.feeds_next and after.rows == t):
+            raise ValueError("launch_greedy: `after` must be the step launched last on these rows")
+        with ops.stream:
+            g = self._guarded(batch, after)
+            if g is None:
+                return None
+            slots = self.ids_slots.get(g.b)
+            if slots is None:
+                slots = self.ids_slots[g.b] = [_IdsSlot(ops.cp, g.b), _IdsSlot(ops.cp, g.b)]
+            slot = slots[0]
+            slots.reverse()   # the other one next time: this step's ids stay until the one after
+            self._copy(slot.host_ptr, g.argmax_ptr, 4 * t, "DeviceToHost")
+            slot.event.record(ops.stream)
+            g.last = PendingIds(g, slot, t)
+        return g.last
+
+    def _replayable(self, batch: Batch) -> bool:
+        # [lora] a step with adapters runs eagerly (the captured graphs hold no adapter slots);
+        # [trace] so does a pass being recorded (a replay would tell the recorder nothing)
+        return (self.use_graphs and batch.adapter_slots is None
+                and getattr(self.model, "recorder", None) is None and is_decode_step(batch)
+                and self._fits(batch))
+
+    def _guarded(self, batch: Batch, after: PendingIds | None) -> _Graph | None:
+        """_replay, falling back when capture fails: once more with plain launches where
+        dependent launches were used, then eager for good (None)."""
+        ops = self.ops
+        try:
+            return self._replay(batch, after)
+        except Exception as e:
+            if ops.dependent_launcher is not None:
+                # capture once more with plain launches before giving graphs up
+                log.warning("CUDA graph capture with programmatic dependent launches failed "
+                            "(%s: %s); capturing with plain launches", type(e).__name__, e)
+                ops.dependent_launcher = None
+                self.graphs.clear()
+                try:
+                    return self._replay(batch, after)
+                except Exception as e2:
+                    e = e2
+            # capture not supported here: eager from now on
+            log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly",
+                        type(e).__name__, e)
+            self.use_graphs = False
+            self.graphs.clear()
+            return None
 
     def _fits(self, batch: Batch) -> bool:
         return all(w in self.widths and tbl.shape[1] <= self.widths[w]
@@ -199,28 +307,47 @@ class GraphStep:
     def _host_inputs(self, batch: Batch | None, b: int) -> np.ndarray:
         return pack_inputs(batch, b, self.widths)
 
-    def _fill_inputs(self, batch: Batch, b: int) -> np.ndarray:
-        image = self.images.get(b)
-        if image is None:
-            image = self.images[b] = InputImage(b, self.widths)
-        return image.fill(batch)
+    def _upload_inputs(self, g: _Graph, batch: Batch) -> None:
+        """The batch's inputs into the graph's static buffer: filled into the bucket's
+        host image not used last time, then one asynchronous copy on the stream."""
+        b, ops = g.b, self.ops
+        images = self.images.get(b)
+        if images is None:
+            n = int(g.ints_dev.size)
+            images = self.images[b] = [InputImage(b, self.widths, pinned_empty(ops.cp, n, np.int32))
+                                       for _ in range(2)]
+        image = images[0]
+        images.reverse()   # the other one next time
+        if image.copied is not None:   # its last copy (two steps ago) must have left it
+            image.copied.synchronize()
+        else:
+            image.copied = ops.cp.cuda.Event(disable_timing=True)
+        buf = image.fill(batch)
+        self._copy(g.ints_ptr, image.ptr, buf.nbytes, "HostToDevice")
+        image.copied.record(ops.stream)
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: str) -> None:
+        rt = self.ops.cp.cuda.runtime
+        rt.memcpyAsync(dst, src, nbytes, getattr(rt, "memcpy" + kind), self.ops.stream.ptr)
 
     def _static_batch(self, ints_dev: Any, b: int) -> Batch:
         return unpack_inputs(ints_dev, b, self.widths)
 
     # -- capture and replay ------------------------------------------------------------------
 
-    def _replay(self, batch: Batch) -> Any:
+    def _replay(self, batch: Batch, after: PendingIds | None = None) -> _Graph:
         t = len(batch.token_ids)
         b = bucket_for(t)
+        assert b is not None
         g = self.graphs.get(b) or self._capture(b)
-        g.ints_dev.set(self._fill_inputs(batch, b), stream=self.ops.stream)
+        self._upload_inputs(g, batch)
+        if after is not None:   # this step's tokens are that step's ids, still on the device
+            self._copy(g.ints_ptr, after.dev_ptr, 4 * t, "DeviceToDevice")
+            self.stats["fed"] += 1
         g.graph.launch(self.ops.stream)
+        g.last = None   # its argmax now holds this step's ids
         self.stats["replays"] += 1
-        logits = g.logits[:t]
-        # plain greedy rows then need no sampling launch: ops.sample reads these
-        self.ops.graph_argmax = (logits, g.argmax[:t])
-        return logits
+        return g
 
     def _capture(self, b: int) -> _Graph:
         ops, cp = self.ops, self.ops.cp
@@ -253,6 +380,6 @@ class GraphStep:
             ops.dependent_launch = False
         if ops.dependent_launcher is not None:
             self.stats["dependent_captures"] += 1
-        g = self.graphs[b] = _Graph(graph, ints_dev, static, logits, argmax, keep, ops.launches - launched)
+        g = self.graphs[b] = _Graph(b, graph, ints_dev, static, logits, argmax, keep, ops.launches - launched)
         self.stats["captures"] += 1
         return g

@@ -7,7 +7,7 @@ from typing import Any
 
 from . import device, runtime
 
-__all__ = ["Device", "Stream", "Graph", "Event", "get_elapsed_time", "device", "runtime"]
+__all__ = ["Device", "Stream", "Graph", "Event", "get_elapsed_time", "alloc_pinned_memory", "device", "runtime"]
 
 # the launches being recorded while a stream captures, else None
 _capture: list[Any] | None = None
@@ -84,3 +84,8 @@ def get_elapsed_time(start: Event, end: Event) -> float:
     if start._t is None or end._t is None:
         raise runtime.CUDARuntimeError("cudaErrorInvalidResourceHandle: an event was not recorded")
     return (end._t - start._t) * 1e3
+
+
+def alloc_pinned_memory(size: int) -> bytearray:
+    """Page-locked host memory in CuPy; here a plain buffer numpy can view (np.frombuffer)."""
+    return bytearray(max(int(size), 1))
