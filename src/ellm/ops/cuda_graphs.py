@@ -97,8 +97,18 @@ def pinned_empty(cp: Any, n: int, dtype: Any) -> np.ndarray:
     """A host array of n elements in page-locked memory: a copy from or to it on a stream
     is asynchronous (from pageable memory the driver may wait for the stream first)."""
     dtype = np.dtype(dtype)
-    mem = cp.cuda.alloc_pinned_memory(max(n, 1) * dtype.itemsize)
-    return np.frombuffer(mem, dtype, n)   # keeps mem alive
+    try:
+        mem = cp.cuda.alloc_pinned_memory(max(n, 1) * dtype.itemsize)
+        return np.frombuffer(mem, dtype, n)   # keeps mem alive
+    except (AttributeError, TypeError, cp.cuda.runtime.CUDARuntimeError) as e:
+        # still correct from pageable memory, only the copies may wait for the stream
+        log.warning("page-locked host memory unavailable (%s: %s); steps copy from pageable memory",
+                    type(e).__name__, e)
+        return np.empty(n, dtype)
+
+
+# cudaMemcpyKind (a stable part of CUDA's runtime API)
+MEMCPY_KINDS = {"HostToDevice": 1, "DeviceToHost": 2, "DeviceToDevice": 3}
 
 
 class InputImage:
@@ -327,8 +337,7 @@ class GraphStep:
         image.copied.record(ops.stream)
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: str) -> None:
-        rt = self.ops.cp.cuda.runtime
-        rt.memcpyAsync(dst, src, nbytes, getattr(rt, "memcpy" + kind), self.ops.stream.ptr)
+        self.ops.cp.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_KINDS[kind], self.ops.stream.ptr)
 
     def _static_batch(self, ints_dev: Any, b: int) -> Batch:
         return unpack_inputs(ints_dev, b, self.widths)
