@@ -406,12 +406,13 @@ def _scripted(eng, script: dict[int, list], between: dict[int, object] | None = 
 
 
 @needs_gpu
-def test_overlapped_greedy_decode_feeds_each_steps_ids_to_the_next(tiny_models_dir: Path) -> None:
-    """On cuda the engine launches greedy decode step N+1 before it reads step N's tokens,
-    N+1's token ids copied from N's on the device (GraphStep.launch_greedy): the same
-    tokens, text and finish reasons as one step at a time and as eager steps, with a stop
-    token mid-run, a late arrival, and a one-token engine.logits() between two steps
-    (which replays the batch-1 graph: the engine then reads before it launches again)."""
+def test_overlapped_decode_feeds_each_steps_ids_to_the_next(tiny_models_dir: Path) -> None:
+    """On cuda the engine launches decode step N+1 before it reads step N's tokens, N+1's
+    token ids copied from N's on the device (GraphStep.launch_decode: the graph's argmax,
+    or sample_rows after the replay for a seeded sampled row): the same tokens, text and
+    finish reasons as one step at a time and as eager steps, with a stop token mid-run, a
+    late arrival, and a one-token engine.logits() between two steps (which replays the
+    batch-1 graph: the engine then reads before it launches again)."""
     llm = ellm.load(tiny_models_dir / "llama", device="cuda", max_model_len=256)
     try:
         eng, executor = llm.engine, llm.engine.runner.executor
@@ -422,7 +423,8 @@ def test_overlapped_greedy_decode_feeds_each_steps_ids_to_the_next(tiny_models_d
         eng.overlap = False
         first = _scripted(eng, {0: [("probe", prompts[1], free)]})["probe"][0]
         stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[first[9]])
-        script = {0: [("a", prompts[0], free), ("b", prompts[1], stop)],
+        seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True)
+        script = {0: [("a", prompts[0], free), ("b", prompts[1], stop), ("s", prompts[2], seeded)],
                   5: [("c", prompts[2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]}
         poke = {3: lambda: eng.logits([5]), 25: lambda: eng.logits([9])}   # at 25 "a" runs alone
         plain = _scripted(eng, script, poke)
@@ -432,7 +434,7 @@ def test_overlapped_greedy_decode_feeds_each_steps_ids_to_the_next(tiny_models_d
         ahead = _scripted(eng, script, poke)
         assert ahead == plain
         assert executor.stats["fed"] - fed > 20, executor.stats
-        executor.use_graphs = False   # launch_greedy declines: the plain path, eager steps
+        executor.use_graphs = False   # launch_decode declines: the plain path, eager steps
         assert _scripted(eng, script, poke) == plain
         eng.blocks.clear_prefix_cache()
         assert eng.blocks.num_used() == 0 and not eng.has_unfinished()

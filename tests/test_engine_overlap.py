@@ -83,13 +83,36 @@ def test_a_chat_stopping_on_eos_is_the_same_overlapped(smollm2) -> None:
     assert (ahead.token_ids, ahead.text, ahead.finish_reason) == (plain.token_ids, plain.text, "stop")
 
 
-def test_only_plain_greedy_rows_run_ahead(smollm2) -> None:
+def test_rows_whose_sampling_looks_back_do_not_run_ahead(smollm2) -> None:
     prompt = _prompt(smollm2, 9)
     for params in (SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True),
                    SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),
-                   SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)):
+                   SamplingParams(temperature=0.8, seed=5, max_tokens=8, presence_penalty=0.5,
+                                  ignore_eos=True)):
         plain, ahead, overlapped = _both(smollm2, [prompt], params)
         assert ahead == plain and overlapped == 0, params
+
+
+def test_seeded_sampling_runs_ahead_with_the_same_draws(smollm2) -> None:
+    """Temperature, top-k / top-p / min-p and logit_bias look at nothing but the row and
+    the draws so far: such rows run ahead, and a seeded request draws the same tokens."""
+    eng = smollm2.engine
+    prompts = [_prompt(smollm2, n) for n in (6, 15, 31)]
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=40, min_p=0.05, seed=8, max_tokens=18,
+                             logit_bias={42: 2.0}),
+              SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True)]
+    script = {0: [(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]}
+    eng.overlap = False
+    plain = _run(eng, script)
+    eng.overlap = True
+    before = eng.stats["overlapped_steps"]
+    try:
+        ahead = _run(eng, script)
+    finally:
+        eng.overlap = False
+    assert ahead == plain and len(plain["s0"][0]) == 25
+    assert eng.stats["overlapped_steps"] - before > 10
 
 
 def _run(eng, script: dict[int, list], steps: int = 400) -> dict[str, tuple]:

@@ -7,8 +7,8 @@ and cuBLAS call skipped, so what a `generate` step costs is the engine's and the
 backend's Python: scheduling, the batch, the graph's inputs, sampling's bookkeeping,
 detokenizing, the outputs. On a GPU, with the engine's overlap off, this time adds to
 each step's replay (the engine reads a step's ids before it plans the next); with it on
-(the default there, for plain greedy rows) the host does it while the next step runs,
-and only the launch's share stays on the critical path. benchmarks/gpu/step_profile.py
+(the default there, for rows sampled without penalties or logprobs) the host does it
+while the next step runs, and only the launch's share stays on the critical path. benchmarks/gpu/step_profile.py
 measures both there. A graph replay costs nothing here (on a GPU: one driver call of a
 few microseconds); the stand-in's copies and events cost about what CuPy's Python
 does. Greedy ids are all 0 (no logits are computed).

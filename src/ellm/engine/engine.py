@@ -3,7 +3,7 @@
 Engine.step() = schedule -> build one Batch for all scheduled sequences -> the model
 runner (engine/runner.py: the backend's KV cache, workspace and step executor) -> sample
 the sequences whose logits are due -> detokenize, check stops, finish. On a device
-backend, a run of plain greedy decode steps overlaps the host with the device instead
+backend, a run of decode steps overlaps the host with the device instead
 (see `_step_ahead`): step N+1 is launched before step N's tokens are read. Every
 user-facing call (generate, stream, chat, the server) is a loop over step(), run by one
 AsyncEngine thread (engine/async_engine.py): the Engine itself is not thread-safe.
@@ -58,7 +58,7 @@ class EngineConfig:
     kv_cache_dtype: str = "float32"  # or "float16" (cpu) / "bfloat16" (cuda): K and V stored rounded
     enable_prefix_caching: bool = True
     speculative: Any = None          # [spec] a speculative.SpeculativeConfig, or None (off)
-    # launch greedy decode steps one ahead of reading their tokens (Engine._step_ahead);
+    # launch decode steps one ahead of reading their tokens (Engine._step_ahead);
     # None: where the backend gains from it (a GPU replaying captured steps)
     overlap_decode: bool | None = None
 
@@ -207,7 +207,7 @@ class Engine:
             plan = self._add_guesses(plan)
         batch, sampled = self._build_batch(plan)
         if self.overlap and not too_big and self._overlappable(plan, sampled):
-            pending = self.runner.launch_greedy(batch, [s.sampler for s in sampled])
+            pending = self.runner.launch_decode(batch, [s.sampler for s in sampled])
             if pending is not None:
                 self.stats["steps"] += 1
                 for seq, _ in plan:
@@ -262,16 +262,17 @@ class Engine:
     # -- overlapped greedy decoding ----------------------------------------------------
 
     def _overlappable(self, plan: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
-        """A step that may run ahead: one token per sequence, each sampled, plain greedy,
-        no grammar, no guesses, nobody waiting to be admitted."""
+        """A step that may run ahead: one token per sequence, each sampled without looking
+        at the tokens so far (no penalties, no logprobs), no grammar, no guesses, nobody
+        waiting to be admitted."""
         return (self.spec is None and not self.scheduler.waiting and len(sampled) == len(plan)
-                and all(n == 1 and seq is s and s.grammar is None and s.sampler.plain_greedy
+                and all(n == 1 and seq is s and s.grammar is None and s.sampler.history_free
                         for (seq, n), s in zip(plan, sampled)))
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """Step N was launched and its tokens are unread: launch step N+1 for the same
-        sequences with N's tokens taken on the device, then read N's tokens and run the
-        host's part (detokenizing, stops) while N+1 computes. Where N+1 cannot follow
+        """Step N was launched (and sampled) and its tokens are unread: launch step N+1
+        for the same sequences with N's tokens taken on the device, then read N's tokens
+        and run the host's part (detokenizing, stops) while N+1 computes. Where N+1 cannot follow
         (someone waiting, a sequence finished or about to by length, no block for the
         next token) N's tokens are read alone and the next step() schedules anew. A
         sequence that stops on a token of step N (EOS, a stop string) already has a row
@@ -283,7 +284,7 @@ class Engine:
         nxt = None
         if self._can_follow(ahead):
             batch = self._ahead_batch(seqs)
-            nxt = self.runner.launch_greedy(batch, [s.sampler for s in seqs], ahead.pending)
+            nxt = self.runner.launch_decode(batch, [s.sampler for s in seqs], ahead.pending)
             if nxt is not None:
                 self.stats["steps"] += 1
                 self.stats["overlapped_steps"] += 1
@@ -293,12 +294,17 @@ class Engine:
         if all(seq.status is SeqStatus.FINISHED for seq in seqs):
             return []   # nobody left to read these tokens for (aborted)
         ids = ahead.pending.wait()
+        errors = ahead.pending.errors
         outputs = []
-        for seq, tok in zip(seqs, ids.tolist()):
+        for b, (seq, tok) in enumerate(zip(seqs, ids.tolist())):
             if seq.status is SeqStatus.FINISHED:   # stopped on the step before, or aborted
                 continue
             try:
-                self._append(seq, SampleResult(tok, math.nan, None))
+                if errors and errors[b]:   # its row could not be sampled (a host backend's NaN row)
+                    seq.error = errors[b]
+                    self._finish(seq, "error")
+                else:
+                    self._append(seq, SampleResult(tok, math.nan, None))
             except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
                 seq.error = f"sampling failed: {type(e).__name__}: {e}"
                 self._finish(seq, "error")

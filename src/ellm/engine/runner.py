@@ -5,9 +5,9 @@ what lives on the backend: the paged KV cache and the activation workspace, both
 allocated by the op set (ops.kv_zeros, ops.empty), and the step executor that runs a
 Batch through the model (ops.step_executor: eager here, a CUDA-graph replay on a backend
 that captures its decode steps). It hands back logits on the host for the sampler, or
-lets the backend sample on its device so that only token ids cross the bus. A greedy
-decode step can also be launched without waiting for its ids (launch_greedy), the next
-one taking them as its tokens on the device.
+lets the backend sample on its device so that only token ids cross the bus. A decode
+step can also be launched without waiting for its ids (launch_decode), the next one
+taking them as its tokens on the device.
 """
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 
 class PendingTokens(Protocol):
     """The token ids of a launched step: `wait` blocks until they are known (rows,);
-    `feeds_next` says whether a step launched now may still take them as its tokens."""
+    `feeds_next` says whether a step launched now may still take them as its tokens;
+    `errors`, None or per row why its sampling failed (None: it did not)."""
 
     rows: int
+    errors: list[str | None] | None
 
     @property
     def feeds_next(self) -> bool: ...
@@ -42,8 +44,8 @@ class ReadyTokens:
 
     feeds_next = True
 
-    def __init__(self, ids: np.ndarray) -> None:
-        self.ids, self.rows = ids, len(ids)
+    def __init__(self, ids: np.ndarray, errors: list[str | None] | None = None) -> None:
+        self.ids, self.rows, self.errors = ids, len(ids), errors
 
     def wait(self) -> np.ndarray:
         return self.ids
@@ -76,25 +78,35 @@ class ModelRunner:
 
     @property
     def overlaps(self) -> bool:
-        """Whether launch_greedy lets the host go on while the step runs (a device backend
+        """Whether launch_decode lets the host go on while the step runs (a device backend
         replaying captured steps); on a host backend the step runs in the call."""
         return bool(getattr(self.executor, "overlaps", False))
 
-    def launch_greedy(self, batch: Batch, samplers: Sequence["SequenceSampler"],
+    def launch_decode(self, batch: Batch, samplers: Sequence["SequenceSampler"],
                       after: PendingTokens | None = None) -> PendingTokens | None:
-        """Starts a decode step whose rows are all plain greedy (samplers[i].plain_greedy)
-        and returns its ids to wait for, or None when this step cannot be launched so (run
-        it with execute). after: the step launched just before, same rows in the same
-        order, whose ids are this step's tokens (batch.token_ids are placeholders then):
-        on a device they go from one step to the next without crossing the bus."""
-        launch = getattr(self.executor, "launch_greedy", None)
+        """Starts a decode step whose every row is sampled by samplers[i], none of which
+        looks at the tokens so far (`history_free`), and returns its ids to wait for, or
+        None when this step cannot be launched so (run it with execute). after: the step
+        launched just before, same rows in the same order, whose ids are this step's
+        tokens (batch.token_ids are placeholders then): on a device they go from one step
+        to the next without crossing the bus."""
+        launch = getattr(self.executor, "launch_decode", None)
         if launch is not None:
-            return launch(batch, after)
+            return launch(batch, samplers, after)
         from .sampler import sample_batch
         if after is not None:
             batch.token_ids[:] = after.wait()
         logits = self.to_host(self.execute(batch))
-        return ReadyTokens(np.array([r.token_id for r in sample_batch(list(samplers), logits)], np.int32))
+        if all(s.plain_greedy for s in samplers):
+            return ReadyTokens(np.array([r.token_id for r in sample_batch(list(samplers), logits)], np.int32))
+        # row by row, as the engine samples such rows: one row's failure is its own
+        ids, errors = np.zeros(len(samplers), np.int32), [None] * len(samplers)
+        for b, s in enumerate(samplers):
+            try:
+                ids[b] = sample_batch([s], logits[b:b + 1], None)[0].token_id
+            except Exception as e:  # noqa: BLE001 - reported on the row's request
+                errors[b] = f"sampling failed: {type(e).__name__}: {e}"
+        return ReadyTokens(ids, errors if any(errors) else None)
 
     def sample(self, logits: Any, samplers: Sequence["SequenceSampler"]) -> list["SampleResult"] | None:
         """The tokens chosen on the device for every row of logits, or None: sample on the

@@ -149,6 +149,9 @@ class SequenceSampler:
         self._modifies = self._bias_ids is not None or self._rep or self._freq_pres
         # Rows this sampler can take with a bare argmax (sample_batch does them together).
         self._plain_greedy = self._greedy and not self._modifies and params.logprobs is None
+        # Its next token depends on the logits, its parameters and its draws so far, not
+        # on the tokens before: a step may be sampled before the last one's token is known.
+        self._history_free = not (self._rep or self._freq_pres) and params.logprobs is None
 
         seed = params.seed
         if seed is None:
@@ -170,6 +173,13 @@ class SequenceSampler:
     def plain_greedy(self) -> bool:
         """True when this sampler is a bare argmax (no penalties, bias or logprobs)."""
         return self._plain_greedy
+
+    @property
+    def history_free(self) -> bool:
+        """True when no penalty looks at the tokens so far and no logprobs are asked: the
+        choice depends on the row of logits, the parameters and the draws made, so the
+        engine may sample a step before it has read the previous step's token."""
+        return self._history_free
 
     # -- state -------------------------------------------------------------------------
 

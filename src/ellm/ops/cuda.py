@@ -21,7 +21,7 @@ import os
 import re
 import weakref
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -882,31 +882,40 @@ class CudaOps:
             return None
         if int(logits.shape[0]) != B:
             raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
-        V = int(logits.shape[1])
-        done, self.graph_argmax = self.graph_argmax, None
         with self.stream:
-            greedy = all(s.plain_greedy for s in samplers)   # the common case: a bare argmax per row
-            if greedy and done is not None and done[0] is logits:   # computed by the replayed graph
-                out_ids = done[1]
-            elif greedy:
-                out_ids = self.argmax_rows(self.cp.ascontiguousarray(logits, dtype=np.float32))
-            else:
-                out_ids = self.cp.empty(B, np.int32)
-                logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
-                rows = _SampleRows(B)
-                for b, s in enumerate(samplers):
-                    rows.add(b, s, self._rng_for(s))
-                dev = self._upload_packed(rows.arrays())
-                self._launch("sample_rows", (B,), (1024,),
-                             (logits, np.int32(V), dev["inv_temp"], dev["top_k"], dev["top_p"],
-                              dev["log_min_p"], dev["rep"], dev["freq"], dev["pres"], dev["bias_off"],
-                              dev["bias_ids"], dev["bias_vals"], dev["pen_off"], dev["pen_ids"],
-                              dev["pen_counts"], dev["seeds"], dev["steps"], out_ids))
-            ids = self.cp.asnumpy(out_ids, stream=self.stream)   # the only copy back: B token ids
-        for b, s in enumerate(samplers):
+            ids = self.cp.asnumpy(self.sample_ids(logits, samplers), stream=self.stream)   # B ids: the only copy back
+        return [SampleResult(int(t), math.nan, None) for t in ids.tolist()]
+
+    def sample_ids(self, logits: Any, samplers: Sequence[Any], out: Any = None,
+                   upload: Callable[[np.ndarray], Any] | None = None) -> Any:
+        """sample()'s choice left on the device: int32 (B,) (into out when given), each
+        sampler's draw counted. upload: how the rows' parameters reach the device (bytes
+        -> a device array; default a CuPy copy), e.g. from page-locked memory."""
+        done, self.graph_argmax = self.graph_argmax, None
+        B, V = len(samplers), int(logits.shape[1])
+        with self.stream:
+            if all(s.plain_greedy for s in samplers):   # the common case: a bare argmax per row
+                if done is not None and done[0] is logits:   # computed by the replayed graph
+                    if out is None:
+                        return done[1]
+                    out[...] = done[1]
+                    return out
+                return self.argmax_rows(self.cp.ascontiguousarray(logits, dtype=np.float32), out=out)
+            out_ids = self.cp.empty(B, np.int32) if out is None else out
+            logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
+            rows = _SampleRows(B)
+            for b, s in enumerate(samplers):
+                rows.add(b, s, self._rng_for(s))
+            dev = self._upload_packed(rows.arrays(), upload)
+            self._launch("sample_rows", (B,), (1024,),
+                         (logits, np.int32(V), dev["inv_temp"], dev["top_k"], dev["top_p"],
+                          dev["log_min_p"], dev["rep"], dev["freq"], dev["pres"], dev["bias_off"],
+                          dev["bias_ids"], dev["bias_vals"], dev["pen_off"], dev["pen_ids"],
+                          dev["pen_counts"], dev["seeds"], dev["steps"], out_ids))
+        for s in samplers:
             if not (s.params.greedy or s.params.top_k == 1):
                 self._rng_state[s][1] += 1
-        return [SampleResult(int(t), math.nan, None) for t in ids.tolist()]
+        return out_ids
 
     @_on_stream
     def argmax_rows(self, logits: Any, out: Any = None) -> Any:
@@ -923,7 +932,8 @@ class CudaOps:
                       self._counters(B, "argmax_counters"), out))
         return out
 
-    def _upload_packed(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    def _upload_packed(self, arrays: dict[str, np.ndarray],
+                       upload: Callable[[np.ndarray], Any] | None = None) -> dict[str, Any]:
         """The sampler's per-row arrays in one host-to-device copy: packed into one byte
         buffer (each piece 8-byte aligned), then typed views of the device copy."""
         offsets, total = {}, 0
@@ -933,7 +943,7 @@ class CudaOps:
         host = np.zeros(max(total, 8), np.uint8)
         for name, a in arrays.items():
             host[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        dev = self.cp.asarray(host)
+        dev = upload(host) if upload is not None else self.cp.asarray(host)
         return {name: dev[offsets[name]:offsets[name] + a.nbytes].view(a.dtype) for name, a in arrays.items()}
 
     def _rng_for(self, sampler: Any) -> list[int]:

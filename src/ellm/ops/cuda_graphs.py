@@ -18,16 +18,17 @@ captured kernels are programmatic dependent launches (ops/cuda_pdl.py: a kernel'
 may be scheduled before the previous kernel ends, and wait for it in the kernel); a
 capture that fails with them is retried once with plain launches.
 
-`launch_greedy` starts a step without waiting for it: its inputs go up from page-locked
-host memory and its greedy ids come back into page-locked memory, both as copies on the
-step's stream, and the next step's token ids may be taken from this one's on the device.
+`launch_decode` starts a step without waiting for it: its inputs go up from page-locked
+host memory, its rows are sampled on the device (the graph's own argmax for plain greedy
+rows) and the ids come back into page-locked memory, all as work on the step's stream,
+and the next step's token ids may be taken from this one's on the device.
 So the engine can launch step N+1 before it reads step N's tokens, and its host work
 (detokenizing, stops, the next batch) runs while the GPU computes.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -168,14 +169,16 @@ class _Graph:
     """One bucket's captured step: its static inputs, its graph and its output view."""
 
     def __init__(self, b: int, graph: Any, ints_dev: Any, batch: Batch, logits: Any, argmax: Any,
-                 keep: list[Any], kernels: int) -> None:
+                 sampled: Any, keep: list[Any], kernels: int) -> None:
         self.b, self.graph, self.ints_dev, self.batch, self.logits = b, graph, ints_dev, batch, logits
         self.keep = keep
         # the addresses the step's copies use, looked up once
         self.ints_ptr, self.argmax_ptr = int(ints_dev.data.ptr), int(argmax.data.ptr)
+        self.sampled_ptr = int(sampled.data.ptr)
         self.argmax = argmax     # each row's greedy token, computed in the graph (ops.argmax_rows)
         self.kernels = kernels   # ellm's kernel launches in the step (CuPy's own copies aside)
-        self.last: PendingIds | None = None   # launch_greedy's, when the latest replay was one
+        self.sampled = sampled   # each row's token when launch_decode samples after the replay
+        self.last: PendingIds | None = None   # launch_decode's, when the latest replay was one
 
 
 class _IdsSlot:
@@ -188,13 +191,23 @@ class _IdsSlot:
         self.owner: PendingIds | None = None
 
 
-class PendingIds:
-    """The greedy token ids of a decode step launched by `GraphStep.launch_greedy`: on the
-    device (at `dev_ptr`, until the same graph runs again) and, once `wait` returns, on the host."""
+class _Staging:
+    """Page-locked room for the bytes of one upload (grown as needed), and the event after
+    its last copy to the device."""
 
-    def __init__(self, graph: _Graph, slot: _IdsSlot, rows: int) -> None:
-        self._graph, self._slot, self.rows = graph, slot, rows
-        self.dev_ptr = graph.argmax_ptr
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+        self.copied: Any = None
+
+
+class PendingIds:
+    """The token ids of a decode step launched by `GraphStep.launch_decode`: on the device
+    (at `dev_ptr`, until the same graph runs again) and, once `wait` returns, on the host."""
+
+    errors = None   # sampling on the device does not fail by row
+
+    def __init__(self, graph: _Graph, slot: _IdsSlot, rows: int, dev_ptr: int) -> None:
+        self._graph, self._slot, self.rows, self.dev_ptr = graph, slot, rows, dev_ptr
         slot.owner = self
 
     @property
@@ -226,12 +239,13 @@ class GraphStep:
         # per bucket, two host images of its inputs, used in turn: one may still be on its
         # way to the device while the next step's is filled
         self.images: dict[int, list[InputImage]] = {}
-        self.ids_slots: dict[int, list[_IdsSlot]] = {}   # per bucket, launch_greedy's ids, in turn
+        self.ids_slots: dict[int, list[_IdsSlot]] = {}   # per bucket, launch_decode's ids, in turn
+        self.staging = [_Staging(), _Staging()]   # sampling parameters on their way up, in turn
         self.stats = {"replays": 0, "eager": 0, "captures": 0, "dependent_captures": 0, "fed": 0}
 
     @property
     def overlaps(self) -> bool:
-        """Whether launch_greedy runs steps on the device while the host goes on."""
+        """Whether launch_decode runs steps on the device while the host goes on."""
         return self.use_graphs
 
     def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
@@ -250,32 +264,60 @@ class GraphStep:
             return self.model.forward(ops.upload_batch(batch), self.kv, hidden_only=hidden_only,
                                       ws=self.workspace)
 
-    def launch_greedy(self, batch: Batch, after: PendingIds | None = None) -> PendingIds | None:
-        """Replays the decode step of `batch` and starts the copy of its rows' greedy ids
-        to the host, without waiting: -> what to wait for, or None when the step is not
-        one a graph replays (the caller runs it through __call__). after: the step
-        launched just before, with the same rows in the same order, whose ids are this
-        step's token ids: copied on the device (batch.token_ids are placeholders then)."""
+    def launch_decode(self, batch: Batch, samplers: Sequence[Any],
+                      after: PendingIds | None = None) -> PendingIds | None:
+        """Replays the decode step of `batch`, samples its rows on the device (row i by
+        samplers[i], ops.sample_ids: plain greedy rows take the graph's own argmax) and
+        starts the copy of the ids to the host, without waiting: -> what to wait for, or
+        None when the step is not one a graph replays (the caller runs it through
+        __call__). after: the step launched just before, with the same rows in the same
+        order, whose ids are this step's token ids: copied on the device
+        (batch.token_ids are placeholders then). No sampler may ask for logprobs."""
         ops = self.ops
         ops.graph_argmax = None
         if not self._replayable(batch):
             return None
         t = len(batch.token_ids)
+        if len(samplers) != t or any(s.params.logprobs is not None for s in samplers):
+            raise ValueError("launch_decode: one sampler a row, none asking for logprobs")
         if after is not None and not (after.feeds_next and after.rows == t):
-            raise ValueError("launch_greedy: `after` must be the step launched last on these rows")
+            raise ValueError("launch_decode: `after` must be the step launched last on these rows")
         with ops.stream:
             g = self._guarded(batch, after)
             if g is None:
                 return None
+            ids_ptr = g.argmax_ptr
+            if not all(s.plain_greedy for s in samplers):
+                ops.sample_ids(g.logits[:t], samplers, out=g.sampled[:t], upload=self._upload_staged)
+                ids_ptr = g.sampled_ptr
             slots = self.ids_slots.get(g.b)
             if slots is None:
                 slots = self.ids_slots[g.b] = [_IdsSlot(ops.cp, g.b), _IdsSlot(ops.cp, g.b)]
             slot = slots[0]
             slots.reverse()   # the other one next time: this step's ids stay until the one after
-            self._copy(slot.host_ptr, g.argmax_ptr, 4 * t, "DeviceToHost")
+            self._copy(slot.host_ptr, ids_ptr, 4 * t, "DeviceToHost")
             slot.event.record(ops.stream)
-            g.last = PendingIds(g, slot, t)
+            g.last = PendingIds(g, slot, t, ids_ptr)
         return g.last
+
+    def _upload_staged(self, host: np.ndarray) -> Any:
+        """host's bytes as a new device array, copied on the stream from page-locked
+        memory (two buffers in turn: the host goes on while the copy waits its turn)."""
+        ops = self.ops
+        st = self.staging[0]
+        self.staging.reverse()
+        if st.copied is not None:
+            st.copied.synchronize()   # its last copy (two uploads ago) has left it
+        else:
+            st.copied = ops.cp.cuda.Event(disable_timing=True)
+        n = int(host.nbytes)
+        if st.buf is None or st.buf.nbytes < n:
+            st.buf = pinned_empty(ops.cp, max(n, 4096), np.uint8)
+        st.buf[:n] = host.view(np.uint8).reshape(-1)
+        dev = ops.cp.empty(n, np.uint8)
+        self._copy(int(dev.data.ptr), st.buf.ctypes.data, n, "HostToDevice")
+        st.copied.record(ops.stream)
+        return dev
 
     def _replayable(self, batch: Batch) -> bool:
         # [lora] a step with adapters runs eagerly (the captured graphs hold no adapter slots);
@@ -367,7 +409,7 @@ class GraphStep:
             warm = cp.asarray(self._host_inputs(None, big))
             ops.argmax_rows(self.model.forward(self._static_batch(warm, big), self.kv, ws=self.graph_ws))
         ints_dev = cp.asarray(self._host_inputs(None, b))
-        argmax = cp.empty(b, np.int32)
+        argmax, sampled = cp.empty(b, np.int32), cp.zeros(b, np.int32)
         static = self._static_batch(ints_dev, b)
         self.model.forward(static, self.kv, ws=self.graph_ws)   # compiles anything not yet compiled
         ops.stream.synchronize()
@@ -389,6 +431,7 @@ class GraphStep:
             ops.dependent_launch = False
         if ops.dependent_launcher is not None:
             self.stats["dependent_captures"] += 1
-        g = self.graphs[b] = _Graph(b, graph, ints_dev, static, logits, argmax, keep, ops.launches - launched)
+        g = self.graphs[b] = _Graph(b, graph, ints_dev, static, logits, argmax, sampled, keep,
+                                    ops.launches - launched)
         self.stats["captures"] += 1
         return g
