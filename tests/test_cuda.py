@@ -430,10 +430,11 @@ def test_overlapped_decode_feeds_each_steps_ids_to_the_next(tiny_models_dir: Pat
         plain = _scripted(eng, script, poke)
         assert plain["b"][2] == "stop" and len(plain["b"][0]) <= 10
         eng.overlap = True
-        fed = executor.stats["fed"]
+        fed, padded = executor.stats["fed"], eng.stats["padding_rows"]
         ahead = _scripted(eng, script, poke)
         assert ahead == plain
         assert executor.stats["fed"] - fed > 20, executor.stats
+        assert eng.stats["padding_rows"] > padded   # "b" stopped while the others ran on
         executor.use_graphs = False   # launch_decode declines: the plain path, eager steps
         assert _scripted(eng, script, poke) == plain
         eng.blocks.clear_prefix_cache()

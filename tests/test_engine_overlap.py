@@ -67,6 +67,7 @@ def test_overlapped_greedy_equals_plain_with_every_kind_of_stop(smollm2) -> None
     assert ahead == plain
     assert plain["r3"][2] == "stop" and plain["r0"][2] == "length" and len(plain["r1"][0]) == 17
     assert eng.stats["overlapped_steps"] - before > 10
+    assert eng.stats["padding_rows"] > 0   # r0 stopped early: its row stayed, as padding
 
 
 def test_a_chat_stopping_on_eos_is_the_same_overlapped(smollm2) -> None:

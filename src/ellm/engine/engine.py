@@ -85,7 +85,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0,
+                      "padding_rows": 0}
         self.overlap = self.runner.overlaps if cfg.overlap_decode is None else bool(cfg.overlap_decode)
         self._ahead: _Ahead | None = None   # a decode step launched, its tokens not read yet
         self._masks: Any = None  # structured.MaskFiller, made on the first constrained request
@@ -272,22 +273,24 @@ class Engine:
     def _step_ahead(self) -> list[RequestOutput]:
         """Step N was launched (and sampled) and its tokens are unread: launch step N+1
         for the same sequences with N's tokens taken on the device, then read N's tokens
-        and run the host's part (detokenizing, stops) while N+1 computes. Where N+1 cannot follow
-        (someone waiting, a sequence finished or about to by length, no block for the
-        next token) N's tokens are read alone and the next step() schedules anew. A
-        sequence that stops on a token of step N (EOS, a stop string) already has a row
-        in step N+1: that row's token is dropped, and the K/V it wrote lies past the
-        sequence's end, in blocks freed with it."""
+        and run the host's part (detokenizing, stops) while N+1 computes. A sequence
+        that stops on a token of step N (EOS, a stop string, its length) already has a
+        row in step N+1: that row's token is dropped, and the K/V it wrote lies past the
+        sequence's end, in blocks freed with it; in the steps after, its row is padding.
+        Where N+1 cannot follow (someone waiting, half the rows padding, no block for the
+        next token) N's tokens are read alone and the next step() schedules anew."""
         ahead = self._ahead
         assert ahead is not None
         seqs = ahead.seqs
         nxt = None
         if self._can_follow(ahead):
-            batch = self._ahead_batch(seqs)
-            nxt = self.runner.launch_decode(batch, [s.sampler for s in seqs], ahead.pending)
+            batch, padding = self._ahead_batch(seqs)
+            nxt = self.runner.launch_decode(batch, [s.sampler for s in seqs], ahead.pending,
+                                            padding if padding.any() else None)
             if nxt is not None:
                 self.stats["steps"] += 1
                 self.stats["overlapped_steps"] += 1
+                self.stats["padding_rows"] += int(padding.sum())
                 for seq in seqs:
                     seq.num_computed += 1
         self._ahead = _Ahead(seqs, nxt) if nxt is not None else None
@@ -314,31 +317,39 @@ class Engine:
 
     def _can_follow(self, ahead: _Ahead) -> bool:
         """Whether step N+1 may be launched before step N's tokens are known: overlap on,
-        nobody waiting, N's ids still on the device, every sequence still running and
-        not finishing by length on N's token, and a KV slot for N+1's token in every
-        sequence's tables."""
+        nobody waiting, N's ids still on the device, more than half of the rows' sequences
+        still running (a finished one keeps its row as padding, so that the rows and N's
+        ids still line up), and a KV slot for N+1's token in every running sequence's
+        tables (also for one whose length runs out on N's token: its row is dropped)."""
         if not self.overlap or self.scheduler.waiting or not ahead.pending.feeds_next:
             return False
-        limit = self.cfg.max_model_len
-        for seq in ahead.seqs:
-            mt = seq.params.max_tokens
-            if (seq.status is not SeqStatus.RUNNING or seq.num_tokens + 1 >= limit
-                    or (mt is not None and len(seq.output_ids) + 1 >= mt)):
-                return False
+        live = [seq for seq in ahead.seqs if seq.status is SeqStatus.RUNNING]
+        if 2 * len(live) <= len(ahead.seqs):   # half the rows padding: schedule a smaller batch
+            return False
         # num_computed counts N's token already: N+1's K/V go to position num_computed
-        return all(self.blocks.allocate(seq.request_id, seq.num_computed + 1) for seq in ahead.seqs)
+        return all(self.blocks.allocate(seq.request_id, seq.num_computed + 1) for seq in live)
 
-    def _ahead_batch(self, seqs: list[Sequence]) -> Batch:
-        """The decode batch of step N+1: positions and tables; its tokens (placeholders
-        here) come from step N's ids on the device."""
+    def _ahead_batch(self, seqs: list[Sequence]) -> tuple[Batch, np.ndarray]:
+        """The decode batch of step N+1 -> (batch, which rows are padding): positions and
+        tables; its tokens (placeholders here) come from step N's ids on the device. A
+        finished sequence's row is padding (position 0, tables of -1: it writes no cache
+        slot and reads no key)."""
         B = len(seqs)
-        positions = np.fromiter((seq.num_computed for seq in seqs), np.int32, B)
-        if any(w for w in self.blocks.windows):
-            for seq in seqs:
-                self.blocks.release_out_of_window(seq.request_id, seq.num_computed)
-        plan = [(seq, 1) for seq in seqs]
-        return Batch(np.zeros(B, np.int32), positions, np.arange(B, dtype=np.int32), self._block_tables(plan),
-                     np.arange(B, dtype=np.int32))
+        live = [seq.status is SeqStatus.RUNNING for seq in seqs]
+        positions = np.fromiter((seq.num_computed if ok else 0 for seq, ok in zip(seqs, live)), np.int32, B)
+        if any(w for w in self.blocks.windows):   # (step N's tables are on their way already)
+            for seq, ok in zip(seqs, live):
+                if ok:
+                    self.blocks.release_out_of_window(seq.request_id, seq.num_computed)
+        tables = {}
+        for w in self.kv.windows:
+            rows = [self.blocks.table(seq.request_id, w) if ok else [] for seq, ok in zip(seqs, live)]
+            arr = np.full((B, max(map(len, rows))), -1, np.int32)
+            for b, tbl in enumerate(rows):
+                arr[b, :len(tbl)] = tbl
+            tables[w] = arr
+        return (Batch(np.zeros(B, np.int32), positions, np.arange(B, dtype=np.int32), tables,
+                      np.arange(B, dtype=np.int32)), ~np.asarray(live, bool))
 
     def _build_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
         if all(n == 1 and not seq.draft_ids and not seq.images for seq, n in plan):

@@ -83,29 +83,42 @@ class ModelRunner:
         return bool(getattr(self.executor, "overlaps", False))
 
     def launch_decode(self, batch: Batch, samplers: Sequence["SequenceSampler"],
-                      after: PendingTokens | None = None) -> PendingTokens | None:
+                      after: PendingTokens | None = None,
+                      padding: np.ndarray | None = None) -> PendingTokens | None:
         """Starts a decode step whose every row is sampled by samplers[i], none of which
         looks at the tokens so far (`history_free`), and returns its ids to wait for, or
         None when this step cannot be launched so (run it with execute). after: the step
         launched just before, same rows in the same order, whose ids are this step's
         tokens (batch.token_ids are placeholders then): on a device they go from one step
-        to the next without crossing the bus."""
+        to the next without crossing the bus. padding: a bool per row, True for a row kept
+        only so that the rows line up with after's (position 0, block tables of -1): its
+        id means nothing."""
         launch = getattr(self.executor, "launch_decode", None)
         if launch is not None:
-            return launch(batch, samplers, after)
+            return launch(batch, samplers, after)   # padding rows are the graphs' own kind
         from .sampler import sample_batch
         if after is not None:
             batch.token_ids[:] = after.wait()
+        rows = np.arange(len(samplers)) if padding is None else np.flatnonzero(~padding)
+        ids = np.zeros(len(samplers), np.int32)
+        errors: list[str | None] = [None] * len(samplers)
+        if not len(rows):
+            return ReadyTokens(ids)
+        if len(rows) < len(samplers):   # a host backend runs the real rows alone
+            n = np.arange(len(rows), dtype=np.int32)
+            batch = Batch(batch.token_ids[rows], batch.positions[rows], n,
+                          {w: t[rows] for w, t in batch.block_tables.items()}, n)
         logits = self.to_host(self.execute(batch))
-        if all(s.plain_greedy for s in samplers):
-            return ReadyTokens(np.array([r.token_id for r in sample_batch(list(samplers), logits)], np.int32))
+        chosen = [samplers[i] for i in rows]
+        if all(s.plain_greedy for s in chosen):
+            ids[rows] = [r.token_id for r in sample_batch(chosen, logits)]
+            return ReadyTokens(ids)
         # row by row, as the engine samples such rows: one row's failure is its own
-        ids, errors = np.zeros(len(samplers), np.int32), [None] * len(samplers)
-        for b, s in enumerate(samplers):
+        for b, (i, s) in enumerate(zip(rows.tolist(), chosen)):
             try:
-                ids[b] = sample_batch([s], logits[b:b + 1], None)[0].token_id
+                ids[i] = sample_batch([s], logits[b:b + 1], None)[0].token_id
             except Exception as e:  # noqa: BLE001 - reported on the row's request
-                errors[b] = f"sampling failed: {type(e).__name__}: {e}"
+                errors[i] = f"sampling failed: {type(e).__name__}: {e}"
         return ReadyTokens(ids, errors if any(errors) else None)
 
     def sample(self, logits: Any, samplers: Sequence["SequenceSampler"]) -> list["SampleResult"] | None:
