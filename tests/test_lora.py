@@ -165,6 +165,23 @@ def test_greedy_ids_match_peft(tiny_lora, lora_llms, arch, name) -> None:
     assert lora_llms[arch].generate(ids, params, adapter=name).token_ids == want
 
 
+def test_adapter_requests_keep_their_adapter_with_the_overlap_on(tiny_lora, lora_llms) -> None:
+    """Decode steps launched ahead carry no adapter slots, so a request with an adapter
+    never runs ahead: with the engine's overlap forced on, its ids are peft's still."""
+    arch, name = CASES[0]
+    llm, folder = lora_llms[arch], tiny_lora / arch
+    ids = np.load(folder / "ids.npy").tolist()
+    want = np.load(folder / "adapters" / name / "greedy.npy").tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=len(want), ignore_eos=True)
+    llm.engine.overlap = True
+    try:
+        assert llm.generate(ids, params, adapter=name).token_ids == want
+        assert llm.generate(ids, params).token_ids == np.load(folder / "greedy.npy").tolist()[:len(want)]
+        assert llm.engine.stats["overlapped_steps"] > 0   # the base request ran ahead
+    finally:
+        llm.engine.overlap = False
+
+
 @pytest.mark.parametrize("arch", MIXED)
 def test_requests_of_the_base_and_three_adapters_batch_as_alone(tiny_lora, lora_llms, arch) -> None:
     """Through the engine, asyncio tasks of the base and three adapters run together:
