@@ -326,8 +326,11 @@ class Engine:
         live = [seq for seq in ahead.seqs if seq.status is SeqStatus.RUNNING]
         if 2 * len(live) <= len(ahead.seqs):   # half the rows padding: schedule a smaller batch
             return False
-        # num_computed counts N's token already: N+1's K/V go to position num_computed
-        return all(self.blocks.allocate(seq.request_id, seq.num_computed + 1) for seq in live)
+        # num_computed counts N's token already: N+1's K/V go to position num_computed, in
+        # the block of N's unless that one ended at N's position
+        bs = self.blocks.block_size
+        return all(seq.num_computed % bs or self.blocks.allocate(seq.request_id, seq.num_computed + 1)
+                   for seq in live)
 
     def _ahead_batch(self, seqs: list[Sequence]) -> tuple[Batch, np.ndarray]:
         """The decode batch of step N+1 -> (batch, which rows are padding): positions and
@@ -341,13 +344,7 @@ class Engine:
             for seq, ok in zip(seqs, live):
                 if ok:
                     self.blocks.release_out_of_window(seq.request_id, seq.num_computed)
-        tables = {}
-        for w in self.kv.windows:
-            rows = [self.blocks.table(seq.request_id, w) if ok else [] for seq, ok in zip(seqs, live)]
-            arr = np.full((B, max(map(len, rows))), -1, np.int32)
-            for b, tbl in enumerate(rows):
-                arr[b, :len(tbl)] = tbl
-            tables[w] = arr
+        tables = self._block_tables([(seq, 1) for seq in seqs], live)
         return (Batch(np.zeros(B, np.int32), positions, np.arange(B, dtype=np.int32), tables,
                       np.arange(B, dtype=np.int32)), ~np.asarray(live, bool))
 
@@ -412,18 +409,25 @@ class Engine:
             batch.adapter_slots = np.asarray([seq.adapter_slot for seq, _ in plan], np.int32)
         return batch, sampled
 
-    def _block_tables(self, plan: list[tuple[Sequence, int]]) -> dict[int, np.ndarray]:
-        """Per window, the (B, widest) block tables of the step's sequences, -1 padded."""
+    def _block_tables(self, plan: list[tuple[Sequence, int]],
+                      live: list[bool] | None = None) -> dict[int, np.ndarray]:
+        """Per window, the (B, widest) block tables of the step's sequences, -1 padded;
+        live: False for a row that is padding (a table of -1 alone)."""
         tables = {}
         for w in self.kv.windows:
-            rows = [self.blocks.table(seq.request_id, w) for seq, _ in plan]
-            width = max(map(len, rows))
-            if all(len(r) == width for r in rows):
+            if live is None:
+                rows = [self.blocks.table(seq.request_id, w) for seq, _ in plan]
+            else:
+                rows = [self.blocks.table(seq.request_id, w) if ok else [] for (seq, _), ok in zip(plan, live)]
+            lens = np.fromiter(map(len, rows), np.intp, len(rows))
+            width = int(lens.max())
+            if (lens == width).all():
                 tables[w] = np.asarray(rows, np.int32).reshape(len(rows), width)
                 continue
+            # rows of several lengths: one scatter through a mask, not one copy per row
             arr = np.full((len(plan), width), -1, np.int32)
-            for b, tbl in enumerate(rows):
-                arr[b, :len(tbl)] = tbl
+            arr[np.arange(width) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), np.int32,
+                                                                int(lens.sum()))
             tables[w] = arr
         return tables
 
