@@ -179,3 +179,42 @@ def test_overlap_when_blocks_run_out_and_at_the_context_limit(smollm2_gguf) -> N
     assert out.finish_reason == "length" and len(prompts[0]) + len(out.token_ids) == 40
     assert out.token_ids == llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=26,
                                                                      ignore_eos=True)).token_ids
+
+
+def test_a_row_that_cannot_be_sampled_fails_its_request_alone(smollm2) -> None:
+    """A sampler that raises while its step runs ahead finishes its own request with the
+    error after the tokens it had; the other request's tokens are those of a clean run."""
+    eng = smollm2.engine
+    prompts = [_prompt(smollm2, 8), _prompt(smollm2, 13)]
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=12, ignore_eos=True)]
+    script = {0: [("x", prompts[0], params[0]), ("y", prompts[1], params[1])]}
+    eng.overlap = True
+    try:
+        clean = _run(eng, script)
+        eng.add_request(prompts[0], params[0], request_id="x")
+        eng.add_request(prompts[1], params[1], request_id="y")
+        sampler = eng.seqs["x"].sampler
+        real, calls = sampler.sample, {"n": 0}
+
+        def failing(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise FloatingPointError("injected")
+            return real(*args, **kwargs)
+        sampler.sample = failing
+        before = eng.stats["overlapped_steps"]
+        hurt: dict[str, object] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    hurt[o.request_id] = o
+    finally:
+        eng.overlap = False
+    assert eng.stats["overlapped_steps"] > before
+    x, y = hurt["x"], hurt["y"]
+    assert x.finish_reason == "error" and "FloatingPointError: injected" in x.error
+    assert x.token_ids == clean["x"][0][:3]
+    assert (y.token_ids, y.text, y.finish_reason) == clean["y"]
+    eng.blocks.clear_prefix_cache()
+    assert eng.blocks.num_used() == 0 and not eng.seqs
