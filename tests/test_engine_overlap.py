@@ -56,17 +56,10 @@ def test_overlapped_greedy_equals_plain_with_every_kind_of_stop(smollm2) -> None
               SamplingParams(temperature=0.0, max_tokens=30),                    # may stop on EOS
               SamplingParams(temperature=0.0, max_tokens=20, stop=[stop_word])]  # a stop string
     script = {0: [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]}
-    eng.overlap = False
-    plain = _run(eng, script)
-    eng.overlap = True
-    before = eng.stats["overlapped_steps"]
-    try:
-        ahead = _run(eng, script)
-    finally:
-        eng.overlap = False
+    plain, ahead, overlapped = _scripted_both(eng, script)
     assert ahead == plain
     assert plain["r3"][2] == "stop" and plain["r0"][2] == "length" and len(plain["r1"][0]) == 17
-    assert eng.stats["overlapped_steps"] - before > 10
+    assert overlapped > 10
     assert eng.stats["padding_rows"] > 0   # r0 stopped early: its row stayed, as padding
 
 
@@ -104,16 +97,9 @@ def test_seeded_sampling_runs_ahead_with_the_same_draws(smollm2) -> None:
                              logit_bias={42: 2.0}),
               SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True)]
     script = {0: [(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]}
-    eng.overlap = False
-    plain = _run(eng, script)
-    eng.overlap = True
-    before = eng.stats["overlapped_steps"]
-    try:
-        ahead = _run(eng, script)
-    finally:
-        eng.overlap = False
+    plain, ahead, overlapped = _scripted_both(eng, script)
     assert ahead == plain and len(plain["s0"][0]) == 25
-    assert eng.stats["overlapped_steps"] - before > 10
+    assert overlapped > 10
 
 
 def _run(eng, script: dict[int, list], steps: int = 400) -> dict[str, tuple]:
@@ -136,14 +122,8 @@ def _run(eng, script: dict[int, list], steps: int = 400) -> dict[str, tuple]:
     return done
 
 
-def test_arrivals_and_aborts_while_a_step_runs_ahead(smollm2) -> None:
-    eng = smollm2.engine
-    g = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    script = {0: [("a", _prompt(smollm2, 12), g), ("b", _prompt(smollm2, 30), g)],
-              6: [("c", _prompt(smollm2, 7), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))],
-              9: [("abort", "b")],
-              14: [("d", _prompt(smollm2, 40), g)]}
-    eng.blocks.clear_prefix_cache()
+def _scripted_both(eng, script: dict[int, list]) -> tuple[dict, dict, int]:
+    """_run without the overlap, then with it -> (plain, ahead, steps that ran overlapped)."""
     eng.overlap = False
     plain = _run(eng, script)
     eng.overlap = True
@@ -152,8 +132,20 @@ def test_arrivals_and_aborts_while_a_step_runs_ahead(smollm2) -> None:
         ahead = _run(eng, script)
     finally:
         eng.overlap = False
+    return plain, ahead, eng.stats["overlapped_steps"] - before
+
+
+def test_arrivals_and_aborts_while_a_step_runs_ahead(smollm2) -> None:
+    eng = smollm2.engine
+    g = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    script = {0: [("a", _prompt(smollm2, 12), g), ("b", _prompt(smollm2, 30), g)],
+              6: [("c", _prompt(smollm2, 7), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))],
+              9: [("abort", "b")],
+              14: [("d", _prompt(smollm2, 40), g)]}
+    eng.blocks.clear_prefix_cache()
+    plain, ahead, overlapped = _scripted_both(eng, script)
     assert ahead == plain and set(plain) == {"a", "b", "c", "d"} and plain["b"] == "aborted"
-    assert eng.stats["overlapped_steps"] - before > 10
+    assert overlapped > 10
     eng.blocks.clear_prefix_cache()
     assert eng.blocks.num_used() == 0 and not eng.has_unfinished()
 

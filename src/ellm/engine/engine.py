@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -61,6 +61,10 @@ class EngineConfig:
     # launch decode steps one ahead of reading their tokens (Engine._step_ahead);
     # None: where the backend gains from it (a GPU replaying captured steps)
     overlap_decode: bool | None = None
+
+
+def _raise(error: BaseException) -> Any:
+    raise error
 
 
 @dataclass
@@ -249,16 +253,20 @@ class Engine:
         if batched is None and all(s.plain_greedy for s in samplers):
             batched = sample_batch(samplers, logits, masks)
         for b, seq in enumerate(sampled):
-            try:
-                res = batched[b] if batched is not None else sample_batch(
-                    [seq.sampler], logits[b:b + 1], None if masks is None else [masks[b]])[0]
-                self._append(seq, res)
-            except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
-                seq.error = f"sampling failed: {type(e).__name__}: {e}"
-                self._finish(seq, "error")
-            if seq.status is SeqStatus.FINISHED or seq.pending_ids:
-                outputs.append(seq.take_output())
+            self._append_guarded(seq, lambda b=b, seq=seq: batched[b] if batched is not None else sample_batch(
+                [seq.sampler], logits[b:b + 1], None if masks is None else [masks[b]])[0], outputs)
         return outputs
+
+    def _append_guarded(self, seq: Sequence, result: Callable[[], Any], outputs: list[RequestOutput]) -> None:
+        """Appends the token result() gives to seq, inside the request's error boundary:
+        whatever it raises finishes seq alone, with the error; then seq's output, if any."""
+        try:
+            self._append(seq, result())
+        except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
+            seq.error = f"sampling failed: {type(e).__name__}: {e}"
+            self._finish(seq, "error")
+        if seq.status is SeqStatus.FINISHED or seq.pending_ids:
+            outputs.append(seq.take_output())
 
     # -- overlapped greedy decoding ----------------------------------------------------
 
@@ -302,17 +310,9 @@ class Engine:
         for b, (seq, tok) in enumerate(zip(seqs, ids.tolist())):
             if seq.status is SeqStatus.FINISHED:   # stopped on the step before, or aborted
                 continue
-            try:
-                if errors and errors[b]:   # its row could not be sampled (a host backend's NaN row)
-                    seq.error = errors[b]
-                    self._finish(seq, "error")
-                else:
-                    self._append(seq, SampleResult(tok, math.nan, None))
-            except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
-                seq.error = f"sampling failed: {type(e).__name__}: {e}"
-                self._finish(seq, "error")
-            if seq.status is SeqStatus.FINISHED or seq.pending_ids:
-                outputs.append(seq.take_output())
+            error = errors[b] if errors else None   # its row could not be sampled (a host backend)
+            self._append_guarded(seq, lambda tok=tok, error=error: _raise(error) if error is not None
+                                 else SampleResult(tok, math.nan, None), outputs)
         return outputs
 
     def _can_follow(self, ahead: _Ahead) -> bool:

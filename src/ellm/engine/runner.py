@@ -28,10 +28,10 @@ if TYPE_CHECKING:
 class PendingTokens(Protocol):
     """The token ids of a launched step: `wait` blocks until they are known (rows,);
     `feeds_next` says whether a step launched now may still take them as its tokens;
-    `errors`, None or per row why its sampling failed (None: it did not)."""
+    `errors`, None or per row what its sampling raised (None: nothing)."""
 
     rows: int
-    errors: list[str | None] | None
+    errors: list[Exception | None] | None
 
     @property
     def feeds_next(self) -> bool: ...
@@ -44,7 +44,7 @@ class ReadyTokens:
 
     feeds_next = True
 
-    def __init__(self, ids: np.ndarray, errors: list[str | None] | None = None) -> None:
+    def __init__(self, ids: np.ndarray, errors: list[Exception | None] | None = None) -> None:
         self.ids, self.rows, self.errors = ids, len(ids), errors
 
     def wait(self) -> np.ndarray:
@@ -101,7 +101,7 @@ class ModelRunner:
             batch.token_ids[:] = after.wait()
         rows = np.arange(len(samplers)) if padding is None else np.flatnonzero(~padding)
         ids = np.zeros(len(samplers), np.int32)
-        errors: list[str | None] = [None] * len(samplers)
+        errors: list[Exception | None] = [None] * len(samplers)
         if not len(rows):
             return ReadyTokens(ids)
         if len(rows) < len(samplers):   # a host backend runs the real rows alone
@@ -118,7 +118,7 @@ class ModelRunner:
             try:
                 ids[i] = sample_batch([s], logits[b:b + 1], None)[0].token_id
             except Exception as e:  # noqa: BLE001 - reported on the row's request
-                errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+                errors[i] = e
         return ReadyTokens(ids, errors if any(errors) else None)
 
     def sample(self, logits: Any, samplers: Sequence["SequenceSampler"]) -> list["SampleResult"] | None:
