@@ -63,8 +63,19 @@ class EngineConfig:
     overlap_decode: bool | None = None
 
 
-def _raise(error: BaseException) -> Any:
-    raise error
+def _row_result(batched: list[SampleResult] | None, b: int, sampler: SequenceSampler, logits: Any,
+                masks: Any) -> SampleResult:
+    """Row b's token: from the batched sampling, else sampled alone (its failure its own)."""
+    if batched is not None:
+        return batched[b]
+    return sample_batch([sampler], logits[b:b + 1], None if masks is None else [masks[b]])[0]
+
+
+def _launched_result(token: int, error: Exception | None) -> SampleResult:
+    """A launched step's token for one row, or what its sampling raised, raised again."""
+    if error is not None:
+        raise error
+    return SampleResult(token, math.nan, None)
 
 
 @dataclass
@@ -253,15 +264,16 @@ class Engine:
         if batched is None and all(s.plain_greedy for s in samplers):
             batched = sample_batch(samplers, logits, masks)
         for b, seq in enumerate(sampled):
-            self._append_guarded(seq, lambda b=b, seq=seq: batched[b] if batched is not None else sample_batch(
-                [seq.sampler], logits[b:b + 1], None if masks is None else [masks[b]])[0], outputs)
+            self._append_guarded(seq, outputs, _row_result, batched, b, seq.sampler, logits, masks)
         return outputs
 
-    def _append_guarded(self, seq: Sequence, result: Callable[[], Any], outputs: list[RequestOutput]) -> None:
-        """Appends the token result() gives to seq, inside the request's error boundary:
-        whatever it raises finishes seq alone, with the error; then seq's output, if any."""
+    def _append_guarded(self, seq: Sequence, outputs: list[RequestOutput],
+                        result: Callable[..., SampleResult], *args: Any) -> None:
+        """Appends the token result(*args) gives to seq, inside the request's error
+        boundary: whatever it raises finishes seq alone, with the error; then seq's
+        output, if it has one, goes to outputs."""
         try:
-            self._append(seq, result())
+            self._append(seq, result(*args))
         except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
             seq.error = f"sampling failed: {type(e).__name__}: {e}"
             self._finish(seq, "error")
@@ -306,13 +318,12 @@ class Engine:
             return []   # nobody left to read these tokens for (aborted)
         ids = ahead.pending.wait()
         errors = ahead.pending.errors
-        outputs = []
+        outputs: list[RequestOutput] = []
         for b, (seq, tok) in enumerate(zip(seqs, ids.tolist())):
             if seq.status is SeqStatus.FINISHED:   # stopped on the step before, or aborted
                 continue
             error = errors[b] if errors else None   # its row could not be sampled (a host backend)
-            self._append_guarded(seq, lambda tok=tok, error=error: _raise(error) if error is not None
-                                 else SampleResult(tok, math.nan, None), outputs)
+            self._append_guarded(seq, outputs, _launched_result, tok, error)
         return outputs
 
     def _can_follow(self, ahead: _Ahead) -> bool:

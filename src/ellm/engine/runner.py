@@ -109,7 +109,7 @@ class ModelRunner:
             batch = Batch(batch.token_ids[rows], batch.positions[rows], n,
                           {w: t[rows] for w, t in batch.block_tables.items()}, n)
         logits = self.to_host(self.execute(batch))
-        chosen = [samplers[i] for i in rows]
+        chosen = [samplers[i] for i in rows.tolist()]
         if all(s.plain_greedy for s in chosen):
             ids[rows] = [r.token_id for r in sample_batch(chosen, logits)]
             return ReadyTokens(ids)
