@@ -305,12 +305,12 @@ class Engine:
         nxt = None
         if self._can_follow(ahead):
             batch, padding = self._ahead_batch(seqs)
-            nxt = self.runner.launch_decode(batch, [s.sampler for s in seqs], ahead.pending,
-                                            padding if padding.any() else None)
+            nxt = self.runner.launch_decode(batch, [s.sampler for s in seqs], ahead.pending, padding)
             if nxt is not None:
                 self.stats["steps"] += 1
                 self.stats["overlapped_steps"] += 1
-                self.stats["padding_rows"] += int(padding.sum())
+                if padding is not None:
+                    self.stats["padding_rows"] += int(padding.sum())
                 for seq in seqs:
                     seq.num_computed += 1
         self._ahead = _Ahead(seqs, nxt) if nxt is not None else None
@@ -343,21 +343,22 @@ class Engine:
         return all(seq.num_computed % bs or self.blocks.allocate(seq.request_id, seq.num_computed + 1)
                    for seq in live)
 
-    def _ahead_batch(self, seqs: list[Sequence]) -> tuple[Batch, np.ndarray]:
-        """The decode batch of step N+1 -> (batch, which rows are padding): positions and
-        tables; its tokens (placeholders here) come from step N's ids on the device. A
-        finished sequence's row is padding (position 0, tables of -1: it writes no cache
-        slot and reads no key)."""
+    def _ahead_batch(self, seqs: list[Sequence]) -> tuple[Batch, np.ndarray | None]:
+        """The decode batch of step N+1 -> (batch, which rows are padding, None for none):
+        positions and tables; its tokens (placeholders here) come from step N's ids on the
+        device. A finished sequence's row is padding (position 0, tables of -1: it writes
+        no cache slot and reads no key)."""
         B = len(seqs)
         live = [seq.status is SeqStatus.RUNNING for seq in seqs]
-        positions = np.fromiter((seq.num_computed if ok else 0 for seq, ok in zip(seqs, live)), np.int32, B)
+        positions = np.array([seq.num_computed if ok else 0 for seq, ok in zip(seqs, live)], np.int32)
         if any(w for w in self.blocks.windows):   # (step N's tables are on their way already)
             for seq, ok in zip(seqs, live):
                 if ok:
                     self.blocks.release_out_of_window(seq.request_id, seq.num_computed)
-        tables = self._block_tables([(seq, 1) for seq in seqs], live)
+        everyone = all(live)
+        tables = self._block_tables([(seq, 1) for seq in seqs], None if everyone else live)
         return (Batch(np.zeros(B, np.int32), positions, np.arange(B, dtype=np.int32), tables,
-                      np.arange(B, dtype=np.int32)), ~np.asarray(live, bool))
+                      np.arange(B, dtype=np.int32)), None if everyone else ~np.asarray(live, bool))
 
     def _build_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[Batch, list[Sequence]]:
         if all(n == 1 and not seq.draft_ids and not seq.images for seq, n in plan):
@@ -430,12 +431,12 @@ class Engine:
                 rows = [self.blocks.table(seq.request_id, w) for seq, _ in plan]
             else:
                 rows = [self.blocks.table(seq.request_id, w) if ok else [] for (seq, _), ok in zip(plan, live)]
-            lens = np.fromiter(map(len, rows), np.intp, len(rows))
-            width = int(lens.max())
-            if (lens == width).all():
+            width = max(map(len, rows))
+            if all(len(r) == width for r in rows):
                 tables[w] = np.asarray(rows, np.int32).reshape(len(rows), width)
                 continue
             # rows of several lengths: one scatter through a mask, not one copy per row
+            lens = np.fromiter(map(len, rows), np.intp, len(rows))
             arr = np.full((len(plan), width), -1, np.int32)
             arr[np.arange(width) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), np.int32,
                                                                 int(lens.sum()))
