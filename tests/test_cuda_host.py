@@ -35,16 +35,20 @@ needs_host_build = pytest.mark.skipif(
     reason="the host build of the CUDA kernels needs g++ and libffi's header (Debian: libffi-dev)")
 
 
-def _child(args: list[str], timeout: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HOST), os.environ.get("PYTHONPATH")])))
+def _child(args: list[str], timeout: int, **extra_env: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HOST), os.environ.get("PYTHONPATH")])),
+               **extra_env)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
 @needs_host_build
 def test_cuda_op_checks_pass_with_the_kernels_on_the_cpu() -> None:
+    """With the stream's work deferred until the host waits for it (as on a GPU: a host
+    buffer rewritten before its queued copy ran changes the results)."""
     proc = _child(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                   "tests/test_backends.py", "tests/test_lora.py", "-k", OP_CHECKS], timeout=900)
+                   "tests/test_backends.py", "tests/test_lora.py", "-k", OP_CHECKS], timeout=900,
+                  ELLM_CUDA_HOST_DEFER="1")
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)
@@ -102,3 +106,39 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("deadlock reported", "python int refused", "write during capture refused", "graph replayed"):
         assert line in proc.stdout, proc.stdout + proc.stderr
+
+
+@needs_host_build
+def test_deferred_execution_runs_the_stream_when_the_host_waits() -> None:
+    """ELLM_CUDA_HOST_DEFER=1: a launch and an asynchronous copy wait in the queue; an
+    event's synchronize runs the work before its record and nothing after; a host read
+    runs everything first. So a host buffer rewritten before its copy has run is what
+    the copy takes, as on a GPU."""
+    script = textwrap.dedent('''
+        import ctypes
+        import numpy as np, cupy
+        rt = cupy.cuda.runtime
+        mod = cupy.RawModule(code=r"""
+            extern "C" __global__ void twice(float* x, int n) {
+                int i = blockIdx.x * blockDim.x + threadIdx.x;
+                if (i < n) x[i] *= 2.0f;
+            }""")
+        twice = mod.get_function("twice")
+        x = cupy.zeros(4, np.float32)
+        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(16), np.float32, 4)
+        host[:] = 1.0
+        s = cupy.cuda.Stream()
+        rt.memcpyAsync(x.data.ptr, host.ctypes.data, 16, rt.memcpyHostToDevice, s.ptr)
+        first = cupy.cuda.Event()
+        first.record(s)
+        twice((1,), (4,), (x, np.int32(4)))
+        host[:] = 3.0                                  # before the copy ran: the copy takes it
+        assert np.asarray(x.view(np.ndarray)).sum() == 0.0   # nothing ran yet
+        first.synchronize()                            # the copy, not the launch
+        assert np.asarray(x.view(np.ndarray)).tolist() == [3.0] * 4
+        assert x.get().tolist() == [6.0] * 4           # a read on the host runs the rest
+        print("deferred as a stream")
+    ''')
+    proc = _child(["-c", script], timeout=300, ELLM_CUDA_HOST_DEFER="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "deferred as a stream" in proc.stdout, proc.stdout + proc.stderr

@@ -58,26 +58,47 @@ class ndarray(np.ndarray):
 
     def get(self, stream: Any = None) -> np.ndarray:
         _not_capturing("a copy to the host")
+        cuda._flush()
         return np.array(self.view(np.ndarray), copy=True)
 
     def set(self, arr: Any, stream: Any = None) -> None:
         _not_capturing("a copy from the host")
+        cuda._flush()
         np.copyto(self.view(np.ndarray), np.asarray(arr))
 
     def copy(self, order: str = "C") -> "ndarray":   # type: ignore[override]
         _not_capturing("a device copy")
+        cuda._flush()
         return np.ndarray.copy(self, order=order).view(ndarray)
 
     def fill(self, value: Any) -> None:
         _not_capturing("a fill")
+        cuda._flush()
         np.ndarray.fill(self, value)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         _not_capturing("an assignment")
+        cuda._flush()
         np.ndarray.__setitem__(self, key, value)
+
+    def __getitem__(self, key: Any) -> Any:
+        item = np.ndarray.__getitem__(self, key)
+        if not isinstance(item, np.ndarray):   # a value read on the host: the work before it first
+            cuda._flush()
+            item = np.ndarray.__getitem__(self, key)
+        return item
+
+    def tolist(self) -> Any:
+        cuda._flush()
+        return np.ndarray.tolist(self)
+
+    def item(self, *args: Any) -> Any:
+        cuda._flush()
+        return np.ndarray.item(self, *args)
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         _not_capturing(f"numpy's {ufunc.__name__}")
+        cuda._flush()
         plain = [x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs]
         if "out" in kwargs:
             kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, ndarray) else o for o in kwargs["out"])
@@ -95,6 +116,7 @@ def asarray(a: Any, dtype: Any = None) -> ndarray:
     if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
     _not_capturing("a copy to the device")
+    cuda._flush()
     return _device(np.array(np.asarray(a), dtype=dtype, copy=True))
 
 
@@ -102,6 +124,7 @@ def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
     if isinstance(a, ndarray) and a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
     _not_capturing("a contiguous copy")
+    cuda._flush()
     return _device(np.ascontiguousarray(np.asarray(a), dtype=dtype))
 
 
@@ -175,7 +198,7 @@ class RawKernel:
         if cuda._capture is not None:
             cuda._capture.append(launch)
         else:
-            _run(*launch)
+            cuda._enqueue(lambda: _run(*launch))
 
 
 def _pack(name: str, args: Sequence[Any]) -> tuple[bytes, Any, list[Any]]:

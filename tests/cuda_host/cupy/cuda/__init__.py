@@ -2,8 +2,9 @@
 kernel launches (ops/cuda_graphs.py's use)."""
 from __future__ import annotations
 
+import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import device, runtime
 
@@ -11,6 +12,35 @@ __all__ = ["Device", "Stream", "Graph", "Event", "get_elapsed_time", "alloc_pinn
 
 # the launches being recorded while a stream captures, else None
 _capture: list[Any] | None = None
+
+# Deferred execution (ELLM_CUDA_HOST_DEFER=1): kernels, graph replays and asynchronous
+# copies wait in one queue, as work waits on a stream, until the host synchronizes with
+# it (an event, the stream, a copy or a read on the host). A host write that races a
+# copy still queued, or a read of results not yet waited for, then changes what is
+# computed, as it would on a GPU. Off: everything runs when it is issued.
+_defer = os.environ.get("ELLM_CUDA_HOST_DEFER") == "1"
+_queue: list[Callable[[], None]] = []
+_done = 0   # queued items run so far
+
+
+def _enqueue(work: Callable[[], None]) -> None:
+    if _defer:
+        _queue.append(work)
+    else:
+        work()
+
+
+def _flush(upto: int | None = None) -> None:
+    """Runs the queued work in order: all of it, or up to item number `upto`."""
+    global _done
+    while _queue and (upto is None or _done < upto):
+        work = _queue.pop(0)
+        _done += 1
+        work()
+
+
+def _issued() -> int:
+    return _done + len(_queue)
 
 
 class Device:
@@ -32,8 +62,11 @@ class Graph:
 
     def launch(self, stream: Any = None) -> None:
         from .. import _run
-        for launch in self._launches:
-            _run(*launch)
+
+        def replay() -> None:
+            for launch in self._launches:
+                _run(*launch)
+        _enqueue(replay)
 
 
 class Stream:
@@ -48,7 +81,7 @@ class Stream:
         pass
 
     def synchronize(self) -> None:
-        pass
+        _flush()
 
     def begin_capture(self) -> None:
         global _capture
@@ -69,14 +102,16 @@ class Event:
 
     def __init__(self, *_: Any, **__: Any) -> None:
         self._t: float | None = None
+        self._upto = 0   # the queued work this event waits for (deferred execution)
 
     def record(self, stream: Any = None) -> None:
         if _capture is not None:
             raise runtime.CUDARuntimeError("event recording inside a capture is not supported here")
         self._t = time.perf_counter()
+        self._upto = _issued()
 
     def synchronize(self) -> None:
-        pass
+        _flush(self._upto)
 
 
 def get_elapsed_time(start: Event, end: Event) -> float:

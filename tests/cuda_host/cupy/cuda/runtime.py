@@ -27,12 +27,12 @@ def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
     """Both sides are host addresses here ("device" arrays are host memory); the copy is
     done at once, as every launch is. A real capture would record it as a node of its
     own, which this stand-in does not replay, so it raises while a stream captures."""
-    from . import _capture
+    from . import _capture, _enqueue
     if _capture is not None:
         raise CUDARuntimeError("memcpyAsync while a CUDA graph is captured (the stand-in records kernels only)")
     if kind not in (0, 1, 2, 3):
         raise CUDARuntimeError(f"cudaErrorInvalidMemcpyDirection: kind {kind}")
     if size < 0:
         raise CUDARuntimeError(f"cudaErrorInvalidValue: size {size}")
-    if size:
-        ctypes.memmove(dst, src, size)
+    if size:   # read and written when the queue reaches it (deferred execution)
+        _enqueue(lambda: ctypes.memmove(dst, src, size))

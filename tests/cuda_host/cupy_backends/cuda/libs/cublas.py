@@ -36,6 +36,9 @@ def gemmEx(handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha:
            algo: int) -> None:
     if computeType != CUBLAS_COMPUTE_32F or Ctype != 0:
         raise ValueError("gemmEx stand-in: f32 compute and output only")
+    from cupy import cuda
+    cuda._flush()   # (deferred execution) the work before it, then this at once: its pointers
+                    # name arrays the caller may drop as soon as the call returns
     a = _matrix(A, Atype, lda, *((m, k) if transa == CUBLAS_OP_N else (k, m)))
     b = _matrix(B, Btype, ldb, *((k, n) if transb == CUBLAS_OP_N else (n, k)))
     a = a if transa == CUBLAS_OP_N else a.T
