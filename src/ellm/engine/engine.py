@@ -302,9 +302,10 @@ class Engine:
         ahead = self._ahead
         assert ahead is not None
         seqs = ahead.seqs
+        live = [seq.status is SeqStatus.RUNNING for seq in seqs]
         nxt = None
-        if self._can_follow(ahead):
-            batch, padding = self._ahead_batch(seqs)
+        if self._can_follow(ahead, live):
+            batch, padding = self._ahead_batch(seqs, live)
             nxt = self.runner.launch_decode(batch, [s.sampler for s in seqs], ahead.pending, padding)
             if nxt is not None:
                 self.stats["steps"] += 1
@@ -314,7 +315,7 @@ class Engine:
                 for seq in seqs:
                     seq.num_computed += 1
         self._ahead = _Ahead(seqs, nxt) if nxt is not None else None
-        if all(seq.status is SeqStatus.FINISHED for seq in seqs):
+        if not any(live):
             return []   # nobody left to read these tokens for (aborted)
         ids = ahead.pending.wait()
         errors = ahead.pending.errors
@@ -326,37 +327,37 @@ class Engine:
             self._append_guarded(seq, outputs, _launched_result, tok, error)
         return outputs
 
-    def _can_follow(self, ahead: _Ahead) -> bool:
+    def _can_follow(self, ahead: _Ahead, live: list[bool]) -> bool:
         """Whether step N+1 may be launched before step N's tokens are known: overlap on,
         nobody waiting, N's ids still on the device, more than half of the rows' sequences
         still running (a finished one keeps its row as padding, so that the rows and N's
         ids still line up), and a KV slot for N+1's token in every running sequence's
-        tables (also for one whose length runs out on N's token: its row is dropped)."""
+        tables (also for one whose length runs out on N's token: its row is dropped).
+        live: per row, whether its sequence is still running."""
         if not self.overlap or self.scheduler.waiting or not ahead.pending.feeds_next:
             return False
-        live = [seq for seq in ahead.seqs if seq.status is SeqStatus.RUNNING]
-        if 2 * len(live) <= len(ahead.seqs):   # half the rows padding: schedule a smaller batch
+        running = [seq for seq, ok in zip(ahead.seqs, live) if ok]
+        if 2 * len(running) <= len(ahead.seqs):   # half the rows padding: schedule a smaller batch
             return False
         # num_computed counts N's token already: N+1's K/V go to position num_computed, in
         # the block of N's unless that one ended at N's position
         bs = self.blocks.block_size
         return all(seq.num_computed % bs or self.blocks.allocate(seq.request_id, seq.num_computed + 1)
-                   for seq in live)
+                   for seq in running)
 
-    def _ahead_batch(self, seqs: list[Sequence]) -> tuple[Batch, np.ndarray | None]:
+    def _ahead_batch(self, seqs: list[Sequence], live: list[bool]) -> tuple[Batch, np.ndarray | None]:
         """The decode batch of step N+1 -> (batch, which rows are padding, None for none):
         positions and tables; its tokens (placeholders here) come from step N's ids on the
         device. A finished sequence's row is padding (position 0, tables of -1: it writes
         no cache slot and reads no key)."""
         B = len(seqs)
-        live = [seq.status is SeqStatus.RUNNING for seq in seqs]
         positions = np.array([seq.num_computed if ok else 0 for seq, ok in zip(seqs, live)], np.int32)
         if any(w for w in self.blocks.windows):   # (step N's tables are on their way already)
             for seq, ok in zip(seqs, live):
                 if ok:
                     self.blocks.release_out_of_window(seq.request_id, seq.num_computed)
         everyone = all(live)
-        tables = self._block_tables([(seq, 1) for seq in seqs], None if everyone else live)
+        tables = self._block_tables(seqs, None if everyone else live)
         return (Batch(np.zeros(B, np.int32), positions, np.arange(B, dtype=np.int32), tables,
                       np.arange(B, dtype=np.int32)), None if everyone else ~np.asarray(live, bool))
 
@@ -385,7 +386,8 @@ class Engine:
                 rows.extend(range(t + n - 1 - len(seq.draft_ids), t + n))  # [spec] a row per guess
                 sampled.append(seq)
             t += n
-        batch = Batch(token_ids, positions, seq_ids, self._block_tables(plan), np.asarray(rows, np.int32))
+        tables = self._block_tables([seq for seq, _ in plan])
+        batch = Batch(token_ids, positions, seq_ids, tables, np.asarray(rows, np.int32))
         if any(seq.adapter_slot >= 0 for seq, _ in plan):   # [lora] each row's adapter
             batch.adapter_slots = np.repeat(np.asarray([seq.adapter_slot for seq, _ in plan], np.int32),
                                             [n for _, n in plan])
@@ -415,29 +417,29 @@ class Engine:
                 rows.append(b)
                 sampled.append(seq)
         B = len(plan)
+        tables = self._block_tables([seq for seq, _ in plan])
         batch = Batch(np.asarray(token_ids, np.int32), np.asarray(positions, np.int32),
-                      np.arange(B, dtype=np.int32), self._block_tables(plan), np.asarray(rows, np.int32))
+                      np.arange(B, dtype=np.int32), tables, np.asarray(rows, np.int32))
         if any(seq.adapter_slot >= 0 for seq, _ in plan):   # [lora] each row's adapter
             batch.adapter_slots = np.asarray([seq.adapter_slot for seq, _ in plan], np.int32)
         return batch, sampled
 
-    def _block_tables(self, plan: list[tuple[Sequence, int]],
-                      live: list[bool] | None = None) -> dict[int, np.ndarray]:
+    def _block_tables(self, seqs: list[Sequence], live: list[bool] | None = None) -> dict[int, np.ndarray]:
         """Per window, the (B, widest) block tables of the step's sequences, -1 padded;
         live: False for a row that is padding (a table of -1 alone)."""
         tables = {}
         for w in self.kv.windows:
             if live is None:
-                rows = [self.blocks.table(seq.request_id, w) for seq, _ in plan]
+                rows = [self.blocks.table(seq.request_id, w) for seq in seqs]
             else:
-                rows = [self.blocks.table(seq.request_id, w) if ok else [] for (seq, _), ok in zip(plan, live)]
+                rows = [self.blocks.table(seq.request_id, w) if ok else [] for seq, ok in zip(seqs, live)]
             width = max(map(len, rows))
             if all(len(r) == width for r in rows):
                 tables[w] = np.asarray(rows, np.int32).reshape(len(rows), width)
                 continue
             # rows of several lengths: one scatter through a mask, not one copy per row
             lens = np.fromiter(map(len, rows), np.intp, len(rows))
-            arr = np.full((len(plan), width), -1, np.int32)
+            arr = np.full((len(seqs), width), -1, np.int32)
             arr[np.arange(width) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), np.int32,
                                                                 int(lens.sum()))
             tables[w] = arr

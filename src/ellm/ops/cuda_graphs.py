@@ -200,6 +200,18 @@ class _Staging:
         self.copied: Any = None
 
 
+def _take_turn(pair: list[Any], cp: Any) -> Any:
+    """The first of two host buffers used in turn (the other one comes next time), once
+    the copy last made from it has run; its `copied` event is then recorded anew."""
+    item = pair[0]
+    pair.reverse()
+    if item.copied is None:
+        item.copied = cp.cuda.Event(disable_timing=True)
+    else:
+        item.copied.synchronize()   # its copy (two uploads ago) has left it
+    return item
+
+
 class PendingIds:
     """The token ids of a decode step launched by `GraphStep.launch_decode`: on the device
     (at `dev_ptr`, until the same graph runs again) and, once `wait` returns, on the host."""
@@ -304,12 +316,7 @@ class GraphStep:
         """host's bytes as a new device array, copied on the stream from page-locked
         memory (two buffers in turn: the host goes on while the copy waits its turn)."""
         ops = self.ops
-        st = self.staging[0]
-        self.staging.reverse()
-        if st.copied is not None:
-            st.copied.synchronize()   # its last copy (two uploads ago) has left it
-        else:
-            st.copied = ops.cp.cuda.Event(disable_timing=True)
+        st = _take_turn(self.staging, ops.cp)
         n = int(host.nbytes)
         if st.buf is None or st.buf.nbytes < n:
             st.buf = pinned_empty(ops.cp, max(n, 4096), np.uint8)
@@ -368,12 +375,7 @@ class GraphStep:
             n = int(g.ints_dev.size)
             images = self.images[b] = [InputImage(b, self.widths, pinned_empty(ops.cp, n, np.int32))
                                        for _ in range(2)]
-        image = images[0]
-        images.reverse()   # the other one next time
-        if image.copied is not None:   # its last copy (two steps ago) must have left it
-            image.copied.synchronize()
-        else:
-            image.copied = ops.cp.cuda.Event(disable_timing=True)
+        image = _take_turn(images, ops.cp)
         buf = image.fill(batch)
         self._copy(g.ints_ptr, image.ptr, buf.nbytes, "HostToDevice")
         image.copied.record(ops.stream)
