@@ -154,6 +154,32 @@ def test_decode_products_are_batch_invariant(ops) -> None:
 
 
 @needs_gpu
+@pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16], ids=lambda q: q.name)
+@pytest.mark.parametrize("K", [1024, 96])   # 1024: four steps a warp of mmv.cu; 96: most warps none
+def test_fused_decode_products_with_a_folded_norm_are_batch_invariant(ops, qtype: GGMLType, K: int) -> None:
+    """norm + q/k/v and norm + gate/up: a token's rows are the same bits alone, among 15 or
+    16 others (mmv.cu's one and two tiles a block) and among 63 -- the norm's sum of
+    squares included, which mmv.cu takes from the products' own loads."""
+    rng = np.random.default_rng(5 + int(qtype) + K)
+    parts = [ops.upload_linear(random_linear(rng, qtype, n, K)) for n in (72, 24, 24)]
+    gate, up = (ops.upload_linear(random_linear(rng, qtype, 40, K)) for _ in range(2))
+    x = (rng.standard_normal((64, K)) * rng.uniform(0.1, 3.0, (64, 1))).astype(np.float32)
+    g = ops.upload(rng.uniform(0.5, 1.5, K).astype(np.float32))
+
+    def run(rows: np.ndarray) -> list[np.ndarray]:
+        t = len(rows)
+        outs = ops.norm_linear_multi(ops.upload(rows), g, 1e-5, [(w, ops.empty((t, w.out_features))) for w in parts])
+        glu = ops.norm_linear_glu(ops.upload(rows), g, 1e-5, gate, up, "silu", out=ops.empty((t, 40)))
+        return [ops.to_host(o) for o in (*outs, glu)]
+
+    full = run(x)
+    for rows in (x[:16], x[:17], x[9:10], x[63:64], x[:1]):
+        start = next(i for i in range(64) if np.array_equal(x[i], rows[0]))
+        for got, want in zip(run(rows), full):
+            assert np.array_equal(got, want[start:start + len(rows)]), (len(rows), start)
+
+
+@needs_gpu
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q6_K], ids=lambda q: q.name)
 def test_linear_multi_is_linear_bit_for_bit(ops, qtype: GGMLType) -> None:
     """q/k/v in one launch (gemv3) give each matrix's gemv bits; two parts, a bias, and

@@ -229,50 +229,28 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_DEQUANT_BF16)
 // per output row (or pair of rows), FUSED_WARPS rows a block, GEMV_TOKENS tokens sharing
 // one read of a row, f32 accumulation in an order fixed per output element.
 //
-// The RMSNorm of the input is folded in: each block sums the squares of its tokens' rows
-// (a fixed order per token: thread-strided, then warps in order), the products run on
-// x * norm_weight, and the dot is scaled by 1 / sqrt(mean(x^2) + eps) at the end. With a
-// null norm weight the input is taken as it is.
+// The RMSNorm of the input is folded in: each warp sums the squares of its tokens' rows
+// from the loads its products make (a fixed order per token: lane-strided chunks of 8,
+// then the warp's butterfly), the products run on x * norm_weight, and the dot is scaled
+// by 1 / sqrt(mean(x^2) + eps) at the end: no pass over the input of its own, no barrier.
+// With a null norm weight the input is taken as it is.
 // ---------------------------------------------------------------------------------
 #define FUSED_WARPS 4   // rows (or rotated pairs) a block: more blocks for batch 1
 
-// inv[t] = 1 / sqrt(mean(X[t0 + t]^2) + eps) for t < nt (1 without a norm). Every thread
-// of the block calls it (it synchronises).
-__device__ __forceinline__ void tile_inv_rms(const float* __restrict__ X, const float* __restrict__ g,
-                                             int K, int t0, int nt, float eps, float* inv) {
-    __shared__ float part[FUSED_WARPS][GEMV_TOKENS];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (g) {
-        #pragma unroll
-        for (int t = 0; t < GEMV_TOKENS; t++) {
-            float ss = 0.0f;
-            if (t < nt) {
-                const float* x = X + (long long)(t0 + t) * K;
-                for (int k = threadIdx.x; k < K; k += 32 * FUSED_WARPS) ss += x[k] * x[k];
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) part[warp][t] = ss;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < GEMV_TOKENS) {
-        float v = 1.0f;
-        if (g && (int)threadIdx.x < nt) {
-            float ss = 0.0f;
-            for (int w = 0; w < FUSED_WARPS; w++) ss += part[w][threadIdx.x];
-            v = 1.0f / sqrtf(ss / (float)K + eps);
-        }
-        inv[threadIdx.x] = v;
-    }
-    __syncthreads();
+// 1 / sqrt(mean(x^2) + eps) from a lane's share of a token's sum of squares (the same
+// bits in every lane), or 1 without a norm.
+__device__ __forceinline__ float warp_inv_rms(float ss, bool norm, int K, float eps) {
+    if (!norm) return 1.0f;   // uniform across the warp
+    return 1.0f / sqrtf(warp_sum(ss) / (float)K + eps);
 }
 
-// acc0[t] (+ acc1[t] when row1) += this lane's share of row . (x[t0 + t] * g) for t < nt.
+// acc0[t] (+ acc1[t] when row1) += this lane's share of row . (x[t0 + t] * g) for t < nt;
+// with a norm weight, ss[t] += its share of x[t0 + t]'s sum of squares.
 #define ELLM_DOT2(name, deq)                                                              \
 __device__ __forceinline__ void dot2_##name(                                              \
         const u8* __restrict__ row0, const u8* __restrict__ row1,                         \
         const float* __restrict__ X, const float* __restrict__ g,                         \
-        int K, int t0, int nt, int lane, float* acc0, float* acc1) {                      \
+        int K, int t0, int nt, int lane, float* acc0, float* acc1, float* ss) {           \
     for (int c = lane; c < (K >> 3); c += 32) {                                           \
         float w0[8], w1[8], gs[8];                                                        \
         deq(row0, c << 3, w0);                                                            \
@@ -289,6 +267,9 @@ __device__ __forceinline__ void dot2_##name(                                    
                 float4 a = xp[0], b = xp[1];                                              \
                 float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};                    \
                 if (g) {                                                                  \
+                    float sq = 0.0f;                                                      \
+                    _Pragma("unroll") for (int i = 0; i < 8; i++) sq = fmaf(x[i], x[i], sq); \
+                    ss[t] += sq;                                                          \
                     _Pragma("unroll") for (int i = 0; i < 8; i++) x[i] *= gs[i];          \
                 }                                                                         \
                 acc0[t] += w0[0] * x[0] + w0[1] * x[1] + w0[2] * x[2] + w0[3] * x[3]      \
@@ -302,18 +283,18 @@ __device__ __forceinline__ void dot2_##name(                                    
 }
 ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_DOT2)
 
-// One warp: Y[t][n] = (row . (x[t] * g)) * inv[t] (+ bias[n]).
+// One warp: Y[t][n] = (row . (x[t] * g)) / rms(x[t]) (+ bias[n]).
 #define ELLM_NMV_ROW(name, deq)                                                           \
 __device__ __forceinline__ void nmv_row_##name(                                           \
         const u8* __restrict__ row, const float* __restrict__ X, const float* __restrict__ g, \
-        const float* inv, const float* __restrict__ bias, float* __restrict__ Y,          \
+        float eps, const float* __restrict__ bias, float* __restrict__ Y,                 \
         int K, int n, int ldy, int t0, int nt, int lane) {                                \
-    float acc[GEMV_TOKENS], unused[GEMV_TOKENS];                                          \
-    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = unused[t] = 0.0f;    \
-    dot2_##name(row, nullptr, X, g, K, t0, nt, lane, acc, unused);                        \
+    float acc[GEMV_TOKENS], unused[GEMV_TOKENS], ss[GEMV_TOKENS];                         \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = unused[t] = ss[t] = 0.0f; \
+    dot2_##name(row, nullptr, X, g, K, t0, nt, lane, acc, unused, ss);                    \
     _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
         if (t < nt) {                                                                     \
-            float s = warp_sum(acc[t]) * inv[t];                                          \
+            float s = warp_sum(acc[t]) * warp_inv_rms(ss[t], g, K, eps);                  \
             if (lane == 0) Y[(long long)(t0 + t) * ldy + n] = bias ? s + bias[n] : s;     \
         }                                                                                 \
     }                                                                                     \
@@ -333,18 +314,16 @@ extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) nmv3_##name(  
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         int T, int K, int N0, int N1, int N2) {                                           \
     grid_dependency_sync();                                                               \
-    __shared__ float inv[GEMV_TOKENS];                                                    \
     int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
-    tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \
     int n = blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5);                                \
     if (n < N0) {                                                                         \
-        nmv_row_##name(W0 + (long long)n * rb0, X, g, inv, b0, Y0, K, n, N0, t0, nt, lane); \
+        nmv_row_##name(W0 + (long long)n * rb0, X, g, eps, b0, Y0, K, n, N0, t0, nt, lane); \
     } else if (n < N0 + N1) {                                                             \
         n -= N0;                                                                          \
-        nmv_row_##name(W1 + (long long)n * rb1, X, g, inv, b1, Y1, K, n, N1, t0, nt, lane); \
+        nmv_row_##name(W1 + (long long)n * rb1, X, g, eps, b1, Y1, K, n, N1, t0, nt, lane); \
     } else if (n < N0 + N1 + N2) {                                                        \
         n -= N0 + N1;                                                                     \
-        nmv_row_##name(W2 + (long long)n * rb2, X, g, inv, b2, Y2, K, n, N2, t0, nt, lane); \
+        nmv_row_##name(W2 + (long long)n * rb2, X, g, eps, b2, Y2, K, n, N2, t0, nt, lane); \
     }                                                                                     \
 }
 ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_NMV3)
@@ -359,17 +338,16 @@ extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) glu_##name(   
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         float* __restrict__ out, int T, int K, int F, int act) {                          \
     grid_dependency_sync();                                                               \
-    __shared__ float inv[GEMV_TOKENS];                                                    \
     int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
-    tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \
     int n = blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5);                                \
     if (n >= F) return;                                                                   \
-    float ag[GEMV_TOKENS], au[GEMV_TOKENS];                                               \
-    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) ag[t] = au[t] = 0.0f;         \
-    dot2_##name(Wg + (long long)n * rbg, Wu + (long long)n * rbu, X, g, K, t0, nt, lane, ag, au); \
+    float ag[GEMV_TOKENS], au[GEMV_TOKENS], ss[GEMV_TOKENS];                              \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) ag[t] = au[t] = ss[t] = 0.0f; \
+    dot2_##name(Wg + (long long)n * rbg, Wu + (long long)n * rbu, X, g, K, t0, nt, lane, ag, au, ss); \
     _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
         if (t < nt) {                                                                     \
-            float a = warp_sum(ag[t]) * inv[t], u = warp_sum(au[t]) * inv[t];             \
+            float inv = warp_inv_rms(ss[t], g, K, eps);                                   \
+            float a = warp_sum(ag[t]) * inv, u = warp_sum(au[t]) * inv;                   \
             if (bg) a += bg[n];                                                           \
             if (bu) u += bu[n];                                                           \
             float y;                                                                      \
@@ -398,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) gemv_add_##nam
     if (n >= N) return;                                                                   \
     float acc[GEMV_TOKENS], unused[GEMV_TOKENS];                                          \
     _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = unused[t] = 0.0f;    \
-    dot2_##name(W + (long long)n * row_bytes, nullptr, X, nullptr, K, t0, nt, lane, acc, unused); \
+    dot2_##name(W + (long long)n * row_bytes, nullptr, X, nullptr, K, t0, nt, lane, acc, unused, unused); \
     _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
         if (t < nt) {                                                                     \
             float s = warp_sum(acc[t]);                                                   \
@@ -424,22 +402,21 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV_ADD)
 extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) qkv_rope_##name(          \
         ELLM_QKV_ROPE_PARAMS) {                                                           \
     grid_dependency_sync();                                                               \
-    __shared__ float inv[GEMV_TOKENS];                                                    \
     int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \
-    tile_inv_rms(X, g, K, t0, nt, eps, inv);                                              \
     QkvTask k = qkv_task(blockIdx.x * FUSED_WARPS + (threadIdx.x >> 5), nh, nkv, hd, n_rot, interleaved); \
     if (k.which < 0) return;                                                              \
     const u8* W = k.which == 0 ? Wq : k.which == 1 ? Wk : Wv;                             \
     long long rb = k.which == 0 ? rbq : k.which == 1 ? rbk : rbv;                         \
-    float a0[GEMV_TOKENS], a1[GEMV_TOKENS];                                               \
-    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) a0[t] = a1[t] = 0.0f;         \
+    float a0[GEMV_TOKENS], a1[GEMV_TOKENS], ss[GEMV_TOKENS];                              \
+    _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) a0[t] = a1[t] = ss[t] = 0.0f; \
     dot2_##name(W + (long long)(k.head * hd + k.d0) * rb,                                 \
                 k.d1 >= 0 ? W + (long long)(k.head * hd + k.d1) * rb : nullptr, X, g, K,  \
-                t0, nt, lane, a0, a1);                                                    \
+                t0, nt, lane, a0, a1, ss);                                                \
     _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                             \
         if (t >= nt) continue;                                                            \
-        float x0 = warp_sum(a0[t]) * inv[t];                                              \
-        float x1 = k.d1 >= 0 ? warp_sum(a1[t]) * inv[t] : 0.0f;                           \
+        float inv = warp_inv_rms(ss[t], g, K, eps);                                       \
+        float x0 = warp_sum(a0[t]) * inv;                                                 \
+        float x1 = k.d1 >= 0 ? warp_sum(a1[t]) * inv : 0.0f;                              \
         if (lane == 0) qkv_rope_store(k, t0 + t, x0, x1, ELLM_QKV_ROPE_STORE_ARGS);       \
     }                                                                                     \
 }

@@ -195,15 +195,33 @@ struct WQ6_K {
     }
 };
 
-// hi and lo bf16 words of the activations of one token at this lane's 8 k of the step
-// (times the norm weight g when folded); zeros for a token past T.
+// One token's activations at this lane's 8 k of the step (the k its fragments cover).
 template <bool SPLIT>
-__device__ __forceinline__ void act_frag(const float* __restrict__ xrow, const float* __restrict__ g, int k0,
-                                         int q, u32* hi, u32* lo) {
+__device__ __forceinline__ void act_load(const float* __restrict__ xrow, int k0, int q, float (&x)[8]) {
     int p0 = SPLIT ? k0 + 4 * q : k0 + 8 * q, p1 = SPLIT ? k0 + 16 + 4 * q : k0 + 8 * q + 4;
     float4 a = *(const float4*)(xrow + p0), b = *(const float4*)(xrow + p1);
-    float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+// Their squares' sum, in one order (explicit fma: one rounding whatever the compiler).
+__device__ __forceinline__ float sum_sq8(const float (&x)[8]) {
+    float s = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) s = fmaf(x[i], x[i], s);
+    return s;
+}
+
+// hi and lo bf16 words of the activations of one token at this lane's 8 k of the step
+// (times the norm weight g when folded); -> their squares' sum when asked for, else 0.
+template <bool SPLIT>
+__device__ __forceinline__ float act_frag(const float* __restrict__ xrow, const float* __restrict__ g, int k0,
+                                          int q, u32* hi, u32* lo, bool want_sq) {
+    float x[8];
+    act_load<SPLIT>(xrow, k0, q, x);
+    float sq = want_sq ? sum_sq8(x) : 0.0f;
     if (g) {
+        int p0 = SPLIT ? k0 + 4 * q : k0 + 8 * q, p1 = SPLIT ? k0 + 16 + 4 * q : k0 + 8 * q + 4;
         float4 ga = *(const float4*)(g + p0), gb = *(const float4*)(g + p1);
         float gs[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
         #pragma unroll
@@ -211,6 +229,7 @@ __device__ __forceinline__ void act_frag(const float* __restrict__ xrow, const f
     }
     #pragma unroll
     for (int i = 0; i < 4; i++) split_bf16(x[2 * i], x[2 * i + 1], hi[i], lo[i]);
+    return sq;
 }
 
 // A step's products on the tensor cores: c1 += a1 (bh1 + bl1), then c2 += a2 (bh2 + bl2),
@@ -227,11 +246,15 @@ __device__ __forceinline__ void step_products(float* c1, float* c2, const u32* a
 // of this lane against tokens 0 .. T-1 of X (rows of K floats), over its steps of K, into
 // acc[r]. The activations of a step are read once for the RT tiles (a block of RT tiles
 // reads X once, not RT times); each tile's accumulator sees the same products in the same
-// order whatever RT is, so its sums are the same bits.
+// order whatever RT is, so its sums are the same bits. With a norm weight g, ss[j] takes
+// this lane's share of token 8 j + gi's sum of squares, step by step: from the products'
+// own loads with two tiles; with one (whose registers are full during the loop) from a
+// second read of the same steps after it, which the warp's L1 mostly holds. The same
+// sums in the same order either way.
 template <class WT, int RT>
 __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* rb, const float* __restrict__ X,
                                          const float* __restrict__ g, int T, int K,
-                                         float (&acc)[RT][MMV_TOKENS / 8][4]) {
+                                         float (&acc)[RT][MMV_TOKENS / 8][4], float (&ss)[MMV_TOKENS / 8]) {
     constexpr int U = MMV_UNROLL / RT;   // steps loaded ahead: the same bytes in flight for any RT
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, q = lane & 3;
     int tiles = (T + 7) >> 3;
@@ -240,6 +263,8 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
         #pragma unroll
         for (int j = 0; j < MMV_TOKENS / 8; j++) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.0f;
     }
+    #pragma unroll
+    for (int j = 0; j < MMV_TOKENS / 8; j++) ss[j] = 0.0f;
     const u32 ones = 0x3f803f80u;   // bf16 1.0 twice
     const u32 ones_a[4] = {ones, ones, ones, ones};
     int steps = K >> 5;
@@ -269,7 +294,10 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
             if (j >= tiles) break;
             int t = 8 * j + gi;
             u32 hi[4] = {0u, 0u, 0u, 0u}, lo[4] = {0u, 0u, 0u, 0u};
-            if (t < T) act_frag<WT::split>(X + (long long)t * K, g, k0, q, hi, lo);
+            if (t < T) {
+                float sq = act_frag<WT::split>(X + (long long)t * K, g, k0, q, hi, lo, RT > 1 && g);
+                if (RT > 1 && g) ss[j] += sq;
+            }
             const u32 bh1[2] = {hi[0], hi[1]}, bl1[2] = {lo[0], lo[1]};
             const u32 bh2[2] = {hi[2], hi[3]}, bl2[2] = {lo[2], lo[3]};
             #pragma unroll
@@ -302,6 +330,19 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
         }
       }
     }
+    if (RT == 1 && g) {
+        #pragma unroll
+        for (int j = 0; j < MMV_TOKENS / 8; j++) {
+            int t = 8 * j + gi;
+            if (j >= tiles) break;
+            if (t >= T) continue;
+            for (int s = warp; s < steps; s += MMV_WARPS) {
+                float x[8];
+                act_load<WT::split>(X + (long long)t * K, s << 5, q, x);
+                ss[j] += sum_sq8(x);
+            }
+        }
+    }
 }
 
 // One tile's accumulators into part[warp][slot][token], for the block's ordered sum.
@@ -328,45 +369,50 @@ __device__ __forceinline__ float tile_sum(float (*part)[16][MMV_TOKENS], int s, 
     return v;
 }
 
-// inv[t] = 1 / sqrt(mean(X[t]^2) + eps) for t < T, or 1 without a norm weight; each
-// token's squares summed in one order (thread-strided, then warps in order).
-__device__ __forceinline__ void tokens_inv_rms(const float* __restrict__ X, const float* __restrict__ g, int T,
-                                               int K, float eps, float* inv, float (*sq)[MMV_TOKENS]) {
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (g) {
-        for (int t = 0; t < T; t++) {
-            const float* x = X + (long long)t * K;
-            float ss = 0.0f;
-            for (int k = threadIdx.x; k < K; k += 32 * MMV_WARPS) ss += x[k] * x[k];
-            ss = warp_sum(ss);
-            if (lane == 0) sq[warp][t] = ss;
-        }
+// The warps' shares of each token's sum of squares (mmv_warp's ss) into sq[warp][t]: the
+// 4 lanes of a token's column summed by a butterfly (the same bits in each), then one
+// lane writes. Read by token_inv after the block's barrier.
+__device__ __forceinline__ void store_sq(float (&ss)[MMV_TOKENS / 8], int T, float (*sq)[MMV_TOKENS]) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, q = lane & 3;
+    #pragma unroll
+    for (int j = 0; j < MMV_TOKENS / 8; j++) {
+        if (8 * j >= T) break;   // uniform across the warp: every lane takes part in the shuffles
+        float v = ss[j];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        int t = 8 * j + gi;
+        if (q == 0 && t < T) sq[warp][t] = v;
     }
-    __syncthreads();
-    for (int t = threadIdx.x; t < T; t += blockDim.x) {
-        float v = 1.0f;
-        if (g) {
-            float ss = 0.0f;
-            for (int w = 0; w < MMV_WARPS; w++) ss += sq[w][t];
-            v = 1.0f / sqrtf(ss / (float)K + eps);
-        }
-        inv[t] = v;
-    }
+}
+
+// 1 / sqrt(mean(x_t^2) + eps) of token t from the warps' shares in warp order (each token's
+// squares summed in an order fixed by K: lane, step, lanes of a column, warps), or 1
+// without a norm weight.
+__device__ __forceinline__ float token_inv(float (*sq)[MMV_TOKENS], bool norm, int t, int K, float eps) {
+    if (!norm) return 1.0f;
+    float ss = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < MMV_WARPS; w++) ss += sq[w][t];
+    return 1.0f / sqrtf(ss / (float)K + eps);
 }
 
 #define MMV_SHARED                                                                        \
     __shared__ float part[MMV_WARPS][16][MMV_TOKENS];                                     \
-    __shared__ float sq[MMV_WARPS][MMV_TOKENS];                                           \
-    __shared__ float inv[MMV_TOKENS];
+    __shared__ float sq[MMV_WARPS][MMV_TOKENS];
 
 // The block's RT tiles: the warps' products (mmv_warp), then, tile by tile, the partials
-// into part and epilogue(r) over them (the block's sums read through tile_sum).
+// into part and epilogue(r) over them (the block's sums read through tile_sum, the
+// tokens' norms through token_inv). The norm needs no pass of its own over X: its squares
+// come with the products' loads, so a block starts reading weights at once.
 template <class WT, int RT, class Epilogue>
 __device__ __forceinline__ void mmv_tiles(const u8* const* ra, const u8* const* rb, const float* __restrict__ X,
                                           const float* __restrict__ g, int T, int K,
-                                          float (*part)[16][MMV_TOKENS], Epilogue epilogue) {
+                                          float (*part)[16][MMV_TOKENS], float (*sq)[MMV_TOKENS],
+                                          Epilogue epilogue) {
     float acc[RT][MMV_TOKENS / 8][4];
-    mmv_warp<WT, RT>(ra, rb, X, g, T, K, acc);
+    float ss[MMV_TOKENS / 8];
+    mmv_warp<WT, RT>(ra, rb, X, g, T, K, acc, ss);
+    if (g) store_sq(ss, T, sq);
     #pragma unroll
     for (int r = 0; r < RT; r++) {
         if (r) __syncthreads();   // the previous tile's sums are read
@@ -389,7 +435,6 @@ __device__ __forceinline__ void mmv3_t(
         float* Y0, float* Y1, float* Y2, const float* __restrict__ X, const float* __restrict__ g,
         float eps, int T, int K, int N0, int N1, int N2, int add) {
     MMV_SHARED
-    tokens_inv_rms(X, g, T, K, eps, inv, sq);
     int lane = threadIdx.x & 31, gi = lane >> 2;
     auto row_of = [&](int n) -> const u8* {
         if (n < N0) return W0 + (long long)n * rb0;
@@ -405,11 +450,11 @@ __device__ __forceinline__ void mmv3_t(
         ra[r] = row_of(n0 + gi);
         rbs[r] = row_of(n0 + gi + 8);
     }
-    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, [&](int r) {
+    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
         int n0 = (blockIdx.x * RT + r) * 16;
         for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
             int s = it & 15, t = it >> 4, n = n0 + s;
-            float v = tile_sum(part, s, t) * inv[t], *y;
+            float v = tile_sum(part, s, t) * token_inv(sq, g, t, K, eps), *y;
             const float* bias;
             if (n < N0) { y = Y0 + (long long)t * N0 + n; bias = b0; }
             else if (n < N0 + N1) { n -= N0; y = Y1 + (long long)t * N1 + n; bias = b1; }
@@ -430,7 +475,6 @@ __device__ __forceinline__ void mmv_glu_t(
         const float* __restrict__ bg, const float* __restrict__ bu, const float* __restrict__ X,
         const float* __restrict__ g, float eps, float* __restrict__ out, int T, int K, int F, int act) {
     MMV_SHARED
-    tokens_inv_rms(X, g, T, K, eps, inv, sq);
     int lane = threadIdx.x & 31;
     const u8* ra[RT];
     const u8* rbs[RT];
@@ -440,12 +484,13 @@ __device__ __forceinline__ void mmv_glu_t(
         ra[r] = n < F ? Wg + (long long)n * rbg : nullptr;
         rbs[r] = n < F ? Wu + (long long)n * rbu : nullptr;
     }
-    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, [&](int r) {
+    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
         int n0 = (blockIdx.x * RT + r) * 8;
         for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
             int s = it & 7, t = it >> 3, m = n0 + s;
             if (m >= F) continue;
-            float a = tile_sum(part, s, t) * inv[t], u = tile_sum(part, s + 8, t) * inv[t];
+            float inv = token_inv(sq, g, t, K, eps);
+            float a = tile_sum(part, s, t) * inv, u = tile_sum(part, s + 8, t) * inv;
             if (bg) a += bg[m];
             if (bu) u += bu[m];
             float y;
@@ -467,7 +512,6 @@ __device__ __forceinline__ void mmv_glu_t(
 template <class WT, int RT>
 __device__ __forceinline__ void mmv_qkv_rope_t(ELLM_QKV_ROPE_PARAMS) {
     MMV_SHARED
-    tokens_inv_rms(X, g, T, K, eps, inv, sq);
     int lane = threadIdx.x & 31;
     const u8* ra[RT];
     const u8* rbs[RT];
@@ -479,14 +523,15 @@ __device__ __forceinline__ void mmv_qkv_rope_t(ELLM_QKV_ROPE_PARAMS) {
         ra[r] = k.which >= 0 ? W + (long long)(k.head * hd + k.d0) * rb : nullptr;
         rbs[r] = k.which >= 0 && k.d1 >= 0 ? W + (long long)(k.head * hd + k.d1) * rb : nullptr;
     }
-    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, [&](int r) {
+    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
         int task0 = (blockIdx.x * RT + r) * 8;
         for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
             int s = it & 7, t = it >> 3;
             QkvTask k = qkv_task(task0 + s, nh, nkv, hd, n_rot, interleaved);
             if (k.which < 0) continue;
-            qkv_rope_store(k, t, tile_sum(part, s, t) * inv[t],
-                           k.d1 >= 0 ? tile_sum(part, s + 8, t) * inv[t] : 0.0f, ELLM_QKV_ROPE_STORE_ARGS);
+            float inv = token_inv(sq, g, t, K, eps);
+            qkv_rope_store(k, t, tile_sum(part, s, t) * inv,
+                           k.d1 >= 0 ? tile_sum(part, s + 8, t) * inv : 0.0f, ELLM_QKV_ROPE_STORE_ARGS);
         }
     });
 }
