@@ -261,6 +261,7 @@ ATTN_CASES = {
     "prefill": (9, 3, 64, 32, 0, 0.0, False, 1.0, [0, 0], 150),
     "prefill_window": (4, 1, 256, 128, 100, 0.0, False, 1.0, [0], 300),
     "tiny_head_dims": (4, 2, 24, 12, 0, 0.0, False, 1.0, [20, 3], 2),   # head_dim not a multiple of 32
+    "odd_head_dims": (2, 1, 18, 8, 0, 0.0, False, 1.0, [150, 7], 2),   # nor of 4: scalar loads of K
 }
 
 

@@ -23,6 +23,7 @@
 
 #define ATTN_WARPS 4
 #define HD_MAX 256   // head_dim <= HD_MAX (checked in ops/cuda.py)
+#define ATTN_CHUNK_MAX 512   // = ops/cuda.py PREFILL_CHUNK, the largest chunk
 
 // grid (T, nh + nkv), block hd.
 template <typename KV>
@@ -93,9 +94,50 @@ extern "C" __global__ void rope_kv_write##suffix(                               
 ELLM_ROPE_KV_WRITE(, float)
 ELLM_ROPE_KV_WRITE(_bf16, u16)
 
+// Four of a cached row's values from element i (i % 4 == 0, the row 16-byte (f32) or
+// 8-byte (bf16) aligned: hd % 4 == 0).
+__device__ __forceinline__ float4 kv_load4(const float* p, long long i) { return *(const float4*)(p + i); }
+__device__ __forceinline__ float4 kv_load4(const u16* p, long long i) {
+    uint2 w = *(const uint2*)(p + i);
+    float4 r = {bf16_to_f32((u16)(w.x & 0xffffu)), bf16_to_f32((u16)(w.x >> 16)),
+                bf16_to_f32((u16)(w.y & 0xffffu)), bf16_to_f32((u16)(w.y >> 16))};
+    return r;
+}
+
+// q . k over hd dims: four running sums (dims d % 4, for the FMA latency) added in one
+// order at the end; vector loads where hd % 4 == 0, the same sums either way.
+template <typename KV>
+__device__ __forceinline__ float q_dot_k(const float* sq, const KV* __restrict__ kp, int hd) {
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    if ((hd & 3) == 0) {
+        #pragma unroll 4
+        for (int d = 0; d < hd; d += 4) {
+            float4 k = kv_load4(kp, d);
+            a0 = fmaf(sq[d], k.x, a0);
+            a1 = fmaf(sq[d + 1], k.y, a1);
+            a2 = fmaf(sq[d + 2], k.z, a2);
+            a3 = fmaf(sq[d + 3], k.w, a3);
+        }
+    } else {
+        for (int d = 0; d < hd; d += 4) {
+            a0 = fmaf(sq[d], kv_load(kp, d), a0);
+            if (d + 1 < hd) a1 = fmaf(sq[d + 1], kv_load(kp, d + 1), a1);
+            if (d + 2 < hd) a2 = fmaf(sq[d + 2], kv_load(kp, d + 2), a2);
+            if (d + 3 < hd) a3 = fmaf(sq[d + 3], kv_load(kp, d + 3), a3);
+        }
+    }
+    return (a0 + a1) + (a2 + a3);
+}
+
 // The partials of the chunks this block takes (blockIdx.z, + gridDim.z, ...) of token
 // blockIdx.y's head blockIdx.x. part_ml (T, nh, max_chunks, 2): max, sum;
-// part_o (T, nh, max_chunks, hd).
+// part_o (T, nh, max_chunks, hd). chunk <= ATTN_CHUNK_MAX.
+//
+// A chunk in three phases, each with every key (or dim) in flight at once rather than one
+// key after another: a thread per key takes its score (q . k, scaled, soft-capped); the
+// chunk's max, then each key's weight exp(s - max) and their sum; a thread per (dim, key
+// group) sums weight x value over its keys, the groups summed in order. Every sum has an
+// order fixed by the chunk's keys, hd and the block's size, never by the batch.
 template <typename KV>
 __device__ __forceinline__ void attn_chunks(
         const float* __restrict__ q_rot,        // (T, nh, hd)
@@ -111,65 +153,86 @@ __device__ __forceinline__ void attn_chunks(
         int chunk, int max_chunks,
         float* __restrict__ part_ml,
         float* __restrict__ part_o) {
-    __shared__ float sm_m[ATTN_WARPS], sm_l[ATTN_WARPS];
-    __shared__ float sm_o[ATTN_WARPS][HD_MAX];
+    constexpr int NT = 32 * ATTN_WARPS;
+    __shared__ float sm_q[HD_MAX];
+    __shared__ float sm_w[ATTN_CHUNK_MAX];          // scores, then weights
+    __shared__ long long sm_row[ATTN_CHUNK_MAX];    // a key's cache row (element index), -1: none
+    __shared__ float sm_o[HD_MAX];                  // (group, dim) sums
+    __shared__ float sm_red[ATTN_WARPS];
     int h = blockIdx.x, t = blockIdx.y;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = positions[t], e = key_limit[t];
     int lo = window > 0 ? max(0, p - window + 1) : 0;
     int n_chunks = min((e - lo) / chunk + 1, max_chunks);
-    int kvh = h / (nh / nkv), D = (hd + 31) >> 5;   // dims lane + 32 j, j < D, of each head
+    int kvh = h / (nh / nkv);
+    // dims a thread of the value phase takes: groups of keys when hd leaves threads over
+    int groups = hd <= NT ? NT / hd : 1, g = threadIdx.x / hd;
     const int* table = block_tables + (long long)seq_ids[t] * max_blocks;
-    float qd[HD_MAX / 32];
     const float* qp = q_rot + ((long long)t * nh + h) * hd;
-    for (int j = 0; j < HD_MAX / 32; j++) qd[j] = j < D && lane + 32 * j < hd ? qp[lane + 32 * j] : 0.0f;
+    for (int d = threadIdx.x; d < hd; d += NT) sm_q[d] = qp[d];
+    __syncthreads();
 
     for (int c = blockIdx.z; c < n_chunks; c += gridDim.z) {
-        int k_lo = lo + c * chunk, k_hi = min(k_lo + chunk, e + 1);
-        float m = ELLM_NEG_INF, l = 0.0f, o[HD_MAX / 32];
-        for (int j = 0; j < HD_MAX / 32; j++) o[j] = 0.0f;
-        for (int pos = k_lo + warp; pos < k_hi; pos += ATTN_WARPS) {
-            int blk = table[pos / block_size];
-            if (blk < 0) continue;   // a padding row of a captured batch: no keys
-            long long base = (((long long)blk * block_size + pos % block_size) * nkv + kvh) * hd;
-            const KV* kp = k_cache + base;
-            const KV* vp = v_cache + base;
-            float dot = 0.0f;
-            for (int j = 0; j < HD_MAX / 32; j++)
-                if (j < D && lane + 32 * j < hd) dot += qd[j] * kv_load(kp, lane + 32 * j);
-            float s = warp_sum(dot) * scale;
-            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-            float m_new = fmaxf(m, s);
-            float corr = expf(m - m_new), w = expf(s - m_new);
-            l = l * corr + w;
-            for (int j = 0; j < HD_MAX / 32; j++)
-                if (j < D && lane + 32 * j < hd) o[j] = o[j] * corr + w * kv_load(vp, lane + 32 * j);
-            m = m_new;
+        int k_lo = lo + c * chunk, n = min(k_lo + chunk, e + 1) - k_lo;
+        // scores; this thread's max
+        float m = ELLM_NEG_INF;
+        for (int i = threadIdx.x; i < n; i += NT) {
+            int pos = k_lo + i, blk = table[pos / block_size];
+            float s = ELLM_NEG_INF;
+            long long row = -1;
+            if (blk >= 0) {   // else a padding row of a captured batch: no keys
+                row = (((long long)blk * block_size + pos % block_size) * nkv + kvh) * hd;
+                s = q_dot_k(sm_q, k_cache + row, hd) * scale;
+                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            }
+            sm_w[i] = s;
+            sm_row[i] = row;
+            m = fmaxf(m, s);
         }
-        if (lane == 0) {
-            sm_m[warp] = m;
-            sm_l[warp] = l;
+        m = warp_max(m);
+        if (lane == 0) sm_red[warp] = m;
+        __syncthreads();
+        float M = ELLM_NEG_INF;
+        #pragma unroll
+        for (int w = 0; w < ATTN_WARPS; w++) M = fmaxf(M, sm_red[w]);
+        __syncthreads();   // sm_red is reused for the sum
+        // weights and their sum (each thread's keys in order, the warp's butterfly, warps in order)
+        float l = 0.0f;
+        for (int i = threadIdx.x; i < n; i += NT) {
+            float w = sm_w[i] == ELLM_NEG_INF ? 0.0f : expf(sm_w[i] - M);
+            sm_w[i] = w;
+            l += w;
         }
-        for (int j = 0; j < HD_MAX / 32; j++)   // a fixed bound keeps o[] in registers
-            if (j < D && lane + 32 * j < hd) sm_o[warp][lane + 32 * j] = o[j];
+        l = warp_sum(l);
+        if (lane == 0) sm_red[warp] = l;
+        __syncthreads();
+        // weighted values: thread (g, d) over keys g, g + groups, ...
+        if (g < groups) {
+            for (int d = threadIdx.x - g * hd; d < hd; d += NT) {
+                float acc = 0.0f;
+                #pragma unroll 16
+                for (int i = g; i < n; i += groups) {
+                    long long row = sm_row[i];
+                    if (row >= 0) acc = fmaf(sm_w[i], kv_load(v_cache, row + d), acc);
+                }
+                sm_o[g * hd + d] = acc;   // g * hd + d < NT when groups > 1, else d < hd
+            }
+        }
         __syncthreads();
         long long part = ((long long)t * nh + h) * max_chunks + c;
-        float M = ELLM_NEG_INF;
-        for (int w = 0; w < ATTN_WARPS; w++) M = fmaxf(M, sm_m[w]);
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-            float acc = 0.0f;
-            for (int w = 0; w < ATTN_WARPS; w++)
-                if (sm_m[w] != ELLM_NEG_INF) acc += sm_o[w][d] * expf(sm_m[w] - M);
-            part_o[part * hd + d] = acc;
+        for (int d = threadIdx.x; d < hd; d += NT) {
+            float o = 0.0f;
+            for (int k = 0; k < groups; k++) o += sm_o[k * hd + d];
+            part_o[part * hd + d] = o;
         }
         if (threadIdx.x == 0) {
             float L = 0.0f;
-            for (int w = 0; w < ATTN_WARPS; w++)
-                if (sm_m[w] != ELLM_NEG_INF) L += sm_l[w] * expf(sm_m[w] - M);
+            #pragma unroll
+            for (int w = 0; w < ATTN_WARPS; w++) L += sm_red[w];
             part_ml[part * 2] = M;
             part_ml[part * 2 + 1] = L;
         }
-        __syncthreads();
+        __syncthreads();   // the shared arrays are the next chunk's
     }
 }
 
@@ -213,7 +276,7 @@ __device__ __forceinline__ void attn_merge(
 
 // grid (nh, T, Z), block 32 * ATTN_WARPS.
 #define ELLM_ATTN_PARTIAL(suffix, KV)                                                     \
-extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 8) attn_partial##suffix(   \
+extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 4) attn_partial##suffix(   \
         ATTN_PARTIAL_PARAMS(KV)) {                                                        \
     grid_dependency_sync();                                                               \
     attn_chunks<KV>(ATTN_PARTIAL_ARGS);                                                   \
@@ -226,7 +289,7 @@ ELLM_ATTN_PARTIAL(_bf16, u16)
 // (T * nh) int32 start at zero and are left at zero (the merging block resets its own).
 // grid (nh, T, Z), block 32 * ATTN_WARPS.
 #define ELLM_ATTN_DECODE(suffix, KV)                                                      \
-extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 8) attn_decode##suffix(    \
+extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 4) attn_decode##suffix(    \
         ATTN_PARTIAL_PARAMS(KV), int* __restrict__ counters, float* __restrict__ out) {   \
     grid_dependency_sync();                                                               \
     __shared__ int last;                                                                  \

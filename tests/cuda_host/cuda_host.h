@@ -41,6 +41,7 @@
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct float4 { float x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 
 namespace cuda_host {
 
