@@ -54,6 +54,9 @@ def test_nvcc_ptx_without_warnings(source: Path, arch: str, tmp_path: Path) -> N
     if arch == "sm_90":
         late = [k for k, why in _dependency_sync_order(ptx.read_text()).items() if why]
         assert not late, f"kernels touching global memory before grid_dependency_sync: {late}"
+        if source.name == "mmv.cu":   # their first weights are on their way while they wait
+            unfetched = [k for k, early in _prefetch_before_wait(ptx.read_text()).items() if not early]
+            assert not unfetched, f"mmv kernels without an L2 prefetch before the wait: {unfetched}"
     # ptxas assembles it for this architecture without spilling registers to local memory
     # (a spill in a decode kernel costs more than the kernel itself), and says per kernel
     # what it uses (-v): the fused decode kernels keep no stack frame at all
@@ -90,6 +93,16 @@ def _dependency_sync_order(ptx: str) -> dict[str, str]:
     return verdict
 
 
+def _prefetch_before_wait(ptx: str) -> dict[str, bool]:
+    """Per kernel entry: whether a `prefetch.global.L2` comes before `griddepcontrol.wait`."""
+    out: dict[str, bool] = {}
+    for m in re.finditer(r"\.entry\s+(\w+)(.*?)(?=\.entry\s|\Z)", ptx, re.S):
+        body = m.group(2)
+        wait, fetch = body.find("griddepcontrol.wait"), body.find("prefetch.global.L2")
+        out[m.group(1)] = 0 <= fetch < wait
+    return out
+
+
 def test_dependency_sync_order_sees_a_late_wait() -> None:
     ptx = """.entry good( .param .u64 a ) { ld.param.u64 %rd1, [a]; griddepcontrol.wait;
     ld.global.f32 %f1, [%rd1]; }
@@ -98,6 +111,10 @@ def test_dependency_sync_order_sees_a_late_wait() -> None:
     griddepcontrol.wait; }
 .entry none( .param .u64 a ) { st.shared.f32 [%r1], %f1; }"""
     assert _dependency_sync_order(ptx) == {"good": "", "late": "ld.global.nc.f32", "none": "no griddepcontrol.wait"}
+    fetched = ptx.replace("{ ld.param.u64 %rd1, [a]; griddepcontrol.wait;",
+                          "{ ld.param.u64 %rd1, [a]; prefetch.global.L2 [%rd1]; griddepcontrol.wait;")
+    assert _dependency_sync_order(fetched)["good"] == ""   # a prefetch is no access
+    assert _prefetch_before_wait(fetched) == {"good": True, "late": False, "none": False}
 
 
 def test_sources_paste_the_header_in() -> None:
@@ -152,4 +169,7 @@ def test_nvrtc_compiles(source: Path, arch: str) -> None:
     if arch == "compute_90":   # what CuPy runs on Hopper: every kernel waits before touching memory
         late = [k for k, why in _dependency_sync_order(ptx.decode()).items() if why]
         assert not late, f"kernels touching global memory before grid_dependency_sync: {late}"
+        if source.name == "mmv.cu":
+            unfetched = [k for k, early in _prefetch_before_wait(ptx.decode()).items() if not early]
+            assert not unfetched, f"mmv kernels without an L2 prefetch before the wait: {unfetched}"
 

@@ -20,13 +20,26 @@ typedef signed char i8;
 
 // Programmatic dependent launch (sm_90+, ops/cuda_pdl.py): inside a captured decode step
 // the next kernel's blocks may be scheduled while this one still runs. Every kernel calls
-// this before it reads or writes global memory: it waits until the kernel before has
+// this before it reads or writes global memory (it may prefetch weights into L2 before:
+// prefetch_l2): it waits until the kernel before has
 // finished and its writes are visible, then lets the next one be scheduled. After a plain
 // launch, and before sm_90, it does nothing.
 __device__ __forceinline__ void grid_dependency_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// A hint that the 128-byte line holding p is wanted soon: fetched into L2, nothing
+// returned, nothing waited for. Only for weights (nothing a step writes), so a kernel may
+// issue it before grid_dependency_sync: under a programmatic dependent launch the fetch
+// then overlaps the end of the kernel before. Nothing in a host build.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#else
+    (void)p;
 #endif
 }
 

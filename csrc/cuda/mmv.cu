@@ -55,6 +55,7 @@ __device__ __forceinline__ void frag_zero(Frag& f) {
 // BF16 rows: 16 bytes at k0 + 8q.
 struct WBf16 {
     static constexpr bool split = false, scaled = false, has_min = false;
+    static constexpr int bytes_256 = 512;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         uint4 v = *(const uint4*)(row + 2 * (k0 + 8 * q));   // 16-byte aligned (K % 32 == 0)
@@ -67,6 +68,7 @@ struct WBf16 {
 // Q8_0 (34 bytes / 32): f16 d, int8 q; the 8 q at 8q.
 struct WQ8_0 {
     static constexpr bool split = false, scaled = true, has_min = false;
+    static constexpr int bytes_256 = 272;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 5) * 34;
@@ -86,6 +88,7 @@ struct WQ8_0 {
 // qs[k - 16]; value d (q - 8). Split: qs[4q .. 4q + 3] hold both mmas' k.
 struct WQ4_0 {
     static constexpr bool split = true, scaled = true, has_min = false;
+    static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 5) * 18;
@@ -105,6 +108,7 @@ struct WQ4_0 {
 // Q4_1 (20 bytes / 32): f16 d, f16 m, nibbles as Q4_0; value d q + m.
 struct WQ4_1 {
     static constexpr bool split = true, scaled = true, has_min = true;
+    static constexpr int bytes_256 = 160;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 5) * 20;
@@ -125,6 +129,7 @@ struct WQ4_1 {
 // the low (s even) or high nibbles of qs[32 (s / 2) ..]; value d sc q - dmin mn.
 struct WQ4_K {
     static constexpr bool split = false, scaled = true, has_min = true;
+    static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 8) * 144;
@@ -146,6 +151,7 @@ struct WQ4_K {
 // element l of sub-block s.
 struct WQ5_K {
     static constexpr bool split = false, scaled = true, has_min = true;
+    static constexpr int bytes_256 = 176;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 8) * 176;
@@ -171,6 +177,7 @@ struct WQ5_K {
 // d scale (q - 32). Split: each mma's 16 k share one scale.
 struct WQ6_K {
     static constexpr bool split = true, scaled = true, has_min = false;
+    static constexpr int bytes_256 = 210;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 8) * 210;
@@ -345,6 +352,21 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
     }
 }
 
+// Before grid_dependency_sync: the lines this warp's first loads will read into L2 (lane
+// 4 g + q: step warp + q MMV_WARPS of its rows g and g + 8 of each tile, i.e. the steps
+// mmv_warp loads first), so the weights' trip from memory overlaps the kernel before.
+template <class WT, int RT>
+__device__ __forceinline__ void prefetch_first_steps(const u8* const* ra, const u8* const* rb, int K) {
+    int warp = threadIdx.x >> 5, q = threadIdx.x & 3, s = warp + q * MMV_WARPS;
+    if (s >= (K >> 5)) return;
+    long long off = (long long)s * WT::bytes_256 / 8;   // within the row: s < K / 32
+    #pragma unroll
+    for (int r = 0; r < RT; r++) {
+        if (ra[r]) prefetch_l2(ra[r] + off);
+        if (rb[r]) prefetch_l2(rb[r] + off);
+    }
+}
+
 // One tile's accumulators into part[warp][slot][token], for the block's ordered sum.
 __device__ __forceinline__ void store_part(const float (&acc)[MMV_TOKENS / 8][4], int T,
                                            float (*part)[16][MMV_TOKENS]) {
@@ -450,6 +472,8 @@ __device__ __forceinline__ void mmv3_t(
         ra[r] = row_of(n0 + gi);
         rbs[r] = row_of(n0 + gi + 8);
     }
+    prefetch_first_steps<WT, RT>(ra, rbs, K);
+    grid_dependency_sync();   // what the kernel before wrote is read from here on
     mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
         int n0 = (blockIdx.x * RT + r) * 16;
         for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
@@ -484,6 +508,8 @@ __device__ __forceinline__ void mmv_glu_t(
         ra[r] = n < F ? Wg + (long long)n * rbg : nullptr;
         rbs[r] = n < F ? Wu + (long long)n * rbu : nullptr;
     }
+    prefetch_first_steps<WT, RT>(ra, rbs, K);
+    grid_dependency_sync();   // what the kernel before wrote is read from here on
     mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
         int n0 = (blockIdx.x * RT + r) * 8;
         for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
@@ -523,6 +549,8 @@ __device__ __forceinline__ void mmv_qkv_rope_t(ELLM_QKV_ROPE_PARAMS) {
         ra[r] = k.which >= 0 ? W + (long long)(k.head * hd + k.d0) * rb : nullptr;
         rbs[r] = k.which >= 0 && k.d1 >= 0 ? W + (long long)(k.head * hd + k.d1) * rb : nullptr;
     }
+    prefetch_first_steps<WT, RT>(ra, rbs, K);
+    grid_dependency_sync();   // what the kernel before wrote is read from here on
     mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
         int task0 = (blockIdx.x * RT + r) * 8;
         for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
@@ -546,7 +574,6 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv3##sfx##_##name(
         const float* __restrict__ b2, float* Y0, float* Y1, float* Y2,                    \
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         int T, int K, int N0, int N1, int N2, int add) {                                  \
-    grid_dependency_sync();                                                               \
     mmv3_t<WT, RT>(W0, W1, W2, rb0, rb1, rb2, b0, b1, b2, Y0, Y1, Y2, X, g, eps, T, K, N0, N1, N2, add); \
 }                                                                                         \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_glu##sfx##_##name(       \
@@ -554,12 +581,10 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_glu##sfx##_##na
         const float* __restrict__ bg, const float* __restrict__ bu,                       \
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
         float* __restrict__ out, int T, int K, int F, int act) {                          \
-    grid_dependency_sync();                                                               \
     mmv_glu_t<WT, RT>(Wg, Wu, rbg, rbu, bg, bu, X, g, eps, out, T, K, F, act);            \
 }                                                                                         \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope##sfx##_##name(  \
         ELLM_QKV_ROPE_PARAMS) {                                                           \
-    grid_dependency_sync();                                                               \
     mmv_qkv_rope_t<WT, RT>(ELLM_QKV_ROPE_ARGS);                                           \
 }
 #define ELLM_MMV_KERNELS(name, WT)                                                        \
