@@ -352,18 +352,24 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
     }
 }
 
-// Before grid_dependency_sync: the lines this warp's first loads will read into L2 (lane
-// 4 g + q: step warp + q MMV_WARPS of its rows g and g + 8 of each tile, i.e. the steps
-// mmv_warp loads first), so the weights' trip from memory overlaps the kernel before.
+// Before grid_dependency_sync: the lines of this warp's first 8 steps of the block's rows
+// into L2 (lane 4 g + q: steps warp + q MMV_WARPS and warp + (q + 4) MMV_WARPS of its rows
+// g and g + 8 of each tile: the first two rounds of mmv_warp's loads with one tile, four
+// with two), so the weights' trip from memory overlaps the kernel before, and a product
+// of up to 8 steps a warp (K <= 2048) finds all its weights on the way.
 template <class WT, int RT>
 __device__ __forceinline__ void prefetch_first_steps(const u8* const* ra, const u8* const* rb, int K) {
-    int warp = threadIdx.x >> 5, q = threadIdx.x & 3, s = warp + q * MMV_WARPS;
-    if (s >= (K >> 5)) return;
-    long long off = (long long)s * WT::bytes_256 / 8;   // within the row: s < K / 32
+    int warp = threadIdx.x >> 5, q = threadIdx.x & 3;
     #pragma unroll
-    for (int r = 0; r < RT; r++) {
-        if (ra[r]) prefetch_l2(ra[r] + off);
-        if (rb[r]) prefetch_l2(rb[r] + off);
+    for (int i = 0; i < 2; i++) {
+        int s = warp + (q + 4 * i) * MMV_WARPS;
+        if (s >= (K >> 5)) return;
+        long long off = (long long)s * WT::bytes_256 / 8;   // within the row: s < K / 32
+        #pragma unroll
+        for (int r = 0; r < RT; r++) {
+            if (ra[r]) prefetch_l2(ra[r] + off);
+            if (rb[r]) prefetch_l2(rb[r] + off);
+        }
     }
 }
 
