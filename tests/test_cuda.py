@@ -142,24 +142,29 @@ def test_embed_matches_reference(ops, qtype: GGMLType) -> None:
 
 
 @needs_gpu
-def test_decode_products_are_batch_invariant(ops) -> None:
-    """A token's row of a product is the same bits alone or among 63 others."""
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.BF16], ids=lambda q: q.name)
+def test_decode_products_are_batch_invariant(ops, qtype: GGMLType) -> None:
+    """A token's row of a product is the same bits alone or among 63 others (mmv.cu: one,
+    two or, for BF16, four tiles a block)."""
     rng = np.random.default_rng(3)
-    w = ops.upload_linear(random_linear(rng, GGMLType.Q4_K, 300, 512))
+    w = ops.upload_linear(random_linear(rng, qtype, 300, 512))
     x = rng.standard_normal((64, 512)).astype(np.float32)
     full = ops.to_host(ops.linear(ops.upload(x), w))
     for t in (0, 9, 63):
         alone = ops.to_host(ops.linear(ops.upload(x[t:t + 1]), w))
         assert np.array_equal(alone[0], full[t])
+    for n in (17, 32, 33):
+        assert np.array_equal(ops.to_host(ops.linear(ops.upload(x[:n]), w)), full[:n])
 
 
 @needs_gpu
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16], ids=lambda q: q.name)
 @pytest.mark.parametrize("K", [1024, 96])   # 1024: four steps a warp of mmv.cu; 96: most warps none
 def test_fused_decode_products_with_a_folded_norm_are_batch_invariant(ops, qtype: GGMLType, K: int) -> None:
-    """norm + q/k/v and norm + gate/up: a token's rows are the same bits alone, among 15 or
-    16 others (mmv.cu's one and two tiles a block) and among 63 -- the norm's sum of
-    squares included, which mmv.cu takes from the products' own loads."""
+    """norm + q/k/v and norm + gate/up: a token's rows are the same bits alone, among 15,
+    16, 31 or 32 others (mmv.cu's one, two and, for BF16, Q8_0 and Q4_0, four tiles a
+    block) and among 63 -- the norm's sum of squares included, which mmv.cu takes from the
+    products' own loads."""
     rng = np.random.default_rng(5 + int(qtype) + K)
     parts = [ops.upload_linear(random_linear(rng, qtype, n, K)) for n in (72, 24, 24)]
     gate, up = (ops.upload_linear(random_linear(rng, qtype, 40, K)) for _ in range(2))
@@ -173,7 +178,7 @@ def test_fused_decode_products_with_a_folded_norm_are_batch_invariant(ops, qtype
         return [ops.to_host(o) for o in (*outs, glu)]
 
     full = run(x)
-    for rows in (x[:16], x[:17], x[9:10], x[63:64], x[:1]):
+    for rows in (x[:16], x[:17], x[:32], x[:33], x[9:10], x[63:64], x[:1]):
         start = next(i for i in range(64) if np.array_equal(x[i], rows[0]))
         for got, want in zip(run(rows), full):
             assert np.array_equal(got, want[start:start + len(rows)]), (len(rows), start)

@@ -16,8 +16,9 @@ Engines: `ellm cuda graphs` (fused decode kernels, tensor-core decode products, 
 cache, the captured kernels as programmatic dependent launches on sm_90+), `ellm cuda
 graphs plain launches` (the same without them: ELLM_CUDA_PDL=0), `ellm cuda graphs no
 overlap` (each greedy step's tokens read before the next step is launched: the engine's
-overlap off), `ellm cuda graphs one
-tile` (mmv.cu's one-tile blocks at 32-64 tokens too: ELLM_CUDA_MMV_X2=0), `ellm cuda graphs f32 gemv` (the same with linear.cu's f32 decode products:
+overlap off), `ellm cuda graphs two
+tiles` (mmv.cu's blocks of two tiles above 32 tokens too: ELLM_CUDA_MMV_X4=0), `ellm cuda graphs one
+tile` (one-tile blocks at 17-64 tokens too: ELLM_CUDA_MMV_X2=0), `ellm cuda graphs f32 gemv` (the same with linear.cu's f32 decode products:
 ELLM_CUDA_MMV=0), `ellm cuda graphs unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
 `generate(..., cache_implementation="static")`: compiled, CUDA graphs) and `transformers
 eager` (plain `generate`). Rows run in priority order (the issue's targets first) and a
@@ -138,12 +139,13 @@ def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> Non
 # -- ellm ----------------------------------------------------------------------------------
 
 def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
-               deadline: float, mmv: bool = True, pdl: bool = True, x2: bool = True,
+               deadline: float, mmv: bool = True, pdl: bool = True, tiles: int = 4,
                overlap: bool = True) -> dict[str, float]:
     os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # all read when the backend is made
     os.environ["ELLM_CUDA_MMV"] = "1" if mmv else "0"
     os.environ["ELLM_CUDA_PDL"] = "1" if pdl else "0"
-    os.environ["ELLM_CUDA_MMV_X2"] = "1" if x2 else "0"
+    os.environ["ELLM_CUDA_MMV_X2"] = "1" if tiles >= 2 else "0"   # mmv.cu's tiles a block at most
+    os.environ["ELLM_CUDA_MMV_X4"] = "1" if tiles >= 4 else "0"
     import ellm
     from ellm.sampling_params import SamplingParams
     options: dict[str, Any] = dict(max_model_len=plan.max_model_len, max_num_seqs=max(plan.batches),
@@ -432,10 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         if (s.name, s.weights) in (("smollm2", "gguf"), ("tiny", "bf16 folder")):
             record(s, f"ellm {ellm_device} graphs no overlap",
                    lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, overlap=False), 0.3)
+    for s in sources:   # two mmv.cu tiles a block at most (ELLM_CUDA_MMV_X4=0): what x4 gains
+        if (s.name, s.weights) in (("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
+            record(s, f"ellm {ellm_device} graphs two tiles",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, tiles=2), 0.3)
     for s in sources:   # one mmv.cu tile a block at 32-64 tokens too (ELLM_CUDA_MMV_X2=0): what x2 gains
         if (s.name, s.weights) in (("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
             record(s, f"ellm {ellm_device} graphs one tile",
-                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, x2=False), 0.3)
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, tiles=1), 0.3)
     for s in sources:   # round two's f32 decode kernels (ELLM_CUDA_MMV=0) against mmv.cu's
         if not s.quantize:
             record(s, f"ellm {ellm_device} graphs f32 gemv",

@@ -570,8 +570,8 @@ __device__ __forceinline__ void mmv_qkv_rope_t(ELLM_QKV_ROPE_PARAMS) {
     });
 }
 
-// RT = 1 for up to MMV_TILE2_FROM - 1 tokens (more blocks at batch 1), RT = 2 above (the
-// activations read half as often); ops/cuda.py chooses. Same bits either way.
+// RT = 1 for up to MMV_X2_ABOVE tokens (ops/cuda.py; more blocks at batch 1), RT = 2 above
+// (the activations read half as often); ops/cuda.py chooses. Same bits either way.
 #define ELLM_MMV_KERNELS_RT(name, WT, sfx, RT)                                            \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv3##sfx##_##name(          \
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,  \
@@ -596,10 +596,16 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope##sfx##
 #define ELLM_MMV_KERNELS(name, WT)                                                        \
     ELLM_MMV_KERNELS_RT(name, WT, , 1)                                                    \
     ELLM_MMV_KERNELS_RT(name, WT, x2, 2)
-ELLM_MMV_KERNELS(bf16, WBf16)
-ELLM_MMV_KERNELS(q4_0, WQ4_0)
+// RT = 4 above MMV_X4_ABOVE tokens for the types whose four tiles fit the registers
+// (239-252 of 255; those with a block min or K-quant scales would spill): the activations
+// read a quarter as often as with one tile. Same bits again.
+#define ELLM_MMV_KERNELS_X4(name, WT)                                                     \
+    ELLM_MMV_KERNELS(name, WT)                                                            \
+    ELLM_MMV_KERNELS_RT(name, WT, x4, 4)
+ELLM_MMV_KERNELS_X4(bf16, WBf16)
+ELLM_MMV_KERNELS_X4(q4_0, WQ4_0)
 ELLM_MMV_KERNELS(q4_1, WQ4_1)
-ELLM_MMV_KERNELS(q8_0, WQ8_0)
+ELLM_MMV_KERNELS_X4(q8_0, WQ8_0)
 ELLM_MMV_KERNELS(q4_k, WQ4_K)
 ELLM_MMV_KERNELS(q5_k, WQ5_K)
 ELLM_MMV_KERNELS(q6_k, WQ6_K)

@@ -51,8 +51,10 @@ KERNELS: dict[str, tuple[str, ...]] = {
                      "attn_prefill", "attn_prefill_bf16"),
     "sample.cu": ("sample_rows", "argmax_rows"),
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
-    "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2")
-                    for q, t in WEIGHT_TYPES.items() if q not in (GGMLType.F32, GGMLType.F16)),
+    "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2", "x4")
+                    for q, t in WEIGHT_TYPES.items()
+                    if q not in (GGMLType.F32, GGMLType.F16)
+                    and (rt != "x4" or q in (GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0))),
 }
 HEADER = "common.cuh"
 # Given to NVRTC through CuPy, which adds the architecture and -ftz=true (denormals flush
@@ -75,6 +77,12 @@ MMV_ROWS, MMV_TASKS, MMV_THREADS = 16, 8, 256   # rows (tasks) a tile; as in mmv
 # ELLM_CUDA_MMV_X2=0: one tile a block for every step (the benchmark's comparison).
 MMV_X2_ABOVE = 16
 MMV_X2_ENV = "ELLM_CUDA_MMV_X2"
+# Above this many tokens a block of these types' kernels takes four tiles (the `x4`
+# kernels: the activations read a quarter as often as with one; the other types' four-tile
+# kernels would spill registers). The same bits again. ELLM_CUDA_MMV_X4=0: two at most.
+MMV_X4_ABOVE = 32
+MMV_X4_TYPES = frozenset((GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0))
+MMV_X4_ENV = "ELLM_CUDA_MMV_X4"
 # ELLM_CUDA_MMV=0: decode products on linear.cu's f32 kernels for every type (the benchmark
 # compares both; a fallback should mmv.cu misbehave on some GPU)
 MMV_ENV = "ELLM_CUDA_MMV"
@@ -190,6 +198,7 @@ class CudaOps:
         self.fused = os.environ.get(FUSED_ENV, "1") != "0"
         self.use_mmv = os.environ.get(MMV_ENV, "1") != "0"
         self.mmv_x2 = os.environ.get(MMV_X2_ENV, "1") != "0"
+        self.mmv_x4 = self.mmv_x2 and os.environ.get(MMV_X4_ENV, "1") != "0"
         self._cublas: Any = None   # (module, handle) once a prefill product first asks
         self.use_cublas = os.environ.get(CUBLAS_ENV, "1") != "0"
         # One stream for everything (kernels, copies, graph replays; see _on_stream): a
@@ -689,8 +698,10 @@ class CudaOps:
         """Whether decode products of this type and width run on mmv.cu's tensor-core kernels."""
         return self.use_mmv and qtype in MMV_TYPES and K % 32 == 0
 
-    def _mmv_tiles(self, T: int) -> tuple[str, int]:
-        """(kernel name suffix, tiles a block) of mmv.cu's kernels for T tokens."""
+    def _mmv_tiles(self, T: int, qtype: GGMLType) -> tuple[str, int]:
+        """(kernel name suffix, tiles a block) of mmv.cu's kernels for T tokens of qtype."""
+        if self.mmv_x4 and T > MMV_X4_ABOVE and qtype in MMV_X4_TYPES:
+            return "x4", 4
         return ("x2", 2) if self.mmv_x2 and T > MMV_X2_ABOVE else ("", 1)
 
     def _mmv3(self, x: Any, ws: Sequence[Linear], outs: Sequence[Any], ns: Sequence[int], norm: Any,
@@ -700,7 +711,7 @@ class CudaOps:
         T, K = int(x.shape[0]), ws[0].in_features
         datas = [self._weight(w) for w in ws]
         biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
-        sfx, rt = self._mmv_tiles(T)
+        sfx, rt = self._mmv_tiles(T, ws[0].qtype)
         self._launch(f"mmv3{sfx}_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), MMV_ROWS * rt),), (MMV_THREADS,),
                      (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x,
                       _NULL if norm is None else norm, np.float32(eps), np.int32(T), np.int32(K),
@@ -755,7 +766,7 @@ class CudaOps:
         x = self._vec_in(x)
         dg, du = self._weight(gate), self._weight(up)
         mmv = self._mmv(gate.qtype, gate.in_features)
-        sfx, rt = self._mmv_tiles(T)
+        sfx, rt = self._mmv_tiles(T, gate.qtype)
         self._launch(f"mmv_glu{sfx}_{WEIGHT_TYPES[gate.qtype]}" if mmv else f"glu_{WEIGHT_TYPES[gate.qtype]}",
                      (_ceil(F, MMV_TASKS * rt),) if mmv else (_ceil(F, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
                      (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
@@ -814,7 +825,7 @@ class CudaOps:
         dq, dk, dv = self._weight(q), self._weight(k), self._weight(v)
         tasks = (nh + nkv) * (hd - n_rot) + nkv * hd
         mmv = self._mmv(q.qtype, q.in_features)
-        sfx, rt = self._mmv_tiles(T)
+        sfx, rt = self._mmv_tiles(T, q.qtype)
         self._launch(f"mmv_qkv_rope{sfx}_{WEIGHT_TYPES[q.qtype]}" if mmv else f"qkv_rope_{WEIGHT_TYPES[q.qtype]}",
                      (_ceil(tasks, MMV_TASKS * rt),) if mmv else (_ceil(tasks, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
                      (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
