@@ -24,6 +24,9 @@
 #define ATTN_WARPS 4
 #define HD_MAX 256   // head_dim <= HD_MAX (checked in ops/cuda.py)
 #define ATTN_CHUNK_MAX 512   // = ops/cuda.py PREFILL_CHUNK, the largest chunk
+// blocks of attn_partial / attn_decode resident an SM (up to 128 registers a thread, for
+// loads in flight) = ops/cuda.py ATTN_BLOCKS_PER_SM, which sizes the grid's key split
+#define ATTN_MIN_BLOCKS 4
 
 // grid (T, nh + nkv), block hd.
 template <typename KV>
@@ -276,7 +279,7 @@ __device__ __forceinline__ void attn_merge(
 
 // grid (nh, T, Z), block 32 * ATTN_WARPS.
 #define ELLM_ATTN_PARTIAL(suffix, KV)                                                     \
-extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 4) attn_partial##suffix(   \
+extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, ATTN_MIN_BLOCKS) attn_partial##suffix(   \
         ATTN_PARTIAL_PARAMS(KV)) {                                                        \
     grid_dependency_sync();                                                               \
     attn_chunks<KV>(ATTN_PARTIAL_ARGS);                                                   \
@@ -289,7 +292,7 @@ ELLM_ATTN_PARTIAL(_bf16, u16)
 // (T * nh) int32 start at zero and are left at zero (the merging block resets its own).
 // grid (nh, T, Z), block 32 * ATTN_WARPS.
 #define ELLM_ATTN_DECODE(suffix, KV)                                                      \
-extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, 4) attn_decode##suffix(    \
+extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, ATTN_MIN_BLOCKS) attn_decode##suffix(    \
         ATTN_PARTIAL_PARAMS(KV), int* __restrict__ counters, float* __restrict__ out) {   \
     grid_dependency_sync();                                                               \
     __shared__ int last;                                                                  \

@@ -97,6 +97,7 @@ ARGMAX_THREADS, ARGMAX_CHUNK = 256, 2048   # as in sample.cu
 # Keys per attention chunk: small for decode (more blocks at batch 1), large for prefill
 # (bounded partial buffers). Fixed per side of GEMM_MIN_TOKENS, like the products.
 DECODE_CHUNK, PREFILL_CHUNK = 64, 512
+ATTN_BLOCKS_PER_SM = 4   # attention.cu's __launch_bounds__: blocks of attn_partial / attn_decode resident an SM
 HEAD_DIM_MAX = 256
 FA_HEAD_DIM_MAX = 128   # attn_prefill (tensor cores): head_dim % 32 == 0 up to this; else attn_partial
 ELEMENTWISE_THREADS = 256
@@ -628,9 +629,10 @@ class CudaOps:
         if window > 0 and key_limit is None:   # keys [p - window + 1, p]: at most this many chunks
             max_chunks = min(max_chunks, (window - 1) // chunk + 1)
         limit = positions if key_limit is None else key_limit
-        # enough blocks to fill the GPU at batch 1; a shape-only choice (graph-safe), and
-        # which block takes which chunk does not change any result
-        z = max(1, min(max_chunks, _ceil(2 * self.num_sms, nh * T)))
+        # enough blocks to fill the GPU at batch 1 (as many as stay resident: a block's
+        # chunks run one after another); a shape-only choice (graph-safe), and which block
+        # takes which chunk does not change any result
+        z = max(1, min(max_chunks, _ceil(ATTN_BLOCKS_PER_SM * self.num_sms, nh * T)))
         q = cp.ascontiguousarray(q, dtype=np.float32)
         k = cp.ascontiguousarray(k, dtype=np.float32)
         v = cp.ascontiguousarray(v, dtype=np.float32)
@@ -859,7 +861,7 @@ class CudaOps:
         if window > 0 and key_limit is None:
             max_chunks = min(max_chunks, (window - 1) // chunk + 1)
         limit = positions if key_limit is None else key_limit
-        z = max(1, min(max_chunks, _ceil(2 * self.num_sms, nh * T)))
+        z = max(1, min(max_chunks, _ceil(ATTN_BLOCKS_PER_SM * self.num_sms, nh * T)))
         q = self._vec_in(q)
         kv = _kv_suffix(k_cache, v_cache)
         if not decode and self._prefill_on_tensor_cores(T, hd):
