@@ -77,6 +77,45 @@ def test_a_chat_stopping_on_eos_is_the_same_overlapped(smollm2) -> None:
     assert (ahead.token_ids, ahead.text, ahead.finish_reason) == (plain.token_ids, plain.text, "stop")
 
 
+def test_no_step_is_launched_past_every_sequences_last_token(smollm2) -> None:
+    """When each running sequence's next token is its last by length, nothing runs ahead of
+    it: the same number of forward steps as without the overlap."""
+    eng = smollm2.engine
+    prompts = [_prompt(smollm2, n) for n in (7, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    steps = []
+    for overlap in (False, True):
+        eng.overlap = overlap
+        before = eng.stats["steps"]
+        try:
+            outs = smollm2.generate(prompts, params)
+        finally:
+            eng.overlap = False
+        assert [len(o.token_ids) for o in outs] == [9, 9]
+        steps.append(eng.stats["steps"] - before)
+    assert steps[1] == steps[0]
+
+
+def test_a_step_nobody_reads_is_let_finish_before_the_engine_is_idle(smollm2) -> None:
+    """A request ending on EOS had its next step launched already: the engine still has
+    work (that step) until one more step() lets it finish, and then nothing."""
+    eng = smollm2.engine
+    ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
+    eng.overlap = True
+    try:
+        eng.add_request(ids, SamplingParams(temperature=0.0, max_tokens=64), request_id="eos")
+        final = None
+        for _ in range(100):
+            final = next((o for o in eng.step() if o.finished), None)
+            if final is not None:
+                break
+        assert final is not None and final.finish_reason == "stop"
+        assert eng.has_unfinished()   # the step launched past the EOS
+        assert eng.step() == [] and not eng.has_unfinished()
+    finally:
+        eng.overlap = False
+
+
 def test_rows_whose_sampling_looks_back_do_not_run_ahead(smollm2) -> None:
     prompt = _prompt(smollm2, 9)
     for params in (SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True),

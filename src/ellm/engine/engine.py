@@ -195,7 +195,10 @@ class Engine:
             self.spec.release(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Work left: a request, or a step launched ahead whose tokens nobody will read (its
+        sequences stopped): the next step() lets it finish, so that once this says False
+        nothing is in flight on the engine's buffers."""
+        return self._ahead is not None or self.scheduler.has_work()
 
     @property
     def num_waiting(self) -> int:
@@ -315,8 +318,9 @@ class Engine:
                 for seq in seqs:
                     seq.num_computed += 1
         self._ahead = _Ahead(seqs, nxt) if nxt is not None else None
-        if not any(live):
-            return []   # nobody left to read these tokens for (aborted)
+        if not any(live):   # nobody left to read these tokens for (all stopped or aborted)
+            ahead.pending.wait()   # still let the step finish: no work left in flight on the engine's buffers
+            return []
         ids = ahead.pending.wait()
         errors = ahead.pending.errors
         outputs: list[RequestOutput] = []
@@ -339,11 +343,19 @@ class Engine:
         running = [seq for seq, ok in zip(ahead.seqs, live) if ok]
         if 2 * len(running) <= len(ahead.seqs):   # half the rows padding: schedule a smaller batch
             return False
+        if all(self._last_by_length(seq) for seq in running):   # N+1's tokens would all be dropped
+            return False
         # num_computed counts N's token already: N+1's K/V go to position num_computed, in
         # the block of N's unless that one ended at N's position
         bs = self.blocks.block_size
         return all(seq.num_computed % bs or self.blocks.allocate(seq.request_id, seq.num_computed + 1)
                    for seq in running)
+
+    def _last_by_length(self, seq: Sequence) -> bool:
+        """Whether the token being computed for seq (not appended yet) ends it by length."""
+        n = len(seq.output_ids) + 1
+        return (seq.params.max_tokens is not None and n >= seq.params.max_tokens) \
+            or seq.num_tokens + 1 >= self.cfg.max_model_len
 
     def _ahead_batch(self, seqs: list[Sequence], live: list[bool]) -> tuple[Batch, np.ndarray | None]:
         """The decode batch of step N+1 -> (batch, which rows are padding, None for none):
