@@ -343,7 +343,7 @@ class Engine:
         running = [seq for seq, ok in zip(ahead.seqs, live) if ok]
         if 2 * len(running) <= len(ahead.seqs):   # half the rows padding: schedule a smaller batch
             return False
-        if all(self._last_by_length(seq) for seq in running):   # N+1's tokens would all be dropped
+        if all(self._at_length(seq, pending=1) for seq in running):   # N+1's tokens would all be dropped
             return False
         # num_computed counts N's token already: N+1's K/V go to position num_computed, in
         # the block of N's unless that one ended at N's position
@@ -351,11 +351,11 @@ class Engine:
         return all(seq.num_computed % bs or self.blocks.allocate(seq.request_id, seq.num_computed + 1)
                    for seq in running)
 
-    def _last_by_length(self, seq: Sequence) -> bool:
-        """Whether the token being computed for seq (not appended yet) ends it by length."""
-        n = len(seq.output_ids) + 1
-        return (seq.params.max_tokens is not None and n >= seq.params.max_tokens) \
-            or seq.num_tokens + 1 >= self.cfg.max_model_len
+    def _at_length(self, seq: Sequence, pending: int = 0) -> bool:
+        """Whether seq has reached its length limit (max_tokens, or the context) once its
+        `pending` tokens still being computed are appended."""
+        return (seq.params.max_tokens is not None and len(seq.output_ids) + pending >= seq.params.max_tokens) \
+            or seq.num_tokens + pending >= self.cfg.max_model_len
 
     def _ahead_batch(self, seqs: list[Sequence], live: list[bool]) -> tuple[Batch, np.ndarray | None]:
         """The decode batch of step N+1 -> (batch, which rows are padding, None for none):
@@ -551,8 +551,7 @@ class Engine:
         elif seq.grammar is not None and seq.grammar.done:  # [structured] nothing can follow
             self._emit(seq, seq.stopper.push(seq.detok.flush())[0] + seq.stopper.flush())
             self._finish(seq, "stop")
-        elif (seq.params.max_tokens is not None and len(seq.output_ids) >= seq.params.max_tokens) \
-                or seq.num_tokens >= self.cfg.max_model_len:
+        elif self._at_length(seq):
             self._emit(seq, seq.stopper.push(seq.detok.flush())[0] + seq.stopper.flush())
             self._finish(seq, "length")
 
