@@ -202,7 +202,8 @@ struct WQ6_K {
     }
 };
 
-// One token's activations at this lane's 8 k of the step (the k its fragments cover).
+// A row of K floats (a token's activations, or the norm weight) at this lane's 8 k of the
+// step (the k its fragments cover).
 template <bool SPLIT>
 __device__ __forceinline__ void act_load(const float* __restrict__ xrow, int k0, int q, float (&x)[8]) {
     int p0 = SPLIT ? k0 + 4 * q : k0 + 8 * q, p1 = SPLIT ? k0 + 16 + 4 * q : k0 + 8 * q + 4;
@@ -228,9 +229,8 @@ __device__ __forceinline__ float act_frag(const float* __restrict__ xrow, const 
     act_load<SPLIT>(xrow, k0, q, x);
     float sq = want_sq ? sum_sq8(x) : 0.0f;
     if (g) {
-        int p0 = SPLIT ? k0 + 4 * q : k0 + 8 * q, p1 = SPLIT ? k0 + 16 + 4 * q : k0 + 8 * q + 4;
-        float4 ga = *(const float4*)(g + p0), gb = *(const float4*)(g + p1);
-        float gs[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+        float gs[8];
+        act_load<SPLIT>(g, k0, q, gs);
         #pragma unroll
         for (int i = 0; i < 8; i++) x[i] *= gs[i];
     }

@@ -40,6 +40,8 @@ WEIGHT_TYPES: dict[GGMLType, str] = {
     GGMLType.Q4_0: "q4_0", GGMLType.Q4_1: "q4_1", GGMLType.Q8_0: "q8_0",
     GGMLType.Q4_K: "q4_k", GGMLType.Q5_K: "q5_k", GGMLType.Q6_K: "q6_k",
 }
+# mmv.cu's types with four-tile kernels (MMV_X4_ABOVE below): the others' would spill registers
+MMV_X4_TYPES = frozenset((GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0))
 KERNELS: dict[str, tuple[str, ...]] = {
     "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed", "nmv3", "glu", "gemv_add",
                                               "qkv_rope", "dequant_bf16") for t in WEIGHT_TYPES.values()),
@@ -53,8 +55,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
     "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2", "x4")
                     for q, t in WEIGHT_TYPES.items()
-                    if q not in (GGMLType.F32, GGMLType.F16)
-                    and (rt != "x4" or q in (GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0))),
+                    if q not in (GGMLType.F32, GGMLType.F16) and (rt != "x4" or q in MMV_X4_TYPES)),
 }
 HEADER = "common.cuh"
 # Given to NVRTC through CuPy, which adds the architecture and -ftz=true (denormals flush
@@ -81,7 +82,6 @@ MMV_X2_ENV = "ELLM_CUDA_MMV_X2"
 # kernels: the activations read a quarter as often as with one; the other types' four-tile
 # kernels would spill registers). The same bits again. ELLM_CUDA_MMV_X4=0: two at most.
 MMV_X4_ABOVE = 32
-MMV_X4_TYPES = frozenset((GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0))
 MMV_X4_ENV = "ELLM_CUDA_MMV_X4"
 # ELLM_CUDA_MMV=0: decode products on linear.cu's f32 kernels for every type (the benchmark
 # compares both; a fallback should mmv.cu misbehave on some GPU)
@@ -624,15 +624,8 @@ class CudaOps:
         if n_rot > hd // 2:
             raise ValueError(f"inv_freq has {n_rot} entries, more than head_dim/2 = {hd // 2}")
         max_blocks = int(block_tables.shape[1])
-        chunk = DECODE_CHUNK if T <= GEMM_MIN_TOKENS else PREFILL_CHUNK
-        max_chunks = _ceil(max_blocks * block_size, chunk)
-        if window > 0 and key_limit is None:   # keys [p - window + 1, p]: at most this many chunks
-            max_chunks = min(max_chunks, (window - 1) // chunk + 1)
+        chunk, max_chunks, z = self._key_split(T, nh, max_blocks * block_size, window, key_limit)
         limit = positions if key_limit is None else key_limit
-        # enough blocks to fill the GPU at batch 1 (as many as stay resident: a block's
-        # chunks run one after another); a shape-only choice (graph-safe), and which block
-        # takes which chunk does not change any result
-        z = max(1, min(max_chunks, _ceil(ATTN_BLOCKS_PER_SM * self.num_sms, nh * T)))
         q = cp.ascontiguousarray(q, dtype=np.float32)
         k = cp.ascontiguousarray(k, dtype=np.float32)
         v = cp.ascontiguousarray(v, dtype=np.float32)
@@ -695,6 +688,17 @@ class CudaOps:
         T, K = int(x.shape[0]), int(x.shape[1])
         return (0 < T <= GEMM_MIN_TOKENS and K % 8 == 0 and len({w.qtype for w in ws}) == 1
                 and ws[0].qtype in WEIGHT_TYPES and all(w.in_features == K for w in ws))
+
+    def _key_split(self, T: int, nh: int, max_keys: int, window: int, key_limit: Any) -> tuple[int, int, int]:
+        """(chunk, max_chunks, z) of attention.cu's split over keys for T tokens of nh heads
+        with tables of max_keys slots: z blocks a (token, head), enough to fill the GPU at
+        batch 1 with as many as stay resident (a block's chunks run one after another). A
+        shape-only choice (graph-safe); which block takes which chunk changes no result."""
+        chunk = DECODE_CHUNK if T <= GEMM_MIN_TOKENS else PREFILL_CHUNK
+        max_chunks = _ceil(max_keys, chunk)
+        if window > 0 and key_limit is None:   # keys [p - window + 1, p]: at most this many chunks
+            max_chunks = min(max_chunks, (window - 1) // chunk + 1)
+        return chunk, max_chunks, max(1, min(max_chunks, _ceil(ATTN_BLOCKS_PER_SM * self.num_sms, nh * T)))
 
     def _mmv(self, qtype: GGMLType, K: int) -> bool:
         """Whether decode products of this type and width run on mmv.cu's tensor-core kernels."""
@@ -856,12 +860,8 @@ class CudaOps:
             return out
         max_blocks = int(block_tables.shape[1])
         decode = T <= GEMM_MIN_TOKENS
-        chunk = DECODE_CHUNK if decode else PREFILL_CHUNK
-        max_chunks = _ceil(max_blocks * block_size, chunk)
-        if window > 0 and key_limit is None:
-            max_chunks = min(max_chunks, (window - 1) // chunk + 1)
+        chunk, max_chunks, z = self._key_split(T, nh, max_blocks * block_size, window, key_limit)
         limit = positions if key_limit is None else key_limit
-        z = max(1, min(max_chunks, _ceil(ATTN_BLOCKS_PER_SM * self.num_sms, nh * T)))
         q = self._vec_in(q)
         kv = _kv_suffix(k_cache, v_cache)
         if not decode and self._prefill_on_tensor_cores(T, hd):
