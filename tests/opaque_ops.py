@@ -61,6 +61,11 @@ class OpaqueOps:
         self.linear_adds_bias = inner.linear_adds_bias
         self._host: dict[int, tuple[Any, Any]] = {}   # id(device object) -> (it, its host twin)
         self.counts = {"to_host": 0, "sample": 0, "replayed": 0, "eager": 0}
+        self.memory: tuple[int, int] | None = None   # what device_memory says: a test sets it
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """(bytes available, bytes in all), as a device backend reports them; None: host memory."""
+        return self.memory
 
     # the layers one op at a time: so the comparison with the cpu backend, which runs
     # them as one call (ops.layer_stack), also holds that call to the ops bit for bit

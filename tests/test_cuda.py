@@ -586,6 +586,51 @@ def test_device_sampling_is_reproducible_per_seed(ops) -> None:
     assert draws[0] == draws[1] and len(set(draws[0])) > 1
 
 
+@needs_gpu
+def test_a_gpu_too_small_for_the_weights_or_the_cache_says_so(tiny_models_dir: Path) -> None:
+    """With CuPy's pool capped (what a process sharing its GPU does): weights that do not
+    fit, and a KV cache that does not, fail at load with DeviceMemoryError naming sizes and
+    what to change; a default cache that fits only in part is cut to what fits."""
+    import gc
+
+    import cupy
+
+    from ellm.engine.runner import KV_HEADROOM
+    from ellm.ops.memory import DeviceMemoryError
+    folder = tiny_models_dir / "llama"
+    pool = cupy.get_default_memory_pool()
+    before = pool.get_limit()
+
+    def cap(extra: int) -> None:
+        gc.collect()
+        pool.set_limit(size=pool.used_bytes() + extra)
+    try:
+        llm = ellm.load(folder, device="cuda", max_model_len=256, kv_cache_tokens=1024, progress=False)
+        weights, per_token = llm.model.ops.weight_bytes, llm.engine.kv.bytes_per_token
+        llm.close()
+        del llm
+        assert weights > 0 and per_token > 0
+        cap(weights // 2)
+        with pytest.raises(DeviceMemoryError, match="weights do not fit") as info:
+            ellm.load(folder, device="cuda", max_model_len=256, progress=False)
+        assert "quantize=" in str(info.value) and "device='cpu'" in str(info.value)
+        cap(weights + KV_HEADROOM + 4096 * per_token + per_token)
+        llm = ellm.load(folder, device="cuda", max_model_len=256, progress=False)
+        tokens = llm.engine.kv.num_blocks[0] * llm.engine.kv.block_size
+        assert 256 <= tokens <= 4096 + 1, tokens    # the default 16,384, cut to what fits
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out[0].token_ids) == 4
+        llm.close()
+        del llm
+        cap(weights + KV_HEADROOM + 64 * per_token)
+        with pytest.raises(DeviceMemoryError, match="max_model_len=256"):
+            ellm.load(folder, device="cuda", max_model_len=256, progress=False)
+        with pytest.raises(DeviceMemoryError, match="kv_cache_tokens=1024"):
+            ellm.load(folder, device="cuda", max_model_len=32, kv_cache_tokens=1024, progress=False)
+    finally:
+        pool.set_limit(size=before)
+
+
 # -- host-side parts of the CUDA backend (no GPU needed) ----------------------------------------
 
 def test_graph_buckets_and_decode_shape() -> None:

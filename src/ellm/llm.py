@@ -503,8 +503,8 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     that type, half the cache's memory and of the bytes a decode step reads from it
     (docs/kv-cache.md).
     kv_cache_tokens: the KV cache's size in tokens, all sequences together (0, the
-    default: max(max_model_len, 16384)); it bounds the cache's memory (ellm info shows
-    the bytes per token).
+    default: max(max_model_len, 16384), on a GPU cut to what its free memory holds);
+    it bounds the cache's memory (ellm info shows the bytes per token).
     lora_adapters: [lora] {name: path} of LoRA adapters (PEFT folders, or llama.cpp LoRA
     .gguf files for a .gguf base) served over this one base; a request picks one with
     adapter=name (docs/lora.md)."""

@@ -23,6 +23,17 @@ from ..config import ModelConfig
 from ..ops.memory import host_kv_zeros
 
 
+def kv_cache_bytes(config: ModelConfig, num_blocks: int, block_size: int, sliding_num_blocks: int | None,
+                   dtype: Any) -> int:
+    """The bytes a KVCache of these sizes takes (K and V of every layer)."""
+    block = block_size * config.num_key_value_heads * config.head_dim * np.dtype(dtype).itemsize
+    total = 0
+    for i in range(config.num_hidden_layers):
+        sliding = config.layer_window(i) and sliding_num_blocks is not None
+        total += 2 * block * (sliding_num_blocks if sliding else num_blocks)
+    return total
+
+
 class KVCache:
     """The K/V storage: per layer a pair (num_blocks, block_size, nkv, hd) float32 (or
     float16: dtype, EngineConfig.kv_cache_dtype), made

@@ -11,14 +11,18 @@ taking them as its tokens on the device.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
 from ..models.batch import Batch
+from ..ops.memory import DeviceMemoryError, mem_size
 from ..ops.reference import kv_storage_dtype
 from ..ops.workspace import Workspace
-from .kv_cache import KVCache
+from .kv_cache import KVCache, kv_cache_bytes
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .engine import EngineConfig
@@ -51,19 +55,70 @@ class ReadyTokens:
         return self.ids
 
 
+# Device memory left free beside the KV cache: the workspace's activations, the attention
+# partials, cuBLAS's dequantized scratch and the captured graphs (a few hundred MB at 8B)
+KV_HEADROOM = 1 << 30
+
+
+def kv_cache_blocks(mc: Any, config: "EngineConfig", ops: Any) -> tuple[int, int | None]:
+    """(blocks of the full-attention pool, of the sliding-window pool or None) of the KV cache:
+    kv_cache_tokens, or max(max_model_len, 16384) tokens. On a device backend the cache
+    must fit in the memory free after the weights, less KV_HEADROOM: the default size is
+    cut to what fits if that still holds one sequence of max_model_len; otherwise, or
+    when kv_cache_tokens was asked for, DeviceMemoryError says what fits and what to change."""
+    bs = config.block_size
+    windows = {mc.layer_window(i) for i in range(mc.num_hidden_layers)} - {0}
+
+    def sliding(num_blocks: int) -> int | None:
+        if not windows:
+            return None
+        # each running sequence needs at most window + 2 blocks per sliding layer
+        per_seq = -(-max(windows) // bs) + 2 + -(-config.max_batch_tokens // bs)
+        return min(num_blocks, per_seq * config.max_num_seqs)
+
+    num_blocks = -(-(config.kv_cache_tokens or max(config.max_model_len, 16384)) // bs)
+    memory = ops.device_memory()
+    if memory is None:
+        return num_blocks, sliding(num_blocks)
+    dtype = kv_storage_dtype(config.kv_cache_dtype)
+
+    def need(n: int) -> int:
+        return kv_cache_bytes(mc, n, bs, sliding(n), dtype)
+
+    available, total = memory
+    budget = available - KV_HEADROOM
+    if need(num_blocks) <= budget:
+        return num_blocks, sliding(num_blocks)
+    lo, hi = 0, num_blocks   # the most blocks that fit: need() grows with n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+    fit_tokens = lo * bs
+    if not config.kv_cache_tokens and fit_tokens >= config.max_model_len:
+        log.info("KV cache: %d tokens, not %d: what fits in the GPU's %s free after the weights",
+                 fit_tokens, num_blocks * bs, mem_size(available))
+        return lo, sliding(lo)
+    where = (f"{mem_size(available)} of the GPU's {mem_size(total)} are free after the weights, "
+             f"{mem_size(KV_HEADROOM)} of which stay for activations: {fit_tokens} tokens fit")
+    halve = "" if dtype.itemsize <= 2 else ", kv_cache_dtype='bfloat16' (half the bytes)"
+    if config.kv_cache_tokens:
+        raise DeviceMemoryError(
+            f"kv_cache_tokens={config.kv_cache_tokens} needs {mem_size(need(num_blocks))} of GPU memory for its "
+            f"{config.kv_cache_dtype} keys and values, but {where}; pass a smaller kv_cache_tokens{halve}")
+    one_sequence = -(-config.max_model_len // bs)
+    raise DeviceMemoryError(
+        f"the KV cache of one max_model_len={config.max_model_len} sequence needs "
+        f"{mem_size(need(one_sequence))} of GPU memory ({config.kv_cache_dtype}), but {where}; pass a smaller "
+        f"max_model_len{halve}, or use a smaller or quantized model")
+
+
 class ModelRunner:
     """Runs batches of `model` on its backend (model.ops) with a KV cache sized by `config`."""
 
     def __init__(self, model: Any, config: "EngineConfig") -> None:
         self.model, self.ops = model, model.ops
         mc = model.config
-        num_blocks = -(-(config.kv_cache_tokens or max(config.max_model_len, 16384)) // config.block_size)
-        windows = {mc.layer_window(i) for i in range(mc.num_hidden_layers)} - {0}
-        sliding_blocks = None
-        if windows:  # each running sequence needs at most window + 2 blocks per sliding layer
-            per_seq = (-(-max(windows) // config.block_size) + 2
-                       + -(-config.max_batch_tokens // config.block_size))
-            sliding_blocks = min(num_blocks, per_seq * config.max_num_seqs)
+        num_blocks, sliding_blocks = kv_cache_blocks(mc, config, self.ops)
         self.kv = KVCache(mc, num_blocks, config.block_size, sliding_blocks, ops=self.ops,
                           dtype=kv_storage_dtype(config.kv_cache_dtype))
         self.workspace = Workspace(self.ops)

@@ -29,6 +29,7 @@ from ..formats.ggml_types import GGMLType
 from ..models.batch import Batch
 from ..weights import Linear
 from .cuda_pdl import DependentLauncher
+from .memory import DeviceMemoryError, mem_size
 from .reference import KV_BF16, Experts
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,7 @@ class CudaOps:
         # argmax_rows, so sample() needs no launch for plain greedy rows of those logits
         self.graph_argmax: tuple[Any, Any] | None = None
         self._scratch: dict[str, Any] = {}
+        self.weight_bytes = 0   # uploaded so far (upload, upload_linear), for a clear error when they do not fit
         self.capture_keep: list[Any] | None = None   # set while a graph is captured
         # per SequenceSampler: its seed and the draws made so far (device sampling)
         self._rng_state: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
@@ -277,6 +279,32 @@ class CudaOps:
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         return self.cp.empty(shape, dtype)
 
+    def device_memory(self) -> tuple[int, int]:
+        """(bytes available, bytes in all): the driver's free memory plus the blocks CuPy's
+        pool holds for reuse, within the pool's limit where one is set."""
+        free, total = self.cp.cuda.runtime.memGetInfo()
+        pool = self.cp.get_default_memory_pool()
+        available = int(free) + int(pool.free_bytes())
+        limit = int(pool.get_limit())   # the process's own cap (cupy's set_limit), 0: none
+        if limit:
+            available, total = min(available, limit - int(pool.used_bytes())), min(int(total), limit)
+        return available, int(total)
+
+    def _weights_to_device(self, x: np.ndarray) -> Any:
+        """A weight on the device, or DeviceMemoryError saying the model does not fit."""
+        try:
+            data = self.cp.asarray(x)
+        except MemoryError:
+            free, total = self.device_memory()
+            raise DeviceMemoryError(
+                f"the model's weights do not fit in the GPU's memory: {mem_size(self.weight_bytes)} were on "
+                f"the device when {mem_size(x.nbytes)} more were asked for, with {mem_size(free)} of "
+                f"{mem_size(total)} free; "
+                "use a smaller model or a quantized one (a 4- or 8-bit GGUF, or quantize='q8_0' / 'q4_0'), "
+                "or device='cpu'") from None
+        self.weight_bytes += x.nbytes
+        return data
+
     @_on_stream
     def kv_zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         """float32, or KV_BF16 (bfloat16 bits as uint16: kv_cache_dtype="bfloat16")."""
@@ -303,7 +331,7 @@ class CudaOps:
         x = np.ascontiguousarray(x)
         if x.dtype.kind == "f" and x.dtype != np.float32:
             x = x.astype(np.float32)
-        return self.cp.asarray(x)
+        return self._weights_to_device(x)
 
     @_on_stream
     def upload_linear(self, w: Linear) -> Linear:
@@ -316,8 +344,8 @@ class CudaOps:
         if w.qtype not in WEIGHT_TYPES:
             from ..formats.dequant import dequantize
             dense = dequantize(w.data, w.qtype, (w.out_features, w.in_features))
-            return replace(w, data=self.cp.asarray(dense), qtype=GGMLType.F32, bias=bias)
-        return replace(w, data=self.cp.asarray(np.ascontiguousarray(w.data)), bias=bias)
+            return replace(w, data=self._weights_to_device(dense), qtype=GGMLType.F32, bias=bias)
+        return replace(w, data=self._weights_to_device(np.ascontiguousarray(w.data)), bias=bias)
 
     @_on_stream
     def upload_batch(self, batch: Batch) -> Batch:

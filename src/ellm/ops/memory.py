@@ -4,9 +4,10 @@ A backend owns its memory. The model runner (engine/runner.py) and the model ask
 set, never NumPy, for every buffer: the workspace's activations (`empty`), the paged KV
 cache (`kv_zeros`), the weights (`upload`, `upload_linear`, once at load), the step's
 index arrays (`upload_batch`), the rows whose logits are wanted (`gather_rows`) or that
-are given (`scatter_rows`), and the logits the host sampler reads (`to_host`). A backend that can sample on its device says
-so in `sample`; one that can replay a captured decode step returns its own executor from
-`step_executor`.
+are given (`scatter_rows`), and the logits the host sampler reads (`to_host`). A device
+backend says how much of its memory is free (`device_memory`), so that the KV cache is
+sized to fit. A backend that can sample on its device says so in `sample`; one that can
+replay a captured decode step returns its own executor from `step_executor`.
 
 `HostMemory` is that interface for the backends whose arrays are NumPy arrays in host
 memory (reference, cpu): uploads are the identity (the weights stay mmapped views, never
@@ -67,8 +68,24 @@ def host_kv_zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray
     return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
 
 
+class DeviceMemoryError(ValueError, MemoryError):
+    """What the model or its KV cache asked of a device's memory does not fit there; the
+    message says how much was asked, how much is free, and what to change. A ValueError,
+    so the CLI and the server report it like any bad option."""
+
+
+def mem_size(n: int) -> str:
+    """Bytes as a person reads them in an error: GiB, or MiB under one GiB."""
+    return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
 class HostMemory:
     """Memory methods of the host backends (mixed into ReferenceOps and CpuOps)."""
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """(bytes available, bytes in all) of the backend's device; None for host memory,
+        which the KV cache commits page by page as it is written (nothing to size ahead)."""
+        return None
 
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
         """An uninitialised buffer of the backend (the Workspace's activations)."""

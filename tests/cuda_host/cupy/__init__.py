@@ -69,7 +69,8 @@ class ndarray(np.ndarray):
     def copy(self, order: str = "C") -> "ndarray":   # type: ignore[override]
         _not_capturing("a device copy")
         cuda._flush()
-        return np.ndarray.copy(self, order=order).view(ndarray)
+        return cuda.memory._allocate(self.shape, self.dtype,
+                                     lambda: np.ndarray.copy(self, order=order)).view(ndarray)
 
     def fill(self, value: Any) -> None:
         _not_capturing("a fill")
@@ -117,7 +118,9 @@ def asarray(a: Any, dtype: Any = None) -> ndarray:
         return a
     _not_capturing("a copy to the device")
     cuda._flush()
-    return _device(np.array(np.asarray(a), dtype=dtype, copy=True))
+    host = np.asarray(a)
+    return _device(cuda.memory._allocate(host.shape, dtype or host.dtype,
+                                         lambda: np.array(host, dtype=dtype, copy=True)))
 
 
 def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
@@ -125,7 +128,9 @@ def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
         return a
     _not_capturing("a contiguous copy")
     cuda._flush()
-    return _device(np.ascontiguousarray(np.asarray(a), dtype=dtype))
+    host = np.asarray(a)
+    return _device(cuda.memory._allocate(host.shape, dtype or host.dtype,
+                                         lambda: np.array(host, dtype=dtype, order="C", copy=True)))
 
 
 def asnumpy(a: Any, stream: Any = None) -> np.ndarray:
@@ -136,22 +141,17 @@ def asnumpy(a: Any, stream: Any = None) -> np.ndarray:
 
 def empty(shape: Any, dtype: Any = np.float32) -> ndarray:
     # filled with NaN bits (floats) or a pattern, as uninitialised device memory may hold anything
-    a = np.empty(shape, dtype)
+    a = cuda.memory._allocate(shape, dtype, lambda: np.empty(shape, dtype))
     a.view(np.uint8)[...] = 0xff
     return _device(a)
 
 
 def zeros(shape: Any, dtype: Any = np.float32) -> ndarray:
-    return _device(np.zeros(shape, dtype))
+    return _device(cuda.memory._allocate(shape, dtype, lambda: np.zeros(shape, dtype)))
 
 
-class _MemoryPool:
-    def free_all_blocks(self) -> None:
-        pass
-
-
-def get_default_memory_pool() -> _MemoryPool:
-    return _MemoryPool()
+def get_default_memory_pool() -> cuda.memory.MemoryPool:
+    return cuda.memory.MemoryPool()
 
 
 # -- kernels -------------------------------------------------------------------------------------

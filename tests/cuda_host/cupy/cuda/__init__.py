@@ -6,9 +6,10 @@ import os
 import time
 from typing import Any, Callable
 
-from . import device, runtime
+from . import device, memory, runtime
 
-__all__ = ["Device", "Stream", "Graph", "Event", "get_elapsed_time", "alloc_pinned_memory", "device", "runtime"]
+__all__ = ["Device", "Stream", "Graph", "Event", "get_elapsed_time", "alloc_pinned_memory", "device", "memory",
+           "runtime"]
 
 # the launches being recorded while a stream captures, else None
 _capture: list[Any] | None = None

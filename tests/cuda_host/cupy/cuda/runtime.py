@@ -15,6 +15,12 @@ def getDeviceCount() -> int:
     return 1
 
 
+def memGetInfo() -> tuple[int, int]:
+    """(free, total) bytes of the device (memory.py: ELLM_CUDA_HOST_MEMORY)."""
+    from . import memory
+    return memory.free(), memory.TOTAL
+
+
 def profilerStart() -> None:   # no profiler attaches to the host stand-in
     pass
 
