@@ -266,7 +266,7 @@ class LLM:
         streams = []
         try:
             for ids, p, imgs in reqs:
-                streams.append(loop.submit_blocking(ids, p, images=imgs, adapter=adapter))
+                streams.append(loop.submit_blocking(ids, p, images=imgs, adapter=adapter, final_only=True))
             outs = [_completion(s.result(), params) for s in streams]
         finally:
             for s in streams:
