@@ -73,6 +73,24 @@ def test_cuda_unavailable_cli_says_so_without_a_traceback(smollm2_gguf: Path) ->
         assert "Traceback" not in proc.stderr and ("CuPy" in proc.stderr or "GPU" in proc.stderr), proc.stderr
 
 
+def test_a_gpu_ordinal_says_how_to_pick_that_gpu() -> None:
+    """ellm runs on the first visible GPU: "cuda:0" and "gpu" mean "cuda"; another ordinal
+    is refused before anything is read, naming CUDA_VISIBLE_DEVICES, in the API and the CLI."""
+    import subprocess
+    import sys
+
+    from ellm.ops import normalize_device
+    assert [normalize_device(d) for d in ("cuda", "gpu", "cuda:0", "gpu:0", "cpu")] == ["cuda"] * 4 + ["cpu"]
+    with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES=2 and pass device='cuda'"):
+        ellm.load("/no/such/model.gguf", device="cuda:2")
+    with pytest.raises(ValueError, match="unknown device 'cuda:x'"):
+        ellm.load("/no/such/model.gguf", device="cuda:x")
+    for cmd in (["run", "--device", "gpu:1", "m", "hi"], ["serve", "--device", "cuda:3", "m"]):
+        proc = subprocess.run([sys.executable, "-m", "ellm", *cmd], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"CUDA_VISIBLE_DEVICES={cmd[2][-1]}" in proc.stderr, proc.stderr
+
+
 # -- helpers ---------------------------------------------------------------------------------
 
 def nmse(got: np.ndarray, want: np.ndarray) -> float:
@@ -584,6 +602,19 @@ def test_device_sampling_is_reproducible_per_seed(ops) -> None:
         s = SequenceSampler(SamplingParams(temperature=1.0, seed=42), [], V)
         draws.append([ops.sample(ops.upload(row[None, :].copy()), [s])[0].token_id for _ in range(10)])
     assert draws[0] == draws[1] and len(set(draws[0])) > 1
+
+
+@needs_gpu
+def test_kernels_that_do_not_compile_fail_the_load_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel files are compiled when the backend is made (not at the first request):
+    a compiler that fails (here, on a broken source) gives CudaUnavailableError naming
+    the file, NVRTC and what to install."""
+    from ellm.ops import cuda
+    monkeypatch.setattr(cuda, "kernel_source", lambda name: "this is not CUDA C++")
+    with pytest.raises(cuda.CudaUnavailableError) as info:
+        cuda.CudaOps()
+    msg = str(info.value)
+    assert "linear.cu" in msg and "NVRTC" in msg and "ellm-engine[gpu]" in msg and "device='cpu'" in msg, msg
 
 
 @needs_gpu

@@ -6,6 +6,7 @@ import os
 import sys
 from typing import Any
 
+from .cli_args import device_arg
 
 # `ellm chat`'s reply cap (--max-tokens). The default model's replies that end do so in
 # 8-340 tokens (its default, greedy with a repetition penalty of 1.1: 8, 230, 338, 340;
@@ -33,7 +34,7 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
                    help="prompt + output tokens per sequence (default 8192, capped by the model's own)")
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="a Jinja chat template (text or file) to use instead of the model's own")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
+    p.add_argument("--device", default="cpu", type=device_arg, metavar="{cpu,cuda,reference}")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all this process may use)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",  # [spec]
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
@@ -264,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--contexts", type=_token_counts, default=(), metavar="N,N,...",
                    help="also time decode after prompts of these lengths (e.g. 100,500,1000,2000)")
-    b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
+    b.add_argument("--device", default="cpu", type=device_arg, metavar="{cpu,cuda,reference}")
     b.add_argument("--threads", "-t", type=int, default=None)
     b.set_defaults(func=cmd_bench)
     i = sub.add_parser("info", help="version, native kernels chosen, threads; with MODEL, its architecture")

@@ -473,7 +473,7 @@ def _set_threads(threads: int | None) -> None:
 # kv_cache_dtype= names -> the cache's element type
 KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 # the devices each cache type runs on (float32 everywhere)
-KV_CACHE_DEVICES = {"float16": ("cpu",), "bfloat16": ("cuda", "gpu", "reference")}
+KV_CACHE_DEVICES = {"float16": ("cpu",), "bfloat16": ("cuda", "reference")}
 
 
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
@@ -514,9 +514,11 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     from .formats.gguf import GGUFFile
     from .formats.safetensors import SafetensorsFolder
     from .models import build_model, config_from_folder, config_from_gguf, gguf_weights
-    from .ops import get_ops
+    from .ops import get_ops, normalize_device
     from .tokenizer import Tokenizer
     from .weights import SafetensorsWeights
+
+    device = normalize_device(device)   # "gpu", "cuda:0" -> "cuda"; another ordinal says how to pick one
 
     for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                         ("max_batch_tokens", max_batch_tokens)):

@@ -226,8 +226,24 @@ class CudaOps:
         self.capture_keep: list[Any] | None = None   # set while a graph is captured
         # per SequenceSampler: its seed and the draws made so far (device sampling)
         self._rng_state: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+        self.compile_kernels()
 
     # -- kernels -----------------------------------------------------------------------
+
+    def compile_kernels(self, files: Sequence[str] = tuple(f for f in KERNELS if f != "lora.cu")) -> None:
+        """Compiles the kernel files every model needs now (lora.cu when an adapter first
+        asks), so that a CuPy which cannot compile them (no NVRTC, one built for another
+        CUDA) fails the load, saying what to do, rather than the first request. CuPy
+        keeps the binaries on disk: a later load of any model reads them back."""
+        for file in files:
+            try:
+                self.kernel(KERNELS[file][0])
+            except Exception as e:   # CompileException, NVRTCError, a missing libnvrtc (RuntimeError, OSError)
+                detail = " ".join(str(e).split())[:500]
+                raise CudaUnavailableError(
+                    f"CuPy could not compile ellm's CUDA kernels ({file}: {type(e).__name__}: {detail}); CuPy "
+                    f"compiles them with NVRTC, which must match the CUDA version it was built for: "
+                    f"{INSTALL_HINT}; or use device='cpu'") from None
 
     def kernel(self, name: str) -> Any:
         k = self._kernels.get(name)

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from ..cli_args import device_arg
 from . import DEFAULT_MAX_QUEUE
 from .hosts import is_loopback, url_host
 
@@ -37,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-image-host", action="append", default=None, metavar="NAME",
                    help="with --allow-image-urls: a host whose images are fetched even at a loopback or private "
                         "address (as written in the URL, e.g. 127.0.0.1 or images.internal; repeatable)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "reference"])
+    p.add_argument("--device", default="cpu", type=device_arg, metavar="{cpu,cuda,reference}")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all this process may use)")
     p.add_argument("--max-model-len", "--ctx-size", "-c", type=int, default=8192,
                    help="prompt + output tokens per sequence (llama.cpp's --ctx-size)")

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..cli_args import device_arg
+
 
 def _positions(text: str) -> list[int]:
     """'0,5,-1' -> [0, 5, -1] (negative: from the end)."""
@@ -31,7 +33,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--positions", type=_positions, default=None, metavar="P,P,...",
                    help="positions to record and compare (default: all; -1 = the last)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--device", default="cpu", choices=["cpu", "reference", "cuda"])
+    p.add_argument("--device", default="cpu", type=device_arg, metavar="{cpu,cuda,reference}")
     p.add_argument("--attention", type=_positions, default=None, metavar="L,L,...",
                    help="also write these layers' attention weights into --json")
     p.add_argument("--quiet", action="store_true", help="print only the verdict, not the table")
@@ -112,7 +114,7 @@ def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="a known name, a .gguf file or a folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--device", default="cpu", choices=["cpu", "reference", "cuda"])
+    p.add_argument("--device", default="cpu", type=device_arg, metavar="{cpu,cuda,reference}")
     p.add_argument("--max-tokens", type=int, default=256, help="longest prompt the page may trace")
     _add_lora_arguments(p)
 
