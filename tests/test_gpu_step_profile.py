@@ -62,3 +62,46 @@ def test_summary_groups_launches_by_kernel() -> None:
 def test_text_without_a_header_says_so() -> None:
     with pytest.raises(ValueError, match="Kernel Name"):
         step_profile.read_ncu_csv(["==PROF== Disconnected", "==ERROR== no kernels were profiled"])
+
+
+device_figures = pytest.importorskip("device_figures")
+
+
+def test_summary_fractions_are_of_the_measured_bandwidth() -> None:
+    """The "% of HBM" column is of the GPU's own copy bandwidth (device_figures.py), which
+    differs between the H100 and the H200 the check may be lent."""
+    launches = step_profile.read_ncu_csv(RAW.splitlines())
+    attn = [x for x in launches if x["kernel"] == "attn_decode_bf16"][0]
+    rate = attn["dram__bytes_read.sum"] / attn["gpu__time_duration.sum"]   # 0.05 MB in 3.5 µs
+    line = step_profile.summarize(launches, hbm_bytes_per_s=rate).splitlines()[3]
+    assert line.startswith("| attn_decode_bf16 |") and "| 100% |" in line, line
+    assert "| 50% |" in step_profile.summarize(launches, hbm_bytes_per_s=2 * rate).splitlines()[3]
+
+
+def test_device_figures_read_back_or_stand_in(tmp_path: Path) -> None:
+    assumed = device_figures.figures(None, None)
+    assert assumed["measured"] is False and "assumed, not measured" in device_figures.describe(assumed)
+    path = tmp_path / "device.json"
+    path.write_text('{"name": "NVIDIA H100 80GB HBM3", "hbm_bytes_per_s": 3.0e12, '
+                    '"bf16_peak_flops": 7.0e14, "measured": true}')
+    fig = device_figures.figures(path)
+    assert fig["hbm_bytes_per_s"] == 3.0e12
+    assert "H100" in device_figures.describe(fig) and "3.00 TB/s" in device_figures.describe(fig)
+    assert "700 TFLOP/s (measured here)" in device_figures.describe(fig)
+
+
+def test_device_figures_measure_with_torch() -> None:
+    """measure()'s arithmetic, run with torch on the CPU at small sizes (on the GPU machine
+    the same code times 1 GiB copies and 8192^3 bf16 products with CUDA events)."""
+    import json
+    import subprocess
+
+    from ref_python import ref_python
+    here = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+    code = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); import device_figures as d; "
+            "print(json.dumps(d.measure(torch, 'cpu', copy_bytes=1 << 22, n=128, rounds=2, reps=3)))")
+    proc = subprocess.run([ref_python(), "-c", code, str(here)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fig = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert fig["measured"] is True and fig["name"] == "cpu"
+    assert 1e8 < fig["hbm_bytes_per_s"] < 1e13 and 1e7 < fig["bf16_peak_flops"] < 1e14, fig

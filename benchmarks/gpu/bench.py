@@ -3,9 +3,9 @@
 Per model: batch-1 decode tok/s, prefill tok/s of a 512-token prompt (and of 2,048 on
 the 8B shape, with the TFLOP/s it reaches and its fraction of the bf16 tensor-core
 peak), aggregate decode tok/s of 16 and 64 sequences, and the fraction of HBM bandwidth
-the decode steps use (bytes of weights read per second / 4.3 TB/s, what device copies
-reach on the H200; one full read of the weights per step, so a quantized model is
-measured against its own bytes). Decode rates come from the difference of two runs of
+the decode steps use (bytes of weights read per second / what device copies reach on
+this GPU, measured at the start by device_figures.py, as is the bf16 peak; one full read
+of the weights per step, so a quantized model is measured against its own bytes). Decode rates come from the difference of two runs of
 different lengths, so prefill and start-up cancel out.
 
     python benchmarks/gpu/bench.py --out DIR [--gguf smollm2=PATH] [--folder smollm2=PATH]
@@ -40,10 +40,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_figures import ASSUMED, describe, figures  # noqa: E402
 from random_folder import SHAPES, make_random_folder  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12        # H200, device-to-device copies measured (FACTS.md)
-BF16_PEAK_FLOPS = 790e12        # H200 dense bf16, measured on these machines
+# The GPU's copy bandwidth and bf16 peak (device_figures.py): main() measures them
+LIMITS: dict[str, Any] = dict(ASSUMED)
 PROMPT = "The history of the printing press begins"
 RANDOM_PROMPT = [ord(c) for c in "The history of the printing press begins"]   # byte tokens
 
@@ -133,7 +134,7 @@ def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> Non
     out["weight_bytes"] = wb
     for n in batches:
         if f"decode_{n}" in out:
-            out[f"hbm_{n}"] = out[f"decode_{n}"] / n * wb / HBM_BYTES_PER_S
+            out[f"hbm_{n}"] = out[f"decode_{n}"] / n * wb / LIMITS["hbm_bytes_per_s"]
 
 
 # -- ellm ----------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
             if n_prompt >= 2048:
                 flops = prefill_flops(llm.engine.model.config, n_prompt)
                 out[f"prefill_{n_prompt}_tflops"] = flops / t / 1e12
-                out[f"prefill_{n_prompt}_peak"] = flops / t / BF16_PEAK_FLOPS
+                out[f"prefill_{n_prompt}_peak"] = flops / t / LIMITS["bf16_peak_flops"]
         add_rates(out, wb, plan.batches)
         stats = getattr(executor, "stats", {})
         out["graph_replays"] = float(stats.get("replays", 0))
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget", type=float, default=420.0, help="seconds: rows that would start later are skipped")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--device-figures", type=Path, default=None,
+                    help="device.json of device_figures.py (default: measured here)")
     ap.add_argument("--dry-run", action="store_true",
                     help="on the CPU: a tiny random folder through every engine row (checks the harness)")
     ap.add_argument("--ellm-device", choices=("cpu", "cuda"),
@@ -368,9 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.dry_run else "cuda"        # transformers' and the random folders'
     ellm_device = args.ellm_device or device
     rows: list[dict[str, Any]] = []
+    if not args.dry_run:
+        import torch
+        LIMITS.update(figures(args.device_figures, torch))
+    (args.out / "device.json").write_text(json.dumps(LIMITS, indent=1))
+    print(describe(LIMITS), flush=True)
 
     def write() -> str:
-        report = table(rows) + "\n" + targets(rows) + "\n"
+        report = describe(LIMITS) + "\n\n" + table(rows) + "\n" + targets(rows) + "\n"
         (args.out / "gpu_bench.md").write_text(report)
         (args.out / "gpu_bench.json").write_text(json.dumps(rows, indent=1))
         return report

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, on the lent GPU machine (one H200: Python 3.12, CUDA 13, cupy-cuda13x,
-# torch, transformers; nothing can be fetched). Under 8 minutes (480 s). Prepared by
+# The GPU check, on the lent GPU machine (one H100 or H200: Python 3.12, CUDA 13,
+# cupy-cuda13x, torch, transformers; nothing can be fetched). Under 8 minutes (480 s). Prepared by
 # benchmarks/gpu/prepare.sh on a machine without a GPU; SmolLM2's GGUF arrives in two
 # parts through benchmarks/gpu/stage.sh (docs/gpu.md says the order of the calls).
 #
@@ -15,7 +15,8 @@
 #      == one at a time on a tiny llama the machine's transformers make, the device
 #      sampler), then the cuda rows of tests/test_lora.py (at most 120 s: the adapters' logits against peft's,
 #      whose tiny models and adapters the machine's own torch, transformers and peft make)
-#   5. one decode step of SmolLM2 and of the Llama-3.2-1B shape: its graph replay time
+#   5. the GPU's copy bandwidth and bf16 peak, measured (device_figures.py: every "% of
+#      HBM" and "% of peak" below is of these), then one decode step of SmolLM2 and of the Llama-3.2-1B shape: its graph replay time
 #      with and without programmatic dependent launches, then (where ncu is) each of its
 #      kernels measured alone, and those of a 64-sequence 1B step
 #      (benchmarks/gpu/step_profile.py)
@@ -23,7 +24,7 @@
 #      of Llama-3.2-1B and Llama-3-8B shape made here, the 8B quantized to q8_0 at load;
 #      ellm (fused graphs, unfused graphs, eager) and transformers (compiled static
 #      cache, eager) side by side, in priority order (bench.py)
-# Everything goes to $OUT (check.log, pytest.log, pytest_lora.log, step_time.md,
+# Everything goes to $OUT (check.log, pytest.log, pytest_lora.log, device.json, step_time.md,
 # step_kernels_*.md / .csv, ncu_*.log, gpu_bench.md, gpu_bench.json).
 # CHECK_BENCH_ONLY=1 skips 3-5 (a second run for the figures alone).
 set -uo pipefail
@@ -97,7 +98,9 @@ if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
   say "  LoRA pytest exit ${PIPESTATUS[0]}"
 fi
 
-say "5. one decode step: replay time, then each kernel under Nsight Compute"
+say "5. the GPU's limits, then one decode step: replay time, then each kernel under Nsight Compute"
+timeout 60 $PY benchmarks/gpu/device_figures.py --out "$OUT"
+say "  device figures exit $?"
 if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
   sargs=()
   for m in "${MODELS[@]}"; do
@@ -121,7 +124,8 @@ if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
         > "$OUT/ncu_$name.log" 2>&1
       say "  ncu $name exit $?"
       "$NCU" --import "$W/step_$name.ncu-rep" --csv --page raw --print-units base > "$OUT/step_kernels_$name.csv" 2>>"$OUT/ncu_$name.log" \
-        && $PY benchmarks/gpu/step_profile.py summarize "$OUT/step_kernels_$name.csv" | tee "$OUT/step_kernels_$name.md"
+        && $PY benchmarks/gpu/step_profile.py summarize "$OUT/step_kernels_$name.csv" \
+             --device-figures "$OUT/device.json" | tee "$OUT/step_kernels_$name.md"
     done
   else
     say "  no ncu on this machine: no per-kernel table"
@@ -138,6 +142,6 @@ done
 left=$(( 460 - ($(date +%s) - T0) ))
 timeout "$(( left > 60 ? left + 15 : 75 ))" $PY benchmarks/gpu/bench.py "${bargs[@]}" \
   --random llama-1b --random llama-8b --quantize llama-8b=q8_0 --work "$W/random" \
-  --budget "$(( left > 60 ? left : 60 ))" --out "$OUT"
+  --budget "$(( left > 60 ? left : 60 ))" --out "$OUT" --device-figures "$OUT/device.json"
 say "  bench exit $?"
 say "done"

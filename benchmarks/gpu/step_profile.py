@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_figures import ASSUMED, describe, figures  # noqa: E402
 from random_folder import make_random_folder  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12        # H200 device copies (bench.py)
 PROMPT_IDS = [ord(c) for c in "The history of the printing press begins"]   # byte tokens
 
 
@@ -195,8 +195,9 @@ def read_ncu_csv(lines: Iterable[str]) -> list[dict[str, Any]]:
     return out
 
 
-def summarize(launches: list[dict[str, Any]]) -> str:
-    """Per kernel name: launches, time, DRAM traffic and its rate, share of the step."""
+def summarize(launches: list[dict[str, Any]], hbm_bytes_per_s: float = ASSUMED["hbm_bytes_per_s"]) -> str:
+    """Per kernel name: launches, time, DRAM traffic and its rate (and its fraction of the
+    GPU's copy bandwidth, device_figures.py), share of the step."""
     agg: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for launch in launches:
         a = agg[launch["kernel"].split("(")[0].strip()]
@@ -210,13 +211,13 @@ def summarize(launches: list[dict[str, Any]]) -> str:
     for name, a in sorted(agg.items(), key=lambda kv: -kv[1]["s"]):
         rate = a["bytes"] / a["s"] if a["s"] else 0.0
         lines.append(f"| {name} | {a['n']:.0f} | {a['s'] * 1e6:.1f} | {a['s'] * 1e6 / a['n']:.2f} | "
-                     f"{a['bytes'] / 1e6:.2f} | {rate / 1e9:,.0f} | {rate / HBM_BYTES_PER_S:.0%} | "
+                     f"{a['bytes'] / 1e6:.2f} | {rate / 1e9:,.0f} | {rate / hbm_bytes_per_s:.0%} | "
                      f"{a['l2'] / 1e6:.2f} | {a['s'] / total:.0%} |")
     n = sum(a["n"] for a in agg.values())
     moved = sum(a["bytes"] for a in agg.values())
     l2 = sum(a["l2"] for a in agg.values())
     lines.append(f"| **all** | {n:.0f} | {total * 1e6:.1f} | | {moved / 1e6:.2f} | {moved / total / 1e9:,.0f} | "
-                 f"{moved / total / HBM_BYTES_PER_S:.0%} | {l2 / 1e6:.2f} | |")
+                 f"{moved / total / hbm_bytes_per_s:.0%} | {l2 / 1e6:.2f} | |")
     return "\n".join(lines)
 
 
@@ -237,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--batch", type=int, default=1)
     p = sub.add_parser("summarize")
     p.add_argument("csv", type=Path)
+    p.add_argument("--device-figures", type=Path, default=None, help="device.json of device_figures.py")
     args = ap.parse_args(argv)
     if args.cmd == "summarize":
-        print(summarize(read_ncu_csv(args.csv.read_text().splitlines())))
+        fig = figures(args.device_figures)
+        print(describe(fig) + "\n")
+        print(summarize(read_ncu_csv(args.csv.read_text().splitlines()), fig["hbm_bytes_per_s"]))
         return 0
     if args.cmd == "time":
         args.batch = args.batch or [1, 64]
