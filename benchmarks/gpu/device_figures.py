@@ -54,15 +54,17 @@ def measure(torch: Any, device: str = "cuda", copy_bytes: int = 1 << 30, n: int 
             best = min(best, seconds / reps)
         return best
 
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_s = best_seconds(lambda: dst.copy_(src))
-    del src, dst
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
-    c = torch.empty(n, n, dtype=torch.bfloat16, device=dev)
-    mm_s = best_seconds(lambda: torch.matmul(a, b, out=c))
-    del a, b, c
+    def copy_seconds() -> float:   # its buffers freed on return, before the products' are made
+        src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        return best_seconds(lambda: dst.copy_(src))
+
+    def product_seconds() -> float:
+        a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        c = torch.empty(n, n, dtype=torch.bfloat16, device=dev)
+        return best_seconds(lambda: torch.matmul(a, b, out=c))
+
+    copy_s, mm_s = copy_seconds(), product_seconds()
     name = "cpu"
     if device == "cuda":
         torch.cuda.empty_cache()
