@@ -474,11 +474,18 @@ def test_overlapped_decode_feeds_each_steps_ids_to_the_next(tiny_models_dir: Pat
         first = _scripted(eng, {0: [("probe", prompts[1], free)]})["probe"][0]
         stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[first[9]])
         seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True)
-        script = {0: [("a", prompts[0], free), ("b", prompts[1], stop), ("s", prompts[2], seeded)],
+        # penalised rows run ahead too: the device counts the token it has not handed back
+        # yet. Token 7, pushed up by 3, comes while its count is under 3: the fourth time
+        # is decided by whether the step before's 7 was counted
+        penalised = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, frequency_penalty=1.0,
+                                   logit_bias={7: 3.0})
+        script = {0: [("a", prompts[0], free), ("b", prompts[1], stop), ("s", prompts[2], seeded),
+                      ("p", prompts[0], penalised)],
                   5: [("c", prompts[2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]}
         poke = {3: lambda: eng.logits([5]), 25: lambda: eng.logits([9])}   # at 25 "a" runs alone
         plain = _scripted(eng, script, poke)
         assert plain["b"][2] == "stop" and len(plain["b"][0]) <= 10
+        assert plain["p"][0][:3] == [7, 7, 7] and plain["p"][0][3] != 7, plain["p"]
         eng.overlap = True
         fed, padded = executor.stats["fed"], eng.stats["padding_rows"]
         ahead = _scripted(eng, script, poke)
@@ -536,6 +543,51 @@ def test_device_greedy_with_penalties_and_bias_is_argmax_of_host_processing(ops)
         want = int(np.argmax(s.process(row)))
         got = ops.sample(ops.upload(row[None, :].copy()), [s])[0].token_id
         assert got == want
+
+
+@needs_gpu
+def test_device_penalties_count_the_pending_token_as_the_host_would(ops) -> None:
+    """A step launched ahead samples before the host has appended the step before's token:
+    sample_ids(pending=...) counts it on the device. The pending token is new, in the
+    prompt only, or already generated; repetition, frequency and presence penalties; all
+    rows in one launch. Each row's runner-up sits halfway between the token's penalised
+    value counted and not counted (the host's own numbers), so only counting it as the
+    host does picks the same token."""
+    rng = np.random.default_rng(6)
+    V = 3000
+    devs, rows, pend, want = [], [], [], []
+    for params in (SamplingParams(temperature=0.0, repetition_penalty=1.3),
+                   SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4),
+                   SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5,
+                                  presence_penalty=0.3, logit_bias={11: 2.0})):
+        for where in ("new", "prompt", "output"):
+            prompt, outs = rng.integers(0, V - 2, 20).tolist(), rng.integers(0, V - 2, 6).tolist()
+            token, runner_up = {"new": V - 2, "prompt": prompt[3], "output": outs[2]}[where], V - 1
+            if where == "prompt":
+                outs = [t for t in outs if t != token]
+            dev, host = SequenceSampler(params, prompt, V), SequenceSampler(params, prompt, V)
+            for t in outs:
+                dev.append(t)
+                host.append(t)
+            row = rng.uniform(-4.0, -3.0, V).astype(np.float32)   # below both, whatever a penalty does
+            row[token] = 3.0
+            uncounted = float(dev.process(row.copy())[token])
+            host.append(token)
+            counted = float(host.process(row.copy())[token])
+            if counted == uncounted:   # repetition alone, the token already seen: nothing to tell
+                continue
+            row[runner_up] = (counted + uncounted) / 2
+            assert int(np.argmax(host.process(row.copy()))) == runner_up
+            assert int(np.argmax(dev.process(row.copy()))) == token
+            devs.append(dev)
+            rows.append(row)
+            pend.append(token)
+            want.append(runner_up)
+    assert len(want) == 7   # all but repetition alone on a token already seen (prompt, output)
+    got = ops.sample_ids(ops.upload(np.stack(rows)), devs, pending=ops.upload(np.array(pend, np.int32)))
+    assert got.get().tolist() == want
+    # without `pending` the device uses the samplers' own counts
+    assert ops.sample_ids(ops.upload(np.stack(rows)), devs).get().tolist() == pend
 
 
 def _first_argmax(x: np.ndarray) -> int:

@@ -117,6 +117,10 @@ def test_a_step_nobody_reads_is_let_finish_before_the_engine_is_idle(smollm2) ->
 
 
 def test_rows_whose_sampling_looks_back_do_not_run_ahead(smollm2) -> None:
+    """On a host backend, which samples a step from what the samplers have seen: logprobs
+    and penalties keep the plain loop. (The cuda backend counts the token it has not
+    handed back and runs penalised rows ahead: tests/test_cuda.py.)"""
+    assert not smollm2.engine.runner.penalties_ahead
     prompt = _prompt(smollm2, 9)
     for params in (SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True),
                    SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),

@@ -67,6 +67,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
         const int* __restrict__ pen_offsets,    // (B + 1,) rows of pen_ids / pen_counts
         const int* __restrict__ pen_ids,        // distinct ids seen (prompt + output)
         const float* __restrict__ pen_counts,   // times each was generated (0: prompt only)
+        const int* __restrict__ pending,        // (B,) or null: a token generated and not yet in
+                                                // pen_ids / pen_counts (a step launched ahead)
         const u64* __restrict__ seeds,          // (B,)
         u64* __restrict__ steps,                // (B,) draws so far; incremented
         int* __restrict__ out_ids) {            // (B,)
@@ -74,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     __shared__ float shf[32];
     __shared__ int shi[32];
     __shared__ float s_best;
-    __shared__ int s_best_id, s_found;
+    __shared__ int s_best_id, s_found, s_pending_listed;
     __shared__ float s_prefix[SAMPLE_THREADS];
     int b = blockIdx.x, tid = threadIdx.x;
     float* x = logits + (long long)b * V;
@@ -83,11 +85,23 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
         x[bias_ids[i]] += bias_vals[i];
     __syncthreads();
     float rp = rep_penalty[b], fp = freq_penalty[b], pp = pres_penalty[b];
+    bool penalised = rp != 1.0f || fp != 0.0f || pp != 0.0f;
+    // the pending token counts once more: in the list (distinct ids) or, if not there, alone
+    int pend = pending && penalised ? pending[b] : -1;
+    if (tid == 0) s_pending_listed = 0;
+    __syncthreads();
     for (int i = pen_offsets[b] + tid; i < pen_offsets[b + 1]; i += SAMPLE_THREADS) {
         float v = x[pen_ids[i]], cnt = pen_counts[i];
+        if (pen_ids[i] == pend) { cnt += 1.0f; s_pending_listed = 1; }
         if (rp != 1.0f) v = v > 0.0f ? v / rp : v * rp;
         if (cnt > 0.0f) v -= fp * cnt + pp;
         x[pen_ids[i]] = v;
+    }
+    __syncthreads();
+    if (tid == 0 && pend >= 0 && pend < V && !s_pending_listed) {
+        float v = x[pend];
+        if (rp != 1.0f) v = v > 0.0f ? v / rp : v * rp;
+        x[pend] = v - (fp + pp);
     }
     __syncthreads();
 

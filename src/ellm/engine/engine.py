@@ -287,11 +287,15 @@ class Engine:
 
     def _overlappable(self, plan: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
         """A step that may run ahead: one token per sequence, each sampled without looking
-        at the tokens so far (no penalties, no logprobs), no grammar, no guesses, no
-        adapter (the next steps' batches carry none), nobody waiting to be admitted."""
+        at the tokens so far (no penalties, unless the device counts the tokens it has
+        not handed back yet: runner.penalties_ahead) and without logprobs, no grammar,
+        no guesses, no adapter (the next steps' batches carry none), nobody waiting to be
+        admitted."""
+        penalties = self.runner.penalties_ahead
         return (self.spec is None and not self.scheduler.waiting and len(sampled) == len(plan)
                 and all(n == 1 and seq is s and s.grammar is None and s.adapter_slot < 0
-                        and s.sampler.history_free for (seq, n), s in zip(plan, sampled)))
+                        and (s.sampler.history_free or (penalties and s.params.logprobs is None))
+                        for (seq, n), s in zip(plan, sampled)))
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Step N was launched (and sampled) and its tokens are unread: launch step N+1

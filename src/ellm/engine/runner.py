@@ -137,11 +137,19 @@ class ModelRunner:
         replaying captured steps); on a host backend the step runs in the call."""
         return bool(getattr(self.executor, "overlaps", False))
 
+    @property
+    def penalties_ahead(self) -> bool:
+        """Whether launch_decode may take rows whose penalties look at the tokens so far:
+        the device counts the `after` step's tokens, which the samplers have not seen (a
+        host backend samples from the samplers alone, so it may not)."""
+        return bool(getattr(self.executor, "counts_pending_tokens", False))
+
     def launch_decode(self, batch: Batch, samplers: Sequence["SequenceSampler"],
                       after: PendingTokens | None = None,
                       padding: np.ndarray | None = None) -> PendingTokens | None:
         """Starts a decode step whose every row is sampled by samplers[i], none of which
-        looks at the tokens so far (`history_free`), and returns its ids to wait for, or
+        looks at the tokens so far (`history_free`) unless `penalties_ahead` (none asks
+        for logprobs either way), and returns its ids to wait for, or
         None when this step cannot be launched so (run it with execute). after: the step
         launched just before, same rows in the same order, whose ids are this step's
         tokens (batch.token_ids are placeholders then): on a device they go from one step

@@ -260,6 +260,10 @@ class GraphStep:
         """Whether launch_decode runs steps on the device while the host goes on."""
         return self.use_graphs
 
+    # launch_decode's penalties count the tokens of the step launched before (`after`),
+    # which the samplers have not seen yet: penalised rows may run ahead too
+    counts_pending_tokens = True
+
     def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
         ops = self.ops
         ops.graph_argmax = None   # set again only by a replay
@@ -284,7 +288,8 @@ class GraphStep:
         None when the step is not one a graph replays (the caller runs it through
         __call__). after: the step launched just before, with the same rows in the same
         order, whose ids are this step's token ids: copied on the device
-        (batch.token_ids are placeholders then). No sampler may ask for logprobs."""
+        (batch.token_ids are placeholders then), and which the penalties count although
+        the samplers have not seen them yet. No sampler may ask for logprobs."""
         ops = self.ops
         ops.graph_argmax = None
         if not self._replayable(batch):
@@ -300,7 +305,10 @@ class GraphStep:
                 return None
             ids_ptr = g.argmax_ptr
             if not all(s.plain_greedy for s in samplers):
-                ops.sample_ids(g.logits[:t], samplers, out=g.sampled[:t], upload=self._upload_staged)
+                # after: this step's tokens (the ids at the head of its inputs) are not yet in
+                # the samplers, so the penalties take them from there
+                ops.sample_ids(g.logits[:t], samplers, out=g.sampled[:t], upload=self._upload_staged,
+                               pending=None if after is None else g.ints_dev[:t])
                 ids_ptr = g.sampled_ptr
             slots = self.ids_slots.get(g.b)
             if slots is None:
