@@ -179,3 +179,45 @@ def test_block_views_follow_the_workspace_when_it_grows(smollm2) -> None:
         assert "act" not in ws._bufs
     finally:
         eng.blocks.free(key)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_kept_block_tables_equal_tables_built_anew(name: str, request: pytest.FixtureRequest,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine._block_tables keeps its arrays and rewrites only rows whose tables changed
+    (BlockManager.versions): at every step they equal arrays built from the tables anew,
+    through growth, sequences finishing, and preemption with re-admission under the same
+    request id (SmolLM2, a tight cache) or sliding-window releases (Gemma 3's local
+    layers, prompts past its 512-token window)."""
+    from ellm.engine.engine import Engine
+    llm = request.getfixturevalue(name)
+    if name == "smollm2":
+        cfg = EngineConfig(max_model_len=512, kv_cache_tokens=12 * 16, max_batch_tokens=64, max_num_seqs=4,
+                           enable_prefix_caching=False)
+        work = ((14, 40), (30, 60), (46, 25), (20, 70))
+    else:
+        cfg = EngineConfig(max_model_len=1024, max_batch_tokens=256, max_num_seqs=4, enable_prefix_caching=False)
+        work = ((600, 40), (540, 60), (30, 50))
+    eng = Engine(llm.engine.model, llm.engine.tokenizer, cfg)
+    kept, checked, released = eng._block_tables, [], []
+
+    def compare(seqs, live=None):
+        got = kept(seqs, live)
+        keys = [s.request_id if live is None or ok else None for s, ok in zip(seqs, live or [True] * len(seqs))]
+        want = eng._tables_of(keys)
+        assert got.keys() == want.keys()
+        for w in want:
+            np.testing.assert_array_equal(got[w], want[w])
+        checked.append(len(seqs))
+        released.append(any(k is not None and got[w][i, 0] == -1 for w in got if w for i, k in enumerate(keys)))
+        return got
+    monkeypatch.setattr(eng, "_block_tables", compare)
+    for n, tokens in work:
+        eng.add_request(_prompt(llm, n), SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert len(checked) > 50
+    if name == "smollm2":
+        assert eng.scheduler.num_preemptions > 0
+    else:   # a local layer's first blocks, out of the window, handed back while the sequence ran
+        assert any(released)

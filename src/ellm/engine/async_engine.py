@@ -105,7 +105,8 @@ class _ThreadSink:
     """The sink of a blocking caller: a thread-safe queue any thread may wait on.
 
     final_only: the caller wants the end of the request, not its deltas (generate()).
-    Each delta still counts (its logprobs are kept here, on the engine thread), but only
+    The engine then emits its output once, finished (Engine.add_request(deltas=False));
+    a delta that comes anyway has its logprobs kept here, on the engine thread, and only
     the finished output or an error is queued: waking the caller's thread for every
     token of every request cost ~30% of the host's share of a 64-sequence decode step."""
 
@@ -528,6 +529,8 @@ class AsyncEngine:
                         extra["images"] = images
                     if adapter is not None:   # [lora]
                         extra["adapter"] = adapter
+                    if isinstance(sink, _ThreadSink) and sink.final_only:
+                        extra["deltas"] = False   # one output, at the end
                     self.engine.add_request(prompt_ids, params, rid, **extra)
                 except ValueError as e:  # the request's own fault (too long, bad ids, bad bias)
                     self._fail(rid, e if isinstance(e, RequestError) else RequestError(str(e)), in_engine=False)

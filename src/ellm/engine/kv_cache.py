@@ -13,6 +13,7 @@ used first, when a pool runs dry.
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,10 @@ class BlockManager:
         # prefix hash -> {window: block}; OrderedDict gives LRU order
         self.cached: OrderedDict[int, dict[int, int]] = OrderedDict()
         self.tables: dict[object, dict[int, list[int]]] = {}   # seq key -> window -> blocks (-1 freed)
+        # seq key -> a number that changes whenever its tables do (never one it had before),
+        # so a caller may keep an array of the tables and rewrite only the rows that changed
+        self.versions: dict[object, int] = {}
+        self._tick = itertools.count(1)
         self.hits = 0
         self.queries = 0
 
@@ -155,9 +160,11 @@ class BlockManager:
         for w in self.windows:
             for _ in range(self._blocks_needed(w, tables[w], n_tokens)):
                 tables[w].append(self._take(w))
+        self.versions[key] = next(self._tick)
         return True
 
     def free(self, key: object) -> None:
+        self.versions.pop(key, None)
         tables = self.tables.pop(key, None)
         if not tables:
             return
@@ -174,6 +181,7 @@ class BlockManager:
         if not tables:
             return
         keep = -(-n_tokens // self.block_size)
+        self.versions[key] = next(self._tick)
         for w, blocks in tables.items():
             for b in blocks[keep:]:
                 if b >= 0:
@@ -198,6 +206,8 @@ class BlockManager:
             for j in range(start, end):
                 self._release(w, blocks[j])
                 blocks[j] = -1
+            if start < end:
+                self.versions[key] = next(self._tick)
 
     def table(self, key: object, window: int) -> list[int]:
         return self.tables[key][window]
@@ -233,6 +243,7 @@ class BlockManager:
                 tables[w].append(b)
             self.hits += 1
         self.tables[key] = tables
+        self.versions[key] = next(self._tick)
         return len(tables[0] if 0 in tables else next(iter(tables.values()))) * self.block_size
 
     def cache_prefix(self, key: object, tokens: list[int], n_computed: int, salt: int = 0) -> None:

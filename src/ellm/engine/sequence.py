@@ -58,6 +58,9 @@ class Sequence:
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # False: the caller reads only the end (generate()): no output until the sequence
+    # finishes, whose deltas then hold all of it (taking the totals every step is O(length))
+    deltas: bool = True
     grammar: Any = None          # a structured.GrammarState when the output is constrained
     error: str | None = None     # why the sequence finished with reason "error"
     draft_ids: list[int] = field(default_factory=list)  # [spec] guesses checked this step
