@@ -1,6 +1,6 @@
 """The host's share of a CUDA decode step, measured on a machine without a GPU.
 
-    PYTHONPATH=tests/cuda_host python benchmarks/gpu/host_step.py MODEL [--batch 1 --batch 64]
+    PYTHONPATH=tests/cuda_host python benchmarks/gpu/host_step.py MODEL [--batch 1 --batch 64] [--lengths 32,160]
 
 Runs ellm's CUDA path on the host stand-in for CuPy (tests/cuda_host) with every kernel
 and cuBLAS call skipped, so what a `generate` step costs is the engine's and the
@@ -58,21 +58,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path, help="a GGUF file or Hugging Face folder")
     ap.add_argument("--batch", type=int, action="append", default=None)
+    ap.add_argument("--lengths", default="32,160",
+                    help="SHORT,LONG: the two generate lengths whose difference gives a step (tokens)")
     args = ap.parse_args(argv)
+    short, long = (int(n) for n in args.lengths.split(","))
+    batches = args.batch or [1, 16, 64]
     skip_kernels()
     import ellm
     from ellm.sampling_params import SamplingParams
-    llm = ellm.load(args.model, device="cuda", kv_cache_dtype="bfloat16", max_model_len=1024, progress=False)
+    llm = ellm.load(args.model, device="cuda", kv_cache_dtype="bfloat16", max_model_len=max(1024, long + 64),
+                    kv_cache_tokens=max(batches) * (long + 64), progress=False)
     try:
         ids = llm.encode_prompt("The history of the printing press begins")
         print("| batch | host µs a decode step | µs a sequence | overlapped: host µs a step |\n"
               "|---:|---:|---:|---:|")
-        for b in args.batch or [1, 16, 64]:
+        for b in batches:
             llm.generate([ids] * b, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))   # capture
             llm.engine.overlap = False
-            us = step_us(llm, ids, b)
+            us = step_us(llm, ids, b, short, long)
             llm.engine.overlap = True
-            ahead = step_us(llm, ids, b)
+            ahead = step_us(llm, ids, b, short, long)
             print(f"| {b} | {us:.0f} | {us / b:.1f} | {ahead:.0f} |", flush=True)
     finally:
         llm.close()
