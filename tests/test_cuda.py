@@ -670,6 +670,14 @@ def test_kernels_that_do_not_compile_fail_the_load_saying_what_to_do(monkeypatch
 
 
 @needs_gpu
+def test_a_cache_layer_past_the_gpus_memory_is_a_clear_error(ops) -> None:
+    from ellm.ops.memory import DeviceMemoryError
+    with pytest.raises(DeviceMemoryError, match="KV cache does not fit") as info:
+        ops.kv_zeros((1 << 23, 16, 8, 128), np.float32)   # 512 GiB
+    assert "kv_cache_tokens" in str(info.value) and "512.00 GiB" in str(info.value)
+
+
+@needs_gpu
 def test_a_gpu_too_small_for_the_weights_or_the_cache_says_so(tiny_models_dir: Path) -> None:
     """With CuPy's pool capped (what a process sharing its GPU does): weights that do not
     fit, and a KV cache that does not, fail at load with DeviceMemoryError naming sizes and

@@ -328,7 +328,14 @@ class CudaOps:
         if dtype not in (np.dtype(np.float32), KV_BF16):
             raise ValueError(f"kv_cache_dtype {dtype.name}: the cuda backend keeps its KV cache in float32 or "
                              "bfloat16 (an f16 cache is a cpu-backend option)")
-        return self.cp.zeros(shape, dtype)
+        try:   # sized to fit beforehand (engine/runner.py kv_cache_blocks); this is what it did not foresee
+            return self.cp.zeros(shape, dtype)
+        except MemoryError:
+            free, total = self.device_memory()
+            raise DeviceMemoryError(
+                f"the KV cache does not fit in the GPU's memory ({mem_size(free)} of {mem_size(total)} free when "
+                f"a layer's {mem_size(int(np.prod(shape)) * dtype.itemsize)} were asked for); pass a smaller "
+                "kv_cache_tokens or max_model_len, or kv_cache_dtype='bfloat16'") from None
 
     def _counters(self, size: int, name: str = "attn_counters") -> Any:
         """Completion counters (attn_decode's per (token, head), argmax_rows' per row):
