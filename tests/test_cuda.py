@@ -176,6 +176,41 @@ def test_decode_products_are_batch_invariant(ops, qtype: GGMLType) -> None:
 
 
 @needs_gpu
+@pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda q: q.name)
+def test_decode_products_on_fewer_blocks_than_row_groups_are_the_same_bits(ops, qtype: GGMLType,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """mmv3 on a grid capped at what is resident (a vocabulary head's many row groups):
+    each block walks several groups, the next one's weights asked for ahead. Here the GPU
+    is told it has one SM (2 blocks of one tile, 1 of two or four): the products, with a
+    folded norm, a bias and added into a residual, are the same bits as one block a group."""
+    rng = np.random.default_rng(11 + int(qtype))
+    K, N = 256, 16 * 37 + 5
+    w = random_linear(rng, qtype, N, K)
+    w = ops.upload_linear(replace(w, bias=rng.standard_normal(N).astype(np.float32)))
+    g = ops.upload(rng.uniform(0.5, 1.5, K).astype(np.float32))
+    x = rng.standard_normal((64, K)).astype(np.float32)
+    res = rng.standard_normal((64, N)).astype(np.float32)
+
+    def run(t: int) -> list[np.ndarray]:
+        xs = ops.upload(x[:t])
+        plain = ops.to_host(ops.linear(xs, w))
+        normed = ops.to_host(ops.norm_linear_multi(xs, g, 1e-5, [(w, ops.empty((t, N)))])[0])
+        added = ops.to_host(ops.linear_add(xs, w, ops.upload(res[:t])))
+        return [plain, normed, added]
+
+    for t in (1, 17, 33):   # one, two and (BF16, Q8_0) four tiles a group
+        ops.mmv_loop = False
+        want = run(t)
+        ops.mmv_loop = True
+        monkeypatch.setattr(ops, "num_sms", 1)
+        got = run(t)
+        monkeypatch.undo()
+        for a, b in zip(got, want):
+            assert np.array_equal(a, b), t
+    assert ops.mmv_loop
+
+
+@needs_gpu
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16], ids=lambda q: q.name)
 @pytest.mark.parametrize("K", [1024, 96])   # 1024: four steps a warp of mmv.cu; 96: most warps none
 def test_fused_decode_products_with_a_folded_norm_are_batch_invariant(ops, qtype: GGMLType, K: int) -> None:

@@ -5,8 +5,9 @@ the 8B shape, with the TFLOP/s it reaches and its fraction of the bf16 tensor-co
 peak), aggregate decode tok/s of 16 and 64 sequences, and the fraction of HBM bandwidth
 the decode steps use (bytes of weights read per second / what device copies reach on
 this GPU, measured at the start by device_figures.py, as is the bf16 peak; one full read
-of the weights per step, so a quantized model is measured against its own bytes). Decode rates come from the difference of two runs of
-different lengths, so prefill and start-up cancel out.
+of the weights per step, so a quantized model is measured against its own bytes). Decode
+rates come from the difference of two runs of different lengths, so prefill and start-up
+cancel out.
 
     python benchmarks/gpu/bench.py --out DIR [--gguf smollm2=PATH] [--folder smollm2=PATH]
         [--random llama-1b] [--random llama-8b] [--quantize llama-8b=q8_0] [--budget 300]
@@ -16,7 +17,8 @@ Engines: `ellm cuda graphs` (fused decode kernels, tensor-core decode products, 
 cache, the captured kernels as programmatic dependent launches on sm_90+), `ellm cuda
 graphs plain launches` (the same without them: ELLM_CUDA_PDL=0), `ellm cuda graphs no
 overlap` (each greedy step's tokens read before the next step is launched: the engine's
-overlap off), `ellm cuda graphs two
+overlap off), `ellm cuda graphs no group loop` (one mmv3 block a row group, as many
+blocks as groups: ELLM_CUDA_MMV_LOOP=0), `ellm cuda graphs two
 tiles` (mmv.cu's blocks of two tiles above 32 tokens too: ELLM_CUDA_MMV_X4=0), `ellm cuda graphs one
 tile` (one-tile blocks at 17-64 tokens too: ELLM_CUDA_MMV_X2=0), `ellm cuda graphs f32 gemv` (the same with linear.cu's f32 decode products:
 ELLM_CUDA_MMV=0), `ellm cuda graphs unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
@@ -141,12 +143,13 @@ def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> Non
 
 def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
                deadline: float, mmv: bool = True, pdl: bool = True, tiles: int = 4,
-               overlap: bool = True) -> dict[str, float]:
+               overlap: bool = True, loop: bool = True) -> dict[str, float]:
     os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # all read when the backend is made
     os.environ["ELLM_CUDA_MMV"] = "1" if mmv else "0"
     os.environ["ELLM_CUDA_PDL"] = "1" if pdl else "0"
     os.environ["ELLM_CUDA_MMV_X2"] = "1" if tiles >= 2 else "0"   # mmv.cu's tiles a block at most
     os.environ["ELLM_CUDA_MMV_X4"] = "1" if tiles >= 4 else "0"
+    os.environ["ELLM_CUDA_MMV_LOOP"] = "1" if loop else "0"   # mmv3's grid capped at what is resident
     import ellm
     from ellm.sampling_params import SamplingParams
     options: dict[str, Any] = dict(max_model_len=plan.max_model_len, max_num_seqs=max(plan.batches),
@@ -442,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
         if (s.name, s.weights) in (("smollm2", "gguf"), ("tiny", "bf16 folder")):
             record(s, f"ellm {ellm_device} graphs no overlap",
                    lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, overlap=False), 0.3)
+    for s in sources:   # one mmv3 block a row group (ELLM_CUDA_MMV_LOOP=0): what walking the head's groups gains
+        if (s.name, s.weights) in (("smollm2", "gguf"), ("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
+            record(s, f"ellm {ellm_device} graphs no group loop",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, loop=False), 0.3)
     for s in sources:   # two mmv.cu tiles a block at most (ELLM_CUDA_MMV_X4=0): what x4 gains
         if (s.name, s.weights) in (("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
             record(s, f"ellm {ellm_device} graphs two tiles",

@@ -453,7 +453,8 @@ __device__ __forceinline__ void mmv_tiles(const u8* const* ra, const u8* const* 
 // Up to three matrices of one type against X, with the norm folded in when g is not null
 // (nmv3's meaning; gemv3's with g null): Yi (T, Ni) = rmsnorm(X) @ Wi^T (+ bi), or with
 // add, Yi += ... (gemv_add's meaning). Rows of the three are one sequence of N0 + N1 + N2;
-// a block takes RT tiles of 16 of them. grid ceil((N0 + N1 + N2) / (16 RT)), block
+// a block takes RT tiles of 16 of them (a group), or several groups in turn where the grid
+// is smaller. grid at most ceil((N0 + N1 + N2) / (16 RT)), block
 // 32 * MMV_WARPS. T <= MMV_TOKENS, K % 32 == 0.
 template <class WT, int RT>
 __device__ __forceinline__ void mmv3_t(
@@ -470,30 +471,53 @@ __device__ __forceinline__ void mmv3_t(
         if (n < N0 + N1 + N2) return W2 + (long long)(n - N0 - N1) * rb2;
         return nullptr;
     };
+    // the rows of group grp (RT tiles of 16) this lane reads
+    auto point = [&](int grp, const u8* (&a)[RT], const u8* (&b)[RT]) {
+        #pragma unroll
+        for (int r = 0; r < RT; r++) {
+            int n0 = (grp * RT + r) * 16;
+            a[r] = row_of(n0 + gi);
+            b[r] = row_of(n0 + gi + 8);
+        }
+    };
+    int groups = (N0 + N1 + N2 + 16 * RT - 1) / (16 * RT);
+    int grp = blockIdx.x;
     const u8* ra[RT];
     const u8* rbs[RT];
-    #pragma unroll
-    for (int r = 0; r < RT; r++) {
-        int n0 = (blockIdx.x * RT + r) * 16;
-        ra[r] = row_of(n0 + gi);
-        rbs[r] = row_of(n0 + gi + 8);
-    }
+    point(grp, ra, rbs);
     prefetch_first_steps<WT, RT>(ra, rbs, K);
     grid_dependency_sync();   // what the kernel before wrote is read from here on
-    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
-        int n0 = (blockIdx.x * RT + r) * 16;
-        for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
-            int s = it & 15, t = it >> 4, n = n0 + s;
-            float v = tile_sum(part, s, t) * token_inv(sq, g, t, K, eps), *y;
-            const float* bias;
-            if (n < N0) { y = Y0 + (long long)t * N0 + n; bias = b0; }
-            else if (n < N0 + N1) { n -= N0; y = Y1 + (long long)t * N1 + n; bias = b1; }
-            else if (n < N0 + N1 + N2) { n -= N0 + N1; y = Y2 + (long long)t * N2 + n; bias = b2; }
-            else continue;
-            float r2 = bias ? v + bias[n] : v;
-            *y = add ? *y + r2 : r2;
+    for (;;) {
+        // A grid smaller than the groups (ops/cuda.py caps it at what is resident: a
+        // vocabulary head) walks them; the next group's first weights are asked for now,
+        // to arrive while this one is summed and stored. Each group's sums are those of
+        // a block of its own.
+        int next = grp + (int)gridDim.x;
+        if (next < groups) {
+            const u8* na[RT];
+            const u8* nb[RT];
+            point(next, na, nb);
+            prefetch_first_steps<WT, RT>(na, nb, K);
         }
-    });
+        mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
+            int n0 = (grp * RT + r) * 16;
+            for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
+                int s = it & 15, t = it >> 4, n = n0 + s;
+                float v = tile_sum(part, s, t) * token_inv(sq, g, t, K, eps), *y;
+                const float* bias;
+                if (n < N0) { y = Y0 + (long long)t * N0 + n; bias = b0; }
+                else if (n < N0 + N1) { n -= N0; y = Y1 + (long long)t * N1 + n; bias = b1; }
+                else if (n < N0 + N1 + N2) { n -= N0 + N1; y = Y2 + (long long)t * N2 + n; bias = b2; }
+                else continue;
+                float r2 = bias ? v + bias[n] : v;
+                *y = add ? *y + r2 : r2;
+            }
+        });
+        if (next >= groups) break;
+        grp = next;
+        point(grp, ra, rbs);
+        __syncthreads();   // this group's sums are read before the next one's are stored
+    }
 }
 
 // glu's meaning: out (T, F) = act(h Wg^T + bg) * (h Wu^T + bu), h = rmsnorm(X) (g null:

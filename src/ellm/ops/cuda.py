@@ -84,6 +84,13 @@ MMV_X2_ENV = "ELLM_CUDA_MMV_X2"
 # kernels would spill registers). The same bits again. ELLM_CUDA_MMV_X4=0: two at most.
 MMV_X4_ABOVE = 32
 MMV_X4_ENV = "ELLM_CUDA_MMV_X4"
+# mmv3's blocks resident on an SM (one tile: <= 128 registers, 2 blocks of 256 threads;
+# two or four tiles: 1). A product with more row groups than fit at once (a vocabulary
+# head: 3,072 groups on SmolLM2, 8,016 on Llama 3) runs on that many blocks, each walking
+# its groups with the next one's first weights asked for ahead, instead of in waves of
+# short blocks. The same sums. ELLM_CUDA_MMV_LOOP=0: one block a group (the comparison).
+MMV3_RESIDENT = {1: 2, 2: 1, 4: 1}
+MMV_LOOP_ENV = "ELLM_CUDA_MMV_LOOP"
 # ELLM_CUDA_MMV=0: decode products on linear.cu's f32 kernels for every type (the benchmark
 # compares both; a fallback should mmv.cu misbehave on some GPU)
 MMV_ENV = "ELLM_CUDA_MMV"
@@ -201,6 +208,7 @@ class CudaOps:
         self.use_mmv = os.environ.get(MMV_ENV, "1") != "0"
         self.mmv_x2 = os.environ.get(MMV_X2_ENV, "1") != "0"
         self.mmv_x4 = self.mmv_x2 and os.environ.get(MMV_X4_ENV, "1") != "0"
+        self.mmv_loop = os.environ.get(MMV_LOOP_ENV, "1") != "0"
         self._cublas: Any = None   # (module, handle) once a prefill product first asks
         self.use_cublas = os.environ.get(CUBLAS_ENV, "1") != "0"
         # One stream for everything (kernels, copies, graph replays; see _on_stream): a
@@ -769,7 +777,10 @@ class CudaOps:
         datas = [self._weight(w) for w in ws]
         biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
         sfx, rt = self._mmv_tiles(T, ws[0].qtype)
-        self._launch(f"mmv3{sfx}_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), MMV_ROWS * rt),), (MMV_THREADS,),
+        groups = _ceil(sum(ns), MMV_ROWS * rt)
+        if self.mmv_loop:
+            groups = min(groups, MMV3_RESIDENT[rt] * self.num_sms)
+        self._launch(f"mmv3{sfx}_{WEIGHT_TYPES[ws[0].qtype]}", (groups,), (MMV_THREADS,),
                      (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x,
                       _NULL if norm is None else norm, np.float32(eps), np.int32(T), np.int32(K),
                       *(np.int32(n) for n in ns), np.int32(bool(add))))
