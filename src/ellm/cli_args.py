@@ -74,19 +74,16 @@ def lora_modules(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-DEVICE_CHOICES = ("cpu", "cuda", "reference")
-
-
 def device_arg(value: str) -> str:
-    """--device: cpu, cuda (also gpu, cuda:0) or reference; another GPU ordinal is refused
+    """--device: one of ops.DEVICES (also gpu, cuda:0); another GPU ordinal is refused
     with how to pick that GPU (CUDA_VISIBLE_DEVICES)."""
     import argparse
 
-    from .ops import normalize_device
+    from .ops import DEVICES, normalize_device
     try:
         device = normalize_device(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if device not in DEVICE_CHOICES:
-        raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose from {', '.join(DEVICE_CHOICES)})")
+    if device not in DEVICES:
+        raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose from {', '.join(DEVICES)})")
     return device

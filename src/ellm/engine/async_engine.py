@@ -90,6 +90,7 @@ class _Sink:
     not the RequestStream, so a stream nobody references is collected (and aborts)."""
 
     __slots__ = ("closed", "loop", "queue", "sent")
+    deltas = True   # every step's output (the server's streams and metrics need them)
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -104,25 +105,20 @@ class _Sink:
 class _ThreadSink:
     """The sink of a blocking caller: a thread-safe queue any thread may wait on.
 
-    final_only: the caller wants the end of the request, not its deltas (generate()).
-    The engine then emits its output once, finished (Engine.add_request(deltas=False));
-    a delta that comes anyway has its logprobs kept here, on the engine thread, and only
-    the finished output or an error is queued: waking the caller's thread for every
-    token of every request cost ~30% of the host's share of a 64-sequence decode step."""
+    deltas False: the caller wants the end of the request, not its deltas (generate()),
+    and the engine emits one output, finished, holding all of it
+    (Engine.add_request(deltas=False)): waking the caller's thread for every token of
+    every request cost ~30% of the host's share of a 64-sequence decode step."""
 
-    __slots__ = ("closed", "final_only", "logprobs", "queue", "sent")
+    __slots__ = ("closed", "deltas", "queue", "sent")
 
-    def __init__(self, final_only: bool = False) -> None:
+    def __init__(self, deltas: bool = True) -> None:
         self.queue: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
         self.closed = False
         self.sent = (0, 0)
-        self.final_only = final_only
-        self.logprobs: list[TokenLogprob] = []   # of the deltas not queued (final_only)
+        self.deltas = deltas
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if self.final_only and isinstance(item, RequestOutput) and not item.finished:
-            self.logprobs.extend(item.new_logprobs)
-            return
         self.queue.put(item)
 
 
@@ -199,8 +195,8 @@ class BlockingRequestStream:
         try:
             for out in self:
                 logprobs.extend(out.new_logprobs)
-                if out.finished:   # (the sink's own logprobs were kept before the final was queued)
-                    return _final(out, self._sink.logprobs + logprobs)
+                if out.finished:
+                    return _final(out, logprobs)
         finally:
             self.close()
         raise EngineDeadError(f"request {self.request_id} ended without a final output")
@@ -322,9 +318,9 @@ class AsyncEngine:
                         adapter: str | None = None, final_only: bool = False) -> BlockingRequestStream:
         """submit() for code without an event loop, from any thread: the stream is a plain
         iterator that blocks until the next delta. final_only: it yields the finished
-        output alone (its totals; result() still gathers every token's logprobs), for a
-        caller that only waits for the end."""
-        sink = _ThreadSink(final_only)
+        output alone, all of the request in its deltas, for a caller that only waits
+        for the end."""
+        sink = _ThreadSink(deltas=not final_only)
         return BlockingRequestStream(self, self._add(prompt_ids, params, request_id, sink, images, adapter),
                                      sink)
 
@@ -529,9 +525,7 @@ class AsyncEngine:
                         extra["images"] = images
                     if adapter is not None:   # [lora]
                         extra["adapter"] = adapter
-                    if isinstance(sink, _ThreadSink) and sink.final_only:
-                        extra["deltas"] = False   # one output, at the end
-                    self.engine.add_request(prompt_ids, params, rid, **extra)
+                    self.engine.add_request(prompt_ids, params, rid, deltas=sink.deltas, **extra)
                 except ValueError as e:  # the request's own fault (too long, bad ids, bad bias)
                     self._fail(rid, e if isinstance(e, RequestError) else RequestError(str(e)), in_engine=False)
                 except Exception as e:  # noqa: BLE001 - anything else fails this request only

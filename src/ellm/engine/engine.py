@@ -451,8 +451,8 @@ class Engine:
         for the next call: a decode step of the same rows rewrites only the rows whose
         tables changed (BlockManager.versions), as turning every table into an array
         again cost ~100 µs a step at 64 sequences of ~900 tokens. Valid until the next call."""
-        keys = [seq.request_id if live is None or ok else None
-                for seq, ok in zip(seqs, live if live is not None else itertools.repeat(True))]
+        keys: list[Any] = ([seq.request_id for seq in seqs] if live is None
+                           else [seq.request_id if ok else None for seq, ok in zip(seqs, live)])
         versions = [None if k is None else self.blocks.versions.get(k) for k in keys]
         memo = self._tables_memo
         if memo is not None and memo[0] == keys:
