@@ -101,8 +101,8 @@ class OpaqueOps:
         self.counts["to_host"] += 1
         return np.array(self._unbox(x))
 
-    def sample(self, logits: Opaque, samplers: Sequence[Any]) -> list[SampleResult] | None:
-        if not samplers or not all(s.plain_greedy for s in samplers):
+    def sample(self, logits: Opaque, samplers: Sequence[Any], masks: Any = None) -> list[SampleResult] | None:
+        if not samplers or masks is not None or not all(s.plain_greedy for s in samplers):
             return None
         self.counts["sample"] += 1
         ids = np.argmax(self._unbox(logits), axis=1)   # "on the device": only ids leave

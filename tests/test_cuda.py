@@ -11,6 +11,7 @@ Without a GPU, `test_cuda_unavailable_*` check the error a user gets instead.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -535,6 +536,114 @@ def test_overlapped_decode_feeds_each_steps_ids_to_the_next(tiny_models_dir: Pat
         llm.close()
 
 
+def _with_logprobs(eng, requests: list[tuple]) -> dict[str, tuple]:
+    """Runs the requests (id, prompt ids, params) to the end -> per request its ids and,
+    per token, (id, logprob, top logprobs)."""
+    for rid, ids, params in requests:
+        eng.add_request(ids, params, request_id=rid)
+    got: dict[str, tuple] = {rid: ([], []) for rid, _, _ in requests}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id][0].extend(o.new_token_ids)
+            got[o.request_id][1].extend((t.token_id, t.logprob, t.top) for t in o.new_logprobs)
+    return got
+
+
+@needs_gpu
+def test_logprob_requests_run_ahead_with_the_logprobs_of_the_plain_loop(tiny_models_dir: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows asking for logprobs are sampled on the device, their logprobs taken there
+    (logprob_rows), so they run ahead like the others: the same tokens and logprobs, bit
+    for bit, as one step at a time, with no launch waiting for the step before it; a
+    penalised seeded request and a plain one beside them; the greedy request's tokens and
+    logprobs against the CPU's host sampler."""
+    gpu = ellm.load(tiny_models_dir / "llama", device="cuda", max_model_len=256)
+    cpu = ellm.load(tiny_models_dir / "llama", device="cpu", activations="f32", max_model_len=256)
+    try:
+        eng, executor = gpu.engine, gpu.engine.runner.executor
+        assert eng.runner.logprobs_ahead and not cpu.engine.runner.logprobs_ahead
+        rng = np.random.default_rng(8)
+        prompts = [rng.integers(3, 320, n).tolist() for n in (9, 5, 14)]
+        params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=3),
+                  SamplingParams(temperature=0.9, seed=5, max_tokens=14, ignore_eos=True, logprobs=0,
+                                 frequency_penalty=0.5, logit_bias={7: 1.0}),
+                  SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)]
+        requests = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        eng.overlap = False
+        plain = _with_logprobs(eng, requests)
+        eng.overlap = True
+        fed, steps = executor.stats["fed"], eng.stats["overlapped_steps"]
+        # a launch never waits for the step launched before it (such a step's uploads,
+        # copied after its replay, are not taken again until it has been read)
+        import cupy
+        waits: list[bool] = []
+        launching = [False]
+        sync, launch = cupy.cuda.Event.synchronize, executor.launch_decode
+
+        def watched_sync(event) -> None:
+            if launching[0]:
+                waits.append(bool(event.done))
+            sync(event)
+
+        def watched_launch(*args, **kwargs):
+            launching[0] = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                launching[0] = False
+        monkeypatch.setattr(cupy.cuda.Event, "synchronize", watched_sync)
+        monkeypatch.setattr(executor, "launch_decode", watched_launch)
+        ahead = _with_logprobs(eng, requests)
+        assert ahead == plain
+        assert executor.stats["fed"] - fed > 8 and eng.stats["overlapped_steps"] - steps > 8
+        assert waits and all(waits), waits
+        assert [len(plain[r][1]) for r in ("r0", "r1", "r2")] == [14, 14, 0]
+        assert all(len(top) == 3 for _, _, top in plain["r0"][1]) and all(top == [] for _, _, top in plain["r1"][1])
+        want = _with_logprobs(cpu.engine, requests[:1])["r0"]
+        assert plain["r0"][0] == want[0]
+        for (t, lp, top), (wt, wlp, wtop) in zip(plain["r0"][1], want[1]):
+            assert t == wt and abs(lp - wlp) <= 1e-3 and [i for i, _ in top] == [i for i, _ in wtop]
+    finally:
+        gpu.close(), cpu.close()
+
+
+@needs_gpu
+def test_grammar_requests_are_masked_and_sampled_on_the_device(tiny_models_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A constrained request's mask goes up to the device and its row is sampled there: no
+    row of logits comes back, and its tokens and logprobs are those the host's sampler
+    takes from the same logits (the backend then told to decline masked rows), beside an
+    unconstrained request; the text keeps to the grammar."""
+    import re
+    llm = ellm.load(tiny_models_dir / "llama", device="cuda", max_model_len=256)
+    try:
+        eng = llm.engine
+        copies: list[tuple] = []
+        to_host = eng.runner.to_host
+        monkeypatch.setattr(eng.runner, "to_host", lambda x: copies.append(tuple(x.shape)) or to_host(x))
+        regex = r"[a-e]{3}( [a-e]{2,4}){2}"
+        requests = [("g", [5, 9, 14], SamplingParams(temperature=0.0, max_tokens=14, regex=regex, logprobs=2)),
+                    ("s", [7, 3], SamplingParams(temperature=0.8, seed=2, max_tokens=6, regex=regex)),
+                    ("f", [8, 8, 1], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))]
+        dev = _with_logprobs(eng, requests)
+        assert copies == []
+        for rid in ("g", "s"):
+            text = llm.tokenizer.decode(dev[rid][0], skip_special_tokens=True)
+            assert re.fullmatch(r"[a-e ]*", text) and text[:3].isalpha(), (rid, text)
+        ops = eng.runner.ops
+        device_sample = type(ops).sample
+        monkeypatch.setattr(type(ops), "sample",
+                            lambda self, logits, samplers, masks=None:
+                            None if masks is not None else device_sample(self, logits, samplers))
+        host = _with_logprobs(eng, requests[::2])
+        assert copies   # the host's sampler had the rows copied back
+        assert host["g"][0] == dev["g"][0] and host["f"] == dev["f"]
+        for (t, lp, top), (ht, hlp, htop) in zip(dev["g"][1], host["g"][1]):
+            assert t == ht and abs(lp - hlp) <= 1e-5 and [i for i, _ in top] == [i for i, _ in htop]
+    finally:
+        llm.close()
+
+
 @needs_gpu
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_trace_recording_on_the_gpu_matches_the_cpu(smollm2_gguf: Path, kv: str) -> None:
@@ -654,6 +763,156 @@ def test_greedy_argmax_on_many_blocks_matches_the_one_block_sampler(ops) -> None
         assert one_block == want, (V, one_block, want)
         plain = [SequenceSampler(SamplingParams(temperature=0.0), [], V) for _ in range(len(x))]
         assert [r.token_id for r in ops.sample(ops.upload(x), plain)] == want
+
+
+def _want_logprobs(row: np.ndarray, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """numpy's log-sum-exp (float64) of a raw row and its k best (id, logprob): larger
+    value first, lower index among equal values, NaN never."""
+    x = row.astype(np.float64)
+    mx = float(np.max(x))
+    lse = mx + float(np.log(np.sum(np.exp(x - mx))))
+    ok = np.flatnonzero(~np.isnan(row))
+    order = ok[np.lexsort((ok, -row[ok]))][:k]
+    return lse, [(int(i), float(row[i]) - lse) for i in order]
+
+
+@needs_gpu
+def test_device_logprobs_are_the_host_samplers(ops) -> None:
+    """Rows asking for logprobs are sampled on the device and only their records come back
+    (logprob_rows: log-sum-exp, the chosen token's raw logit, the n best): against the
+    host's SequenceSampler on the same rows (greedy: the same token, logprob and top ids),
+    and against numpy for every row: seeded draws, logit_bias and penalties (the row is
+    copied before sample_rows changes it: the logprobs are of the raw logits), 0..20 top
+    logprobs, rows without logprobs beside them, vocabularies around a chunk of 2,048,
+    equal values across chunks, a row mostly -inf; a NaN row or one with +inf gets the
+    host's error in its place, its neighbours unharmed."""
+    from ellm.engine.sampler import SampleResult
+    rng = np.random.default_rng(12)
+    for V in (5, 2048, 2049, 49159):
+        x = (rng.standard_normal((9, V)) * 3).astype(np.float32)
+        x[2, V // 3] = x[2, V - 1] = x[2].max() + 1.0   # ties across chunks: the lower index first
+        x[5, 3:] = -np.inf                              # fewer finite entries than asked
+        x[7, V // 2] = np.nan
+        x[8, 0] = np.inf
+        params = [SamplingParams(temperature=0.0, logprobs=5),
+                  SamplingParams(temperature=0.0),                                  # no logprobs
+                  SamplingParams(temperature=0.0, logprobs=20),
+                  SamplingParams(temperature=0.8, top_p=0.9, seed=3, logprobs=3),
+                  SamplingParams(temperature=0.0, logprobs=4, logit_bias={1: 50.0},
+                                 repetition_penalty=1.5, frequency_penalty=0.5),
+                  SamplingParams(temperature=0.0, logprobs=6),
+                  SamplingParams(temperature=0.0, logprobs=0),
+                  SamplingParams(temperature=0.0, logprobs=2),
+                  SamplingParams(temperature=0.0, logprobs=1)]
+        prompt = [0, 1, 2, min(3, V - 1)]
+        samplers = [SequenceSampler(p, prompt, V) for p in params]
+        hosts = [SequenceSampler(p, prompt, V) for p in params]
+        for s in (*samplers, *hosts):
+            s.append(1)
+        got = ops.sample(ops.upload(x), samplers)
+        for b, (p, r) in enumerate(zip(params, got)):
+            if b in (7, 8):
+                assert isinstance(r, ValueError) and "no finite maximum" in str(r), (V, b, r)
+                with pytest.raises(ValueError, match="no finite maximum"):
+                    hosts[b].sample(x[b].copy())
+                continue
+            assert isinstance(r, SampleResult), (V, b, r)
+            if p.logprobs is None:
+                assert math.isnan(r.logprob) and r.top_logprobs is None
+                assert r.token_id == _first_argmax(x[b])
+                continue
+            lse, top = _want_logprobs(x[b], p.logprobs)
+            assert abs(r.logprob - (float(x[b, r.token_id]) - lse)) <= 1e-5, (V, b)
+            assert [i for i, _ in r.top_logprobs] == [i for i, _ in top], (V, b, r.top_logprobs[:3], top[:3])
+            assert np.allclose([v for _, v in r.top_logprobs], [v for _, v in top], atol=1e-5), (V, b)
+            if p.temperature == 0.0:   # the host's choice, logprob and top ids
+                want = hosts[b].sample(x[b].copy())
+                assert r.token_id == want.token_id, (V, b)
+                assert abs(r.logprob - want.logprob) <= 1e-5, (V, b)
+                if b != 5:   # (a row mostly -inf: the host's order among -inf entries is its own)
+                    assert [i for i, _ in r.top_logprobs] == [i for i, _ in want.top_logprobs], (V, b)
+        if V > 5:
+            assert got[4].token_id == 1   # the bias chose it; its logprob is its raw one's
+            assert got[2].top_logprobs[0][0] == V // 3
+        assert len(got[5].top_logprobs) == min(6, V) and got[6].top_logprobs == []
+        # every row asking (no indices go up, the ids come back in the records), one of them
+        # changed by bias and penalties (the whole batch copied first)
+        every = [0, 2, 4, 5]
+        again = [SequenceSampler(params[b], prompt, V) for b in every]
+        for s in again:
+            s.append(1)
+        assert ops.sample(ops.upload(x[every]), again) == [got[b] for b in every]
+
+
+def _bitmask(allowed: np.ndarray, words: int | None = None) -> np.ndarray:
+    """A grammar mask row (int32 words, token i at bit i % 32 of word i // 32) allowing the
+    True entries of `allowed`; `words` cuts or pads it."""
+    n = words if words is not None else -(-len(allowed) // 32)
+    bits = np.zeros(n * 32, bool)
+    m = min(len(allowed), n * 32)
+    bits[:m] = allowed[:m]
+    return np.packbits(bits.reshape(-1, 8), axis=1, bitorder="little").reshape(-1).view("<u4").astype(np.int32)
+
+
+@needs_gpu
+def test_device_sampling_applies_grammar_masks_as_the_host_does(ops) -> None:
+    """Grammar masks go up as bits and sample_rows applies them first, as the host's
+    sampler does: greedy rows (also with bias and penalties, also with logprobs, which are
+    the raw row's) choose the host's token; seeded draws only ever allowed tokens; a mask
+    shorter than the vocabulary forbids the rest; a mask allowing nothing below the
+    vocabulary is the host's NoAllowedTokenError in that row's place; rows without a mask
+    beside them are untouched."""
+    from ellm.engine.sampler import NoAllowedTokenError, SampleResult
+    rng = np.random.default_rng(21)
+    for V in (2049, 49159):
+        x = (rng.standard_normal((7, V)) * 3).astype(np.float32)
+        allowed = rng.random((7, V)) < 0.1
+        favourite = int(np.flatnonzero(allowed[1])[0])
+        params = [SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=0.0, logit_bias={favourite: 30.0, 0: 50.0}, repetition_penalty=1.4),
+                  SamplingParams(temperature=0.0, logprobs=3),
+                  SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=1.0, seed=4)]
+        masks: list[np.ndarray | None] = [_bitmask(a) for a in allowed]
+        nothing = np.zeros(V, bool)
+        masks[3] = _bitmask(nothing)
+        if V % 32:
+            masks[3][-1] = np.int32(-1 << (V % 32))   # bits only past the vocabulary
+        masks[4] = _bitmask(allowed[4], words=V // 32 - 3)   # the last tokens past the mask: forbidden
+        masks[5] = None
+        samplers = [SequenceSampler(p, [1, 2, 3], V) for p in params]
+        hosts = [SequenceSampler(p, [1, 2, 3], V) for p in params]
+        got = ops.sample(ops.upload(x), samplers, masks)
+        for b in range(7):
+            if b == 3:
+                assert isinstance(got[b], NoAllowedTokenError), got[b]
+                with pytest.raises(NoAllowedTokenError):
+                    hosts[b].sample(x[b].copy(), masks[b])
+                continue
+            assert isinstance(got[b], SampleResult), (V, b, got[b])
+            if b == 6:
+                assert allowed[6][got[b].token_id]
+                continue
+            want = hosts[b].sample(x[b].copy(), masks[b])
+            assert got[b].token_id == want.token_id, (V, b)
+            if b == 2:
+                assert abs(got[b].logprob - want.logprob) <= 1e-5
+                assert [i for i, _ in got[b].top_logprobs] == [i for i, _ in want.top_logprobs]
+        assert got[1].token_id == favourite and got[5].token_id == _first_argmax(x[5])
+        assert got[4].token_id < (V // 32 - 3) * 32
+        # seeded draws among 3 allowed tokens of very different weights: never another
+        few = np.zeros(V, bool)
+        few[[5, V // 2, V - 1]] = True
+        row = x[0].copy()
+        row[[5, V // 2, V - 1]] = [4.0, -6.0, 0.0]
+        n = 64
+        draws = ops.sample(ops.upload(np.tile(row, (n, 1))),
+                           [SequenceSampler(SamplingParams(temperature=1.0, seed=9), [], V, sibling=i)
+                            for i in range(n)], [_bitmask(few)] * n)
+        toks = {r.token_id for r in draws}
+        assert toks <= {5, V // 2, V - 1} and 5 in toks, toks
 
 
 @needs_gpu

@@ -18,10 +18,12 @@ cache, the captured kernels as programmatic dependent launches on sm_90+), `ellm
 graphs plain launches` (the same without them: ELLM_CUDA_PDL=0), `ellm cuda graphs no
 overlap` (each greedy step's tokens read before the next step is launched: the engine's
 overlap off), `ellm cuda graphs no group loop` (one mmv3 block a row group, as many
-blocks as groups: ELLM_CUDA_MMV_LOOP=0), `ellm cuda graphs two
-tiles` (mmv.cu's blocks of two tiles above 32 tokens too: ELLM_CUDA_MMV_X4=0), `ellm cuda graphs one
-tile` (one-tile blocks at 17-64 tokens too: ELLM_CUDA_MMV_X2=0), `ellm cuda graphs f32 gemv` (the same with linear.cu's f32 decode products:
-ELLM_CUDA_MMV=0), `ellm cuda graphs unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
+blocks as groups: ELLM_CUDA_MMV_LOOP=0), `ellm cuda graphs two tiles` (mmv.cu's blocks
+of two tiles above 32 tokens too: ELLM_CUDA_MMV_X4=0), `ellm cuda graphs one tile`
+(one-tile blocks at 17-64 tokens too: ELLM_CUDA_MMV_X2=0), `ellm cuda graphs logprobs`
+(every request asking for 5 top logprobs, taken on the device), `ellm cuda graphs f32
+gemv` (the same with linear.cu's f32 decode products: ELLM_CUDA_MMV=0), `ellm cuda
+graphs unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
 `generate(..., cache_implementation="static")`: compiled, CUDA graphs) and `transformers
 eager` (plain `generate`). Rows run in priority order (the issue's targets first) and a
 row that would start after --budget seconds is written as skipped, so a run cut short
@@ -143,7 +145,7 @@ def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> Non
 
 def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
                deadline: float, mmv: bool = True, pdl: bool = True, tiles: int = 4,
-               overlap: bool = True, loop: bool = True) -> dict[str, float]:
+               overlap: bool = True, loop: bool = True, logprobs: int | None = None) -> dict[str, float]:
     os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # all read when the backend is made
     os.environ["ELLM_CUDA_MMV"] = "1" if mmv else "0"
     os.environ["ELLM_CUDA_PDL"] = "1" if pdl else "0"
@@ -169,7 +171,7 @@ def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
         ids = list(RANDOM_PROMPT) if src.random_ids else llm.encode_prompt(PROMPT)
 
         def run(n_seqs: int, n_tokens: int) -> None:
-            p = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
+            p = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True, logprobs=logprobs)
             llm.generate([ids] * n_seqs, p)
 
         run(1, 4)   # compile, capture
@@ -457,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         if (s.name, s.weights) in (("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
             record(s, f"ellm {ellm_device} graphs one tile",
                    lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, tiles=1), 0.3)
+    for s in sources:   # every request asking for logprobs (sample.cu logprob_rows): what they cost
+        if (s.name, s.weights) in (("smollm2", "gguf"), ("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
+            record(s, f"ellm {ellm_device} graphs logprobs",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, logprobs=5), 0.3)
     for s in sources:   # round two's f32 decode kernels (ELLM_CUDA_MMV=0) against mmv.cu's
         if not s.quantize:
             record(s, f"ellm {ellm_device} graphs f32 gemv",

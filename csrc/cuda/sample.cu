@@ -1,6 +1,6 @@
 // Token sampling on the device: one block per sequence row of logits, so only the chosen
 // token ids cross the bus. The order of operations is engine/sampler.py's:
-//   logit_bias; repetition penalty (prompt + output tokens), frequency / presence
+//   a grammar's mask; logit_bias; repetition penalty (prompt + output tokens), frequency / presence
 //   penalties (output counts); greedy (argmax, first index on ties) when inv_temp == 0
 //   or top_k == 1; otherwise temperature, min-p, top-k, top-p, one inverse-CDF draw.
 // Differences from the CPU sampler (docs/gpu.md): the uniform comes from a counter-based
@@ -71,6 +71,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
                                                 // pen_ids / pen_counts (a step launched ahead)
         const u64* __restrict__ seeds,          // (B,)
         u64* __restrict__ steps,                // (B,) draws so far; incremented
+        const int* __restrict__ mask_rows,      // (B,) or null: each row's grammar mask, -1: none
+        const u32* __restrict__ masks,          // (masks, words): token i allowed when bit i % 32
+        int words,                              // of word i / 32 is set (llguidance's layout)
         int* __restrict__ out_ids) {            // (B,)
     grid_dependency_sync();
     __shared__ float shf[32];
@@ -81,6 +84,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     int b = blockIdx.x, tid = threadIdx.x;
     float* x = logits + (long long)b * V;
 
+    // a grammar's mask first: what it forbids (and every token past its words) is -inf,
+    // which logit_bias and the penalties leave at -inf
+    int mask_row = mask_rows ? mask_rows[b] : -1;
+    if (mask_row >= 0) {
+        const u32* bits = masks + (long long)mask_row * words;
+        for (int i = tid; i < V; i += SAMPLE_THREADS)
+            if ((i >> 5) >= words || !((bits[i >> 5] >> (i & 31)) & 1u)) x[i] = ELLM_NEG_INF;
+        __syncthreads();
+    }
     for (int i = bias_offsets[b] + tid; i < bias_offsets[b + 1]; i += SAMPLE_THREADS)
         x[bias_ids[i]] += bias_vals[i];
     __syncthreads();
@@ -195,9 +207,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
         float acc = before;
         int pick = -1, last = -1;
         for (int i = i0; i < i1; i++) {
-            if (x[i] >= floor_v) {
+            float w = x[i] >= floor_v ? expf((x[i] - mx) * it) : 0.0f;
+            if (w > 0.0f) {   // (an entry of weight 0, -inf or masked, is never drawn)
                 last = i;
-                acc += expf((x[i] - mx) * it);
+                acc += w;
                 if (target < acc) { pick = i; break; }
             }
         }
@@ -280,5 +293,154 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
     if (threadIdx.x == 0) {
         out_ids[b] = best ? (int)(0xffffffffu - (u32)best) : 0;
         counters[b] = 0;   // ready for the next launch
+    }
+}
+
+// Log-probabilities for the rows that ask for them, engine/sampler.py's meaning: the
+// log-softmax of the raw logits (before logit_bias, penalties and temperature). Per row
+// only a record crosses the bus, not the row: its log-sum-exp, its maximum, the raw logit
+// of its chosen token and its n most likely tokens. Cut like argmax_rows: grid (chunks,
+// R), a block per chunk of ARGMAX_CHUNK entries takes the chunk's maximum, its sum of
+// exp(x - maximum) and its n best keys (larger value first, lower index among equals;
+// -inf counts, NaN does not); the last block of a row to finish merges the chunks'. The
+// row's n best are among its chunks' n best, each list taken in descending order by n
+// rounds of "the largest key below the one taken last" (keys hold their index, so none
+// is equal to another). A NaN anywhere makes the row's maximum NaN (the host refuses the
+// row, as its sampler does).
+#define LOGPROB_MAX 20    // sampling_params.MAX_LOGPROBS
+#define LOGPROB_HEAD 6    // a record's words before its ids: lse (f64), max, chosen logit, count, chosen id
+
+__device__ __forceinline__ u64 logprob_key(float v, int i) {
+    if (v != v) return 0ull;
+    return ((u64)order_key(v) << 32) | (u64)(0xffffffffu - (u32)i);
+}
+
+// NaN wins, else the larger
+__device__ __forceinline__ float nan_max(float a, float b) {
+    return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+}
+
+__device__ float block_nan_max(float v, float* sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < (ARGMAX_THREADS / 32) ? sh[lane] : ELLM_NEG_INF;
+    for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ double block_sum_f64(double v, double* sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < (ARGMAX_THREADS / 32) ? sh[lane] : 0.0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) logprob_rows(
+        const float* __restrict__ src,      // rows of raw logits, V each
+        int V,
+        const int* __restrict__ src_rows,   // (R,) each record's row of src; null: record r's is r
+        const int* __restrict__ id_rows,    // (R,) each record's row of ids; null: r
+        const int* __restrict__ ids,        // the chosen tokens, by row of the batch
+        int n,                              // top tokens a record holds (<= LOGPROB_MAX)
+        float* __restrict__ part_ms,        // (R, chunks, 2): each chunk's maximum and sum
+        u64* __restrict__ part_keys,        // (R, chunks, n): each chunk's best keys, 0 after
+        int* __restrict__ counters,         // (R,) start at zero, left at zero
+        int* __restrict__ out) {            // (R, LOGPROB_HEAD + 2 n) int32 words
+    grid_dependency_sync();
+    __shared__ u64 shk[ARGMAX_THREADS / 32];
+    __shared__ float shf[ARGMAX_THREADS / 32];
+    __shared__ double shd[ARGMAX_THREADS / 32];
+    __shared__ int last;
+    int c = blockIdx.x, r = blockIdx.y, chunks = gridDim.x, tid = threadIdx.x;
+    const float* x = src + (long long)(src_rows ? src_rows[r] : r) * V;
+    int begin = c * ARGMAX_CHUNK, end = min(V, begin + ARGMAX_CHUNK);
+
+    // this chunk: ARGMAX_CHUNK / ARGMAX_THREADS entries a thread, kept as keys
+    const int per = ARGMAX_CHUNK / ARGMAX_THREADS;
+    u64 key[per];
+    float mx = ELLM_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < per; j++) {
+        int i = begin + tid + j * ARGMAX_THREADS;
+        float v = i < end ? x[i] : ELLM_NEG_INF;
+        key[j] = i < end ? logprob_key(v, i) : 0ull;
+        mx = nan_max(mx, v);
+    }
+    mx = block_nan_max(mx, shf);
+    float sum = 0.0f;
+    if (mx > ELLM_NEG_INF && mx < -ELLM_NEG_INF) {   // finite (not NaN either)
+#pragma unroll
+        for (int j = 0; j < per; j++)
+            if (key[j]) sum += expf(key_float((u32)(key[j] >> 32)) - mx);
+    }
+    double total = block_sum_f64((double)sum, shd);
+    long long part = (long long)r * chunks + c;
+    u64 below = ~0ull;
+    for (int k = 0; k < n; k++) {
+        u64 mine = 0ull;
+#pragma unroll
+        for (int j = 0; j < per; j++)
+            if (key[j] < below && key[j] > mine) mine = key[j];
+        below = block_max_u64(mine, shk);
+        if (tid == 0) part_keys[part * n + k] = below;   // 0 once the chunk has no more
+    }
+    if (tid == 0) {
+        part_ms[2 * part] = mx;
+        part_ms[2 * part + 1] = (float)total;
+        __threadfence();   // this block's partials visible to the row's last block
+        last = atomicAdd(counters + r, 1) == chunks - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+
+    // the row: the chunks' maxima and sums merged, then their keys
+    const volatile float* ms = part_ms + (long long)r * chunks * 2;
+    const volatile u64* keys = part_keys + (long long)r * chunks * n;
+    float row_mx = ELLM_NEG_INF;
+    for (int j = tid; j < chunks; j += ARGMAX_THREADS) row_mx = nan_max(row_mx, ms[2 * j]);
+    row_mx = block_nan_max(row_mx, shf);
+    bool finite = row_mx > ELLM_NEG_INF && row_mx < -ELLM_NEG_INF;
+    double s = 0.0;
+    for (int j = tid; j < chunks; j += ARGMAX_THREADS) {
+        float m = ms[2 * j];
+        if (finite && m > ELLM_NEG_INF) s += (double)ms[2 * j + 1] * exp((double)m - (double)row_mx);
+    }
+    s = block_sum_f64(s, shd);
+    int* rec = out + (long long)r * (LOGPROB_HEAD + 2 * n);
+    below = ~0ull;
+    int count = 0;
+    for (int k = 0; k < n; k++) {
+        u64 mine = 0ull;
+        for (int j = tid; j < chunks * n; j += ARGMAX_THREADS) {
+            u64 q = keys[j];
+            if (q < below && q > mine) mine = q;
+        }
+        below = block_max_u64(mine, shk);
+        if (!below) break;   // fewer than n entries that are not NaN
+        if (tid == 0) {
+            rec[LOGPROB_HEAD + k] = (int)(0xffffffffu - (u32)below);
+            rec[LOGPROB_HEAD + n + k] = __float_as_int(key_float((u32)(below >> 32)));
+        }
+        count++;
+    }
+    if (tid == 0) {
+        double lse = finite ? (double)row_mx + log(s) : (double)__int_as_float(0x7fc00000);
+        u64 bits = (u64)__double_as_longlong(lse);
+        rec[0] = (int)(u32)bits;
+        rec[1] = (int)(u32)(bits >> 32);
+        rec[2] = __float_as_int(row_mx);
+        int tok = ids[id_rows ? id_rows[r] : r];
+        rec[3] = __float_as_int(tok >= 0 && tok < V ? x[tok] : __int_as_float(0x7fc00000));
+        rec[4] = count;
+        rec[5] = tok;
+        counters[r] = 0;   // ready for the next launch
     }
 }

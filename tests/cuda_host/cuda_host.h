@@ -290,6 +290,7 @@ template <class T> inline float __int_as_float(T v) {
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline long long __double_as_longlong(double d) { long long i; std::memcpy(&i, &d, 8); return i; }
 
 template <class A, class B> inline typename std::common_type<A, B>::type min(A a, B b) {
     typedef typename std::common_type<A, B>::type C; return (C)a < (C)b ? (C)a : (C)b;

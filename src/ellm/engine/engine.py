@@ -63,18 +63,26 @@ class EngineConfig:
     overlap_decode: bool | None = None
 
 
-def _row_result(batched: list[SampleResult] | None, b: int, sampler: SequenceSampler, logits: Any,
-                masks: Any) -> SampleResult:
-    """Row b's token: from the batched sampling, else sampled alone (its failure its own)."""
+def _row_result(batched: list[SampleResult | Exception] | None, b: int, sampler: SequenceSampler,
+                logits: Any, masks: Any) -> SampleResult:
+    """Row b's token: from the batched sampling (an error there is row b's alone, raised
+    again here), else sampled alone (its failure its own)."""
     if batched is not None:
-        return batched[b]
+        got = batched[b]
+        if isinstance(got, Exception):
+            raise got
+        return got
     return sample_batch([sampler], logits[b:b + 1], None if masks is None else [masks[b]])[0]
 
 
-def _launched_result(token: int, error: Exception | None) -> SampleResult:
-    """A launched step's token for one row, or what its sampling raised, raised again."""
+def _launched_result(token: int, error: Exception | None,
+                     logprobs: tuple[float, list[tuple[int, float]]] | None) -> SampleResult:
+    """A launched step's token for one row (with its logprobs, where it asked), or what
+    its sampling raised, raised again."""
     if error is not None:
         raise error
+    if logprobs is not None:
+        return SampleResult(token, *logprobs)
     return SampleResult(token, math.nan, None)
 
 
@@ -256,12 +264,13 @@ class Engine:
         if self.spec is not None and any(seq.draft_ids for seq in sampled):  # [spec] rows of guesses
             self._sample_checked(sampled, self.runner.to_host(logits), masks, outputs)
             return outputs
-        # [runner] a device backend may choose unconstrained tokens itself (only ids cross the bus)
-        batched = self.runner.sample(logits, [s.sampler for s in sampled]) if masks is None else None
+        # [runner] a device backend may choose the tokens itself, grammars' masks applied
+        # there too (only ids and logprobs cross the bus)
+        batched: list[Any] | None = self.runner.sample(logits, [s.sampler for s in sampled], masks)
         if batched is None:
             logits = self.runner.to_host(logits)   # [runner]
         if masks is not None:  # [structured]
-            sampled, logits, masks = self._drop_failed_grammars(sampled, logits, masks, outputs)
+            sampled, logits, masks, batched = self._drop_failed_grammars(sampled, logits, masks, outputs, batched)
         # The error boundary of one request: whatever its sampler or detokenizer raises (a
         # value no check foresaw, a NaN row) finishes that sequence with an error; the
         # others in the batch go on. When every row is a bare argmax (nothing per request
@@ -293,13 +302,14 @@ class Engine:
     def _overlappable(self, plan: list[tuple[Sequence, int]], sampled: list[Sequence]) -> bool:
         """A step that may run ahead: one token per sequence, each sampled without looking
         at the tokens so far (no penalties, unless the device counts the tokens it has
-        not handed back yet: runner.penalties_ahead) and without logprobs, no grammar,
-        no guesses, no adapter (the next steps' batches carry none), nobody waiting to be
-        admitted."""
-        penalties = self.runner.penalties_ahead
+        not handed back yet: runner.penalties_ahead), without logprobs unless the device
+        takes them (runner.logprobs_ahead), no grammar, no guesses, no adapter (the next
+        steps' batches carry none), nobody waiting to be admitted."""
+        penalties, logprobs = self.runner.penalties_ahead, self.runner.logprobs_ahead
         return (self.spec is None and not self.scheduler.waiting and len(sampled) == len(plan)
                 and all(n == 1 and seq is s and s.grammar is None and s.adapter_slot < 0
-                        and (s.sampler.history_free or (penalties and s.params.logprobs is None))
+                        and (s.sampler.history_free or penalties)
+                        and (logprobs or s.params.logprobs is None)
                         for (seq, n), s in zip(plan, sampled)))
 
     def _step_ahead(self) -> list[RequestOutput]:
@@ -331,13 +341,13 @@ class Engine:
             ahead.pending.wait()   # still let the step finish: no work left in flight on the engine's buffers
             return []
         ids = ahead.pending.wait()
-        errors = ahead.pending.errors
+        errors, logprobs = ahead.pending.errors, ahead.pending.logprobs
         outputs: list[RequestOutput] = []
         for b, (seq, tok) in enumerate(zip(seqs, ids.tolist())):
             if seq.status is SeqStatus.FINISHED:   # stopped on the step before, or aborted
                 continue
-            error = errors[b] if errors else None   # its row could not be sampled (a host backend)
-            self._append_guarded(seq, outputs, _launched_result, tok, error)
+            error = errors[b] if errors else None   # its row could not be sampled
+            self._append_guarded(seq, outputs, _launched_result, tok, error, logprobs[b] if logprobs else None)
         return outputs
 
     def _can_follow(self, ahead: _Ahead, live: list[bool]) -> bool:
@@ -705,10 +715,12 @@ class Engine:
             self._masks = structured.MaskFiller(vocab)
         return state
 
-    def _drop_failed_grammars(self, sampled: list[Sequence], logits: np.ndarray, masks: list[Any],
-                              outputs: list[RequestOutput]) -> tuple[list[Sequence], np.ndarray, list[Any]]:
+    def _drop_failed_grammars(self, sampled: list[Sequence], logits: Any, masks: list[Any],
+                              outputs: list[RequestOutput], batched: list[Any] | None
+                              ) -> tuple[list[Sequence], Any, list[Any], list[Any] | None]:
         """Finishes (reason "error") the sequences whose matcher failed (a grammar past
-        llguidance's limits) or allows no token; the rest of the batch goes on."""
+        llguidance's limits) or allows no token; the rest of the batch goes on. batched:
+        the device's tokens, if it sampled (then logits stay on the device, unsliced)."""
         keep = []
         for b, seq in enumerate(sampled):
             st = seq.grammar
@@ -719,8 +731,10 @@ class Engine:
             else:
                 keep.append(b)
         if len(keep) == len(sampled):
-            return sampled, logits, masks
-        return [sampled[b] for b in keep], logits[keep], [masks[b] for b in keep]
+            return sampled, logits, masks, batched
+        if batched is not None:
+            return [sampled[b] for b in keep], logits, [masks[b] for b in keep], [batched[b] for b in keep]
+        return [sampled[b] for b in keep], logits[keep], [masks[b] for b in keep], None
 
     def _emit(self, seq: Sequence, text: str) -> None:
         seq.text += text

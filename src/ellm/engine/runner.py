@@ -32,10 +32,13 @@ if TYPE_CHECKING:
 class PendingTokens(Protocol):
     """The token ids of a launched step: `wait` blocks until they are known (rows,);
     `feeds_next` says whether a step launched now may still take them as its tokens;
-    `errors`, None or per row what its sampling raised (None: nothing)."""
+    once `wait` has returned, `errors`, None or per row what its sampling raised (None:
+    nothing), and `logprobs`, None or per row None or (the token's logprob, its top
+    (id, logprob) pairs) for the rows that asked (only where `logprobs_ahead`)."""
 
     rows: int
     errors: list[Exception | None] | None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None
 
     @property
     def feeds_next(self) -> bool: ...
@@ -47,6 +50,8 @@ class ReadyTokens:
     """PendingTokens already known: a host backend's step has run when it is launched."""
 
     feeds_next = True
+    # a host backend's launched rows ask for none (runner.logprobs_ahead)
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
     def __init__(self, ids: np.ndarray, errors: list[Exception | None] | None = None) -> None:
         self.ids, self.rows, self.errors = ids, len(ids), errors
@@ -144,12 +149,18 @@ class ModelRunner:
         host backend samples from the samplers alone, so it may not)."""
         return bool(getattr(self.executor, "counts_pending_tokens", False))
 
+    @property
+    def logprobs_ahead(self) -> bool:
+        """Whether launch_decode may take rows that ask for logprobs: a device that takes
+        them itself returns them with the ids (PendingTokens.logprobs)."""
+        return bool(getattr(self.executor, "returns_logprobs", False))
+
     def launch_decode(self, batch: Batch, samplers: Sequence["SequenceSampler"],
                       after: PendingTokens | None = None,
                       padding: np.ndarray | None = None) -> PendingTokens | None:
         """Starts a decode step whose every row is sampled by samplers[i], none of which
-        looks at the tokens so far (`history_free`) unless `penalties_ahead` (none asks
-        for logprobs either way), and returns its ids to wait for, or
+        looks at the tokens so far (`history_free`) unless `penalties_ahead`, or asks for
+        logprobs unless `logprobs_ahead`, and returns its ids to wait for, or
         None when this step cannot be launched so (run it with execute). after: the step
         launched just before, same rows in the same order, whose ids are this step's
         tokens (batch.token_ids are placeholders then): on a device they go from one step
@@ -160,6 +171,8 @@ class ModelRunner:
         if launch is not None:
             return launch(batch, samplers, after)   # padding rows are the graphs' own kind
         from .sampler import sample_batch
+        if any(s.params.logprobs is not None for s in samplers):
+            raise ValueError("launch_decode: a host backend's launched step returns no logprobs")
         if after is not None:
             batch.token_ids[:] = after.wait()
         rows = np.arange(len(samplers)) if padding is None else np.flatnonzero(~padding)
@@ -184,10 +197,13 @@ class ModelRunner:
                 errors[i] = e
         return ReadyTokens(ids, errors if any(errors) else None)
 
-    def sample(self, logits: Any, samplers: Sequence["SequenceSampler"]) -> list["SampleResult"] | None:
-        """The tokens chosen on the device for every row of logits, or None: sample on the
-        host (to_host, then the engine's sampler). Host backends always say None."""
-        return self.ops.sample(logits, samplers)
+    def sample(self, logits: Any, samplers: Sequence["SequenceSampler"],
+               masks: Sequence[np.ndarray | None] | None = None) -> list["SampleResult | Exception"] | None:
+        """The tokens chosen on the device for every row of logits (a row's exception in
+        its place: raise it on that row's request), or None: sample on the host (to_host,
+        then the engine's sampler). masks: None or per row a grammar's bitmask row or
+        None. Host backends always say None."""
+        return self.ops.sample(logits, samplers, masks)
 
     def to_host(self, x: Any) -> np.ndarray:
         """A backend array as a host float32 array (host backends: the same array)."""

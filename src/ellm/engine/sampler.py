@@ -149,9 +149,10 @@ class SequenceSampler:
         self._modifies = self._bias_ids is not None or self._rep or self._freq_pres
         # Rows this sampler can take with a bare argmax (sample_batch does them together).
         self._plain_greedy = self._greedy and not self._modifies and params.logprobs is None
-        # Its next token depends on the logits, its parameters and its draws so far, not
-        # on the tokens before: a step may be sampled before the last one's token is known.
-        self._history_free = not (self._rep or self._freq_pres) and params.logprobs is None
+        # Its next token (and its logprobs) depend on the logits, its parameters and its
+        # draws so far, not on the tokens before: a step may be sampled before the last
+        # one's token is known.
+        self._history_free = not (self._rep or self._freq_pres)
 
         seed = params.seed
         if seed is None:
@@ -175,10 +176,21 @@ class SequenceSampler:
         return self._plain_greedy
 
     @property
+    def argmax_choice(self) -> bool:
+        """True when this sampler's token is the row's argmax (greedy, no penalties or
+        bias), whether it asks for logprobs or not."""
+        return self._greedy and not self._modifies
+
+    @property
+    def modifies_logits(self) -> bool:
+        """True when sampling changes the row before choosing (logit_bias or penalties)."""
+        return self._modifies
+
+    @property
     def history_free(self) -> bool:
-        """True when no penalty looks at the tokens so far and no logprobs are asked: the
-        choice depends on the row of logits, the parameters and the draws made, so the
-        engine may sample a step before it has read the previous step's token."""
+        """True when no penalty looks at the tokens so far: the choice depends on the row
+        of logits, the parameters and the draws made, so the engine may sample a step
+        before it has read the previous step's token."""
         return self._history_free
 
     # -- state -------------------------------------------------------------------------
@@ -241,10 +253,10 @@ class SequenceSampler:
 
     def _raw_logprobs(self, x: np.ndarray) -> tuple[float, list[tuple[int, float]]]:
         """log-sum-exp of the raw row and its params.logprobs best tokens."""
-        n = self.params.logprobs or 0
+        n = min(self.params.logprobs or 0, self.vocab_size)   # (a vocabulary under 20 tokens)
         mx = float(x.max())
         if not math.isfinite(mx):
-            raise ValueError(f"logits have no finite maximum (max is {mx}): NaN or all -inf")
+            raise no_finite_maximum(mx)
         lse = mx + math.log(_sample.expsum(x, mx, 1.0, -math.inf))
         if n == 0:
             return lse, []
@@ -279,7 +291,7 @@ class SequenceSampler:
             return self._choose_top_k(x, u)
         mx = float(x.max())
         if not math.isfinite(mx):
-            raise ValueError(f"logits have no finite maximum (max is {mx}): NaN or all -inf")
+            raise no_finite_maximum(mx)
         lo = self._min_p_floor(mx)
         z = _sample.expsum(x, mx, self._inv_t, lo)
         if self._top_p:
@@ -365,6 +377,11 @@ def apply_mask(x: np.ndarray, mask: np.ndarray) -> int:
     if allowed == 0:
         raise NoAllowedTokenError("the grammar allows no token here")
     return allowed
+
+
+def no_finite_maximum(mx: float) -> ValueError:
+    """The error of a row whose logprobs cannot be taken: its maximum is NaN or infinite."""
+    return ValueError(f"logits have no finite maximum (max is {mx}): NaN or all -inf")
 
 
 def sample_batch(samplers: list[SequenceSampler], logits: np.ndarray,

@@ -52,7 +52,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
                      "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16",
                      "attn_prefill", "attn_prefill_bf16"),
-    "sample.cu": ("sample_rows", "argmax_rows"),
+    "sample.cu": ("sample_rows", "argmax_rows", "logprob_rows"),
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
     "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2", "x4")
                     for q, t in WEIGHT_TYPES.items()
@@ -102,6 +102,7 @@ PDL_ENV = "ELLM_CUDA_PDL"
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
 GEMM_TILE = 64                          # as in linear.cu
 ARGMAX_THREADS, ARGMAX_CHUNK = 256, 2048   # as in sample.cu
+LOGPROB_HEAD = 6   # sample.cu logprob_rows: a record's words before its top ids
 # Keys per attention chunk: small for decode (more blocks at batch 1), large for prefill
 # (bounded partial buffers). Fixed per side of GEMM_MIN_TOKENS, like the products.
 DECODE_CHUNK, PREFILL_CHUNK = 64, 512
@@ -947,31 +948,95 @@ class CudaOps:
 
     # -- sampling on the device ------------------------------------------------------------
 
-    def sample(self, logits: Any, samplers: Sequence[Any]) -> list[Any] | None:
-        """One token per row of logits (B, vocab), chosen on the device (csrc/cuda/sample.cu);
-        None (the host samples) when a row asks for logprobs. Rows are independent; a
-        seeded row draws the same tokens whatever its batch (its own seed and counter)."""
-        from ..engine.sampler import SampleResult
+    def sample(self, logits: Any, samplers: Sequence[Any],
+               masks: Sequence[np.ndarray | None] | None = None) -> list[Any] | None:
+        """One token per row of logits (B, vocab), chosen on the device (csrc/cuda/sample.cu),
+        and the log-probabilities of the rows that ask for them taken there too
+        (`logprob_records`): only ids and those records cross the bus, never a row.
+        masks: None, or per row a grammar's int32 bitmask row (engine/sampler.py
+        apply_mask's layout) or None, applied on the device. -> per row a SampleResult,
+        or the error the host's sampler raises for the row (a mask allowing no token, no
+        finite maximum for logprobs), to be raised on that row's request alone. Rows are
+        independent; a seeded row draws the same tokens whatever its batch (its own seed
+        and counter)."""
+        from ..engine.sampler import NoAllowedTokenError, SampleResult
         B = len(samplers)
-        if B == 0 or any(s.params.logprobs is not None for s in samplers):
+        if B == 0:
             return None
         if int(logits.shape[0]) != B:
             raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
+        if masks is not None and len(masks) != B:
+            raise ValueError(f"sample: {len(masks)} masks for {B} samplers")
         with self.stream:
-            ids = self.cp.asnumpy(self.sample_ids(logits, samplers), stream=self.stream)   # B ids: the only copy back
-        return [SampleResult(int(t), math.nan, None) for t in ids.tolist()]
+            plan = self.logprobs_before_sampling(logits, samplers, masks=masks)
+            ids_dev = self.sample_ids(logits, samplers, masks=masks)
+            records = None if plan is None else \
+                self.cp.asnumpy(self.logprob_records(plan, ids_dev), stream=self.stream)
+            if records is not None and len(plan.want) == B:   # every row's id is in its record
+                ids = records[:, LOGPROB_HEAD - 1]
+            else:   # B ids: with the records, the only copies back
+                ids = self.cp.asnumpy(ids_dev, stream=self.stream)
+        results: list[Any] = [SampleResult(int(t), math.nan, None) for t in ids.tolist()]
+        if plan is not None and records is not None:
+            for b, got in zip(plan.want, read_logprob_records(records, plan.asked)):
+                results[b] = got if isinstance(got, Exception) else SampleResult(results[b].token_id, *got)
+        V = int(logits.shape[1])
+        for b, m in enumerate(masks or ()):
+            if m is not None and not mask_allows_any(m, V):
+                results[b] = NoAllowedTokenError("the grammar allows no token here")
+        return results
+
+    def logprobs_before_sampling(self, logits: Any, samplers: Sequence[Any],
+                                 upload: Callable[[np.ndarray], Any] | None = None,
+                                 masks: Sequence[np.ndarray | None] | None = None) -> "LogprobPlan | None":
+        """Where the rows asking for logprobs will have their raw logits once sampled, to be
+        called before sample_ids: sample_rows applies a grammar's mask, logit_bias and the
+        penalties in place, so the rows it changes are copied first. None when no row
+        asks. upload: as sample_ids'."""
+        want = [b for b, s in enumerate(samplers) if s.params.logprobs is not None]
+        if not want:
+            return None
+        asked = [int(samplers[b].params.logprobs) for b in want]
+        copied = any(samplers[b].modifies_logits or (masks is not None and masks[b] is not None) for b in want)
+        logits = self.cp.ascontiguousarray(logits, dtype=np.float32)
+        if len(want) == len(samplers):   # every row (one request alone, most often): no indices
+            return LogprobPlan(logits.copy() if copied else logits, None, None, want, asked)
+        rows = self._upload_packed({"rows": np.asarray(want, np.int32)}, upload)["rows"]
+        if copied:
+            return LogprobPlan(self.gather_rows(logits, rows), None, rows, want, asked)
+        return LogprobPlan(logits, rows, rows, want, asked)
+
+    @_on_stream
+    def logprob_records(self, plan: "LogprobPlan", ids: Any) -> Any:
+        """sample.cu logprob_rows: int32 (R, LOGPROB_HEAD + 2 n) on the device, one record
+        a row of plan (read_logprob_records reads them); ids: the batch's chosen tokens
+        (B,) on the device."""
+        R, n, V = len(plan.want), max(plan.asked), int(plan.src.shape[1])
+        chunks = _ceil(V, ARGMAX_CHUNK)
+        out = self.cp.empty((R, LOGPROB_HEAD + 2 * n), np.int32)
+        self._launch("logprob_rows", (chunks, R), (ARGMAX_THREADS,),
+                     (plan.src, np.int32(V), _NULL if plan.src_rows is None else plan.src_rows,
+                      _NULL if plan.id_rows is None else plan.id_rows, ids, np.int32(n),
+                      self.scratch("logprob_ms", 2 * R * chunks),
+                      self.scratch("logprob_keys", R * chunks * n, np.uint64),
+                      self._counters(R, "logprob_counters"), out))
+        return out
 
     def sample_ids(self, logits: Any, samplers: Sequence[Any], out: Any = None,
-                   upload: Callable[[np.ndarray], Any] | None = None, pending: Any = None) -> Any:
+                   upload: Callable[[np.ndarray], Any] | None = None, pending: Any = None,
+                   masks: Sequence[np.ndarray | None] | None = None) -> Any:
         """sample()'s choice left on the device: int32 (B,) (into out when given), each
         sampler's draw counted. upload: how the rows' parameters reach the device (bytes
         -> a device array; default a CuPy copy), e.g. from page-locked memory. pending:
         int32 (B,) on the device, each row's token generated by the step before and not yet
-        appended to its sampler (a step launched ahead): the penalties count it too."""
+        appended to its sampler (a step launched ahead): the penalties count it too.
+        masks: as sample()'s (a row whose mask allows nothing gets some token: sample()
+        says so)."""
         done, self.graph_argmax = self.graph_argmax, None
         B, V = len(samplers), int(logits.shape[1])
+        masked = masks is not None and any(m is not None for m in masks)
         with self.stream:
-            if all(s.plain_greedy for s in samplers):   # the common case: a bare argmax per row
+            if not masked and all(s.argmax_choice for s in samplers):   # the common case: a bare argmax per row
                 if done is not None and done[0] is logits and out is None:   # computed by the replayed graph
                     return done[1]
                 return self.argmax_rows(self.cp.ascontiguousarray(logits, dtype=np.float32), out=out)
@@ -980,13 +1045,19 @@ class CudaOps:
             rows = _SampleRows(B)
             for b, s in enumerate(samplers):
                 rows.add(b, s, self._rng_for(s))
-            dev = self._upload_packed(rows.arrays(), upload)
+            arrays = rows.arrays()
+            if masked:
+                assert masks is not None
+                arrays.update(mask_table(masks))
+            dev = self._upload_packed(arrays, upload)
             self._launch("sample_rows", (B,), (1024,),
                          (logits, np.int32(V), dev["inv_temp"], dev["top_k"], dev["top_p"],
                           dev["log_min_p"], dev["rep"], dev["freq"], dev["pres"], dev["bias_off"],
                           dev["bias_ids"], dev["bias_vals"], dev["pen_off"], dev["pen_ids"],
                           dev["pen_counts"], _NULL if pending is None else pending, dev["seeds"],
-                          dev["steps"], out_ids))
+                          dev["steps"], dev["mask_rows"] if masked else _NULL,
+                          dev["masks"] if masked else _NULL,
+                          np.int32(arrays["masks"].shape[1] if masked else 0), out_ids))
         for s in samplers:
             if not (s.params.greedy or s.params.top_k == 1):
                 self._rng_state[s][1] += 1
@@ -1038,6 +1109,66 @@ def _kv_suffix(k_cache: Any, v_cache: Any) -> str:
         raise ValueError(f"KV caches of {kd.name} / {vd.name}: the cuda kernels take float32 or bfloat16 "
                          "(uint16 bits) caches, both of one type")
     return "_bf16" if kd == KV_BF16 else ""
+
+
+def mask_table(masks: Sequence[np.ndarray | None]) -> dict[str, np.ndarray]:
+    """Per row its grammar mask's row in one table (-1: none) -> {"mask_rows": int32 (B,),
+    "masks": int32 (rows with a mask, words)}: what sample_rows reads."""
+    given = [m for m in masks if m is not None]
+    words = max(int(m.shape[0]) for m in given)
+    table = np.zeros((len(given), words), np.int32)   # (a shorter row: its tokens past it forbidden)
+    rows = np.full(len(masks), -1, np.int32)
+    j = 0
+    for b, m in enumerate(masks):
+        if m is not None:
+            table[j, :m.shape[0]] = m
+            rows[b] = j
+            j += 1
+    return {"mask_rows": rows, "masks": table}
+
+
+def mask_allows_any(bits: np.ndarray, V: int) -> bool:
+    """Whether a grammar mask (int32 words, token i at bit i % 32 of word i // 32) allows
+    any token below V."""
+    full = min(V // 32, int(bits.shape[0]))
+    if bits[:full].any():
+        return True
+    rest = V % 32
+    return bool(rest and full < bits.shape[0] and int(bits[full]) & ((1 << rest) - 1))
+
+
+class LogprobPlan:
+    """The rows of a batch that ask for logprobs (CudaOps.logprobs_before_sampling): src,
+    the raw logits they are read from; src_rows and id_rows, int32 (R,) on the device, each
+    record's row of src and of the batch (None: record r's is r); want, those batch rows;
+    asked, how many top logprobs each wants."""
+
+    def __init__(self, src: Any, src_rows: Any, id_rows: Any, want: list[int], asked: list[int]) -> None:
+        self.src, self.src_rows, self.id_rows, self.want, self.asked = src, src_rows, id_rows, want, asked
+
+
+def read_logprob_records(records: np.ndarray, asked: Sequence[int]) -> list[Any]:
+    """logprob_rows' records (R, LOGPROB_HEAD + 2 n) int32 on the host -> per row (the chosen
+    token's logprob, its `asked[r]` top (id, logprob), most likely first), or the ValueError
+    the host's sampler raises for a row without a finite maximum. The logprobs are the raw
+    logits less the row's log-sum-exp, subtracted here as the host's sampler does."""
+    from ..engine.sampler import no_finite_maximum
+    n = (records.shape[1] - LOGPROB_HEAD) // 2
+    lse = np.ascontiguousarray(records[:, :2]).view(np.float64)[:, 0]
+    head = np.ascontiguousarray(records[:, 2:4]).view(np.float32)   # (max, chosen logit)
+    out: list[Any] = []
+    for r, k in enumerate(asked):
+        mx = float(head[r, 0])
+        if not math.isfinite(mx):
+            out.append(no_finite_maximum(mx))
+            continue
+        m = min(k, int(records[r, 4]))
+        rec = records[r]
+        ids = rec[LOGPROB_HEAD:LOGPROB_HEAD + m].tolist()
+        vals = rec[LOGPROB_HEAD + n:LOGPROB_HEAD + n + m].view(np.float32).tolist()
+        total = float(lse[r])
+        out.append((float(head[r, 1]) - total, [(int(i), v - total) for i, v in zip(ids, vals)]))
+    return out
 
 
 class _SampleRows:

@@ -182,13 +182,21 @@ class _Graph:
 
 
 class _IdsSlot:
-    """Page-locked room for one launched step's ids, and which PendingIds holds it now."""
+    """Page-locked room for one launched step's ids and logprob records, and which
+    PendingIds holds it now."""
 
     def __init__(self, cp: Any, b: int) -> None:
+        self.cp = cp
         self.host = pinned_empty(cp, b, np.int32)
         self.host_ptr = self.host.ctypes.data
+        self.records: np.ndarray | None = None   # grown to the largest records seen
         self.event = cp.cuda.Event(disable_timing=True)
         self.owner: PendingIds | None = None
+
+    def records_room(self, words: int) -> np.ndarray:
+        if self.records is None or self.records.size < words:
+            self.records = pinned_empty(self.cp, max(words, 1024), np.int32)
+        return self.records
 
 
 class _Staging:
@@ -200,26 +208,31 @@ class _Staging:
         self.copied: Any = None
 
 
-def _take_turn(pair: list[Any], cp: Any) -> Any:
-    """The first of two host buffers used in turn (the other one comes next time), once
+def _take_turn(ring: list[Any], cp: Any) -> Any:
+    """The first of the host buffers used in turn (it goes to the back of the ring), once
     the copy last made from it has run; its `copied` event is then recorded anew."""
-    item = pair[0]
-    pair.reverse()
+    item = ring.pop(0)
+    ring.append(item)
     if item.copied is None:
         item.copied = cp.cuda.Event(disable_timing=True)
     else:
-        item.copied.synchronize()   # its copy (two uploads ago) has left it
+        item.copied.synchronize()   # its copy (len(ring) uploads ago) has left it
     return item
 
 
 class PendingIds:
     """The token ids of a decode step launched by `GraphStep.launch_decode`: on the device
-    (at `dev_ptr`, until the same graph runs again) and, once `wait` returns, on the host."""
+    (at `dev_ptr`, until the same graph runs again) and, once `wait` returns, on the host,
+    with the logprobs of the rows that asked for them (`logprobs`, per row None or (the
+    token's logprob, its top ones)) and, per row, the error of one whose logprobs could
+    not be taken (`errors`, the host sampler's; None when there is none)."""
 
-    errors = None   # sampling on the device does not fail by row
-
-    def __init__(self, graph: _Graph, slot: _IdsSlot, rows: int, dev_ptr: int) -> None:
+    def __init__(self, graph: _Graph, slot: _IdsSlot, rows: int, dev_ptr: int,
+                 plan: Any = None, records: Any = None) -> None:
         self._graph, self._slot, self.rows, self.dev_ptr = graph, slot, rows, dev_ptr
+        self._plan, self._records = plan, records   # (the device records kept until copied)
+        self.errors: list[Exception | None] | None = None
+        self.logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
         slot.owner = self
 
     @property
@@ -234,7 +247,24 @@ class PendingIds:
             raise RuntimeError("these token ids were overwritten: a step's ids must be read before the "
                                "second launch after it")
         self._slot.event.synchronize()
+        if self._plan is not None and self.logprobs is None:
+            self._read_records()
         return self._slot.host[:self.rows].copy()
+
+    def _read_records(self) -> None:
+        from .cuda import read_logprob_records
+        plan, shape = self._plan, self._records.shape
+        assert self._slot.records is not None
+        records = self._slot.records[:shape[0] * shape[1]].reshape(shape)
+        self.logprobs = [None] * self.rows
+        errors: list[Exception | None] = [None] * self.rows
+        for b, got in zip(plan.want, read_logprob_records(records, plan.asked)):
+            if isinstance(got, Exception):
+                errors[b] = got
+            else:
+                self.logprobs[b] = got
+        self.errors = errors if any(errors) else None
+        self._records = None
 
 
 class GraphStep:
@@ -252,7 +282,10 @@ class GraphStep:
         # way to the device while the next step's is filled
         self.images: dict[int, list[InputImage]] = {}
         self.ids_slots: dict[int, list[_IdsSlot]] = {}   # per bucket, launch_decode's ids, in turn
-        self.staging = [_Staging(), _Staging()]   # sampling parameters on their way up, in turn
+        # sampling parameters on their way up, in turn: a launched step makes up to two
+        # uploads (its logprob rows, its samplers' arrays), each copied after the step's
+        # replay, so a buffer is taken again only two steps later, once that step is read
+        self.staging = [_Staging() for _ in range(4)]
         self.stats = {"replays": 0, "eager": 0, "captures": 0, "dependent_captures": 0, "fed": 0}
 
     @property
@@ -263,6 +296,8 @@ class GraphStep:
     # launch_decode's penalties count the tokens of the step launched before (`after`),
     # which the samplers have not seen yet: penalised rows may run ahead too
     counts_pending_tokens = True
+    # and its rows' logprobs are taken on the device (PendingIds.logprobs)
+    returns_logprobs = True
 
     def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
         ops = self.ops
@@ -289,40 +324,46 @@ class GraphStep:
         __call__). after: the step launched just before, with the same rows in the same
         order, whose ids are this step's token ids: copied on the device
         (batch.token_ids are placeholders then), and which the penalties count although
-        the samplers have not seen them yet. No sampler may ask for logprobs."""
+        the samplers have not seen them yet. Rows asking for logprobs get them from the
+        device too (ops.logprob_records: a record a row comes back, not the row)."""
         ops = self.ops
         ops.graph_argmax = None
         if not self._replayable(batch):
             return None
         t = len(batch.token_ids)
-        if len(samplers) != t or any(s.params.logprobs is not None for s in samplers):
-            raise ValueError("launch_decode: one sampler a row, none asking for logprobs")
+        if len(samplers) != t:
+            raise ValueError(f"launch_decode: {len(samplers)} samplers for {t} rows")
         if after is not None and not (after.feeds_next and after.rows == t):
             raise ValueError("launch_decode: `after` must be the step launched last on these rows")
         with ops.stream:
             g = self._guarded(batch, after)
             if g is None:
                 return None
-            ids_ptr = g.argmax_ptr
-            if not all(s.plain_greedy for s in samplers):
+            ids_ptr, ids = g.argmax_ptr, g.argmax
+            plan = ops.logprobs_before_sampling(g.logits[:t], samplers, upload=self._upload_staged)
+            if not all(s.argmax_choice for s in samplers):
                 # after: this step's tokens (the ids at the head of its inputs) are not yet in
                 # the samplers, so the penalties take them from there
                 ops.sample_ids(g.logits[:t], samplers, out=g.sampled[:t], upload=self._upload_staged,
                                pending=None if after is None else g.ints_dev[:t])
-                ids_ptr = g.sampled_ptr
+                ids_ptr, ids = g.sampled_ptr, g.sampled
+            records = None if plan is None else ops.logprob_records(plan, ids[:t])
             slots = self.ids_slots.get(g.b)
             if slots is None:
                 slots = self.ids_slots[g.b] = [_IdsSlot(ops.cp, g.b), _IdsSlot(ops.cp, g.b)]
             slot = slots[0]
             slots.reverse()   # the other one next time: this step's ids stay until the one after
             self._copy(slot.host_ptr, ids_ptr, 4 * t, "DeviceToHost")
+            if records is not None:
+                room = slot.records_room(int(records.size))
+                self._copy(room.ctypes.data, int(records.data.ptr), int(records.nbytes), "DeviceToHost")
             slot.event.record(ops.stream)
-            g.last = PendingIds(g, slot, t, ids_ptr)
+            g.last = PendingIds(g, slot, t, ids_ptr, plan, records)
         return g.last
 
     def _upload_staged(self, host: np.ndarray) -> Any:
         """host's bytes as a new device array, copied on the stream from page-locked
-        memory (two buffers in turn: the host goes on while the copy waits its turn)."""
+        memory (buffers in turn: the host goes on while the copy waits its turn)."""
         ops = self.ops
         st = _take_turn(self.staging, ops.cp)
         n = int(host.nbytes)

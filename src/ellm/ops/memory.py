@@ -126,10 +126,13 @@ class HostMemory:
         every workspace view it stays valid until the next forward pass)."""
         return np.asarray(x)
 
-    def sample(self, logits: Any, samplers: Sequence["SequenceSampler"]) -> list["SampleResult"] | None:
+    def sample(self, logits: Any, samplers: Sequence["SequenceSampler"],
+               masks: Sequence[Any] | None = None) -> list["SampleResult | Exception"] | None:
         """One token per row of logits (B, vocab) chosen on the device, or None: copy the
         logits to the host and let the host sampler choose (host backends always say None).
-        A device backend returns None for any row it cannot serve (e.g. logprobs asked)."""
+        masks: None, or per row a grammar's int32 bitmask row (or None) to apply first.
+        A device backend returns None for any row it cannot serve; a row it served but
+        could not sample gets, in its place, the exception the host's sampler raises."""
         return None
 
     def step_executor(self, model: Any, kv: Any, workspace: "Workspace") -> StepExecutor:

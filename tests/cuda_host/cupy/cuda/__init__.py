@@ -114,6 +114,11 @@ class Event:
     def synchronize(self) -> None:
         _flush(self._upto)
 
+    @property
+    def done(self) -> bool:
+        """Whether the work before the event has run (CuPy: the event's query)."""
+        return _done >= self._upto
+
 
 def get_elapsed_time(start: Event, end: Event) -> float:
     """Milliseconds between two recorded events."""
