@@ -916,6 +916,29 @@ def test_device_sampling_applies_grammar_masks_as_the_host_does(ops) -> None:
 
 
 @needs_gpu
+def test_logprobs_and_masks_go_to_the_host_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ELLM_CUDA_LOGPROBS=0 (read when the backend is made): a batch with a row asking for
+    logprobs or under a grammar is left to the host's sampler (sample() says None) and such
+    rows do not run ahead; other batches are still sampled on the device."""
+    from types import SimpleNamespace
+
+    from ellm.ops.cuda import CudaOps
+    from ellm.ops.cuda_graphs import GraphStep
+    monkeypatch.setenv("ELLM_CUDA_LOGPROBS", "0")
+    off = CudaOps()
+    V = 300
+    x = off.upload(np.random.default_rng(2).standard_normal((2, V)).astype(np.float32))
+    greedy = [SequenceSampler(SamplingParams(temperature=0.0), [], V) for _ in range(2)]
+    asks = SequenceSampler(SamplingParams(temperature=0.0, logprobs=2), [], V)
+    assert off.sample(x, [asks, greedy[0]]) is None
+    assert off.sample(x, greedy, [_bitmask(np.ones(V, bool)), None]) is None
+    assert [r.token_id for r in off.sample(x, greedy)] == [_first_argmax(row) for row in off.to_host(x)]
+    assert not GraphStep.returns_logprobs.fget(SimpleNamespace(ops=off))
+    monkeypatch.delenv("ELLM_CUDA_LOGPROBS")
+    assert GraphStep.returns_logprobs.fget(SimpleNamespace(ops=CudaOps()))
+
+
+@needs_gpu
 def test_device_sampling_distribution_and_filters(ops) -> None:
     """Frequencies of many seeded draws against the softmax the filters leave."""
     V, n = 40, 4000

@@ -21,7 +21,8 @@ overlap off), `ellm cuda graphs no group loop` (one mmv3 block a row group, as m
 blocks as groups: ELLM_CUDA_MMV_LOOP=0), `ellm cuda graphs two tiles` (mmv.cu's blocks
 of two tiles above 32 tokens too: ELLM_CUDA_MMV_X4=0), `ellm cuda graphs one tile`
 (one-tile blocks at 17-64 tokens too: ELLM_CUDA_MMV_X2=0), `ellm cuda graphs logprobs`
-(every request asking for 5 top logprobs, taken on the device), `ellm cuda graphs f32
+(every request asking for 5 top logprobs, taken on the device), `ellm cuda graphs
+logprobs on the host` (the same sampled on the host: ELLM_CUDA_LOGPROBS=0), `ellm cuda graphs f32
 gemv` (the same with linear.cu's f32 decode products: ELLM_CUDA_MMV=0), `ellm cuda
 graphs unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
 `generate(..., cache_implementation="static")`: compiled, CUDA graphs) and `transformers
@@ -145,13 +146,15 @@ def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> Non
 
 def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
                deadline: float, mmv: bool = True, pdl: bool = True, tiles: int = 4,
-               overlap: bool = True, loop: bool = True, logprobs: int | None = None) -> dict[str, float]:
+               overlap: bool = True, loop: bool = True, logprobs: int | None = None,
+               device_logprobs: bool = True) -> dict[str, float]:
     os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # all read when the backend is made
     os.environ["ELLM_CUDA_MMV"] = "1" if mmv else "0"
     os.environ["ELLM_CUDA_PDL"] = "1" if pdl else "0"
     os.environ["ELLM_CUDA_MMV_X2"] = "1" if tiles >= 2 else "0"   # mmv.cu's tiles a block at most
     os.environ["ELLM_CUDA_MMV_X4"] = "1" if tiles >= 4 else "0"
     os.environ["ELLM_CUDA_MMV_LOOP"] = "1" if loop else "0"   # mmv3's grid capped at what is resident
+    os.environ["ELLM_CUDA_LOGPROBS"] = "1" if device_logprobs else "0"   # logprobs sampled on the device
     import ellm
     from ellm.sampling_params import SamplingParams
     options: dict[str, Any] = dict(max_model_len=plan.max_model_len, max_num_seqs=max(plan.batches),
@@ -463,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         if (s.name, s.weights) in (("smollm2", "gguf"), ("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
             record(s, f"ellm {ellm_device} graphs logprobs",
                    lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, logprobs=5), 0.3)
+            record(s, f"ellm {ellm_device} graphs logprobs on the host",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, logprobs=5,
+                                             device_logprobs=False), 0.3)
     for s in sources:   # round two's f32 decode kernels (ELLM_CUDA_MMV=0) against mmv.cu's
         if not s.quantize:
             record(s, f"ellm {ellm_device} graphs f32 gemv",

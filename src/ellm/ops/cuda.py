@@ -96,6 +96,10 @@ MMV_LOOP_ENV = "ELLM_CUDA_MMV_LOOP"
 MMV_ENV = "ELLM_CUDA_MMV"
 # ELLM_CUDA_FUSED=0: decode runs one kernel per op (the benchmark compares both)
 FUSED_ENV = "ELLM_CUDA_FUSED"
+# ELLM_CUDA_LOGPROBS=0: rows asking for logprobs or under a grammar are sampled on the host
+# from a copy of their logits and never run ahead, as before sample.cu took them (the
+# benchmark compares both; a fallback should logprob_rows misbehave on some GPU)
+LOGPROBS_ENV = "ELLM_CUDA_LOGPROBS"
 # ELLM_CUDA_PDL=0: a captured decode step's kernels launched plainly, not as programmatic
 # dependent launches (ops/cuda_pdl.py; the benchmark compares both)
 PDL_ENV = "ELLM_CUDA_PDL"
@@ -210,6 +214,7 @@ class CudaOps:
         self.mmv_x2 = os.environ.get(MMV_X2_ENV, "1") != "0"
         self.mmv_x4 = self.mmv_x2 and os.environ.get(MMV_X4_ENV, "1") != "0"
         self.mmv_loop = os.environ.get(MMV_LOOP_ENV, "1") != "0"
+        self.device_logprobs = os.environ.get(LOGPROBS_ENV, "1") != "0"
         self._cublas: Any = None   # (module, handle) once a prefill product first asks
         self.use_cublas = os.environ.get(CUBLAS_ENV, "1") != "0"
         # One stream for everything (kernels, copies, graph replays; see _on_stream): a
@@ -967,6 +972,9 @@ class CudaOps:
             raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
         if masks is not None and len(masks) != B:
             raise ValueError(f"sample: {len(masks)} masks for {B} samplers")
+        if not self.device_logprobs and ((masks is not None and any(m is not None for m in masks))
+                                         or any(s.params.logprobs is not None for s in samplers)):
+            return None   # ELLM_CUDA_LOGPROBS=0: the host samples such a batch
         with self.stream:
             plan = self.logprobs_before_sampling(logits, samplers, masks=masks)
             ids_dev = self.sample_ids(logits, samplers, masks=masks)

@@ -296,8 +296,11 @@ class GraphStep:
     # launch_decode's penalties count the tokens of the step launched before (`after`),
     # which the samplers have not seen yet: penalised rows may run ahead too
     counts_pending_tokens = True
-    # and its rows' logprobs are taken on the device (PendingIds.logprobs)
-    returns_logprobs = True
+    @property
+    def returns_logprobs(self) -> bool:
+        """Whether launch_decode takes rows asking for logprobs (PendingIds.logprobs): unless
+        ELLM_CUDA_LOGPROBS=0 sends them to the host."""
+        return bool(self.ops.device_logprobs)
 
     def __call__(self, batch: Batch, hidden_only: bool = False) -> Any:
         ops = self.ops
