@@ -180,14 +180,16 @@ def test_decode_products_are_batch_invariant(ops, qtype: GGMLType) -> None:
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda q: q.name)
 def test_decode_products_on_fewer_blocks_than_row_groups_are_the_same_bits(ops, qtype: GGMLType,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """mmv3 on a grid capped at what is resident (a vocabulary head's many row groups):
-    each block walks several groups, the next one's weights asked for ahead. Here the GPU
-    is told it has one SM (2 blocks of one tile, 1 of two or four): the products, with a
-    folded norm, a bias and added into a residual, are the same bits as one block a group."""
+    """mmv3 and mmv_glu on a grid capped at what is resident (a vocabulary head's or a
+    wide MLP's many row groups): each block walks several groups, the next one's weights
+    asked for ahead. Here the GPU is told it has one SM (2 blocks of one tile, 1 of two or
+    four): the products, with a folded norm, a bias and added into a residual, and
+    norm + gate/up + SiLU, are the same bits as one block a group."""
     rng = np.random.default_rng(11 + int(qtype))
-    K, N = 256, 16 * 37 + 5
+    K, N, F = 256, 16 * 37 + 5, 8 * 41 + 3
     w = random_linear(rng, qtype, N, K)
     w = ops.upload_linear(replace(w, bias=rng.standard_normal(N).astype(np.float32)))
+    gate, up = (ops.upload_linear(random_linear(rng, qtype, F, K)) for _ in range(2))
     g = ops.upload(rng.uniform(0.5, 1.5, K).astype(np.float32))
     x = rng.standard_normal((64, K)).astype(np.float32)
     res = rng.standard_normal((64, N)).astype(np.float32)
@@ -197,7 +199,8 @@ def test_decode_products_on_fewer_blocks_than_row_groups_are_the_same_bits(ops, 
         plain = ops.to_host(ops.linear(xs, w))
         normed = ops.to_host(ops.norm_linear_multi(xs, g, 1e-5, [(w, ops.empty((t, N)))])[0])
         added = ops.to_host(ops.linear_add(xs, w, ops.upload(res[:t])))
-        return [plain, normed, added]
+        glu = ops.to_host(ops.norm_linear_glu(xs, g, 1e-5, gate, up, "silu"))
+        return [plain, normed, added, glu]
 
     for t in (1, 17, 33):   # one, two and (BF16, Q8_0) four tiles a group
         ops.mmv_loop = False

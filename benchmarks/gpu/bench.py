@@ -17,7 +17,7 @@ Engines: `ellm cuda graphs` (fused decode kernels, tensor-core decode products, 
 cache, the captured kernels as programmatic dependent launches on sm_90+), `ellm cuda
 graphs plain launches` (the same without them: ELLM_CUDA_PDL=0), `ellm cuda graphs no
 overlap` (each greedy step's tokens read before the next step is launched: the engine's
-overlap off), `ellm cuda graphs no group loop` (one mmv3 block a row group, as many
+overlap off), `ellm cuda graphs no group loop` (one mmv3 or mmv_glu block a row group, as many
 blocks as groups: ELLM_CUDA_MMV_LOOP=0), `ellm cuda graphs two tiles` (mmv.cu's blocks
 of two tiles above 32 tokens too: ELLM_CUDA_MMV_X4=0), `ellm cuda graphs one tile`
 (one-tile blocks at 17-64 tokens too: ELLM_CUDA_MMV_X2=0), `ellm cuda graphs logprobs`
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         if (s.name, s.weights) in (("smollm2", "gguf"), ("tiny", "bf16 folder")):
             record(s, f"ellm {ellm_device} graphs no overlap",
                    lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, overlap=False), 0.3)
-    for s in sources:   # one mmv3 block a row group (ELLM_CUDA_MMV_LOOP=0): what walking the head's groups gains
+    for s in sources:   # one block a row group (ELLM_CUDA_MMV_LOOP=0): what walking the head's, gate/up's groups gains
         if (s.name, s.weights) in (("smollm2", "gguf"), ("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
             record(s, f"ellm {ellm_device} graphs no group loop",
                    lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, loop=False), 0.3)

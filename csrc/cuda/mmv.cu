@@ -521,8 +521,9 @@ __device__ __forceinline__ void mmv3_t(
 }
 
 // glu's meaning: out (T, F) = act(h Wg^T + bg) * (h Wu^T + bu), h = rmsnorm(X) (g null:
-// X). A tile takes 8 outputs: gate rows in slots 0-7, up rows in 8-15; a block RT tiles.
-// grid ceil(F / (8 RT)).
+// X). A tile takes 8 outputs: gate rows in slots 0-7, up rows in 8-15; a block RT tiles (a
+// group), or several groups in turn where the grid is smaller, as mmv3_t walks them. grid
+// at most ceil(F / (8 RT)).
 template <class WT, int RT>
 __device__ __forceinline__ void mmv_glu_t(
         const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rbg, long long rbu,
@@ -530,35 +531,54 @@ __device__ __forceinline__ void mmv_glu_t(
         const float* __restrict__ g, float eps, float* __restrict__ out, int T, int K, int F, int act) {
     MMV_SHARED
     int lane = threadIdx.x & 31;
+    // the gate and up rows of group grp this lane reads
+    auto point = [&](int grp, const u8* (&a)[RT], const u8* (&b)[RT]) {
+        #pragma unroll
+        for (int r = 0; r < RT; r++) {
+            int n = (grp * RT + r) * 8 + (lane >> 2);
+            a[r] = n < F ? Wg + (long long)n * rbg : nullptr;
+            b[r] = n < F ? Wu + (long long)n * rbu : nullptr;
+        }
+    };
+    int groups = (F + 8 * RT - 1) / (8 * RT);
+    int grp = blockIdx.x;
     const u8* ra[RT];
     const u8* rbs[RT];
-    #pragma unroll
-    for (int r = 0; r < RT; r++) {
-        int n = (blockIdx.x * RT + r) * 8 + (lane >> 2);
-        ra[r] = n < F ? Wg + (long long)n * rbg : nullptr;
-        rbs[r] = n < F ? Wu + (long long)n * rbu : nullptr;
-    }
+    point(grp, ra, rbs);
     prefetch_first_steps<WT, RT>(ra, rbs, K);
     grid_dependency_sync();   // what the kernel before wrote is read from here on
-    mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
-        int n0 = (blockIdx.x * RT + r) * 8;
-        for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
-            int s = it & 7, t = it >> 3, m = n0 + s;
-            if (m >= F) continue;
-            float inv = token_inv(sq, g, t, K, eps);
-            float a = tile_sum(part, s, t) * inv, u = tile_sum(part, s + 8, t) * inv;
-            if (bg) a += bg[m];
-            if (bu) u += bu[m];
-            float y;
-            if (act == 0) {
-                y = a / (1.0f + expf(-a)) * u;
-            } else {
-                const float c = 0.7978845608028654f;   // sqrt(2 / pi)
-                y = 0.5f * a * (1.0f + tanhf(c * (a + 0.044715f * a * a * a))) * u;
-            }
-            out[(long long)t * F + m] = y;
+    for (;;) {
+        int next = grp + (int)gridDim.x;   // the next group's first weights on their way
+        if (next < groups) {
+            const u8* na[RT];
+            const u8* nb[RT];
+            point(next, na, nb);
+            prefetch_first_steps<WT, RT>(na, nb, K);
         }
-    });
+        mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
+            int n0 = (grp * RT + r) * 8;
+            for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
+                int s = it & 7, t = it >> 3, m = n0 + s;
+                if (m >= F) continue;
+                float inv = token_inv(sq, g, t, K, eps);
+                float a = tile_sum(part, s, t) * inv, u = tile_sum(part, s + 8, t) * inv;
+                if (bg) a += bg[m];
+                if (bu) u += bu[m];
+                float y;
+                if (act == 0) {
+                    y = a / (1.0f + expf(-a)) * u;
+                } else {
+                    const float c = 0.7978845608028654f;   // sqrt(2 / pi)
+                    y = 0.5f * a * (1.0f + tanhf(c * (a + 0.044715f * a * a * a))) * u;
+                }
+                out[(long long)t * F + m] = y;
+            }
+        });
+        if (next >= groups) break;
+        grp = next;
+        point(grp, ra, rbs);
+        __syncthreads();   // this group's sums are read before the next one's are stored
+    }
 }
 
 // qkv_rope's meaning (linear.cu): norm + q/k/v + bias + RoPE + the paged KV write, over

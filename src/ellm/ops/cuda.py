@@ -84,11 +84,12 @@ MMV_X2_ENV = "ELLM_CUDA_MMV_X2"
 # kernels would spill registers). The same bits again. ELLM_CUDA_MMV_X4=0: two at most.
 MMV_X4_ABOVE = 32
 MMV_X4_ENV = "ELLM_CUDA_MMV_X4"
-# mmv3's blocks resident on an SM (one tile: <= 128 registers, 2 blocks of 256 threads;
-# two or four tiles: 1). A product with more row groups than fit at once (a vocabulary
-# head: 3,072 groups on SmolLM2, 8,016 on Llama 3) runs on that many blocks, each walking
-# its groups with the next one's first weights asked for ahead, instead of in waves of
-# short blocks. The same sums. ELLM_CUDA_MMV_LOOP=0: one block a group (the comparison).
+# mmv3's and mmv_glu's blocks resident on an SM (one tile: <= 128 registers, 2 blocks of
+# 256 threads; two or four tiles: 1). A product with more row groups than fit at once (a
+# vocabulary head: 3,072 groups on SmolLM2, 8,016 on Llama 3; Llama-3-8B's gate/up: 1,792)
+# runs on that many blocks, each walking its groups with the next one's first weights
+# asked for ahead, instead of in waves of short blocks. The same sums.
+# ELLM_CUDA_MMV_LOOP=0: one block a group (the comparison).
 MMV3_RESIDENT = {1: 2, 2: 1, 4: 1}
 MMV_LOOP_ENV = "ELLM_CUDA_MMV_LOOP"
 # ELLM_CUDA_MMV=0: decode products on linear.cu's f32 kernels for every type (the benchmark
@@ -841,8 +842,11 @@ class CudaOps:
         dg, du = self._weight(gate), self._weight(up)
         mmv = self._mmv(gate.qtype, gate.in_features)
         sfx, rt = self._mmv_tiles(T, gate.qtype)
+        groups = _ceil(F, MMV_TASKS * rt)
+        if self.mmv_loop:
+            groups = min(groups, MMV3_RESIDENT[rt] * self.num_sms)
         self._launch(f"mmv_glu{sfx}_{WEIGHT_TYPES[gate.qtype]}" if mmv else f"glu_{WEIGHT_TYPES[gate.qtype]}",
-                     (_ceil(F, MMV_TASKS * rt),) if mmv else (_ceil(F, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (groups,) if mmv else (_ceil(F, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
                      (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
                      (dg, du, np.int64(dg.strides[0]), np.int64(du.strides[0]),
                       _NULL if gate.bias is None else gate.bias, _NULL if up.bias is None else up.bias,
