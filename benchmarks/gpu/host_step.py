@@ -34,7 +34,8 @@ def skip_kernels() -> None:
     cupy.cuda.Graph.launch = lambda self, stream=None: None   # a replay is one driver call on a GPU
     import cupy_backends.cuda.libs.cublas as cublas
     cublas.gemmEx = lambda *a, **k: None
-    from ellm.ops.cuda import LOGPROB_HEAD, CudaOps
+    from ellm.ops.cuda import CudaOps
+    from ellm.ops.cuda_sampling import LOGPROB_HEAD
 
     def argmax_rows(self: Any, logits: Any, out: Any = None) -> Any:
         out = self.cp.empty(int(logits.shape[0]), np.int32) if out is None else out

@@ -29,6 +29,7 @@ from ..formats.ggml_types import GGMLType
 from ..models.batch import Batch
 from ..weights import Linear
 from .cuda_pdl import DependentLauncher
+from .cuda_sampling import LOGPROB_HEAD, LogprobPlan, mask_allows_any, mask_table, read_logprob_records
 from .memory import DeviceMemoryError, mem_size
 from .reference import KV_BF16, Experts
 
@@ -107,7 +108,6 @@ PDL_ENV = "ELLM_CUDA_PDL"
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
 GEMM_TILE = 64                          # as in linear.cu
 ARGMAX_THREADS, ARGMAX_CHUNK = 256, 2048   # as in sample.cu
-LOGPROB_HEAD = 6   # sample.cu logprob_rows: a record's words before its top ids
 # Keys per attention chunk: small for decode (more blocks at batch 1), large for prefill
 # (bounded partial buffers). Fixed per side of GEMM_MIN_TOKENS, like the products.
 DECODE_CHUNK, PREFILL_CHUNK = 64, 512
@@ -984,7 +984,7 @@ class CudaOps:
             ids_dev = self.sample_ids(logits, samplers, masks=masks)
             records = None if plan is None else \
                 self.cp.asnumpy(self.logprob_records(plan, ids_dev), stream=self.stream)
-            if records is not None and len(plan.want) == B:   # every row's id is in its record
+            if plan is not None and records is not None and len(plan.want) == B:   # every row's id is in its record
                 ids = records[:, LOGPROB_HEAD - 1]
             else:   # B ids: with the records, the only copies back
                 ids = self.cp.asnumpy(ids_dev, stream=self.stream)
@@ -1000,7 +1000,7 @@ class CudaOps:
 
     def logprobs_before_sampling(self, logits: Any, samplers: Sequence[Any],
                                  upload: Callable[[np.ndarray], Any] | None = None,
-                                 masks: Sequence[np.ndarray | None] | None = None) -> "LogprobPlan | None":
+                                 masks: Sequence[np.ndarray | None] | None = None) -> LogprobPlan | None:
         """Where the rows asking for logprobs will have their raw logits once sampled, to be
         called before sample_ids: sample_rows applies a grammar's mask, logit_bias and the
         penalties in place, so the rows it changes are copied first. None when no row
@@ -1019,7 +1019,7 @@ class CudaOps:
         return LogprobPlan(logits, rows, rows, want, asked)
 
     @_on_stream
-    def logprob_records(self, plan: "LogprobPlan", ids: Any) -> Any:
+    def logprob_records(self, plan: LogprobPlan, ids: Any) -> Any:
         """sample.cu logprob_rows: int32 (R, LOGPROB_HEAD + 2 n) on the device, one record
         a row of plan (read_logprob_records reads them); ids: the batch's chosen tokens
         (B,) on the device."""
@@ -1121,66 +1121,6 @@ def _kv_suffix(k_cache: Any, v_cache: Any) -> str:
         raise ValueError(f"KV caches of {kd.name} / {vd.name}: the cuda kernels take float32 or bfloat16 "
                          "(uint16 bits) caches, both of one type")
     return "_bf16" if kd == KV_BF16 else ""
-
-
-def mask_table(masks: Sequence[np.ndarray | None]) -> dict[str, np.ndarray]:
-    """Per row its grammar mask's row in one table (-1: none) -> {"mask_rows": int32 (B,),
-    "masks": int32 (rows with a mask, words)}: what sample_rows reads."""
-    given = [m for m in masks if m is not None]
-    words = max(int(m.shape[0]) for m in given)
-    table = np.zeros((len(given), words), np.int32)   # (a shorter row: its tokens past it forbidden)
-    rows = np.full(len(masks), -1, np.int32)
-    j = 0
-    for b, m in enumerate(masks):
-        if m is not None:
-            table[j, :m.shape[0]] = m
-            rows[b] = j
-            j += 1
-    return {"mask_rows": rows, "masks": table}
-
-
-def mask_allows_any(bits: np.ndarray, V: int) -> bool:
-    """Whether a grammar mask (int32 words, token i at bit i % 32 of word i // 32) allows
-    any token below V."""
-    full = min(V // 32, int(bits.shape[0]))
-    if bits[:full].any():
-        return True
-    rest = V % 32
-    return bool(rest and full < bits.shape[0] and int(bits[full]) & ((1 << rest) - 1))
-
-
-class LogprobPlan:
-    """The rows of a batch that ask for logprobs (CudaOps.logprobs_before_sampling): src,
-    the raw logits they are read from; src_rows and id_rows, int32 (R,) on the device, each
-    record's row of src and of the batch (None: record r's is r); want, those batch rows;
-    asked, how many top logprobs each wants."""
-
-    def __init__(self, src: Any, src_rows: Any, id_rows: Any, want: list[int], asked: list[int]) -> None:
-        self.src, self.src_rows, self.id_rows, self.want, self.asked = src, src_rows, id_rows, want, asked
-
-
-def read_logprob_records(records: np.ndarray, asked: Sequence[int]) -> list[Any]:
-    """logprob_rows' records (R, LOGPROB_HEAD + 2 n) int32 on the host -> per row (the chosen
-    token's logprob, its `asked[r]` top (id, logprob), most likely first), or the ValueError
-    the host's sampler raises for a row without a finite maximum. The logprobs are the raw
-    logits less the row's log-sum-exp, subtracted here as the host's sampler does."""
-    from ..engine.sampler import no_finite_maximum
-    n = (records.shape[1] - LOGPROB_HEAD) // 2
-    lse = np.ascontiguousarray(records[:, :2]).view(np.float64)[:, 0]
-    head = np.ascontiguousarray(records[:, 2:4]).view(np.float32)   # (max, chosen logit)
-    out: list[Any] = []
-    for r, k in enumerate(asked):
-        mx = float(head[r, 0])
-        if not math.isfinite(mx):
-            out.append(no_finite_maximum(mx))
-            continue
-        m = min(k, int(records[r, 4]))
-        rec = records[r]
-        ids = rec[LOGPROB_HEAD:LOGPROB_HEAD + m].tolist()
-        vals = rec[LOGPROB_HEAD + n:LOGPROB_HEAD + n + m].view(np.float32).tolist()
-        total = float(lse[r])
-        out.append((float(head[r, 1]) - total, [(int(i), v - total) for i, v in zip(ids, vals)]))
-    return out
 
 
 class _SampleRows:

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..models.batch import Batch
+from .cuda_sampling import read_logprob_records
 from .workspace import Workspace
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -252,7 +253,6 @@ class PendingIds:
         return self._slot.host[:self.rows].copy()
 
     def _read_records(self) -> None:
-        from .cuda import read_logprob_records
         plan, shape = self._plan, self._records.shape
         assert self._slot.records is not None
         records = self._slot.records[:shape[0] * shape[1]].reshape(shape)
