@@ -450,6 +450,38 @@ __device__ __forceinline__ void mmv_tiles(const u8* const* ra, const u8* const* 
     }
 }
 
+// A block's row groups: blockIdx.x, then every gridDim.x-th after it where the grid is
+// smaller than the groups (ops/cuda.py caps it at what is resident: a vocabulary head, a
+// wide MLP's gate/up). point(grp, a, b) sets the rows of group grp a lane reads; tile(grp,
+// r) is the epilogue of its tile r. The next group's first weights are asked for before
+// this one's are summed and stored, to arrive meanwhile; each group's sums are those of a
+// block of its own.
+template <class WT, int RT, class Point, class Tile>
+__device__ __forceinline__ void mmv_groups(int groups, Point point, const float* __restrict__ X,
+                                           const float* __restrict__ g, int T, int K,
+                                           float (*part)[16][MMV_TOKENS], float (*sq)[MMV_TOKENS], Tile tile) {
+    int grp = blockIdx.x;
+    const u8* ra[RT];
+    const u8* rbs[RT];
+    point(grp, ra, rbs);
+    prefetch_first_steps<WT, RT>(ra, rbs, K);
+    grid_dependency_sync();   // what the kernel before wrote is read from here on
+    for (;;) {
+        int next = grp + (int)gridDim.x;
+        if (next < groups) {
+            const u8* na[RT];
+            const u8* nb[RT];
+            point(next, na, nb);
+            prefetch_first_steps<WT, RT>(na, nb, K);
+        }
+        mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) { tile(grp, r); });
+        if (next >= groups) break;
+        grp = next;
+        point(grp, ra, rbs);
+        __syncthreads();   // this group's sums are read before the next one's are stored
+    }
+}
+
 // Up to three matrices of one type against X, with the norm folded in when g is not null
 // (nmv3's meaning; gemv3's with g null): Yi (T, Ni) = rmsnorm(X) @ Wi^T (+ bi), or with
 // add, Yi += ... (gemv_add's meaning). Rows of the three are one sequence of N0 + N1 + N2;
@@ -481,43 +513,20 @@ __device__ __forceinline__ void mmv3_t(
         }
     };
     int groups = (N0 + N1 + N2 + 16 * RT - 1) / (16 * RT);
-    int grp = blockIdx.x;
-    const u8* ra[RT];
-    const u8* rbs[RT];
-    point(grp, ra, rbs);
-    prefetch_first_steps<WT, RT>(ra, rbs, K);
-    grid_dependency_sync();   // what the kernel before wrote is read from here on
-    for (;;) {
-        // A grid smaller than the groups (ops/cuda.py caps it at what is resident: a
-        // vocabulary head) walks them; the next group's first weights are asked for now,
-        // to arrive while this one is summed and stored. Each group's sums are those of
-        // a block of its own.
-        int next = grp + (int)gridDim.x;
-        if (next < groups) {
-            const u8* na[RT];
-            const u8* nb[RT];
-            point(next, na, nb);
-            prefetch_first_steps<WT, RT>(na, nb, K);
+    mmv_groups<WT, RT>(groups, point, X, g, T, K, part, sq, [&](int grp, int r) {
+        int n0 = (grp * RT + r) * 16;
+        for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
+            int s = it & 15, t = it >> 4, n = n0 + s;
+            float v = tile_sum(part, s, t) * token_inv(sq, g, t, K, eps), *y;
+            const float* bias;
+            if (n < N0) { y = Y0 + (long long)t * N0 + n; bias = b0; }
+            else if (n < N0 + N1) { n -= N0; y = Y1 + (long long)t * N1 + n; bias = b1; }
+            else if (n < N0 + N1 + N2) { n -= N0 + N1; y = Y2 + (long long)t * N2 + n; bias = b2; }
+            else continue;
+            float r2 = bias ? v + bias[n] : v;
+            *y = add ? *y + r2 : r2;
         }
-        mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
-            int n0 = (grp * RT + r) * 16;
-            for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
-                int s = it & 15, t = it >> 4, n = n0 + s;
-                float v = tile_sum(part, s, t) * token_inv(sq, g, t, K, eps), *y;
-                const float* bias;
-                if (n < N0) { y = Y0 + (long long)t * N0 + n; bias = b0; }
-                else if (n < N0 + N1) { n -= N0; y = Y1 + (long long)t * N1 + n; bias = b1; }
-                else if (n < N0 + N1 + N2) { n -= N0 + N1; y = Y2 + (long long)t * N2 + n; bias = b2; }
-                else continue;
-                float r2 = bias ? v + bias[n] : v;
-                *y = add ? *y + r2 : r2;
-            }
-        });
-        if (next >= groups) break;
-        grp = next;
-        point(grp, ra, rbs);
-        __syncthreads();   // this group's sums are read before the next one's are stored
-    }
+    });
 }
 
 // glu's meaning: out (T, F) = act(h Wg^T + bg) * (h Wu^T + bu), h = rmsnorm(X) (g null:
@@ -541,44 +550,25 @@ __device__ __forceinline__ void mmv_glu_t(
         }
     };
     int groups = (F + 8 * RT - 1) / (8 * RT);
-    int grp = blockIdx.x;
-    const u8* ra[RT];
-    const u8* rbs[RT];
-    point(grp, ra, rbs);
-    prefetch_first_steps<WT, RT>(ra, rbs, K);
-    grid_dependency_sync();   // what the kernel before wrote is read from here on
-    for (;;) {
-        int next = grp + (int)gridDim.x;   // the next group's first weights on their way
-        if (next < groups) {
-            const u8* na[RT];
-            const u8* nb[RT];
-            point(next, na, nb);
-            prefetch_first_steps<WT, RT>(na, nb, K);
-        }
-        mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
-            int n0 = (grp * RT + r) * 8;
-            for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
-                int s = it & 7, t = it >> 3, m = n0 + s;
-                if (m >= F) continue;
-                float inv = token_inv(sq, g, t, K, eps);
-                float a = tile_sum(part, s, t) * inv, u = tile_sum(part, s + 8, t) * inv;
-                if (bg) a += bg[m];
-                if (bu) u += bu[m];
-                float y;
-                if (act == 0) {
-                    y = a / (1.0f + expf(-a)) * u;
-                } else {
-                    const float c = 0.7978845608028654f;   // sqrt(2 / pi)
-                    y = 0.5f * a * (1.0f + tanhf(c * (a + 0.044715f * a * a * a))) * u;
-                }
-                out[(long long)t * F + m] = y;
+    mmv_groups<WT, RT>(groups, point, X, g, T, K, part, sq, [&](int grp, int r) {
+        int n0 = (grp * RT + r) * 8;
+        for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
+            int s = it & 7, t = it >> 3, m = n0 + s;
+            if (m >= F) continue;
+            float inv = token_inv(sq, g, t, K, eps);
+            float a = tile_sum(part, s, t) * inv, u = tile_sum(part, s + 8, t) * inv;
+            if (bg) a += bg[m];
+            if (bu) u += bu[m];
+            float y;
+            if (act == 0) {
+                y = a / (1.0f + expf(-a)) * u;
+            } else {
+                const float c = 0.7978845608028654f;   // sqrt(2 / pi)
+                y = 0.5f * a * (1.0f + tanhf(c * (a + 0.044715f * a * a * a))) * u;
             }
-        });
-        if (next >= groups) break;
-        grp = next;
-        point(grp, ra, rbs);
-        __syncthreads();   // this group's sums are read before the next one's are stored
-    }
+            out[(long long)t * F + m] = y;
+        }
+    });
 }
 
 // qkv_rope's meaning (linear.cu): norm + q/k/v + bias + RoPE + the paged KV write, over
