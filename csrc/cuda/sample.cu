@@ -29,23 +29,16 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
     return x ^ (x >> 31);
 }
 
-__device__ float block_reduce_sum(float v, float* sh) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    v = lane < (SAMPLE_THREADS / 32) ? sh[lane] : 0.0f;
-    return warp_sum(v);
-}
-
-__device__ int block_reduce_count(int v, int* sh) {
+// The sum of v over a block of THREADS threads (warps' sums, then the sum of those), in
+// every thread; sh holds THREADS / 32 values.
+template <class T, int THREADS>
+__device__ T block_sum(T v, T* sh) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     __syncthreads();
     if (lane == 0) sh[warp] = v;
     __syncthreads();
-    v = lane < (SAMPLE_THREADS / 32) ? sh[lane] : 0;
+    v = lane < (THREADS / 32) ? sh[lane] : (T)0;
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
@@ -158,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
             float thr = key_float(mid);
             int n = 0;
             for (int i = tid; i < V; i += SAMPLE_THREADS) n += x[i] >= thr;
-            n = block_reduce_count(n, shi);
+            n = block_sum<int, SAMPLE_THREADS>(n, shi);
             if (n >= k) a = mid; else c = mid - 1;
         }
         floor_key = a;
@@ -167,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     float total = 0.0f;
     for (int i = tid; i < V; i += SAMPLE_THREADS)
         if (x[i] >= floor_v) total += expf((x[i] - mx) * it);
-    total = block_reduce_sum(total, shf);
+    total = block_sum<float, SAMPLE_THREADS>(total, shf);
     // top-p: the largest threshold whose mass at or above it reaches top_p * total
     float tp = top_p[b];
     if (tp > 0.0f && tp < 1.0f) {
@@ -178,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
             float thr = key_float(mid), m = 0.0f;
             for (int i = tid; i < V; i += SAMPLE_THREADS)
                 if (x[i] >= thr) m += expf((x[i] - mx) * it);
-            m = block_reduce_sum(m, shf);
+            m = block_sum<float, SAMPLE_THREADS>(m, shf);
             if (m >= need) a = mid; else c = mid - 1;
         }
         floor_v = key_float(a);
@@ -331,17 +324,6 @@ __device__ float block_nan_max(float v, float* sh) {
     return v;
 }
 
-__device__ double block_sum_f64(double v, double* sh) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    v = lane < (ARGMAX_THREADS / 32) ? sh[lane] : 0.0;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) logprob_rows(
         const float* __restrict__ src,      // rows of raw logits, V each
         int V,
@@ -380,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) logprob_rows(
         for (int j = 0; j < per; j++)
             if (key[j]) sum += expf(key_float((u32)(key[j] >> 32)) - mx);
     }
-    double total = block_sum_f64((double)sum, shd);
+    double total = block_sum<double, ARGMAX_THREADS>((double)sum, shd);
     long long part = (long long)r * chunks + c;
     u64 below = ~0ull;
     for (int k = 0; k < n; k++) {
@@ -413,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) logprob_rows(
         float m = ms[2 * j];
         if (finite && m > ELLM_NEG_INF) s += (double)ms[2 * j + 1] * exp((double)m - (double)row_mx);
     }
-    s = block_sum_f64(s, shd);
+    s = block_sum<double, ARGMAX_THREADS>(s, shd);
     int* rec = out + (long long)r * (LOGPROB_HEAD + 2 * n);
     below = ~0ull;
     int count = 0;
