@@ -476,6 +476,30 @@ def test_batched_equals_single_and_graphs_equal_eager(smollm2_gguf: Path) -> Non
         llm.close()
 
 
+@needs_gpu
+def test_a_decode_step_is_five_kernels_a_layer_and_three_more(tiny_models_dir: Path) -> None:
+    """A captured decode step of a standard model (ops/fused_stack.py): the embedding, five
+    kernels a layer, the head and the greedy argmax. The first layer's input norm goes
+    into its q/k/v and the final norm into the head (no rmsnorm of their own); the tokens
+    are the CPU's (f32), and so are the logits of a one-token forward (the folded head
+    too) and of a prompt's last row (its head after the final norm) within 1e-4."""
+    gpu = ellm.load(tiny_models_dir / "llama", device="cuda", max_model_len=256)
+    cpu = ellm.load(tiny_models_dir / "llama", device="cpu", activations="f32", max_model_len=256)
+    try:
+        ids = np.random.default_rng(3).integers(3, 320, 11).tolist()
+        p = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        assert gpu.generate(ids, p).token_ids == cpu.generate(ids, p).token_ids
+        graphs = gpu.engine.runner.executor.graphs
+        layers = len(gpu.model.layers)
+        assert graphs and {g.kernels for g in graphs.values()} == {5 * layers + 3}, \
+            {b: g.kernels for b, g in graphs.items()}
+        for probe in ([ids[0]], ids):
+            got, want = gpu.engine.logits(probe)[-1], cpu.engine.logits(probe)[-1]
+            assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max())), len(probe)
+    finally:
+        gpu.close(), cpu.close()
+
+
 def _scripted(eng, script: dict[int, list], between: dict[int, object] | None = None) -> dict[str, tuple]:
     """Steps the engine, adding (id, prompt ids, params) at the step numbers of `script`
     and calling between[i](), if given, before step i -> per request (ids, text, reason)."""

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,35 +40,67 @@ def test_every_kernel_file_is_known_to_ops_cuda() -> None:
         "csrc/cuda/*.cu and ops/cuda.py KERNELS disagree"
 
 
+def _nvcc_and_ptxas(source: Path, arch: str, out: Path) -> tuple[subprocess.CompletedProcess, str,
+                                                                   subprocess.CompletedProcess | None]:
+    """nvcc's PTX of one file for one architecture, then ptxas over it (None when nvcc failed)."""
+    ptx = out / f"{source.stem}-{arch}.ptx"
+    nvcc = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
+                           "-o", str(ptx), str(source)], capture_output=True, text=True, timeout=900)
+    if nvcc.returncode != 0:
+        return nvcc, "", None
+    ptxas = subprocess.run([PTXAS, f"-arch={arch}", "-v", "-warn-spills", "-Werror", "-o",
+                            str(out / f"{source.stem}-{arch}.cubin"), str(ptx)], capture_output=True, text=True,
+                           timeout=900)
+    return nvcc, ptx.read_text(), ptxas
+
+
+@pytest.fixture(scope="module")
+def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The (source, arch) pairs this session selected, compiled as many at a time as there
+    are cores (each nvcc run is one single-threaded compiler: mmv.cu alone takes a minute
+    or more), each test waiting for its own pair only."""
+    out = tmp_path_factory.mktemp("ptx")
+    wanted = [(item.callspec.params["source"], item.callspec.params["arch"]) for item in request.session.items
+              if getattr(item, "originalname", "") == "test_nvcc_ptx_without_warnings" and hasattr(item, "callspec")]
+    pool = ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))))
+    request.addfinalizer(lambda: pool.shutdown(cancel_futures=True))
+    return {(src.name, arch): pool.submit(_nvcc_and_ptxas, src, arch, out) for src, arch in wanted}
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
-def test_nvcc_ptx_without_warnings(source: Path, arch: str, tmp_path: Path) -> None:
-    ptx = tmp_path / (source.stem + ".ptx")
-    proc = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
-                           "-o", str(ptx), str(source)], capture_output=True, text=True, timeout=900)
+def test_nvcc_ptx_without_warnings(source: Path, arch: str, compiled: dict) -> None:
+    proc, ptx, ptxas = compiled[(source.name, arch)].result()
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "", proc.stderr   # not even a note
-    entries = set(re.findall(r"\.entry\s+(\w+)", ptx.read_text()))
+    entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
     missing = set(cuda_ops.KERNELS[source.name]) - entries
     assert not missing, f"{source.name} does not define {sorted(missing)}"
     if arch == "sm_90":
-        late = [k for k, why in _dependency_sync_order(ptx.read_text()).items() if why]
+        late = [k for k, why in _dependency_sync_order(ptx).items() if why]
         assert not late, f"kernels touching global memory before grid_dependency_sync: {late}"
         if source.name == "mmv.cu":   # their first weights are on their way while they wait
-            unfetched = [k for k, early in _prefetch_before_wait(ptx.read_text()).items() if not early]
+            unfetched = [k for k, early in _prefetch_before_wait(ptx).items() if not early]
             assert not unfetched, f"mmv kernels without an L2 prefetch before the wait: {unfetched}"
     # ptxas assembles it for this architecture without spilling registers to local memory
     # (a spill in a decode kernel costs more than the kernel itself), and says per kernel
     # what it uses (-v): the fused decode kernels keep no stack frame at all
-    proc = subprocess.run([PTXAS, f"-arch={arch}", "-v", "-warn-spills", "-Werror", "-o",
-                           str(tmp_path / "k.cubin"), str(ptx)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr
-    frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+) bytes stack frame", proc.stdout + proc.stderr))
+    assert ptxas is not None and ptxas.returncode == 0, ptxas and ptxas.stderr
+    frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+) bytes stack frame", ptxas.stdout + ptxas.stderr))
     fused = [k for k in cuda_ops.KERNELS[source.name] if k.startswith(FUSED_DECODE_KERNELS)]
     assert all(k in frames for k in fused), f"ptxas -v said nothing of {[k for k in fused if k not in frames]}"
     assert not [k for k in fused if frames[k] != "0"], \
         f"stack frames in {[(k, frames[k]) for k in fused if frames[k] != '0']} ({arch})"
+    if source.name == "mmv.cu":   # one tile's kernels: two blocks of 256 threads an SM (MMV3_RESIDENT)
+        used = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", ptxas.stdout + ptxas.stderr,
+                               re.S))
+        one_tile = [k for k in cuda_ops.KERNELS[source.name] if not re.match(r"\w+x[24]_", k)]
+        assert one_tile and all(k in used for k in one_tile), sorted(set(one_tile) - set(used))
+        limit = 65536 // (cuda_ops.MMV3_RESIDENT[1] * cuda_ops.MMV_THREADS)   # an SM's registers
+        over = {k: int(used[k]) for k in one_tile if int(used[k]) > limit}
+        assert not over, \
+            f"one-tile mmv kernels over {limit} registers (fewer blocks an SM than ops/cuda.py counts): {over} ({arch})"
 
 
 # a load, store or atomic that may reach global memory (parameter, shared, local and

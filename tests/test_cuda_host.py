@@ -3,8 +3,9 @@ g++ builds csrc/cuda/*.cu against a host runtime, a stand-in for CuPy launches t
 
 Each check runs in a child process with tests/cuda_host on PYTHONPATH, so the stand-in is
 `cupy` there and nowhere else. The op checks are tests/test_cuda.py's and the `cuda` rows
-of tests/test_backends.py and tests/test_lora.py (adapters against PEFT), unchanged; the model-level ones and the sampler's frequency
-test (minutes here) run with `bash tests/cuda_host/run.sh --all`.
+of tests/test_backends.py and tests/test_lora.py (adapters against PEFT), unchanged; the
+model-level ones and the sampler's frequency test (minutes here) run with
+`bash tests/cuda_host/run.sh --all`.
 """
 from __future__ import annotations
 
@@ -45,15 +46,32 @@ def _child(args: list[str], timeout: int, **extra_env: str) -> subprocess.Comple
 @needs_host_build
 def test_cuda_op_checks_pass_with_the_kernels_on_the_cpu() -> None:
     """With the stream's work deferred until the host waits for it (as on a GPU: a host
-    buffer rewritten before its queued copy ran changes the results)."""
-    proc = _child(["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                   "tests/test_backends.py", "tests/test_lora.py", "-k", OP_CHECKS], timeout=900,
-                  ELLM_CUDA_HOST_DEFER="1")
-    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 100, tail   # the checks ran, not skipped
-    assert "failed" not in proc.stdout.splitlines()[-1], tail
+    buffer rewritten before its queued copy ran changes the results). Two children side
+    by side (the stand-in runs a kernel's threads as fibers on one core), about equal
+    in time: tests/test_cuda.py's checks but its trace recordings; those, with the
+    backends' and adapters' rows."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HOST), os.environ.get("PYTHONPATH")])),
+               ELLM_CUDA_HOST_DEFER="1")
+    halves = ((["tests/test_cuda.py"], f"({OP_CHECKS}) and not trace_recording"),
+              (["tests/test_cuda.py", "tests/test_backends.py", "tests/test_lora.py"],
+               f"({OP_CHECKS}) and (trace_recording or test_backends or test_lora)"))
+    children = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                                  *files, "-k", keys], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+                for files, keys in halves]
+    passed = 0
+    try:
+        for child in children:
+            out, err = child.communicate(timeout=900)
+            tail = out[-3000:] + err[-2000:]
+            assert child.returncode == 0, tail
+            found = re.search(r"(\d+) passed", out)
+            assert found and "failed" not in out.splitlines()[-1], tail
+            passed += int(found.group(1))
+    finally:
+        for child in children:
+            child.kill()   # (nothing where it has ended)
+    assert passed >= 100, f"{passed} op checks passed: the checks ran, not skipped"
 
 
 @needs_host_build

@@ -347,14 +347,24 @@ class Decoder:
         rec = self.recorder   # [trace] None unless tracing: then one comparison per block below
         if rec is not None:
             rec(None, "embed", residual)
-        first = self.layers[0].input_norm
-        h = residual if first is None else ops.rmsnorm(residual, first, eps, out=h_buf)
         slots = batch.adapter_slots   # [lora] each row's adapter, or None: the base alone
         if slots is not None and self.lora is None:
             raise ValueError("the batch names LoRA adapters, and this model has none attached")
         stack = self._layer_stack(ws, t, kv) if rec is None else None
         if stack is not None and slots is not None and not getattr(stack, "takes_adapters", True):
             stack = None   # [lora] this backend's stack has no adapter path (ops/fused_stack.py)
+        first = self.layers[0].input_norm
+        if first is None or (stack is not None and getattr(stack, "folds_input_norm", False)):
+            h = residual   # (or the first layer's products take its norm: ops/fused_stack.py)
+        else:
+            h = ops.rmsnorm(residual, first, eps, out=h_buf)
+        if (stack is not None and getattr(stack, "takes_head", False) and r == t and not hidden_only
+                and self.logits_scale == 1.0 and self.final_softcap <= 0):
+            # every row gives logits (a decode step): the final norm folded into the head
+            logits = ws.get("logits", r, c.vocab_size)
+            stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit, slots,
+                      head=(self.lm_head, logits))
+            return logits
         if stack is not None:   # every layer in one call, leaving residual and h_buf as the loop does
             stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit, slots)
             h = residual if self.norm is None else h_buf
@@ -447,7 +457,7 @@ class Decoder:
         gate, up, _ = _cached_views(m, ws, t, m._make_views)
         k_cache, v_cache = kv.layer(i)
         return dict(
-            reads_normed=layer.input_norm is not None, q=a.q, k=a.k, v=a.v, o=a.o,
+            reads_normed=layer.input_norm is not None, input_norm=layer.input_norm, q=a.q, k=a.k, v=a.v, o=a.o,
             q_out=q, k_out=k, v_out=v, attn_out=attn, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
             head_dim=a.head_dim, q_norm=a.q_norm, k_norm=a.k_norm, qk_norm_whole=a.qk_norm_whole,
             attn_eps=a.eps, k_cache=k_cache, v_cache=v_cache, inv_freq=a.inv_freq, interleaved=a.interleaved,

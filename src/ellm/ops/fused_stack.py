@@ -11,7 +11,10 @@ Decoder._layer_stack: every layer of a forward in one `run`, leaving `residual` 
     linear_add            down_proj, added into the residual
 
 and once at the end the final RMSNorm into h_buf: the norm each layer's residual goes
-through next is folded into the next product instead of a separate add + RMSNorm. On
+through next is folded into the next product instead of a separate add + RMSNorm (the
+first layer's input norm too: the decoder leaves the embeddings unnormed for it). A
+decode forward whose every row gives logits passes the head instead (`run(..., head=)`):
+the final norm is then folded into the vocabulary product too (one launch less a step). On
 the cuda backend each of these is one kernel for decode batches (five launches a layer
 in place of ten). Layers that need more fall back, piece by piece, to the plain ops in
 the order models/blocks.py calls them: q/k norms (Qwen3, OLMo 2), post-block norms
@@ -34,26 +37,33 @@ class FusedLayerStack:
         self.residual, self.proj, self.h_buf = residual, proj, h_buf
         self.final_norm = specs[-1]["next_norm"] if specs else None
 
+    takes_head = True   # run(..., head=): the final norm folded into the vocabulary head
+    folds_input_norm = True   # the first layer's input norm is its products' (residual: the embeddings)
+
     def run(self, positions: Any, seq_ids: Any, block_tables: dict, key_limit: Any = None,
-            adapter_slots: Any = None) -> None:
+            adapter_slots: Any = None, head: tuple | None = None) -> None:
         """adapter_slots: [lora] always None here (takes_adapters: the decoder runs a batch
-        naming adapters layer by layer, ops.lora in between)."""
+        naming adapters layer by layer, ops.lora in between). head: (lm_head, logits (T, V))
+        for a forward whose every row gives logits: the final norm goes into the head's
+        product (norm_linear_multi), and h_buf is left as the last layer left it."""
         if adapter_slots is not None:
             raise ValueError("the fused layer stack runs no LoRA adapters: run such a batch layer by layer")
         ops, eps, residual, h_buf = self.ops, self.eps, self.residual, self.h_buf
-        for i, s in enumerate(self.specs):
-            # the layer's input: the normed h_buf the decoder made for layer 0, else the
-            # residual with the norm the previous layer named folded into the products
-            if i == 0:
-                x, norm = (h_buf if s["reads_normed"] else residual), None
-            else:
-                x, norm = residual, self.specs[i - 1]["next_norm"]
+        for s in self.specs:
+            # the layer's input: the residual, its input norm folded into the products
+            x, norm = residual, s["input_norm"]
             self._attention(s, x, norm, eps, positions, seq_ids, block_tables[s["window"]], key_limit)
             self._into_residual(s["attn_out"].reshape(self.t, -1), s["o"], s["post_attn_norm"],
                                 s["residual_multiplier"])
             ops.norm_linear_glu(residual, s["pre_mlp_norm"], eps, s["gate"], s["up"], s["act"], out=s["act_out"])
             self._into_residual(s["act_out"], s["down"], s["post_mlp_norm"], s["residual_multiplier"])
-        if self.final_norm is not None:
+        if head is not None:
+            lm_head, logits = head
+            if self.final_norm is not None:
+                ops.norm_linear_multi(residual, self.final_norm, eps, ((lm_head, logits),))
+            else:
+                ops.linear(residual, lm_head, out=logits)
+        elif self.final_norm is not None:
             ops.rmsnorm(residual, self.final_norm, eps, out=h_buf)
 
     def _attention(self, s: dict, x: Any, norm: Any, eps: float, positions: Any, seq_ids: Any,
