@@ -205,6 +205,9 @@ def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
         stats = getattr(executor, "stats", {})
         out["graph_replays"] = float(stats.get("replays", 0))
         out["dependent_captures"] = float(stats.get("dependent_captures", 0))   # ops/cuda_pdl.py
+        captured = getattr(executor, "graphs", {})
+        if 1 in captured:   # ellm's kernel launches in a batch-1 decode step (5 a layer + 3 when fused)
+            out["kernels_1"] = float(captured[1].kernels)
         return out
     finally:
         llm.close()
