@@ -292,6 +292,24 @@ def test_linear_add(ops, qtype) -> None:
         assert_near(host(ops, res), r + REF.linear(x, w), fused_bound(ops, qtype, t), f"T={t} in place")
 
 
+def test_norm_add(ops) -> None:
+    """residual += scale * rmsnorm(x) (or scale * x): a block's post norm and residual
+    multiplier with its add (Gemma's, OLMo 2's, Granite's, in ops/fused_stack.py); x is
+    left as it was."""
+    rng = np.random.default_rng(48)
+    wt = rand(rng, 96) + 1.0
+    for t in FUSED_TOKENS:
+        for norm, scale in ((wt, 1.0), (wt, 0.25), (None, 0.22)):
+            x, r = rand(rng, t, 96, scale=2.0), rand(rng, t, 96, scale=3.0)
+            res, dx = ops.upload(r.copy()), ops.upload(x)
+            got = ops.norm_add(res, dx, None if norm is None else ops.upload(norm), 1e-6, scale)
+            want = r + scale * (x if norm is None else REF.rmsnorm(x, norm, 1e-6))
+            what = f"T={t} norm={norm is not None} scale={scale}"
+            assert_near(host(ops, got), want, what=what)
+            assert_near(host(ops, res), want, what=what + " in place")
+            assert np.array_equal(host(ops, dx), x), what
+
+
 def _kv_dtypes(ops: Any) -> list[Any]:
     """The KV cache element types a backend keeps: float32 everywhere, bfloat16 bits on
     cuda and the host backends' composed fused ops (numpy stores)."""

@@ -477,21 +477,25 @@ def test_batched_equals_single_and_graphs_equal_eager(smollm2_gguf: Path) -> Non
 
 
 @needs_gpu
-def test_a_decode_step_is_five_kernels_a_layer_and_three_more(tiny_models_dir: Path) -> None:
-    """A captured decode step of a standard model (ops/fused_stack.py): the embedding, five
-    kernels a layer, the head and the greedy argmax. The first layer's input norm goes
-    into its q/k/v and the final norm into the head (no rmsnorm of their own); the tokens
-    are the CPU's (f32), and so are the logits of a one-token forward (the folded head
-    too) and of a prompt's last row (its head after the final norm) within 1e-4."""
-    gpu = ellm.load(tiny_models_dir / "llama", device="cuda", max_model_len=256)
-    cpu = ellm.load(tiny_models_dir / "llama", device="cpu", activations="f32", max_model_len=256)
+@pytest.mark.parametrize("family, per_layer, more", [("llama", 5, 3), ("granite", 7, 6)])
+def test_a_decode_steps_kernels_are_counted(tiny_models_dir: Path, family: str, per_layer: int,
+                                            more: int) -> None:
+    """A captured decode step (ops/fused_stack.py). Llama: the embedding, five kernels a
+    layer, the head and the greedy argmax; the first layer's input norm goes into its
+    q/k/v and the final norm into the head (no rmsnorm of their own). Granite: two more
+    a layer (o and down as plain products, each then scaled into the residual by one
+    norm_add) and, around the layers, the embedding's scale and the final norm, the
+    head's logits scale beside them. The tokens are the CPU's (f32), and so are the
+    logits of a one-token forward and of a prompt's last row within 1e-4."""
+    gpu = ellm.load(tiny_models_dir / family, device="cuda", max_model_len=256)
+    cpu = ellm.load(tiny_models_dir / family, device="cpu", activations="f32", max_model_len=256)
     try:
         ids = np.random.default_rng(3).integers(3, 320, 11).tolist()
         p = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         assert gpu.generate(ids, p).token_ids == cpu.generate(ids, p).token_ids
         graphs = gpu.engine.runner.executor.graphs
         layers = len(gpu.model.layers)
-        assert graphs and {g.kernels for g in graphs.values()} == {5 * layers + 3}, \
+        assert graphs and {g.kernels for g in graphs.values()} == {per_layer * layers + more}, \
             {b: g.kernels for b, g in graphs.items()}
         for probe in ([ids[0]], ids):
             got, want = gpu.engine.logits(probe)[-1], cpu.engine.logits(probe)[-1]

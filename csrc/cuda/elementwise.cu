@@ -1,5 +1,5 @@
 // Row-wise and element-wise ops on f32 activations (ops/reference.py has their meaning):
-// RMSNorm, residual add + RMSNorm, SwiGLU, GeGLU, soft-capping, scaling, adding, and the
+// RMSNorm, residual add + RMSNorm, RMSNorm + residual add, SwiGLU, GeGLU, soft-capping, scaling, adding, and the
 // gather of chosen rows (the rows whose logits are wanted).
 #include "common.cuh"
 
@@ -53,6 +53,28 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rmsnorm_f32(
     }
     float denom = sqrtf(block_sum(ss, scratch) / (float)H + eps);
     for (int i = threadIdx.x; i < H; i += NORM_THREADS) o[i] = (r[i] / denom) * w[i];
+}
+
+// residual += scale * rmsnorm(x) (w null: scale * x): a block's post norm and residual
+// multiplier with its residual add in one launch (Gemma 2/3, OLMo 2, Granite:
+// ops/fused_stack.py). grid rows, block NORM_THREADS.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) norm_add_f32(
+        float* __restrict__ residual,     // (rows, H), updated
+        const float* __restrict__ x,      // (rows, H)
+        const float* __restrict__ w,      // (H,) or null
+        int H, float eps, float scale) {
+    grid_dependency_sync();
+    __shared__ float scratch[32];
+    float* r = residual + (long long)blockIdx.x * H;
+    const float* xr = x + (long long)blockIdx.x * H;
+    if (!w) {
+        for (int i = threadIdx.x; i < H; i += NORM_THREADS) r[i] += xr[i] * scale;
+        return;
+    }
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < H; i += NORM_THREADS) ss += xr[i] * xr[i];
+    float denom = sqrtf(block_sum(ss, scratch) / (float)H + eps);
+    for (int i = threadIdx.x; i < H; i += NORM_THREADS) r[i] += ((xr[i] / denom) * w[i]) * scale;
 }
 
 // out = silu(gate) * up over n elements (out may be gate: models/blocks.py MLP).

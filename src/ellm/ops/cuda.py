@@ -47,8 +47,8 @@ MMV_X4_TYPES = frozenset((GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0))
 KERNELS: dict[str, tuple[str, ...]] = {
     "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed", "nmv3", "glu", "gemv_add",
                                               "qkv_rope", "dequant_bf16") for t in WEIGHT_TYPES.values()),
-    "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "swiglu_f32", "geglu_f32", "softcap_f32",
-                       "scale_f32", "add_f32", "gather_rows_f32", "scatter_rows_f32",
+    "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "norm_add_f32", "swiglu_f32", "geglu_f32",
+                       "softcap_f32", "scale_f32", "add_f32", "gather_rows_f32", "scatter_rows_f32",
                        "scatter_add_rows_f32", "to_bf16_f32", "add_bias_rows_f32"),
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
                      "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16",
@@ -610,6 +610,18 @@ class CudaOps:
             self._launch("add_rmsnorm_f32", (rows,), (256,),
                          (residual, x, weight, out, np.int32(H), np.float32(eps)))
         return out
+
+    @_on_stream
+    def norm_add(self, residual: Any, x: Any, weight: Any, eps: float, scale: float = 1.0) -> Any:
+        H = int(residual.shape[-1])
+        if tuple(x.shape) != tuple(residual.shape):   # (the kernel reads x row for row)
+            raise ValueError(f"norm_add: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+        rows = int(residual.size) // H
+        if rows:
+            self._launch("norm_add_f32", (rows,), (256,),
+                         (residual, self.cp.ascontiguousarray(x, dtype=np.float32),
+                          _NULL if weight is None else weight, np.int32(H), np.float32(eps), np.float32(scale)))
+        return residual
 
     @_on_stream
     def add(self, a: Any, b: Any) -> Any:

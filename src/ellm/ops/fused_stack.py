@@ -17,8 +17,9 @@ decode forward whose every row gives logits passes the head instead (`run(..., h
 the final norm is then folded into the vocabulary product too (one launch less a step). On
 the cuda backend each of these is one kernel for decode batches (five launches a layer
 in place of ten). Layers that need more fall back, piece by piece, to the plain ops in
-the order models/blocks.py calls them: q/k norms (Qwen3, OLMo 2), post-block norms
-and residual multipliers (Gemma 2/3, Granite), q/k/v of different weight types.
+the order models/blocks.py calls them: q/k norms (Qwen3, OLMo 2), q/k/v of different
+weight types; a post-block norm or residual multiplier (Gemma 2/3, OLMo 2, Granite)
+makes the block's product a plain one, then norm_add (the norm, the scale and the add).
 
 Only op-set calls: it runs on any backend, so tests/test_backends.py checks it on the
 reference backend against the plain loop.
@@ -103,11 +104,7 @@ class FusedLayerStack:
             ops.linear_add(x, w, self.residual)
             return
         ops.linear(x, w, out=self.proj)
-        if post_norm is not None:
-            ops.rmsnorm(self.proj, post_norm, self.eps, out=self.proj)
-        if multiplier != 1.0:
-            ops.scale(self.proj, multiplier)
-        ops.add(self.residual, self.proj)
+        ops.norm_add(self.residual, self.proj, post_norm, self.eps, multiplier)   # norm, scale and add: one op
 
 
 def fused_layer_stack(ops: Any, specs: list[dict], t: int, hidden: int, residual: Any, proj: Any,

@@ -409,6 +409,14 @@ class FusedByComposition:
         """residual += x @ W^T (+ bias), in place -> residual."""
         return self.add(residual, self.linear(x, w))
 
+    def norm_add(self, residual: Any, x: Any, weight: Any, eps: float, scale: float = 1.0) -> Any:
+        """residual += scale * rmsnorm(x, weight, eps) (weight None: scale * x), in place ->
+        residual: a block's post norm and residual multiplier with its add."""
+        h = x if weight is None else self.rmsnorm(x, weight, eps)
+        if scale != 1.0:
+            h = self.scale(h.copy() if h is x else h, scale)   # (x itself unchanged)
+        return self.add(residual, h)
+
     def norm_qkv_rope_write(self, x: Any, norm: Any, eps: float, q: "Linear", k: "Linear", v: "Linear",
                             head_dim: int, positions: Any, seq_ids: Any, block_tables: Any, k_cache: Any,
                             v_cache: Any, inv_freq: Any, interleaved: bool, rope_mscale: float = 1.0,
