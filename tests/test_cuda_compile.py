@@ -62,7 +62,9 @@ def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     out = tmp_path_factory.mktemp("ptx")
     wanted = [(item.callspec.params["source"], item.callspec.params["arch"]) for item in request.session.items
               if getattr(item, "originalname", "") == "test_nvcc_ptx_without_warnings" and hasattr(item, "callspec")]
-    pool = ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0))))
+    # (Linux: the cores this process may use)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    pool = ThreadPoolExecutor(max_workers=max(1, cores or 1))
     request.addfinalizer(lambda: pool.shutdown(cancel_futures=True))
     return {(src.name, arch): pool.submit(_nvcc_and_ptxas, src, arch, out) for src, arch in wanted}
 
