@@ -36,11 +36,15 @@ needs_host_build = pytest.mark.skipif(
     reason="the host build of the CUDA kernels needs g++ and libffi's header (Debian: libffi-dev)")
 
 
+def _child_env(**extra_env: str) -> dict[str, str]:
+    """The environment of a child with the stand-in as its `cupy`."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HOST), os.environ.get("PYTHONPATH")])),
+                **extra_env)
+
+
 def _child(args: list[str], timeout: int, **extra_env: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HOST), os.environ.get("PYTHONPATH")])),
-               **extra_env)
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_child_env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 @needs_host_build
@@ -50,13 +54,12 @@ def test_cuda_op_checks_pass_with_the_kernels_on_the_cpu() -> None:
     by side (the stand-in runs a kernel's threads as fibers on one core), about equal
     in time: tests/test_cuda.py's checks but its trace recordings; those, with the
     backends' and adapters' rows."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HOST), os.environ.get("PYTHONPATH")])),
-               ELLM_CUDA_HOST_DEFER="1")
     halves = ((["tests/test_cuda.py"], f"({OP_CHECKS}) and not trace_recording"),
               (["tests/test_cuda.py", "tests/test_backends.py", "tests/test_lora.py"],
                f"({OP_CHECKS}) and (trace_recording or test_backends or test_lora)"))
     children = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                                  *files, "-k", keys], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  *files, "-k", keys], cwd=ROOT, env=_child_env(ELLM_CUDA_HOST_DEFER="1"),
+                                 stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
                 for files, keys in halves]
     passed = 0

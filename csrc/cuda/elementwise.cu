@@ -1,6 +1,6 @@
 // Row-wise and element-wise ops on f32 activations (ops/reference.py has their meaning):
-// RMSNorm, residual add + RMSNorm, RMSNorm + residual add, SwiGLU, GeGLU, soft-capping, scaling, adding, and the
-// gather of chosen rows (the rows whose logits are wanted).
+// RMSNorm, residual add + RMSNorm, RMSNorm + residual add, SwiGLU, GeGLU, soft-capping,
+// scaling, adding, and the gather of chosen rows (the rows whose logits are wanted).
 #include "common.cuh"
 
 #define NORM_THREADS 256

@@ -353,13 +353,14 @@ class Decoder:
         stack = self._layer_stack(ws, t, kv) if rec is None else None
         if stack is not None and slots is not None and not getattr(stack, "takes_adapters", True):
             stack = None   # [lora] this backend's stack has no adapter path (ops/fused_stack.py)
+        folds = stack is not None and getattr(stack, "folds_norms", False)   # (ops/fused_stack.py)
         first = self.layers[0].input_norm
-        if first is None or (stack is not None and getattr(stack, "folds_input_norm", False)):
+        if first is None or folds:
             h = residual   # (or the first layer's products take its norm: ops/fused_stack.py)
         else:
             h = ops.rmsnorm(residual, first, eps, out=h_buf)
-        if (stack is not None and getattr(stack, "takes_head", False) and r == t and not hidden_only
-                and self.logits_scale == 1.0 and self.final_softcap <= 0):
+        if (stack is not None and folds and r == t and not hidden_only and self.logits_scale == 1.0
+                and self.final_softcap <= 0):
             # every row gives logits (a decode step): the final norm folded into the head
             logits = ws.get("logits", r, c.vocab_size)
             stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit, slots,

@@ -38,8 +38,9 @@ class FusedLayerStack:
         self.residual, self.proj, self.h_buf = residual, proj, h_buf
         self.final_norm = specs[-1]["next_norm"] if specs else None
 
-    takes_head = True   # run(..., head=): the final norm folded into the vocabulary head
-    folds_input_norm = True   # the first layer's input norm is its products' (residual: the embeddings)
+    # the first layer's input norm goes into its products (it reads the embeddings unnormed),
+    # the final norm into the vocabulary head's when run is given one (run(..., head=))
+    folds_norms = True
 
     def run(self, positions: Any, seq_ids: Any, block_tables: dict, key_limit: Any = None,
             adapter_slots: Any = None, head: tuple | None = None) -> None:
