@@ -365,6 +365,67 @@ def test_norm_qkv_rope_write_then_paged_attention_is_rope_attention(ops, window,
             assert_near(c, want_c, bound, what=f"{name} cache, {what}")
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["per_head", "whole"])
+@pytest.mark.parametrize("t_new", [7, 70])
+def test_qk_norm_rope_write_then_paged_attention(ops, whole, t_new) -> None:
+    """q/k norms (each head's, Qwen3 / Gemma 3; the whole projection's, OLMo 2) + RoPE +
+    KV write, then attention over the cache, against rope_attention of the reference's
+    normed q and k: the outputs and both caches, f32 and bf16 caches; q and k are left as
+    they were. Sequence 0 prefills t_new - 1 tokens, sequence 1 decodes one; partial
+    rotary (5 of 8 pairs)."""
+    rng = np.random.default_rng(61 + t_new + whole)
+    nh, nkv, hd, bs, nb, n_rot = 6, 2, 16, 4, 40, 5
+    positions = np.concatenate([np.arange(3, 3 + t_new - 1), [9]]).astype(np.int32)
+    seq_ids = np.array([0] * (t_new - 1) + [1], np.int32)
+    tables = np.full((2, 20), -1, np.int32)
+    tables[0, :19] = np.arange(39, 20, -1)
+    tables[1, :3] = [1, 5, 0]
+    q, k, v = rand(rng, t_new, nh, hd, scale=3.0), rand(rng, t_new, nkv, hd, scale=3.0), rand(rng, t_new, nkv, hd)
+    qg, kg = (rand(rng, n * hd if whole else hd) + 1.0 for n in (nh, nkv))
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 2 * n_rot, 2) / hd)).astype(np.float32)
+    if whole:
+        qn = REF.rmsnorm(q.reshape(t_new, -1), qg, 1e-6).reshape(q.shape)
+        kn = REF.rmsnorm(k.reshape(t_new, -1), kg, 1e-6).reshape(k.shape)
+    else:
+        qn, kn = REF.rmsnorm(q, qg, 1e-6), REF.rmsnorm(k, kg, 1e-6)
+    earlier_k, earlier_v = rand(rng, nb, bs, nkv, hd), rand(rng, nb, bs, nkv, hd)
+    up = ops.upload
+    for dtype in _kv_dtypes(ops):
+        store = (lambda a: to_bf16_bits(a)) if np.dtype(dtype) == KV_BF16 else (lambda a: a.copy())
+        want_k, want_v = store(earlier_k), store(earlier_v)
+        want = REF.rope_attention(qn, kn, v, positions, seq_ids, tables, want_k, want_v, inv_freq, True, hd ** -0.5)
+        dk, dv = ops.kv_zeros(earlier_k.shape, dtype), ops.kv_zeros(earlier_v.shape, dtype)
+        _fill(ops, dk, store(earlier_k))
+        _fill(ops, dv, store(earlier_v))
+        dq, dkk = up(q), up(k)
+        q_rot = ops.qk_norm_rope_write(dq, dkk, up(v), up(qg), up(kg), 1e-6, whole, up(positions), up(seq_ids),
+                                       up(tables), dk, dv, up(inv_freq), True, q_out=ops.empty((t_new, nh, hd)))
+        got = ops.paged_attention(q_rot, up(positions), up(seq_ids), up(tables), dk, dv, hd ** -0.5,
+                                  out=ops.empty((t_new, nh, hd)))
+        what = f"{np.dtype(dtype).name} cache"
+        assert_near(host(ops, got), want, what=f"attention, {what}")
+        assert np.array_equal(host(ops, dq), q) and np.array_equal(host(ops, dkk), k), what
+        if ops.name == "cuda":   # one kernel, the bits of the plain path's two norms and rope_kv_write
+            pk, pv = ops.kv_zeros(earlier_k.shape, dtype), ops.kv_zeros(earlier_v.shape, dtype)
+            _fill(ops, pk, store(earlier_k))
+            _fill(ops, pv, store(earlier_v))
+            shape = (t_new, -1) if whole else (t_new, -1, hd)
+            pq, pkn = (ops.rmsnorm(up(a.reshape(shape)), up(g), 1e-6).reshape(a.shape) for a, g in ((q, qg), (k, kg)))
+            plain = ops.rope_attention(pq, pkn, up(v), up(positions), up(seq_ids), up(tables), pk, pv, up(inv_freq),
+                                       True, hd ** -0.5, out=ops.empty((t_new, nh, hd)))
+            assert np.array_equal(host(ops, got), host(ops, plain)), what
+            assert np.array_equal(host(ops, dk), host(ops, pk)) and np.array_equal(host(ops, dv), host(ops, pv)), what
+        for got_c, want_c, name in ((dk, want_k, "k"), (dv, want_v, "v")):
+            c = host(ops, got_c)
+            if np.dtype(dtype) == KV_BF16:
+                c, want_c = from_bf16_bits(c), from_bf16_bits(want_c)
+            assert_near(c, want_c, what=f"{name} cache, {what}")
+    with pytest.raises(ValueError, match="norm weights"):
+        ops.qk_norm_rope_write(up(q), up(k), up(v), up(qg[:3]), up(kg), 1e-6, whole, up(positions), up(seq_ids),
+                               up(tables), ops.kv_zeros(earlier_k.shape, np.float32),
+                               ops.kv_zeros(earlier_v.shape, np.float32), up(inv_freq), True)
+
+
 def _fill(ops: Any, cache: Any, values: np.ndarray) -> None:
     """A backend's KV cache set to host values of its element type (a device copy)."""
     if isinstance(cache, np.ndarray):

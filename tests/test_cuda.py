@@ -477,7 +477,8 @@ def test_batched_equals_single_and_graphs_equal_eager(smollm2_gguf: Path) -> Non
 
 
 @needs_gpu
-@pytest.mark.parametrize("family, per_layer, more", [("llama", 5, 3), ("granite", 7, 6)])
+@pytest.mark.parametrize("family, per_layer, more", [("llama", 5, 3), ("granite", 7, 6), ("qwen3", 6, 3),
+                                                     ("olmo2", 8, 3), ("gemma3_text", 8, 4)])
 def test_a_decode_steps_kernels_are_counted(tiny_models_dir: Path, family: str, per_layer: int,
                                             more: int) -> None:
     """A captured decode step (ops/fused_stack.py). Llama: the embedding, five kernels a
@@ -485,8 +486,11 @@ def test_a_decode_steps_kernels_are_counted(tiny_models_dir: Path, family: str, 
     q/k/v and the final norm into the head (no rmsnorm of their own). Granite: two more
     a layer (o and down as plain products, each then scaled into the residual by one
     norm_add) and, around the layers, the embedding's scale and the final norm, the
-    head's logits scale beside them. The tokens are the CPU's (f32), and so are the
-    logits of a one-token forward and of a prompt's last row within 1e-4."""
+    head's logits scale beside them. Qwen3: one more a layer (q/k/v, then the q/k norms
+    with RoPE and the KV write: qk_norm_rope_write). OLMo 2 (no input norms; q/k norms of
+    the whole projection, post norms) and Gemma 3 (both, and the embedding's scale): eight
+    a layer. The tokens are the CPU's (f32), and so are the logits of a one-token forward
+    and of a prompt's last row within 1e-4."""
     gpu = ellm.load(tiny_models_dir / family, device="cuda", max_model_len=256)
     cpu = ellm.load(tiny_models_dir / family, device="cpu", activations="f32", max_model_len=256)
     try:

@@ -7,6 +7,7 @@
 // attn_combine in one launch: the last block of a (token, head) to finish merges):
 //   rope_kv_write      rotated q into q_rot; rotated k and v into their cache slots (all
 //                      of a step's keys are written before any attention reads them).
+//   qk_norm_rope_kv_write  the same after q and k's RMSNorms (Qwen3, Gemma 3, OLMo 2).
 //   attn_partial       split over keys (flash-decoding): a token's keys [lo, p] are cut
 //                      into chunks of `chunk`; each chunk gives an unnormalised partial
 //                      (max, sum, weighted values). Blocks of grid z take chunks z, z + Z, ...
@@ -28,7 +29,9 @@
 // loads in flight) = ops/cuda.py ATTN_BLOCKS_PER_SM, which sizes the grid's key split
 #define ATTN_MIN_BLOCKS 4
 
-// grid (T, nh + nkv), block hd.
+// One (token, head) of a block: grid (T, nh + nkv), threads d < hd each one value.
+// wh: null, or the head's q/k norm weights (hd), with denom the head's (or its
+// projection's) root mean square: the values rotated are then (x / denom) * wh.
 template <typename KV>
 __device__ __forceinline__ void rope_kv_write_t(
         const float* __restrict__ q,            // (T, nh, hd)
@@ -43,7 +46,8 @@ __device__ __forceinline__ void rope_kv_write_t(
         KV* __restrict__ v_cache,
         const float* __restrict__ inv_freq,     // (n_rot,)
         int n_rot, int interleaved, float mscale,
-        int nh, int nkv, int hd, int block_size) {
+        int nh, int nkv, int hd, int block_size,
+        const float* __restrict__ wh, float denom) {
     int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     if (d >= hd) return;
     int pos = positions[t];
@@ -51,7 +55,7 @@ __device__ __forceinline__ void rope_kv_write_t(
     int kvh = head - nh;
     const float* x = is_q ? q + ((long long)t * nh + head) * hd
                           : k + ((long long)t * nkv + kvh) * hd;
-    float val = x[d];
+    float val = wh ? (x[d] / denom) * wh[d] : x[d];
     if (d < 2 * n_rot) {
         int i, partner;
         bool first;
@@ -66,7 +70,7 @@ __device__ __forceinline__ void rope_kv_write_t(
         }
         float ang = (float)pos * inv_freq[i];
         float c = cosf(ang) * mscale, s = sinf(ang) * mscale;
-        float other = x[partner];
+        float other = wh ? (x[partner] / denom) * wh[partner] : x[partner];
         // pair (a, b): a' = a cos - b sin, b' = b cos + a sin
         val = first ? val * c - other * s : val * c + other * s;
     }
@@ -92,10 +96,44 @@ extern "C" __global__ void rope_kv_write##suffix(                               
     grid_dependency_sync();                                                               \
     rope_kv_write_t<KV>(q, k, v, positions, seq_ids, block_tables, max_blocks, q_rot,     \
                         k_cache, v_cache, inv_freq, n_rot, interleaved, mscale, nh, nkv,  \
-                        hd, block_size);                                                  \
+                        hd, block_size, nullptr, 1.0f);                                   \
 }
 ELLM_ROPE_KV_WRITE(, float)
 ELLM_ROPE_KV_WRITE(_bf16, u16)
+
+// q/k norms, then rope_kv_write: one launch for what was three (Qwen3 and Gemma 3 norm
+// each head's hd values, OLMo 2 a token's whole q or k projection: `whole`, with norm
+// weights of nh * hd and nkv * hd). The sum of squares is rmsnorm_f32's for a row of the
+// same length (the same strided loop and block_sum), so the rotated values are the bits
+// of the plain path (rmsnorm, then rope_kv_write). grid (T, nh + nkv), block NORM_THREADS
+// (>= HD_MAX).
+#define ELLM_QK_NORM_ROPE_KV_WRITE(suffix, KV)                                            \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) qk_norm_rope_kv_write##suffix( \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, \
+        const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,    \
+        int whole, const int* __restrict__ positions, const int* __restrict__ seq_ids,    \
+        const int* __restrict__ block_tables, int max_blocks, float* __restrict__ q_rot,  \
+        KV* __restrict__ k_cache, KV* __restrict__ v_cache,                               \
+        const float* __restrict__ inv_freq, int n_rot, int interleaved, float mscale,     \
+        int nh, int nkv, int hd, int block_size) {                                        \
+    grid_dependency_sync();                                                               \
+    __shared__ float scratch[32];                                                         \
+    int head = blockIdx.y;                                                                \
+    bool is_q = head < nh;                                                                \
+    int n = is_q ? nh : nkv, h = is_q ? head : head - nh;                                 \
+    const float* proj = (is_q ? q : k) + (long long)blockIdx.x * n * hd;                  \
+    const float* row = whole ? proj : proj + (long long)h * hd;                           \
+    int H = whole ? n * hd : hd;                                                          \
+    float ss = 0.0f;                                                                      \
+    for (int i = threadIdx.x; i < H; i += NORM_THREADS) ss += row[i] * row[i];            \
+    float denom = sqrtf(block_sum(ss, scratch) / (float)H + eps);                         \
+    const float* w = is_q ? q_norm : k_norm;                                              \
+    rope_kv_write_t<KV>(q, k, v, positions, seq_ids, block_tables, max_blocks, q_rot,     \
+                        k_cache, v_cache, inv_freq, n_rot, interleaved, mscale, nh, nkv,  \
+                        hd, block_size, whole ? w + (long long)h * hd : w, denom);        \
+}
+ELLM_QK_NORM_ROPE_KV_WRITE(, float)
+ELLM_QK_NORM_ROPE_KV_WRITE(_bf16, u16)
 
 // Four of a cached row's values from element i (i % 4 == 0, the row 16-byte (f32) or
 // 8-byte (bf16) aligned: hd % 4 == 0).

@@ -117,6 +117,22 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// A row's norm: blocks of NORM_THREADS threads (elementwise.cu's norms, attention.cu's
+// q/k norms: the same sum, in the same order, for a row of the same length).
+#define NORM_THREADS 256
+
+// Sum over a block of NORM_THREADS threads, the same order for every row.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < (NORM_THREADS / 32) ? scratch[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
 // ---------------------------------------------------------------------------------
 // Dequantize 8 consecutive elements k0 .. k0+7 (k0 % 8 == 0) of one weight row.
 // One function per GGML type; every kernel that reads weights goes through these, so

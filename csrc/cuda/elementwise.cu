@@ -3,20 +3,6 @@
 // scaling, adding, and the gather of chosen rows (the rows whose logits are wanted).
 #include "common.cuh"
 
-#define NORM_THREADS 256
-
-// Sum over a block of NORM_THREADS threads, the same order for every row.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < (NORM_THREADS / 32) ? scratch[lane] : 0.0f;
-    v = warp_sum(v);
-    __syncthreads();
-    return v;
-}
-
 // grid rows, block NORM_THREADS. out may be x (in place).
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_f32(
         const float* __restrict__ x,      // (rows, H)

@@ -122,7 +122,7 @@ def _cached_views(owner: Any, ws: Workspace, t: int, make: Any) -> Any:
 
 
 # the workspace views in a layer stack's spec of each layer (Decoder._layer_spec)
-_STACK_VIEWS = ("q_out", "k_out", "v_out", "attn_out", "gate_out", "up_out", "act_out")
+_STACK_VIEWS = ("q_out", "k_out", "v_out", "q_rot", "attn_out", "gate_out", "up_out", "act_out")
 
 
 def _arrays(views: Any) -> Iterator[Any]:
@@ -443,7 +443,8 @@ class Decoder:
             stack = make(specs, t, self.config.hidden_size, residual, proj, h_buf, self.config.rms_norm_eps)
             # one view of each workspace buffer the stack points into
             views = list({id(v.base): v for v in [proj, h_buf, residual] +
-                          [spec[name] for spec in specs for name in _STACK_VIEWS]}.values())
+                          [spec[name] for spec in specs for name in _STACK_VIEWS
+                           if spec[name] is not None]}.values())
         if len(cache) >= _VIEW_CACHE_ROWS:
             cache.clear()
         cache[key] = [ws, ws.generation, kv, self.layers, stack, views, self.lora]   # ws, kv held: their ids stay theirs
@@ -460,6 +461,8 @@ class Decoder:
         return dict(
             reads_normed=layer.input_norm is not None, input_norm=layer.input_norm, q=a.q, k=a.k, v=a.v, o=a.o,
             q_out=q, k_out=k, v_out=v, attn_out=attn, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+            # the rotated q of a layer with q/k norms (it cannot overwrite q: OLMo 2's norm reads all of it)
+            q_rot=None if a.q_norm is None else ws.get("q_rot", t, a.n_heads, a.head_dim),
             head_dim=a.head_dim, q_norm=a.q_norm, k_norm=a.k_norm, qk_norm_whole=a.qk_norm_whole,
             attn_eps=a.eps, k_cache=k_cache, v_cache=v_cache, inv_freq=a.inv_freq, interleaved=a.interleaved,
             window=a.window, scale=a.scale, softcap=a.softcap, rope_mscale=a.rope_mscale,

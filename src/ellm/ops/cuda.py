@@ -31,7 +31,7 @@ from ..weights import Linear
 from .cuda_pdl import DependentLauncher
 from .cuda_sampling import LOGPROB_HEAD, LogprobPlan, mask_allows_any, mask_table, read_logprob_records
 from .memory import DeviceMemoryError, mem_size
-from .reference import KV_BF16, Experts
+from .reference import KV_BF16, Experts, check_qk_norms
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
                        "scatter_add_rows_f32", "to_bf16_f32", "add_bias_rows_f32"),
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
                      "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16",
+                     "qk_norm_rope_kv_write", "qk_norm_rope_kv_write_bf16",
                      "attn_prefill", "attn_prefill_bf16"),
     "sample.cu": ("sample_rows", "argmax_rows", "logprob_rows"),
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
@@ -702,32 +703,18 @@ class CudaOps:
         if n_rot > hd // 2:
             raise ValueError(f"inv_freq has {n_rot} entries, more than head_dim/2 = {hd // 2}")
         max_blocks = int(block_tables.shape[1])
-        chunk, max_chunks, z = self._key_split(T, nh, max_blocks * block_size, window, key_limit)
-        limit = positions if key_limit is None else key_limit
         q = cp.ascontiguousarray(q, dtype=np.float32)
         k = cp.ascontiguousarray(k, dtype=np.float32)
         v = cp.ascontiguousarray(v, dtype=np.float32)
         q_rot = self.scratch("q_rot", T * nh * hd)
         i32, f32 = np.int32, np.float32
-        kv = _kv_suffix(k_cache, v_cache)
-        self._launch("rope_kv_write" + kv, (T, nh + nkv), (hd,),
+        self._launch("rope_kv_write" + _kv_suffix(k_cache, v_cache), (T, nh + nkv), (hd,),
                      (q, k, v, positions, seq_ids, block_tables, i32(max_blocks), q_rot, k_cache, v_cache,
                       inv_freq, i32(n_rot), i32(bool(interleaved)), f32(rope_mscale),
                       i32(nh), i32(nkv), i32(hd), i32(block_size)))
-        if self._prefill_on_tensor_cores(T, hd):
-            self._attn_prefill(kv, q_rot.reshape(T, nh, hd), positions, limit, seq_ids, block_tables, k_cache, v_cache, scale,
-                               window, softcap_value, out)
-            return out
-        part_ml = self.scratch("part_ml", T * nh * max_chunks * 2)
-        part_o = self.scratch("part_o", T * nh * max_chunks * hd)
-        self._launch("attn_partial" + kv, (nh, T, z), (128,),
-                     (q_rot, positions, limit, seq_ids, block_tables, i32(max_blocks), k_cache, v_cache,
-                      i32(nh), i32(nkv), i32(hd), i32(block_size), f32(scale), i32(window),
-                      f32(softcap_value), i32(chunk), i32(max_chunks), part_ml, part_o))
-        self._launch("attn_combine", (nh, T), (hd,),
-                     (positions, limit, part_ml, part_o, i32(nh), i32(hd), i32(window), i32(chunk),
-                      i32(max_chunks), out))
-        return out
+        # the second half: attn_decode for a decode batch (one launch), prefill's kernels above
+        return self.paged_attention(q_rot.reshape(T, nh, hd), positions, seq_ids, block_tables, k_cache, v_cache,
+                                    scale, window, softcap_value, key_limit, out)
 
     @staticmethod
     def _prefill_on_tensor_cores(T: int, hd: int) -> bool:
@@ -925,6 +912,31 @@ class CudaOps:
                       i32(max_blocks), q_out, k_cache, v_cache, i32(kv == "_bf16"), inv_freq, i32(n_rot),
                       i32(bool(interleaved)), f32(rope_mscale), i32(T), i32(q.in_features), i32(nh), i32(nkv),
                       i32(hd), i32(block_size)))
+        return q_out
+
+    @_on_stream
+    def qk_norm_rope_write(self, q: Any, k: Any, v: Any, q_norm: Any, k_norm: Any, eps: float, whole: bool,
+                           positions: Any, seq_ids: Any, block_tables: Any, k_cache: Any, v_cache: Any,
+                           inv_freq: Any, interleaved: bool, rope_mscale: float = 1.0, q_out: Any = None) -> Any:
+        """q_norm / k_norm of each head, or of the whole projection, then RoPE and the KV
+        write (qk_norm_rope_kv_write: one launch, the plain path's bits)."""
+        cp = self.cp
+        T, nh, hd = (int(s) for s in q.shape)
+        nkv, block_size, max_blocks = int(k.shape[1]), int(k_cache.shape[1]), int(block_tables.shape[1])
+        n_rot = int(inv_freq.shape[0])
+        if hd > HEAD_DIM_MAX or nh % max(nkv, 1) or n_rot > hd // 2 or tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"qk_norm_rope_write: head_dim {hd} (<= {HEAD_DIM_MAX}), {nh} / {nkv} heads, "
+                             f"{n_rot} rotary pairs (<= head_dim/2) and v {tuple(v.shape)} (k's shape) do not fit")
+        check_qk_norms(q_norm, k_norm, nh, nkv, hd, whole)
+        q_out = cp.empty((T, nh, hd), np.float32) if q_out is None else q_out
+        if T == 0:
+            return q_out
+        i32, f32 = np.int32, np.float32
+        q, k, v = (cp.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
+        self._launch("qk_norm_rope_kv_write" + _kv_suffix(k_cache, v_cache), (T, nh + nkv), (256,),
+                     (q, k, v, q_norm, k_norm, f32(eps), i32(bool(whole)), positions, seq_ids, block_tables,
+                      i32(max_blocks), q_out, k_cache, v_cache, inv_freq, i32(n_rot), i32(bool(interleaved)),
+                      f32(rope_mscale), i32(nh), i32(nkv), i32(hd), i32(block_size)))
         return q_out
 
     @_on_stream

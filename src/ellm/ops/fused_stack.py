@@ -16,10 +16,12 @@ first layer's input norm too: the decoder leaves the embeddings unnormed for it)
 decode forward whose every row gives logits passes the head instead (`run(..., head=)`):
 the final norm is then folded into the vocabulary product too (one launch less a step). On
 the cuda backend each of these is one kernel for decode batches (five launches a layer
-in place of ten). Layers that need more fall back, piece by piece, to the plain ops in
-the order models/blocks.py calls them: q/k norms (Qwen3, OLMo 2), q/k/v of different
-weight types; a post-block norm or residual multiplier (Gemma 2/3, OLMo 2, Granite)
-makes the block's product a plain one, then norm_add (the norm, the scale and the add).
+in place of ten). Layers that need more take other ops for those pieces: with q/k norms
+(Qwen3, Gemma 3, OLMo 2) q/k/v are norm_linear_multi, then qk_norm_rope_write (the norms,
+RoPE and the KV write) and paged_attention; q/k/v of different weight types take
+norm_linear_multi and rope_attention; a post-block norm or residual multiplier (Gemma 2/3,
+OLMo 2, Granite) makes the block's product a plain one, then norm_add (the norm, the scale
+and the add).
 
 Only op-set calls: it runs on any backend, so tests/test_backends.py checks it on the
 reference backend against the plain loop.
@@ -82,18 +84,19 @@ class FusedLayerStack:
             ops.paged_attention(q3, positions, seq_ids, table, s["k_cache"], s["v_cache"], s["scale"],
                                 s["window"], s["softcap"], key_limit, out=attn)
             return
-        # the plain path of models/blocks.py Attention (h_buf free to hold the normed input)
+        # q/k/v as models/blocks.py Attention makes them (h_buf free to hold the normed input)
         q, k, v = s["q_out"], s["k_out"], s["v_out"]
         ops.norm_linear_multi(x, norm, eps, ((s["q"], q), (s["k"], k), (s["v"], v)),
                               normed=None if norm is None else self.h_buf)
         k3, v3 = k.reshape(t, nkv, hd), v.reshape(t, nkv, hd)
-        if s["q_norm"] is not None:
-            if s["qk_norm_whole"]:
-                ops.rmsnorm(q, s["q_norm"], s["attn_eps"], out=q)
-                ops.rmsnorm(k, s["k_norm"], s["attn_eps"], out=k)
-            else:
-                ops.rmsnorm(q3, s["q_norm"], s["attn_eps"], out=q3)
-                ops.rmsnorm(k3, s["k_norm"], s["attn_eps"], out=k3)
+        if s["q_norm"] is not None:   # the q/k norms with RoPE and the KV write: one op
+            q_rot = ops.qk_norm_rope_write(q3, k3, v3, s["q_norm"], s["k_norm"], s["attn_eps"],
+                                           s["qk_norm_whole"], positions, seq_ids, table, s["k_cache"],
+                                           s["v_cache"], s["inv_freq"], s["interleaved"], s["rope_mscale"],
+                                           q_out=s["q_rot"])
+            ops.paged_attention(q_rot, positions, seq_ids, table, s["k_cache"], s["v_cache"], s["scale"],
+                                s["window"], s["softcap"], key_limit, out=attn)
+            return
         ops.rope_attention(q3, k3, v3, positions, seq_ids, table, s["k_cache"], s["v_cache"], s["inv_freq"],
                            s["interleaved"], s["scale"], s["window"], s["softcap"], out=attn,
                            rope_mscale=s["rope_mscale"], key_limit=key_limit)

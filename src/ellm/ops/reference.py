@@ -373,6 +373,15 @@ def _into(out: np.ndarray | None, value: np.ndarray) -> np.ndarray:
     return out
 
 
+def check_qk_norms(q_norm: Any, k_norm: Any, nh: int, nkv: int, hd: int, whole: bool) -> None:
+    """qk_norm_rope_write's norm weights: hd each (per head), or nh * hd and nkv * hd (whole)."""
+    want = (nh * hd, nkv * hd) if whole else (hd, hd)
+    got = (int(q_norm.size), int(k_norm.size))
+    if got != want:
+        raise ValueError(f"qk_norm_rope_write: q/k norm weights of {got[0]} / {got[1]} values, not "
+                         f"{want[0]} / {want[1]} ({'the whole projection' if whole else 'per head'})")
+
+
 class FusedByComposition:
     """The fused ops of the op set, each spelled as the plain ops it stands for.
 
@@ -385,6 +394,16 @@ class FusedByComposition:
     as they are, so their results are their own plain ops' (the cpu backend runs whole
     layers through layer_stack instead; these are there for the op tests and for a
     model that calls them). ops/fused_stack.py runs a decoder's layers with them."""
+
+    if TYPE_CHECKING:   # the backend's plain ops, which the compositions call (a mixin's needs)
+        def rmsnorm(self, x: Any, weight: Any, eps: float, out: Any = None) -> Any: ...
+        def linear(self, x: Any, w: "Linear", out: Any = None) -> Any: ...
+        def linear_multi(self, x: Any, parts: Sequence[tuple]) -> list[Any]: ...
+        def swiglu(self, gate: Any, up: Any, out: Any = None) -> Any: ...
+        def geglu(self, gate: Any, up: Any, out: Any = None) -> Any: ...
+        def scale(self, x: Any, s: float) -> Any: ...
+        def add(self, a: Any, b: Any) -> Any: ...
+        def to_host(self, x: Any) -> np.ndarray: ...
 
     def norm_linear_multi(self, x: Any, norm: Any, eps: float, parts: Sequence[tuple],
                           normed: Any = None) -> list[Any]:
@@ -431,6 +450,27 @@ class FusedByComposition:
         rotated = rope_kv_write(qs, ks, vs, self.to_host(positions), self.to_host(seq_ids),
                                 self.to_host(block_tables), k_cache, v_cache, self.to_host(inv_freq),
                                 interleaved, rope_mscale)
+        return _into(q_out, rotated)
+
+    def qk_norm_rope_write(self, q: Any, k: Any, v: Any, q_norm: Any, k_norm: Any, eps: float, whole: bool,
+                           positions: Any, seq_ids: Any, block_tables: Any, k_cache: Any, v_cache: Any,
+                           inv_freq: Any, interleaved: bool, rope_mscale: float = 1.0, q_out: Any = None) -> Any:
+        """q (T, nh, hd) and k (T, nkv, hd) through their RMSNorms (each head's hd values;
+        whole: each token's projection, weights of nh * hd and nkv * hd), then
+        rope_kv_write. q and k are left as they were. -> the rotated q, in q_out when
+        given. With paged_attention after it, this is the q/k-norm attention of Qwen3,
+        Gemma 3 and OLMo 2 (models/blocks.py Attention)."""
+        T, nh, hd = (int(s) for s in q.shape)
+        nkv = int(k.shape[1])
+        check_qk_norms(q_norm, k_norm, nh, nkv, hd, whole)
+        if whole:
+            qn = self.rmsnorm(q.reshape(T, nh * hd), q_norm, eps).reshape(T, nh, hd)
+            kn = self.rmsnorm(k.reshape(T, nkv * hd), k_norm, eps).reshape(T, nkv, hd)
+        else:
+            qn, kn = self.rmsnorm(q, q_norm, eps), self.rmsnorm(k, k_norm, eps)
+        rotated = rope_kv_write(self.to_host(qn), self.to_host(kn), self.to_host(v), self.to_host(positions),
+                                self.to_host(seq_ids), self.to_host(block_tables), k_cache, v_cache,
+                                self.to_host(inv_freq), interleaved, rope_mscale)
         return _into(q_out, rotated)
 
     def paged_attention(self, q: Any, positions: Any, seq_ids: Any, block_tables: Any, k_cache: Any,
