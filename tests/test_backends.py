@@ -258,6 +258,27 @@ def test_norm_linear_multi(ops, qtype) -> None:
         assert_near(host(ops, plain[0]), REF.linear(x, ws[0]), fused_bound(ops, qtype, t), f"T={t} no norm")
 
 
+def test_norm_linear_multi_of_mixed_types(ops) -> None:
+    """q/k and v of different types (a Q4_K_M file's v in Q6_K; cuda: one launch a type,
+    each with the norm folded in): every output as the composition says, in its place,
+    and on cuda the bits of each matrix's own norm_linear_multi."""
+    rng = np.random.default_rng(44)
+    ws = [synthetic(t, n, 128, rng, bias=i == 2) for i, (t, n) in
+          enumerate(((GGMLType.Q8_0, 40), (GGMLType.Q4_0, 24), (GGMLType.Q8_0, 17)))]
+    dws = [ops.upload_linear(w) for w in ws]
+    g = rand(rng, 128)
+    for t in FUSED_TOKENS:
+        x = rand(rng, t, 128, scale=2.0)
+        h = REF.rmsnorm(x, g, 1e-5)
+        outs = ops.norm_linear_multi(ops.upload(x), ops.upload(g), 1e-5,
+                                     [(w, ops.empty((t, w.out_features))) for w in dws])
+        for w, dw, o in zip(ws, dws, outs):
+            assert_near(host(ops, o), REF.linear(h, w), fused_bound(ops, w.qtype, t), f"T={t} {w.qtype.name}")
+            if ops.name == "cuda":
+                alone = ops.norm_linear_multi(ops.upload(x), ops.upload(g), 1e-5, [(dw, ops.empty((t, w.out_features)))])
+                assert np.array_equal(host(ops, o), host(ops, alone[0])), f"T={t} {w.qtype.name}"
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.BF16], ids=lambda t: t.name)
 def test_norm_linear_glu(ops, act, qtype) -> None:

@@ -803,10 +803,19 @@ class CudaOps:
                           normed: Any = None) -> list[Any]:
         ws = [w for w, _ in parts]
         T = int(x.shape[0])
-        ok = (norm is not None and 1 <= len(parts) <= 3 and self._fusable(x, ws)
-              and all(o is not None and o.flags.c_contiguous and tuple(o.shape) == (T, w.out_features)
-                      for w, o in parts))
-        if not ok:
+        outs_fit = all(o is not None and o.flags.c_contiguous and tuple(o.shape) == (T, w.out_features)
+                       for w, o in parts)
+        groups: dict[GGMLType, list[tuple]] = {}
+        for w, o in parts:
+            groups.setdefault(w.qtype, []).append((w, o))
+        if norm is not None and len(groups) > 1 and outs_fit and \
+                all(self._fusable(x, [w for w, _ in g]) for g in groups.values()):
+            # q/k and v of different types (a Q4_K_M file's Q6_K v): one launch a type, each
+            # with the norm folded in, rather than an rmsnorm and a product a matrix
+            for g in groups.values():
+                self.norm_linear_multi(x, norm, eps, g)
+            return [o for _, o in parts]
+        if not (norm is not None and 1 <= len(parts) <= 3 and self._fusable(x, ws) and outs_fit):
             return self.linear_multi(self._normed(x, norm, eps, normed), parts)
         x = self._vec_in(x)
         datas = [self._weight(w) for w in ws]
