@@ -105,6 +105,21 @@ def ops():
     return CudaOps()
 
 
+@pytest.mark.parametrize("k", [576, 4096])
+def test_q8_0_rows_are_kept_split_on_the_device(k: int) -> None:
+    """Q8_0 on the GPU (ops/cuda.py q8_0_rows_split; common.cuh deq8_q8_0): each row's
+    int8 values, then its f16 scales, rows padded to 16 bytes; value d q, GGML's."""
+    from ellm.formats.dequant import dequantize
+    from ellm.ops.cuda import q8_0_rows_split
+    w = random_linear(np.random.default_rng(5), GGMLType.Q8_0, 7, k)
+    split = q8_0_rows_split(w.data, k)
+    assert split.shape[0] == 7 and split.shape[1] % 16 == 0 and split.shape[1] - w.data.shape[1] < 16
+    q = split[:, :k].view(np.int8).astype(np.float32)
+    d = split[:, k:k + k // 16].copy().view(np.float16).astype(np.float32)   # (7, k / 32)
+    assert np.array_equal(np.repeat(d, 32, axis=1) * q, dequantize(w.data, GGMLType.Q8_0, (7, k)))
+    assert not split[:, w.data.shape[1]:].any()
+
+
 def random_linear(rng: np.random.Generator, qtype: GGMLType, n: int, k: int) -> Linear:
     """A weight of n x k in qtype with random contents: floats from a normal, quantized
     blocks of random bytes whose f16 scales are set to small finite values."""

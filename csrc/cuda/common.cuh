@@ -139,19 +139,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // a layout is written once (they mirror csrc/quant.c's dq_* block functions).
 // ---------------------------------------------------------------------------------
 
-__device__ __forceinline__ void deq8_f32(const u8* row, int k0, float* v) {
+__device__ __forceinline__ void deq8_f32(const u8* row, int K, int k0, float* v) {
     const float* p = (const float*)row + k0;
     #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = p[i];
 }
 
-__device__ __forceinline__ void deq8_f16(const u8* row, int k0, float* v) {
+__device__ __forceinline__ void deq8_f16(const u8* row, int K, int k0, float* v) {
     const u16* p = (const u16*)row + k0;
     #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = f16_to_f32(p[i]);
 }
 
-__device__ __forceinline__ void deq8_bf16(const u8* row, int k0, float* v) {
+__device__ __forceinline__ void deq8_bf16(const u8* row, int K, int k0, float* v) {
     const u16* p = (const u16*)row + k0;
     #pragma unroll
     for (int i = 0; i < 8; i++) v[i] = bf16_to_f32(p[i]);
@@ -159,7 +159,7 @@ __device__ __forceinline__ void deq8_bf16(const u8* row, int k0, float* v) {
 
 // Q4_0: f16 d, 16 bytes; element j < 16 is the low nibble of qs[j], j >= 16 the high
 // nibble of qs[j - 16]; value d * (q - 8).
-__device__ __forceinline__ void deq8_q4_0(const u8* row, int k0, float* v) {
+__device__ __forceinline__ void deq8_q4_0(const u8* row, int K, int k0, float* v) {
     const u8* b = row + (k0 >> 5) * 18;
     float d = rd_f16(b);
     int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
@@ -169,7 +169,7 @@ __device__ __forceinline__ void deq8_q4_0(const u8* row, int k0, float* v) {
 }
 
 // Q4_1: f16 d, f16 m, 16 bytes of nibbles as Q4_0; value d * q + m.
-__device__ __forceinline__ void deq8_q4_1(const u8* row, int k0, float* v) {
+__device__ __forceinline__ void deq8_q4_1(const u8* row, int K, int k0, float* v) {
     const u8* b = row + (k0 >> 5) * 20;
     float d = rd_f16(b), m = rd_f16(b + 2);
     int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
@@ -178,13 +178,18 @@ __device__ __forceinline__ void deq8_q4_1(const u8* row, int k0, float* v) {
     for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) + m;
 }
 
-// Q8_0: f16 d, 32 int8; value d * q.
-__device__ __forceinline__ void deq8_q8_0(const u8* row, int k0, float* v) {
-    const u8* b = row + (k0 >> 5) * 34;
-    float d = rd_f16(b);
-    const i8* qs = (const i8*)(b + 2) + (k0 & 31);
+// Q8_0, as the GPU keeps it (ops/cuda.py upload_linear): a row's K int8 values, then its
+// K / 32 f16 scales, d of element k at K + 2 (k / 32) (GGML's 34-byte blocks hold both
+// at 2-byte alignment, which asks for five 2-byte loads where this takes an 8-byte and a
+// 2-byte one: rows start 16-byte aligned); value d * q.
+__device__ __forceinline__ void deq8_q8_0(const u8* row, int K, int k0, float* v) {
+    float d = rd_f16(row + K + 2 * (k0 >> 5));
+    uint2 w = *(const uint2*)(row + k0);
     #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = d * (float)qs[i];
+    for (int i = 0; i < 4; i++) {
+        v[i] = d * (float)(i8)((w.x >> (8 * i)) & 0xffu);
+        v[4 + i] = d * (float)(i8)((w.y >> (8 * i)) & 0xffu);
+    }
 }
 
 // The 6-bit scale and min of sub-block s (0..7) of a Q4_K / Q5_K block (12 bytes).
@@ -203,7 +208,7 @@ __device__ __forceinline__ void k4_scale_min(const u8* sc, int s, float* scale, 
 
 // Q4_K (144 bytes / 256): f16 d, f16 dmin, 12 bytes of scales, 128 bytes of nibbles;
 // 64-chunk c keeps sub-block 2c in the low nibbles of qs[32c..], 2c+1 in the high ones.
-__device__ __forceinline__ void deq8_q4_k(const u8* row, int k0, float* v) {
+__device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v) {
     const u8* b = row + (k0 >> 8) * 144;
     int e = k0 & 255, c = e >> 6, hi = (e >> 5) & 1, l = e & 31;
     float sc, mn;
@@ -216,7 +221,7 @@ __device__ __forceinline__ void deq8_q4_k(const u8* row, int k0, float* v) {
 }
 
 // Q5_K (176 bytes / 256): Q4_K's fields plus qh[32] (bit 2c+hi of qh[l] is the fifth bit).
-__device__ __forceinline__ void deq8_q5_k(const u8* row, int k0, float* v) {
+__device__ __forceinline__ void deq8_q5_k(const u8* row, int K, int k0, float* v) {
     const u8* b = row + (k0 >> 8) * 176;
     int e = k0 & 255, c = e >> 6, hi = (e >> 5) & 1, l = e & 31;
     float sc, mn;
@@ -233,7 +238,7 @@ __device__ __forceinline__ void deq8_q5_k(const u8* row, int k0, float* v) {
 }
 
 // Q6_K (210 bytes / 256): ql[128], qh[64], int8 scales[16], f16 d; two 128-halves.
-__device__ __forceinline__ void deq8_q6_k(const u8* row, int k0, float* v) {
+__device__ __forceinline__ void deq8_q6_k(const u8* row, int K, int k0, float* v) {
     const u8* b = row + (k0 >> 8) * 210;
     int e = k0 & 255, half = e >> 7, r = e & 127;
     float d = rd_f16(b + 208) * (float)((const i8*)(b + 192))[e >> 4];

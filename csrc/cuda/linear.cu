@@ -28,7 +28,7 @@ __device__ __forceinline__ void gemv_row_##name(                                
     _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;                \
     for (int c = lane; c < (K >> 3); c += 32) {                                           \
         float w[8];                                                                       \
-        deq(row, c << 3, w);                                                              \
+        deq(row, K, c << 3, w);                                                           \
         _Pragma("unroll") for (int t = 0; t < GEMV_TOKENS; t++) {                         \
             if (t < nt) {                                                                 \
                 const float4* xp = (const float4*)(X + (long long)(t0 + t) * K + (c << 3)); \
@@ -49,7 +49,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV_ROW)
 
 // grid (ceil(N / GEMV_WARPS), ceil(T / GEMV_TOKENS)), block 32 * GEMV_WARPS. K % 8 == 0.
 #define ELLM_GEMV(name, deq)                                                              \
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1) gemv_##name(               \
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1) gemv_##name(             \
         const u8* __restrict__ W,        /* (N, row_bytes) */                             \
         long long row_bytes,                                                              \
         const float* __restrict__ X,     /* (T, K) */                                     \
@@ -67,7 +67,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV)
 // Three matrices of one type against the same X in one launch (q/k/v, gate/up: fewer
 // launches per decode step); N2 = 0 for two. grid (ceil((N0+N1+N2) / GEMV_WARPS), ...).
 #define ELLM_GEMV3(name, deq)                                                             \
-extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1) gemv3_##name(              \
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 1) gemv3_##name(            \
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,  \
         long long rb0, long long rb1, long long rb2,                                      \
         const float* __restrict__ b0, const float* __restrict__ b1,                       \
@@ -100,7 +100,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV3)
 
 // grid (ceil(N / GN), ceil(T / GM)), block 128.
 #define ELLM_GEMM(name, deq)                                                              \
-extern "C" __global__ void __launch_bounds__(128, 4) gemm_##name(                           \
+extern "C" __global__ void __launch_bounds__(128, 4) gemm_##name(                         \
         const u8* __restrict__ W, long long row_bytes,                                    \
         const float* __restrict__ X,     /* (T, K) */                                     \
         const float* __restrict__ bias,  /* (N,) or null */                               \
@@ -114,9 +114,9 @@ extern "C" __global__ void __launch_bounds__(128, 4) gemm_##name(               
     int m0 = blockIdx.y * GM, n0 = blockIdx.x * GN;                                       \
     int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;                                      \
     float acc[2][4][4];                                                                   \
-    _Pragma("unroll") for (int i = 0; i < 2; i++)                                                           \
-        _Pragma("unroll") for (int j = 0; j < 4; j++)                                                       \
-            _Pragma("unroll") for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;                              \
+    _Pragma("unroll") for (int i = 0; i < 2; i++)                                         \
+        _Pragma("unroll") for (int j = 0; j < 4; j++)                                     \
+            _Pragma("unroll") for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;            \
     for (int k0 = 0; k0 < K; k0 += GK) {                                                  \
         /* X tile: 64 x 32 floats, 8 consecutive per thread, two passes */                \
         _Pragma("unroll") for (int p = 0; p < 2; p++) {                                 \
@@ -137,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) gemm_##name(               
             u32* dst = (u32*)&Bs[r][c];                                                   \
             if (n0 + r < N) {                                                             \
                 float w[8];                                                               \
-                deq(W + (long long)(n0 + r) * row_bytes, k0 + c, w);                      \
+                deq(W + (long long)(n0 + r) * row_bytes, K, k0 + c, w);                   \
                 dst[0] = pack_bf16x2(w[0], w[1]); dst[1] = pack_bf16x2(w[2], w[3]);       \
                 dst[2] = pack_bf16x2(w[4], w[5]); dst[3] = pack_bf16x2(w[6], w[7]);       \
             } else {                                                                      \
@@ -145,32 +145,32 @@ extern "C" __global__ void __launch_bounds__(128, 4) gemm_##name(               
             }                                                                             \
         }                                                                                 \
         __syncthreads();                                                                  \
-        _Pragma("unroll") for (int kk = 0; kk < GK; kk += 16) {                                             \
+        _Pragma("unroll") for (int kk = 0; kk < GK; kk += 16) {                           \
             u32 a[2][4], b[4][2];                                                         \
-            _Pragma("unroll") for (int i = 0; i < 2; i++) {                                                 \
+            _Pragma("unroll") for (int i = 0; i < 2; i++) {                               \
                 int r = wm + i * 16 + g;                                                  \
                 a[i][0] = *(const u32*)&As[r][kk + 2 * q];                                \
                 a[i][1] = *(const u32*)&As[r + 8][kk + 2 * q];                            \
                 a[i][2] = *(const u32*)&As[r][kk + 2 * q + 8];                            \
                 a[i][3] = *(const u32*)&As[r + 8][kk + 2 * q + 8];                        \
             }                                                                             \
-            _Pragma("unroll") for (int j = 0; j < 4; j++) {                                                 \
+            _Pragma("unroll") for (int j = 0; j < 4; j++) {                               \
                 int r = wn + j * 8 + g;                                                   \
                 b[j][0] = *(const u32*)&Bs[r][kk + 2 * q];                                \
                 b[j][1] = *(const u32*)&Bs[r][kk + 2 * q + 8];                            \
             }                                                                             \
-            _Pragma("unroll") for (int i = 0; i < 2; i++)                                                   \
-                _Pragma("unroll") for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], a[i], b[j]);        \
+            _Pragma("unroll") for (int i = 0; i < 2; i++)                                 \
+                _Pragma("unroll") for (int j = 0; j < 4; j++) mma_bf16_16816(acc[i][j], a[i], b[j]); \
         }                                                                                 \
         __syncthreads();                                                                  \
     }                                                                                     \
-    _Pragma("unroll") for (int i = 0; i < 2; i++) {                                                         \
-        _Pragma("unroll") for (int j = 0; j < 4; j++) {                                                     \
+    _Pragma("unroll") for (int i = 0; i < 2; i++) {                                       \
+        _Pragma("unroll") for (int j = 0; j < 4; j++) {                                   \
             int col = n0 + wn + j * 8 + 2 * q;                                            \
-            _Pragma("unroll") for (int h = 0; h < 2; h++) {                                                 \
+            _Pragma("unroll") for (int h = 0; h < 2; h++) {                               \
                 int row = m0 + wm + i * 16 + g + 8 * h;                                   \
                 if (row >= T) continue;                                                   \
-                _Pragma("unroll") for (int e = 0; e < 2; e++) {                                             \
+                _Pragma("unroll") for (int e = 0; e < 2; e++) {                           \
                     if (col + e < N) {                                                    \
                         float s = acc[i][j][2 * h + e];                                   \
                         Y[(long long)row * N + col + e] = bias ? s + bias[col + e] : s;   \
@@ -196,7 +196,7 @@ extern "C" __global__ void embed_##name(                                        
     for (int c = threadIdx.x; c < (K >> 3); c += blockDim.x) {                            \
         float w[8];                                                                       \
         if (id >= 0 && id < n_rows) {                                                     \
-            deq(W + (long long)id * row_bytes, c << 3, w);                                \
+            deq(W + (long long)id * row_bytes, K, c << 3, w);                             \
         } else {                                                                          \
             for (int i = 0; i < 8; i++) w[i] = __int_as_float(0x7fc00000);                \
         }                                                                                 \
@@ -217,7 +217,7 @@ extern "C" __global__ void dequant_bf16_##name(                                 
     long long n = c / per_row;                                                            \
     int k0 = (int)(c - n * per_row) << 3;                                                 \
     float w[8];                                                                           \
-    deq(W + n * row_bytes, k0, w);                                                        \
+    deq(W + n * row_bytes, K, k0, w);                                                     \
     u32* o = (u32*)(out + n * K + k0);                                                    \
     _Pragma("unroll") for (int i = 0; i < 4; i++) o[i] = pack_bf16x2(w[2 * i], w[2 * i + 1]); \
 }
@@ -253,8 +253,8 @@ __device__ __forceinline__ void dot2_##name(                                    
         int K, int t0, int nt, int lane, float* acc0, float* acc1, float* ss) {           \
     for (int c = lane; c < (K >> 3); c += 32) {                                           \
         float w0[8], w1[8], gs[8];                                                        \
-        deq(row0, c << 3, w0);                                                            \
-        if (row1) deq(row1, c << 3, w1);                                                  \
+        deq(row0, K, c << 3, w0);                                                         \
+        if (row1) deq(row1, K, c << 3, w1);                                               \
         if (g) {                                                                          \
             const float4* gp = (const float4*)(g + (c << 3));                             \
             float4 a = gp[0], b = gp[1];                                                  \
@@ -305,7 +305,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_NMV_ROW)
 // = rmsnorm(X) @ Wi^T (+ bi). grid (ceil((N0+N1+N2) / FUSED_WARPS), ceil(T / GEMV_TOKENS)),
 // block 32 * FUSED_WARPS. K % 8 == 0.
 #define ELLM_NMV3(name, deq)                                                              \
-extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) nmv3_##name(              \
+extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) nmv3_##name(            \
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,  \
         long long rb0, long long rb1, long long rb2,                                      \
         const float* __restrict__ b0, const float* __restrict__ b1,                       \
@@ -332,7 +332,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_NMV3)
 // rmsnorm(X); act 0 = silu, 1 = gelu_tanh (elementwise.cu's formulas). grid
 // (ceil(F / FUSED_WARPS), ceil(T / GEMV_TOKENS)), block 32 * FUSED_WARPS.
 #define ELLM_GLU(name, deq)                                                               \
-extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) glu_##name(               \
+extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) glu_##name(             \
         const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rbg, long long rbu, \
         const float* __restrict__ bg, const float* __restrict__ bu,                       \
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
@@ -366,7 +366,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GLU)
 // Y (T, N) += X @ W^T (+ bias): a product whose result goes straight into the residual
 // stream (o_proj, down_proj). grid (ceil(N / FUSED_WARPS), ceil(T / GEMV_TOKENS)).
 #define ELLM_GEMV_ADD(name, deq)                                                          \
-extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) gemv_add_##name(          \
+extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) gemv_add_##name(        \
         const u8* __restrict__ W, long long row_bytes,                                    \
         const float* __restrict__ X, const float* __restrict__ bias,                      \
         float* __restrict__ Y, int T, int K, int N) {                                     \
@@ -399,7 +399,7 @@ ELLM_FOR_EACH_WEIGHT_TYPE(ELLM_GEMV_ADD)
 // captured batch) write no cache slot. grid (ceil(tasks / FUSED_WARPS), ceil(T /
 // GEMV_TOKENS)), block 32 * FUSED_WARPS.
 #define ELLM_QKV_ROPE(name, deq)                                                          \
-extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) qkv_rope_##name(          \
+extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1) qkv_rope_##name(        \
         ELLM_QKV_ROPE_PARAMS) {                                                           \
     grid_dependency_sync();                                                               \
     int t0 = blockIdx.y * GEMV_TOKENS, nt = min(GEMV_TOKENS, T - t0), lane = threadIdx.x & 31; \

@@ -56,7 +56,7 @@ __device__ __forceinline__ void frag_zero(Frag& f) {
 struct WBf16 {
     static constexpr bool split = false, scaled = false, has_min = false;
     static constexpr int bytes_256 = 512;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         uint4 v = *(const uint4*)(row + 2 * (k0 + 8 * q));   // 16-byte aligned (K % 32 == 0)
         f.w[0] = v.x; f.w[1] = v.y; f.w[2] = v.z; f.w[3] = v.w;
@@ -65,31 +65,40 @@ struct WBf16 {
     }
 };
 
-// Q8_0 (34 bytes / 32): f16 d, int8 q; the 8 q at 8q.
+// Q8_0 as the GPU keeps it (common.cuh deq8_q8_0): K int8 q, then K / 32 f16 d; the 8 q
+// at 8q in one 8-byte load.
 struct WQ8_0 {
     static constexpr bool split = false, scaled = true, has_min = false;
     static constexpr int bytes_256 = 272;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        const u8* b = row + (k0 >> 5) * 34;
-        float d = rd_f16(b);
-        const u16* qs = (const u16*)(b + 2 + 8 * q);
+        float d = rd_f16(row + K + 2 * (k0 >> 5));
+        uint2 v = *(const uint2*)(row + k0 + 8 * q);
         #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u16 two = qs[i];
-            f.w[i] = pack_int_pair((int)(i8)(two & 0xff), (int)(i8)(two >> 8));
+        for (int i = 0; i < 2; i++) {
+            u32 word = i ? v.y : v.x;
+            f.w[2 * i] = pack_int_pair((int)(i8)(word & 0xffu), (int)(i8)((word >> 8) & 0xffu));
+            f.w[2 * i + 1] = pack_int_pair((int)(i8)((word >> 16) & 0xffu), (int)(i8)(word >> 24));
         }
         f.sc[0] = f.sc[1] = d;
         f.mn[0] = f.mn[1] = 0.0f;
     }
+    // the lines of step s: its 32 q and its d
+    static __device__ __forceinline__ void prefetch(const u8* row, int K, int s) {
+        prefetch_l2(row + 32 * s);
+        prefetch_l2(row + K + 2 * s);
+    }
 };
+
+template <class WT> struct is_q8_0 { static constexpr bool value = false; };
+template <> struct is_q8_0<WQ8_0> { static constexpr bool value = true; };
 
 // Q4_0 (18 bytes / 32): k < 16 the low nibble of qs[k], k >= 16 the high nibble of
 // qs[k - 16]; value d (q - 8). Split: qs[4q .. 4q + 3] hold both mmas' k.
 struct WQ4_0 {
     static constexpr bool split = true, scaled = true, has_min = false;
     static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 5) * 18;
         float d = rd_f16(b);
@@ -109,7 +118,7 @@ struct WQ4_0 {
 struct WQ4_1 {
     static constexpr bool split = true, scaled = true, has_min = true;
     static constexpr int bytes_256 = 160;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 5) * 20;
         float d = rd_f16(b), m = rd_f16(b + 2);
@@ -130,7 +139,7 @@ struct WQ4_1 {
 struct WQ4_K {
     static constexpr bool split = false, scaled = true, has_min = true;
     static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 8) * 144;
         int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
@@ -152,7 +161,7 @@ struct WQ4_K {
 struct WQ5_K {
     static constexpr bool split = false, scaled = true, has_min = true;
     static constexpr int bytes_256 = 176;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 8) * 176;
         int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
@@ -178,7 +187,7 @@ struct WQ5_K {
 struct WQ6_K {
     static constexpr bool split = true, scaled = true, has_min = false;
     static constexpr int bytes_256 = 210;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ void frag(const u8* row, int k0, int q, Frag& f) {
+    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         const u8* b = row + (k0 >> 8) * 210;
         int e0 = k0 & 255, half = e0 >> 7, r = e0 & 127;
@@ -286,8 +295,8 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
         if (s < steps) {
             #pragma unroll
             for (int r = 0; r < RT; r++) {
-                WT::frag(ra[r], s << 5, q, fas[u][r]);
-                WT::frag(rb[r], s << 5, q, fbs[u][r]);
+                WT::frag(ra[r], K, s << 5, q, fas[u][r]);
+                WT::frag(rb[r], K, s << 5, q, fbs[u][r]);
             }
         }
       }
@@ -367,8 +376,13 @@ __device__ __forceinline__ void prefetch_first_steps(const u8* const* ra, const 
         long long off = (long long)s * WT::bytes_256 / 8;   // within the row: s < K / 32
         #pragma unroll
         for (int r = 0; r < RT; r++) {
-            if (ra[r]) prefetch_l2(ra[r] + off);
-            if (rb[r]) prefetch_l2(rb[r] + off);
+            if constexpr (is_q8_0<WT>::value) {   // q and d apart (WQ8_0)
+                if (ra[r]) WQ8_0::prefetch(ra[r], K, s);
+                if (rb[r]) WQ8_0::prefetch(rb[r], K, s);
+            } else {
+                if (ra[r]) prefetch_l2(ra[r] + off);
+                if (rb[r]) prefetch_l2(rb[r] + off);
+            }
         }
     }
 }

@@ -191,6 +191,20 @@ def _on_stream(method: Any) -> Any:
     return run
 
 
+def q8_0_rows_split(data: np.ndarray, K: int) -> np.ndarray:
+    """Q8_0 rows (N, K / 32 * 34: blocks of an f16 scale and 32 int8) as the kernels read
+    them (common.cuh deq8_q8_0, mmv.cu WQ8_0): each row's K int8 values, then its K / 32
+    scales, the row padded to a multiple of 16 bytes (the device array is a view of the
+    first K / 32 * 34 columns, its row stride the padded one). GGML's blocks keep the
+    values at 2-byte alignment; apart, a lane reads its 8 values in one load, not four."""
+    n, row = data.shape
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(n, K // 32, 34)
+    out = np.zeros((n, _ceil(row, 16) * 16), np.uint8)
+    out[:, :K] = blocks[:, :, 2:].reshape(n, K)
+    out[:, K:K + K // 16] = blocks[:, :, :2].reshape(n, K // 16)
+    return out
+
+
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -375,7 +389,8 @@ class CudaOps:
     @_on_stream
     def upload_linear(self, w: Linear) -> Linear:
         """The matrix on the device in its own type; types without a kernel (Q5_0, Q2_K,
-        ...) are dequantized to f32 on the host first (4 bytes a weight: correct, not fast)."""
+        ...) are dequantized to f32 on the host first (4 bytes a weight: correct, not fast).
+        Q8_0 rows are stored with their values and scales apart (q8_0_rows_split)."""
         from dataclasses import replace
         if isinstance(w.data, self.cp.ndarray):
             return w
@@ -384,6 +399,9 @@ class CudaOps:
             from ..formats.dequant import dequantize
             dense = dequantize(w.data, w.qtype, (w.out_features, w.in_features))
             return replace(w, data=self._weights_to_device(dense), qtype=GGMLType.F32, bias=bias)
+        if w.qtype == GGMLType.Q8_0:
+            split = self._weights_to_device(q8_0_rows_split(w.data, w.in_features))
+            return replace(w, data=split[:, :w.data.shape[1]], bias=bias)
         return replace(w, data=self._weights_to_device(np.ascontiguousarray(w.data)), bias=bias)
 
     @_on_stream
