@@ -275,7 +275,8 @@ def test_norm_linear_multi_of_mixed_types(ops) -> None:
         for w, dw, o in zip(ws, dws, outs):
             assert_near(host(ops, o), REF.linear(h, w), fused_bound(ops, w.qtype, t), f"T={t} {w.qtype.name}")
             if ops.name == "cuda":
-                alone = ops.norm_linear_multi(ops.upload(x), ops.upload(g), 1e-5, [(dw, ops.empty((t, w.out_features)))])
+                alone = ops.norm_linear_multi(ops.upload(x), ops.upload(g), 1e-5,
+                                              [(dw, ops.empty((t, w.out_features)))])
                 assert np.array_equal(host(ops, o), host(ops, alone[0])), f"T={t} {w.qtype.name}"
 
 
