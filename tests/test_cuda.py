@@ -523,6 +523,26 @@ def test_a_decode_steps_kernels_are_counted(tiny_models_dir: Path, family: str, 
         gpu.close(), cpu.close()
 
 
+@needs_gpu
+def test_a_model_quantized_to_q8_0_at_load_runs_split_rows(tiny_models_dir: Path) -> None:
+    """quantize="q8_0" on cuda: the matrices go up as split rows (q8_0_rows_split), and the
+    model gives the CPU's tokens (its own q8_0 weights, f32 activations) and its logits
+    within 1e-4."""
+    gpu = ellm.load(tiny_models_dir / "llama", device="cuda", quantize="q8_0", max_model_len=256)
+    cpu = ellm.load(tiny_models_dir / "llama", device="cpu", quantize="q8_0", activations="f32", max_model_len=256)
+    try:
+        q = gpu.model.layers[0].attn.q
+        assert q.qtype == GGMLType.Q8_0 and q.data.strides[0] % 16 == 0
+        assert q.data.strides[0] - q.data.shape[1] == (-q.data.shape[1]) % 16
+        ids = np.random.default_rng(8).integers(3, 320, 13).tolist()
+        p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        assert gpu.generate(ids, p).token_ids == cpu.generate(ids, p).token_ids
+        got, want = gpu.engine.logits(ids)[-1], cpu.engine.logits(ids)[-1]
+        assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
+    finally:
+        gpu.close(), cpu.close()
+
+
 def _scripted(eng, script: dict[int, list], between: dict[int, object] | None = None) -> dict[str, tuple]:
     """Steps the engine, adding (id, prompt ids, params) at the step numbers of `script`
     and calling between[i](), if given, before step i -> per request (ids, text, reason)."""

@@ -191,17 +191,28 @@ def _on_stream(method: Any) -> Any:
     return run
 
 
-def q8_0_rows_split(data: np.ndarray, K: int) -> np.ndarray:
+# Q8_0's block: an f16 scale, then 32 int8 values (34 bytes, no padding)
+_Q8_0_BLOCK = np.dtype([("d", "<u2"), ("q", "V32")])
+# the largest Q8_0 matrix upload_linear rearranges in one reused host buffer (a layer's
+# of an 8B model: 62 MB); larger ones (a vocabulary) take memory of their own
+SPLIT_BUFFER_MAX = 64 << 20
+
+
+def q8_0_rows_split(data: np.ndarray, K: int, buffer: np.ndarray | None = None) -> np.ndarray:
     """Q8_0 rows (N, K / 32 * 34: blocks of an f16 scale and 32 int8) as the kernels read
     them (common.cuh deq8_q8_0, mmv.cu WQ8_0): each row's K int8 values, then its K / 32
     scales, the row padded to a multiple of 16 bytes (the device array is a view of the
     first K / 32 * 34 columns, its row stride the padded one). GGML's blocks keep the
-    values at 2-byte alignment; apart, a lane reads its 8 values in one load, not four."""
+    values at 2-byte alignment; apart, a lane reads its 8 values in one load, not four.
+    buffer: uint8 host memory to build it in (reused across a model's matrices: no new
+    pages to fault in for each)."""
     n, row = data.shape
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(n, K // 32, 34)
-    out = np.zeros((n, _ceil(row, 16) * 16), np.uint8)
-    out[:, :K] = blocks[:, :, 2:].reshape(n, K)
-    out[:, K:K + K // 16] = blocks[:, :, :2].reshape(n, K // 16)
+    width = _ceil(row, 16) * 16
+    out = (np.empty(n * width, np.uint8) if buffer is None else buffer[:n * width]).reshape(n, width)
+    blocks = np.ascontiguousarray(data).view(_Q8_0_BLOCK).reshape(n, K // 32)
+    out[:, :K].view("V32")[...] = blocks["q"]
+    out[:, K:row].view("<u2")[...] = blocks["d"]
+    out[:, row:] = 0
     return out
 
 
@@ -256,6 +267,7 @@ class CudaOps:
         self.capture_keep: list[Any] | None = None   # set while a graph is captured
         # per SequenceSampler: its seed and the draws made so far (device sampling)
         self._rng_state: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+        self._split_buffer = np.empty(0, np.uint8)   # host memory upload_linear rearranges Q8_0 rows in
         self.compile_kernels()
 
     # -- kernels -----------------------------------------------------------------------
@@ -400,7 +412,11 @@ class CudaOps:
             dense = dequantize(w.data, w.qtype, (w.out_features, w.in_features))
             return replace(w, data=self._weights_to_device(dense), qtype=GGMLType.F32, bias=bias)
         if w.qtype == GGMLType.Q8_0:
-            split = self._weights_to_device(q8_0_rows_split(w.data, w.in_features))
+            need = w.out_features * _ceil(w.data.shape[1], 16) * 16
+            if self._split_buffer.size < need <= SPLIT_BUFFER_MAX:
+                self._split_buffer = np.empty(need, np.uint8)
+            buffer = self._split_buffer if need <= SPLIT_BUFFER_MAX else None
+            split = self._weights_to_device(q8_0_rows_split(w.data, w.in_features, buffer))
             return replace(w, data=split[:, :w.data.shape[1]], bias=bias)
         return replace(w, data=self._weights_to_device(np.ascontiguousarray(w.data)), bias=bias)
 
