@@ -66,13 +66,17 @@ struct WBf16 {
 };
 
 // Q8_0 as the GPU keeps it (common.cuh deq8_q8_0): K int8 q, then K / 32 f16 d; the 8 q
-// at 8q in one 8-byte load.
+// at 8q in one 8-byte load. The scale is the caller's (mmv_warp loads a row's scales of
+// several steps at once: scale()).
 struct WQ8_0 {
     static constexpr bool split = false, scaled = true, has_min = false;
     static constexpr int bytes_256 = 272;   // a row is K / 256 * bytes_256 bytes
+    static __device__ __forceinline__ float scale(const u8* row, int K, int s) {
+        return rd_f16(row + K + 2 * s);
+    }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        float d = rd_f16(row + K + 2 * (k0 >> 5));
+        float d = 0.0f;   // set by mmv_warp
         uint2 v = *(const uint2*)(row + k0 + 8 * q);
         #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -289,14 +293,39 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
     // the sums, are those of a one-step loop)
     for (int s0 = warp; s0 < steps; s0 += U * MMV_WARPS) {
       Frag fas[U][RT], fbs[U][RT];
+      // Q8_0: lane q loads its rows' scales of step s0 + q MMV_WARPS (q < U) and the four
+      // lanes of a row pass them round: one load of a row's scales for U steps, not U
+      // (U = 1, four tiles: each step's own load)
+      float das[RT], dbs[RT];
+      if constexpr (is_q8_0<WT>::value && U > 1) {
+        int sq = s0 + q * MMV_WARPS;
+        bool mine = q < U && sq < steps;
+        #pragma unroll
+        for (int r = 0; r < RT; r++) {
+            das[r] = mine && ra[r] ? WQ8_0::scale(ra[r], K, sq) : 0.0f;
+            dbs[r] = mine && rb[r] ? WQ8_0::scale(rb[r], K, sq) : 0.0f;
+        }
+      }
       #pragma unroll
       for (int u = 0; u < U; u++) {
         int s = s0 + u * MMV_WARPS;
-        if (s < steps) {
+        if (s < steps) {   // (the same s for the whole warp: the shuffles below see every lane)
             #pragma unroll
             for (int r = 0; r < RT; r++) {
                 WT::frag(ra[r], K, s << 5, q, fas[u][r]);
                 WT::frag(rb[r], K, s << 5, q, fbs[u][r]);
+                if constexpr (is_q8_0<WT>::value) {
+                    float da, db;
+                    if constexpr (U > 1) {
+                        da = __shfl_sync(0xffffffffu, das[r], (lane & ~3) | u);
+                        db = __shfl_sync(0xffffffffu, dbs[r], (lane & ~3) | u);
+                    } else {
+                        da = ra[r] ? WQ8_0::scale(ra[r], K, s) : 0.0f;
+                        db = rb[r] ? WQ8_0::scale(rb[r], K, s) : 0.0f;
+                    }
+                    fas[u][r].sc[0] = fas[u][r].sc[1] = da;
+                    fbs[u][r].sc[0] = fbs[u][r].sc[1] = db;
+                }
             }
         }
       }

@@ -317,6 +317,18 @@ template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
     return r;
 }
 
+// lane src_lane's v (of the whole warp: every lane must call it, as on a GPU)
+template <class T> inline T __shfl_sync(unsigned mask, T v, int src_lane) {
+    static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
+    if (mask != 0xffffffffu) std::abort();   // the kernels shuffle whole warps only
+    uint32_t mine[2] = {0, 0};
+    std::memcpy(mine, &v, sizeof(T));
+    auto slots = cuda_host::exchange(mine, 2);
+    T r;
+    std::memcpy(&r, slots[src_lane & 31], sizeof(T));
+    return r;
+}
+
 template <class T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
 template <class T> inline T atomicMin(T* p, T v) { T old = *p; if (v < old) *p = v; return old; }
 template <class T> inline T atomicMax(T* p, T v) { T old = *p; if (v > old) *p = v; return old; }
