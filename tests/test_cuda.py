@@ -105,19 +105,32 @@ def ops():
     return CudaOps()
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1], ids=lambda q: q.name)
 @pytest.mark.parametrize("k", [576, 4096])
-def test_q8_0_rows_are_kept_split_on_the_device(k: int) -> None:
-    """Q8_0 on the GPU (ops/cuda.py q8_0_rows_split; common.cuh deq8_q8_0): each row's
-    int8 values, then its f16 scales, rows padded to 16 bytes; value d q, GGML's."""
+def test_rows_are_kept_split_on_the_device(qtype: GGMLType, k: int) -> None:
+    """Q8_0 / Q4_0 / Q4_1 on the GPU (ops/cuda.py rows_split; common.cuh deq8_*): each
+    row's values of every block, then the blocks' scales (f16 d; Q4_1: d, m), rows padded
+    to 16 bytes; the values GGML's dequantization gives."""
     from ellm.formats.dequant import dequantize
-    from ellm.ops.cuda import q8_0_rows_split
-    w = random_linear(np.random.default_rng(5), GGMLType.Q8_0, 7, k)
-    split = q8_0_rows_split(w.data, k)
-    assert split.shape[0] == 7 and split.shape[1] % 16 == 0 and split.shape[1] - w.data.shape[1] < 16
-    q = split[:, :k].view(np.int8).astype(np.float32)
-    d = split[:, k:k + k // 16].copy().view(np.float16).astype(np.float32)   # (7, k / 32)
-    assert np.array_equal(np.repeat(d, 32, axis=1) * q, dequantize(w.data, GGMLType.Q8_0, (7, k)))
-    assert not split[:, w.data.shape[1]:].any()
+    from ellm.ops.cuda import rows_split
+    w = random_linear(np.random.default_rng(5), qtype, 7, k)
+    split = rows_split(w.data, qtype)
+    row = w.data.shape[1]
+    assert split.shape[0] == 7 and split.shape[1] % 16 == 0 and split.shape[1] - row < 16
+    assert not split[:, row:].any()
+    nb = k // 32
+    if qtype == GGMLType.Q8_0:
+        q = split[:, :k].view(np.int8).astype(np.float32)
+        d, m = split[:, k:row].copy().view(np.float16).astype(np.float32), 0.0
+    else:
+        nib = split[:, :k // 2].reshape(7, nb, 16)
+        q = np.concatenate([nib & 15, nib >> 4], axis=2).reshape(7, k).astype(np.float32)
+        sc = split[:, k // 2:row].copy().view(np.float16).astype(np.float32)
+        if qtype == GGMLType.Q4_0:
+            d, m, q = sc, 0.0, q - 8
+        else:
+            d, m = sc[:, 0::2], np.repeat(sc[:, 1::2], 32, axis=1)
+    assert np.array_equal(np.repeat(d, 32, axis=1) * q + m, dequantize(w.data, qtype, (7, k)))
 
 
 def random_linear(rng: np.random.Generator, qtype: GGMLType, n: int, k: int) -> Linear:
@@ -525,7 +538,7 @@ def test_a_decode_steps_kernels_are_counted(tiny_models_dir: Path, family: str, 
 
 @needs_gpu
 def test_a_model_quantized_to_q8_0_at_load_runs_split_rows(tiny_models_dir: Path) -> None:
-    """quantize="q8_0" on cuda: the matrices go up as split rows (q8_0_rows_split), and the
+    """quantize="q8_0" on cuda: the matrices go up as split rows (rows_split), and the
     model gives the CPU's tokens (its own q8_0 weights, f32 activations) and its logits
     within 1e-4."""
     gpu = ellm.load(tiny_models_dir / "llama", device="cuda", quantize="q8_0", max_model_len=256)

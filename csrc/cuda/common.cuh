@@ -157,31 +157,39 @@ __device__ __forceinline__ void deq8_bf16(const u8* row, int K, int k0, float* v
     for (int i = 0; i < 8; i++) v[i] = bf16_to_f32(p[i]);
 }
 
-// Q4_0: f16 d, 16 bytes; element j < 16 is the low nibble of qs[j], j >= 16 the high
-// nibble of qs[j - 16]; value d * (q - 8).
+// Q4_0, Q4_1 and Q8_0 as the GPU keeps them (ops/cuda.py rows_split): a row's values of
+// every block first (16 bytes of nibbles a block of 32 for Q4_0 / Q4_1, 32 int8 for Q8_0),
+// then its blocks' scales (f16 d; Q4_1: f16 d and f16 m), the row padded to 16 bytes.
+// GGML's blocks (18, 20, 34 bytes) leave the values 2-byte aligned; apart, 8 values are one
+// load. Rows start 16-byte aligned; the scales at K / 2 (Q4_x) or K (Q8_0), 16-byte aligned.
+
+// Q4_0: element j < 16 of a block the low nibble of its byte j, j >= 16 the high nibble of
+// byte j - 16; value d * (q - 8).
 __device__ __forceinline__ void deq8_q4_0(const u8* row, int K, int k0, float* v) {
-    const u8* b = row + (k0 >> 5) * 18;
-    float d = rd_f16(b);
-    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
-    const u8* qs = b + 2 + (j0 & 15);
+    int blk = k0 >> 5, j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    float d = rd_f16(row + (K >> 1) + 2 * blk);
+    uint2 w = *(const uint2*)(row + 16 * blk + (j0 & 15));
     #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = d * (float)(((qs[i] >> sh) & 15) - 8);
+    for (int i = 0; i < 4; i++) {
+        v[i] = d * (float)((int)((w.x >> (8 * i + sh)) & 15u) - 8);
+        v[4 + i] = d * (float)((int)((w.y >> (8 * i + sh)) & 15u) - 8);
+    }
 }
 
-// Q4_1: f16 d, f16 m, 16 bytes of nibbles as Q4_0; value d * q + m.
+// Q4_1: nibbles as Q4_0; value d * q + m.
 __device__ __forceinline__ void deq8_q4_1(const u8* row, int K, int k0, float* v) {
-    const u8* b = row + (k0 >> 5) * 20;
-    float d = rd_f16(b), m = rd_f16(b + 2);
-    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
-    const u8* qs = b + 4 + (j0 & 15);
+    int blk = k0 >> 5, j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    const u8* dm = row + (K >> 1) + 4 * blk;
+    float d = rd_f16(dm), m = rd_f16(dm + 2);
+    uint2 w = *(const uint2*)(row + 16 * blk + (j0 & 15));
     #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) + m;
+    for (int i = 0; i < 4; i++) {
+        v[i] = d * (float)((w.x >> (8 * i + sh)) & 15u) + m;
+        v[4 + i] = d * (float)((w.y >> (8 * i + sh)) & 15u) + m;
+    }
 }
 
-// Q8_0, as the GPU keeps it (ops/cuda.py upload_linear): a row's K int8 values, then its
-// K / 32 f16 scales, d of element k at K + 2 (k / 32) (GGML's 34-byte blocks hold both
-// at 2-byte alignment, which asks for five 2-byte loads where this takes an 8-byte and a
-// 2-byte one: rows start 16-byte aligned); value d * q.
+// Q8_0: 32 int8 a block; value d * q.
 __device__ __forceinline__ void deq8_q8_0(const u8* row, int K, int k0, float* v) {
     float d = rd_f16(row + K + 2 * (k0 >> 5));
     uint2 w = *(const uint2*)(row + k0);

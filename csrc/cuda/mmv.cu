@@ -54,7 +54,7 @@ __device__ __forceinline__ void frag_zero(Frag& f) {
 
 // BF16 rows: 16 bytes at k0 + 8q.
 struct WBf16 {
-    static constexpr bool split = false, scaled = false, has_min = false;
+    static constexpr bool split = false, scaled = false, has_min = false, rows_split = false;
     static constexpr int bytes_256 = 512;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
@@ -65,83 +65,96 @@ struct WBf16 {
     }
 };
 
-// Q8_0 as the GPU keeps it (common.cuh deq8_q8_0): K int8 q, then K / 32 f16 d; the 8 q
-// at 8q in one 8-byte load. The scale is the caller's (mmv_warp loads a row's scales of
-// several steps at once: scale()).
+// Q8_0, Q4_0 and Q4_1 as the GPU keeps them (common.cuh, ops/cuda.py rows_split): a row's
+// values, then its scales. A lane's values of a step are one load; the scales are the
+// caller's (mmv_warp loads a row's scale word of several steps at once, scale_word(), and
+// each frag takes its step's: set_scales()).
+
+// Q8_0: 32 int8 a step; the 8 q at 8q in one 8-byte load. Scale word: f16 d.
 struct WQ8_0 {
-    static constexpr bool split = false, scaled = true, has_min = false;
+    static constexpr bool split = false, scaled = true, has_min = false, rows_split = true;
     static constexpr int bytes_256 = 272;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ float scale(const u8* row, int K, int s) {
-        return rd_f16(row + K + 2 * s);
+    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 32 * s; }
+    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) { return row + K + 2 * s; }
+    static __device__ __forceinline__ u32 scale_word(const u8* row, int K, int s) {
+        return *(const u16*)scales(row, K, s);
+    }
+    static __device__ __forceinline__ void set_scales(u32 word, Frag& f) {
+        f.sc[0] = f.sc[1] = f16_to_f32((u16)word);
+        f.mn[0] = f.mn[1] = 0.0f;
     }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        float d = 0.0f;   // set by mmv_warp
-        uint2 v = *(const uint2*)(row + k0 + 8 * q);
+        uint2 v = *(const uint2*)(values(row, k0 >> 5) + 8 * q);
         #pragma unroll
         for (int i = 0; i < 2; i++) {
             u32 word = i ? v.y : v.x;
             f.w[2 * i] = pack_int_pair((int)(i8)(word & 0xffu), (int)(i8)((word >> 8) & 0xffu));
             f.w[2 * i + 1] = pack_int_pair((int)(i8)((word >> 16) & 0xffu), (int)(i8)(word >> 24));
         }
-        f.sc[0] = f.sc[1] = d;
-        f.mn[0] = f.mn[1] = 0.0f;
-    }
-    // the lines of step s: its 32 q and its d
-    static __device__ __forceinline__ void prefetch(const u8* row, int K, int s) {
-        prefetch_l2(row + 32 * s);
-        prefetch_l2(row + K + 2 * s);
     }
 };
 
-template <class WT> struct is_q8_0 { static constexpr bool value = false; };
-template <> struct is_q8_0<WQ8_0> { static constexpr bool value = true; };
-
-// Q4_0 (18 bytes / 32): k < 16 the low nibble of qs[k], k >= 16 the high nibble of
-// qs[k - 16]; value d (q - 8). Split: qs[4q .. 4q + 3] hold both mmas' k.
+// Q4_0: 16 bytes of nibbles a step, k < 16 the low nibble of byte k, k >= 16 the high
+// nibble of byte k - 16; value d (q - 8). Split: bytes 4q .. 4q + 3 (one 4-byte load) hold
+// both mmas' k. Scale word: f16 d.
 struct WQ4_0 {
-    static constexpr bool split = true, scaled = true, has_min = false;
+    static constexpr bool split = true, scaled = true, has_min = false, rows_split = true;
     static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
+    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 16 * s; }
+    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
+        return row + (K >> 1) + 2 * s;
+    }
+    static __device__ __forceinline__ u32 scale_word(const u8* row, int K, int s) {
+        return *(const u16*)scales(row, K, s);
+    }
+    static __device__ __forceinline__ void set_scales(u32 word, Frag& f) {
+        f.sc[0] = f.sc[1] = f16_to_f32((u16)word);
+        f.mn[0] = f.mn[1] = 0.0f;
+    }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        const u8* b = row + (k0 >> 5) * 18;
-        float d = rd_f16(b);
-        u32 v = ld_u16x2(b + 2 + 4 * q);
+        u32 v = *(const u32*)(values(row, k0 >> 5) + 4 * q);
         #pragma unroll
         for (int i = 0; i < 2; i++) {
             int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
             f.w[i] = pack_int_pair((c0 & 15) - 8, (c1 & 15) - 8);
             f.w[2 + i] = pack_int_pair((c0 >> 4) - 8, (c1 >> 4) - 8);
         }
-        f.sc[0] = f.sc[1] = d;
-        f.mn[0] = f.mn[1] = 0.0f;
     }
 };
 
-// Q4_1 (20 bytes / 32): f16 d, f16 m, nibbles as Q4_0; value d q + m.
+// Q4_1: nibbles as Q4_0; value d q + m. Scale word: f16 d, then f16 m.
 struct WQ4_1 {
-    static constexpr bool split = true, scaled = true, has_min = true;
+    static constexpr bool split = true, scaled = true, has_min = true, rows_split = true;
     static constexpr int bytes_256 = 160;   // a row is K / 256 * bytes_256 bytes
+    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 16 * s; }
+    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
+        return row + (K >> 1) + 4 * s;
+    }
+    static __device__ __forceinline__ u32 scale_word(const u8* row, int K, int s) {
+        return *(const u32*)scales(row, K, s);
+    }
+    static __device__ __forceinline__ void set_scales(u32 word, Frag& f) {
+        f.sc[0] = f.sc[1] = f16_to_f32((u16)(word & 0xffffu));
+        f.mn[0] = f.mn[1] = f16_to_f32((u16)(word >> 16));
+    }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        const u8* b = row + (k0 >> 5) * 20;
-        float d = rd_f16(b), m = rd_f16(b + 2);
-        u32 v = ld_u16x2(b + 4 + 4 * q);
+        u32 v = *(const u32*)(values(row, k0 >> 5) + 4 * q);
         #pragma unroll
         for (int i = 0; i < 2; i++) {
             int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
             f.w[i] = pack_int_pair(c0 & 15, c1 & 15);
             f.w[2 + i] = pack_int_pair(c0 >> 4, c1 >> 4);
         }
-        f.sc[0] = f.sc[1] = d;
-        f.mn[0] = f.mn[1] = m;
     }
 };
 
 // Q4_K (144 bytes / 256): step s of a block is sub-block s (scale d * sc, min dmin * mn):
 // the low (s even) or high nibbles of qs[32 (s / 2) ..]; value d sc q - dmin mn.
 struct WQ4_K {
-    static constexpr bool split = false, scaled = true, has_min = true;
+    static constexpr bool split = false, scaled = true, has_min = true, rows_split = false;
     static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
@@ -163,7 +176,7 @@ struct WQ4_K {
 // Q5_K (176 bytes / 256): Q4_K's fields plus qh[32]: bit s of qh[l] is the fifth bit of
 // element l of sub-block s.
 struct WQ5_K {
-    static constexpr bool split = false, scaled = true, has_min = true;
+    static constexpr bool split = false, scaled = true, has_min = true, rows_split = false;
     static constexpr int bytes_256 = 176;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
@@ -189,7 +202,7 @@ struct WQ5_K {
 // element e of a 128-half: ql[e & 63] nibble e >> 6, qh[e & 31] bits 2 (e >> 5); value
 // d scale (q - 32). Split: each mma's 16 k share one scale.
 struct WQ6_K {
-    static constexpr bool split = true, scaled = true, has_min = false;
+    static constexpr bool split = true, scaled = true, has_min = false, rows_split = false;
     static constexpr int bytes_256 = 210;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
@@ -293,17 +306,17 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
     // the sums, are those of a one-step loop)
     for (int s0 = warp; s0 < steps; s0 += U * MMV_WARPS) {
       Frag fas[U][RT], fbs[U][RT];
-      // Q8_0: lane q loads its rows' scales of step s0 + q MMV_WARPS (q < U) and the four
-      // lanes of a row pass them round: one load of a row's scales for U steps, not U
-      // (U = 1, four tiles: each step's own load)
-      float das[RT], dbs[RT];
-      if constexpr (is_q8_0<WT>::value && U > 1) {
+      // Split rows (Q8_0, Q4_0, Q4_1): lane q loads its rows' scale word of step
+      // s0 + q MMV_WARPS (q < U) and the four lanes of a row pass them round: one load of a
+      // row's scales for U steps, not U (U = 1, four tiles: each step's own load)
+      u32 das[RT], dbs[RT];
+      if constexpr (WT::rows_split && U > 1) {
         int sq = s0 + q * MMV_WARPS;
         bool mine = q < U && sq < steps;
         #pragma unroll
         for (int r = 0; r < RT; r++) {
-            das[r] = mine && ra[r] ? WQ8_0::scale(ra[r], K, sq) : 0.0f;
-            dbs[r] = mine && rb[r] ? WQ8_0::scale(rb[r], K, sq) : 0.0f;
+            das[r] = mine && ra[r] ? WT::scale_word(ra[r], K, sq) : 0u;
+            dbs[r] = mine && rb[r] ? WT::scale_word(rb[r], K, sq) : 0u;
         }
       }
       #pragma unroll
@@ -314,17 +327,17 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
             for (int r = 0; r < RT; r++) {
                 WT::frag(ra[r], K, s << 5, q, fas[u][r]);
                 WT::frag(rb[r], K, s << 5, q, fbs[u][r]);
-                if constexpr (is_q8_0<WT>::value) {
-                    float da, db;
+                if constexpr (WT::rows_split) {
+                    u32 da, db;
                     if constexpr (U > 1) {
                         da = __shfl_sync(0xffffffffu, das[r], (lane & ~3) | u);
                         db = __shfl_sync(0xffffffffu, dbs[r], (lane & ~3) | u);
                     } else {
-                        da = ra[r] ? WQ8_0::scale(ra[r], K, s) : 0.0f;
-                        db = rb[r] ? WQ8_0::scale(rb[r], K, s) : 0.0f;
+                        da = ra[r] ? WT::scale_word(ra[r], K, s) : 0u;
+                        db = rb[r] ? WT::scale_word(rb[r], K, s) : 0u;
                     }
-                    fas[u][r].sc[0] = fas[u][r].sc[1] = da;
-                    fbs[u][r].sc[0] = fbs[u][r].sc[1] = db;
+                    WT::set_scales(da, fas[u][r]);   // (a row of none: scale 0, min 0)
+                    WT::set_scales(db, fbs[u][r]);
                 }
             }
         }
@@ -405,9 +418,9 @@ __device__ __forceinline__ void prefetch_first_steps(const u8* const* ra, const 
         long long off = (long long)s * WT::bytes_256 / 8;   // within the row: s < K / 32
         #pragma unroll
         for (int r = 0; r < RT; r++) {
-            if constexpr (is_q8_0<WT>::value) {   // q and d apart (WQ8_0)
-                if (ra[r]) WQ8_0::prefetch(ra[r], K, s);
-                if (rb[r]) WQ8_0::prefetch(rb[r], K, s);
+            if constexpr (WT::rows_split) {   // values and scales apart
+                if (ra[r]) { prefetch_l2(WT::values(ra[r], s)); prefetch_l2(WT::scales(ra[r], K, s)); }
+                if (rb[r]) { prefetch_l2(WT::values(rb[r], s)); prefetch_l2(WT::scales(rb[r], K, s)); }
             } else {
                 if (ra[r]) prefetch_l2(ra[r] + off);
                 if (rb[r]) prefetch_l2(rb[r] + off);

@@ -191,27 +191,35 @@ def _on_stream(method: Any) -> Any:
     return run
 
 
-# Q8_0's block: an f16 scale, then 32 int8 values (34 bytes, no padding)
-_Q8_0_BLOCK = np.dtype([("d", "<u2"), ("q", "V32")])
-# the largest Q8_0 matrix upload_linear rearranges in one reused host buffer (a layer's
-# of an 8B model: 62 MB); larger ones (a vocabulary) take memory of their own
+# The types whose rows the GPU keeps split (rows_split): a block of 32 weights as numpy
+# sees it (its scale fields, then its values; GGML's blocks have no padding)
+SPLIT_BLOCKS: dict[GGMLType, np.dtype] = {
+    GGMLType.Q8_0: np.dtype([("scales", "V2"), ("values", "V32")]),   # f16 d, 32 int8
+    GGMLType.Q4_0: np.dtype([("scales", "V2"), ("values", "V16")]),   # f16 d, 32 nibbles
+    GGMLType.Q4_1: np.dtype([("scales", "V4"), ("values", "V16")]),   # f16 d, f16 m, 32 nibbles
+}
+# the largest matrix upload_linear rearranges in one reused host buffer (a layer's of an 8B
+# model in Q8_0: 62 MB); larger ones (a vocabulary) take memory of their own
 SPLIT_BUFFER_MAX = 64 << 20
 
 
-def q8_0_rows_split(data: np.ndarray, K: int, buffer: np.ndarray | None = None) -> np.ndarray:
-    """Q8_0 rows (N, K / 32 * 34: blocks of an f16 scale and 32 int8) as the kernels read
-    them (common.cuh deq8_q8_0, mmv.cu WQ8_0): each row's K int8 values, then its K / 32
-    scales, the row padded to a multiple of 16 bytes (the device array is a view of the
-    first K / 32 * 34 columns, its row stride the padded one). GGML's blocks keep the
-    values at 2-byte alignment; apart, a lane reads its 8 values in one load, not four.
-    buffer: uint8 host memory to build it in (reused across a model's matrices: no new
-    pages to fault in for each)."""
+def rows_split(data: np.ndarray, qtype: GGMLType, buffer: np.ndarray | None = None) -> np.ndarray:
+    """Q8_0, Q4_0 or Q4_1 rows (N, blocks of 32 weights: a scale or two, then the values)
+    as the kernels read them (common.cuh deq8_*, mmv.cu WQ*): each row's values of every
+    block, then the blocks' scales, the row padded to a multiple of 16 bytes (the device
+    array is a view of the first GGML row's bytes, its row stride the padded one). GGML's
+    blocks leave the values 2-byte aligned; apart, a lane reads its values of a step in
+    one load. buffer: uint8 host memory to build it in (reused across a model's matrices:
+    no new pages to fault in for each)."""
+    block = SPLIT_BLOCKS[qtype]
     n, row = data.shape
+    nb = row // block.itemsize
     width = _ceil(row, 16) * 16
     out = (np.empty(n * width, np.uint8) if buffer is None else buffer[:n * width]).reshape(n, width)
-    blocks = np.ascontiguousarray(data).view(_Q8_0_BLOCK).reshape(n, K // 32)
-    out[:, :K].view("V32")[...] = blocks["q"]
-    out[:, K:row].view("<u2")[...] = blocks["d"]
+    blocks = np.ascontiguousarray(data).view(block).reshape(n, nb)
+    v, sc = block["values"].itemsize, block["scales"].itemsize
+    out[:, :nb * v].view(f"V{v}")[...] = blocks["values"]
+    out[:, nb * v:row].view(f"V{sc}")[...] = blocks["scales"]
     out[:, row:] = 0
     return out
 
@@ -267,7 +275,7 @@ class CudaOps:
         self.capture_keep: list[Any] | None = None   # set while a graph is captured
         # per SequenceSampler: its seed and the draws made so far (device sampling)
         self._rng_state: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
-        self._split_buffer = np.empty(0, np.uint8)   # host memory upload_linear rearranges Q8_0 rows in
+        self._split_buffer = np.empty(0, np.uint8)   # host memory upload_linear splits rows in
         self.compile_kernels()
 
     # -- kernels -----------------------------------------------------------------------
@@ -402,7 +410,7 @@ class CudaOps:
     def upload_linear(self, w: Linear) -> Linear:
         """The matrix on the device in its own type; types without a kernel (Q5_0, Q2_K,
         ...) are dequantized to f32 on the host first (4 bytes a weight: correct, not fast).
-        Q8_0 rows are stored with their values and scales apart (q8_0_rows_split)."""
+        Q8_0, Q4_0 and Q4_1 rows are stored with their values and scales apart (rows_split)."""
         from dataclasses import replace
         if isinstance(w.data, self.cp.ndarray):
             return w
@@ -411,12 +419,12 @@ class CudaOps:
             from ..formats.dequant import dequantize
             dense = dequantize(w.data, w.qtype, (w.out_features, w.in_features))
             return replace(w, data=self._weights_to_device(dense), qtype=GGMLType.F32, bias=bias)
-        if w.qtype == GGMLType.Q8_0:
+        if w.qtype in SPLIT_BLOCKS:
             need = w.out_features * _ceil(w.data.shape[1], 16) * 16
             if self._split_buffer.size < need <= SPLIT_BUFFER_MAX:
                 self._split_buffer = np.empty(need, np.uint8)
             buffer = self._split_buffer if need <= SPLIT_BUFFER_MAX else None
-            split = self._weights_to_device(q8_0_rows_split(w.data, w.in_features, buffer))
+            split = self._weights_to_device(rows_split(w.data, w.qtype, buffer))
             return replace(w, data=split[:, :w.data.shape[1]], bias=bias)
         return replace(w, data=self._weights_to_device(np.ascontiguousarray(w.data)), bias=bias)
 
