@@ -222,10 +222,13 @@ __device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v
     float sc, mn;
     k4_scale_min(b + 4, 2 * c + hi, &sc, &mn);
     float d = rd_f16(b) * sc, m = rd_f16(b + 2) * mn;
-    const u8* qs = b + 16 + 32 * c + l;
+    uint2 w = *(const uint2*)(b + 16 + 32 * c + l);   // 8-byte aligned: 144-byte blocks, l % 8 == 0
     int sh = hi ? 4 : 0;
     #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = d * (float)((qs[i] >> sh) & 15) - m;
+    for (int i = 0; i < 4; i++) {
+        v[i] = d * (float)((w.x >> (8 * i + sh)) & 15u) - m;
+        v[4 + i] = d * (float)((w.y >> (8 * i + sh)) & 15u) - m;
+    }
 }
 
 // Q5_K (176 bytes / 256): Q4_K's fields plus qh[32] (bit 2c+hi of qh[l] is the fifth bit).
@@ -235,12 +238,13 @@ __device__ __forceinline__ void deq8_q5_k(const u8* row, int K, int k0, float* v
     float sc, mn;
     k4_scale_min(b + 4, 2 * c + hi, &sc, &mn);
     float d = rd_f16(b) * sc, m = rd_f16(b + 2) * mn;
-    const u8* qh = b + 16 + l;
-    const u8* qs = b + 48 + 32 * c + l;
+    uint2 h = *(const uint2*)(b + 16 + l);   // 8-byte aligned: 176-byte blocks, l % 8 == 0
+    uint2 w = *(const uint2*)(b + 48 + 32 * c + l);
     int sh = hi ? 4 : 0, bit = 2 * c + hi;
     #pragma unroll
     for (int i = 0; i < 8; i++) {
-        int q = ((qs[i] >> sh) & 15) | (((qh[i] >> bit) & 1) << 4);
+        u32 qs = (i < 4 ? w.x : w.y) >> (8 * (i & 3)), qh = (i < 4 ? h.x : h.y) >> (8 * (i & 3));
+        int q = (int)((qs >> sh) & 15u) | (int)(((qh >> bit) & 1u) << 4);
         v[i] = d * (float)q - m;
     }
 }

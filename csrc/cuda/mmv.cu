@@ -158,18 +158,19 @@ struct WQ4_K {
     static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        const u8* b = row + (k0 >> 8) * 144;
+        const u8* b = row + (k0 >> 8) * 144;   // 16-byte aligned (rows of 144-byte blocks)
         int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
         float sc, mn;
         k4_scale_min(b + 4, s, &sc, &mn);
-        const u16* qs = (const u16*)(b + 16 + 32 * (s >> 1) + 8 * q);
+        uint2 v = *(const uint2*)(b + 16 + 32 * (s >> 1) + 8 * q);   // the lane's 8 bytes: one load
+        u32 dd = *(const u32*)b;   // f16 d, f16 dmin
         #pragma unroll
         for (int i = 0; i < 4; i++) {
-            u16 two = qs[i];
+            u32 two = ((i < 2 ? v.x : v.y) >> (16 * (i & 1))) & 0xffffu;
             f.w[i] = pack_int_pair(((two & 0xff) >> sh) & 15, ((two >> 8) >> sh) & 15);
         }
-        f.sc[0] = f.sc[1] = rd_f16(b) * sc;
-        f.mn[0] = f.mn[1] = -(rd_f16(b + 2) * mn);
+        f.sc[0] = f.sc[1] = f16_to_f32((u16)(dd & 0xffffu)) * sc;
+        f.mn[0] = f.mn[1] = -(f16_to_f32((u16)(dd >> 16)) * mn);
     }
 };
 
@@ -180,21 +181,23 @@ struct WQ5_K {
     static constexpr int bytes_256 = 176;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        const u8* b = row + (k0 >> 8) * 176;
+        const u8* b = row + (k0 >> 8) * 176;   // 16-byte aligned (rows of 176-byte blocks)
         int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
         float sc, mn;
         k4_scale_min(b + 4, s, &sc, &mn);
-        const u16* qs = (const u16*)(b + 48 + 32 * (s >> 1) + 8 * q);
-        const u16* qh = (const u16*)(b + 16 + 8 * q);
+        uint2 v = *(const uint2*)(b + 48 + 32 * (s >> 1) + 8 * q);   // one load each
+        uint2 h = *(const uint2*)(b + 16 + 8 * q);
+        u32 dd = *(const u32*)b;   // f16 d, f16 dmin
         #pragma unroll
         for (int i = 0; i < 4; i++) {
-            u16 two = qs[i], hb = qh[i];
+            u32 two = ((i < 2 ? v.x : v.y) >> (16 * (i & 1))) & 0xffffu;
+            u32 hb = ((i < 2 ? h.x : h.y) >> (16 * (i & 1))) & 0xffffu;
             int a = (((two & 0xff) >> sh) & 15) | ((((hb & 0xff) >> s) & 1) << 4);
             int c = (((two >> 8) >> sh) & 15) | ((((hb >> 8) >> s) & 1) << 4);
             f.w[i] = pack_int_pair(a, c);
         }
-        f.sc[0] = f.sc[1] = rd_f16(b) * sc;
-        f.mn[0] = f.mn[1] = -(rd_f16(b + 2) * mn);
+        f.sc[0] = f.sc[1] = f16_to_f32((u16)(dd & 0xffffu)) * sc;
+        f.mn[0] = f.mn[1] = -(f16_to_f32((u16)(dd >> 16)) * mn);
     }
 };
 
