@@ -191,6 +191,9 @@ def _on_stream(method: Any) -> Any:
     return run
 
 
+# the kernel files a load compiles (lora.cu waits for the first adapter)
+LOAD_KERNEL_FILES = tuple(name for name in KERNELS if name != "lora.cu")
+
 # The types whose rows the GPU keeps split (rows_split): a block of 32 weights as numpy
 # sees it (its scale fields, then its values; GGML's blocks have no padding)
 SPLIT_BLOCKS: dict[GGMLType, np.dtype] = {
@@ -280,7 +283,7 @@ class CudaOps:
 
     # -- kernels -----------------------------------------------------------------------
 
-    def compile_kernels(self, files: Sequence[str] = tuple(f for f in KERNELS if f != "lora.cu")) -> None:
+    def compile_kernels(self, files: Sequence[str] = LOAD_KERNEL_FILES) -> None:
         """Compiles the kernel files every model needs now (lora.cu when an adapter first
         asks), so that a CuPy which cannot compile them (no NVRTC, one built for another
         CUDA) fails the load, saying what to do, rather than the first request. CuPy
@@ -754,7 +757,7 @@ class CudaOps:
                      (q, k, v, positions, seq_ids, block_tables, i32(max_blocks), q_rot, k_cache, v_cache,
                       inv_freq, i32(n_rot), i32(bool(interleaved)), f32(rope_mscale),
                       i32(nh), i32(nkv), i32(hd), i32(block_size)))
-        # the second half: attn_decode for a decode batch (one launch), prefill's kernels above
+        # the second half: paged_attention (attn_decode for a decode batch: one launch)
         return self.paged_attention(q_rot.reshape(T, nh, hd), positions, seq_ids, block_tables, k_cache, v_cache,
                                     scale, window, softcap_value, key_limit, out)
 
