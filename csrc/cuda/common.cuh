@@ -163,11 +163,17 @@ __device__ __forceinline__ void deq8_bf16(const u8* row, int K, int k0, float* v
 // GGML's blocks (18, 20, 34 bytes) leave the values 2-byte aligned; apart, 8 values are one
 // load. Rows start 16-byte aligned; the scales at K / 2 (Q4_x) or K (Q8_0), 16-byte aligned.
 
+// A split row's scales of block blk: after the row's values, vb bytes a block; sb bytes a
+// block of scales (mmv.cu SplitRows reads the same places).
+__device__ __forceinline__ const u8* split_scales(const u8* row, int K, int vb, int sb, int blk) {
+    return row + (K >> 5) * vb + sb * blk;
+}
+
 // Q4_0: element j < 16 of a block the low nibble of its byte j, j >= 16 the high nibble of
 // byte j - 16; value d * (q - 8).
 __device__ __forceinline__ void deq8_q4_0(const u8* row, int K, int k0, float* v) {
     int blk = k0 >> 5, j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
-    float d = rd_f16(row + (K >> 1) + 2 * blk);
+    float d = rd_f16(split_scales(row, K, 16, 2, blk));
     uint2 w = *(const uint2*)(row + 16 * blk + (j0 & 15));
     #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -179,7 +185,7 @@ __device__ __forceinline__ void deq8_q4_0(const u8* row, int K, int k0, float* v
 // Q4_1: nibbles as Q4_0; value d * q + m.
 __device__ __forceinline__ void deq8_q4_1(const u8* row, int K, int k0, float* v) {
     int blk = k0 >> 5, j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
-    const u8* dm = row + (K >> 1) + 4 * blk;
+    const u8* dm = split_scales(row, K, 16, 4, blk);
     float d = rd_f16(dm), m = rd_f16(dm + 2);
     uint2 w = *(const uint2*)(row + 16 * blk + (j0 & 15));
     #pragma unroll
@@ -191,7 +197,7 @@ __device__ __forceinline__ void deq8_q4_1(const u8* row, int K, int k0, float* v
 
 // Q8_0: 32 int8 a block; value d * q.
 __device__ __forceinline__ void deq8_q8_0(const u8* row, int K, int k0, float* v) {
-    float d = rd_f16(row + K + 2 * (k0 >> 5));
+    float d = rd_f16(split_scales(row, K, 32, 2, k0 >> 5));
     uint2 w = *(const uint2*)(row + k0);
     #pragma unroll
     for (int i = 0; i < 4; i++) {

@@ -68,21 +68,28 @@ struct WBf16 {
 // Q8_0, Q4_0 and Q4_1 as the GPU keeps them (common.cuh, ops/cuda.py rows_split): a row's
 // values, then its scales. A lane's values of a step are one load; the scales are the
 // caller's (mmv_warp loads a row's scale word of several steps at once, scale_word(), and
-// each frag takes its step's: set_scales()).
-
-// Q8_0: 32 int8 a step; the 8 q at 8q in one 8-byte load. Scale word: f16 d.
-struct WQ8_0 {
-    static constexpr bool split = false, scaled = true, has_min = false, rows_split = true;
-    static constexpr int bytes_256 = 272;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 32 * s; }
-    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) { return row + K + 2 * s; }
+// each frag takes its step's: set_scales()). SplitRows<VB, SB>: VB bytes of values a step
+// (a block of 32), then SB bytes of scales a step (2: f16 d; 4: f16 d, then f16 m).
+template <int VB, int SB>
+struct SplitRows {
+    static constexpr bool rows_split = true;
+    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + VB * s; }
+    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
+        return split_scales(row, K, VB, SB, s);
+    }
     static __device__ __forceinline__ u32 scale_word(const u8* row, int K, int s) {
-        return *(const u16*)scales(row, K, s);
+        return SB == 4 ? *(const u32*)scales(row, K, s) : (u32)(*(const u16*)scales(row, K, s));
     }
     static __device__ __forceinline__ void set_scales(u32 word, Frag& f) {
-        f.sc[0] = f.sc[1] = f16_to_f32((u16)word);
-        f.mn[0] = f.mn[1] = 0.0f;
+        f.sc[0] = f.sc[1] = f16_to_f32((u16)(word & 0xffffu));
+        f.mn[0] = f.mn[1] = SB == 4 ? f16_to_f32((u16)(word >> 16)) : 0.0f;
     }
+};
+
+// Q8_0: 32 int8 a step; the 8 q at 8q in one 8-byte load. Scale word: f16 d.
+struct WQ8_0 : SplitRows<32, 2> {
+    static constexpr bool split = false, scaled = true, has_min = false;
+    static constexpr int bytes_256 = 272;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         uint2 v = *(const uint2*)(values(row, k0 >> 5) + 8 * q);
@@ -98,20 +105,9 @@ struct WQ8_0 {
 // Q4_0: 16 bytes of nibbles a step, k < 16 the low nibble of byte k, k >= 16 the high
 // nibble of byte k - 16; value d (q - 8). Split: bytes 4q .. 4q + 3 (one 4-byte load) hold
 // both mmas' k. Scale word: f16 d.
-struct WQ4_0 {
-    static constexpr bool split = true, scaled = true, has_min = false, rows_split = true;
+struct WQ4_0 : SplitRows<16, 2> {
+    static constexpr bool split = true, scaled = true, has_min = false;
     static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 16 * s; }
-    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
-        return row + (K >> 1) + 2 * s;
-    }
-    static __device__ __forceinline__ u32 scale_word(const u8* row, int K, int s) {
-        return *(const u16*)scales(row, K, s);
-    }
-    static __device__ __forceinline__ void set_scales(u32 word, Frag& f) {
-        f.sc[0] = f.sc[1] = f16_to_f32((u16)word);
-        f.mn[0] = f.mn[1] = 0.0f;
-    }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         u32 v = *(const u32*)(values(row, k0 >> 5) + 4 * q);
@@ -125,20 +121,9 @@ struct WQ4_0 {
 };
 
 // Q4_1: nibbles as Q4_0; value d q + m. Scale word: f16 d, then f16 m.
-struct WQ4_1 {
-    static constexpr bool split = true, scaled = true, has_min = true, rows_split = true;
+struct WQ4_1 : SplitRows<16, 4> {
+    static constexpr bool split = true, scaled = true, has_min = true;
     static constexpr int bytes_256 = 160;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 16 * s; }
-    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
-        return row + (K >> 1) + 4 * s;
-    }
-    static __device__ __forceinline__ u32 scale_word(const u8* row, int K, int s) {
-        return *(const u32*)scales(row, K, s);
-    }
-    static __device__ __forceinline__ void set_scales(u32 word, Frag& f) {
-        f.sc[0] = f.sc[1] = f16_to_f32((u16)(word & 0xffffu));
-        f.mn[0] = f.mn[1] = f16_to_f32((u16)(word >> 16));
-    }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         u32 v = *(const u32*)(values(row, k0 >> 5) + 4 * q);

@@ -305,18 +305,6 @@ inline void __syncthreads() { cuda_host::arrive(cuda_host::launch().block); }
 inline void __syncwarp(unsigned = 0xffffffffu) { cuda_host::arrive(cuda_host::my_warp()); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
-template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
-    static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
-    if (mask != 0xffffffffu) std::abort();   // the kernels shuffle whole warps only
-    uint32_t mine[2] = {0, 0};
-    std::memcpy(mine, &v, sizeof(T));
-    auto slots = cuda_host::exchange(mine, 2);
-    unsigned lane = cuda_host::launch().current->tid & 31;
-    T r;
-    std::memcpy(&r, slots[(lane ^ lane_mask) & 31], sizeof(T));
-    return r;
-}
-
 // lane src_lane's v (of the whole warp: every lane must call it, as on a GPU)
 template <class T> inline T __shfl_sync(unsigned mask, T v, int src_lane) {
     static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
@@ -327,6 +315,10 @@ template <class T> inline T __shfl_sync(unsigned mask, T v, int src_lane) {
     T r;
     std::memcpy(&r, slots[src_lane & 31], sizeof(T));
     return r;
+}
+
+template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+    return __shfl_sync(mask, v, (int)((cuda_host::launch().current->tid & 31) ^ (unsigned)lane_mask));
 }
 
 template <class T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
