@@ -261,6 +261,67 @@ int ellm_get_rows(int qtype, const uint8_t *w, size_t w_bytes, int64_t n_rows, i
 }
 
 /* ====================================================================================
+ * Q6_K rows rearranged for the GPU
+ * ==================================================================================== */
+
+/* One Q6_K block (ql[128], qh[64], int8 scales[16], f16 d) -> its 8 steps' records at rec
+ * (24 bytes a step). GGML's weight e of a block: h = e / 128, r = e % 128, low 4 bits the
+ * nibble r / 64 of ql[64 h + r % 64], high 2 bits the pair r / 32 of qh[32 h + r % 32].
+ * So step t (h = t / 4, u = t % 4) takes its nibbles from ql[64 h + 32 (u % 2) ..] (shift
+ * 4 (u / 2)) and its pairs from qh[32 h ..] (shift 2 u). A record: byte i < 16 = weight i
+ * (low nibble) and weight 16 + i (high); bytes 16 + 2 w and 17 + 2 w = the pairs of
+ * weights 4 w .. 4 w + 3 and of 16 + 4 w .. 19 + 4 w, two bits each, the first lowest. */
+static void q6_k_records(const uint8_t *blk, uint8_t *rec) {
+    const uint64_t m4 = 0x0F0F0F0F0F0F0F0FULL;
+    for (int t = 0; t < 8; t++, rec += 24) {
+        int h = t >> 2, u = t & 3;
+        const uint8_t *ql = blk + 64 * h + 32 * (u & 1), *qh = blk + 128 + 32 * h;
+        /* nibbles 8 bytes at a time: weights i (low) and 16 + i (high) */
+        for (int i = 0; i < 16; i += 8) {
+            uint64_t lo, hi, v;
+            memcpy(&lo, ql + i, 8);
+            memcpy(&hi, ql + 16 + i, 8);
+            v = u < 2 ? (lo & m4) | ((hi & m4) << 4) : ((lo >> 4) & m4) | (hi & ~m4);
+            memcpy(rec + i, &v, 8);
+        }
+        /* pairs 4 at a time: the 4 bytes qh[4 c ..] (little-endian, as every target) shifted
+         * by 2 u, byte j's pair to bits 2 j */
+        uint8_t packed[8];
+        for (int c = 0; c < 8; c++) {
+            uint32_t x;
+            memcpy(&x, qh + 4 * c, 4);
+            x = (x >> (2 * u)) & 0x03030303u;
+            packed[c] = (uint8_t)(x | (x >> 6) | (x >> 12) | (x >> 18));
+        }
+        for (int w = 0; w < 4; w++) {
+            rec[16 + 2 * w] = packed[w];
+            rec[17 + 2 * w] = packed[4 + w];
+        }
+    }
+}
+
+int ellm_q6_k_split_rows(const uint8_t *src, size_t src_bytes, int64_t n_rows, int64_t k,
+                         uint8_t *dst, size_t dst_bytes, int64_t dst_stride) {
+    int64_t rb = ellm_row_bytes(ELLM_T_Q6_K, k);
+    if (rb < 0 || n_rows < 0 || dst_stride < rb) return ELLM_E_SHAPE;
+    if ((uint64_t)rb * (uint64_t)n_rows != (uint64_t)src_bytes) return ELLM_E_SIZE;
+    if ((uint64_t)dst_stride * (uint64_t)n_rows != (uint64_t)dst_bytes) return ELLM_E_SIZE;
+    int64_t nb = k / 256;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *row = src + (size_t)r * (size_t)rb;
+        uint8_t *out = dst + (size_t)r * (size_t)dst_stride;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * 210;
+            q6_k_records(blk, out + b * 192);
+            memcpy(out + nb * 192 + b * 16, blk + 192, 16);
+            memcpy(out + nb * 208 + b * 2, blk + 208, 2);
+        }
+        memset(out + rb, 0, (size_t)(dst_stride - rb));
+    }
+    return ELLM_OK;
+}
+
+/* ====================================================================================
  * Quantization of f32 rows (GGML's reference rounding, so the bytes match llama.cpp)
  * ==================================================================================== */
 

@@ -133,6 +133,42 @@ def test_rows_are_kept_split_on_the_device(qtype: GGMLType, k: int) -> None:
     assert np.array_equal(np.repeat(d, 32, axis=1) * q + m, dequantize(w.data, qtype, (7, k)))
 
 
+@pytest.mark.parametrize("k", [1536, 4096])
+def test_q6_k_rows_are_kept_split_on_the_device(k: int) -> None:
+    """Q6_K on the GPU (csrc/quant.c ellm_q6_k_split_rows; common.cuh deq8_q6_k): each
+    step of 32 weights a 24-byte record (16 bytes of nibbles as Q4_0's, then u16 words w
+    of high bit pairs: weights 4w + i at bits 2i, 16 + 4w + i at bits 8 + 2i), then the
+    blocks' int8 scales, then their f16 d; rows padded to 16 bytes; the values GGML's
+    dequantization gives."""
+    from ellm.formats.dequant import dequantize
+    from ellm.ops.cuda import rows_split
+    n, nb, steps = 5, k // 256, k // 32
+    w = random_linear(np.random.default_rng(6), GGMLType.Q6_K, n, k)
+    split = rows_split(w.data, GGMLType.Q6_K)
+    row = w.data.shape[1]
+    assert split.shape[0] == n and split.shape[1] % 16 == 0 and split.shape[1] - row < 16
+    assert not split[:, row:].any()
+    rec = split[:, :steps * 24].reshape(n, steps, 24)
+    low = np.concatenate([rec[..., :16] & 15, rec[..., :16] >> 4], axis=2).astype(np.int32)
+    words = rec[..., 16:].copy().view("<u2").astype(np.int32)          # (n, steps, 4)
+    j = np.arange(32)
+    high = (words[..., (j & 15) >> 2] >> (2 * ((j & 3) + 4 * (j >> 4)))) & 3
+    q = (low | (high << 4)) - 32
+    scales = split[:, steps * 24:nb * 208].view(np.int8).astype(np.float32)
+    d = split[:, nb * 208:row].copy().view(np.float16).astype(np.float32)
+    got = np.repeat(d, 256, axis=1) * np.repeat(scales, 16, axis=1) * q.reshape(n, k)
+    assert np.array_equal(got, dequantize(w.data, GGMLType.Q6_K, (n, k)))
+
+
+def test_q6_k_split_rows_says_what_is_wrong() -> None:
+    from ellm._native import _quant
+    rows = np.zeros((2, 210), np.uint8)
+    with pytest.raises(ValueError, match="not Q6_K rows of 512 weights"):
+        _quant.q6_k_split_rows(rows, 512, np.zeros((2, 224), np.uint8))
+    with pytest.raises(ValueError, match="needs 2 rows of at least 210 bytes"):
+        _quant.q6_k_split_rows(rows, 256, np.zeros((2, 208), np.uint8))
+
+
 def random_linear(rng: np.random.Generator, qtype: GGMLType, n: int, k: int) -> Linear:
     """A weight of n x k in qtype with random contents: floats from a normal, quantized
     blocks of random bytes whose f16 scales are set to small finite values."""

@@ -3,12 +3,12 @@
     python benchmarks/gpu/mmv_types.py [--n 14336] [--k 4096] [--tokens 1] [--out DIR]
 
 One random matrix of Llama-3-8B's gate shape (14336 x 4096) in each type ellm's decode
-kernels take (BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; random blocks), multiplied by `--tokens` rows through
-`CudaOps.linear` (mmv.cu), timed with CUDA events over many launches: its weight bytes
-over the time a product takes, and that as a fraction of the GPU's bandwidth
-(device.json from device_figures.py, or the H200's assumed figure). A type far below
-BF16's fraction is bound by something other than memory: the load instructions a warp
-makes (docs/gpu.md, on the rows kept split). Writes DIR/mmv_types.md and .json.
+kernels take (BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; random blocks), multiplied by
+`--tokens` rows through `CudaOps.linear` (mmv.cu), timed with CUDA events over many
+launches: its weight bytes over the time a product takes, and that as a fraction of the
+GPU's bandwidth (device.json from device_figures.py, or the H200's assumed figure). A type
+far below BF16's fraction is bound by something other than memory: the load instructions
+a warp makes (docs/gpu.md, on the rows kept split). Writes DIR/mmv_types.md and .json.
 
 On the CPU, with tests/cuda_host on PYTHONPATH and small sizes (`--n 64 --k 256`), it
 runs the same code through the host stand-in (its times mean nothing).
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 # where each quantized type's f16 scale fields sit in its block (random bytes elsewhere)
-SCALE_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+SCALE_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def random_linear(qtype_name: str, n: int, k: int, seed: int = 0):

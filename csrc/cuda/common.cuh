@@ -206,18 +206,29 @@ __device__ __forceinline__ void deq8_q8_0(const u8* row, int K, int k0, float* v
     }
 }
 
-// The 6-bit scale and min of sub-block s (0..7) of a Q4_K / Q5_K block (12 bytes).
-__device__ __forceinline__ void k4_scale_min(const u8* sc, int s, float* scale, float* mn) {
+// A Q4_K / Q5_K block's first 16 bytes -- f16 d, f16 dmin, 12 bytes of 6-bit scales and
+// mins -- in one load (144- and 176-byte blocks keep them 16-byte aligned).
+__device__ __forceinline__ uint4 k4_head(const u8* block) { return *(const uint4*)block; }
+
+// Byte i (0..11) of the head's scales, chosen among its words (an indexed array of them
+// would live in local memory).
+__device__ __forceinline__ int k4_byte(const uint4& h, int i) {
+    u32 w = i < 4 ? h.y : (i < 8 ? h.z : h.w);
+    return (int)((w >> (8 * (i & 3))) & 0xffu);
+}
+
+// The 6-bit scale and min of sub-block s (0..7), times the block's d and dmin.
+__device__ __forceinline__ void k4_scale_min(const uint4& h, int s, float* scale, float* mn) {
     int a, m;
     if (s < 4) {
-        a = sc[s] & 63;
-        m = sc[s + 4] & 63;
+        a = k4_byte(h, s) & 63;
+        m = k4_byte(h, s + 4) & 63;
     } else {
-        a = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
-        m = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+        a = (k4_byte(h, s + 4) & 15) | ((k4_byte(h, s - 4) >> 6) << 4);
+        m = (k4_byte(h, s + 4) >> 4) | ((k4_byte(h, s) >> 6) << 4);
     }
-    *scale = (float)a;
-    *mn = (float)m;
+    *scale = f16_to_f32((u16)(h.x & 0xffffu)) * (float)a;
+    *mn = f16_to_f32((u16)(h.x >> 16)) * (float)m;
 }
 
 // Q4_K (144 bytes / 256): f16 d, f16 dmin, 12 bytes of scales, 128 bytes of nibbles;
@@ -225,9 +236,8 @@ __device__ __forceinline__ void k4_scale_min(const u8* sc, int s, float* scale, 
 __device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v) {
     const u8* b = row + (k0 >> 8) * 144;
     int e = k0 & 255, c = e >> 6, hi = (e >> 5) & 1, l = e & 31;
-    float sc, mn;
-    k4_scale_min(b + 4, 2 * c + hi, &sc, &mn);
-    float d = rd_f16(b) * sc, m = rd_f16(b + 2) * mn;
+    float d, m;
+    k4_scale_min(k4_head(b), 2 * c + hi, &d, &m);
     uint2 w = *(const uint2*)(b + 16 + 32 * c + l);   // 8-byte aligned: 144-byte blocks, l % 8 == 0
     int sh = hi ? 4 : 0;
     #pragma unroll
@@ -241,9 +251,8 @@ __device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v
 __device__ __forceinline__ void deq8_q5_k(const u8* row, int K, int k0, float* v) {
     const u8* b = row + (k0 >> 8) * 176;
     int e = k0 & 255, c = e >> 6, hi = (e >> 5) & 1, l = e & 31;
-    float sc, mn;
-    k4_scale_min(b + 4, 2 * c + hi, &sc, &mn);
-    float d = rd_f16(b) * sc, m = rd_f16(b + 2) * mn;
+    float d, m;
+    k4_scale_min(k4_head(b), 2 * c + hi, &d, &m);
     uint2 h = *(const uint2*)(b + 16 + l);   // 8-byte aligned: 176-byte blocks, l % 8 == 0
     uint2 w = *(const uint2*)(b + 48 + 32 * c + l);
     int sh = hi ? 4 : 0, bit = 2 * c + hi;
@@ -255,18 +264,27 @@ __device__ __forceinline__ void deq8_q5_k(const u8* row, int K, int k0, float* v
     }
 }
 
-// Q6_K (210 bytes / 256): ql[128], qh[64], int8 scales[16], f16 d; two 128-halves.
+// Q6_K as the GPU keeps it (ops/cuda.py rows_split, csrc/quant.c ellm_q6_k_split_rows):
+// a row's steps of 32 weights as 24-byte records -- 16 bytes of nibbles (weight j < 16 the
+// low nibble of byte j, j >= 16 the high nibble of byte j - 16, as Q4_0) and 8 bytes of
+// high bit pairs (u16 word w: weights 4w + i at bits 2i, 16 + 4w + i at bits 8 + 2i) --
+// then the blocks' 16 int8 scales (one per 16 weights), then their f16 d; value
+// d scale (q - 32). GGML's 210-byte blocks leave everything 2-byte aligned.
+__device__ __forceinline__ const u8* q6_k_d(const u8* row, int K, int blk) {
+    return split_scales(row, K, 24, 2, K >> 5) + 2 * blk;   // after every step's two scales
+}
+
 __device__ __forceinline__ void deq8_q6_k(const u8* row, int K, int k0, float* v) {
-    const u8* b = row + (k0 >> 8) * 210;
-    int e = k0 & 255, half = e >> 7, r = e & 127;
-    float d = rd_f16(b + 208) * (float)((const i8*)(b + 192))[e >> 4];
-    const u8* ql = b + half * 64 + (r & 63);
-    const u8* qh = b + 128 + half * 32 + (r & 31);
-    int shl = 4 * (r >> 6), shh = 2 * (r >> 5);
+    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    const u8* rec = row + 24 * (k0 >> 5);
+    float d = rd_f16(q6_k_d(row, K, k0 >> 8)) * (float)((const i8*)split_scales(row, K, 24, 2, 0))[k0 >> 4];
+    uint2 w = *(const uint2*)(rec + (j0 & 15));               // 8-byte aligned: 24-byte records
+    u32 h = *(const u32*)(rec + 16 + ((j0 & 15) >> 1)) >> (8 * (j0 >> 4));   // words (j0 & 15) / 4, + 1
     #pragma unroll
     for (int i = 0; i < 8; i++) {
-        int q = ((ql[i] >> shl) & 15) | (((qh[i] >> shh) & 3) << 4);
-        v[i] = d * (float)(q - 32);
+        u32 nib = ((i < 4 ? w.x : w.y) >> (8 * (i & 3) + sh)) & 15u;
+        u32 pair = (h >> (16 * (i >> 2) + 2 * (i & 3))) & 3u;
+        v[i] = d * (float)((int)(nib | (pair << 4)) - 32);
     }
 }
 

@@ -65,11 +65,12 @@ struct WBf16 {
     }
 };
 
-// Q8_0, Q4_0 and Q4_1 as the GPU keeps them (common.cuh, ops/cuda.py rows_split): a row's
-// values, then its scales. A lane's values of a step are one load; the scales are the
-// caller's (mmv_warp loads a row's scale word of several steps at once, scale_word(), and
-// each frag takes its step's: set_scales()). SplitRows<VB, SB>: VB bytes of values a step
-// (a block of 32), then SB bytes of scales a step (2: f16 d; 4: f16 d, then f16 m).
+// Q8_0, Q4_0, Q4_1 and Q6_K as the GPU keeps them (common.cuh, ops/cuda.py rows_split):
+// a row's values, then its scales. A lane's values of a step are one load; the scales are
+// the caller's (mmv_warp loads a row's scale word of several steps at once, scale_word(),
+// and each frag takes its step's: set_scales()). SplitRows<VB, SB>: VB bytes of values a
+// step of 32, then SB bytes of scales a step (2: f16 d, or Q6_K's two int8 scales; 4: f16
+// d, then f16 m); scale_tail: any further scale bytes of a step (Q6_K's block d).
 template <int VB, int SB>
 struct SplitRows {
     static constexpr bool rows_split = true;
@@ -84,6 +85,7 @@ struct SplitRows {
         f.sc[0] = f.sc[1] = f16_to_f32((u16)(word & 0xffffu));
         f.mn[0] = f.mn[1] = SB == 4 ? f16_to_f32((u16)(word >> 16)) : 0.0f;
     }
+    static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) { return nullptr; }
 };
 
 // Q8_0: 32 int8 a step; the 8 q at 8q in one 8-byte load. Scale word: f16 d.
@@ -146,16 +148,15 @@ struct WQ4_K {
         const u8* b = row + (k0 >> 8) * 144;   // 16-byte aligned (rows of 144-byte blocks)
         int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
         float sc, mn;
-        k4_scale_min(b + 4, s, &sc, &mn);
+        k4_scale_min(k4_head(b), s, &sc, &mn);   // d, dmin and the scales: one load
         uint2 v = *(const uint2*)(b + 16 + 32 * (s >> 1) + 8 * q);   // the lane's 8 bytes: one load
-        u32 dd = *(const u32*)b;   // f16 d, f16 dmin
         #pragma unroll
         for (int i = 0; i < 4; i++) {
             u32 two = ((i < 2 ? v.x : v.y) >> (16 * (i & 1))) & 0xffffu;
             f.w[i] = pack_int_pair(((two & 0xff) >> sh) & 15, ((two >> 8) >> sh) & 15);
         }
-        f.sc[0] = f.sc[1] = f16_to_f32((u16)(dd & 0xffffu)) * sc;
-        f.mn[0] = f.mn[1] = -(f16_to_f32((u16)(dd >> 16)) * mn);
+        f.sc[0] = f.sc[1] = sc;
+        f.mn[0] = f.mn[1] = -mn;
     }
 };
 
@@ -169,10 +170,9 @@ struct WQ5_K {
         const u8* b = row + (k0 >> 8) * 176;   // 16-byte aligned (rows of 176-byte blocks)
         int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
         float sc, mn;
-        k4_scale_min(b + 4, s, &sc, &mn);
+        k4_scale_min(k4_head(b), s, &sc, &mn);   // d, dmin and the scales: one load
         uint2 v = *(const uint2*)(b + 48 + 32 * (s >> 1) + 8 * q);   // one load each
         uint2 h = *(const uint2*)(b + 16 + 8 * q);
-        u32 dd = *(const u32*)b;   // f16 d, f16 dmin
         #pragma unroll
         for (int i = 0; i < 4; i++) {
             u32 two = ((i < 2 ? v.x : v.y) >> (16 * (i & 1))) & 0xffffu;
@@ -181,38 +181,43 @@ struct WQ5_K {
             int c = (((two >> 8) >> sh) & 15) | ((((hb >> 8) >> s) & 1) << 4);
             f.w[i] = pack_int_pair(a, c);
         }
-        f.sc[0] = f.sc[1] = f16_to_f32((u16)(dd & 0xffffu)) * sc;
-        f.mn[0] = f.mn[1] = -(f16_to_f32((u16)(dd >> 16)) * mn);
+        f.sc[0] = f.sc[1] = sc;
+        f.mn[0] = f.mn[1] = -mn;
     }
 };
 
-// Q6_K (210 bytes / 256): ql[128], qh[64], int8 scales[16] (one per 16 elements), f16 d;
-// element e of a 128-half: ql[e & 63] nibble e >> 6, qh[e & 31] bits 2 (e >> 5); value
-// d scale (q - 32). Split: each mma's 16 k share one scale.
-struct WQ6_K {
-    static constexpr bool split = true, scaled = true, has_min = false, rows_split = false;
+// Q6_K as the GPU keeps it (common.cuh deq8_q6_k): a step's 24-byte record, lane q's
+// nibbles in bytes 4q .. 4q + 3 (k 4q + i low, 16 + 4q + i high: one 4-byte load) and its
+// high bit pairs in u16 word q (one 2-byte load). Scale word: the step's two int8 scales
+// (each mma's 16 k share one), then the block's f16 d.
+struct WQ6_K : SplitRows<24, 2> {
+    static constexpr bool split = true, scaled = true, has_min = false;
     static constexpr int bytes_256 = 210;   // a row is K / 256 * bytes_256 bytes
+    static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) {
+        return q6_k_d(row, K, s >> 3);
+    }
+    static __device__ __forceinline__ u32 scale_word(const u8* row, int K, int s) {
+        return (u32)(*(const u16*)scales(row, K, s)) | ((u32)(*(const u16*)scale_tail(row, K, s)) << 16);
+    }
+    static __device__ __forceinline__ void set_scales(u32 word, Frag& f) {
+        float d = f16_to_f32((u16)(word >> 16));
+        f.sc[0] = d * (float)(i8)(word & 0xffu);
+        f.sc[1] = d * (float)(i8)((word >> 8) & 0xffu);
+        f.mn[0] = f.mn[1] = 0.0f;
+    }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        const u8* b = row + (k0 >> 8) * 210;
-        int e0 = k0 & 255, half = e0 >> 7, r = e0 & 127;
-        int shl = 4 * (r >> 6), shh = 2 * (r >> 5);
-        const u8* ql = b + half * 64 + (r & 63);
-        const u8* qh = b + 128 + half * 32;
-        float d = rd_f16(b + 208);
+        const u8* rec = values(row, k0 >> 5);
+        u32 v = *(const u32*)(rec + 4 * q), h = *(const u16*)(rec + 16 + 2 * q);
         #pragma unroll
-        for (int m = 0; m < 2; m++) {   // the two mmas: k 4q .. and 16 + 4q ..
-            int l = 16 * m + 4 * q;
-            u32 lo = ld_u16x2(ql + l), hi = ld_u16x2(qh + l);
-            int v[4];
+        for (int m = 0; m < 2; m++) {   // the two mmas: k 4q + i (low nibbles), 16 + 4q + i (high)
+            int e[4];
             #pragma unroll
             for (int i = 0; i < 4; i++)
-                v[i] = ((int)((lo >> (8 * i + shl)) & 15) | (int)(((hi >> (8 * i + shh)) & 3) << 4)) - 32;
-            f.w[2 * m] = pack_int_pair(v[0], v[1]);
-            f.w[2 * m + 1] = pack_int_pair(v[2], v[3]);
-            f.sc[m] = d * (float)((const i8*)(b + 192))[(e0 >> 4) + m];
+                e[i] = (int)(((v >> (8 * i + 4 * m)) & 15u) | (((h >> (8 * m + 2 * i)) & 3u) << 4)) - 32;
+            f.w[2 * m] = pack_int_pair(e[0], e[1]);
+            f.w[2 * m + 1] = pack_int_pair(e[2], e[3]);
         }
-        f.mn[0] = f.mn[1] = 0.0f;
     }
 };
 
@@ -294,7 +299,7 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
     // the sums, are those of a one-step loop)
     for (int s0 = warp; s0 < steps; s0 += U * MMV_WARPS) {
       Frag fas[U][RT], fbs[U][RT];
-      // Split rows (Q8_0, Q4_0, Q4_1): lane q loads its rows' scale word of step
+      // Split rows (Q8_0, Q4_0, Q4_1, Q6_K): lane q loads its rows' scale word of step
       // s0 + q MMV_WARPS (q < U) and the four lanes of a row pass them round: one load of a
       // row's scales for U steps, not U (U = 1, four tiles: each step's own load)
       u32 das[RT], dbs[RT];
@@ -407,8 +412,14 @@ __device__ __forceinline__ void prefetch_first_steps(const u8* const* ra, const 
         #pragma unroll
         for (int r = 0; r < RT; r++) {
             if constexpr (WT::rows_split) {   // values and scales apart
-                if (ra[r]) { prefetch_l2(WT::values(ra[r], s)); prefetch_l2(WT::scales(ra[r], K, s)); }
-                if (rb[r]) { prefetch_l2(WT::values(rb[r], s)); prefetch_l2(WT::scales(rb[r], K, s)); }
+                const u8* rows[2] = {ra[r], rb[r]};
+                #pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    if (!rows[x]) continue;
+                    prefetch_l2(WT::values(rows[x], s));
+                    prefetch_l2(WT::scales(rows[x], K, s));
+                    if (const u8* tail = WT::scale_tail(rows[x], K, s)) prefetch_l2(tail);
+                }
             } else {
                 if (ra[r]) prefetch_l2(ra[r] + off);
                 if (rb[r]) prefetch_l2(rb[r] + off);
