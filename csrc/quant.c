@@ -261,29 +261,35 @@ int ellm_get_rows(int qtype, const uint8_t *w, size_t w_bytes, int64_t n_rows, i
 }
 
 /* ====================================================================================
- * Q6_K rows rearranged for the GPU
+ * Q4_K and Q6_K rows rearranged for the GPU
  * ==================================================================================== */
+
+/* The nibbles (low ones if !high, else high) of 32 source bytes -> a step's 16 bytes as
+ * Q4_0 keeps them: byte i = weight i (low nibble), weight 16 + i (high); weight j is the
+ * chosen nibble of source byte j. 8 bytes at a time (masks keep it within each byte). */
+static void nibble_step(const uint8_t *src, int high, uint8_t *dst) {
+    const uint64_t m4 = 0x0F0F0F0F0F0F0F0FULL;
+    for (int i = 0; i < 16; i += 8) {
+        uint64_t lo, hi, v;
+        memcpy(&lo, src + i, 8);
+        memcpy(&hi, src + 16 + i, 8);
+        v = high ? ((lo >> 4) & m4) | (hi & ~m4) : (lo & m4) | ((hi & m4) << 4);
+        memcpy(dst + i, &v, 8);
+    }
+}
 
 /* One Q6_K block (ql[128], qh[64], int8 scales[16], f16 d) -> its 8 steps' records at rec
  * (24 bytes a step). GGML's weight e of a block: h = e / 128, r = e % 128, low 4 bits the
  * nibble r / 64 of ql[64 h + r % 64], high 2 bits the pair r / 32 of qh[32 h + r % 32].
- * So step t (h = t / 4, u = t % 4) takes its nibbles from ql[64 h + 32 (u % 2) ..] (shift
- * 4 (u / 2)) and its pairs from qh[32 h ..] (shift 2 u). A record: byte i < 16 = weight i
- * (low nibble) and weight 16 + i (high); bytes 16 + 2 w and 17 + 2 w = the pairs of
- * weights 4 w .. 4 w + 3 and of 16 + 4 w .. 19 + 4 w, two bits each, the first lowest. */
+ * So step t (h = t / 4, u = t % 4) takes its nibbles from ql[64 h + 32 (u % 2) ..] (the
+ * high ones if u >= 2) and its pairs from qh[32 h ..] (shift 2 u). A record: 16 bytes of
+ * nibbles (nibble_step); bytes 16 + 2 w and 17 + 2 w = the pairs of weights 4 w .. 4 w + 3
+ * and of 16 + 4 w .. 19 + 4 w, two bits each, the first lowest. */
 static void q6_k_records(const uint8_t *blk, uint8_t *rec) {
-    const uint64_t m4 = 0x0F0F0F0F0F0F0F0FULL;
     for (int t = 0; t < 8; t++, rec += 24) {
         int h = t >> 2, u = t & 3;
-        const uint8_t *ql = blk + 64 * h + 32 * (u & 1), *qh = blk + 128 + 32 * h;
-        /* nibbles 8 bytes at a time: weights i (low) and 16 + i (high) */
-        for (int i = 0; i < 16; i += 8) {
-            uint64_t lo, hi, v;
-            memcpy(&lo, ql + i, 8);
-            memcpy(&hi, ql + 16 + i, 8);
-            v = u < 2 ? (lo & m4) | ((hi & m4) << 4) : ((lo >> 4) & m4) | (hi & ~m4);
-            memcpy(rec + i, &v, 8);
-        }
+        const uint8_t *qh = blk + 128 + 32 * h;
+        nibble_step(blk + 64 * h + 32 * (u & 1), u >= 2, rec);
         /* pairs 4 at a time: the 4 bytes qh[4 c ..] (little-endian, as every target) shifted
          * by 2 u, byte j's pair to bits 2 j */
         uint8_t packed[8];
@@ -300,22 +306,51 @@ static void q6_k_records(const uint8_t *blk, uint8_t *rec) {
     }
 }
 
-int ellm_q6_k_split_rows(const uint8_t *src, size_t src_bytes, int64_t n_rows, int64_t k,
-                         uint8_t *dst, size_t dst_bytes, int64_t dst_stride) {
-    int64_t rb = ellm_row_bytes(ELLM_T_Q6_K, k);
-    if (rb < 0 || n_rows < 0 || dst_stride < rb) return ELLM_E_SHAPE;
-    if ((uint64_t)rb * (uint64_t)n_rows != (uint64_t)src_bytes) return ELLM_E_SIZE;
-    if ((uint64_t)dst_stride * (uint64_t)n_rows != (uint64_t)dst_bytes) return ELLM_E_SIZE;
-    int64_t nb = k / 256;
-    for (int64_t r = 0; r < n_rows; r++) {
-        const uint8_t *row = src + (size_t)r * (size_t)rb;
-        uint8_t *out = dst + (size_t)r * (size_t)dst_stride;
-        for (int64_t b = 0; b < nb; b++) {
+/* A Q4_K block's head (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins packed as GGML
+ * packs them) -> 16 bytes: d, dmin, a word of sub-block s's top 2 bits of scale and of min
+ * at bits 4 s and 4 s + 2, then a byte a sub-block: the scale's low 4 bits, the min's
+ * above them. A sub-block's two numbers are then in the first 8 bytes and one word. */
+static void q4_k_head(const uint8_t *blk, uint8_t *head) {
+    uint8_t sc[8], mn[8];
+    ellm_unpack_k4_scales(blk + 4, sc, mn);
+    uint32_t top = 0;
+    for (int s = 0; s < 8; s++) {
+        top |= (uint32_t)((sc[s] >> 4) | ((mn[s] >> 4) << 2)) << (4 * s);
+        head[8 + s] = (uint8_t)((sc[s] & 15) | ((mn[s] & 15) << 4));
+    }
+    memcpy(head, blk, 4);
+    for (int i = 0; i < 4; i++) head[4 + i] = (uint8_t)(top >> (8 * i));
+}
+
+/* One row: Q4_K (f16 d, f16 dmin, 12 bytes of scales, qs[128]: 64-chunk c holds sub-block
+ * 2c in the low nibbles of qs[32c ..], 2c + 1 in the high ones) -> 16 bytes of nibbles a
+ * step (nibble_step), then the blocks' heads (q4_k_head). Q6_K -> 24-byte step records,
+ * then the blocks' 16 scales, then their d. */
+static void split_row(int qtype, const uint8_t *row, int64_t nb, uint8_t *out) {
+    for (int64_t b = 0; b < nb; b++) {
+        if (qtype == ELLM_T_Q4_K) {
+            const uint8_t *blk = row + b * 144;
+            for (int t = 0; t < 8; t++) nibble_step(blk + 16 + 32 * (t >> 1), t & 1, out + (b * 8 + t) * 16);
+            q4_k_head(blk, out + nb * 128 + b * 16);
+        } else {
             const uint8_t *blk = row + b * 210;
             q6_k_records(blk, out + b * 192);
             memcpy(out + nb * 192 + b * 16, blk + 192, 16);
             memcpy(out + nb * 208 + b * 2, blk + 208, 2);
         }
+    }
+}
+
+int ellm_split_rows(int qtype, const uint8_t *src, size_t src_bytes, int64_t n_rows, int64_t k,
+                    uint8_t *dst, size_t dst_bytes, int64_t dst_stride) {
+    if (qtype != ELLM_T_Q4_K && qtype != ELLM_T_Q6_K) return ELLM_E_TYPE;
+    int64_t rb = ellm_row_bytes(qtype, k);
+    if (rb < 0 || n_rows < 0 || dst_stride < rb) return ELLM_E_SHAPE;
+    if ((uint64_t)rb * (uint64_t)n_rows != (uint64_t)src_bytes) return ELLM_E_SIZE;
+    if ((uint64_t)dst_stride * (uint64_t)n_rows != (uint64_t)dst_bytes) return ELLM_E_SIZE;
+    for (int64_t r = 0; r < n_rows; r++) {
+        uint8_t *out = dst + (size_t)r * (size_t)dst_stride;
+        split_row(qtype, src + (size_t)r * (size_t)rb, k / 256, out);
         memset(out + rb, 0, (size_t)(dst_stride - rb));
     }
     return ELLM_OK;

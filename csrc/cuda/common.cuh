@@ -206,8 +206,8 @@ __device__ __forceinline__ void deq8_q8_0(const u8* row, int K, int k0, float* v
     }
 }
 
-// A Q4_K / Q5_K block's first 16 bytes -- f16 d, f16 dmin, 12 bytes of 6-bit scales and
-// mins -- in one load (144- and 176-byte blocks keep them 16-byte aligned).
+// A Q5_K block's first 16 bytes -- f16 d, f16 dmin, 12 bytes of 6-bit scales and mins as
+// GGML packs them -- in one load (176-byte blocks keep them 16-byte aligned).
 __device__ __forceinline__ uint4 k4_head(const u8* block) { return *(const uint4*)block; }
 
 // Byte i (0..11) of the head's scales, chosen among its words (an indexed array of them
@@ -231,15 +231,31 @@ __device__ __forceinline__ void k4_scale_min(const uint4& h, int s, float* scale
     *mn = f16_to_f32((u16)(h.x >> 16)) * (float)m;
 }
 
-// Q4_K (144 bytes / 256): f16 d, f16 dmin, 12 bytes of scales, 128 bytes of nibbles;
-// 64-chunk c keeps sub-block 2c in the low nibbles of qs[32c..], 2c+1 in the high ones.
+// Q4_K as the GPU keeps it (ops/cuda.py rows_split, csrc/quant.c ellm_split_rows): a row's
+// steps of 32 weights (a sub-block each) as 16 bytes of nibbles placed as Q4_0's, then
+// the blocks' 16-byte heads: f16 d, f16 dmin, a word holding sub-block s's top 2 bits of
+// scale and of min at bits 4s and 4s + 2, then a byte a sub-block (its scale's low 4
+// bits, its min's above them); value d sc q - dmin mn. (GGML's block keeps a 64-chunk's
+// two sub-blocks in the low and high nibbles of the same 32 bytes, so a step's 16 bytes
+// came in 32, and packs the scales so that a sub-block's took up to 3 words of 4.)
+__device__ __forceinline__ const u8* q4_k_head(const u8* row, int K, int blk) {
+    return row + (K >> 1) + 16 * blk;   // after every step's 16 bytes of nibbles
+}
+
+// Sub-block s's scale and min, times the block's d and dmin: two loads of the head.
+__device__ __forceinline__ void q4_k_scale_min(const u8* head, int s, float* scale, float* mn) {
+    uint2 dt = *(const uint2*)head;                       // d, dmin; the top bits
+    u32 low = *(const u32*)(head + 8 + 4 * (s >> 2)) >> (8 * (s & 3));
+    u32 top = dt.y >> (4 * s);
+    *scale = f16_to_f32((u16)(dt.x & 0xffffu)) * (float)((low & 15u) | ((top & 3u) << 4));
+    *mn = f16_to_f32((u16)(dt.x >> 16)) * (float)(((low >> 4) & 15u) | (((top >> 2) & 3u) << 4));
+}
+
 __device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v) {
-    const u8* b = row + (k0 >> 8) * 144;
-    int e = k0 & 255, c = e >> 6, hi = (e >> 5) & 1, l = e & 31;
+    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
     float d, m;
-    k4_scale_min(k4_head(b), 2 * c + hi, &d, &m);
-    uint2 w = *(const uint2*)(b + 16 + 32 * c + l);   // 8-byte aligned: 144-byte blocks, l % 8 == 0
-    int sh = hi ? 4 : 0;
+    q4_k_scale_min(q4_k_head(row, K, k0 >> 8), (k0 >> 5) & 7, &d, &m);
+    uint2 w = *(const uint2*)(row + 16 * (k0 >> 5) + (j0 & 15));   // 8-byte aligned
     #pragma unroll
     for (int i = 0; i < 4; i++) {
         v[i] = d * (float)((w.x >> (8 * i + sh)) & 15u) - m;

@@ -23,8 +23,8 @@
 // reads contiguous weight bytes: "wide" types give lane q the 8 k at 8q (word i = k 8q + 2i,
 // 8q + 2i + 1; words 0-1 feed the first mma, 2-3 the second); "split" types give it the 4 k
 // at 4q for the first mma and the 4 k at 16 + 4q for the second (so each mma covers 16
-// consecutive k: Q6_K's scales change every 16, Q4_0 / Q4_1 keep k and k + 16 in one
-// byte). The sum over k does not care which mma slot a k lands in, as long as the weight
+// consecutive k: Q6_K's scales change every 16, Q4_0 / Q4_1 / Q4_K / Q6_K keep k and
+// k + 16 in one byte). The sum over k does not care which mma slot a k lands in, as long as the weight
 // and activation fragments agree: both use the lane's positions below.
 #include "common.cuh"
 
@@ -54,7 +54,7 @@ __device__ __forceinline__ void frag_zero(Frag& f) {
 
 // BF16 rows: 16 bytes at k0 + 8q.
 struct WBf16 {
-    static constexpr bool split = false, scaled = false, has_min = false, rows_split = false;
+    static constexpr bool split = false, scaled = false, has_min = false, rows_split = false, scale_words = false;
     static constexpr int bytes_256 = 512;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
@@ -73,7 +73,7 @@ struct WBf16 {
 // d, then f16 m); scale_tail: any further scale bytes of a step (Q6_K's block d).
 template <int VB, int SB>
 struct SplitRows {
-    static constexpr bool rows_split = true;
+    static constexpr bool rows_split = true, scale_words = true;
     static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + VB * s; }
     static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
         return split_scales(row, K, VB, SB, s);
@@ -138,22 +138,26 @@ struct WQ4_1 : SplitRows<16, 4> {
     }
 };
 
-// Q4_K (144 bytes / 256): step s of a block is sub-block s (scale d * sc, min dmin * mn):
-// the low (s even) or high nibbles of qs[32 (s / 2) ..]; value d sc q - dmin mn.
+// Q4_K as the GPU keeps it (common.cuh deq8_q4_k): step s's 16 bytes of nibbles as Q4_0's
+// (lane q: bytes 4q .. 4q + 3, one load), then the block heads; step s is sub-block s % 8
+// (scale d sc, min dmin mn: two loads of its block's head, the same for the four lanes of
+// a row; a warp's unrolled steps are in different blocks, so nothing to share).
 struct WQ4_K {
-    static constexpr bool split = false, scaled = true, has_min = true, rows_split = false;
+    static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;
     static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
+    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 16 * s; }
+    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) { return q4_k_head(row, K, s >> 3); }
+    static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) { return nullptr; }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        const u8* b = row + (k0 >> 8) * 144;   // 16-byte aligned (rows of 144-byte blocks)
-        int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
         float sc, mn;
-        k4_scale_min(k4_head(b), s, &sc, &mn);   // d, dmin and the scales: one load
-        uint2 v = *(const uint2*)(b + 16 + 32 * (s >> 1) + 8 * q);   // the lane's 8 bytes: one load
+        q4_k_scale_min(scales(row, K, k0 >> 5), (k0 >> 5) & 7, &sc, &mn);
+        u32 v = *(const u32*)(values(row, k0 >> 5) + 4 * q);
         #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u32 two = ((i < 2 ? v.x : v.y) >> (16 * (i & 1))) & 0xffffu;
-            f.w[i] = pack_int_pair(((two & 0xff) >> sh) & 15, ((two >> 8) >> sh) & 15);
+        for (int i = 0; i < 2; i++) {
+            int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
+            f.w[i] = pack_int_pair(c0 & 15, c1 & 15);
+            f.w[2 + i] = pack_int_pair(c0 >> 4, c1 >> 4);
         }
         f.sc[0] = f.sc[1] = sc;
         f.mn[0] = f.mn[1] = -mn;
@@ -163,7 +167,7 @@ struct WQ4_K {
 // Q5_K (176 bytes / 256): Q4_K's fields plus qh[32]: bit s of qh[l] is the fifth bit of
 // element l of sub-block s.
 struct WQ5_K {
-    static constexpr bool split = false, scaled = true, has_min = true, rows_split = false;
+    static constexpr bool split = false, scaled = true, has_min = true, rows_split = false, scale_words = false;
     static constexpr int bytes_256 = 176;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
@@ -303,7 +307,7 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
       // s0 + q MMV_WARPS (q < U) and the four lanes of a row pass them round: one load of a
       // row's scales for U steps, not U (U = 1, four tiles: each step's own load)
       u32 das[RT], dbs[RT];
-      if constexpr (WT::rows_split && U > 1) {
+      if constexpr (WT::scale_words && U > 1) {
         int sq = s0 + q * MMV_WARPS;
         bool mine = q < U && sq < steps;
         #pragma unroll
@@ -320,7 +324,7 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
             for (int r = 0; r < RT; r++) {
                 WT::frag(ra[r], K, s << 5, q, fas[u][r]);
                 WT::frag(rb[r], K, s << 5, q, fbs[u][r]);
-                if constexpr (WT::rows_split) {
+                if constexpr (WT::scale_words) {
                     u32 da, db;
                     if constexpr (U > 1) {
                         da = __shfl_sync(0xffffffffu, das[r], (lane & ~3) | u);

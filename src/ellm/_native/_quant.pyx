@@ -27,8 +27,8 @@ cdef extern from "quant.h":
                       const int32_t *ids, int64_t n_ids, float *out) nogil
     int ellm_quantize_rows(int qtype, const float *src, int64_t n_rows, int64_t k, uint8_t *dst,
                            size_t dst_bytes) nogil
-    int ellm_q6_k_split_rows(const uint8_t *src, size_t src_bytes, int64_t n_rows, int64_t k,
-                             uint8_t *dst, size_t dst_bytes, int64_t dst_stride) nogil
+    int ellm_split_rows(int qtype, const uint8_t *src, size_t src_bytes, int64_t n_rows, int64_t k,
+                        uint8_t *dst, size_t dst_bytes, int64_t dst_stride) nogil
     enum:
         ELLM_T_F32
         ELLM_T_F16
@@ -419,23 +419,26 @@ def quantize(const float[:, ::1] x not None, int qtype):
     return res
 
 
-def q6_k_split_rows(const uint8_t[:, ::1] src not None, int64_t k, uint8_t[:, ::1] out not None) -> None:
-    """out (N, stride >= row bytes) = the (N, row_bytes(Q6_K, k)) rows src as the GPU keeps
-    them (csrc/quant.h ellm_q6_k_split_rows; ops/cuda.py rows_split), padding zero."""
-    cdef int64_t N = src.shape[0], rb = ellm_row_bytes(14, k), stride = out.shape[1]
+def split_rows(const uint8_t[:, ::1] src not None, int qtype, int64_t k, uint8_t[:, ::1] out not None) -> None:
+    """out (N, stride >= row bytes) = the (N, row_bytes(qtype, k)) Q4_K (12) or Q6_K (14)
+    rows src as the GPU keeps them (csrc/quant.h ellm_split_rows; ops/cuda.py
+    rows_split), padding zero."""
+    if qtype != 12 and qtype != 14:
+        raise ValueError(f"split_rows: only Q4_K (12) and Q6_K (14) are rearranged, got {_tname(qtype)}")
+    cdef int64_t N = src.shape[0], rb = ellm_row_bytes(qtype, k), stride = out.shape[1]
     if rb < 0 or src.shape[1] != rb:
-        raise ValueError(f"q6_k_split_rows: rows of {src.shape[1]} bytes are not Q6_K rows of "
+        raise ValueError(f"split_rows: rows of {src.shape[1]} bytes are not {_tname(qtype)} rows of "
                          f"{k} weights (K must be a multiple of 256)")
     if out.shape[0] != N or stride < rb:
-        raise ValueError(f"q6_k_split_rows: out is {tuple(out.shape)}, needs {N} rows of at "
+        raise ValueError(f"split_rows: out is {tuple(out.shape)}, needs {N} rows of at "
                          f"least {rb} bytes")
     if N == 0:
         return
     cdef int st
     with nogil:
-        st = ellm_q6_k_split_rows(&src[0, 0], <size_t>(N * rb), N, k, &out[0, 0],
-                                  <size_t>(N * stride), stride)
-    _raise_status(st, "q6_k_split_rows")
+        st = ellm_split_rows(qtype, &src[0, 0], <size_t>(N * rb), N, k, &out[0, 0],
+                             <size_t>(N * stride), stride)
+    _raise_status(st, "split_rows")
 
 
 # ================================ exact activations ================================
