@@ -261,7 +261,7 @@ int ellm_get_rows(int qtype, const uint8_t *w, size_t w_bytes, int64_t n_rows, i
 }
 
 /* ====================================================================================
- * Q4_K and Q6_K rows rearranged for the GPU
+ * Q4_K, Q5_K and Q6_K rows rearranged for the GPU
  * ==================================================================================== */
 
 /* The nibbles (low ones if !high, else high) of 32 source bytes -> a step's 16 bytes as
@@ -306,11 +306,11 @@ static void q6_k_records(const uint8_t *blk, uint8_t *rec) {
     }
 }
 
-/* A Q4_K block's head (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins packed as GGML
- * packs them) -> 16 bytes: d, dmin, a word of sub-block s's top 2 bits of scale and of min
+/* A Q4_K / Q5_K block's head (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins packed as
+ * GGML packs them) -> 16 bytes: d, dmin, a word of sub-block s's top 2 bits of scale and of min
  * at bits 4 s and 4 s + 2, then a byte a sub-block: the scale's low 4 bits, the min's
  * above them. A sub-block's two numbers are then in the first 8 bytes and one word. */
-static void q4_k_head(const uint8_t *blk, uint8_t *head) {
+static void k_quant_head(const uint8_t *blk, uint8_t *head) {
     uint8_t sc[8], mn[8];
     ellm_unpack_k4_scales(blk + 4, sc, mn);
     uint32_t top = 0;
@@ -322,16 +322,38 @@ static void q4_k_head(const uint8_t *blk, uint8_t *head) {
     for (int i = 0; i < 4; i++) head[4 + i] = (uint8_t)(top >> (8 * i));
 }
 
+/* Q5_K's fifth bits of step s (bit s of qh[j] for weight j of sub-block s) -> 4 bytes: byte
+ * q holds weights 4q + i at bit i and 16 + 4q + i at bit 4 + i. */
+static void fifth_bits(const uint8_t *qh, int s, uint8_t *dst) {
+    uint8_t packed[8];   /* weights 4c .. 4c + 3 at bits 0-3 */
+    for (int c = 0; c < 8; c++) {
+        uint32_t x;
+        memcpy(&x, qh + 4 * c, 4);   /* little-endian, as every target */
+        x = (x >> s) & 0x01010101u;
+        packed[c] = (uint8_t)((x | (x >> 7) | (x >> 14) | (x >> 21)) & 15u);
+    }
+    for (int q = 0; q < 4; q++) dst[q] = (uint8_t)(packed[q] | (packed[4 + q] << 4));
+}
+
 /* One row: Q4_K (f16 d, f16 dmin, 12 bytes of scales, qs[128]: 64-chunk c holds sub-block
  * 2c in the low nibbles of qs[32c ..], 2c + 1 in the high ones) -> 16 bytes of nibbles a
- * step (nibble_step), then the blocks' heads (q4_k_head). Q6_K -> 24-byte step records,
- * then the blocks' 16 scales, then their d. */
+ * step (nibble_step), then the blocks' heads (k_quant_head). Q5_K (Q4_K's head, qh[32],
+ * qs[128]) -> 20 bytes a step (nibbles, fifth_bits), then the heads. Q6_K -> 24-byte step
+ * records, then the blocks' 16 scales, then their d. */
 static void split_row(int qtype, const uint8_t *row, int64_t nb, uint8_t *out) {
     for (int64_t b = 0; b < nb; b++) {
         if (qtype == ELLM_T_Q4_K) {
             const uint8_t *blk = row + b * 144;
             for (int t = 0; t < 8; t++) nibble_step(blk + 16 + 32 * (t >> 1), t & 1, out + (b * 8 + t) * 16);
-            q4_k_head(blk, out + nb * 128 + b * 16);
+            k_quant_head(blk, out + nb * 128 + b * 16);
+        } else if (qtype == ELLM_T_Q5_K) {
+            const uint8_t *blk = row + b * 176;
+            for (int t = 0; t < 8; t++) {
+                uint8_t *rec = out + (b * 8 + t) * 20;
+                nibble_step(blk + 48 + 32 * (t >> 1), t & 1, rec);
+                fifth_bits(blk + 16, t, rec + 16);
+            }
+            k_quant_head(blk, out + nb * 160 + b * 16);
         } else {
             const uint8_t *blk = row + b * 210;
             q6_k_records(blk, out + b * 192);
@@ -343,7 +365,7 @@ static void split_row(int qtype, const uint8_t *row, int64_t nb, uint8_t *out) {
 
 int ellm_split_rows(int qtype, const uint8_t *src, size_t src_bytes, int64_t n_rows, int64_t k,
                     uint8_t *dst, size_t dst_bytes, int64_t dst_stride) {
-    if (qtype != ELLM_T_Q4_K && qtype != ELLM_T_Q6_K) return ELLM_E_TYPE;
+    if (qtype != ELLM_T_Q4_K && qtype != ELLM_T_Q5_K && qtype != ELLM_T_Q6_K) return ELLM_E_TYPE;
     int64_t rb = ellm_row_bytes(qtype, k);
     if (rb < 0 || n_rows < 0 || dst_stride < rb) return ELLM_E_SHAPE;
     if ((uint64_t)rb * (uint64_t)n_rows != (uint64_t)src_bytes) return ELLM_E_SIZE;

@@ -58,11 +58,12 @@ int ellm_get_rows(int qtype, const uint8_t *w, size_t w_bytes, int64_t n_rows, i
 int ellm_quantize_rows(int qtype, const float *src, int64_t n_rows, int64_t k, uint8_t *dst,
                        size_t dst_bytes);
 
-/* (n_rows, ellm_row_bytes(qtype, k)) GGML Q4_K or Q6_K rows -> (n_rows, dst_stride) rows
- * as the GPU keeps them (src/ellm/ops/cuda.py rows_split; csrc/cuda/common.cuh deq8_q4_k,
- * deq8_q6_k), the rest of each row zero. Q4_K: each step of 32 weights 16 bytes of
- * nibbles, then the blocks' heads (d, dmin, the scales and mins unpacked to 6 bits each:
- * a word of their top 2 bits, a byte a sub-block of the low 4). Q6_K: each step a 24-byte
+/* (n_rows, ellm_row_bytes(qtype, k)) GGML Q4_K, Q5_K or Q6_K rows -> (n_rows, dst_stride)
+ * rows as the GPU keeps them (src/ellm/ops/cuda.py rows_split; csrc/cuda/common.cuh
+ * deq8_q4_k, deq8_q5_k, deq8_q6_k), the rest of each row zero. Q4_K: each step of 32
+ * weights 16 bytes of nibbles, then the blocks' heads (d, dmin, the scales and mins
+ * unpacked to 6 bits each: a word of their top 2 bits, a byte a sub-block of the low 4).
+ * Q5_K: each step 16 bytes of nibbles and 4 of fifth bits, then the heads. Q6_K: each step a 24-byte
  * record (16 bytes of nibbles, then 8 of high bits), then the blocks' int8 scales, then
  * their f16 d. */
 int ellm_split_rows(int qtype, const uint8_t *src, size_t src_bytes, int64_t n_rows, int64_t k,

@@ -133,17 +133,18 @@ def test_rows_are_kept_split_on_the_device(qtype: GGMLType, k: int) -> None:
     assert np.array_equal(np.repeat(d, 32, axis=1) * q + m, dequantize(w.data, qtype, (7, k)))
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("k", [1536, 4096])
 def test_k_quant_rows_are_kept_split_on_the_device(qtype: GGMLType, k: int) -> None:
-    """Q4_K / Q6_K on the GPU (csrc/quant.c ellm_split_rows; common.cuh deq8_q4_k,
-    deq8_q6_k): each step of 32 weights 16 bytes of nibbles (weight j < 16 the low nibble
-    of byte j, j >= 16 the high one of byte j - 16, as Q4_0's); Q4_K: then the blocks'
-    heads (f16 d, f16 dmin, a word of each sub-block's top 2 bits of scale and min at bits
-    4s and 4s + 2, a byte a sub-block of their low 4 bits); Q6_K: each step's
-    nibbles followed by u16 words w of high bit pairs (weights 4w + i at bits 2i,
-    16 + 4w + i at bits 8 + 2i), then the blocks' int8 scales, then their f16 d. Rows
-    padded to 16 bytes; the values GGML's dequantization gives."""
+    """The K-quants on the GPU (csrc/quant.c ellm_split_rows; common.cuh deq8_q4_k,
+    deq8_q5_k, deq8_q6_k): each step of 32 weights a record starting with 16 bytes of
+    nibbles (weight j < 16 the low nibble of byte j, j >= 16 the high one of byte j - 16,
+    as Q4_0's); Q5_K's adds 4 bytes of fifth bits (byte w: weights 4w + i at bit i,
+    16 + 4w + i at bit 4 + i), Q6_K's 4 u16 words of high bit pairs (word w: weights
+    4w + i at bits 2i, 16 + 4w + i at bits 8 + 2i). Then Q4_K's and Q5_K's block heads
+    (f16 d, f16 dmin, a word of each sub-block's top 2 bits of scale and min at bits 4s
+    and 4s + 2, a byte a sub-block of their low 4 bits); Q6_K's int8 scales, then its f16
+    d. Rows padded to 16 bytes; the values GGML's dequantization gives."""
     from ellm.formats.dequant import dequantize
     from ellm.ops.cuda import rows_split
     n, nb, steps = 5, k // 256, k // 32
@@ -152,11 +153,22 @@ def test_k_quant_rows_are_kept_split_on_the_device(qtype: GGMLType, k: int) -> N
     row = w.data.shape[1]
     assert split.shape[0] == n and split.shape[1] % 16 == 0 and split.shape[1] - row < 16
     assert not split[:, row:].any()
-    rec_bytes = 16 if qtype == GGMLType.Q4_K else 24
+    rec_bytes = {GGMLType.Q4_K: 16, GGMLType.Q5_K: 20, GGMLType.Q6_K: 24}[qtype]
     rec = split[:, :steps * rec_bytes].reshape(n, steps, rec_bytes)
     q = np.concatenate([rec[..., :16] & 15, rec[..., :16] >> 4], axis=2).astype(np.int32)
-    if qtype == GGMLType.Q4_K:
-        head = split[:, steps * 16:row].reshape(n, nb, 16)
+    j = np.arange(32)
+    if qtype == GGMLType.Q6_K:
+        words = rec[..., 16:].copy().view("<u2").astype(np.int32)          # (n, steps, 4)
+        high = (words[..., (j & 15) >> 2] >> (2 * ((j & 3) + 4 * (j >> 4)))) & 3
+        q = (q | (high << 4)) - 32
+        scales = split[:, steps * 24:nb * 208].view(np.int8).astype(np.float32)
+        d = split[:, nb * 208:row].copy().view(np.float16).astype(np.float32)
+        got = np.repeat(d, 256, axis=1) * np.repeat(scales, 16, axis=1) * q.reshape(n, k)
+    else:
+        if qtype == GGMLType.Q5_K:
+            fifth = rec[..., 16:20].astype(np.int32)
+            q = q | (((fifth[..., (j & 15) >> 2] >> ((j & 3) + 4 * (j >> 4))) & 1) << 4)
+        head = split[:, steps * rec_bytes:row].reshape(n, nb, 16)
         d = head[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
         dmin = head[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
         top = head[..., 4:8].copy().view("<u4").astype(np.int64)            # (n, nb, 1)
@@ -167,14 +179,6 @@ def test_k_quant_rows_are_kept_split_on_the_device(qtype: GGMLType, k: int) -> N
         a = (d[..., None] * scale).reshape(n, steps, 1)   # float32 throughout, as GGML's
         m = (dmin[..., None] * mins).reshape(n, steps, 1)
         got = (a * q.astype(np.float32) - m).reshape(n, k)
-    else:
-        words = rec[..., 16:].copy().view("<u2").astype(np.int32)          # (n, steps, 4)
-        j = np.arange(32)
-        high = (words[..., (j & 15) >> 2] >> (2 * ((j & 3) + 4 * (j >> 4)))) & 3
-        q = (q | (high << 4)) - 32
-        scales = split[:, steps * 24:nb * 208].view(np.int8).astype(np.float32)
-        d = split[:, nb * 208:row].copy().view(np.float16).astype(np.float32)
-        got = np.repeat(d, 256, axis=1) * np.repeat(scales, 16, axis=1) * q.reshape(n, k)
     assert np.array_equal(got, dequantize(w.data, qtype, (n, k)))
 
 
@@ -185,7 +189,7 @@ def test_split_rows_says_what_is_wrong() -> None:
         _quant.split_rows(rows, int(GGMLType.Q6_K), 512, np.zeros((2, 224), np.uint8))
     with pytest.raises(ValueError, match="needs 2 rows of at least 210 bytes"):
         _quant.split_rows(rows, int(GGMLType.Q6_K), 256, np.zeros((2, 208), np.uint8))
-    with pytest.raises(ValueError, match="only Q4_K .* and Q6_K .* are rearranged, got Q8_0"):
+    with pytest.raises(ValueError, match="only Q4_K .*, Q5_K .* and Q6_K .* are rearranged, got Q8_0"):
         _quant.split_rows(rows, int(GGMLType.Q8_0), 256, np.zeros((2, 224), np.uint8))
 
 

@@ -206,44 +206,23 @@ __device__ __forceinline__ void deq8_q8_0(const u8* row, int K, int k0, float* v
     }
 }
 
-// A Q5_K block's first 16 bytes -- f16 d, f16 dmin, 12 bytes of 6-bit scales and mins as
-// GGML packs them -- in one load (176-byte blocks keep them 16-byte aligned).
-__device__ __forceinline__ uint4 k4_head(const u8* block) { return *(const uint4*)block; }
-
-// Byte i (0..11) of the head's scales, chosen among its words (an indexed array of them
-// would live in local memory).
-__device__ __forceinline__ int k4_byte(const uint4& h, int i) {
-    u32 w = i < 4 ? h.y : (i < 8 ? h.z : h.w);
-    return (int)((w >> (8 * (i & 3))) & 0xffu);
-}
-
-// The 6-bit scale and min of sub-block s (0..7), times the block's d and dmin.
-__device__ __forceinline__ void k4_scale_min(const uint4& h, int s, float* scale, float* mn) {
-    int a, m;
-    if (s < 4) {
-        a = k4_byte(h, s) & 63;
-        m = k4_byte(h, s + 4) & 63;
-    } else {
-        a = (k4_byte(h, s + 4) & 15) | ((k4_byte(h, s - 4) >> 6) << 4);
-        m = (k4_byte(h, s + 4) >> 4) | ((k4_byte(h, s) >> 6) << 4);
-    }
-    *scale = f16_to_f32((u16)(h.x & 0xffffu)) * (float)a;
-    *mn = f16_to_f32((u16)(h.x >> 16)) * (float)m;
-}
-
-// Q4_K as the GPU keeps it (ops/cuda.py rows_split, csrc/quant.c ellm_split_rows): a row's
-// steps of 32 weights (a sub-block each) as 16 bytes of nibbles placed as Q4_0's, then
-// the blocks' 16-byte heads: f16 d, f16 dmin, a word holding sub-block s's top 2 bits of
-// scale and of min at bits 4s and 4s + 2, then a byte a sub-block (its scale's low 4
-// bits, its min's above them); value d sc q - dmin mn. (GGML's block keeps a 64-chunk's
-// two sub-blocks in the low and high nibbles of the same 32 bytes, so a step's 16 bytes
-// came in 32, and packs the scales so that a sub-block's took up to 3 words of 4.)
-__device__ __forceinline__ const u8* q4_k_head(const u8* row, int K, int blk) {
-    return row + (K >> 1) + 16 * blk;   // after every step's 16 bytes of nibbles
+// Q4_K and Q5_K as the GPU keeps them (ops/cuda.py rows_split, csrc/quant.c
+// ellm_split_rows): a row's steps of 32 weights (a sub-block each) -- Q4_K: 16 bytes of
+// nibbles placed as Q4_0's; Q5_K: those, then 4 bytes of fifth bits (byte q: weights
+// 4q + i at bit i, 16 + 4q + i at bit 4 + i) -- then the blocks' 16-byte heads: f16 d, f16
+// dmin, a word holding sub-block s's top 2 bits of scale and of min at bits 4s and 4s + 2,
+// then a byte a sub-block (its scale's low 4 bits, its min's above them); value
+// d sc q - dmin mn. (GGML's block keeps a 64-chunk's two sub-blocks in the low and high
+// nibbles of the same 32 bytes, so a step's 16 bytes came in 32, Q5_K's fifth bits of
+// every sub-block in one 32 bytes, and the scales packed so that a sub-block's took up
+// to 3 words of 4.)
+template <int STEP_BYTES>
+__device__ __forceinline__ const u8* k_head(const u8* row, int K, int blk) {
+    return row + (K >> 5) * STEP_BYTES + 16 * blk;   // after every step's bytes
 }
 
 // Sub-block s's scale and min, times the block's d and dmin: two loads of the head.
-__device__ __forceinline__ void q4_k_scale_min(const u8* head, int s, float* scale, float* mn) {
+__device__ __forceinline__ void k_scale_min(const u8* head, int s, float* scale, float* mn) {
     uint2 dt = *(const uint2*)head;                       // d, dmin; the top bits
     u32 low = *(const u32*)(head + 8 + 4 * (s >> 2)) >> (8 * (s & 3));
     u32 top = dt.y >> (4 * s);
@@ -254,7 +233,7 @@ __device__ __forceinline__ void q4_k_scale_min(const u8* head, int s, float* sca
 __device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v) {
     int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
     float d, m;
-    q4_k_scale_min(q4_k_head(row, K, k0 >> 8), (k0 >> 5) & 7, &d, &m);
+    k_scale_min(k_head<16>(row, K, k0 >> 8), (k0 >> 5) & 7, &d, &m);
     uint2 w = *(const uint2*)(row + 16 * (k0 >> 5) + (j0 & 15));   // 8-byte aligned
     #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -263,20 +242,18 @@ __device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v
     }
 }
 
-// Q5_K (176 bytes / 256): Q4_K's fields plus qh[32] (bit 2c+hi of qh[l] is the fifth bit).
 __device__ __forceinline__ void deq8_q5_k(const u8* row, int K, int k0, float* v) {
-    const u8* b = row + (k0 >> 8) * 176;
-    int e = k0 & 255, c = e >> 6, hi = (e >> 5) & 1, l = e & 31;
+    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
     float d, m;
-    k4_scale_min(k4_head(b), 2 * c + hi, &d, &m);
-    uint2 h = *(const uint2*)(b + 16 + l);   // 8-byte aligned: 176-byte blocks, l % 8 == 0
-    uint2 w = *(const uint2*)(b + 48 + 32 * c + l);
-    int sh = hi ? 4 : 0, bit = 2 * c + hi;
+    k_scale_min(k_head<20>(row, K, k0 >> 8), (k0 >> 5) & 7, &d, &m);
+    const u8* rec = row + 20 * (k0 >> 5);                  // 4-byte aligned
+    u32 w0 = *(const u32*)(rec + (j0 & 15)), w1 = *(const u32*)(rec + (j0 & 15) + 4);
+    u32 fifth = (u32)*(const u16*)(rec + 16 + ((j0 & 15) >> 2)) >> (4 * (j0 >> 4));   // bytes (j0 & 15) / 4, + 1
     #pragma unroll
     for (int i = 0; i < 8; i++) {
-        u32 qs = (i < 4 ? w.x : w.y) >> (8 * (i & 3)), qh = (i < 4 ? h.x : h.y) >> (8 * (i & 3));
-        int q = (int)((qs >> sh) & 15u) | (int)(((qh >> bit) & 1u) << 4);
-        v[i] = d * (float)q - m;
+        u32 nib = ((i < 4 ? w0 : w1) >> (8 * (i & 3) + sh)) & 15u;
+        u32 bit = (fifth >> (8 * (i >> 2) + (i & 3))) & 1u;
+        v[i] = d * (float)(nib | (bit << 4)) - m;
     }
 }
 

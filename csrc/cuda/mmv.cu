@@ -146,12 +146,12 @@ struct WQ4_K {
     static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;
     static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 16 * s; }
-    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) { return q4_k_head(row, K, s >> 3); }
+    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) { return k_head<16>(row, K, s >> 3); }
     static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) { return nullptr; }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         float sc, mn;
-        q4_k_scale_min(scales(row, K, k0 >> 5), (k0 >> 5) & 7, &sc, &mn);
+        k_scale_min(scales(row, K, k0 >> 5), (k0 >> 5) & 7, &sc, &mn);
         u32 v = *(const u32*)(values(row, k0 >> 5) + 4 * q);
         #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -164,26 +164,27 @@ struct WQ4_K {
     }
 };
 
-// Q5_K (176 bytes / 256): Q4_K's fields plus qh[32]: bit s of qh[l] is the fifth bit of
-// element l of sub-block s.
+// Q5_K as the GPU keeps it (common.cuh deq8_q5_k): Q4_K's nibbles and heads, each step's
+// nibbles followed by 4 bytes of fifth bits (lane q's 8 in byte q: one more load).
 struct WQ5_K {
-    static constexpr bool split = false, scaled = true, has_min = true, rows_split = false, scale_words = false;
+    static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;
     static constexpr int bytes_256 = 176;   // a row is K / 256 * bytes_256 bytes
+    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 20 * s; }
+    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) { return k_head<20>(row, K, s >> 3); }
+    static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) { return nullptr; }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        const u8* b = row + (k0 >> 8) * 176;   // 16-byte aligned (rows of 176-byte blocks)
-        int s = (k0 >> 5) & 7, sh = (s & 1) * 4;
         float sc, mn;
-        k4_scale_min(k4_head(b), s, &sc, &mn);   // d, dmin and the scales: one load
-        uint2 v = *(const uint2*)(b + 48 + 32 * (s >> 1) + 8 * q);   // one load each
-        uint2 h = *(const uint2*)(b + 16 + 8 * q);
+        k_scale_min(scales(row, K, k0 >> 5), (k0 >> 5) & 7, &sc, &mn);
+        const u8* rec = values(row, k0 >> 5);
+        u32 v = *(const u32*)(rec + 4 * q), h = rec[16 + q];
         #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u32 two = ((i < 2 ? v.x : v.y) >> (16 * (i & 1))) & 0xffffu;
-            u32 hb = ((i < 2 ? h.x : h.y) >> (16 * (i & 1))) & 0xffffu;
-            int a = (((two & 0xff) >> sh) & 15) | ((((hb & 0xff) >> s) & 1) << 4);
-            int c = (((two >> 8) >> sh) & 15) | ((((hb >> 8) >> s) & 1) << 4);
-            f.w[i] = pack_int_pair(a, c);
+        for (int i = 0; i < 2; i++) {
+            int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
+            f.w[i] = pack_int_pair((c0 & 15) | (int)(((h >> (2 * i)) & 1u) << 4),
+                                   (c1 & 15) | (int)(((h >> (2 * i + 1)) & 1u) << 4));
+            f.w[2 + i] = pack_int_pair((c0 >> 4) | (int)(((h >> (4 + 2 * i)) & 1u) << 4),
+                                       (c1 >> 4) | (int)(((h >> (5 + 2 * i)) & 1u) << 4));
         }
         f.sc[0] = f.sc[1] = sc;
         f.mn[0] = f.mn[1] = -mn;

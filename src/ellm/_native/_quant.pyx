@@ -420,11 +420,12 @@ def quantize(const float[:, ::1] x not None, int qtype):
 
 
 def split_rows(const uint8_t[:, ::1] src not None, int qtype, int64_t k, uint8_t[:, ::1] out not None) -> None:
-    """out (N, stride >= row bytes) = the (N, row_bytes(qtype, k)) Q4_K (12) or Q6_K (14)
-    rows src as the GPU keeps them (csrc/quant.h ellm_split_rows; ops/cuda.py
+    """out (N, stride >= row bytes) = the (N, row_bytes(qtype, k)) Q4_K (12), Q5_K (13) or
+    Q6_K (14) rows src as the GPU keeps them (csrc/quant.h ellm_split_rows; ops/cuda.py
     rows_split), padding zero."""
-    if qtype != 12 and qtype != 14:
-        raise ValueError(f"split_rows: only Q4_K (12) and Q6_K (14) are rearranged, got {_tname(qtype)}")
+    if qtype not in (12, 13, 14):
+        raise ValueError(f"split_rows: only Q4_K (12), Q5_K (13) and Q6_K (14) are rearranged, "
+                         f"got {_tname(qtype)}")
     cdef int64_t N = src.shape[0], rb = ellm_row_bytes(qtype, k), stride = out.shape[1]
     if rb < 0 or src.shape[1] != rb:
         raise ValueError(f"split_rows: rows of {src.shape[1]} bytes are not {_tname(qtype)} rows of "

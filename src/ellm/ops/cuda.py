@@ -195,14 +195,14 @@ def _on_stream(method: Any) -> Any:
 LOAD_KERNEL_FILES = tuple(name for name in KERNELS if name != "lora.cu")
 
 # The types whose rows the GPU keeps split (rows_split): a block of 32 weights as numpy
-# sees it (its scale fields, then its values; GGML's blocks have no padding). Q4_K's and
-# Q6_K's blocks of 256 are rearranged by csrc/quant.c ellm_split_rows.
+# sees it (its scale fields, then its values; GGML's blocks have no padding). The
+# K-quants' blocks of 256 are rearranged by csrc/quant.c ellm_split_rows.
 SPLIT_BLOCKS: dict[GGMLType, np.dtype] = {
     GGMLType.Q8_0: np.dtype([("scales", "V2"), ("values", "V32")]),   # f16 d, 32 int8
     GGMLType.Q4_0: np.dtype([("scales", "V2"), ("values", "V16")]),   # f16 d, 32 nibbles
     GGMLType.Q4_1: np.dtype([("scales", "V4"), ("values", "V16")]),   # f16 d, f16 m, 32 nibbles
 }
-SPLIT_BY_C = frozenset((GGMLType.Q4_K, GGMLType.Q6_K))
+SPLIT_BY_C = frozenset((GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K))
 SPLIT_TYPES = frozenset(SPLIT_BLOCKS) | SPLIT_BY_C
 # the largest matrix upload_linear rearranges in one reused host buffer (a layer's of an 8B
 # model in Q8_0: 62 MB); larger ones (a vocabulary) take memory of their own
@@ -210,13 +210,13 @@ SPLIT_BUFFER_MAX = 64 << 20
 
 
 def rows_split(data: np.ndarray, qtype: GGMLType, buffer: np.ndarray | None = None) -> np.ndarray:
-    """Q8_0, Q4_0, Q4_1, Q4_K or Q6_K rows (N, GGML blocks) as the kernels read them (common.cuh
-    deq8_*, mmv.cu WQ*): each row's values of every block, then the blocks' scales, the
-    row padded to a multiple of 16 bytes (the device array is a view of the first GGML
-    row's bytes, its row stride the padded one). GGML's blocks leave the values 2-byte
-    aligned; apart, a lane reads its values of a step in one load. buffer: uint8 host
-    memory to build it in (reused across a model's matrices: no new pages to fault in for
-    each)."""
+    """Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K rows (N, GGML blocks) as the kernels read them
+    (common.cuh deq8_*, mmv.cu WQ*): each row's values of every block, then the blocks'
+    scales, the row padded to a multiple of 16 bytes (the device array is a view of the
+    first GGML row's bytes, its row stride the padded one). GGML's blocks leave a lane's
+    values of a step in two to eight loads; apart, they are one or two. buffer: uint8
+    host memory to build it in (reused across a model's matrices: no new pages to fault
+    in for each)."""
     n, row = data.shape
     width = _ceil(row, 16) * 16
     out = (np.empty(n * width, np.uint8) if buffer is None else buffer[:n * width]).reshape(n, width)
@@ -421,7 +421,7 @@ class CudaOps:
     def upload_linear(self, w: Linear) -> Linear:
         """The matrix on the device in its own type; types without a kernel (Q5_0, Q2_K,
         ...) are dequantized to f32 on the host first (4 bytes a weight: correct, not fast).
-        Q8_0, Q4_0, Q4_1, Q4_K and Q6_K rows are stored with their values and scales
+        Q8_0, Q4_0, Q4_1 and the K-quants' rows are stored with their values and scales
         apart (rows_split)."""
         from dataclasses import replace
         if isinstance(w.data, self.cp.ndarray):
