@@ -23,8 +23,8 @@
 // reads contiguous weight bytes: "wide" types give lane q the 8 k at 8q (word i = k 8q + 2i,
 // 8q + 2i + 1; words 0-1 feed the first mma, 2-3 the second); "split" types give it the 4 k
 // at 4q for the first mma and the 4 k at 16 + 4q for the second (so each mma covers 16
-// consecutive k: Q6_K's scales change every 16, Q4_0 / Q4_1 / Q4_K / Q6_K keep k and
-// k + 16 in one byte). The sum over k does not care which mma slot a k lands in, as long as the weight
+// consecutive k: Q6_K's scales change every 16, the nibble types keep k and k + 16 in one
+// byte). The sum over k does not care which mma slot a k lands in, as long as the weight
 // and activation fragments agree: both use the lane's positions below.
 #include "common.cuh"
 
@@ -104,6 +104,20 @@ struct WQ8_0 : SplitRows<32, 2> {
     }
 };
 
+// A split type's lane fragment from its 4 bytes of nibbles (bytes 4q .. 4q + 3: k 4q + i in
+// the low nibbles, 16 + 4q + i in the high ones) and, for Q5_K, its byte of fifth bits
+// (k 4q + i at bit i, 16 + 4q + i at bit 4 + i); each value plus bias.
+__device__ __forceinline__ void frag_nibbles(u32 v, u32 fifth, int bias, Frag& f) {
+    #pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
+        int b0 = (fifth >> (2 * i)) & 1, b1 = (fifth >> (2 * i + 1)) & 1;
+        int b2 = (fifth >> (4 + 2 * i)) & 1, b3 = (fifth >> (5 + 2 * i)) & 1;
+        f.w[i] = pack_int_pair(((c0 & 15) | (b0 << 4)) + bias, ((c1 & 15) | (b1 << 4)) + bias);
+        f.w[2 + i] = pack_int_pair(((c0 >> 4) | (b2 << 4)) + bias, ((c1 >> 4) | (b3 << 4)) + bias);
+    }
+}
+
 // Q4_0: 16 bytes of nibbles a step, k < 16 the low nibble of byte k, k >= 16 the high
 // nibble of byte k - 16; value d (q - 8). Split: bytes 4q .. 4q + 3 (one 4-byte load) hold
 // both mmas' k. Scale word: f16 d.
@@ -112,13 +126,7 @@ struct WQ4_0 : SplitRows<16, 2> {
     static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        u32 v = *(const u32*)(values(row, k0 >> 5) + 4 * q);
-        #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
-            f.w[i] = pack_int_pair((c0 & 15) - 8, (c1 & 15) - 8);
-            f.w[2 + i] = pack_int_pair((c0 >> 4) - 8, (c1 >> 4) - 8);
-        }
+        frag_nibbles(*(const u32*)(values(row, k0 >> 5) + 4 * q), 0u, -8, f);
     }
 };
 
@@ -128,68 +136,37 @@ struct WQ4_1 : SplitRows<16, 4> {
     static constexpr int bytes_256 = 160;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
-        u32 v = *(const u32*)(values(row, k0 >> 5) + 4 * q);
-        #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
-            f.w[i] = pack_int_pair(c0 & 15, c1 & 15);
-            f.w[2 + i] = pack_int_pair(c0 >> 4, c1 >> 4);
-        }
+        frag_nibbles(*(const u32*)(values(row, k0 >> 5) + 4 * q), 0u, 0, f);
     }
 };
 
-// Q4_K as the GPU keeps it (common.cuh deq8_q4_k): step s's 16 bytes of nibbles as Q4_0's
-// (lane q: bytes 4q .. 4q + 3, one load), then the block heads; step s is sub-block s % 8
-// (scale d sc, min dmin mn: two loads of its block's head, the same for the four lanes of
-// a row; a warp's unrolled steps are in different blocks, so nothing to share).
-struct WQ4_K {
+// Q4_K and Q5_K as the GPU keeps them (common.cuh k_head): STEP bytes a step (its nibbles
+// as Q4_0's, then Q5_K's 4 bytes of fifth bits), then the block heads. Step s is
+// sub-block s % 8 (scale d sc, min dmin mn: two loads of its block's head, the same for
+// the four lanes of a row; a warp's unrolled steps are in different blocks, so there is
+// nothing to share among them); value d sc q - dmin mn.
+template <int STEP>
+struct KQuantRows {
     static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;
-    static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 16 * s; }
-    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) { return k_head<16>(row, K, s >> 3); }
+    static constexpr int bytes_256 = 8 * STEP + 16;   // a row is K / 256 * bytes_256 bytes
+    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + STEP * s; }
+    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
+        return k_head<STEP>(row, K, s >> 3);
+    }
     static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) { return nullptr; }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
+        int s = k0 >> 5;
         float sc, mn;
-        k_scale_min(scales(row, K, k0 >> 5), (k0 >> 5) & 7, &sc, &mn);
-        u32 v = *(const u32*)(values(row, k0 >> 5) + 4 * q);
-        #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
-            f.w[i] = pack_int_pair(c0 & 15, c1 & 15);
-            f.w[2 + i] = pack_int_pair(c0 >> 4, c1 >> 4);
-        }
+        k_scale_min(scales(row, K, s), s & 7, &sc, &mn);
+        const u8* rec = values(row, s);
+        frag_nibbles(*(const u32*)(rec + 4 * q), STEP == 20 ? (u32)rec[16 + q] : 0u, 0, f);
         f.sc[0] = f.sc[1] = sc;
         f.mn[0] = f.mn[1] = -mn;
     }
 };
-
-// Q5_K as the GPU keeps it (common.cuh deq8_q5_k): Q4_K's nibbles and heads, each step's
-// nibbles followed by 4 bytes of fifth bits (lane q's 8 in byte q: one more load).
-struct WQ5_K {
-    static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;
-    static constexpr int bytes_256 = 176;   // a row is K / 256 * bytes_256 bytes
-    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 20 * s; }
-    static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) { return k_head<20>(row, K, s >> 3); }
-    static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) { return nullptr; }
-    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
-        if (!row) { frag_zero(f); return; }
-        float sc, mn;
-        k_scale_min(scales(row, K, k0 >> 5), (k0 >> 5) & 7, &sc, &mn);
-        const u8* rec = values(row, k0 >> 5);
-        u32 v = *(const u32*)(rec + 4 * q), h = rec[16 + q];
-        #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int c0 = (v >> (16 * i)) & 0xff, c1 = (v >> (16 * i + 8)) & 0xff;
-            f.w[i] = pack_int_pair((c0 & 15) | (int)(((h >> (2 * i)) & 1u) << 4),
-                                   (c1 & 15) | (int)(((h >> (2 * i + 1)) & 1u) << 4));
-            f.w[2 + i] = pack_int_pair((c0 >> 4) | (int)(((h >> (4 + 2 * i)) & 1u) << 4),
-                                       (c1 >> 4) | (int)(((h >> (5 + 2 * i)) & 1u) << 4));
-        }
-        f.sc[0] = f.sc[1] = sc;
-        f.mn[0] = f.mn[1] = -mn;
-    }
-};
+struct WQ4_K : KQuantRows<16> {};   // 144 bytes / 256
+struct WQ5_K : KQuantRows<20> {};   // 176 bytes / 256
 
 // Q6_K as the GPU keeps it (common.cuh deq8_q6_k): a step's 24-byte record, lane q's
 // nibbles in bytes 4q .. 4q + 3 (k 4q + i low, 16 + 4q + i high: one 4-byte load) and its
