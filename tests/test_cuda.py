@@ -184,6 +184,9 @@ def test_k_quant_rows_are_kept_split_on_the_device(qtype: GGMLType, k: int) -> N
 
 def test_split_rows_says_what_is_wrong() -> None:
     from ellm._native import _quant
+    from ellm.ops.cuda import rows_split
+    with pytest.raises(ValueError, match="Q6_K rows of 100 bytes are not whole 210-byte blocks"):
+        rows_split(np.zeros((3, 100), np.uint8), GGMLType.Q6_K)
     rows = np.zeros((2, 210), np.uint8)
     with pytest.raises(ValueError, match="not Q6_K rows of 512 weights"):
         _quant.split_rows(rows, int(GGMLType.Q6_K), 512, np.zeros((2, 224), np.uint8))

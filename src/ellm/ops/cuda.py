@@ -224,7 +224,10 @@ def rows_split(data: np.ndarray, qtype: GGMLType, buffer: np.ndarray | None = No
     data = np.ascontiguousarray(data)
     if qtype in SPLIT_BY_C:   # blocks of 256: rearranged in C (csrc/quant.c)
         from .._native import _quant
-        _quant.split_rows(data, int(qtype), row // BLOCK_LAYOUT[qtype][1] * 256, out)
+        block_bytes = BLOCK_LAYOUT[qtype][1]
+        if row % block_bytes:
+            raise ValueError(f"{qtype.name} rows of {row} bytes are not whole {block_bytes}-byte blocks")
+        _quant.split_rows(data, int(qtype), row // block_bytes * 256, out)
         return out
     block = SPLIT_BLOCKS[qtype]
     nb = row // block.itemsize
