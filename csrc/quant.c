@@ -278,31 +278,37 @@ static void nibble_step(const uint8_t *src, int high, uint8_t *dst) {
     }
 }
 
+/* A step's high bits: the `bits`-wide field (1 or 2) at `shift` of 32 source bytes, weight
+ * j's from byte j -> 4 units (a byte for 1 bit, a little-endian u16 for 2) at dst, unit q
+ * holding weights 4q + i at bits i * bits and 16 + 4q + i at bits (4 + i) * bits. Four
+ * weights at a time: the 4 bytes src[4c ..] (little-endian, as every target) shifted and
+ * masked, byte m's field moved to bits m * bits. */
+static void high_bits(const uint8_t *src, int shift, int bits, uint8_t *dst) {
+    uint32_t mask = bits == 1 ? 0x01010101u : 0x03030303u, gap = (uint32_t)(8 - bits);
+    uint32_t packed[8];   /* weights 4c .. 4c + 3 */
+    for (int c = 0; c < 8; c++) {
+        uint32_t x;
+        memcpy(&x, src + 4 * c, 4);
+        x = (x >> shift) & mask;
+        packed[c] = (x | (x >> gap) | (x >> (2 * gap)) | (x >> (3 * gap))) & ((1u << (4 * bits)) - 1u);
+    }
+    for (int q = 0; q < 4; q++) {
+        uint32_t unit = packed[q] | (packed[4 + q] << (4 * bits));
+        for (int i = 0; i < bits; i++) dst[bits * q + i] = (uint8_t)(unit >> (8 * i));
+    }
+}
+
 /* One Q6_K block (ql[128], qh[64], int8 scales[16], f16 d) -> its 8 steps' records at rec
  * (24 bytes a step). GGML's weight e of a block: h = e / 128, r = e % 128, low 4 bits the
  * nibble r / 64 of ql[64 h + r % 64], high 2 bits the pair r / 32 of qh[32 h + r % 32].
  * So step t (h = t / 4, u = t % 4) takes its nibbles from ql[64 h + 32 (u % 2) ..] (the
  * high ones if u >= 2) and its pairs from qh[32 h ..] (shift 2 u). A record: 16 bytes of
- * nibbles (nibble_step); bytes 16 + 2 w and 17 + 2 w = the pairs of weights 4 w .. 4 w + 3
- * and of 16 + 4 w .. 19 + 4 w, two bits each, the first lowest. */
+ * nibbles (nibble_step), then 4 u16 words of pairs (high_bits). */
 static void q6_k_records(const uint8_t *blk, uint8_t *rec) {
     for (int t = 0; t < 8; t++, rec += 24) {
         int h = t >> 2, u = t & 3;
-        const uint8_t *qh = blk + 128 + 32 * h;
         nibble_step(blk + 64 * h + 32 * (u & 1), u >= 2, rec);
-        /* pairs 4 at a time: the 4 bytes qh[4 c ..] (little-endian, as every target) shifted
-         * by 2 u, byte j's pair to bits 2 j */
-        uint8_t packed[8];
-        for (int c = 0; c < 8; c++) {
-            uint32_t x;
-            memcpy(&x, qh + 4 * c, 4);
-            x = (x >> (2 * u)) & 0x03030303u;
-            packed[c] = (uint8_t)(x | (x >> 6) | (x >> 12) | (x >> 18));
-        }
-        for (int w = 0; w < 4; w++) {
-            rec[16 + 2 * w] = packed[w];
-            rec[17 + 2 * w] = packed[4 + w];
-        }
+        high_bits(blk + 128 + 32 * h, 2 * u, 2, rec + 16);
     }
 }
 
@@ -322,23 +328,10 @@ static void k_quant_head(const uint8_t *blk, uint8_t *head) {
     for (int i = 0; i < 4; i++) head[4 + i] = (uint8_t)(top >> (8 * i));
 }
 
-/* Q5_K's fifth bits of step s (bit s of qh[j] for weight j of sub-block s) -> 4 bytes: byte
- * q holds weights 4q + i at bit i and 16 + 4q + i at bit 4 + i. */
-static void fifth_bits(const uint8_t *qh, int s, uint8_t *dst) {
-    uint8_t packed[8];   /* weights 4c .. 4c + 3 at bits 0-3 */
-    for (int c = 0; c < 8; c++) {
-        uint32_t x;
-        memcpy(&x, qh + 4 * c, 4);   /* little-endian, as every target */
-        x = (x >> s) & 0x01010101u;
-        packed[c] = (uint8_t)((x | (x >> 7) | (x >> 14) | (x >> 21)) & 15u);
-    }
-    for (int q = 0; q < 4; q++) dst[q] = (uint8_t)(packed[q] | (packed[4 + q] << 4));
-}
-
 /* One row: Q4_K (f16 d, f16 dmin, 12 bytes of scales, qs[128]: 64-chunk c holds sub-block
  * 2c in the low nibbles of qs[32c ..], 2c + 1 in the high ones) -> 16 bytes of nibbles a
  * step (nibble_step), then the blocks' heads (k_quant_head). Q5_K (Q4_K's head, qh[32],
- * qs[128]) -> 20 bytes a step (nibbles, fifth_bits), then the heads. Q6_K -> 24-byte step
+ * qs[128]) -> 20 bytes a step (nibbles, then the fifth bits: high_bits), then the heads. Q6_K -> 24-byte step
  * records, then the blocks' 16 scales, then their d. */
 static void split_row(int qtype, const uint8_t *row, int64_t nb, uint8_t *out) {
     for (int64_t b = 0; b < nb; b++) {
@@ -351,7 +344,7 @@ static void split_row(int qtype, const uint8_t *row, int64_t nb, uint8_t *out) {
             for (int t = 0; t < 8; t++) {
                 uint8_t *rec = out + (b * 8 + t) * 20;
                 nibble_step(blk + 48 + 32 * (t >> 1), t & 1, rec);
-                fifth_bits(blk + 16, t, rec + 16);
+                high_bits(blk + 16, t, 1, rec + 16);   /* bit t of qh[j]: weight j's fifth */
             }
             k_quant_head(blk, out + nb * 160 + b * 16);
         } else {

@@ -163,6 +163,12 @@ __device__ __forceinline__ void deq8_bf16(const u8* row, int K, int k0, float* v
 // GGML's blocks (18, 20, 34 bytes) leave the values 2-byte aligned; apart, 8 values are one
 // load. Rows start 16-byte aligned; the scales at K / 2 (Q4_x) or K (Q8_0), 16-byte aligned.
 
+// Nibble i (0..7) of weights j0 .. j0 + 7 (j0 % 8 == 0) of a step whose 16 bytes of nibbles
+// are placed as Q4_0's (below): w0, w1 its bytes j0 % 16 .. + 7.
+__device__ __forceinline__ u32 step_nibble(u32 w0, u32 w1, int j0, int i) {
+    return ((i < 4 ? w0 : w1) >> (8 * (i & 3) + (j0 >= 16 ? 4 : 0))) & 15u;
+}
+
 // A split row's scales of block blk: after the row's values, vb bytes a block; sb bytes a
 // block of scales (mmv.cu SplitRows reads the same places).
 __device__ __forceinline__ const u8* split_scales(const u8* row, int K, int vb, int sb, int blk) {
@@ -172,27 +178,21 @@ __device__ __forceinline__ const u8* split_scales(const u8* row, int K, int vb, 
 // Q4_0: element j < 16 of a block the low nibble of its byte j, j >= 16 the high nibble of
 // byte j - 16; value d * (q - 8).
 __device__ __forceinline__ void deq8_q4_0(const u8* row, int K, int k0, float* v) {
-    int blk = k0 >> 5, j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    int blk = k0 >> 5, j0 = k0 & 31;
     float d = rd_f16(split_scales(row, K, 16, 2, blk));
     uint2 w = *(const uint2*)(row + 16 * blk + (j0 & 15));
     #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[i] = d * (float)((int)((w.x >> (8 * i + sh)) & 15u) - 8);
-        v[4 + i] = d * (float)((int)((w.y >> (8 * i + sh)) & 15u) - 8);
-    }
+    for (int i = 0; i < 8; i++) v[i] = d * (float)((int)step_nibble(w.x, w.y, j0, i) - 8);
 }
 
 // Q4_1: nibbles as Q4_0; value d * q + m.
 __device__ __forceinline__ void deq8_q4_1(const u8* row, int K, int k0, float* v) {
-    int blk = k0 >> 5, j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    int blk = k0 >> 5, j0 = k0 & 31;
     const u8* dm = split_scales(row, K, 16, 4, blk);
     float d = rd_f16(dm), m = rd_f16(dm + 2);
     uint2 w = *(const uint2*)(row + 16 * blk + (j0 & 15));
     #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[i] = d * (float)((w.x >> (8 * i + sh)) & 15u) + m;
-        v[4 + i] = d * (float)((w.y >> (8 * i + sh)) & 15u) + m;
-    }
+    for (int i = 0; i < 8; i++) v[i] = d * (float)step_nibble(w.x, w.y, j0, i) + m;
 }
 
 // Q8_0: 32 int8 a block; value d * q.
@@ -231,19 +231,16 @@ __device__ __forceinline__ void k_scale_min(const u8* head, int s, float* scale,
 }
 
 __device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v) {
-    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    int j0 = k0 & 31;
     float d, m;
     k_scale_min(k_head<16>(row, K, k0 >> 8), (k0 >> 5) & 7, &d, &m);
     uint2 w = *(const uint2*)(row + 16 * (k0 >> 5) + (j0 & 15));   // 8-byte aligned
     #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[i] = d * (float)((w.x >> (8 * i + sh)) & 15u) - m;
-        v[4 + i] = d * (float)((w.y >> (8 * i + sh)) & 15u) - m;
-    }
+    for (int i = 0; i < 8; i++) v[i] = d * (float)step_nibble(w.x, w.y, j0, i) - m;
 }
 
 __device__ __forceinline__ void deq8_q5_k(const u8* row, int K, int k0, float* v) {
-    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    int j0 = k0 & 31;
     float d, m;
     k_scale_min(k_head<20>(row, K, k0 >> 8), (k0 >> 5) & 7, &d, &m);
     const u8* rec = row + 20 * (k0 >> 5);                  // 4-byte aligned
@@ -251,13 +248,12 @@ __device__ __forceinline__ void deq8_q5_k(const u8* row, int K, int k0, float* v
     u32 fifth = (u32)*(const u16*)(rec + 16 + ((j0 & 15) >> 2)) >> (4 * (j0 >> 4));   // bytes (j0 & 15) / 4, + 1
     #pragma unroll
     for (int i = 0; i < 8; i++) {
-        u32 nib = ((i < 4 ? w0 : w1) >> (8 * (i & 3) + sh)) & 15u;
         u32 bit = (fifth >> (8 * (i >> 2) + (i & 3))) & 1u;
-        v[i] = d * (float)(nib | (bit << 4)) - m;
+        v[i] = d * (float)(step_nibble(w0, w1, j0, i) | (bit << 4)) - m;
     }
 }
 
-// Q6_K as the GPU keeps it (ops/cuda.py rows_split, csrc/quant.c ellm_q6_k_split_rows):
+// Q6_K as the GPU keeps it (ops/cuda.py rows_split, csrc/quant.c ellm_split_rows):
 // a row's steps of 32 weights as 24-byte records -- 16 bytes of nibbles (weight j < 16 the
 // low nibble of byte j, j >= 16 the high nibble of byte j - 16, as Q4_0) and 8 bytes of
 // high bit pairs (u16 word w: weights 4w + i at bits 2i, 16 + 4w + i at bits 8 + 2i) --
@@ -268,16 +264,15 @@ __device__ __forceinline__ const u8* q6_k_d(const u8* row, int K, int blk) {
 }
 
 __device__ __forceinline__ void deq8_q6_k(const u8* row, int K, int k0, float* v) {
-    int j0 = k0 & 31, sh = j0 >= 16 ? 4 : 0;
+    int j0 = k0 & 31;
     const u8* rec = row + 24 * (k0 >> 5);
     float d = rd_f16(q6_k_d(row, K, k0 >> 8)) * (float)((const i8*)split_scales(row, K, 24, 2, 0))[k0 >> 4];
     uint2 w = *(const uint2*)(rec + (j0 & 15));               // 8-byte aligned: 24-byte records
     u32 h = *(const u32*)(rec + 16 + ((j0 & 15) >> 1)) >> (8 * (j0 >> 4));   // words (j0 & 15) / 4, + 1
     #pragma unroll
     for (int i = 0; i < 8; i++) {
-        u32 nib = ((i < 4 ? w.x : w.y) >> (8 * (i & 3) + sh)) & 15u;
         u32 pair = (h >> (16 * (i >> 2) + 2 * (i & 3))) & 3u;
-        v[i] = d * (float)((int)(nib | (pair << 4)) - 32);
+        v[i] = d * (float)((int)(step_nibble(w.x, w.y, j0, i) | (pair << 4)) - 32);
     }
 }
 

@@ -42,11 +42,6 @@ __device__ __forceinline__ u32 pack_int_pair(int a, int b) {
     return pack_bf16x2((float)a, (float)b);   // |a|, |b| <= 256: exact
 }
 
-__device__ __forceinline__ u32 ld_u16x2(const u8* p) {   // 4 bytes at a 2-byte boundary
-    const u16* h = (const u16*)p;
-    return (u32)h[0] | ((u32)h[1] << 16);
-}
-
 __device__ __forceinline__ void frag_zero(Frag& f) {
     f.w[0] = f.w[1] = f.w[2] = f.w[3] = 0u;
     f.sc[0] = f.sc[1] = f.mn[0] = f.mn[1] = 0.0f;
@@ -55,7 +50,7 @@ __device__ __forceinline__ void frag_zero(Frag& f) {
 // BF16 rows: 16 bytes at k0 + 8q.
 struct WBf16 {
     static constexpr bool split = false, scaled = false, has_min = false, rows_split = false, scale_words = false;
-    static constexpr int bytes_256 = 512;   // a row is K / 256 * bytes_256 bytes
+    static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 64 * s; }
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         uint4 v = *(const uint4*)(row + 2 * (k0 + 8 * q));   // 16-byte aligned (K % 32 == 0)
@@ -91,7 +86,6 @@ struct SplitRows {
 // Q8_0: 32 int8 a step; the 8 q at 8q in one 8-byte load. Scale word: f16 d.
 struct WQ8_0 : SplitRows<32, 2> {
     static constexpr bool split = false, scaled = true, has_min = false;
-    static constexpr int bytes_256 = 272;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         uint2 v = *(const uint2*)(values(row, k0 >> 5) + 8 * q);
@@ -123,7 +117,6 @@ __device__ __forceinline__ void frag_nibbles(u32 v, u32 fifth, int bias, Frag& f
 // both mmas' k. Scale word: f16 d.
 struct WQ4_0 : SplitRows<16, 2> {
     static constexpr bool split = true, scaled = true, has_min = false;
-    static constexpr int bytes_256 = 144;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         frag_nibbles(*(const u32*)(values(row, k0 >> 5) + 4 * q), 0u, -8, f);
@@ -133,7 +126,6 @@ struct WQ4_0 : SplitRows<16, 2> {
 // Q4_1: nibbles as Q4_0; value d q + m. Scale word: f16 d, then f16 m.
 struct WQ4_1 : SplitRows<16, 4> {
     static constexpr bool split = true, scaled = true, has_min = true;
-    static constexpr int bytes_256 = 160;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
         if (!row) { frag_zero(f); return; }
         frag_nibbles(*(const u32*)(values(row, k0 >> 5) + 4 * q), 0u, 0, f);
@@ -148,7 +140,6 @@ struct WQ4_1 : SplitRows<16, 4> {
 template <int STEP>
 struct KQuantRows {
     static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;
-    static constexpr int bytes_256 = 8 * STEP + 16;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + STEP * s; }
     static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
         return k_head<STEP>(row, K, s >> 3);
@@ -174,7 +165,6 @@ struct WQ5_K : KQuantRows<20> {};   // 176 bytes / 256
 // (each mma's 16 k share one), then the block's f16 d.
 struct WQ6_K : SplitRows<24, 2> {
     static constexpr bool split = true, scaled = true, has_min = false;
-    static constexpr int bytes_256 = 210;   // a row is K / 256 * bytes_256 bytes
     static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) {
         return q6_k_d(row, K, s >> 3);
     }
@@ -390,7 +380,6 @@ __device__ __forceinline__ void prefetch_first_steps(const u8* const* ra, const 
     for (int i = 0; i < 2; i++) {
         int s = warp + (q + 4 * i) * MMV_WARPS;
         if (s >= (K >> 5)) return;
-        long long off = (long long)s * WT::bytes_256 / 8;   // within the row: s < K / 32
         #pragma unroll
         for (int r = 0; r < RT; r++) {
             if constexpr (WT::rows_split) {   // values and scales apart
@@ -402,9 +391,9 @@ __device__ __forceinline__ void prefetch_first_steps(const u8* const* ra, const 
                     prefetch_l2(WT::scales(rows[x], K, s));
                     if (const u8* tail = WT::scale_tail(rows[x], K, s)) prefetch_l2(tail);
                 }
-            } else {
-                if (ra[r]) prefetch_l2(ra[r] + off);
-                if (rb[r]) prefetch_l2(rb[r] + off);
+            } else {   // BF16: the values alone
+                if (ra[r]) prefetch_l2(WT::values(ra[r], s));
+                if (rb[r]) prefetch_l2(WT::values(rb[r], s));
             }
         }
     }

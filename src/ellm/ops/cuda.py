@@ -220,9 +220,8 @@ def rows_split(data: np.ndarray, qtype: GGMLType, buffer: np.ndarray | None = No
     n, row = data.shape
     width = _ceil(row, 16) * 16
     out = (np.empty(n * width, np.uint8) if buffer is None else buffer[:n * width]).reshape(n, width)
-    out[:, row:] = 0
     data = np.ascontiguousarray(data)
-    if qtype in SPLIT_BY_C:   # blocks of 256: rearranged in C (csrc/quant.c)
+    if qtype in SPLIT_BY_C:   # blocks of 256: rearranged in C (csrc/quant.c; it zeroes the padding)
         from .._native import _quant
         block_bytes = BLOCK_LAYOUT[qtype][1]
         if row % block_bytes:
@@ -235,6 +234,7 @@ def rows_split(data: np.ndarray, qtype: GGMLType, buffer: np.ndarray | None = No
     v, sc = block["values"].itemsize, block["scales"].itemsize
     out[:, :nb * v].view(f"V{v}")[...] = blocks["values"]
     out[:, nb * v:row].view(f"V{sc}")[...] = blocks["scales"]
+    out[:, row:] = 0
     return out
 
 
