@@ -356,6 +356,23 @@ static void split_row(int qtype, const uint8_t *row, int64_t nb, uint8_t *out) {
     }
 }
 
+typedef struct {
+    int qtype;
+    const uint8_t *src;
+    uint8_t *dst;
+    int64_t k, row_bytes, dst_stride;
+} split_ctx;
+
+static void split_task(void *ctx, int64_t begin, int64_t end, int thread_id) {
+    const split_ctx *c = (const split_ctx *)ctx;
+    (void)thread_id;
+    for (int64_t r = begin; r < end; r++) {
+        uint8_t *out = c->dst + (size_t)r * (size_t)c->dst_stride;
+        split_row(c->qtype, c->src + (size_t)r * (size_t)c->row_bytes, c->k / 256, out);
+        memset(out + c->row_bytes, 0, (size_t)(c->dst_stride - c->row_bytes));
+    }
+}
+
 int ellm_split_rows(int qtype, const uint8_t *src, size_t src_bytes, int64_t n_rows, int64_t k,
                     uint8_t *dst, size_t dst_bytes, int64_t dst_stride) {
     if (qtype != ELLM_T_Q4_K && qtype != ELLM_T_Q5_K && qtype != ELLM_T_Q6_K) return ELLM_E_TYPE;
@@ -363,11 +380,15 @@ int ellm_split_rows(int qtype, const uint8_t *src, size_t src_bytes, int64_t n_r
     if (rb < 0 || n_rows < 0 || dst_stride < rb) return ELLM_E_SHAPE;
     if ((uint64_t)rb * (uint64_t)n_rows != (uint64_t)src_bytes) return ELLM_E_SIZE;
     if ((uint64_t)dst_stride * (uint64_t)n_rows != (uint64_t)dst_bytes) return ELLM_E_SIZE;
-    for (int64_t r = 0; r < n_rows; r++) {
-        uint8_t *out = dst + (size_t)r * (size_t)dst_stride;
-        split_row(qtype, src + (size_t)r * (size_t)rb, k / 256, out);
-        memset(out + rb, 0, (size_t)(dst_stride - rb));
+    if (n_rows == 0 || rb == 0) {   /* no weights: only padding */
+        if (dst_bytes) memset(dst, 0, dst_bytes);
+        return ELLM_OK;
     }
+    split_ctx c = {qtype, src, dst, k, rb, dst_stride};
+    /* a whole model's K-quant rows are rearranged as it is uploaded: spread them over the
+     * pool in ~64 KiB chunks of input */
+    int64_t grain = 65536 / rb;
+    ellm_parallel_for(n_rows, grain < 1 ? 1 : grain, split_task, &c);
     return ELLM_OK;
 }
 
@@ -416,6 +437,7 @@ typedef struct {
 } quantize_ctx;
 
 static void quantize_task(void *ctx, int64_t begin, int64_t end, int thread_id) {
+    (void)thread_id;
     const quantize_ctx *c = (const quantize_ctx *)ctx;
     for (int64_t r = begin; r < end; r++)
         for (int64_t i = 0; i < c->k / QK32; i++)

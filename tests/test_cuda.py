@@ -182,6 +182,22 @@ def test_k_quant_rows_are_kept_split_on_the_device(qtype: GGMLType, k: int) -> N
     assert np.array_equal(got, dequantize(w.data, qtype, (n, k)))
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda q: q.name)
+def test_k_quant_split_on_the_pool_is_the_split_of_each_row(qtype: GGMLType) -> None:
+    """ellm_split_rows cuts a matrix's rows into chunks of ~64 KiB over the thread pool: 300
+    rows of 4096 weights are 11-14 chunks, each row's split the same as that row's alone."""
+    from ellm._native import _kernels
+    from ellm.ops.cuda import rows_split
+    rows = np.random.default_rng(7).integers(0, 256, (300, row_bytes(qtype, 4096)), dtype=np.uint8)
+    threads = _kernels.num_threads()
+    try:
+        _kernels.set_num_threads(2)
+        whole = rows_split(rows, qtype)
+    finally:
+        _kernels.set_num_threads(threads)
+    assert np.array_equal(whole, np.concatenate([rows_split(rows[i:i + 1], qtype) for i in range(300)]))
+
+
 def test_split_rows_says_what_is_wrong() -> None:
     from ellm._native import _quant
     from ellm.ops.cuda import rows_split
