@@ -475,6 +475,8 @@ PREFILL_CASES = {
     "hd128_three_prompts": (8, 2, 128, 0, 0.0, 0, [(0, 70), (5, 33), (40, 20)]),
     "hd64_window_softcap": (4, 1, 64, 40, 30.0, 0, [(0, 90), (17, 50)]),
     "hd96_image_limits": (6, 3, 96, 0, 0.0, 7, [(3, 75)]),
+    "hd256_window_two_prompts": (8, 2, 256, 60, 0.0, 0, [(0, 80), (30, 40)]),   # attn_prefill_wide
+    "hd160_softcap_limits": (4, 2, 160, 0, 40.0, 5, [(2, 70)]),   # its second block sums 32 dims
 }
 
 
@@ -482,10 +484,11 @@ PREFILL_CASES = {
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
 def test_prefill_attention_on_tensor_cores_matches_reference(ops, case: str, kv_dtype: str) -> None:
-    """attn_prefill (more than 64 tokens, head_dim a multiple of 32 up to 128) against the
-    reference's paged_attention: several prompts in one step (a warp's 16 tokens then span
-    two sequences), earlier context in the cache, sliding window and soft-capping, key
-    limits past the position (an image's tokens), f32 and bf16 caches."""
+    """attn_prefill (more than 64 tokens, head_dim a multiple of 32 up to 256: above 128
+    attn_prefill_wide, a head's output dims over two blocks) against the reference's
+    paged_attention: several prompts in one step (a warp's 16 tokens then span two
+    sequences), earlier context in the cache, sliding window and soft-capping, key limits
+    past the position (an image's tokens), f32 and bf16 caches."""
     nh, nkv, hd, window, cap, extra, prompts = PREFILL_CASES[case]
     rng = np.random.default_rng(sum(map(ord, case)))
     bs, blocks, width = 16, 64, 12

@@ -364,7 +364,7 @@ extern "C" __global__ void attn_combine(
 
 // ---------------------------------------------------------------------------------
 // Prefill attention on the tensor cores (the meaning of attn_partial + attn_combine, for
-// head_dim a multiple of 32 up to 128): one warp per 16 query tokens of one head, every
+// head_dim a multiple of 32 up to 256): one warp per 16 query tokens of one head, every
 // key they see, flash-attention style (running max and sum per row, no partials in
 // memory). Scores Q K^T and the sums P V are mma.sync m16n8k16 with f32 accumulation; each
 // f32 operand goes in as two bf16 terms (hi + lo, 16 significant bits) and the products
@@ -375,23 +375,31 @@ extern "C" __global__ void attn_combine(
 //
 // Lane 4 g + q holds query rows g and g + 8; of each 32 dims it reads the 8 at 8q (for Q
 // in shared memory and K from the cache, the same positions on both sides of the dot).
+//
+// A warp keeps at most FA_OUT dims of its rows' output in registers (64 registers). Above
+// that (Gemma's head_dim 256) blockIdx.z picks which FA_OUT dims a block sums, and each
+// block takes every score itself (`attn_prefill_wide`, Q of up to 256 dims in shared
+// memory): the scores' work is done twice, but the two blocks' scores, maxima and sums
+// are the same instructions on the same values, so both halves are normalized alike.
 // ---------------------------------------------------------------------------------
-#define FA_HD_MAX 128
+#define FA_OUT 128
 #define FA_KEYS 16     // keys per step: two n8 tiles of scores, one k16 of P V
 
-__device__ __forceinline__ void kv_load8(const float* p, long long i, float* v) {
+// 8 cache elements from i as 4 words of bf16 pairs (element 2w in word w's low half), the
+// A / B operand of an mma: an f32 cache's as hi + lo terms, a bf16 cache's its own bits
+// (no lo terms: they would be zero)
+__device__ __forceinline__ void kv_words8(const float* p, long long i, u32* hi, u32* lo) {
     float4 a = *(const float4*)(p + i), b = *(const float4*)(p + i + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    split_bf16(a.x, a.y, hi[0], lo[0]);
+    split_bf16(a.z, a.w, hi[1], lo[1]);
+    split_bf16(b.x, b.y, hi[2], lo[2]);
+    split_bf16(b.z, b.w, hi[3], lo[3]);
 }
 
-__device__ __forceinline__ void kv_load8(const u16* p, long long i, float* v) {
+__device__ __forceinline__ void kv_words8(const u16* p, long long i, u32* hi, u32* lo) {
     uint4 u = *(const uint4*)(p + i);
-    u32 w[4] = {u.x, u.y, u.z, u.w};
-    #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        v[2 * j] = bf16_to_f32((u16)(w[j] & 0xffffu));
-        v[2 * j + 1] = bf16_to_f32((u16)(w[j] >> 16));
-    }
+    hi[0] = u.x; hi[1] = u.y; hi[2] = u.z; hi[3] = u.w;
+    lo[0] = lo[1] = lo[2] = lo[3] = 0u;
 }
 
 __device__ __forceinline__ int warp_min_int(int v) {
@@ -404,19 +412,20 @@ __device__ __forceinline__ int warp_max_int(int v) {
     return v;
 }
 
-// grid (nh, ceil(T / 16)), block 32. hd % 32 == 0, hd <= FA_HD_MAX (ops/cuda.py checks).
-template <typename KV>
+// grid (nh, ceil(T / 16), ceil(hd / FA_OUT)), block 32. hd % 32 == 0, hd <= QD (ops/cuda.py checks).
+template <typename KV, int QD>
 __device__ __forceinline__ void attn_prefill_t(
         const float* __restrict__ q_rot, const int* __restrict__ positions, const int* __restrict__ key_limit,
         const int* __restrict__ seq_ids, const int* __restrict__ block_tables, int max_blocks,
         const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, int T, int nh, int nkv, int hd,
         int block_size, float scale, int window, float softcap, float* __restrict__ out) {
     constexpr bool EXACT = sizeof(KV) == 2;   // a bf16 cache: no lo terms for K and V
-    __shared__ __align__(16) u16 qs[2][16][FA_HD_MAX + 8];       // hi, lo: rows x dims
-    __shared__ __align__(16) u16 vs[2][FA_HD_MAX][FA_KEYS + 2];  // hi, lo: dims x keys
+    __shared__ __align__(16) u16 qs[2][16][QD + 8];          // hi, lo: rows x dims
+    __shared__ __align__(16) u16 vs[EXACT ? 1 : 2][FA_OUT][FA_KEYS + 2];  // hi (, lo): this block's dims x keys
     const int NO_SEQ = 0x7fffffff;
     int h = blockIdx.x, t0 = blockIdx.y * 16, lane = threadIdx.x, g = lane >> 2, q = lane & 3;
-    int kvh = h / (nh / nkv), chunks = hd >> 5, tiles = hd >> 3;
+    int dz = blockIdx.z * FA_OUT, od = min(hd - dz, FA_OUT);   // the output dims this block sums
+    int kvh = h / (nh / nkv), chunks = hd >> 5, tiles = od >> 3;
     int row[2] = {t0 + g, t0 + g + 8}, seq[2], lo[2], hi_key[2];
     #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -440,9 +449,9 @@ __device__ __forceinline__ void attn_prefill_t(
         *(u32*)&qs[1][r][d] = wl;
     }
     __syncwarp();
-    float o[FA_HD_MAX / 8][4];
+    float o[FA_OUT / 8][4];
     #pragma unroll
-    for (int t = 0; t < FA_HD_MAX / 8; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+    for (int t = 0; t < FA_OUT / 8; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
     float m[2] = {ELLM_NEG_INF, ELLM_NEG_INF}, l[2] = {0.0f, 0.0f};
     for (int prev = -1;;) {
         int cand = NO_SEQ;   // the next sequence among the warp's rows
@@ -474,11 +483,8 @@ __device__ __forceinline__ void attn_prefill_t(
                 const u32 al1[4] = {la.x, lb.x, la.y, lb.y}, al2[4] = {la.z, lb.z, la.w, lb.w};
                 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    float kv8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                    if (kbase[j] >= 0) kv_load8(k_cache, kbase[j] + d0, kv8);
-                    u32 kh[4], kl[4];
-                    #pragma unroll
-                    for (int i = 0; i < 4; i++) split_bf16(kv8[2 * i], kv8[2 * i + 1], kh[i], kl[i]);
+                    u32 kh[4] = {0u, 0u, 0u, 0u}, kl[4] = {0u, 0u, 0u, 0u};
+                    if (kbase[j] >= 0) kv_words8(k_cache, kbase[j] + d0, kh, kl);
                     const u32 bh1[2] = {kh[0], kh[1]}, bh2[2] = {kh[2], kh[3]};
                     mma_bf16_16816(s[j], ah1, bh1);
                     mma_bf16_16816(s[j], ah2, bh2);
@@ -528,7 +534,7 @@ __device__ __forceinline__ void attn_prefill_t(
             l[0] = l[0] * corr[0] + psum[0];
             l[1] = l[1] * corr[1] + psum[1];
             #pragma unroll
-            for (int t = 0; t < FA_HD_MAX / 8; t++) {   // constant bounds keep o[] in registers
+            for (int t = 0; t < FA_OUT / 8; t++) {   // constant bounds keep o[] in registers
                 if (t >= tiles) break;
                 o[t][0] *= corr[0]; o[t][1] *= corr[0];
                 o[t][2] *= corr[1]; o[t][3] *= corr[1];
@@ -538,28 +544,28 @@ __device__ __forceinline__ void attn_prefill_t(
             split_bf16(s[0][2], s[0][3], ph[1], pl[1]);
             split_bf16(s[1][0], s[1][1], ph[2], pl[2]);
             split_bf16(s[1][2], s[1][3], ph[3], pl[3]);
-            for (int i = lane; i < FA_KEYS * (hd >> 3); i += 32) {   // V: 16 keys x hd, transposed
-                int kk = i / (hd >> 3), d0 = 8 * (i - kk * (hd >> 3)), key = kb + kk;
-                float v8[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int i = lane; i < FA_KEYS * (od >> 3); i += 32) {   // V: 16 keys x od, transposed
+                int kk = i / (od >> 3), d0 = 8 * (i - kk * (od >> 3)), key = kb + kk;
+                u32 vh[4] = {0u, 0u, 0u, 0u}, vl[4] = {0u, 0u, 0u, 0u};
                 int blk = key <= kend ? table[key / block_size] : -1;
                 if (blk >= 0)
-                    kv_load8(v_cache, (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd + d0, v8);
+                    kv_words8(v_cache, (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd + dz + d0,
+                              vh, vl);
                 #pragma unroll
                 for (int e = 0; e < 8; e++) {
-                    u16 vh = f32_to_bf16(v8[e]);
-                    vs[0][d0 + e][kk] = vh;
-                    vs[1][d0 + e][kk] = f32_to_bf16(v8[e] - bf16_to_f32(vh));
+                    vs[0][d0 + e][kk] = (u16)(vh[e >> 1] >> (16 * (e & 1)));
+                    if constexpr (!EXACT) vs[1][d0 + e][kk] = (u16)(vl[e >> 1] >> (16 * (e & 1)));
                 }
             }
             __syncwarp();
             #pragma unroll
-            for (int t = 0; t < FA_HD_MAX / 8; t++) {
+            for (int t = 0; t < FA_OUT / 8; t++) {
                 if (t >= tiles) break;
                 int d = 8 * t + g;
                 const u32 bh[2] = {*(const u32*)&vs[0][d][2 * q], *(const u32*)&vs[0][d][8 + 2 * q]};
                 mma_bf16_16816(o[t], ph, bh);
                 mma_bf16_16816(o[t], pl, bh);
-                if (!EXACT) {
+                if constexpr (!EXACT) {
                     const u32 bl[2] = {*(const u32*)&vs[1][d][2 * q], *(const u32*)&vs[1][d][8 + 2 * q]};
                     mma_bf16_16816(o[t], ph, bl);
                 }
@@ -573,19 +579,19 @@ __device__ __forceinline__ void attn_prefill_t(
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
     #pragma unroll
-    for (int t = 0; t < FA_HD_MAX / 8; t++) {
+    for (int t = 0; t < FA_OUT / 8; t++) {
         if (t >= tiles) break;
         #pragma unroll
         for (int i = 0; i < 4; i++) {
             int r = i >> 1;
             if (row[r] >= T) continue;
             float v = l[r] > 0.0f ? o[t][i] / l[r] : 0.0f;
-            out[((long long)row[r] * nh + h) * hd + 8 * t + 2 * q + (i & 1)] = v;
+            out[((long long)row[r] * nh + h) * hd + dz + 8 * t + 2 * q + (i & 1)] = v;
         }
     }
 }
 
-#define ELLM_ATTN_PREFILL(suffix, KV)                                                     \
+#define ELLM_ATTN_PREFILL(suffix, KV, QD)                                                 \
 extern "C" __global__ void __launch_bounds__(32) attn_prefill##suffix(                    \
         const float* __restrict__ q_rot, const int* __restrict__ positions,               \
         const int* __restrict__ key_limit, const int* __restrict__ seq_ids,               \
@@ -594,9 +600,11 @@ extern "C" __global__ void __launch_bounds__(32) attn_prefill##suffix(          
         int nkv, int hd, int block_size, float scale, int window, float softcap,          \
         float* __restrict__ out) {                                                        \
     grid_dependency_sync();                                                               \
-    attn_prefill_t<KV>(q_rot, positions, key_limit, seq_ids, block_tables, max_blocks,    \
-                       k_cache, v_cache, T, nh, nkv, hd, block_size, scale, window,       \
-                       softcap, out);                                                     \
+    attn_prefill_t<KV, QD>(q_rot, positions, key_limit, seq_ids, block_tables, max_blocks, \
+                           k_cache, v_cache, T, nh, nkv, hd, block_size, scale, window,   \
+                           softcap, out);                                                 \
 }
-ELLM_ATTN_PREFILL(, float)
-ELLM_ATTN_PREFILL(_bf16, u16)
+ELLM_ATTN_PREFILL(, float, FA_OUT)
+ELLM_ATTN_PREFILL(_bf16, u16, FA_OUT)
+ELLM_ATTN_PREFILL(_wide, float, 256)
+ELLM_ATTN_PREFILL(_wide_bf16, u16, 256)

@@ -53,7 +53,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
                      "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16",
                      "qk_norm_rope_kv_write", "qk_norm_rope_kv_write_bf16",
-                     "attn_prefill", "attn_prefill_bf16"),
+                     "attn_prefill", "attn_prefill_bf16", "attn_prefill_wide", "attn_prefill_wide_bf16"),
     "sample.cu": ("sample_rows", "argmax_rows", "logprob_rows"),
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
     "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2", "x4")
@@ -114,7 +114,8 @@ ARGMAX_THREADS, ARGMAX_CHUNK = 256, 2048   # as in sample.cu
 DECODE_CHUNK, PREFILL_CHUNK = 64, 512
 ATTN_BLOCKS_PER_SM = 4   # attention.cu's __launch_bounds__: blocks of attn_partial / attn_decode resident an SM
 HEAD_DIM_MAX = 256
-FA_HEAD_DIM_MAX = 128   # attn_prefill (tensor cores): head_dim % 32 == 0 up to this; else attn_partial
+FA_HEAD_DIM_MAX = 256   # attn_prefill (tensor cores): head_dim % 32 == 0 up to this; else attn_partial
+FA_OUT = 128            # attn_prefill's output dims a block: above, attn_prefill_wide on ceil(hd / FA_OUT) blocks
 ELEMENTWISE_THREADS = 256
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
 
@@ -781,10 +782,12 @@ class CudaOps:
                       k_cache: Any, v_cache: Any, scale: float, window: int, softcap_value: float,
                       out: Any) -> None:
         """attn_prefill: a warp per 16 tokens of a head, every key they see, on the tensor
-        cores (the meaning of attn_partial + attn_combine)."""
+        cores (the meaning of attn_partial + attn_combine); above FA_OUT dims a head's output
+        is split over blocks, each taking the scores itself (attn_prefill_wide)."""
         T, nh, hd = (int(s) for s in q.shape)
         i32, f32 = np.int32, np.float32
-        self._launch("attn_prefill" + kv, (nh, _ceil(T, 16)), (32,),
+        wide = "_wide" if hd > FA_OUT else ""
+        self._launch("attn_prefill" + wide + kv, (nh, _ceil(T, 16), _ceil(hd, FA_OUT)), (32,),
                      (q, positions, limit, seq_ids, block_tables, i32(int(block_tables.shape[1])), k_cache,
                       v_cache, i32(T), i32(nh), i32(int(k_cache.shape[2])), i32(hd), i32(int(k_cache.shape[1])),
                       f32(scale), i32(window), f32(softcap_value), out))
