@@ -17,7 +17,8 @@
 #      whose tiny models and adapters the machine's own torch, transformers and peft make)
 #   5. the GPU's copy bandwidth and bf16 peak, measured (device_figures.py: every "% of
 #      HBM" and "% of peak" below is of these), an 8B-shaped decode product alone in each
-#      weight type (mmv_types.py: GB/s by type), then one decode step of SmolLM2 and of the Llama-3.2-1B shape: its graph replay time
+#      weight type (mmv_types.py: GB/s by type), an 8B-shaped layer of a 2,048-token prefill
+#      part by part (prefill_parts.py: the products' and attention's TFLOP/s), then one decode step of SmolLM2 and of the Llama-3.2-1B shape: its graph replay time
 #      with and without programmatic dependent launches, then (where ncu is) each of its
 #      kernels measured alone, and those of a 64-sequence 1B step
 #      (benchmarks/gpu/step_profile.py)
@@ -26,7 +27,7 @@
 #      ellm (fused graphs, unfused graphs, eager) and transformers (compiled static
 #      cache, eager) side by side, in priority order (bench.py)
 # Everything goes to $OUT (check.log, pytest.log, pytest_lora.log, device.json, step_time.md,
-# mmv_types.md / .json, step_kernels_*.md / .csv, ncu_*.log, gpu_bench.md, gpu_bench.json).
+# mmv_types.md / .json, prefill_parts.md / .json, step_kernels_*.md / .csv, ncu_*.log, gpu_bench.md, gpu_bench.json).
 # CHECK_BENCH_ONLY=1 skips 3-5 (a second run for the figures alone).
 set -uo pipefail
 T0=$(date +%s)
@@ -104,6 +105,8 @@ timeout 60 $PY benchmarks/gpu/device_figures.py --out "$OUT"
 say "  device figures exit $?"
 timeout 60 $PY benchmarks/gpu/mmv_types.py --out "$OUT"
 say "  decode products by weight type exit $?"
+timeout 45 $PY benchmarks/gpu/prefill_parts.py --out "$OUT"
+say "  a 2,048-token prefill's layer by part exit $?"
 if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then
   sargs=()
   for m in "${MODELS[@]}"; do
