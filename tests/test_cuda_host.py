@@ -180,3 +180,24 @@ def test_the_device_checks_prefill_breakdown_runs(tmp_path: Path) -> None:
     assert [p.split(": ")[1] for p in parts[6:]] == ["attn_prefill_wide", "attn_partial + attn_combine"]
     assert all(r["us"] > 0 for r in rows) and abs(sum(r.get("share", 0.0) for r in rows) - 1.0) < 1e-9
     assert "attn_prefill_wide" in (tmp_path / "prefill_parts.md").read_text()
+
+
+@needs_host_build
+def test_a_kernel_file_that_does_not_compile_fails_the_load() -> None:
+    """CudaOps compiles its kernel files side by side at load; one that does not compile
+    fails the load with a CudaUnavailableError naming it -- the first such file in
+    KERNELS' order when several fail, whichever thread finished first."""
+    script = textwrap.dedent('''
+        import ellm.ops.cuda as C
+        real = C.kernel_source
+        broken = ("attention.cu", "sample.cu")
+        C.kernel_source = lambda f: real(f) + ("\\n#error broken on purpose\\n" if f in broken else "")
+        try:
+            C.CudaOps()
+        except C.CudaUnavailableError as e:
+            print("refused:", e)
+    ''')
+    proc = _child(["-c", script], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "refused: CuPy could not compile ellm's CUDA kernels (attention.cu: " in proc.stdout, proc.stdout
+    assert "broken on purpose" in proc.stdout

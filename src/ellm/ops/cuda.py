@@ -20,6 +20,7 @@ import math
 import os
 import re
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -299,11 +300,28 @@ class CudaOps:
         """Compiles the kernel files every model needs now (lora.cu when an adapter first
         asks), so that a CuPy which cannot compile them (no NVRTC, one built for another
         CUDA) fails the load, saying what to do, rather than the first request. CuPy
-        keeps the binaries on disk: a later load of any model reads them back."""
-        for file in files:
+        keeps the binaries on disk: a later load of any model reads them back. The files
+        compile side by side (CuPy calls NVRTC without the GIL), so a first load waits
+        for the longest of them (mmv.cu), not for their sum; one that fails so is tried
+        once more alone before the load fails."""
+        def compile_file(file: str) -> Exception | None:
             try:
+                self.device.use()   # a worker thread's current device is CuPy's default, not ours
                 self.kernel(KERNELS[file][0])
+                return None
             except Exception as e:   # CompileException, NVRTCError, a missing libnvrtc (RuntimeError, OSError)
+                self._modules.pop(file, None)
+                return e
+
+        workers = max(1, min(len(files), os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ellm-nvrtc") as pool:
+            failures = list(pool.map(compile_file, files))
+        for file, e in zip(files, failures):
+            if e is not None and workers > 1 and compile_file(file) is None:
+                log.warning("%s compiled alone after failing beside the others (%s: %s)", file,
+                            type(e).__name__, " ".join(str(e).split())[:200])
+                continue
+            if e is not None:
                 detail = " ".join(str(e).split())[:500]
                 raise CudaUnavailableError(
                     f"CuPy could not compile ellm's CUDA kernels ({file}: {type(e).__name__}: {detail}); CuPy "
