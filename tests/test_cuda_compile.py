@@ -1,8 +1,10 @@
 """The CUDA kernels compile, on machines without a GPU: every csrc/cuda/*.cu through
 nvcc to PTX for sm_80 (Ampere) and sm_90 (Hopper) with warnings as errors, every
 kernel ops/cuda.py launches is an entry of that PTX, and ptxas assembles both without
-register spills (the fused decode kernels without any stack frame). Optionally also through NVRTC (the
-compiler CuPy uses at run time) when a libnvrtc is found.
+register spills (the fused decode kernels without any stack frame); each unit ops/cuda.py
+compiles (linear.cu and mmv.cu a weight type at a time) makes exactly its own kernels.
+Optionally also through NVRTC (the compiler CuPy uses at run time), unit by unit, when a
+libnvrtc is found.
 
 Skipped, saying why, when nvcc is not installed (the GPU tests are tests/test_cuda.py).
 """
@@ -162,6 +164,27 @@ def test_sources_paste_the_header_in() -> None:
             assert "deq8_q6_k" in text
 
 
+CPP = shutil.which("g++") or shutil.which("cpp")
+
+
+def _unit_id(unit: cuda_ops.KernelUnit) -> str:
+    return unit[0] + ("" if unit[1] is None else "-" + unit[1].name)
+_KERNEL_DEF = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
+
+
+@pytest.mark.skipif(CPP is None, reason="no C++ preprocessor (g++ or cpp)")
+@pytest.mark.parametrize("unit", cuda_ops.kernel_units(), ids=_unit_id)
+def test_each_compile_unit_makes_its_own_kernels(unit: cuda_ops.KernelUnit) -> None:
+    """ops/cuda.py compiles linear.cu and mmv.cu one weight type at a time (common.cuh
+    ELLM_ONLY_TYPE): the text of each unit, preprocessed, defines exactly the kernels
+    KERNEL_UNITS looks for in it -- none missing, none of another type."""
+    args = [CPP, "-E", "-P", "-x", "c++", "-"] if CPP.endswith("++") else [CPP, "-P", "-x", "c++", "-"]
+    proc = subprocess.run(args, input=cuda_ops.unit_source(unit), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    made = set(_KERNEL_DEF.findall(proc.stdout))
+    assert made == {name for name, u in cuda_ops.KERNEL_UNITS.items() if u == unit}
+
+
 def _nvrtc() -> ctypes.CDLL | None:
     names = [ctypes.util.find_library("nvrtc")] + glob.glob("/usr/local/cuda*/lib64/libnvrtc.so*") \
         + glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia/cu*/lib/libnvrtc.so*"))
@@ -180,12 +203,13 @@ NVRTC = _nvrtc()
 @pytest.mark.skipif(NVRTC is None, reason="no libnvrtc found (optional: pip install nvidia-cuda-nvrtc "
                                                   "for the NVRTC compile check)")
 @pytest.mark.parametrize("arch", ("compute_80", "compute_90"))
-@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
-def test_nvrtc_compiles(source: Path, arch: str) -> None:
+@pytest.mark.parametrize("unit", cuda_ops.kernel_units(), ids=_unit_id)
+def test_nvrtc_compiles(unit: cuda_ops.KernelUnit, arch: str) -> None:
+    """The exact text CuPy is given for each unit (ops/cuda.py unit_source)."""
     lib = NVRTC
     prog = ctypes.c_void_p()
-    text = cuda_ops.kernel_source(source.name).encode()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, source.name.encode(), 0, None, None) == 0
+    text = cuda_ops.unit_source(unit).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, unit[0].encode(), 0, None, None) == 0
     opts = [f"--gpu-architecture={arch}".encode(), b"-ftz=true"] + [o.encode() for o in cuda_ops.NVRTC_OPTIONS]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
@@ -204,7 +228,7 @@ def test_nvrtc_compiles(source: Path, arch: str) -> None:
     if arch == "compute_90":   # what CuPy runs on Hopper: every kernel waits before touching memory
         late = [k for k, why in _dependency_sync_order(ptx.decode()).items() if why]
         assert not late, f"kernels touching global memory before grid_dependency_sync: {late}"
-        if source.name == "mmv.cu":
+        if unit[0] == "mmv.cu":
             unfetched = [k for k, early in _prefetch_before_wait(ptx.decode()).items() if not early]
             assert not unfetched, f"mmv kernels without an L2 prefetch before the wait: {unfetched}"
 

@@ -276,12 +276,66 @@ __device__ __forceinline__ void deq8_q6_k(const u8* row, int K, int k0, float* v
     }
 }
 
-// X(name, deq8 function) for every weight type the kernels take; the names are the
-// suffixes ops/cuda.py asks for (GGMLType names, lower case).
+// ops/cuda.py compiles linear.cu and mmv.cu one weight type at a time, the types side by
+// side (each a fraction of the whole file's compile): ELLM_ONLY_TYPE is then the type's
+// GGML id, and only its kernels are made. Without it (nvcc's checks), every type's.
+#ifdef ELLM_ONLY_TYPE
+#define ELLM_TYPE_ON(id) (ELLM_ONLY_TYPE == (id))
+#else
+#define ELLM_TYPE_ON(id) 1
+#endif
+#define ELLM_TYPE_OFF(X)
+#if ELLM_TYPE_ON(0)
+#define ELLM_TYPE_F32(X) X(f32, deq8_f32)
+#else
+#define ELLM_TYPE_F32 ELLM_TYPE_OFF
+#endif
+#if ELLM_TYPE_ON(1)
+#define ELLM_TYPE_F16(X) X(f16, deq8_f16)
+#else
+#define ELLM_TYPE_F16 ELLM_TYPE_OFF
+#endif
+#if ELLM_TYPE_ON(30)
+#define ELLM_TYPE_BF16(X) X(bf16, deq8_bf16)
+#else
+#define ELLM_TYPE_BF16 ELLM_TYPE_OFF
+#endif
+#if ELLM_TYPE_ON(2)
+#define ELLM_TYPE_Q4_0(X) X(q4_0, deq8_q4_0)
+#else
+#define ELLM_TYPE_Q4_0 ELLM_TYPE_OFF
+#endif
+#if ELLM_TYPE_ON(3)
+#define ELLM_TYPE_Q4_1(X) X(q4_1, deq8_q4_1)
+#else
+#define ELLM_TYPE_Q4_1 ELLM_TYPE_OFF
+#endif
+#if ELLM_TYPE_ON(8)
+#define ELLM_TYPE_Q8_0(X) X(q8_0, deq8_q8_0)
+#else
+#define ELLM_TYPE_Q8_0 ELLM_TYPE_OFF
+#endif
+#if ELLM_TYPE_ON(12)
+#define ELLM_TYPE_Q4_K(X) X(q4_k, deq8_q4_k)
+#else
+#define ELLM_TYPE_Q4_K ELLM_TYPE_OFF
+#endif
+#if ELLM_TYPE_ON(13)
+#define ELLM_TYPE_Q5_K(X) X(q5_k, deq8_q5_k)
+#else
+#define ELLM_TYPE_Q5_K ELLM_TYPE_OFF
+#endif
+#if ELLM_TYPE_ON(14)
+#define ELLM_TYPE_Q6_K(X) X(q6_k, deq8_q6_k)
+#else
+#define ELLM_TYPE_Q6_K ELLM_TYPE_OFF
+#endif
+
+// X(name, deq8 function) for every weight type the kernels take (those ELLM_ONLY_TYPE
+// keeps); the names are the suffixes ops/cuda.py asks for (GGMLType names, lower case).
 #define ELLM_FOR_EACH_WEIGHT_TYPE(X) \
-    X(f32, deq8_f32) X(f16, deq8_f16) X(bf16, deq8_bf16) X(q4_0, deq8_q4_0) \
-    X(q4_1, deq8_q4_1) X(q8_0, deq8_q8_0) X(q4_k, deq8_q4_k) X(q5_k, deq8_q5_k) \
-    X(q6_k, deq8_q6_k)
+    ELLM_TYPE_F32(X) ELLM_TYPE_F16(X) ELLM_TYPE_BF16(X) ELLM_TYPE_Q4_0(X) ELLM_TYPE_Q4_1(X) \
+    ELLM_TYPE_Q8_0(X) ELLM_TYPE_Q4_K(X) ELLM_TYPE_Q5_K(X) ELLM_TYPE_Q6_K(X)
 
 // ---------------------------------------------------------------------------------
 // Norm + q/k/v + RoPE + paged KV write (linear.cu qkv_rope_<type>, mmv.cu

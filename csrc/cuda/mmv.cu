@@ -662,10 +662,25 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope##sfx##
 #define ELLM_MMV_KERNELS_X4(name, WT)                                                     \
     ELLM_MMV_KERNELS(name, WT)                                                            \
     ELLM_MMV_KERNELS_RT(name, WT, x4, 4)
+// by GGML type id: ops/cuda.py compiles one type at a time (common.cuh ELLM_ONLY_TYPE)
+#if ELLM_TYPE_ON(30)
 ELLM_MMV_KERNELS_X4(bf16, WBf16)
+#endif
+#if ELLM_TYPE_ON(2)
 ELLM_MMV_KERNELS_X4(q4_0, WQ4_0)
+#endif
+#if ELLM_TYPE_ON(3)
 ELLM_MMV_KERNELS(q4_1, WQ4_1)
+#endif
+#if ELLM_TYPE_ON(8)
 ELLM_MMV_KERNELS_X4(q8_0, WQ8_0)
+#endif
+#if ELLM_TYPE_ON(12)
 ELLM_MMV_KERNELS(q4_k, WQ4_K)
+#endif
+#if ELLM_TYPE_ON(13)
 ELLM_MMV_KERNELS(q5_k, WQ5_K)
+#endif
+#if ELLM_TYPE_ON(14)
 ELLM_MMV_KERNELS(q6_k, WQ6_K)
+#endif

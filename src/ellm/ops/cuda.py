@@ -195,6 +195,38 @@ def _on_stream(method: Any) -> Any:
 
 # the kernel files a load compiles (lora.cu waits for the first adapter)
 LOAD_KERNEL_FILES = tuple(name for name in KERNELS if name != "lora.cu")
+# Files compiled one weight type at a time (common.cuh ELLM_ONLY_TYPE): a unit of
+# compilation is (file, the type of its kernels' name suffix), or (file, None) for the
+# others. mmv.cu's types take NVRTC ~5 s each where the whole file takes ~40 s, and the
+# units of a load compile side by side (compile_kernels).
+TYPED_FILES = ("linear.cu", "mmv.cu")
+KernelUnit = tuple[str, "GGMLType | None"]
+
+
+def _unit_of(file: str, name: str) -> KernelUnit:
+    if file not in TYPED_FILES:
+        return file, None
+    qtype = next((q for q, t in WEIGHT_TYPES.items() if name.endswith("_" + t)), None)
+    if qtype is None:
+        raise ValueError(f"{file}'s kernel {name!r} names no weight type")
+    return file, qtype
+
+
+KERNEL_UNITS: dict[str, KernelUnit] = {name: _unit_of(file, name) for file, names in KERNELS.items()
+                                       for name in names}
+
+
+def unit_source(unit: KernelUnit) -> str:
+    """The text CuPy compiles for a unit: its file (kernel_source), behind the define
+    that keeps one weight type's kernels where the unit has one."""
+    file, qtype = unit
+    text = kernel_source(file)
+    return text if qtype is None else f"#define ELLM_ONLY_TYPE {int(qtype)}\n{text}"
+
+
+def kernel_units(files: Sequence[str] = tuple(KERNELS)) -> list[KernelUnit]:
+    """The units of these files, in KERNELS' order."""
+    return list(dict.fromkeys(u for u in KERNEL_UNITS.values() if u[0] in files))
 
 # The types whose rows the GPU keeps split (rows_split): a block of 32 weights as numpy
 # sees it (its scale fields, then its values; GGML's blocks have no padding). The
@@ -276,7 +308,7 @@ class CudaOps:
         if cc < 80:
             raise CudaUnavailableError(f"the GPU has compute capability {cc / 10:.1f}; ellm's kernels "
                                        "need 8.0 or newer (Ampere, Hopper, Blackwell); use device='cpu'")
-        self._modules: dict[str, Any] = {}
+        self._modules: dict[KernelUnit, Any] = {}
         self._kernels: dict[str, Any] = {}
         # programmatic dependent launches (sm_90+) for the kernels of a captured decode
         # step: cuda_graphs.py sets `dependent_launch` while it captures
@@ -300,44 +332,49 @@ class CudaOps:
         """Compiles the kernel files every model needs now (lora.cu when an adapter first
         asks), so that a CuPy which cannot compile them (no NVRTC, one built for another
         CUDA) fails the load, saying what to do, rather than the first request. CuPy
-        keeps the binaries on disk: a later load of any model reads them back. The files
+        keeps the binaries on disk: a later load of any model reads them back. The units
+        (KERNEL_UNITS: linear.cu and mmv.cu a weight type each, the other files whole)
         compile side by side (CuPy calls NVRTC without the GIL), so a first load waits
-        for the longest of them (mmv.cu), not for their sum; one that fails so is tried
-        once more alone before the load fails."""
-        def compile_file(file: str) -> Exception | None:
+        for the longest of them, not for their sum; one that fails so is tried once more
+        alone before the load fails."""
+        first_kernel = {u: name for name, u in reversed(KERNEL_UNITS.items())}
+
+        def compile_unit(unit: KernelUnit) -> Exception | None:
             try:
                 self.device.use()   # a worker thread's current device is CuPy's default, not ours
-                self.kernel(KERNELS[file][0])
+                self.kernel(first_kernel[unit])
                 return None
             except Exception as e:   # CompileException, NVRTCError, a missing libnvrtc (RuntimeError, OSError)
-                self._modules.pop(file, None)
+                self._modules.pop(unit, None)
                 return e
 
-        workers = max(1, min(len(files), os.cpu_count() or 1))
+        units = kernel_units(files)
+        workers = max(1, min(len(units), os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ellm-nvrtc") as pool:
-            failures = list(pool.map(compile_file, files))
-        for file, e in zip(files, failures):
-            if e is not None and workers > 1 and compile_file(file) is None:
-                log.warning("%s compiled alone after failing beside the others (%s: %s)", file,
+            failures = list(pool.map(compile_unit, units))
+        for unit, e in zip(units, failures):
+            what = unit[0] if unit[1] is None else f"{unit[0]}, {unit[1].name} kernels"
+            if e is not None and workers > 1 and compile_unit(unit) is None:
+                log.warning("%s compiled alone after failing beside the others (%s: %s)", what,
                             type(e).__name__, " ".join(str(e).split())[:200])
                 continue
             if e is not None:
                 detail = " ".join(str(e).split())[:500]
                 raise CudaUnavailableError(
-                    f"CuPy could not compile ellm's CUDA kernels ({file}: {type(e).__name__}: {detail}); CuPy "
+                    f"CuPy could not compile ellm's CUDA kernels ({what}: {type(e).__name__}: {detail}); CuPy "
                     f"compiles them with NVRTC, which must match the CUDA version it was built for: "
                     f"{INSTALL_HINT}; or use device='cpu'") from None
 
     def kernel(self, name: str) -> Any:
         k = self._kernels.get(name)
         if k is None:
-            file = next((f for f, names in KERNELS.items() if name in names), None)
-            if file is None:
+            unit = KERNEL_UNITS.get(name)
+            if unit is None:
                 raise KeyError(f"no CUDA kernel named {name!r}")
-            mod = self._modules.get(file)
+            mod = self._modules.get(unit)
             if mod is None:
-                mod = self.cp.RawModule(code=kernel_source(file), options=NVRTC_OPTIONS)
-                self._modules[file] = mod
+                mod = self.cp.RawModule(code=unit_source(unit), options=NVRTC_OPTIONS)
+                self._modules[unit] = mod
             k = self._kernels[name] = mod.get_function(name)
         return k
 
