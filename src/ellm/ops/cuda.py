@@ -228,6 +228,7 @@ def kernel_units(files: Sequence[str] = tuple(KERNELS)) -> list[KernelUnit]:
     """The units of these files, in KERNELS' order."""
     return list(dict.fromkeys(u for u in KERNEL_UNITS.values() if u[0] in files))
 
+
 # The types whose rows the GPU keeps split (rows_split): a block of 32 weights as numpy
 # sees it (its scale fields, then its values; GGML's blocks have no padding). The
 # K-quants' blocks of 256 are rearranged by csrc/quant.c ellm_split_rows.
