@@ -349,8 +349,9 @@ class CudaOps:
                 self._modules.pop(unit, None)
                 return e
 
+        from .._native import _kernels   # the CPUs this process may use (affinity), as the thread pool counts
         units = kernel_units(files)
-        workers = max(1, min(len(units), os.cpu_count() or 1))
+        workers = max(1, min(len(units), _kernels.cpu_count()))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ellm-nvrtc") as pool:
             failures = list(pool.map(compile_unit, units))
         for unit, e in zip(units, failures):
