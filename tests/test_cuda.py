@@ -522,6 +522,45 @@ def test_prefill_attention_on_tensor_cores_matches_reference(ops, case: str, kv_
     assert nmse(ops.to_host(got), want) <= 1e-9
 
 
+@needs_gpu
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("hd,window", [(64, 0), (64, 40), (256, 50)])
+def test_prefill_attention_bits_do_not_depend_on_the_prompts_beside_it(ops, hd: int, window: int,
+                                                                        kv_dtype: str) -> None:
+    """A prompt's prefill attention alone and behind another prompt of 37 tokens (its rows
+    then start mid-warp and mid-block, beside another sequence's): the same bits. Each
+    block walks the keys in steps starting at multiples of FA_KEYS, so which rows share a
+    block does not change how a row's keys are grouped (nor its running max and sums)."""
+    nh, nkv, bs = 4, 2, 16
+    rng = np.random.default_rng(hd + window)
+    prompts = {"other": (0, 37), "ours": (9, 75)}   # (context, new tokens)
+    blocks = 16
+    k_cache = rng.standard_normal((blocks, bs, nkv, hd)).astype(np.float32)
+    v_cache = rng.standard_normal((blocks, bs, nkv, hd)).astype(np.float32)
+    if kv_dtype == "bfloat16":
+        kd, vd = ops.kv_zeros(k_cache.shape, R.KV_BF16), ops.kv_zeros(v_cache.shape, R.KV_BF16)
+        kd.set(R.to_bf16_bits(k_cache))
+        vd.set(R.to_bf16_bits(v_cache))
+    else:
+        kd, vd = ops.upload(k_cache), ops.upload(v_cache)
+    q = {name: rng.standard_normal((new, nh, hd)).astype(np.float32) for name, (_, new) in prompts.items()}
+    tables = np.full((2, 8), -1, np.int32)
+    tables[0, :3] = [11, 4, 7]
+    tables[1, :6] = [2, 9, 14, 0, 5, 12]
+
+    def attend(names: list[str]) -> np.ndarray:
+        pos = np.concatenate([np.arange(ctx, ctx + new) for ctx, new in (prompts[n] for n in names)]).astype(np.int32)
+        sid = np.concatenate([np.full(prompts[n][1], i, np.int32) for i, n in enumerate(names)])
+        tab = tables[[0 if n == "other" else 1 for n in names]]
+        up = ops.upload
+        got = ops.paged_attention(up(np.concatenate([q[n] for n in names])), up(pos), up(sid), up(tab), kd, vd,
+                                  hd ** -0.5, window, 0.0, None)
+        return ops.to_host(got)
+
+    alone, behind = attend(["ours"]), attend(["other", "ours"])[prompts["other"][1]:]
+    assert np.array_equal(alone.view(np.uint32), behind.view(np.uint32))
+
+
 # -- the real models ---------------------------------------------------------------------------
 
 PROMPT = "The capital of France is Paris. The largest planet of the solar system is"

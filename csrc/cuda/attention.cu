@@ -364,26 +364,40 @@ extern "C" __global__ void attn_combine(
 
 // ---------------------------------------------------------------------------------
 // Prefill attention on the tensor cores (the meaning of attn_partial + attn_combine, for
-// head_dim a multiple of 32 up to 256): one warp per 16 query tokens of one head, every
-// key they see, flash-attention style (running max and sum per row, no partials in
-// memory). Scores Q K^T and the sums P V are mma.sync m16n8k16 with f32 accumulation; each
-// f32 operand goes in as two bf16 terms (hi + lo, 16 significant bits) and the products
-// that matter are summed (hi hi, hi lo, lo hi), so the result stays near f32 (a bf16 cache
-// holds exact bf16: its lo terms are zero and skipped). The query rows of a warp may
-// belong to several sequences (a batched prefill): the warp walks its sequences in turn,
-// each with its own keys, masking the rows of the others.
+// head_dim a multiple of 32 up to 256): a warp per 16 query tokens of one head, every key
+// they see, flash-attention style (running max and sum per row, no partials in memory).
+// Scores Q K^T and the sums P V are mma.sync m16n8k16 with f32 accumulation; each f32
+// operand goes in as two bf16 terms (hi + lo, 16 significant bits) and the products that
+// matter are summed (hi hi, hi lo, lo hi), so the result stays near f32 (a bf16 cache
+// holds exact bf16: its lo terms are zero and skipped).
 //
-// Lane 4 g + q holds query rows g and g + 8; of each 32 dims it reads the 8 at 8q (for Q
-// in shared memory and K from the cache, the same positions on both sides of the dot).
+// A block's W warps (FA_WARPS: 64 query rows of a head) take the keys in steps of
+// FA_KEYS together: the block's threads put a step's K, then its V, in shared memory once
+// (an f32 cache's values split into their bf16 terms once) and every warp reads them
+// there, so a key is read from L2 once a block, not once a warp. The rows of a block may
+// belong to several sequences (a batched prefill): the block walks its sequences in
+// turn, each from its first key the block's rows of it see, rounded down to a multiple
+// of FA_KEYS, to the last; a warp sits out the steps none of its rows sees (which would
+// change none of its sums: every score masked, max and sums kept exactly). The steps start
+// at multiples of FA_KEYS, so a row's keys fall into the same steps whichever rows share
+// its block: a prompt's attention has the same bits wherever it sits in the batch.
+//
+// Lane 4 g + q holds query rows g and g + 8 of its warp; of each 32 dims it reads the 8 at
+// 8q (of Q and of K, the same positions on both sides of the dot).
 //
 // A warp keeps at most FA_OUT dims of its rows' output in registers (64 registers). Above
 // that (Gemma's head_dim 256) blockIdx.z picks which FA_OUT dims a block sums, and each
-// block takes every score itself (`attn_prefill_wide`, Q of up to 256 dims in shared
-// memory): the scores' work is done twice, but the two blocks' scores, maxima and sums
-// are the same instructions on the same values, so both halves are normalized alike.
+// block takes every score itself (`attn_prefill_wide`, one warp a block: Q of 16 rows of
+// up to 256 dims fills the shared memory 64 rows of 128 do): the scores' work is done
+// twice, but the two blocks' scores, maxima and sums are the same instructions on the
+// same values, so both halves are normalized alike.
 // ---------------------------------------------------------------------------------
 #define FA_OUT 128
 #define FA_KEYS 16     // keys per step: two n8 tiles of scores, one k16 of P V
+#define FA_WARPS 4     // attn_prefill's warps a block (ops/cuda.py FA_WARPS); attn_prefill_wide's: 1
+// Blocks an SM is meant to hold: registers capped at 170 a thread (ptxas left alone took
+// 128 for attn_prefill_bf16 on sm_90 and spilled); 3 x 44 KB of shared memory fits sm_80's 164.
+#define FA_MIN_BLOCKS 3
 
 // 8 cache elements from i as 4 words of bf16 pairs (element 2w in word w's low half), the
 // A / B operand of an mma: an f32 cache's as hi + lo terms, a bf16 cache's its own bits
@@ -412,18 +426,45 @@ __device__ __forceinline__ int warp_max_int(int v) {
     return v;
 }
 
-// grid (nh, ceil(T / 16), ceil(hd / FA_OUT)), block 32. hd % 32 == 0, hd <= QD (ops/cuda.py checks).
-template <typename KV, int QD>
+// The minimum (MAX: maximum) of v over a block of W warps; red holds W ints. Every thread
+// of the block calls it.
+template <int W, bool MAX>
+__device__ __forceinline__ int block_extreme_int(int v, int* red) {
+    v = MAX ? warp_max_int(v) : warp_min_int(v);
+    if constexpr (W > 1) {
+        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+        __syncthreads();
+        v = red[0];
+        for (int w = 1; w < W; w++) v = MAX ? max(v, red[w]) : min(v, red[w]);
+        __syncthreads();   // red may be written again
+    }
+    return v;
+}
+
+__device__ __forceinline__ void store_words4(u16* dst, const u32* w) {
+    uint4 u;
+    u.x = w[0]; u.y = w[1]; u.z = w[2]; u.w = w[3];
+    *(uint4*)dst = u;
+}
+
+// grid (nh, ceil(T / (16 W)), ceil(hd / FA_OUT)), block 32 W. hd % 32 == 0, hd <= QD (ops/cuda.py checks).
+template <typename KV, int QD, int W>
 __device__ __forceinline__ void attn_prefill_t(
         const float* __restrict__ q_rot, const int* __restrict__ positions, const int* __restrict__ key_limit,
         const int* __restrict__ seq_ids, const int* __restrict__ block_tables, int max_blocks,
         const KV* __restrict__ k_cache, const KV* __restrict__ v_cache, int T, int nh, int nkv, int hd,
         int block_size, float scale, int window, float softcap, float* __restrict__ out) {
     constexpr bool EXACT = sizeof(KV) == 2;   // a bf16 cache: no lo terms for K and V
-    __shared__ __align__(16) u16 qs[2][16][QD + 8];          // hi, lo: rows x dims
-    __shared__ __align__(16) u16 vs[EXACT ? 1 : 2][FA_OUT][FA_KEYS + 2];  // hi (, lo): this block's dims x keys
+    constexpr int NT = EXACT ? 1 : 2;          // the terms of K and V staged: hi (, lo)
+    constexpr int K_TILE = NT * FA_KEYS * (QD + 8), V_TILE = NT * FA_OUT * (FA_KEYS + 2);
+    __shared__ __align__(16) u16 qs[2][16 * W][QD + 8];                 // hi, lo: rows x dims
+    __shared__ __align__(16) u16 kv[K_TILE > V_TILE ? K_TILE : V_TILE];   // a step's K, then its V
+    __shared__ int red[W];
+    auto ks = reinterpret_cast<u16 (*)[FA_KEYS][QD + 8]>(kv);    // [term][key][dim]
+    auto vs = reinterpret_cast<u16 (*)[FA_OUT][FA_KEYS + 2]>(kv);  // [term][this block's dim][key]
     const int NO_SEQ = 0x7fffffff;
-    int h = blockIdx.x, t0 = blockIdx.y * 16, lane = threadIdx.x, g = lane >> 2, q = lane & 3;
+    int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    int b0 = blockIdx.y * 16 * W, wr = 16 * (tid >> 5), t0 = b0 + wr;   // wr: the warp's rows in qs
     int dz = blockIdx.z * FA_OUT, od = min(hd - dz, FA_OUT);   // the output dims this block sums
     int kvh = h / (nh / nkv), chunks = hd >> 5, tiles = od >> 3;
     int row[2] = {t0 + g, t0 + g + 8}, seq[2], lo[2], hi_key[2];
@@ -435,11 +476,11 @@ __device__ __forceinline__ void attn_prefill_t(
         hi_key[r] = ok ? key_limit[row[r]] : -1;
         lo[r] = window > 0 ? max(0, p - window + 1) : 0;
     }
-    for (int i = lane; i < 16 * (hd >> 1); i += 32) {   // the 16 query rows, split hi / lo
+    for (int i = tid; i < 16 * W * (hd >> 1); i += 32 * W) {   // the block's query rows, split hi / lo
         int r = i / (hd >> 1), d = 2 * (i - r * (hd >> 1));
         float a = 0.0f, b = 0.0f;
-        if (t0 + r < T) {
-            const float* qp = q_rot + ((long long)(t0 + r) * nh + h) * hd + d;
+        if (b0 + r < T) {
+            const float* qp = q_rot + ((long long)(b0 + r) * nh + h) * hd + d;
             a = qp[0];
             b = qp[1];
         }
@@ -448,103 +489,117 @@ __device__ __forceinline__ void attn_prefill_t(
         *(u32*)&qs[0][r][d] = wh;
         *(u32*)&qs[1][r][d] = wl;
     }
-    __syncwarp();
+    __syncthreads();
     float o[FA_OUT / 8][4];
     #pragma unroll
     for (int t = 0; t < FA_OUT / 8; t++) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
     float m[2] = {ELLM_NEG_INF, ELLM_NEG_INF}, l[2] = {0.0f, 0.0f};
     for (int prev = -1;;) {
-        int cand = NO_SEQ;   // the next sequence among the warp's rows
+        int cand = NO_SEQ;   // the next sequence among the block's rows
         #pragma unroll
         for (int r = 0; r < 2; r++)
             if (seq[r] != NO_SEQ && seq[r] > prev) cand = min(cand, seq[r]);
-        cand = warp_min_int(cand);
+        cand = block_extreme_int<W, false>(cand, red);
         if (cand == NO_SEQ) break;
         prev = cand;
         bool in[2] = {seq[0] == cand, seq[1] == cand};
-        int kbeg = warp_min_int(min(in[0] ? lo[0] : NO_SEQ, in[1] ? lo[1] : NO_SEQ));
-        int kend = warp_max_int(max(in[0] ? hi_key[0] : -1, in[1] ? hi_key[1] : -1));
+        // this warp's keys of the sequence (none: wbeg NO_SEQ, wend -1), then the block's
+        int wbeg = warp_min_int(min(in[0] ? lo[0] : NO_SEQ, in[1] ? lo[1] : NO_SEQ));
+        int wend = warp_max_int(max(in[0] ? hi_key[0] : -1, in[1] ? hi_key[1] : -1));
+        int kbeg = block_extreme_int<W, false>(wbeg, red) / FA_KEYS * FA_KEYS;
+        int kend = block_extreme_int<W, true>(wend, red);
         const int* table = block_tables + (long long)cand * max_blocks;
         for (int kb = kbeg; kb <= kend; kb += FA_KEYS) {
-            // scores of rows g, g + 8 against keys kb + 8 j + g (as B columns)
-            float s[2][4];
-            long long kbase[2];
-            #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-                int key = kb + 8 * j + g, blk = key <= kend ? table[key / block_size] : -1;
-                kbase[j] = blk < 0 ? -1 : (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd;
+            bool active = kb <= wend && kb + FA_KEYS - 1 >= wbeg;   // the warp's rows see a key of the step
+            __syncthreads();   // every warp has read the last step's V
+            for (int i = tid; i < FA_KEYS * (hd >> 3); i += 32 * W) {   // K: 16 keys x hd
+                int kk = i / (hd >> 3), d0 = 8 * (i - kk * (hd >> 3)), key = kb + kk;
+                u32 kh[4] = {0u, 0u, 0u, 0u}, kl[4] = {0u, 0u, 0u, 0u};
+                int blk = key <= kend ? table[key / block_size] : -1;
+                if (blk >= 0)
+                    kv_words8(k_cache, (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd + d0,
+                              kh, kl);
+                store_words4(&ks[0][kk][d0], kh);
+                if constexpr (!EXACT) store_words4(&ks[1][kk][d0], kl);
             }
-            for (int c = 0; c < chunks; c++) {
-                int d0 = 32 * c + 8 * q;
-                uint4 qa = *(const uint4*)&qs[0][g][d0], qb = *(const uint4*)&qs[0][g + 8][d0];
-                uint4 la = *(const uint4*)&qs[1][g][d0], lb = *(const uint4*)&qs[1][g + 8][d0];
-                const u32 ah1[4] = {qa.x, qb.x, qa.y, qb.y}, ah2[4] = {qa.z, qb.z, qa.w, qb.w};
-                const u32 al1[4] = {la.x, lb.x, la.y, lb.y}, al2[4] = {la.z, lb.z, la.w, lb.w};
+            __syncthreads();
+            float s[2][4];
+            u32 ph[4] = {0u, 0u, 0u, 0u}, pl[4] = {0u, 0u, 0u, 0u};   // P as the A operand: keys of tile 0 at k 0-7, tile 1 at 8-15
+            if (active) {
+                // scores of rows g, g + 8 against keys kb + 8 j + g (as B columns)
                 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    u32 kh[4] = {0u, 0u, 0u, 0u}, kl[4] = {0u, 0u, 0u, 0u};
-                    if (kbase[j] >= 0) kv_words8(k_cache, kbase[j] + d0, kh, kl);
-                    const u32 bh1[2] = {kh[0], kh[1]}, bh2[2] = {kh[2], kh[3]};
-                    mma_bf16_16816(s[j], ah1, bh1);
-                    mma_bf16_16816(s[j], ah2, bh2);
-                    mma_bf16_16816(s[j], al1, bh1);
-                    mma_bf16_16816(s[j], al2, bh2);
-                    if (!EXACT) {
-                        const u32 bl1[2] = {kl[0], kl[1]}, bl2[2] = {kl[2], kl[3]};
-                        mma_bf16_16816(s[j], ah1, bl1);
-                        mma_bf16_16816(s[j], ah2, bl2);
+                for (int j = 0; j < 2; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+                for (int c = 0; c < chunks; c++) {
+                    int d0 = 32 * c + 8 * q;
+                    uint4 qa = *(const uint4*)&qs[0][wr + g][d0], qb = *(const uint4*)&qs[0][wr + g + 8][d0];
+                    uint4 la = *(const uint4*)&qs[1][wr + g][d0], lb = *(const uint4*)&qs[1][wr + g + 8][d0];
+                    const u32 ah1[4] = {qa.x, qb.x, qa.y, qb.y}, ah2[4] = {qa.z, qb.z, qa.w, qb.w};
+                    const u32 al1[4] = {la.x, lb.x, la.y, lb.y}, al2[4] = {la.z, lb.z, la.w, lb.w};
+                    #pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        uint4 kh = *(const uint4*)&ks[0][8 * j + g][d0];
+                        const u32 bh1[2] = {kh.x, kh.y}, bh2[2] = {kh.z, kh.w};
+                        mma_bf16_16816(s[j], ah1, bh1);
+                        mma_bf16_16816(s[j], ah2, bh2);
+                        mma_bf16_16816(s[j], al1, bh1);
+                        mma_bf16_16816(s[j], al2, bh2);
+                        if constexpr (!EXACT) {
+                            uint4 kl = *(const uint4*)&ks[1][8 * j + g][d0];
+                            const u32 bl1[2] = {kl.x, kl.y}, bl2[2] = {kl.z, kl.w};
+                            mma_bf16_16816(s[j], ah1, bl1);
+                            mma_bf16_16816(s[j], ah2, bl2);
+                        }
                     }
                 }
-            }
-            // scale, soft-cap and mask; element (j, i): row i >> 1, key kb + 8 j + 2 q + (i & 1)
-            float mx[2] = {ELLM_NEG_INF, ELLM_NEG_INF};
-            #pragma unroll
-            for (int j = 0; j < 2; j++) {
+                // scale, soft-cap and mask; element (j, i): row i >> 1, key kb + 8 j + 2 q + (i & 1)
+                float mx[2] = {ELLM_NEG_INF, ELLM_NEG_INF};
                 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int r = i >> 1, key = kb + 8 * j + 2 * q + (i & 1);
-                    bool ok = in[r] && key >= lo[r] && key <= hi_key[r] && table[key / block_size] >= 0;
-                    float x = s[j][i] * scale;
-                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
-                    s[j][i] = ok ? x : ELLM_NEG_INF;
-                    mx[r] = fmaxf(mx[r], s[j][i]);
+                for (int j = 0; j < 2; j++) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int r = i >> 1, key = kb + 8 * j + 2 * q + (i & 1);
+                        bool ok = in[r] && key >= lo[r] && key <= hi_key[r] && table[key / block_size] >= 0;
+                        float x = s[j][i] * scale;
+                        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                        s[j][i] = ok ? x : ELLM_NEG_INF;
+                        mx[r] = fmaxf(mx[r], s[j][i]);
+                    }
                 }
-            }
-            float corr[2];
-            #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                float m_new = fmaxf(m[r], mx[r]);
-                corr[r] = m_new == ELLM_NEG_INF ? 1.0f : expf(m[r] - m_new);
-                m[r] = m_new;
-            }
-            float psum[2] = {0.0f, 0.0f};
-            #pragma unroll
-            for (int j = 0; j < 2; j++) {
+                float corr[2];
                 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int r = i >> 1;
-                    float p = s[j][i] == ELLM_NEG_INF ? 0.0f : expf(s[j][i] - m[r]);
-                    s[j][i] = p;
-                    psum[r] += p;
+                for (int r = 0; r < 2; r++) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    float m_new = fmaxf(m[r], mx[r]);
+                    corr[r] = m_new == ELLM_NEG_INF ? 1.0f : expf(m[r] - m_new);
+                    m[r] = m_new;
                 }
+                float psum[2] = {0.0f, 0.0f};
+                #pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int r = i >> 1;
+                        float p = s[j][i] == ELLM_NEG_INF ? 0.0f : expf(s[j][i] - m[r]);
+                        s[j][i] = p;
+                        psum[r] += p;
+                    }
+                }
+                l[0] = l[0] * corr[0] + psum[0];
+                l[1] = l[1] * corr[1] + psum[1];
+                #pragma unroll
+                for (int t = 0; t < FA_OUT / 8; t++) {   // constant bounds keep o[] in registers
+                    if (t >= tiles) break;
+                    o[t][0] *= corr[0]; o[t][1] *= corr[0];
+                    o[t][2] *= corr[1]; o[t][3] *= corr[1];
+                }
+                split_bf16(s[0][0], s[0][1], ph[0], pl[0]);
+                split_bf16(s[0][2], s[0][3], ph[1], pl[1]);
+                split_bf16(s[1][0], s[1][1], ph[2], pl[2]);
+                split_bf16(s[1][2], s[1][3], ph[3], pl[3]);
             }
-            l[0] = l[0] * corr[0] + psum[0];
-            l[1] = l[1] * corr[1] + psum[1];
-            #pragma unroll
-            for (int t = 0; t < FA_OUT / 8; t++) {   // constant bounds keep o[] in registers
-                if (t >= tiles) break;
-                o[t][0] *= corr[0]; o[t][1] *= corr[0];
-                o[t][2] *= corr[1]; o[t][3] *= corr[1];
-            }
-            u32 ph[4], pl[4];   // P as the A operand: keys of tile 0 at k 0-7, tile 1 at 8-15
-            split_bf16(s[0][0], s[0][1], ph[0], pl[0]);
-            split_bf16(s[0][2], s[0][3], ph[1], pl[1]);
-            split_bf16(s[1][0], s[1][1], ph[2], pl[2]);
-            split_bf16(s[1][2], s[1][3], ph[3], pl[3]);
-            for (int i = lane; i < FA_KEYS * (od >> 3); i += 32) {   // V: 16 keys x od, transposed
+            __syncthreads();   // every warp has read K
+            for (int i = tid; i < FA_KEYS * (od >> 3); i += 32 * W) {   // V: 16 keys x od, transposed
                 int kk = i / (od >> 3), d0 = 8 * (i - kk * (od >> 3)), key = kb + kk;
                 u32 vh[4] = {0u, 0u, 0u, 0u}, vl[4] = {0u, 0u, 0u, 0u};
                 int blk = key <= kend ? table[key / block_size] : -1;
@@ -557,7 +612,8 @@ __device__ __forceinline__ void attn_prefill_t(
                     if constexpr (!EXACT) vs[1][d0 + e][kk] = (u16)(vl[e >> 1] >> (16 * (e & 1)));
                 }
             }
-            __syncwarp();
+            __syncthreads();
+            if (!active) continue;
             #pragma unroll
             for (int t = 0; t < FA_OUT / 8; t++) {
                 if (t >= tiles) break;
@@ -570,7 +626,6 @@ __device__ __forceinline__ void attn_prefill_t(
                     mma_bf16_16816(o[t], ph, bl);
                 }
             }
-            __syncwarp();   // every lane has read vs before the next step writes it
         }
     }
     #pragma unroll
@@ -591,8 +646,8 @@ __device__ __forceinline__ void attn_prefill_t(
     }
 }
 
-#define ELLM_ATTN_PREFILL(suffix, KV, QD)                                                 \
-extern "C" __global__ void __launch_bounds__(32) attn_prefill##suffix(                    \
+#define ELLM_ATTN_PREFILL(suffix, KV, QD, W)                                              \
+extern "C" __global__ void __launch_bounds__(32 * W, FA_MIN_BLOCKS) attn_prefill##suffix( \
         const float* __restrict__ q_rot, const int* __restrict__ positions,               \
         const int* __restrict__ key_limit, const int* __restrict__ seq_ids,               \
         const int* __restrict__ block_tables, int max_blocks,                             \
@@ -600,11 +655,11 @@ extern "C" __global__ void __launch_bounds__(32) attn_prefill##suffix(          
         int nkv, int hd, int block_size, float scale, int window, float softcap,          \
         float* __restrict__ out) {                                                        \
     grid_dependency_sync();                                                               \
-    attn_prefill_t<KV, QD>(q_rot, positions, key_limit, seq_ids, block_tables, max_blocks, \
-                           k_cache, v_cache, T, nh, nkv, hd, block_size, scale, window,   \
-                           softcap, out);                                                 \
+    attn_prefill_t<KV, QD, W>(q_rot, positions, key_limit, seq_ids, block_tables,         \
+                              max_blocks, k_cache, v_cache, T, nh, nkv, hd, block_size,   \
+                              scale, window, softcap, out);                               \
 }
-ELLM_ATTN_PREFILL(, float, FA_OUT)
-ELLM_ATTN_PREFILL(_bf16, u16, FA_OUT)
-ELLM_ATTN_PREFILL(_wide, float, 256)
-ELLM_ATTN_PREFILL(_wide_bf16, u16, 256)
+ELLM_ATTN_PREFILL(, float, FA_OUT, FA_WARPS)
+ELLM_ATTN_PREFILL(_bf16, u16, FA_OUT, FA_WARPS)
+ELLM_ATTN_PREFILL(_wide, float, 256, 1)
+ELLM_ATTN_PREFILL(_wide_bf16, u16, 256, 1)

@@ -117,6 +117,7 @@ ATTN_BLOCKS_PER_SM = 4   # attention.cu's __launch_bounds__: blocks of attn_part
 HEAD_DIM_MAX = 256
 FA_HEAD_DIM_MAX = 256   # attn_prefill (tensor cores): head_dim % 32 == 0 up to this; else attn_partial
 FA_OUT = 128            # attn_prefill's output dims a block: above, attn_prefill_wide on ceil(hd / FA_OUT) blocks
+FA_WARPS = 4            # attn_prefill's warps a block (16 query rows each, sharing K and V); attn_prefill_wide: 1
 ELEMENTWISE_THREADS = 256
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
 
@@ -839,12 +840,14 @@ class CudaOps:
                       k_cache: Any, v_cache: Any, scale: float, window: int, softcap_value: float,
                       out: Any) -> None:
         """attn_prefill: a warp per 16 tokens of a head, every key they see, on the tensor
-        cores (the meaning of attn_partial + attn_combine); above FA_OUT dims a head's output
-        is split over blocks, each taking the scores itself (attn_prefill_wide)."""
+        cores (the meaning of attn_partial + attn_combine), FA_WARPS warps a block sharing
+        each step's keys and values; above FA_OUT dims a head's output is split over
+        blocks of one warp, each taking the scores itself (attn_prefill_wide)."""
         T, nh, hd = (int(s) for s in q.shape)
         i32, f32 = np.int32, np.float32
         wide = "_wide" if hd > FA_OUT else ""
-        self._launch("attn_prefill" + wide + kv, (nh, _ceil(T, 16), _ceil(hd, FA_OUT)), (32,),
+        warps = 1 if wide else FA_WARPS
+        self._launch("attn_prefill" + wide + kv, (nh, _ceil(T, 16 * warps), _ceil(hd, FA_OUT)), (32 * warps,),
                      (q, positions, limit, seq_ids, block_tables, i32(int(block_tables.shape[1])), k_cache,
                       v_cache, i32(T), i32(nh), i32(int(k_cache.shape[2])), i32(hd), i32(int(k_cache.shape[1])),
                       f32(scale), i32(window), f32(softcap_value), out))
