@@ -101,11 +101,13 @@ class OpaqueOps:
         self.counts["to_host"] += 1
         return np.array(self._unbox(x))
 
-    def sample(self, logits: Opaque, samplers: Sequence[Any], masks: Any = None) -> list[SampleResult] | None:
+    def sample(self, logits: Opaque, samplers: Sequence[Any], masks: Any = None,
+               rows: Sequence[int] | None = None) -> list[SampleResult] | None:
         if not samplers or masks is not None or not all(s.plain_greedy for s in samplers):
             return None
         self.counts["sample"] += 1
-        ids = np.argmax(self._unbox(logits), axis=1)   # "on the device": only ids leave
+        x = self._unbox(logits)
+        ids = np.argmax(x if rows is None else x[np.asarray(rows)], axis=1)   # "on the device": only ids leave
         return [SampleResult(int(t), float("nan"), None) for t in ids]
 
     def step_executor(self, model: Any, kv: Any, workspace: Any) -> "StaticDecodeStep":

@@ -721,6 +721,42 @@ def test_engine_on_a_backend_numpy_cannot_read(model, smollm2_gguf, gemma3_gguf)
     assert opaque.counts["sample"] > 0 and opaque.counts["replayed"] > 0 and opaque.counts["eager"] > 0
 
 
+def test_speculative_steps_on_a_backend_numpy_cannot_read(smollm2_gguf) -> None:
+    """Steps that check n-gram guesses through OpaqueOps(cpu): a step of greedy rows has
+    them all chosen by the device-sampling hook (rows named, none copied back), a step
+    with a seeded request's rows has them copied back for the host's sampler; the same
+    ids as plain cpu with the same guesses, and as without guesses."""
+    from ellm.engine.speculative import SpeculativeConfig
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                    "prompt_lookup_min": 1, "adaptive": False})
+    prompts = [[455, 2654, 4461, 2382, 2654, 4461, 2382, 2654, 4461, 2382, 2654],   # "red green blue ..."
+               [2, 818, 5279, 529, 3034, 563, 818, 5279]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=4, ignore_eos=True)]
+
+    def run(eng: Engine) -> dict[str, list[int]]:
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            eng.add_request(ids, p, request_id=f"r{i}")
+        done: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return done
+
+    opaque = OpaqueOps(get_ops("cpu"))
+    asked: list[tuple[int, int]] = []   # (rows, sequences) per call of the device-sampling hook
+    hook = opaque.sample
+    opaque.sample = lambda logits, samplers, masks=None, rows=None: (  # type: ignore[method-assign]
+        asked.append((len(samplers), len(set(map(id, samplers))))) or hook(logits, samplers, masks, rows))
+    eng = _engine(smollm2_gguf, opaque, max_num_seqs=2, speculative=spec)
+    got = run(eng)
+    assert got == run(_engine(smollm2_gguf, get_ops("cpu"), max_num_seqs=2, speculative=spec))
+    assert got == run(_engine(smollm2_gguf, get_ops("cpu"), max_num_seqs=2))
+    assert eng.stats["spec_checks"] > 0 and eng.stats["spec_accepted_tokens"] > 0, eng.stats
+    assert opaque.counts["to_host"] > 0
+    assert any(n_rows > n_seqs for n_rows, n_seqs in asked)   # a sequence's guesses' rows on the device
+
+
 def test_opaque_arrays_refuse_numpy() -> None:
     """The check above can fail: NumPy on an Opaque array raises."""
     a = Opaque(np.zeros((3, 2), np.float32))

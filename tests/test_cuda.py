@@ -855,8 +855,8 @@ def test_grammar_requests_are_masked_and_sampled_on_the_device(tiny_models_dir: 
         ops = eng.runner.ops
         device_sample = type(ops).sample
         monkeypatch.setattr(type(ops), "sample",
-                            lambda self, logits, samplers, masks=None:
-                            None if masks is not None else device_sample(self, logits, samplers))
+                            lambda self, logits, samplers, masks=None, rows=None:
+                            None if masks is not None else device_sample(self, logits, samplers, rows=rows))
         host = _with_logprobs(eng, requests[::2])
         assert copies   # the host's sampler had the rows copied back
         assert host["g"][0] == dev["g"][0] and host["f"] == dev["f"]
@@ -864,6 +864,48 @@ def test_grammar_requests_are_masked_and_sampled_on_the_device(tiny_models_dir: 
             assert t == ht and abs(lp - hlp) <= 1e-5 and [i for i, _ in top] == [i for i, _ in htop]
     finally:
         llm.close()
+
+
+@needs_gpu
+def test_speculative_guesses_are_checked_on_the_device(tiny_models_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With n-gram guesses the rows of a step are sampled on the device, as without
+    guesses: greedy rows (logprobs or not) all at once, and beside a seeded sampled
+    request with penalties, in rounds (row i of each sequence still checking, after the
+    tokens kept before it), so the seeded request draws from the device's generator once
+    per output token and counts the kept tokens. Only ids and logprob records come back,
+    no row of logits, and every request's tokens and logprobs are those of decoding
+    without guesses. With the device declining, the host's sampler takes the rows."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+             "adaptive": False}
+    base = ellm.load(tiny_models_dir / "llama", device="cuda", max_model_len=256)
+    spec = ellm.load(tiny_models_dir / "llama", device="cuda", max_model_len=256, speculative_config=ngram)
+    try:
+        eng = spec.engine
+        copies: list[tuple] = []
+        to_host = eng.runner.to_host
+        monkeypatch.setattr(eng.runner, "to_host", lambda x: copies.append(tuple(x.shape)) or to_host(x))
+        loop = [5, 9, 14, 22, 31] * 4
+        greedy = [("g", loop, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
+                  ("l", loop[3:] + [7], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2))]
+        sampled = [("s", loop[1:], SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)),
+                   ("p", loop[2:], SamplingParams(temperature=0.7, seed=9, max_tokens=24, ignore_eos=True,
+                                                  frequency_penalty=0.8, logprobs=1))]
+        for requests in (greedy, greedy[:1] + sampled):
+            checks, accepted = eng.stats["spec_checks"], eng.stats["spec_accepted_tokens"]
+            want = _with_logprobs(base.engine, requests)
+            assert _with_logprobs(eng, requests) == want
+            assert eng.stats["spec_checks"] > checks and eng.stats["spec_accepted_tokens"] > accepted, eng.stats
+        assert copies == []
+        ops = eng.runner.ops
+        monkeypatch.setattr(type(ops), "sample", lambda self, logits, samplers, masks=None, rows=None: None)
+        host = _with_logprobs(eng, greedy)
+        assert copies   # the host's sampler had the rows copied back
+        assert host["g"] == want["g"]
+        for (t, lp, top), (wt, wlp, wtop) in zip(host["l"][1], _with_logprobs(base.engine, greedy)["l"][1]):
+            assert t == wt and abs(lp - wlp) <= 1e-5 and [i for i, _ in top] == [i for i, _ in wtop]
+    finally:
+        base.close(), spec.close()
 
 
 @needs_gpu

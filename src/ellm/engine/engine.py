@@ -262,7 +262,7 @@ class Engine:
                                          seq.num_computed, seq.prefix_salt)   # [lora]
                 seq.image_rows = None   # [vision] the prompt is in the cache now
         if self.spec is not None and any(seq.draft_ids for seq in sampled):  # [spec] rows of guesses
-            self._sample_checked(sampled, self.runner.to_host(logits), masks, outputs)
+            self._sample_checked(sampled, logits, masks, outputs)
             return outputs
         # [runner] a device backend may choose the tokens itself, grammars' masks applied
         # there too (only ids and logprobs cross the bus)
@@ -640,45 +640,85 @@ class Engine:
             out.append((seq, n))
         return out
 
-    def _sample_checked(self, sampled: list[Sequence], logits: np.ndarray, masks: list[Any] | None,
+    def _sample_checked(self, sampled: list[Sequence], logits: Any, masks: list[Any] | None,
                         outputs: list[RequestOutput]) -> None:
         """Sampling for a step in which some sequences check guesses: each sequence's rows
         in order, its own sampler drawing from each (so penalties count the tokens kept
         so far, and one random draw is used per output token, as without guesses); a
         guess is kept while the drawn token equals it (exact: see speculative.py). Then
-        the computed count moves back to the kept tokens and blocks past them are freed."""
-        row = 0
+        the computed count moves back to the kept tokens and blocks past them are freed.
+
+        logits: the runner's. A device backend chooses the tokens where the rest of the
+        step's sampling happens, so a seeded request draws from the same generator as
+        without guesses, and only ids (and logprob records) cross the bus: in rounds, row
+        i of every sequence still checking after the tokens kept before it, or, when
+        every row's token is its argmax (no draw, no state), every row in one round."""
+        guesses = [seq.draft_ids for seq in sampled]
+        starts = list(itertools.accumulate((1 + len(g) for g in guesses[:-1]), initial=0))
+        kept = [0] * len(sampled)
+        live: list[int] = []
         for b, seq in enumerate(sampled):
-            guesses, seq.draft_ids = seq.draft_ids, []
-            rows = logits[row:row + 1 + len(guesses)]
-            row += len(rows)
-            mask = None if masks is None else masks[b]
+            seq.draft_ids = []
             st = seq.grammar
-            if st is not None and (st.error is not None or not mask.any()):  # [structured]
+            if st is not None and masks is not None and (st.error is not None or not masks[b].any()):  # [structured]
                 seq.error = st.error or "the grammar allows no token here"
                 self._finish(seq, "error")
-                outputs.append(seq.take_output())
-                continue
-            kept = 0
-            try:
-                for i in range(len(rows)):
-                    res = seq.sampler.sample(rows[i], mask)
-                    self._append(seq, res)
-                    if seq.status is SeqStatus.FINISHED or i == len(guesses) or int(res.token_id) != guesses[i]:
-                        break
-                    kept += 1
-            except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
-                seq.error = f"sampling failed: {type(e).__name__}: {e}"
-                self._finish(seq, "error")
-            if guesses:
+            else:
+                live.append(b)
+        host = logits if type(logits) is np.ndarray else None   # a host backend's (no rows gathered for it)
+
+        def choose(rows: list[int], bs: list[int]) -> list[SampleResult | Exception]:
+            """The tokens of logits' rows, row r by sequence bs[r]'s sampler."""
+            nonlocal host
+            samplers = [sampled[b].sampler for b in bs]
+            row_masks = None if masks is None else [masks[b] for b in bs]
+            if host is None:   # [runner] on the device while it can
+                every_row = rows == list(range(int(logits.shape[0])))
+                got = self.runner.sample(logits, samplers, row_masks, None if every_row else rows)
+                if got is not None:
+                    return got
+                host = self.runner.to_host(logits)
+            out: list[SampleResult | Exception] = []
+            for r, s, m in zip(rows, samplers, row_masks or [None] * len(rows)):
+                try:
+                    out.append(s.sample(host[r], m))
+                except Exception as e:  # noqa: BLE001 - the row's failure, raised on its request
+                    out.append(e)
+            return out
+
+        every: dict[int, SampleResult | Exception] | None = None
+        if masks is None and all(sampled[b].sampler.argmax_choice for b in live):
+            rows = [starts[b] + i for b in live for i in range(1 + len(guesses[b]))]
+            every = dict(zip(rows, choose(rows, [b for b in live for _ in range(1 + len(guesses[b]))])))
+        i, active = 0, live
+        while active:
+            rows = [starts[b] + i for b in active]
+            got = [every[r] for r in rows] if every is not None else choose(rows, active)
+            going: list[int] = []
+            for b, res in zip(active, got):
+                seq = sampled[b]
+                try:
+                    self._append(seq, _row_result([res], 0, seq.sampler, None, None))
+                except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
+                    seq.error = f"sampling failed: {type(e).__name__}: {e}"
+                    self._finish(seq, "error")
+                    continue
+                if seq.status is SeqStatus.FINISHED or i == len(guesses[b]) or \
+                        int(res.token_id) != guesses[b][i]:   # type: ignore[union-attr]
+                    continue
+                kept[b] += 1
+                going.append(b)
+            i, active = i + 1, going
+        for b, seq in enumerate(sampled):
+            if guesses[b]:
                 self.stats["spec_checks"] += 1
-                self.stats["spec_proposed_tokens"] += len(guesses)
-                self.stats["spec_accepted_tokens"] += kept
+                self.stats["spec_proposed_tokens"] += len(guesses[b])
+                self.stats["spec_accepted_tokens"] += kept[b]
             if seq.status is not SeqStatus.FINISHED:
                 seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
                 self.blocks.truncate(seq.request_id, seq.num_tokens)
-                if guesses:
-                    self.spec.verified(seq.request_id, len(guesses), kept, seq.num_tokens - 1)
+                if guesses[b]:
+                    self.spec.verified(seq.request_id, len(guesses[b]), kept[b], seq.num_tokens - 1)
             if seq.status is SeqStatus.FINISHED or (seq.pending_ids and seq.deltas):
                 outputs.append(seq.take_output())
 

@@ -198,12 +198,14 @@ class ModelRunner:
         return ReadyTokens(ids, errors if any(errors) else None)
 
     def sample(self, logits: Any, samplers: Sequence["SequenceSampler"],
-               masks: Sequence[np.ndarray | None] | None = None) -> list["SampleResult | Exception"] | None:
+               masks: Sequence[np.ndarray | None] | None = None,
+               rows: Sequence[int] | None = None) -> list["SampleResult | Exception"] | None:
         """The tokens chosen on the device for every row of logits (a row's exception in
         its place: raise it on that row's request), or None: sample on the host (to_host,
         then the engine's sampler). masks: None or per row a grammar's bitmask row or
-        None. Host backends always say None."""
-        return self.ops.sample(logits, samplers, masks)
+        None. rows: the rows of logits the samplers take, in order (None: every row).
+        Host backends always say None."""
+        return self.ops.sample(logits, samplers, masks, rows)
 
     def to_host(self, x: Any) -> np.ndarray:
         """A backend array as a host float32 array (host backends: the same array)."""

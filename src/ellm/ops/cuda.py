@@ -1111,7 +1111,8 @@ class CudaOps:
     # -- sampling on the device ------------------------------------------------------------
 
     def sample(self, logits: Any, samplers: Sequence[Any],
-               masks: Sequence[np.ndarray | None] | None = None) -> list[Any] | None:
+               masks: Sequence[np.ndarray | None] | None = None,
+               rows: Sequence[int] | None = None) -> list[Any] | None:
         """One token per row of logits (B, vocab), chosen on the device (csrc/cuda/sample.cu),
         and the log-probabilities of the rows that ask for them taken there too
         (`logprob_records`): only ids and those records cross the bus, never a row.
@@ -1120,11 +1121,19 @@ class CudaOps:
         or the error the host's sampler raises for the row (a mask allowing no token, no
         finite maximum for logprobs), to be raised on that row's request alone. Rows are
         independent; a seeded row draws the same tokens whatever its batch (its own seed
-        and counter)."""
+        and counter). rows: the rows of logits the samplers take, in order, gathered on the
+        device first (None: every row)."""
         from ..engine.sampler import NoAllowedTokenError, SampleResult
         B = len(samplers)
         if B == 0:
             return None
+        if rows is not None:
+            picked = np.asarray(rows, np.int64)
+            if picked.shape != (B,) or (B and (picked.min() < 0 or picked.max() >= int(logits.shape[0]))):
+                raise ValueError(f"sample: rows must be {B} indices below {int(logits.shape[0])}, got {list(rows)}")
+            with self.stream:
+                logits = self.gather_rows(self.cp.ascontiguousarray(logits, dtype=np.float32),
+                                          self._upload_packed({"rows": picked.astype(np.int32)}, None)["rows"])
         if int(logits.shape[0]) != B:
             raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
         if masks is not None and len(masks) != B:

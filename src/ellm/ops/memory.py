@@ -127,10 +127,12 @@ class HostMemory:
         return np.asarray(x)
 
     def sample(self, logits: Any, samplers: Sequence["SequenceSampler"],
-               masks: Sequence[Any] | None = None) -> list["SampleResult | Exception"] | None:
+               masks: Sequence[Any] | None = None,
+               rows: Sequence[int] | None = None) -> list["SampleResult | Exception"] | None:
         """One token per row of logits (B, vocab) chosen on the device, or None: copy the
         logits to the host and let the host sampler choose (host backends always say None).
         masks: None, or per row a grammar's int32 bitmask row (or None) to apply first.
+        rows: which rows of logits the samplers take, in their order (None: every row).
         A device backend returns None for any row it cannot serve; a row it served but
         could not sample gets, in its place, the exception the host's sampler raises."""
         return None
