@@ -191,6 +191,11 @@ def _nvrtc() -> ctypes.CDLL | None:
     for n in names:
         if n:
             try:
+                # the cu13 wheel's libnvrtc has no RUNPATH: it finds its builtins (opened by
+                # name at the first compile) only if they are loaded already
+                for builtins in glob.glob(os.path.join(os.path.dirname(n), "libnvrtc-builtins.so*")):
+                    if ".alt." not in builtins:
+                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
                 return ctypes.CDLL(n)
             except OSError:
                 continue
