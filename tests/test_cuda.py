@@ -480,15 +480,9 @@ PREFILL_CASES = {
 }
 
 
-@needs_gpu
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_prefill_attention_on_tensor_cores_matches_reference(ops, case: str, kv_dtype: str) -> None:
-    """attn_prefill (more than 64 tokens, head_dim a multiple of 32 up to 256: above 128
-    attn_prefill_wide, a head's output dims over two blocks) against the reference's
-    paged_attention: several prompts in one step (a warp's 16 tokens then span two
-    sequences), earlier context in the cache, sliding window and soft-capping, key limits
-    past the position (an image's tokens), f32 and bf16 caches."""
+def _prefill_case(ops, case: str, kv_dtype: str) -> tuple[tuple, np.ndarray]:
+    """PREFILL_CASES[case] -> (paged_attention's arguments on the device, the reference's
+    answer)."""
     nh, nkv, hd, window, cap, extra, prompts = PREFILL_CASES[case]
     rng = np.random.default_rng(sum(map(ord, case)))
     bs, blocks, width = 16, 64, 12
@@ -517,9 +511,40 @@ def test_prefill_attention_on_tensor_cores_matches_reference(ops, case: str, kv_
         kd, vd = ops.upload(k_cache), ops.upload(v_cache)
     want = R.paged_attention(q, pos, sid, tables, k_cache, v_cache, hd ** -0.5, window, cap, limit)
     up = ops.upload
-    got = ops.paged_attention(up(q), up(pos), up(sid), up(tables), kd, vd, hd ** -0.5, window, cap,
-                              None if limit is None else up(limit))
-    assert nmse(ops.to_host(got), want) <= 1e-9
+    args = (up(q), up(pos), up(sid), up(tables), kd, vd, hd ** -0.5, window, cap,
+            None if limit is None else up(limit))
+    return args, want
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_attention_on_tensor_cores_matches_reference(ops, case: str, kv_dtype: str) -> None:
+    """attn_prefill (more than 64 tokens, head_dim a multiple of 32 up to 256: above 128
+    attn_prefill_wide, a head's output dims over two blocks) against the reference's
+    paged_attention: several prompts in one step (a warp's 16 tokens then span two
+    sequences), earlier context in the cache, sliding window and soft-capping, key limits
+    past the position (an image's tokens), f32 and bf16 caches."""
+    args, want = _prefill_case(ops, case, kv_dtype)
+    assert nmse(ops.to_host(ops.paged_attention(*args)), want) <= 1e-9
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [c for c, spec in PREFILL_CASES.items() if spec[2] <= 128])
+def test_prefill_attention_blocks_of_one_warp_give_the_same_bits(ops, case: str, kv_dtype: str) -> None:
+    """attn_prefill's blocks of 4 warps, a step's keys and values staged once a block,
+    against blocks of one warp each staging its own (ELLM_CUDA_FA_WARPS=1, the device
+    check's comparison): the same bits, prompts sharing a block or not."""
+    args, _ = _prefill_case(ops, case, kv_dtype)
+    shared = ops.to_host(ops.paged_attention(*args))
+    assert ops.fa_warps == 4
+    ops.fa_warps = 1
+    try:
+        alone = ops.to_host(ops.paged_attention(*args))
+    finally:
+        ops.fa_warps = 4
+    assert np.array_equal(shared.view(np.uint32), alone.view(np.uint32))
 
 
 @needs_gpu

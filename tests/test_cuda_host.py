@@ -169,15 +169,17 @@ def test_deferred_execution_runs_the_stream_when_the_host_waits() -> None:
 @needs_host_build
 def test_the_device_checks_prefill_breakdown_runs(tmp_path: Path) -> None:
     """benchmarks/gpu/prefill_parts.py (a step of the device check) at small sizes on the
-    stand-in: every part runs, both Gemma-shaped attention kernels included, and its
-    table and JSON are written (the times mean nothing here)."""
+    stand-in: every part runs, both Gemma-shaped attention kernels and the one-warp
+    blocks included, and its table and JSON are written (the times mean nothing here)."""
     proc = _child(["benchmarks/gpu/prefill_parts.py", "--tokens", "80", "--small", "--reps", "1",
                    "--out", str(tmp_path)], timeout=300, ELLM_CUDA_HOST_DEFER="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "prefill_parts.json").read_text())["rows"]
     parts = [r["part"] for r in rows]
     assert parts[:6] == ["q/k/v", "o", "gate + up", "down", "attention, float32 cache", "attention, bfloat16 cache"]
-    assert [p.split(": ")[1] for p in parts[6:]] == ["attn_prefill_wide", "attn_partial + attn_combine"]
+    assert [p.split(": ")[1] for p in parts[6:]] == ["attn_prefill_wide", "attn_partial + attn_combine",
+                                                     "a warp a block", "a warp a block"]
+    assert parts[8:] == [f"attention, {kv} cache: a warp a block" for kv in ("float32", "bfloat16")]
     assert all(r["us"] > 0 for r in rows) and abs(sum(r.get("share", 0.0) for r in rows) - 1.0) < 1e-9
     assert "attn_prefill_wide" in (tmp_path / "prefill_parts.md").read_text()
 

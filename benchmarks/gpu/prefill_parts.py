@@ -6,8 +6,10 @@ A layer of Llama-3-8B's shape (hidden 4096, 32 heads of 128 over 8 KV heads, MLP
 taking `--tokens` tokens of one prompt, each part alone through `CudaOps` as a prefill
 step runs it, timed with CUDA events: the four products (bf16 weights, cuBLAS:
 q/k/v, o, gate + up, down) and the causal attention over the prompt's own keys with a
-float32 and a bfloat16 KV cache (`attn_prefill`). Then a Gemma-shaped attention (8 heads of
-256 over 4 KV heads) on the kernel for head_dim above 128 (`attn_prefill_wide`) and on the
+float32 and a bfloat16 KV cache (`attn_prefill`: blocks of 4 warps sharing each step's keys
+and values), then the same with blocks of one warp each reading its own (as until
+2026-12-06: what the sharing gains). Then a Gemma-shaped attention (8 heads of 256 over 4
+KV heads) on the kernel for head_dim above 128 (`attn_prefill_wide`) and on the
 split-over-keys kernels it replaced (`attn_partial` + `attn_combine`). Per part: µs, the
 multiply-adds' TFLOP/s (2 x each; attention's causal half only), the fraction of the
 measured bf16 peak (device.json from device_figures.py, or the H200's assumed figure) and,
@@ -135,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
                 attention_call(ops, T, g_heads, g_kv, g_hd, "bfloat16", seed=4), attention_flops(T, g_heads, g_hd))
         finally:
             cuda_ops.FA_HEAD_DIM_MAX = wide_max
+    ops.fa_warps = 1   # ELLM_CUDA_FA_WARPS=1
+    try:
+        for kv in ("float32", "bfloat16"):
+            add(f"attention, {kv} cache: a warp a block", attention_call(ops, T, heads, kv_heads, hd, kv, seed=3),
+                attention_flops(T, heads, hd))
+    finally:
+        ops.fa_warps = cuda_ops.FA_WARPS
     name = "llama-8b" if not args.small else "small stand-in"
     lines = [f"one layer of a {T}-token prefill, {name} shape, {device['name']}", "",
              "| part | µs | TFLOP/s | of bf16 peak | of the layer |", "|---|---:|---:|---:|---:|"]

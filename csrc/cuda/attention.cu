@@ -661,5 +661,8 @@ extern "C" __global__ void __launch_bounds__(32 * W, FA_MIN_BLOCKS) attn_prefill
 }
 ELLM_ATTN_PREFILL(, float, FA_OUT, FA_WARPS)
 ELLM_ATTN_PREFILL(_bf16, u16, FA_OUT, FA_WARPS)
+// a warp a block, each reading every key itself (ELLM_CUDA_FA_WARPS=1: the comparison; the same bits)
+ELLM_ATTN_PREFILL(_w1, float, FA_OUT, 1)
+ELLM_ATTN_PREFILL(_w1_bf16, u16, FA_OUT, 1)
 ELLM_ATTN_PREFILL(_wide, float, 256, 1)
 ELLM_ATTN_PREFILL(_wide_bf16, u16, 256, 1)

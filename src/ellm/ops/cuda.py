@@ -54,7 +54,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
                      "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16",
                      "qk_norm_rope_kv_write", "qk_norm_rope_kv_write_bf16",
-                     "attn_prefill", "attn_prefill_bf16", "attn_prefill_wide", "attn_prefill_wide_bf16"),
+                     "attn_prefill", "attn_prefill_bf16", "attn_prefill_wide", "attn_prefill_wide_bf16",
+                     "attn_prefill_w1", "attn_prefill_w1_bf16"),
     "sample.cu": ("sample_rows", "argmax_rows", "logprob_rows"),
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
     "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2", "x4")
@@ -118,6 +119,9 @@ HEAD_DIM_MAX = 256
 FA_HEAD_DIM_MAX = 256   # attn_prefill (tensor cores): head_dim % 32 == 0 up to this; else attn_partial
 FA_OUT = 128            # attn_prefill's output dims a block: above, attn_prefill_wide on ceil(hd / FA_OUT) blocks
 FA_WARPS = 4            # attn_prefill's warps a block (16 query rows each, sharing K and V); attn_prefill_wide: 1
+# ELLM_CUDA_FA_WARPS=1 (read when the backend is made): a warp a block, each staging every
+# key and value itself, as until 2026-12-06 (the device check's comparison; the same bits)
+FA_WARPS_ENV = "ELLM_CUDA_FA_WARPS"
 ELEMENTWISE_THREADS = 256
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
 
@@ -299,6 +303,7 @@ class CudaOps:
         self.mmv_x2 = os.environ.get(MMV_X2_ENV, "1") != "0"
         self.mmv_x4 = self.mmv_x2 and os.environ.get(MMV_X4_ENV, "1") != "0"
         self.mmv_loop = os.environ.get(MMV_LOOP_ENV, "1") != "0"
+        self.fa_warps = 1 if os.environ.get(FA_WARPS_ENV, str(FA_WARPS)) == "1" else FA_WARPS
         self.device_logprobs = os.environ.get(LOGPROBS_ENV, "1") != "0"
         self._cublas: Any = None   # (module, handle) once a prefill product first asks
         self.use_cublas = os.environ.get(CUBLAS_ENV, "1") != "0"
@@ -845,9 +850,9 @@ class CudaOps:
         blocks of one warp, each taking the scores itself (attn_prefill_wide)."""
         T, nh, hd = (int(s) for s in q.shape)
         i32, f32 = np.int32, np.float32
-        wide = "_wide" if hd > FA_OUT else ""
-        warps = 1 if wide else FA_WARPS
-        self._launch("attn_prefill" + wide + kv, (nh, _ceil(T, 16 * warps), _ceil(hd, FA_OUT)), (32 * warps,),
+        warps = 1 if hd > FA_OUT else self.fa_warps
+        variant = "_wide" if hd > FA_OUT else "_w1" if warps == 1 else ""
+        self._launch("attn_prefill" + variant + kv, (nh, _ceil(T, 16 * warps), _ceil(hd, FA_OUT)), (32 * warps,),
                      (q, positions, limit, seq_ids, block_tables, i32(int(block_tables.shape[1])), k_cache,
                       v_cache, i32(T), i32(nh), i32(int(k_cache.shape[2])), i32(hd), i32(int(k_cache.shape[1])),
                       f32(scale), i32(window), f32(softcap_value), out))
