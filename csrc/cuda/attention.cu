@@ -372,9 +372,9 @@ extern "C" __global__ void attn_combine(
 // holds exact bf16: its lo terms are zero and skipped).
 //
 // A block's W warps (FA_WARPS: 64 query rows of a head) take the keys in steps of
-// FA_KEYS together: the block's threads put a step's K, then its V, in shared memory once
-// (an f32 cache's values split into their bf16 terms once) and every warp reads them
-// there, so a key is read from L2 once a block, not once a warp. The rows of a block may
+// FA_KEYS together: the block's threads put a step's K (FA_OUT dims at a time), then its
+// V, in shared memory once (an f32 cache's values split into their bf16 terms once) and
+// every warp reads them there, so a key is read from L2 once a block, not once a warp. The rows of a block may
 // belong to several sequences (a batched prefill): the block walks its sequences in
 // turn, each from its first key the block's rows of it see, rounded down to a multiple
 // of FA_KEYS, to the last; a warp sits out the steps none of its rows sees (which would
@@ -387,14 +387,15 @@ extern "C" __global__ void attn_combine(
 //
 // A warp keeps at most FA_OUT dims of its rows' output in registers (64 registers). Above
 // that (Gemma's head_dim 256) blockIdx.z picks which FA_OUT dims a block sums, and each
-// block takes every score itself (`attn_prefill_wide`, one warp a block: Q of 16 rows of
-// up to 256 dims fills the shared memory 64 rows of 128 do): the scores' work is done
-// twice, but the two blocks' scores, maxima and sums are the same instructions on the
-// same values, so both halves are normalized alike.
+// block takes every score itself (`attn_prefill_wide`, FA_WIDE_WARPS warps a block: Q of
+// 32 rows of up to 256 dims fills the shared memory 64 rows of 128 do): the scores' work
+// is done twice, but the two blocks' scores, maxima and sums are the same instructions on
+// the same values, so both halves are normalized alike.
 // ---------------------------------------------------------------------------------
 #define FA_OUT 128
 #define FA_KEYS 16     // keys per step: two n8 tiles of scores, one k16 of P V
-#define FA_WARPS 4     // attn_prefill's warps a block (ops/cuda.py FA_WARPS); attn_prefill_wide's: 1
+#define FA_WARPS 4       // attn_prefill's warps a block (ops/cuda.py FA_WARPS)
+#define FA_WIDE_WARPS 2  // attn_prefill_wide's (FA_WIDE_WARPS): Q of 32 rows x 256 dims is 33 KB
 // Blocks an SM is meant to hold: registers capped at 170 a thread (ptxas left alone took
 // 128 for attn_prefill_bf16 on sm_90 and spilled); 3 x 44 KB of shared memory fits sm_80's 164.
 #define FA_MIN_BLOCKS 3
@@ -456,17 +457,17 @@ __device__ __forceinline__ void attn_prefill_t(
         int block_size, float scale, int window, float softcap, float* __restrict__ out) {
     constexpr bool EXACT = sizeof(KV) == 2;   // a bf16 cache: no lo terms for K and V
     constexpr int NT = EXACT ? 1 : 2;          // the terms of K and V staged: hi (, lo)
-    constexpr int K_TILE = NT * FA_KEYS * (QD + 8), V_TILE = NT * FA_OUT * (FA_KEYS + 2);
+    constexpr int K_TILE = NT * FA_KEYS * (FA_OUT + 8), V_TILE = NT * FA_OUT * (FA_KEYS + 2);
     __shared__ __align__(16) u16 qs[2][16 * W][QD + 8];                 // hi, lo: rows x dims
-    __shared__ __align__(16) u16 kv[K_TILE > V_TILE ? K_TILE : V_TILE];   // a step's K, then its V
+    __shared__ __align__(16) u16 kv[K_TILE > V_TILE ? K_TILE : V_TILE];   // a step's K (by slices), then its V
     __shared__ int red[W];
-    auto ks = reinterpret_cast<u16 (*)[FA_KEYS][QD + 8]>(kv);    // [term][key][dim]
+    auto ks = reinterpret_cast<u16 (*)[FA_KEYS][FA_OUT + 8]>(kv);    // [term][key][dim of the slice]
     auto vs = reinterpret_cast<u16 (*)[FA_OUT][FA_KEYS + 2]>(kv);  // [term][this block's dim][key]
     const int NO_SEQ = 0x7fffffff;
     int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, g = lane >> 2, q = lane & 3;
     int b0 = blockIdx.y * 16 * W, wr = 16 * (tid >> 5), t0 = b0 + wr;   // wr: the warp's rows in qs
     int dz = blockIdx.z * FA_OUT, od = min(hd - dz, FA_OUT);   // the output dims this block sums
-    int kvh = h / (nh / nkv), chunks = hd >> 5, tiles = od >> 3;
+    int kvh = h / (nh / nkv), tiles = od >> 3;
     int row[2] = {t0 + g, t0 + g + 8}, seq[2], lo[2], hi_key[2];
     #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -511,46 +512,51 @@ __device__ __forceinline__ void attn_prefill_t(
         const int* table = block_tables + (long long)cand * max_blocks;
         for (int kb = kbeg; kb <= kend; kb += FA_KEYS) {
             bool active = kb <= wend && kb + FA_KEYS - 1 >= wbeg;   // the warp's rows see a key of the step
-            __syncthreads();   // every warp has read the last step's V
-            for (int i = tid; i < FA_KEYS * (hd >> 3); i += 32 * W) {   // K: 16 keys x hd
-                int kk = i / (hd >> 3), d0 = 8 * (i - kk * (hd >> 3)), key = kb + kk;
-                u32 kh[4] = {0u, 0u, 0u, 0u}, kl[4] = {0u, 0u, 0u, 0u};
-                int blk = key <= kend ? table[key / block_size] : -1;
-                if (blk >= 0)
-                    kv_words8(k_cache, (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd + d0,
-                              kh, kl);
-                store_words4(&ks[0][kk][d0], kh);
-                if constexpr (!EXACT) store_words4(&ks[1][kk][d0], kl);
-            }
-            __syncthreads();
+            // scores of rows g, g + 8 against keys kb + 8 j + g (as B columns), K staged
+            // FA_OUT dims at a time (one slice up to 128 dims; Gemma's 256: two)
             float s[2][4];
-            u32 ph[4] = {0u, 0u, 0u, 0u}, pl[4] = {0u, 0u, 0u, 0u};   // P as the A operand: keys of tile 0 at k 0-7, tile 1 at 8-15
-            if (active) {
-                // scores of rows g, g + 8 against keys kb + 8 j + g (as B columns)
-                #pragma unroll
-                for (int j = 0; j < 2; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-                for (int c = 0; c < chunks; c++) {
-                    int d0 = 32 * c + 8 * q;
+            #pragma unroll
+            for (int j = 0; j < 2; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            for (int dk = 0; dk < hd; dk += FA_OUT) {
+                int dn = min(hd - dk, FA_OUT);
+                __syncthreads();   // every warp has read the last slice of K, or the last step's V
+                for (int i = tid; i < FA_KEYS * (dn >> 3); i += 32 * W) {   // 16 keys x dn dims
+                    int kk = i / (dn >> 3), d0 = 8 * (i - kk * (dn >> 3)), key = kb + kk;
+                    u32 kh[4] = {0u, 0u, 0u, 0u}, kl[4] = {0u, 0u, 0u, 0u};
+                    int blk = key <= kend ? table[key / block_size] : -1;
+                    if (blk >= 0)
+                        kv_words8(k_cache, (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd + dk + d0,
+                                  kh, kl);
+                    store_words4(&ks[0][kk][d0], kh);
+                    if constexpr (!EXACT) store_words4(&ks[1][kk][d0], kl);
+                }
+                __syncthreads();
+                if (!active) continue;
+                for (int c = dk >> 5; c < (dk + dn) >> 5; c++) {
+                    int d0 = 32 * c + 8 * q, e0 = d0 - dk;   // e0: the dims' place in the slice
                     uint4 qa = *(const uint4*)&qs[0][wr + g][d0], qb = *(const uint4*)&qs[0][wr + g + 8][d0];
                     uint4 la = *(const uint4*)&qs[1][wr + g][d0], lb = *(const uint4*)&qs[1][wr + g + 8][d0];
                     const u32 ah1[4] = {qa.x, qb.x, qa.y, qb.y}, ah2[4] = {qa.z, qb.z, qa.w, qb.w};
                     const u32 al1[4] = {la.x, lb.x, la.y, lb.y}, al2[4] = {la.z, lb.z, la.w, lb.w};
                     #pragma unroll
                     for (int j = 0; j < 2; j++) {
-                        uint4 kh = *(const uint4*)&ks[0][8 * j + g][d0];
+                        uint4 kh = *(const uint4*)&ks[0][8 * j + g][e0];
                         const u32 bh1[2] = {kh.x, kh.y}, bh2[2] = {kh.z, kh.w};
                         mma_bf16_16816(s[j], ah1, bh1);
                         mma_bf16_16816(s[j], ah2, bh2);
                         mma_bf16_16816(s[j], al1, bh1);
                         mma_bf16_16816(s[j], al2, bh2);
                         if constexpr (!EXACT) {
-                            uint4 kl = *(const uint4*)&ks[1][8 * j + g][d0];
+                            uint4 kl = *(const uint4*)&ks[1][8 * j + g][e0];
                             const u32 bl1[2] = {kl.x, kl.y}, bl2[2] = {kl.z, kl.w};
                             mma_bf16_16816(s[j], ah1, bl1);
                             mma_bf16_16816(s[j], ah2, bl2);
                         }
                     }
                 }
+            }
+            u32 ph[4] = {0u, 0u, 0u, 0u}, pl[4] = {0u, 0u, 0u, 0u};   // P as the A operand: keys of tile 0 at k 0-7, tile 1 at 8-15
+            if (active) {
                 // scale, soft-cap and mask; element (j, i): row i >> 1, key kb + 8 j + 2 q + (i & 1)
                 float mx[2] = {ELLM_NEG_INF, ELLM_NEG_INF};
                 #pragma unroll
@@ -664,5 +670,5 @@ ELLM_ATTN_PREFILL(_bf16, u16, FA_OUT, FA_WARPS)
 // a warp a block, each reading every key itself (ELLM_CUDA_FA_WARPS=1: the comparison; the same bits)
 ELLM_ATTN_PREFILL(_w1, float, FA_OUT, 1)
 ELLM_ATTN_PREFILL(_w1_bf16, u16, FA_OUT, 1)
-ELLM_ATTN_PREFILL(_wide, float, 256, 1)
-ELLM_ATTN_PREFILL(_wide_bf16, u16, 256, 1)
+ELLM_ATTN_PREFILL(_wide, float, 256, FA_WIDE_WARPS)
+ELLM_ATTN_PREFILL(_wide_bf16, u16, 256, FA_WIDE_WARPS)

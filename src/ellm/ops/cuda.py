@@ -118,7 +118,8 @@ ATTN_BLOCKS_PER_SM = 4   # attention.cu's __launch_bounds__: blocks of attn_part
 HEAD_DIM_MAX = 256
 FA_HEAD_DIM_MAX = 256   # attn_prefill (tensor cores): head_dim % 32 == 0 up to this; else attn_partial
 FA_OUT = 128            # attn_prefill's output dims a block: above, attn_prefill_wide on ceil(hd / FA_OUT) blocks
-FA_WARPS = 4            # attn_prefill's warps a block (16 query rows each, sharing K and V); attn_prefill_wide: 1
+FA_WARPS = 4            # attn_prefill's warps a block (16 query rows each, sharing K and V)
+FA_WIDE_WARPS = 2       # attn_prefill_wide's (Q of 32 rows x 256 dims fills the shared memory)
 # ELLM_CUDA_FA_WARPS=1 (read when the backend is made): a warp a block, each staging every
 # key and value itself, as until 2026-12-06 (the device check's comparison; the same bits)
 FA_WARPS_ENV = "ELLM_CUDA_FA_WARPS"
@@ -847,10 +848,10 @@ class CudaOps:
         """attn_prefill: a warp per 16 tokens of a head, every key they see, on the tensor
         cores (the meaning of attn_partial + attn_combine), FA_WARPS warps a block sharing
         each step's keys and values; above FA_OUT dims a head's output is split over
-        blocks of one warp, each taking the scores itself (attn_prefill_wide)."""
+        blocks of FA_WIDE_WARPS warps, each taking the scores itself (attn_prefill_wide)."""
         T, nh, hd = (int(s) for s in q.shape)
         i32, f32 = np.int32, np.float32
-        warps = 1 if hd > FA_OUT else self.fa_warps
+        warps = FA_WIDE_WARPS if hd > FA_OUT else self.fa_warps
         variant = "_wide" if hd > FA_OUT else "_w1" if warps == 1 else ""
         self._launch("attn_prefill" + variant + kv, (nh, _ceil(T, 16 * warps), _ceil(hd, FA_OUT)), (32 * warps,),
                      (q, positions, limit, seq_ids, block_tables, i32(int(block_tables.shape[1])), k_cache,
