@@ -417,6 +417,18 @@ __device__ __forceinline__ void kv_words8(const u16* p, long long i, u32* hi, u3
     lo[0] = lo[1] = lo[2] = lo[3] = 0u;
 }
 
+// Dims d..d+7 of a key's K or V (head kvh) through the block table as kv_words8's words;
+// zeros past kend or in no block.
+template <typename KV>
+__device__ __forceinline__ void key_words8(const KV* __restrict__ cache, const int* __restrict__ table, int key,
+                                           int kend, int block_size, int nkv, int kvh, int hd, int d,
+                                           u32* hi, u32* lo) {
+    hi[0] = hi[1] = hi[2] = hi[3] = lo[0] = lo[1] = lo[2] = lo[3] = 0u;
+    int blk = key <= kend ? table[key / block_size] : -1;
+    if (blk >= 0)
+        kv_words8(cache, (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd + d, hi, lo);
+}
+
 __device__ __forceinline__ int warp_min_int(int v) {
     for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -521,12 +533,9 @@ __device__ __forceinline__ void attn_prefill_t(
                 int dn = min(hd - dk, FA_OUT);
                 __syncthreads();   // every warp has read the last slice of K, or the last step's V
                 for (int i = tid; i < FA_KEYS * (dn >> 3); i += 32 * W) {   // 16 keys x dn dims
-                    int kk = i / (dn >> 3), d0 = 8 * (i - kk * (dn >> 3)), key = kb + kk;
-                    u32 kh[4] = {0u, 0u, 0u, 0u}, kl[4] = {0u, 0u, 0u, 0u};
-                    int blk = key <= kend ? table[key / block_size] : -1;
-                    if (blk >= 0)
-                        kv_words8(k_cache, (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd + dk + d0,
-                                  kh, kl);
+                    int kk = i / (dn >> 3), d0 = 8 * (i - kk * (dn >> 3));
+                    u32 kh[4], kl[4];
+                    key_words8(k_cache, table, kb + kk, kend, block_size, nkv, kvh, hd, dk + d0, kh, kl);
                     store_words4(&ks[0][kk][d0], kh);
                     if constexpr (!EXACT) store_words4(&ks[1][kk][d0], kl);
                 }
@@ -606,12 +615,9 @@ __device__ __forceinline__ void attn_prefill_t(
             }
             __syncthreads();   // every warp has read K
             for (int i = tid; i < FA_KEYS * (od >> 3); i += 32 * W) {   // V: 16 keys x od, transposed
-                int kk = i / (od >> 3), d0 = 8 * (i - kk * (od >> 3)), key = kb + kk;
-                u32 vh[4] = {0u, 0u, 0u, 0u}, vl[4] = {0u, 0u, 0u, 0u};
-                int blk = key <= kend ? table[key / block_size] : -1;
-                if (blk >= 0)
-                    kv_words8(v_cache, (((long long)blk * block_size + key % block_size) * nkv + kvh) * hd + dz + d0,
-                              vh, vl);
+                int kk = i / (od >> 3), d0 = 8 * (i - kk * (od >> 3));
+                u32 vh[4], vl[4];
+                key_words8(v_cache, table, kb + kk, kend, block_size, nkv, kvh, hd, dz + d0, vh, vl);
                 #pragma unroll
                 for (int e = 0; e < 8; e++) {
                     vs[0][d0 + e][kk] = (u16)(vh[e >> 1] >> (16 * (e & 1)));
