@@ -667,44 +667,42 @@ class Engine:
                 live.append(b)
         host = logits if type(logits) is np.ndarray else None   # a host backend's (no rows gathered for it)
 
-        def choose(rows: list[int], bs: list[int]) -> list[SampleResult | Exception]:
-            """The tokens of logits' rows, row r by sequence bs[r]'s sampler."""
+        def on_device(rows: list[int], bs: list[int]) -> list[SampleResult | Exception] | None:
+            """The tokens of logits' rows (row r by sequence bs[r]'s sampler) chosen by a
+            device backend, or None: the host samples them (the logits copied back once)."""
             nonlocal host
-            samplers = [sampled[b].sampler for b in bs]
-            row_masks = None if masks is None else [masks[b] for b in bs]
-            if host is None:   # [runner] on the device while it can
-                every_row = rows == list(range(int(logits.shape[0])))
-                got = self.runner.sample(logits, samplers, row_masks, None if every_row else rows)
-                if got is not None:
-                    return got
+            if host is not None:
+                return None
+            every_row = rows == list(range(int(logits.shape[0])))
+            got = self.runner.sample(logits, [sampled[b].sampler for b in bs],   # [runner]
+                                     None if masks is None else [masks[b] for b in bs], None if every_row else rows)
+            if got is None:
                 host = self.runner.to_host(logits)
-            out: list[SampleResult | Exception] = []
-            for r, s, m in zip(rows, samplers, row_masks or [None] * len(rows)):
-                try:
-                    out.append(s.sample(host[r], m))
-                except Exception as e:  # noqa: BLE001 - the row's failure, raised on its request
-                    out.append(e)
-            return out
+            return got
 
         every: dict[int, SampleResult | Exception] | None = None
         if masks is None and all(sampled[b].sampler.argmax_choice for b in live):
             rows = [starts[b] + i for b in live for i in range(1 + len(guesses[b]))]
-            every = dict(zip(rows, choose(rows, [b for b in live for _ in range(1 + len(guesses[b]))])))
+            got = on_device(rows, [b for b in live for _ in range(1 + len(guesses[b]))])
+            every = None if got is None else dict(zip(rows, got))
         i, active = 0, live
         while active:
             rows = [starts[b] + i for b in active]
-            got = [every[r] for r in rows] if every is not None else choose(rows, active)
+            got = [every[r] for r in rows] if every is not None else on_device(rows, active)
             going: list[int] = []
-            for b, res in zip(active, got):
+            for k, b in enumerate(active):
                 seq = sampled[b]
                 try:
-                    self._append(seq, _row_result([res], 0, seq.sampler, None, None))
+                    if got is None:
+                        res = seq.sampler.sample(host[rows[k]], None if masks is None else masks[b])
+                    else:
+                        res = _row_result(got, k, seq.sampler, None, None)
+                    self._append(seq, res)
                 except Exception as e:  # noqa: BLE001 - the request's failure, reported on it
                     seq.error = f"sampling failed: {type(e).__name__}: {e}"
                     self._finish(seq, "error")
                     continue
-                if seq.status is SeqStatus.FINISHED or i == len(guesses[b]) or \
-                        int(res.token_id) != guesses[b][i]:   # type: ignore[union-attr]
+                if seq.status is SeqStatus.FINISHED or i == len(guesses[b]) or int(res.token_id) != guesses[b][i]:
                     continue
                 kept[b] += 1
                 going.append(b)

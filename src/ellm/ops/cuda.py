@@ -1135,18 +1135,19 @@ class CudaOps:
             return None
         if rows is not None:
             picked = np.asarray(rows, np.int64)
-            if picked.shape != (B,) or (B and (picked.min() < 0 or picked.max() >= int(logits.shape[0]))):
+            if picked.shape != (B,) or picked.min() < 0 or picked.max() >= int(logits.shape[0]):
                 raise ValueError(f"sample: rows must be {B} indices below {int(logits.shape[0])}, got {list(rows)}")
-            with self.stream:
-                logits = self.gather_rows(self.cp.ascontiguousarray(logits, dtype=np.float32),
-                                          self._upload_packed({"rows": picked.astype(np.int32)}, None)["rows"])
-        if int(logits.shape[0]) != B:
+        elif int(logits.shape[0]) != B:
             raise ValueError(f"sample: {logits.shape[0]} rows of logits for {B} samplers")
         if masks is not None and len(masks) != B:
             raise ValueError(f"sample: {len(masks)} masks for {B} samplers")
         if not self.device_logprobs and ((masks is not None and any(m is not None for m in masks))
                                          or any(s.params.logprobs is not None for s in samplers)):
             return None   # ELLM_CUDA_LOGPROBS=0: the host samples such a batch
+        if rows is not None:   # the named rows, gathered on the stream (no copy when declining above)
+            with self.stream:
+                logits = self.gather_rows(self.cp.ascontiguousarray(logits, dtype=np.float32),
+                                          self._upload_packed({"rows": picked.astype(np.int32)}, None)["rows"])
         with self.stream:
             plan = self.logprobs_before_sampling(logits, samplers, masks=masks)
             ids_dev = self.sample_ids(logits, samplers, masks=masks)
