@@ -694,6 +694,7 @@ class Engine:
                 seq = sampled[b]
                 try:
                     if got is None:
+                        assert host is not None   # on_device declined and copied the logits back
                         res = seq.sampler.sample(host[rows[k]], None if masks is None else masks[b])
                     else:
                         res = _row_result(got, k, seq.sampler, None, None)
