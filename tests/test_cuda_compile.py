@@ -4,7 +4,9 @@ kernel ops/cuda.py launches is an entry of that PTX, and ptxas assembles both wi
 register spills (the fused decode kernels without any stack frame); each unit ops/cuda.py
 compiles (linear.cu and mmv.cu a weight type at a time) makes exactly its own kernels.
 Optionally also through NVRTC (the compiler CuPy uses at run time), unit by unit, when a
-libnvrtc is found.
+libnvrtc is found. nvcc's and ptxas's output for a file compiled cleanly before (the same
+text, tools and arguments) comes from ~/.cache/ellm/nvcc_check; the checks run on it as
+on a fresh compile.
 
 Skipped, saying why, when nvcc is not installed (the GPU tests are tests/test_cuda.py).
 """
@@ -12,7 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import glob
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -44,16 +49,46 @@ def test_every_kernel_file_is_known_to_ops_cuda() -> None:
 
 def _nvcc_and_ptxas(source: Path, arch: str, out: Path) -> tuple[subprocess.CompletedProcess, str,
                                                                    subprocess.CompletedProcess | None]:
-    """nvcc's PTX of one file for one architecture, then ptxas over it (None when nvcc failed)."""
+    """nvcc's PTX of one file for one architecture, then ptxas over it (None when nvcc
+    failed). What both said of a text they compiled cleanly before is kept on disk (see
+    _compile_cache), since mmv.cu alone is a minute of this machine's two cores."""
     ptx = out / f"{source.stem}-{arch}.ptx"
-    nvcc = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings",
-                           "-o", str(ptx), str(source)], capture_output=True, text=True, timeout=900)
+    nvcc_args = ["--ptx", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings"]
+    ptxas_args = [f"-arch={arch}", "-v", "-warn-spills", "-Werror"]
+    kept = _compile_cache(source, nvcc_args, ptxas_args)
+    if kept.is_file():
+        done = json.loads(kept.read_text())
+        return (subprocess.CompletedProcess(done["nvcc"][0], 0, done["nvcc"][1], done["nvcc"][2]), done["ptx"],
+                subprocess.CompletedProcess(done["ptxas"][0], 0, done["ptxas"][1], done["ptxas"][2]))
+    nvcc = subprocess.run([NVCC, *nvcc_args, "-o", str(ptx), str(source)], capture_output=True, text=True,
+                          timeout=900)
     if nvcc.returncode != 0:
         return nvcc, "", None
-    ptxas = subprocess.run([PTXAS, f"-arch={arch}", "-v", "-warn-spills", "-Werror", "-o",
-                            str(out / f"{source.stem}-{arch}.cubin"), str(ptx)], capture_output=True, text=True,
-                           timeout=900)
+    ptxas = subprocess.run([PTXAS, *ptxas_args, "-o", str(out / f"{source.stem}-{arch}.cubin"), str(ptx)],
+                           capture_output=True, text=True, timeout=900)
+    if ptxas.returncode == 0:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"nvcc": [nvcc.args, nvcc.stdout, nvcc.stderr], "ptx": ptx.read_text(),
+                                   "ptxas": [ptxas.args, ptxas.stdout, ptxas.stderr]}))
+        tmp.replace(kept)
     return nvcc, ptx.read_text(), ptxas
+
+
+@functools.cache
+def _tool_versions() -> str:
+    return "".join(subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout
+                   for tool in (NVCC, PTXAS))
+
+
+def _compile_cache(source: Path, nvcc_args: list[str], ptxas_args: list[str]) -> Path:
+    """Where nvcc's and ptxas's output for this file is kept: named by a hash of the file's
+    text with the header pasted in (what nvcc reads), both tools' versions and their
+    arguments, so any change to them compiles again."""
+    key = hashlib.sha256("\0".join([cuda_ops.kernel_source(source.name), _tool_versions(), *nvcc_args, "|",
+                                     *ptxas_args]).encode()).hexdigest()[:32]
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ellm" / "nvcc_check"
+    return root / f"{source.stem}-{key}.json"
 
 
 @pytest.fixture(scope="module")
