@@ -83,8 +83,10 @@ def test_cuda_op_checks_pass_with_the_kernels_on_the_cpu() -> None:
 
 @needs_host_build
 def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
-    """A kernel whose threads wait at barriers of different kinds (its warp's, its block's)
-    is reported, not hung; a Python
+    """A kernel whose threads wait at barriers of different kinds (its warp's, its block's),
+    or at different __syncthreads (an if's two branches; a loop some warps leave before the
+    others), is reported, naming the lines, not hung or run with the barriers paired
+    wrongly; threads that have returned, and barriers every thread meets, are fine. A Python
     int as a kernel argument and a host-side write while a graph is captured are refused."""
     script = textwrap.dedent('''
         import numpy as np, cupy
@@ -96,6 +98,19 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
                 else __syncthreads();
                 x[threadIdx.x] = v;
             }
+            extern "C" __global__ void two_sites(float* x) {
+                if (threadIdx.x < 32) { x[threadIdx.x] += 1.0f; __syncthreads(); }
+                else { __syncthreads(); }   // on a GPU: undefined (a hang, or paired with the other)
+            }
+            extern "C" __global__ void ragged_loop(float* x) {
+                for (unsigned i = 0; i <= threadIdx.x / 32; i++) { x[threadIdx.x] += 1.0f; __syncthreads(); }
+                __syncthreads();   // warp 0 comes here while warp 1 waits in the loop
+            }
+            extern "C" __global__ void fine(float* x) {
+                if (threadIdx.x >= 48) return;   // returned threads no longer count
+                for (int i = 0; i < 3; i++) { x[threadIdx.x] += 1.0f; __syncthreads(); }
+                __syncthreads();
+            }
             extern "C" __global__ void twice(float* x, int n) {
                 int i = blockIdx.x * blockDim.x + threadIdx.x;
                 if (i < n) x[i] *= 2.0f;
@@ -106,6 +121,15 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
         except RuntimeError as e:
             assert "deadlock" in str(e), e
             print("deadlock reported")
+        for name in ("two_sites", "ragged_loop"):
+            try:
+                mod.get_function(name)((1,), (64,), (x,))
+            except RuntimeError as e:
+                assert "different __syncthreads" in str(e) and str(e).count("__syncthreads();") == 2, e
+                print(name, "reported")
+        x[...] = 0.0
+        mod.get_function("fine")((2,), (64,), (x,))
+        assert float(x.get().sum()) == 2 * 3 * 48, x.get()
         x[...] = 1.0
         try:
             mod.get_function("twice")((1,), (64,), (x, 64))
@@ -129,7 +153,8 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
     ''')
     proc = _child(["-c", script], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for line in ("deadlock reported", "python int refused", "write during capture refused", "graph replayed"):
+    for line in ("deadlock reported", "two_sites reported", "ragged_loop reported", "python int refused",
+                 "write during capture refused", "graph replayed"):
         assert line in proc.stdout, proc.stdout + proc.stderr
 
 

@@ -4,7 +4,10 @@
 //
 // A block runs as blockDim fibers on one OS thread, switched cooperatively at every
 // __syncthreads, warp shuffle and mma (each a barrier of its block or warp); blocks run one
-// after another, so `__shared__` (made `static`) is the block's shared memory. What this
+// after another, so `__shared__` (made `static`) is the block's shared memory. The threads
+// of a block meeting at a __syncthreads must all have come to the same one (its line of
+// the source), as CUDA requires: a GPU may hang or go on with the barriers paired wrongly
+// where they do not, so that is an error here, not a hang or wrong results. What this
 // cannot show: speed, data races between threads or blocks (the fibers never run at the
 // same time), and the hardware's own rounding inside mma.sync (emulated here as f32 sums of
 // exact products of the bf16 inputs).
@@ -49,6 +52,7 @@ namespace cuda_host {
 struct Group {            // a barrier: a block's threads, or a warp's
     int live = 0, arrived = 0;
     unsigned long long generation = 0;
+    int site = 0;         // the source line of the __syncthreads the arrived threads wait at
 };
 
 struct Fiber {
@@ -77,6 +81,7 @@ struct Launch {
     unsigned long long progress = 0;
     Fiber* current = nullptr;
     void* scheduler_sp = nullptr;
+    bool failed = false;  // a thread found the launch wrong (error says why): stop it
     char error[256] = {0};
 };
 
@@ -116,8 +121,19 @@ inline void release(Group& g) {
 }
 
 // Wait until every live member of g has arrived (an exited thread no longer counts).
-inline void arrive(Group& g) {
+// site: the source line of a block barrier (0: a warp's, which any line may meet).
+inline void arrive(Group& g, int site = 0) {
     Launch& L = launch();
+    if (g.arrived == 0) {
+        g.site = site;
+    } else if (site != g.site) {
+        std::snprintf(L.error, sizeof L.error,
+                      "threads of block (%u, %u, %u) wait at different __syncthreads: lines %d and %d of the "
+                      "source (thread %u at line %d)", blockIdx.x, blockIdx.y, blockIdx.z, g.site, site,
+                      L.current->tid, site);
+        L.failed = true;
+        for (;;) yield();   // never resumed: the launch ends here
+    }
     L.progress++;
     unsigned long long gen = g.generation;
     if (++g.arrived == g.live) {
@@ -200,6 +216,7 @@ extern "C" __attribute__((visibility("default"))) int cuda_host_launch(
     using namespace cuda_host;
     Launch& L = launch();
     L.error[0] = 0;
+    L.failed = false;
     unsigned n = bx * by * bz;
     if (n == 0 || n > 1024 || nargs > 64) {
         std::snprintf(L.error, sizeof L.error, "block of %u threads or %d arguments", n, nargs);
@@ -267,7 +284,12 @@ extern "C" __attribute__((visibility("default"))) int cuda_host_launch(
                         L.current = &f;
                         threadIdx = f.idx;
                         cuda_host_switch(&L.scheduler_sp, f.sp);
+                        if (L.failed) break;
                         left += !f.done;
+                    }
+                    if (L.failed) {
+                        rc = -1;
+                        break;
                     }
                     if (left && L.progress == before) {
                         std::snprintf(L.error, sizeof L.error,
@@ -301,7 +323,8 @@ template <class A, class B> inline typename std::common_type<A, B>::type max(A a
 
 inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
 
-inline void __syncthreads() { cuda_host::arrive(cuda_host::launch().block); }
+inline void cuda_host_syncthreads(int line) { cuda_host::arrive(cuda_host::launch().block, line); }
+#define __syncthreads() cuda_host_syncthreads(__LINE__)
 inline void __syncwarp(unsigned = 0xffffffffu) { cuda_host::arrive(cuda_host::my_warp()); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 

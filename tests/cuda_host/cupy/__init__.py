@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -187,9 +188,10 @@ def compile_source(code: str) -> Path:
 
 
 class RawKernel:
-    def __init__(self, lib: ctypes.CDLL, name: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, name: str, code: str = "") -> None:
         self.name = name
         self._lib = lib
+        self._code = code
         self._fn = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
     def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any],
@@ -240,11 +242,18 @@ def _run(kernel: RawKernel, grid: tuple[int, ...], block: tuple[int, ...], packe
     rc = lib.cuda_host_launch(ctypes.c_void_p(kernel._fn), *(ctypes.c_uint(v) for v in g + b),
                               ctypes.c_int(len(types)), ctypes.c_char_p(types), slots)
     if rc:
-        raise RuntimeError(f"{kernel.name} grid {g} block {b}: {lib.cuda_host_error().decode()}")
+        error = lib.cuda_host_error().decode()
+        sites = re.search(r"different __syncthreads: lines (\d+) and (\d+)", error)
+        if sites:   # the two lines of the kernel's text
+            lines = kernel._code.splitlines()
+            error += "".join(f"\n  line {n}: {lines[n - 1].strip()}" for n in map(int, sites.groups())
+                             if 0 < n <= len(lines))
+        raise RuntimeError(f"{kernel.name} grid {g} block {b}: {error}")
 
 
 class RawModule:
     def __init__(self, code: str, options: Sequence[str] = (), **_: Any) -> None:
+        self._code = code
         self._lib = ctypes.CDLL(str(compile_source(code)))
         self._lib.cuda_host_error.restype = ctypes.c_char_p
         self._lib.cuda_host_launch.restype = ctypes.c_int
@@ -253,5 +262,5 @@ class RawModule:
     def get_function(self, name: str) -> RawKernel:
         k = self._kernels.get(name)
         if k is None:
-            k = self._kernels[name] = RawKernel(self._lib, name)
+            k = self._kernels[name] = RawKernel(self._lib, name, self._code)
         return k
