@@ -17,8 +17,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from ellm import hub
 from ref_python import ref_python
 

@@ -431,7 +431,7 @@ class Decoder:
         if ours and (hit[1] == ws.generation or all(ws.holds(v) for v in hit[5])):
             hit[1] = ws.generation   # ws made buffers for something else since (the logits)
             return hit[4]
-        if not all(type(l.attn) is Attention and type(l.mlp) is MLP for l in self.layers):
+        if not all(type(layer.attn) is Attention and type(layer.mlp) is MLP for layer in self.layers):
             stack, views = None, []
         else:
             proj, h_buf, residual = _cached_views(self, ws, t, self._make_views)

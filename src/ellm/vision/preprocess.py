@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .images import DecodedImage, ImageError, _pil
+from .images import DecodedImage, ImageError
 from .inputs import ImageInput
 
 # transformers' IMAGENET_STANDARD_MEAN / _STD, the processors' defaults

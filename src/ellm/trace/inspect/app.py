@@ -127,8 +127,8 @@ class Inspector:
             "heads": self.llm.config.num_attention_heads,
             "norms": lens["norms"].round(3).tolist(),              # (L, T)
             "lens": [[[{"id": int(i), "token": self.piece(int(i)), "p": round(float(q), 4)}
-                       for i, q in zip(lens_ids[l, t], lens["probs"][l, t])]
-                      for t in range(lens_ids.shape[1])] for l in range(lens_ids.shape[0])],
+                       for i, q in zip(lens_ids[layer, t], lens["probs"][layer, t])]
+                      for t in range(lens_ids.shape[1])] for layer in range(lens_ids.shape[0])],
             "next": [{"id": int(i), "token": self.piece(int(i)), "p": round(float(p[i]), 5)} for i in top],
         }
 
