@@ -159,6 +159,32 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
 
 
 @needs_host_build
+def test_threads_in_reverse_order_show_a_missing_barrier() -> None:
+    """ELLM_CUDA_HOST_ORDER=reverse runs a grid's blocks and a block's threads last to first:
+    a value thread 0 puts in shared memory for the others without a barrier reaches them
+    in the forward order only; with the barrier, both orders agree."""
+    script = textwrap.dedent('''
+        import numpy as np, cupy
+        mod = cupy.RawModule(code=r"""
+            extern "C" __global__ void broadcast(float* x, int sync) {
+                __shared__ float s;
+                if (threadIdx.x == 0) s = x[blockIdx.x * 64] * 2.0f;
+                if (sync) __syncthreads();
+                x[blockIdx.x * 64 + threadIdx.x] = s + 0.0f * x[blockIdx.x * 64 + threadIdx.x];
+            }""")
+        for sync in (0, 1):
+            x = cupy.asarray(np.repeat(np.arange(1, 4, dtype=np.float32), 64))
+            mod.get_function("broadcast")((3,), (64,), (x, np.int32(sync)))
+            print(sync, x.get().reshape(3, 64)[:, 1:].tolist() == [[2.0] * 63, [4.0] * 63, [6.0] * 63])
+    ''')
+    got = {order: _child(["-c", script], timeout=300, ELLM_CUDA_HOST_ORDER=order) for order in ("forward", "reverse")}
+    for proc in got.values():
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert got["forward"].stdout.split() == ["0", "True", "1", "True"]
+    assert got["reverse"].stdout.split() == ["0", "False", "1", "True"]   # the race shows
+
+
+@needs_host_build
 def test_deferred_execution_runs_the_stream_when_the_host_waits() -> None:
     """ELLM_CUDA_HOST_DEFER=1: a launch and an asynchronous copy wait in the queue; an
     event's synchronize runs the work before its record and nothing after; a host read

@@ -210,6 +210,19 @@ extern "C" __attribute__((visibility("default"))) const char* cuda_host_error() 
     return cuda_host::launch().error;
 }
 
+// ELLM_CUDA_HOST_ORDER=reverse: a grid's blocks from the last to the first, and a block's
+// threads likewise. A kernel correct on a GPU gives the same results in either order; one
+// that reads what another thread writes without a barrier between them gives others in
+// one of the two (forward order hides a value thread 0 writes for the rest, reverse order
+// a value overwritten by a lower thread before the rest have read it).
+inline bool reverse_order() {
+    static const bool reverse = [] {
+        const char* e = std::getenv("ELLM_CUDA_HOST_ORDER");
+        return e != nullptr && std::strcmp(e, "reverse") == 0;
+    }();
+    return reverse;
+}
+
 extern "C" __attribute__((visibility("default"))) int cuda_host_launch(
         void (*fn)(void), unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
         int nargs, const char* types, uint64_t* values) {
@@ -258,48 +271,50 @@ extern "C" __attribute__((visibility("default"))) int cuda_host_launch(
     unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);   // flush denormals to zero, as NVRTC's -ftz=true (CuPy's default)
     int rc = 0;
-    for (unsigned z = 0; z < gz && !rc; z++)
-        for (unsigned y = 0; y < gy && !rc; y++)
-            for (unsigned x = 0; x < gx && !rc; x++) {
-                blockIdx = dim3{x, y, z};
-                L.block = Group{(int)n, 0, 0};
-                for (unsigned w = 0; w < n_warps; w++) warps[w] = Group{(int)std::min(32u, n - 32 * w), 0, 0};
-                for (unsigned t = 0; t < n; t++) {
-                    Fiber& f = L.fibers[t];
-                    start_fiber(f);
-                    f.tid = t;
-                    f.idx = dim3{t % bx, (t / bx) % by, t / (bx * by)};
+    const bool reverse = reverse_order();
+    const unsigned long long n_blocks = (unsigned long long)gx * gy * gz;
+    for (unsigned long long i = 0; i < n_blocks && !rc; i++) {
+        const unsigned long long b = reverse ? n_blocks - 1 - i : i;
+        const unsigned x = (unsigned)(b % gx), y = (unsigned)(b / gx % gy), z = (unsigned)(b / gx / gy);
+        blockIdx = dim3{x, y, z};
+        L.block = Group{(int)n, 0, 0};
+        for (unsigned w = 0; w < n_warps; w++) warps[w] = Group{(int)std::min(32u, n - 32 * w), 0, 0};
+        for (unsigned t = 0; t < n; t++) {
+            Fiber& f = L.fibers[t];
+            start_fiber(f);
+            f.tid = t;
+            f.idx = dim3{t % bx, (t / bx) % by, t / (bx * by)};
+        }
+        unsigned left = n;
+        while (left) {
+            unsigned long long before = L.progress;
+            left = 0;
+            for (unsigned k = 0; k < n; k++) {
+                Fiber& f = L.fibers[reverse ? n - 1 - k : k];
+                if (f.done) continue;
+                if (f.waits_on && f.waits_on->generation == f.waits_for) {
+                    left++;
+                    continue;
                 }
-                unsigned left = n;
-                while (left) {
-                    unsigned long long before = L.progress;
-                    left = 0;
-                    for (unsigned t = 0; t < n; t++) {
-                        Fiber& f = L.fibers[t];
-                        if (f.done) continue;
-                        if (f.waits_on && f.waits_on->generation == f.waits_for) {
-                            left++;
-                            continue;
-                        }
-                        L.current = &f;
-                        threadIdx = f.idx;
-                        cuda_host_switch(&L.scheduler_sp, f.sp);
-                        if (L.failed) break;
-                        left += !f.done;
-                    }
-                    if (L.failed) {
-                        rc = -1;
-                        break;
-                    }
-                    if (left && L.progress == before) {
-                        std::snprintf(L.error, sizeof L.error,
-                                      "deadlock in block (%u, %u, %u): %u threads wait at barriers the others "
-                                      "never reach", x, y, z, left);
-                        rc = -1;
-                        break;
-                    }
-                }
+                L.current = &f;
+                threadIdx = f.idx;
+                cuda_host_switch(&L.scheduler_sp, f.sp);
+                if (L.failed) break;
+                left += !f.done;
             }
+            if (L.failed) {
+                rc = -1;
+                break;
+            }
+            if (left && L.progress == before) {
+                std::snprintf(L.error, sizeof L.error,
+                              "deadlock in block (%u, %u, %u): %u threads wait at barriers the others "
+                              "never reach", x, y, z, left);
+                rc = -1;
+                break;
+            }
+        }
+    }
     _mm_setcsr(csr);
     L.current = nullptr;
     return rc;

@@ -5,6 +5,7 @@
 #   bash tests/cuda_host/run.sh tests/test_cuda.py -k attention   # anything pytest takes
 #   bash tests/cuda_host/run.sh --asan [...]         # the same under AddressSanitizer
 #   ELLM_CUDA_HOST_DEFER=1 bash tests/cuda_host/run.sh   # stream work queued until the host waits
+#   ELLM_CUDA_HOST_ORDER=reverse bash tests/cuda_host/run.sh   # blocks and threads run last to first
 # Needs g++ and libffi's header (Debian: libffi-dev). Run after `bash tests/run.sh` has
 # built ellm into .venv.
 set -euo pipefail
