@@ -8,9 +8,10 @@
 // of a block meeting at a __syncthreads must all have come to the same one (its line of
 // the source), as CUDA requires: a GPU may hang or go on with the barriers paired wrongly
 // where they do not, so that is an error here, not a hang or wrong results. What this
-// cannot show: speed, data races between threads or blocks (the fibers never run at the
-// same time), and the hardware's own rounding inside mma.sync (emulated here as f32 sums of
-// exact products of the bf16 inputs).
+// cannot show: speed, data races between threads or blocks other than those running them
+// in reverse order exposes (the fibers never run at the same time; reverse_order below),
+// and the hardware's own rounding inside mma.sync (emulated here as f32 sums of exact
+// products of the bf16 inputs).
 #pragma once
 #if !defined(__x86_64__)
 #error "the host CUDA runtime switches fibers with x86-64 code"
@@ -129,8 +130,8 @@ inline void arrive(Group& g, int site = 0) {
     } else if (site != g.site) {
         std::snprintf(L.error, sizeof L.error,
                       "threads of block (%u, %u, %u) wait at different __syncthreads: lines %d and %d of the "
-                      "source (thread %u at line %d)", blockIdx.x, blockIdx.y, blockIdx.z, g.site, site,
-                      L.current->tid, site);
+                      "source (thread %u at the second)", blockIdx.x, blockIdx.y, blockIdx.z, g.site, site,
+                      L.current->tid);
         L.failed = true;
         for (;;) yield();   // never resumed: the launch ends here
     }
