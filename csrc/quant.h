@@ -59,7 +59,7 @@ int ellm_quantize_rows(int qtype, const float *src, int64_t n_rows, int64_t k, u
                        size_t dst_bytes);
 
 /* (n_rows, ellm_row_bytes(qtype, k)) GGML Q4_K, Q5_K or Q6_K rows -> (n_rows, dst_stride)
- * rows as the GPU keeps them (src/ellm/ops/cuda.py rows_split; csrc/cuda/common.cuh
+ * rows as the GPU keeps them (src/ellm/ops/cuda_kernels.py rows_split; csrc/cuda/common.cuh
  * deq8_q4_k, deq8_q5_k, deq8_q6_k), the rest of each row zero. Q4_K: each step of 32
  * weights 16 bytes of nibbles, then the blocks' heads (d, dmin, the scales and mins
  * unpacked to 6 bits each: a word of their top 2 bits, a byte a sub-block of the low 4).

@@ -108,7 +108,7 @@ def ops():
 @pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1], ids=lambda q: q.name)
 @pytest.mark.parametrize("k", [576, 4096])
 def test_rows_are_kept_split_on_the_device(qtype: GGMLType, k: int) -> None:
-    """Q8_0 / Q4_0 / Q4_1 on the GPU (ops/cuda.py rows_split; common.cuh deq8_*): each
+    """Q8_0 / Q4_0 / Q4_1 on the GPU (ops/cuda_kernels.py rows_split; common.cuh deq8_*): each
     row's values of every block, then the blocks' scales (f16 d; Q4_1: d, m), rows padded
     to 16 bytes; the values GGML's dequantization gives."""
     from ellm.formats.dequant import dequantize
@@ -1267,8 +1267,8 @@ def test_kernels_that_do_not_compile_fail_the_load_saying_what_to_do(monkeypatch
     """The kernel files are compiled when the backend is made (not at the first request):
     a compiler that fails (here, on a broken source) gives CudaUnavailableError naming
     the file, NVRTC and what to install."""
-    from ellm.ops import cuda
-    monkeypatch.setattr(cuda, "kernel_source", lambda name: "this is not CUDA C++")
+    from ellm.ops import cuda, cuda_kernels
+    monkeypatch.setattr(cuda_kernels, "kernel_source", lambda name: "this is not CUDA C++")
     with pytest.raises(cuda.CudaUnavailableError) as info:
         cuda.CudaOps()
     msg = str(info.value)

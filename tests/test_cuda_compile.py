@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from ellm.ops import cuda as cuda_ops
+from ellm.ops import cuda_kernels
 
 NVCC = shutil.which("nvcc") or next(iter(glob.glob("/usr/local/cuda*/bin/nvcc")), None)
 ARCHS = ("sm_80", "sm_90")
@@ -36,15 +37,15 @@ PTXAS = (shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")) if
 # the kernels of the fused decode path (ops/fused_stack.py through ops/cuda.py) and the
 # tensor-core prefill attention: no stack frame at all
 FUSED_DECODE_KERNELS = ("nmv3_", "glu_", "gemv_add_", "qkv_rope_", "attn_decode", "mmv", "attn_prefill")
-SOURCES = sorted(cuda_ops.kernel_dir().glob("*.cu"))
+SOURCES = sorted(cuda_kernels.kernel_dir().glob("*.cu"))
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA toolkit) is not installed; "
                                                      "the kernels' compile check needs it")
 
 
 def test_every_kernel_file_is_known_to_ops_cuda() -> None:
-    assert {p.name for p in SOURCES} == set(cuda_ops.KERNELS), \
-        "csrc/cuda/*.cu and ops/cuda.py KERNELS disagree"
+    assert {p.name for p in SOURCES} == set(cuda_kernels.KERNELS), \
+        "csrc/cuda/*.cu and ops/cuda_kernels.py KERNELS disagree"
 
 
 def _nvcc_and_ptxas(source: Path, arch: str, out: Path) -> tuple[subprocess.CompletedProcess, str,
@@ -85,7 +86,7 @@ def _compile_cache(source: Path, nvcc_args: list[str], ptxas_args: list[str]) ->
     """Where nvcc's and ptxas's output for this file is kept: named by a hash of the file's
     text with the header pasted in (what nvcc reads), both tools' versions and their
     arguments, so any change to them compiles again."""
-    key = hashlib.sha256("\0".join([cuda_ops.kernel_source(source.name), _tool_versions(), *nvcc_args, "|",
+    key = hashlib.sha256("\0".join([cuda_kernels.kernel_source(source.name), _tool_versions(), *nvcc_args, "|",
                                      *ptxas_args]).encode()).hexdigest()[:32]
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ellm" / "nvcc_check"
     return root / f"{source.stem}-{key}.json"
@@ -114,7 +115,7 @@ def test_nvcc_ptx_without_warnings(source: Path, arch: str, compiled: dict) -> N
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "", proc.stderr   # not even a note
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
-    missing = set(cuda_ops.KERNELS[source.name]) - entries
+    missing = set(cuda_kernels.KERNELS[source.name]) - entries
     assert not missing, f"{source.name} does not define {sorted(missing)}"
     if arch == "sm_90":
         late = [k for k, why in _dependency_sync_order(ptx).items() if why]
@@ -127,14 +128,14 @@ def test_nvcc_ptx_without_warnings(source: Path, arch: str, compiled: dict) -> N
     # what it uses (-v): the fused decode kernels keep no stack frame at all
     assert ptxas is not None and ptxas.returncode == 0, ptxas and ptxas.stderr
     frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+) bytes stack frame", ptxas.stdout + ptxas.stderr))
-    fused = [k for k in cuda_ops.KERNELS[source.name] if k.startswith(FUSED_DECODE_KERNELS)]
+    fused = [k for k in cuda_kernels.KERNELS[source.name] if k.startswith(FUSED_DECODE_KERNELS)]
     assert all(k in frames for k in fused), f"ptxas -v said nothing of {[k for k in fused if k not in frames]}"
     assert not [k for k in fused if frames[k] != "0"], \
         f"stack frames in {[(k, frames[k]) for k in fused if frames[k] != '0']} ({arch})"
     if source.name == "mmv.cu":   # one tile's kernels: two blocks of 256 threads an SM (MMV3_RESIDENT)
         used = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", ptxas.stdout + ptxas.stderr,
                                re.S))
-        one_tile = [k for k in cuda_ops.KERNELS[source.name] if not re.match(r"\w+x[24]_", k)]
+        one_tile = [k for k in cuda_kernels.KERNELS[source.name] if not re.match(r"\w+x[24]_", k)]
         assert one_tile and all(k in used for k in one_tile), sorted(set(one_tile) - set(used))
         limit = 65536 // (cuda_ops.MMV3_RESIDENT[1] * cuda_ops.MMV_THREADS)   # an SM's registers
         over = {k: int(used[k]) for k in one_tile if int(used[k]) > limit}
@@ -193,7 +194,7 @@ def test_sources_paste_the_header_in() -> None:
     """What NVRTC is given: one self-contained text per file (CuPy's compile cache is keyed
     by it, so a changed common.cuh recompiles)."""
     for src in SOURCES:
-        text = cuda_ops.kernel_source(src.name)
+        text = cuda_kernels.kernel_source(src.name)
         assert "#include" not in text, src.name
         if '"common.cuh"' in src.read_text():
             assert "deq8_q6_k" in text
@@ -202,22 +203,22 @@ def test_sources_paste_the_header_in() -> None:
 CPP = shutil.which("g++") or shutil.which("cpp")
 
 
-def _unit_id(unit: cuda_ops.KernelUnit) -> str:
+def _unit_id(unit: cuda_kernels.KernelUnit) -> str:
     return unit[0] + ("" if unit[1] is None else "-" + unit[1].name)
 _KERNEL_DEF = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
 
 
 @pytest.mark.skipif(CPP is None, reason="no C++ preprocessor (g++ or cpp)")
-@pytest.mark.parametrize("unit", cuda_ops.kernel_units(), ids=_unit_id)
-def test_each_compile_unit_makes_its_own_kernels(unit: cuda_ops.KernelUnit) -> None:
+@pytest.mark.parametrize("unit", cuda_kernels.kernel_units(), ids=_unit_id)
+def test_each_compile_unit_makes_its_own_kernels(unit: cuda_kernels.KernelUnit) -> None:
     """ops/cuda.py compiles linear.cu and mmv.cu one weight type at a time (common.cuh
     ELLM_ONLY_TYPE): the text of each unit, preprocessed, defines exactly the kernels
     KERNEL_UNITS looks for in it -- none missing, none of another type."""
     args = [CPP, "-E", "-P", "-x", "c++", "-"] if CPP.endswith("++") else [CPP, "-P", "-x", "c++", "-"]
-    proc = subprocess.run(args, input=cuda_ops.unit_source(unit), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(args, input=cuda_kernels.unit_source(unit), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     made = set(_KERNEL_DEF.findall(proc.stdout))
-    assert made == {name for name, u in cuda_ops.KERNEL_UNITS.items() if u == unit}
+    assert made == {name for name, u in cuda_kernels.KERNEL_UNITS.items() if u == unit}
 
 
 def _nvrtc() -> ctypes.CDLL | None:
@@ -243,14 +244,14 @@ NVRTC = _nvrtc()
 @pytest.mark.skipif(NVRTC is None, reason="no libnvrtc found (optional: pip install nvidia-cuda-nvrtc "
                                                   "for the NVRTC compile check)")
 @pytest.mark.parametrize("arch", ("compute_80", "compute_90"))
-@pytest.mark.parametrize("unit", cuda_ops.kernel_units(), ids=_unit_id)
-def test_nvrtc_compiles(unit: cuda_ops.KernelUnit, arch: str) -> None:
+@pytest.mark.parametrize("unit", cuda_kernels.kernel_units(), ids=_unit_id)
+def test_nvrtc_compiles(unit: cuda_kernels.KernelUnit, arch: str) -> None:
     """The exact text CuPy is given for each unit (ops/cuda.py unit_source)."""
     lib = NVRTC
     prog = ctypes.c_void_p()
-    text = cuda_ops.unit_source(unit).encode()
+    text = cuda_kernels.unit_source(unit).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, unit[0].encode(), 0, None, None) == 0
-    opts = [f"--gpu-architecture={arch}".encode(), b"-ftz=true"] + [o.encode() for o in cuda_ops.NVRTC_OPTIONS]
+    opts = [f"--gpu-architecture={arch}".encode(), b"-ftz=true"] + [o.encode() for o in cuda_kernels.NVRTC_OPTIONS]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
     size = ctypes.c_size_t()

@@ -245,9 +245,10 @@ def test_a_kernel_file_that_does_not_compile_fails_the_load() -> None:
     KERNELS' order when several fail, whichever thread finished first."""
     script = textwrap.dedent('''
         import ellm.ops.cuda as C
-        real = C.kernel_source
+        import ellm.ops.cuda_kernels as K
+        real = K.kernel_source
         broken = ("attention.cu", "sample.cu")
-        C.kernel_source = lambda f: real(f) + ("\\n#error broken on purpose\\n" if f in broken else "")
+        K.kernel_source = lambda f: real(f) + ("\\n#error broken on purpose\\n" if f in broken else "")
         try:
             C.CudaOps()
         except C.CudaUnavailableError as e:

@@ -80,7 +80,7 @@ if ! ls "$CARRY"/ellm-*-cp312-*.whl >/dev/null 2>&1; then
     say "FAIL: no ellm wheel and no gcc/cmake to build one (run prepare.sh with Python 3.12)"; exit 2
   fi
 fi
-$PY -c "import ellm, ellm.ops.cuda as c; print('ellm', ellm.__version__, 'at', ellm.__file__); print('kernels in', c.kernel_dir())"
+$PY -c "import ellm, ellm.ops.cuda_kernels as c; print('ellm', ellm.__version__, 'at', ellm.__file__); print('kernels in', c.kernel_dir())"
 
 say "3. bf16 folders"
 if [ "${CHECK_BENCH_ONLY:-0}" != 1 ]; then

@@ -157,7 +157,7 @@ __device__ __forceinline__ void deq8_bf16(const u8* row, int K, int k0, float* v
     for (int i = 0; i < 8; i++) v[i] = bf16_to_f32(p[i]);
 }
 
-// Q4_0, Q4_1 and Q8_0 as the GPU keeps them (ops/cuda.py rows_split): a row's values of
+// Q4_0, Q4_1 and Q8_0 as the GPU keeps them (ops/cuda_kernels.py rows_split): a row's values of
 // every block first (16 bytes of nibbles a block of 32 for Q4_0 / Q4_1, 32 int8 for Q8_0),
 // then its blocks' scales (f16 d; Q4_1: f16 d and f16 m), the row padded to 16 bytes.
 // GGML's blocks (18, 20, 34 bytes) leave the values 2-byte aligned; apart, 8 values are one
@@ -206,7 +206,7 @@ __device__ __forceinline__ void deq8_q8_0(const u8* row, int K, int k0, float* v
     }
 }
 
-// Q4_K and Q5_K as the GPU keeps them (ops/cuda.py rows_split, csrc/quant.c
+// Q4_K and Q5_K as the GPU keeps them (ops/cuda_kernels.py rows_split, csrc/quant.c
 // ellm_split_rows): a row's steps of 32 weights (a sub-block each) -- Q4_K: 16 bytes of
 // nibbles placed as Q4_0's; Q5_K: those, then 4 bytes of fifth bits (byte q: weights
 // 4q + i at bit i, 16 + 4q + i at bit 4 + i) -- then the blocks' 16-byte heads: f16 d, f16
@@ -253,7 +253,7 @@ __device__ __forceinline__ void deq8_q5_k(const u8* row, int K, int k0, float* v
     }
 }
 
-// Q6_K as the GPU keeps it (ops/cuda.py rows_split, csrc/quant.c ellm_split_rows):
+// Q6_K as the GPU keeps it (ops/cuda_kernels.py rows_split, csrc/quant.c ellm_split_rows):
 // a row's steps of 32 weights as 24-byte records -- 16 bytes of nibbles (weight j < 16 the
 // low nibble of byte j, j >= 16 the high nibble of byte j - 16, as Q4_0) and 8 bytes of
 // high bit pairs (u16 word w: weights 4w + i at bits 2i, 16 + 4w + i at bits 8 + 2i) --

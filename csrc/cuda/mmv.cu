@@ -60,7 +60,7 @@ struct WBf16 {
     }
 };
 
-// Q8_0, Q4_0, Q4_1 and Q6_K as the GPU keeps them (common.cuh, ops/cuda.py rows_split):
+// Q8_0, Q4_0, Q4_1 and Q6_K as the GPU keeps them (common.cuh, ops/cuda_kernels.py rows_split):
 // a row's values, then its scales. A lane's values of a step are one load; the scales are
 // the caller's (mmv_warp loads a row's scale word of several steps at once, scale_word(),
 // and each frag takes its step's: set_scales()). SplitRows<VB, SB>: VB bytes of values a

@@ -9,63 +9,34 @@ shipped in the package (ellm/cuda/) and compiled at run time by NVRTC through Cu
 RawModule, which caches the result per device: users need no nvcc.
 
 This module imports without CuPy; `CudaOps()` says what is missing (CuPy, a GPU) and
-what to install. docs/gpu.md describes the kernels and what has been checked on hardware.
+what to install. ops/cuda_kernels.py holds the kernel files' catalogue, how their source
+is found and compiled in units, and the row layout the quantized kernels read.
+docs/gpu.md describes the kernels and what has been checked on hardware.
 """
 from __future__ import annotations
 
 import functools
-import importlib.resources
 import logging
 import math
 import os
-import re
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..formats.ggml_types import BLOCK_LAYOUT, GGMLType
+from ..formats.ggml_types import GGMLType
 from ..models.batch import Batch
 from ..weights import Linear
+from .cuda_kernels import (INSTALL_HINT, KERNEL_UNITS, LOAD_KERNEL_FILES, MMV_X4_TYPES, NVRTC_OPTIONS,
+                           SPLIT_BUFFER_MAX, SPLIT_TYPES, WEIGHT_TYPES, CudaUnavailableError, KernelUnit, ceil_div,
+                           import_cupy, kernel_units, rows_split, unit_source)
 from .cuda_pdl import DependentLauncher
 from .cuda_sampling import LOGPROB_HEAD, LogprobPlan, mask_allows_any, mask_table, read_logprob_records
 from .memory import DeviceMemoryError, mem_size
 from .reference import KV_BF16, Experts, check_qk_norms
 
 log = logging.getLogger(__name__)
-
-# The kernel files, in the order they are compiled, and the kernels each must define
-# (tests/test_cuda_compile.py checks every name against nvcc's PTX).
-WEIGHT_TYPES: dict[GGMLType, str] = {
-    GGMLType.F32: "f32", GGMLType.F16: "f16", GGMLType.BF16: "bf16",
-    GGMLType.Q4_0: "q4_0", GGMLType.Q4_1: "q4_1", GGMLType.Q8_0: "q8_0",
-    GGMLType.Q4_K: "q4_k", GGMLType.Q5_K: "q5_k", GGMLType.Q6_K: "q6_k",
-}
-# mmv.cu's types with four-tile kernels (MMV_X4_ABOVE below): the others' would spill registers
-MMV_X4_TYPES = frozenset((GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0))
-KERNELS: dict[str, tuple[str, ...]] = {
-    "linear.cu": tuple(f"{op}_{t}" for op in ("gemv", "gemv3", "gemm", "embed", "nmv3", "glu", "gemv_add",
-                                              "qkv_rope", "dequant_bf16") for t in WEIGHT_TYPES.values()),
-    "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "norm_add_f32", "swiglu_f32", "geglu_f32",
-                       "softcap_f32", "scale_f32", "add_f32", "gather_rows_f32", "scatter_rows_f32",
-                       "scatter_add_rows_f32", "to_bf16_f32", "add_bias_rows_f32"),
-    "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
-                     "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16",
-                     "qk_norm_rope_kv_write", "qk_norm_rope_kv_write_bf16",
-                     "attn_prefill", "attn_prefill_bf16", "attn_prefill_wide", "attn_prefill_wide_bf16",
-                     "attn_prefill_w1", "attn_prefill_w1_bf16"),
-    "sample.cu": ("sample_rows", "argmax_rows", "logprob_rows"),
-    "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
-    "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2", "x4")
-                    for q, t in WEIGHT_TYPES.items()
-                    if q not in (GGMLType.F32, GGMLType.F16) and (rt != "x4" or q in MMV_X4_TYPES)),
-}
-HEADER = "common.cuh"
-# Given to NVRTC through CuPy, which adds the architecture and -ftz=true (denormals flush
-# to zero); tests/test_cuda_compile.py compiles with the same.
-NVRTC_OPTIONS: tuple[str, ...] = ()
 
 # Above this many tokens a product runs on the tensor cores (bf16 inputs); at or below it
 # on the f32 GEMV kernels. A fixed count, so a decode step's results never depend on how
@@ -137,58 +108,6 @@ CUBLAS_ENV = "ELLM_CUDA_CUBLAS"
 # scratch) for cuBLAS; a larger one (a vocabulary head) stays on gemm_<type>
 CUBLAS_DEQUANT_MAX = 64 << 20
 
-INSTALL_HINT = ("pip install 'ellm-engine[gpu]' (CuPy for CUDA 12) or 'ellm-engine[gpu-cuda13]' (CuPy for CUDA 13), "
-                "matching the CUDA version `nvidia-smi` reports")
-
-
-class CudaUnavailableError(ValueError, RuntimeError):
-    """device="cuda" was asked for, but CuPy or a GPU is missing (the message says which).
-    A ValueError, so the CLI and the server report it like any bad option."""
-
-
-def import_cupy() -> Any:
-    """CuPy, with a GPU behind it, or CudaUnavailableError saying what is missing."""
-    try:
-        import cupy
-    except ImportError as e:
-        raise CudaUnavailableError(
-            f"device='cuda' needs CuPy, which is not installed ({e}); {INSTALL_HINT}; "
-            "or use device='cpu'") from None
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:   # CUDARuntimeError: no driver, no device, driver too old
-        raise CudaUnavailableError(
-            f"CuPy is installed but finds no usable CUDA GPU ({type(e).__name__}: {e}); check "
-            "`nvidia-smi` and that the CuPy package matches the driver's CUDA version; "
-            "or use device='cpu'") from None
-    if n < 1:
-        raise CudaUnavailableError("CuPy is installed but no CUDA GPU is visible "
-                                   "(CUDA_VISIBLE_DEVICES?); or use device='cpu'")
-    return cupy
-
-
-def kernel_dir() -> Path:
-    """The folder holding the .cu files: the installed package's ellm/cuda/, else (an
-    editable install or a source checkout) the repository's csrc/cuda/."""
-    installed = importlib.resources.files("ellm") / "cuda"
-    if installed.is_dir() and (installed / HEADER).is_file():
-        return Path(str(installed))
-    source = Path(__file__).resolve().parents[3] / "csrc" / "cuda"
-    if (source / HEADER).is_file():
-        return source
-    raise FileNotFoundError(f"the CUDA kernel sources are missing: neither {installed} nor {source} "
-                            f"holds {HEADER} (a broken install?)")
-
-
-def kernel_source(name: str) -> str:
-    """The text of csrc/cuda/<name> with common.cuh pasted in place of its #include, so
-    the source CuPy hashes for its cache covers the header too."""
-    folder = kernel_dir()
-    header = (folder / HEADER).read_text()
-    text = (folder / name).read_text()
-    return re.sub(r'#include\s+"common\.cuh"', lambda _: header, text)
-
-
 def _on_stream(method: Any) -> Any:
     """Runs an op on the backend's stream, whoever calls it (the engine thread, a test),
     so every copy and kernel of the backend is ordered on that one stream."""
@@ -198,89 +117,6 @@ def _on_stream(method: Any) -> Any:
             return method(self, *args, **kwargs)
     return run
 
-
-# the kernel files a load compiles (lora.cu waits for the first adapter)
-LOAD_KERNEL_FILES = tuple(name for name in KERNELS if name != "lora.cu")
-# Files compiled one weight type at a time (common.cuh ELLM_ONLY_TYPE): a unit of
-# compilation is (file, the type of its kernels' name suffix), or (file, None) for the
-# others. mmv.cu's types take NVRTC ~5 s each where the whole file takes ~40 s, and the
-# units of a load compile side by side (compile_kernels).
-TYPED_FILES = ("linear.cu", "mmv.cu")
-KernelUnit = tuple[str, "GGMLType | None"]
-
-
-def _unit_of(file: str, name: str) -> KernelUnit:
-    if file not in TYPED_FILES:
-        return file, None
-    qtype = next((q for q, t in WEIGHT_TYPES.items() if name.endswith("_" + t)), None)
-    if qtype is None:
-        raise ValueError(f"{file}'s kernel {name!r} names no weight type")
-    return file, qtype
-
-
-KERNEL_UNITS: dict[str, KernelUnit] = {name: _unit_of(file, name) for file, names in KERNELS.items()
-                                       for name in names}
-
-
-def unit_source(unit: KernelUnit) -> str:
-    """The text CuPy compiles for a unit: its file (kernel_source), behind the define
-    that keeps one weight type's kernels where the unit has one."""
-    file, qtype = unit
-    text = kernel_source(file)
-    return text if qtype is None else f"#define ELLM_ONLY_TYPE {int(qtype)}\n{text}"
-
-
-def kernel_units(files: Sequence[str] = tuple(KERNELS)) -> list[KernelUnit]:
-    """The units of these files, in KERNELS' order."""
-    return list(dict.fromkeys(u for u in KERNEL_UNITS.values() if u[0] in files))
-
-
-# The types whose rows the GPU keeps split (rows_split): a block of 32 weights as numpy
-# sees it (its scale fields, then its values; GGML's blocks have no padding). The
-# K-quants' blocks of 256 are rearranged by csrc/quant.c ellm_split_rows.
-SPLIT_BLOCKS: dict[GGMLType, np.dtype] = {
-    GGMLType.Q8_0: np.dtype([("scales", "V2"), ("values", "V32")]),   # f16 d, 32 int8
-    GGMLType.Q4_0: np.dtype([("scales", "V2"), ("values", "V16")]),   # f16 d, 32 nibbles
-    GGMLType.Q4_1: np.dtype([("scales", "V4"), ("values", "V16")]),   # f16 d, f16 m, 32 nibbles
-}
-SPLIT_BY_C = frozenset((GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K))
-SPLIT_TYPES = frozenset(SPLIT_BLOCKS) | SPLIT_BY_C
-# the largest matrix upload_linear rearranges in one reused host buffer (a layer's of an 8B
-# model in Q8_0: 62 MB); larger ones (a vocabulary) take memory of their own
-SPLIT_BUFFER_MAX = 64 << 20
-
-
-def rows_split(data: np.ndarray, qtype: GGMLType, buffer: np.ndarray | None = None) -> np.ndarray:
-    """Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K rows (N, GGML blocks) as the kernels read them
-    (common.cuh deq8_*, mmv.cu WQ*): each row's values of every block, then the blocks'
-    scales, the row padded to a multiple of 16 bytes (the device array is a view of the
-    first GGML row's bytes, its row stride the padded one). GGML's blocks leave a lane's
-    values of a step in two to eight loads; apart, they are one or two. buffer: uint8
-    host memory to build it in (reused across a model's matrices: no new pages to fault
-    in for each)."""
-    n, row = data.shape
-    width = _ceil(row, 16) * 16
-    out = (np.empty(n * width, np.uint8) if buffer is None else buffer[:n * width]).reshape(n, width)
-    data = np.ascontiguousarray(data)
-    if qtype in SPLIT_BY_C:   # blocks of 256: rearranged in C (csrc/quant.c; it zeroes the padding)
-        from .._native import _quant
-        block_bytes = BLOCK_LAYOUT[qtype][1]
-        if row % block_bytes:
-            raise ValueError(f"{qtype.name} rows of {row} bytes are not whole {block_bytes}-byte blocks")
-        _quant.split_rows(data, int(qtype), row // block_bytes * 256, out)
-        return out
-    block = SPLIT_BLOCKS[qtype]
-    nb = row // block.itemsize
-    blocks = data.view(block).reshape(n, nb)
-    v, sc = block["values"].itemsize, block["scales"].itemsize
-    out[:, :nb * v].view(f"V{v}")[...] = blocks["values"]
-    out[:, nb * v:row].view(f"V{sc}")[...] = blocks["scales"]
-    out[:, row:] = 0
-    return out
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class CudaOps:
@@ -406,7 +242,7 @@ class CudaOps:
 
     def _elementwise(self, name: str, n: int, *args: Any) -> None:
         if n:
-            self._launch(name, (_ceil(n, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args)
+            self._launch(name, (ceil_div(n, ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args)
 
     def scratch(self, name: str, size: int, dtype: Any = np.float32) -> Any:
         """A grow-only device buffer of at least `size` elements (attention partials).
@@ -500,7 +336,7 @@ class CudaOps:
             dense = dequantize(w.data, w.qtype, (w.out_features, w.in_features))
             return replace(w, data=self._weights_to_device(dense), qtype=GGMLType.F32, bias=bias)
         if w.qtype in SPLIT_TYPES:
-            need = w.out_features * _ceil(w.data.shape[1], 16) * 16
+            need = w.out_features * ceil_div(w.data.shape[1], 16) * 16
             if self._split_buffer.size < need <= SPLIT_BUFFER_MAX:
                 self._split_buffer = np.empty(need, np.uint8)
             buffer = self._split_buffer if need <= SPLIT_BUFFER_MAX else None
@@ -581,18 +417,18 @@ class CudaOps:
             if self._cublas_handle() and (w.qtype == GGMLType.BF16 or N * K <= CUBLAS_DEQUANT_MAX):
                 if w.qtype != GGMLType.BF16:   # dequantized to bf16 first: gemm_<type>'s rounding
                     dense = self.scratch("w_bf16", N * K, np.uint16).reshape(N, K)
-                    self._launch(f"dequant_bf16_{tname}", (_ceil(N * K // 8, 256),), (256,),
+                    self._launch(f"dequant_bf16_{tname}", (ceil_div(N * K // 8, 256),), (256,),
                                  (data, np.int64(data.strides[0]), dense, np.int32(N), np.int32(K)))
                     data = dense
                 self._gemm_cublas(x, data, w.bias, out, T, K, N)
             else:
-                self._launch(f"gemm_{tname}", (_ceil(N, GEMM_TILE), _ceil(T, GEMM_TILE)), (128,), args)
+                self._launch(f"gemm_{tname}", (ceil_div(N, GEMM_TILE), ceil_div(T, GEMM_TILE)), (128,), args)
         elif T <= GEMM_MIN_TOKENS and self._mmv(w.qtype, K):
             self._mmv3(x, [w, w, w], [out, out, out], [N, 0, 0], None, 0.0)
         else:
             if K % 8:
                 raise ValueError(f"linear: in_features {K} is not a multiple of 8 (the CUDA kernels need it)")
-            self._launch(f"gemv_{tname}", (_ceil(N, GEMV_WARPS), _ceil(T, GEMV_TOKENS)),
+            self._launch(f"gemv_{tname}", (ceil_div(N, GEMV_WARPS), ceil_div(T, GEMV_TOKENS)),
                          (32 * GEMV_WARPS,), args)
         return out
 
@@ -652,7 +488,7 @@ class CudaOps:
             self._mmv3(x, ws, outs, ns, None, 0.0)
             return [o for _, o in parts]
         biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
-        self._launch(f"gemv3_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), GEMV_WARPS), _ceil(T, GEMV_TOKENS)),
+        self._launch(f"gemv3_{WEIGHT_TYPES[ws[0].qtype]}", (ceil_div(sum(ns), GEMV_WARPS), ceil_div(T, GEMV_TOKENS)),
                      (32 * GEMV_WARPS,),
                      (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x,
                       np.int32(T), np.int32(ws[0].in_features), *(np.int32(n) for n in ns)))
@@ -697,9 +533,9 @@ class CudaOps:
                 raise ValueError(f"lora: x {tuple(x.shape)}, {int(slots.shape[0])} slots and y {tuple(y.shape)} "
                                  f"do not fit a ({N}, {K}) projection")
             u = self.scratch("lora_u", T * R)
-            self._launch("lora_shrink_f32", (T, _ceil(R, 4)), (128,),
+            self._launch("lora_shrink_f32", (T, ceil_div(R, 4)), (128,),
                          (x, slots, table["a"], table["a_off"], table["ranks"], u, np.int32(K), np.int32(R)))
-            self._launch("lora_expand_f32", (T, _ceil(N, 256)), (256,),
+            self._launch("lora_expand_f32", (T, ceil_div(N, 256)), (256,),
                          (u, slots, table["b"], table["b_off"], table["ranks"], table["scales"], y,
                           np.int64(y.strides[0] // 4), np.int32(N), np.int32(R)))
 
@@ -853,7 +689,7 @@ class CudaOps:
         i32, f32 = np.int32, np.float32
         warps = FA_WIDE_WARPS if hd > FA_OUT else self.fa_warps
         variant = "_wide" if hd > FA_OUT else "_w1" if warps == 1 else ""
-        self._launch("attn_prefill" + variant + kv, (nh, _ceil(T, 16 * warps), _ceil(hd, FA_OUT)), (32 * warps,),
+        self._launch("attn_prefill" + variant + kv, (nh, ceil_div(T, 16 * warps), ceil_div(hd, FA_OUT)), (32 * warps,),
                      (q, positions, limit, seq_ids, block_tables, i32(int(block_tables.shape[1])), k_cache,
                       v_cache, i32(T), i32(nh), i32(int(k_cache.shape[2])), i32(hd), i32(int(k_cache.shape[1])),
                       f32(scale), i32(window), f32(softcap_value), out))
@@ -886,10 +722,10 @@ class CudaOps:
         batch 1 with as many as stay resident (a block's chunks run one after another). A
         shape-only choice (graph-safe); which block takes which chunk changes no result."""
         chunk = DECODE_CHUNK if T <= GEMM_MIN_TOKENS else PREFILL_CHUNK
-        max_chunks = _ceil(max_keys, chunk)
+        max_chunks = ceil_div(max_keys, chunk)
         if window > 0 and key_limit is None:   # keys [p - window + 1, p]: at most this many chunks
             max_chunks = min(max_chunks, (window - 1) // chunk + 1)
-        return chunk, max_chunks, max(1, min(max_chunks, _ceil(ATTN_BLOCKS_PER_SM * self.num_sms, nh * T)))
+        return chunk, max_chunks, max(1, min(max_chunks, ceil_div(ATTN_BLOCKS_PER_SM * self.num_sms, nh * T)))
 
     def _mmv(self, qtype: GGMLType, K: int) -> bool:
         """Whether decode products of this type and width run on mmv.cu's tensor-core kernels."""
@@ -909,7 +745,7 @@ class CudaOps:
         datas = [self._weight(w) for w in ws]
         biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
         sfx, rt = self._mmv_tiles(T, ws[0].qtype)
-        groups = _ceil(sum(ns), MMV_ROWS * rt)
+        groups = ceil_div(sum(ns), MMV_ROWS * rt)
         if self.mmv_loop:
             groups = min(groups, MMV3_RESIDENT[rt] * self.num_sms)
         self._launch(f"mmv3{sfx}_{WEIGHT_TYPES[ws[0].qtype]}", (groups,), (MMV_THREADS,),
@@ -954,7 +790,7 @@ class CudaOps:
         if self._mmv(ws[0].qtype, K):
             self._mmv3(x, ws + [ws[0]] * (3 - len(ws)), outs, ns, norm, eps)
             return [o for _, o in parts]
-        self._launch(f"nmv3_{WEIGHT_TYPES[ws[0].qtype]}", (_ceil(sum(ns), FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+        self._launch(f"nmv3_{WEIGHT_TYPES[ws[0].qtype]}", (ceil_div(sum(ns), FUSED_WARPS), ceil_div(T, GEMV_TOKENS)),
                      (32 * FUSED_WARPS,),
                      (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x, norm,
                       np.float32(eps), np.int32(T), np.int32(K), *(np.int32(n) for n in ns)))
@@ -976,11 +812,11 @@ class CudaOps:
         dg, du = self._weight(gate), self._weight(up)
         mmv = self._mmv(gate.qtype, gate.in_features)
         sfx, rt = self._mmv_tiles(T, gate.qtype)
-        groups = _ceil(F, MMV_TASKS * rt)
+        groups = ceil_div(F, MMV_TASKS * rt)
         if self.mmv_loop:
             groups = min(groups, MMV3_RESIDENT[rt] * self.num_sms)
         self._launch(f"mmv_glu{sfx}_{WEIGHT_TYPES[gate.qtype]}" if mmv else f"glu_{WEIGHT_TYPES[gate.qtype]}",
-                     (groups,) if mmv else (_ceil(F, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+                     (groups,) if mmv else (ceil_div(F, FUSED_WARPS), ceil_div(T, GEMV_TOKENS)),
                      (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
                      (dg, du, np.int64(dg.strides[0]), np.int64(du.strides[0]),
                       _NULL if gate.bias is None else gate.bias, _NULL if up.bias is None else up.bias,
@@ -998,7 +834,7 @@ class CudaOps:
             self._mmv3(x, [w, w, w], [residual] * 3, [N, 0, 0], None, 0.0, add=True)
             return residual
         data = self._weight(w)
-        self._launch(f"gemv_add_{WEIGHT_TYPES[w.qtype]}", (_ceil(N, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
+        self._launch(f"gemv_add_{WEIGHT_TYPES[w.qtype]}", (ceil_div(N, FUSED_WARPS), ceil_div(T, GEMV_TOKENS)),
                      (32 * FUSED_WARPS,),
                      (data, np.int64(data.strides[0]), x, _NULL if w.bias is None else w.bias, residual,
                       np.int32(T), np.int32(w.in_features), np.int32(N)))
@@ -1038,9 +874,9 @@ class CudaOps:
         tasks = (nh + nkv) * (hd - n_rot) + nkv * hd
         mmv = self._mmv(q.qtype, q.in_features)
         sfx, rt = self._mmv_tiles(T, q.qtype)
+        grid = (ceil_div(tasks, MMV_TASKS * rt),) if mmv else (ceil_div(tasks, FUSED_WARPS), ceil_div(T, GEMV_TOKENS))
         self._launch(f"mmv_qkv_rope{sfx}_{WEIGHT_TYPES[q.qtype]}" if mmv else f"qkv_rope_{WEIGHT_TYPES[q.qtype]}",
-                     (_ceil(tasks, MMV_TASKS * rt),) if mmv else (_ceil(tasks, FUSED_WARPS), _ceil(T, GEMV_TOKENS)),
-                     (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
+                     grid, (MMV_THREADS,) if mmv else (32 * FUSED_WARPS,),
                      (dq, dk, dv, np.int64(dq.strides[0]), np.int64(dk.strides[0]), np.int64(dv.strides[0]),
                       *(_NULL if w.bias is None else w.bias for w in (q, k, v)),
                       x, _NULL if norm is None else norm, f32(eps), positions, seq_ids, block_tables,
@@ -1193,7 +1029,7 @@ class CudaOps:
         a row of plan (read_logprob_records reads them); ids: the batch's chosen tokens
         (B,) on the device."""
         R, n, V = len(plan.want), max(plan.asked), int(plan.src.shape[1])
-        chunks = _ceil(V, ARGMAX_CHUNK)
+        chunks = ceil_div(V, ARGMAX_CHUNK)
         out = self.cp.empty((R, LOGPROB_HEAD + 2 * n), np.int32)
         self._launch("logprob_rows", (chunks, R), (ARGMAX_THREADS,),
                      (plan.src, np.int32(V), _NULL if plan.src_rows is None else plan.src_rows,
@@ -1253,7 +1089,7 @@ class CudaOps:
         out = self.cp.empty(B, np.int32) if out is None else out
         if B == 0:
             return out
-        chunks = _ceil(V, ARGMAX_CHUNK)
+        chunks = ceil_div(V, ARGMAX_CHUNK)
         self._launch("argmax_rows", (chunks, B), (ARGMAX_THREADS,),
                      (logits, np.int32(V), self.scratch("argmax_partial", B * chunks, np.uint64),
                       self._counters(B, "argmax_counters"), out))
