@@ -85,8 +85,8 @@ def test_cuda_op_checks_pass_with_the_kernels_on_the_cpu() -> None:
 def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
     """A kernel whose threads wait at barriers of different kinds (its warp's, its block's),
     or at different __syncthreads (an if's two branches; a loop some warps leave before the
-    others), is reported, naming the lines, not hung or run with the barriers paired
-    wrongly; threads that have returned, and barriers every thread meets, are fine. A Python
+    others), or whose lanes meet at different shuffles of a full warp, is reported, naming
+    the lines, not hung or run with the barriers paired wrongly; threads that have returned, and barriers every thread meets, are fine. A Python
     int as a kernel argument and a host-side write while a graph is captured are refused."""
     script = textwrap.dedent('''
         import numpy as np, cupy
@@ -105,6 +105,13 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
             extern "C" __global__ void ragged_loop(float* x) {
                 for (unsigned i = 0; i <= threadIdx.x / 32; i++) { x[threadIdx.x] += 1.0f; __syncthreads(); }
                 __syncthreads();   // warp 0 comes here while warp 1 waits in the loop
+            }
+            extern "C" __global__ void split_shuffle(float* x) {
+                float v = x[threadIdx.x];
+                // half the warp shuffles here, half there: a full mask asks the same shuffle of every lane
+                if ((threadIdx.x & 31) < 16) v += __shfl_xor_sync(0xffffffffu, v, 1);
+                else v -= __shfl_xor_sync(0xffffffffu, v, 1);
+                x[threadIdx.x] = v;
             }
             extern "C" __global__ void fine(float* x) {
                 if (threadIdx.x >= 48) return;   // returned threads no longer count
@@ -127,6 +134,12 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
             except RuntimeError as e:
                 assert "different __syncthreads" in str(e) and str(e).count("__syncthreads();") == 2, e
                 print(name, "reported")
+        try:
+            mod.get_function("split_shuffle")((1,), (64,), (x,))
+        except RuntimeError as e:
+            assert "lanes of warp 0 of block (0, 0, 0) meet at different warp exchanges" in str(e), e
+            assert str(e).count("__shfl_xor_sync(") == 2, e
+            print("split_shuffle reported")
         x[...] = 0.0
         mod.get_function("fine")((2,), (64,), (x,))
         assert float(x.get().sum()) == 2 * 3 * 48, x.get()
@@ -153,7 +166,8 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
     ''')
     proc = _child(["-c", script], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for line in ("deadlock reported", "two_sites reported", "ragged_loop reported", "python int refused",
+    for line in ("deadlock reported", "two_sites reported", "ragged_loop reported", "split_shuffle reported",
+                 "python int refused",
                  "write during capture refused", "graph replayed"):
         assert line in proc.stdout, proc.stdout + proc.stderr
 

@@ -50,10 +50,9 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)cuda_host_f32_to_bf16(lo) | ((u32)cuda_host_f32_to_bf16(hi) << 16);
 }
 __device__ __forceinline__ u16 f32_to_bf16(float f) { return cuda_host_f32_to_bf16(f); }
-// D = A B + C on the tensor cores, m16n8k16, bf16 inputs, f32 accumulation
-__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32* b) {
-    cuda_host_mma_bf16_16816(c, a, b);
-}
+// D = A B + C on the tensor cores, m16n8k16, bf16 inputs, f32 accumulation (the caller's
+// line, so the host build can check that a warp's lanes meet at the same mma)
+#define mma_bf16_16816(c, a, b) cuda_host_mma_bf16_16816(c, a, b, __LINE__)
 #else
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;

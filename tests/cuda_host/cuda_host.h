@@ -6,8 +6,9 @@
 // __syncthreads, warp shuffle and mma (each a barrier of its block or warp); blocks run one
 // after another, so `__shared__` (made `static`) is the block's shared memory. The threads
 // of a block meeting at a __syncthreads must all have come to the same one (its line of
-// the source), as CUDA requires: a GPU may hang or go on with the barriers paired wrongly
-// where they do not, so that is an error here, not a hang or wrong results. What this
+// the source), as CUDA requires, and so must a warp's lanes at a shuffle or mma: a GPU may
+// hang or go on with the barriers paired wrongly where they do not, so that is an error
+// here, not a hang or wrong results. What this
 // cannot show: speed, data races between threads or blocks other than those running them
 // in reverse order exposes (the fibers never run at the same time; reverse_order below),
 // and the hardware's own rounding inside mma.sync (emulated here as f32 sums of exact
@@ -122,16 +123,24 @@ inline void release(Group& g) {
 }
 
 // Wait until every live member of g has arrived (an exited thread no longer counts).
-// site: the source line of a block barrier (0: a warp's, which any line may meet).
+// site: the source line of a block barrier or of a warp's shuffle or mma, which every
+// live thread of the group must reach together; 0: __syncwarp, which lanes may meet from
+// any line.
 inline void arrive(Group& g, int site = 0) {
     Launch& L = launch();
     if (g.arrived == 0) {
         g.site = site;
     } else if (site != g.site) {
-        std::snprintf(L.error, sizeof L.error,
-                      "threads of block (%u, %u, %u) wait at different __syncthreads: lines %d and %d of the "
-                      "source (thread %u at the second)", blockIdx.x, blockIdx.y, blockIdx.z, g.site, site,
-                      L.current->tid);
+        if (&g == &L.block)
+            std::snprintf(L.error, sizeof L.error,
+                          "threads of block (%u, %u, %u) wait at different __syncthreads: lines %d and %d of the "
+                          "source (thread %u at the second)", blockIdx.x, blockIdx.y, blockIdx.z, g.site, site,
+                          L.current->tid);
+        else
+            std::snprintf(L.error, sizeof L.error,
+                          "lanes of warp %u of block (%u, %u, %u) meet at different warp exchanges: lines %d and "
+                          "%d of the source (thread %u at the second; line 0: __syncwarp)", L.current->tid >> 5,
+                          blockIdx.x, blockIdx.y, blockIdx.z, g.site, site, L.current->tid);
         L.failed = true;
         for (;;) yield();   // never resumed: the launch ends here
     }
@@ -153,15 +162,16 @@ inline Group& my_warp() {
     return L.warps[L.current->tid >> 5];
 }
 
-// Every lane of the warp deposits `words` 32-bit words; returns the warp's deposits
-// ([lane][word]) once all have, valid until this lane's next exchange but one.
-inline uint32_t (*exchange(const uint32_t* mine, int words))[kSlotWords] {
+// Every lane of the warp deposits `words` 32-bit words at the same source line `site`;
+// returns the warp's deposits ([lane][word]) once all have, valid until this lane's next
+// exchange but one.
+inline uint32_t (*exchange(const uint32_t* mine, int words, int site))[kSlotWords] {
     Launch& L = launch();
     Fiber* f = L.current;
     unsigned warp = f->tid >> 5, lane = f->tid & 31, buffer = f->exchanges++ & 1;
     uint32_t (*slots)[kSlotWords] = L.slots[warp * 2 + buffer];
     std::memcpy(slots[lane], mine, sizeof(uint32_t) * words);
-    arrive(L.warps[warp]);
+    arrive(L.warps[warp], site);
     return slots;
 }
 
@@ -344,21 +354,24 @@ inline void cuda_host_syncthreads(int line) { cuda_host::arrive(cuda_host::launc
 inline void __syncwarp(unsigned = 0xffffffffu) { cuda_host::arrive(cuda_host::my_warp()); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
-// lane src_lane's v (of the whole warp: every lane must call it, as on a GPU)
-template <class T> inline T __shfl_sync(unsigned mask, T v, int src_lane) {
+// lane src_lane's v (of the whole warp: every live lane must call it at the same line, as
+// CUDA asks of a full mask: the same intrinsic on every lane, else undefined)
+template <class T> inline T cuda_host_shfl_sync(unsigned mask, T v, int src_lane, int line) {
     static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
     if (mask != 0xffffffffu) std::abort();   // the kernels shuffle whole warps only
     uint32_t mine[2] = {0, 0};
     std::memcpy(mine, &v, sizeof(T));
-    auto slots = cuda_host::exchange(mine, 2);
+    auto slots = cuda_host::exchange(mine, 2, line);
     T r;
     std::memcpy(&r, slots[src_lane & 31], sizeof(T));
     return r;
 }
 
-template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
-    return __shfl_sync(mask, v, (int)((cuda_host::launch().current->tid & 31) ^ (unsigned)lane_mask));
+template <class T> inline T cuda_host_shfl_xor_sync(unsigned mask, T v, int lane_mask, int line) {
+    return cuda_host_shfl_sync(mask, v, (int)((cuda_host::launch().current->tid & 31) ^ (unsigned)lane_mask), line);
 }
+#define __shfl_sync(mask, v, src_lane) cuda_host_shfl_sync(mask, v, src_lane, __LINE__)
+#define __shfl_xor_sync(mask, v, lane_mask) cuda_host_shfl_xor_sync(mask, v, lane_mask, __LINE__)
 
 template <class T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
 template <class T> inline T atomicMin(T* p, T v) { T old = *p; if (v < old) *p = v; return old; }
@@ -392,12 +405,12 @@ inline float cuda_host_bf16_to_f32(uint32_t bits16) { return __uint_as_float(bit
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 over the warp: lane l = 4 g + q holds
 // A rows g, g + 8 at k 2q, 2q + 1 (a0, a1) and 2q + 8, 2q + 9 (a2, a3), B column g at k 2q,
 // 2q + 1 (b0) and 2q + 8, 2q + 9 (b1), and C rows g, g + 8 at columns 2q, 2q + 1 (PTX ISA).
-inline void cuda_host_mma_bf16_16816(float* c, const uint32_t* a, const uint32_t* b) {
+inline void cuda_host_mma_bf16_16816(float* c, const uint32_t* a, const uint32_t* b, int line) {
     uint32_t mine[10];
     std::memcpy(mine, a, 16);
     std::memcpy(mine + 4, b, 8);
     std::memcpy(mine + 6, c, 16);
-    auto s = cuda_host::exchange(mine, 10);
+    auto s = cuda_host::exchange(mine, 10, line);
     auto A = [&](int r, int k) {   // element (r, k) of A
         int lane = (r & 7) * 4 + ((k & 7) >> 1), reg = (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
         return cuda_host_bf16_to_f32((s[lane][reg] >> (16 * (k & 1))) & 0xffffu);

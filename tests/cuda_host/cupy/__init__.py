@@ -243,7 +243,7 @@ def _run(kernel: RawKernel, grid: tuple[int, ...], block: tuple[int, ...], packe
                               ctypes.c_int(len(types)), ctypes.c_char_p(types), slots)
     if rc:
         error = lib.cuda_host_error().decode()
-        sites = re.search(r"different __syncthreads: lines (\d+) and (\d+)", error)
+        sites = re.search(r"different (?:__syncthreads|warp exchanges): lines (\d+) and (\d+)", error)
         if sites:   # the two lines of the kernel's text
             lines = kernel._code.splitlines()
             error += "".join(f"\n  line {n}: {lines[n - 1].strip()}" for n in map(int, sites.groups())
