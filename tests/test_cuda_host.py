@@ -86,8 +86,9 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
     """A kernel whose threads wait at barriers of different kinds (its warp's, its block's),
     or at different __syncthreads (an if's two branches; a loop some warps leave before the
     others), or whose lanes meet at different shuffles of a full warp, is reported, naming
-    the lines, not hung or run with the barriers paired wrongly; threads that have returned, and barriers every thread meets, are fine. A Python
-    int as a kernel argument and a host-side write while a graph is captured are refused."""
+    the lines, not hung or run with the barriers paired wrongly; threads that have
+    returned, and barriers every thread meets, are fine. A Python int as a kernel argument
+    and a host-side write while a graph is captured are refused."""
     script = textwrap.dedent('''
         import numpy as np, cupy
         mod = cupy.RawModule(code=r"""
