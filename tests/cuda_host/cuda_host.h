@@ -8,11 +8,10 @@
 // of a block meeting at a __syncthreads must all have come to the same one (its line of
 // the source), as CUDA requires, and so must a warp's lanes at a shuffle or mma: a GPU may
 // hang or go on with the barriers paired wrongly where they do not, so that is an error
-// here, not a hang or wrong results. What this
-// cannot show: speed, data races between threads or blocks other than those running them
-// in reverse order exposes (the fibers never run at the same time; reverse_order below),
-// and the hardware's own rounding inside mma.sync (emulated here as f32 sums of exact
-// products of the bf16 inputs).
+// here, not a hang or wrong results. What this cannot show: speed, data races between
+// threads or blocks other than those running them in reverse order exposes (the fibers
+// never run at the same time; reverse_order below), and the hardware's own rounding
+// inside mma.sync (emulated here as f32 sums of exact products of the bf16 inputs).
 #pragma once
 #if !defined(__x86_64__)
 #error "the host CUDA runtime switches fibers with x86-64 code"
