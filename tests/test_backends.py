@@ -587,7 +587,7 @@ def _runner_logits(path: Path, device: str) -> tuple[np.ndarray, np.ndarray]:
     prompt at every position, then of one decode step that reads its cache."""
     device, _, acts = device.partition("-")
     runner = ellm.load(path, device=device, progress=False, max_num_seqs=2, max_model_len=64,
-                       activations=acts or "int8").engine.runner
+                       activations=acts or "int8", kv_cache_dtype="float32").engine.runner
     blocks = BlockManager(runner.kv)   # the runner's own cache, from ops.kv_zeros
     assert blocks.allocate("s", 6)
     tables = {w: np.asarray([blocks.table("s", w)], np.int32) for w in runner.kv.windows}

@@ -39,7 +39,8 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",  # [spec]
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="float16 (cpu) / bfloat16 (cuda): K/V stored rounded, half the cache (default auto = float32)")
+                   help="float16 (cpu) / bfloat16 (cuda): K/V stored rounded, half the cache "
+                        "(default auto: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--kv-cache-tokens", type=int, default=0, metavar="N",
                    help="KV cache size in tokens, all sequences together (default: max(ctx size, 16384))")
 

@@ -470,10 +470,29 @@ def _set_threads(threads: int | None) -> None:
     _kernels.set_num_threads(threads)
 
 
-# kv_cache_dtype= names -> the cache's element type
-KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+# kv_cache_dtype= names ("auto": the device's, KV_CACHE_AUTO; the others: the cache's element type)
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # the devices each cache type runs on (float32 everywhere)
 KV_CACHE_DEVICES = {"float16": ("cpu",), "bfloat16": ("cuda", "reference")}
+# "auto" by device: float32 elsewhere (every logit as the model computes it). On a GPU
+# the cache is bfloat16, as GPU engines keep it: half the memory and of the bytes decode
+# attention reads, for logits within ~0.4% of the float32 cache's (docs/kv-cache.md).
+KV_CACHE_AUTO = {"cuda": "bfloat16"}
+
+
+def kv_cache_element_type(kv_cache_dtype: str, device: str) -> str:
+    """load's kv_cache_dtype on a normalized device -> the cache's element type."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                         f"got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return KV_CACHE_AUTO.get(device, "float32")
+    kv_devices = KV_CACHE_DEVICES.get(kv_cache_dtype)
+    if kv_devices is not None and device not in kv_devices:
+        backend = "cpu backend" if kv_devices == ("cpu",) else "cuda backend (and the reference)"
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is for the {backend}; device {device!r} keeps a "
+                         f"{'float32 or float16' if device == 'cpu' else 'float32 or bfloat16'} cache")
+    return kv_cache_dtype
 
 
 def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len: int = 8192,
@@ -498,10 +517,10 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
     speculative_config: [spec] speculative decoding, vLLM's names (docs/speculative-decoding.md):
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or
     {"method": "draft_model", "model": PATH_OR_NAME, "num_speculative_tokens": 4}.
-    kv_cache_dtype: "auto" (float32, the default: every logit as the model computes it),
-    "float16" (cpu backend) or "bfloat16" (cuda backend): K and V are stored rounded to
-    that type, half the cache's memory and of the bytes a decode step reads from it
-    (docs/kv-cache.md).
+    kv_cache_dtype: "auto" (the default: float32 on the cpu, every logit as the model
+    computes it; bfloat16 on cuda), "float32", "float16" (cpu backend) or "bfloat16"
+    (cuda backend): K and V are stored rounded to that type, half the cache's memory and
+    of the bytes a decode step reads from it (docs/kv-cache.md).
     kv_cache_tokens: the KV cache's size in tokens, all sequences together (0, the
     default: max(max_model_len, 16384), on a GPU cut to what its free memory holds);
     it bounds the cache's memory (ellm info shows the bytes per token).
@@ -526,14 +545,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 0:
         raise ValueError(f"kv_cache_tokens must be an int >= 0 (0: the default size), got {kv_cache_tokens!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
-                         f"got {kv_cache_dtype!r}")
-    kv_devices = KV_CACHE_DEVICES.get(KV_CACHE_DTYPES[kv_cache_dtype])
-    if kv_devices is not None and device not in kv_devices:
-        backend = "cpu backend" if kv_devices == ("cpu",) else "cuda backend (and the reference)"
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is for the {backend}; device {device!r} keeps a "
-                         f"{'float32 or float16' if device == 'cpu' else 'float32 or bfloat16'} cache")
+    kv_element_type = kv_cache_element_type(kv_cache_dtype, device)
     template = None
     if chat_template is not None:
         if not isinstance(chat_template, str):
@@ -599,7 +611,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         moves_to_huge_pages.move_onto_huge_pages()
     engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_batch_tokens=max_batch_tokens, speculative=spec,
-                                 kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype], kv_cache_tokens=kv_cache_tokens)
+                                 kv_cache_dtype=kv_element_type, kv_cache_tokens=kv_cache_tokens)
     processing = _image_processing(model, resolved, mmproj)   # [vision]
     return LLM(model, tokenizer, config, resolved.name, engine_config, sampling, processing,
                draft_model=draft)
