@@ -39,6 +39,18 @@ PTXAS = (shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")) if
 FUSED_DECODE_KERNELS = ("nmv3_", "glu_", "gemv_add_", "qkv_rope_", "attn_decode", "mmv", "attn_prefill")
 SOURCES = sorted(cuda_kernels.kernel_dir().glob("*.cu"))
 
+
+def _nvdisasm() -> str | None:
+    """nvdisasm (SASS from a cubin): on PATH, beside nvcc, or from the pip wheel
+    nvidia-cuda-nvdisasm (the [test] extras on Linux x86-64)."""
+    beside = Path(NVCC).resolve().parent / "nvdisasm" if NVCC else None
+    wheels = sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cu*", "bin", "nvdisasm")))
+    return shutil.which("nvdisasm") or (str(beside) if beside and beside.is_file() else None) or \
+        (wheels[-1] if wheels else None)
+
+
+NVDISASM = _nvdisasm()
+
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA toolkit) is not installed; "
                                                      "the kernels' compile check needs it")
 
@@ -49,31 +61,45 @@ def test_every_kernel_file_is_known_to_ops_cuda() -> None:
 
 
 def _nvcc_and_ptxas(source: Path, arch: str, out: Path) -> tuple[subprocess.CompletedProcess, str,
-                                                                   subprocess.CompletedProcess | None]:
+                                                                   subprocess.CompletedProcess | None,
+                                                                   dict[str, int] | None]:
     """nvcc's PTX of one file for one architecture, then ptxas over it (None when nvcc
-    failed). What both said of a text they compiled cleanly before is kept on disk (see
-    _compile_cache), since mmv.cu alone is a minute of this machine's two cores."""
+    failed), and where nvdisasm is found, each kernel's weight loads in flight in ptxas's
+    SASS (_weight_loads_in_flight; None without nvdisasm). What they said of a text they
+    compiled cleanly before is kept on disk (see _compile_cache), since mmv.cu alone is a
+    minute of this machine's two cores."""
     ptx = out / f"{source.stem}-{arch}.ptx"
     nvcc_args = ["--ptx", f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings"]
     ptxas_args = [f"-arch={arch}", "-v", "-warn-spills", "-Werror"]
     kept = _compile_cache(source, nvcc_args, ptxas_args)
     if kept.is_file():
         done = json.loads(kept.read_text())
-        return (subprocess.CompletedProcess(done["nvcc"][0], 0, done["nvcc"][1], done["nvcc"][2]), done["ptx"],
-                subprocess.CompletedProcess(done["ptxas"][0], 0, done["ptxas"][1], done["ptxas"][2]))
+        if NVDISASM is None or "in_flight" in done:   # (else kept before nvdisasm was found: again)
+            return (subprocess.CompletedProcess(done["nvcc"][0], 0, done["nvcc"][1], done["nvcc"][2]), done["ptx"],
+                    subprocess.CompletedProcess(done["ptxas"][0], 0, done["ptxas"][1], done["ptxas"][2]),
+                    done.get("in_flight"))
     nvcc = subprocess.run([NVCC, *nvcc_args, "-o", str(ptx), str(source)], capture_output=True, text=True,
                           timeout=900)
     if nvcc.returncode != 0:
         return nvcc, "", None
-    ptxas = subprocess.run([PTXAS, *ptxas_args, "-o", str(out / f"{source.stem}-{arch}.cubin"), str(ptx)],
-                           capture_output=True, text=True, timeout=900)
+    cubin = out / f"{source.stem}-{arch}.cubin"
+    ptxas = subprocess.run([PTXAS, *ptxas_args, "-o", str(cubin), str(ptx)], capture_output=True, text=True,
+                           timeout=900)
+    in_flight = None
+    if ptxas.returncode == 0 and NVDISASM is not None:
+        sass = subprocess.run([NVDISASM, str(cubin)], capture_output=True, text=True, timeout=900)
+        assert sass.returncode == 0, sass.stderr
+        in_flight = _weight_loads_in_flight(sass.stdout)
     if ptxas.returncode == 0:
         kept.parent.mkdir(parents=True, exist_ok=True)
         tmp = kept.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"nvcc": [nvcc.args, nvcc.stdout, nvcc.stderr], "ptx": ptx.read_text(),
-                                   "ptxas": [ptxas.args, ptxas.stdout, ptxas.stderr]}))
+        done = {"nvcc": [nvcc.args, nvcc.stdout, nvcc.stderr], "ptx": ptx.read_text(),
+                "ptxas": [ptxas.args, ptxas.stdout, ptxas.stderr]}
+        if in_flight is not None:
+            done["in_flight"] = in_flight
+        tmp.write_text(json.dumps(done))
         tmp.replace(kept)
-    return nvcc, ptx.read_text(), ptxas
+    return nvcc, ptx.read_text(), ptxas, in_flight
 
 
 @functools.cache
@@ -98,8 +124,10 @@ def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     are cores (each nvcc run is one single-threaded compiler: mmv.cu alone takes a minute
     or more), each test waiting for its own pair only."""
     out = tmp_path_factory.mktemp("ptx")
-    wanted = [(item.callspec.params["source"], item.callspec.params["arch"]) for item in request.session.items
-              if getattr(item, "originalname", "") == "test_nvcc_ptx_without_warnings" and hasattr(item, "callspec")]
+    mmv = next(src for src in SOURCES if src.name == "mmv.cu")
+    wanted = {(item.callspec.params.get("source", mmv), item.callspec.params["arch"])
+              for item in request.session.items if hasattr(item, "callspec") and getattr(item, "originalname", "")
+              in ("test_nvcc_ptx_without_warnings", "test_mmv_kernels_have_their_weight_loads_in_flight_at_once")}
     # (Linux: the cores this process may use)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     pool = ThreadPoolExecutor(max_workers=max(1, cores or 1))
@@ -111,7 +139,7 @@ def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_nvcc_ptx_without_warnings(source: Path, arch: str, compiled: dict) -> None:
-    proc, ptx, ptxas = compiled[(source.name, arch)].result()
+    proc, ptx, ptxas, _ = compiled[(source.name, arch)].result()
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "", proc.stderr   # not even a note
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
@@ -174,6 +202,90 @@ def _prefetch_before_wait(ptx: str) -> dict[str, bool]:
         wait, fetch = body.find("griddepcontrol.wait"), body.find("prefetch.global.L2")
         out[m.group(1)] = 0 <= fetch < wait
     return out
+
+
+_SASS_KERNEL = re.compile(r"^\.text\.(\w+):\n(.*?)(?=^//-+ \.text\.|\Z)", re.M | re.S)
+_SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_SASS_LOAD = re.compile(r"(?:@!?U?P\w+\s+)?(LDG\.E[\w.]*)\s+R(\d+)")
+
+
+def _weight_loads_in_flight(sass: str) -> dict[str, int]:
+    """Per kernel of nvdisasm's SASS: how many global loads of the weights are issued
+    before the first instruction that reads a register one of them loaded (which waits
+    for that load). mmv.cu's activations and norm weights are `const __restrict__`
+    (LDG...CONSTANT, the read-only path), its weight rows not: the other loads."""
+    out: dict[str, int] = {}
+    for m in _SASS_KERNEL.finditer(sass):
+        loaded: set[int] = set()
+        count = 0
+        for ins in _SASS_INSTRUCTION.finditer(m.group(2)):
+            text = ins.group(1)
+            load = _SASS_LOAD.match(text)
+            if load and "CONSTANT" not in load.group(1):
+                count += 1
+                width = 4 if ".128" in load.group(1) else 2 if ".64" in load.group(1) else 1
+                loaded.update(range(int(load.group(2)), int(load.group(2)) + width))
+                continue
+            # the sources: an instruction's operands after its first (the destination)
+            operands = text.split(None, 1)[1] if " " in text else ""
+            if text.startswith("@"):   # a predicate, then the opcode
+                operands = operands.split(None, 1)[1] if " " in operands else ""
+            sources = operands.split(",", 1)[1] if "," in operands else ""
+            if loaded and any(int(r) in loaded for r in re.findall(r"(?<![\w.])R(\d+)", sources)):
+                break
+        out[m.group(1)] = count
+    return out
+
+
+def test_weight_loads_in_flight_stop_at_the_first_use() -> None:
+    sass = """//--------------------- .text.ahead --------------------------
+.text.ahead:
+        /*0010*/                   MOV R5, c[0x0][0x210] ;
+        /*0020*/              @!P1 LDG.E.64 R8, desc[UR4][R2.64] ;
+        /*0030*/                   LDG.E.128.CONSTANT R12, desc[UR4][R4.64] ;
+        /*0040*/                   LDG.E.U16 R10, desc[UR4][R6.64+0x40] ;
+        /*0050*/                   IADD3 R20, R12, R11, RZ ;
+        /*0060*/                   I2FP.F32.S32 R21, R9 ;
+        /*0070*/                   LDG.E R22, desc[UR4][R6.64] ;
+//--------------------- .text.serial --------------------------
+.text.serial:
+        /*0010*/                   LDG.E R8, desc[UR4][R2.64] ;
+        /*0020*/              @P0 SHF.R.U32.HI R9, RZ, 0x8, R8 ;
+        /*0030*/                   LDG.E R10, desc[UR4][R2.64+0x4] ;
+"""
+    # R9 (the second word of a 64-bit load) is read after two weight loads; the read-only
+    # load and an address's own register are no use of them
+    assert _weight_loads_in_flight(sass) == {"ahead": 2, "serial": 1}
+
+
+# Weight loads a lane has in flight before it waits for the first, in each decode product
+# of mmv.cu with one tile: its two rows' value loads over the steps its type loads ahead
+# (2 x mmv.cu's unroll; the scale words come on top); with two or four tiles, those of
+# MMV_UNROLL = 4 tile-steps. Until 2026-12-07 every quantized type's loads were each
+# used at once (2-5 in flight: a lane waited for each 4 or 8 bytes of weights in turn).
+MMV_LOADS_AHEAD = {"bf16": 8, "q4_0": 32, "q4_1": 16, "q8_0": 16, "q4_k": 8, "q5_k": 8, "q6_k": 16}
+
+
+@needs_nvcc
+@pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm: the [test] "
+                                             "extras on Linux x86-64)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mmv_kernels_have_their_weight_loads_in_flight_at_once(arch: str, compiled: dict) -> None:
+    """ptxas's SASS of every mmv.cu kernel: a warp issues the weight loads of the steps it
+    loads ahead before it uses any of them, so that at batch 1 -- where the weights'
+    trip from memory is the whole cost -- enough bytes are on their way an SM."""
+    mmv = next(src for src in SOURCES if src.name == "mmv.cu")
+    *_, in_flight = compiled[(mmv.name, arch)].result()
+    assert in_flight is not None
+    kernels = [k for k in cuda_kernels.KERNELS["mmv.cu"]]
+    assert kernels and set(kernels) <= set(in_flight), sorted(set(kernels) - set(in_flight))
+    short = {}
+    for k in kernels:
+        tiles, wtype = re.match(r"(?:mmv3|mmv_glu|mmv_qkv_rope)(x[24])?_(\w+)", k).groups()
+        want = 8 if tiles else MMV_LOADS_AHEAD[wtype]
+        if in_flight[k] < want:
+            short[k] = (in_flight[k], want)
+    assert not short, f"weight loads in flight (SASS, {arch}) under what the kernel should issue at once: {short}"
 
 
 def test_dependency_sync_order_sees_a_late_wait() -> None:

@@ -220,13 +220,29 @@ __device__ __forceinline__ const u8* k_head(const u8* row, int K, int blk) {
     return row + (K >> 5) * STEP_BYTES + 16 * blk;   // after every step's bytes
 }
 
-// Sub-block s's scale and min, times the block's d and dmin: two loads of the head.
+// The words of a block head that sub-block s's scale and min need: d, dmin and the top
+// bits (dt), and the word holding its low bits. Loaded apart from their use, so that a
+// caller may have several heads' loads in flight before it waits for the first.
+struct KHead {
+    uint2 dt;
+    u32 low;
+};
+
+__device__ __forceinline__ KHead k_head_load(const u8* head, int s) {
+    return {*(const uint2*)head, *(const u32*)(head + 8 + 4 * (s >> 2))};
+}
+
+// Sub-block s's scale and min from those words, times the block's d and dmin.
+__device__ __forceinline__ void k_head_scale_min(const KHead& h, int s, float* scale, float* mn) {
+    u32 low = h.low >> (8 * (s & 3));
+    u32 top = h.dt.y >> (4 * s);
+    *scale = f16_to_f32((u16)(h.dt.x & 0xffffu)) * (float)((low & 15u) | ((top & 3u) << 4));
+    *mn = f16_to_f32((u16)(h.dt.x >> 16)) * (float)(((low >> 4) & 15u) | (((top >> 2) & 3u) << 4));
+}
+
+// Sub-block s's scale and min: two loads of the head.
 __device__ __forceinline__ void k_scale_min(const u8* head, int s, float* scale, float* mn) {
-    uint2 dt = *(const uint2*)head;                       // d, dmin; the top bits
-    u32 low = *(const u32*)(head + 8 + 4 * (s >> 2)) >> (8 * (s & 3));
-    u32 top = dt.y >> (4 * s);
-    *scale = f16_to_f32((u16)(dt.x & 0xffffu)) * (float)((low & 15u) | ((top & 3u) << 4));
-    *mn = f16_to_f32((u16)(dt.x >> 16)) * (float)(((low >> 4) & 15u) | (((top >> 2) & 3u) << 4));
+    k_head_scale_min(k_head_load(head, s), s, scale, mn);
 }
 
 __device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v) {

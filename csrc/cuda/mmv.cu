@@ -30,7 +30,7 @@
 
 #define MMV_TOKENS 64   // = ops/cuda.py GEMM_MIN_TOKENS: the largest decode step
 #define MMV_WARPS 8
-#define MMV_UNROLL 4    // steps whose weights a warp loads before multiplying
+#define MMV_UNROLL 4    // steps whose weights a warp loads before multiplying, above one tile a block
 
 struct Frag {
     u32 w[4];      // the A words of this lane's row for the step (bf16 pairs, low half first)
@@ -42,18 +42,22 @@ __device__ __forceinline__ u32 pack_int_pair(int a, int b) {
     return pack_bf16x2((float)a, (float)b);   // |a|, |b| <= 256: exact
 }
 
-__device__ __forceinline__ void frag_zero(Frag& f) {
-    f.w[0] = f.w[1] = f.w[2] = f.w[3] = 0u;
-    f.sc[0] = f.sc[1] = f.mn[0] = f.mn[1] = 0.0f;
-}
+// Each type reads a lane's bytes of step s of a row in load() (every load of a step, the
+// scales' aside: a Raw) and makes the fragment from them in unpack(), apart, so that
+// mmv_warp has all its unrolled steps' loads in flight before the first is used (in one
+// function, a load's use followed it at once, and ptxas waited for each load of a
+// quantized row before it issued the next: one load in flight a lane).
 
-// BF16 rows: 16 bytes at k0 + 8q.
+// BF16 rows: 16 bytes at 32 s + 8q.
 struct WBf16 {
     static constexpr bool split = false, scaled = false, has_min = false, rows_split = false, scale_words = false;
+    using Raw = uint4;
+    static constexpr int unroll = 4;
     static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 64 * s; }
-    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
-        if (!row) { frag_zero(f); return; }
-        uint4 v = *(const uint4*)(row + 2 * (k0 + 8 * q));   // 16-byte aligned (K % 32 == 0)
+    static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
+        return *(const uint4*)(values(row, s) + 16 * q);   // 16-byte aligned (K % 32 == 0)
+    }
+    static __device__ __forceinline__ void unpack(const Raw& v, int s, Frag& f) {
         f.w[0] = v.x; f.w[1] = v.y; f.w[2] = v.z; f.w[3] = v.w;
         f.sc[0] = f.sc[1] = 1.0f;
         f.mn[0] = f.mn[1] = 0.0f;
@@ -62,10 +66,11 @@ struct WBf16 {
 
 // Q8_0, Q4_0, Q4_1 and Q6_K as the GPU keeps them (common.cuh, ops/cuda_kernels.py rows_split):
 // a row's values, then its scales. A lane's values of a step are one load; the scales are
-// the caller's (mmv_warp loads a row's scale word of several steps at once, scale_word(),
-// and each frag takes its step's: set_scales()). SplitRows<VB, SB>: VB bytes of values a
-// step of 32, then SB bytes of scales a step (2: f16 d, or Q6_K's two int8 scales; 4: f16
-// d, then f16 m); scale_tail: any further scale bytes of a step (Q6_K's block d).
+// the caller's: mmv_warp loads a row's scales of several steps at once (scale_load(), a
+// ScaleRaw), passes each step's to the lanes of the row (scale_shfl()) and each fragment
+// takes its step's (set_scales()). SplitRows<VB, SB>: VB bytes of values a step of 32, then
+// SB bytes of scales a step (2: f16 d, or Q6_K's two int8 scales; 4: f16 d, then f16 m);
+// scale_tail: any further scale bytes of a step (Q6_K's block d).
 template <int VB, int SB>
 struct SplitRows {
     static constexpr bool rows_split = true, scale_words = true;
@@ -73,10 +78,14 @@ struct SplitRows {
     static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
         return split_scales(row, K, VB, SB, s);
     }
-    static __device__ __forceinline__ u32 scale_word(const u8* row, int K, int s) {
+    using ScaleRaw = u32;   // the step's scale word
+    static __device__ __forceinline__ ScaleRaw scale_load(const u8* row, int K, int s) {
         return SB == 4 ? *(const u32*)scales(row, K, s) : (u32)(*(const u16*)scales(row, K, s));
     }
-    static __device__ __forceinline__ void set_scales(u32 word, Frag& f) {
+    static __device__ __forceinline__ ScaleRaw scale_shfl(const ScaleRaw& r, int src) {
+        return __shfl_sync(0xffffffffu, r, src);
+    }
+    static __device__ __forceinline__ void set_scales(const ScaleRaw& word, Frag& f) {
         f.sc[0] = f.sc[1] = f16_to_f32((u16)(word & 0xffffu));
         f.mn[0] = f.mn[1] = SB == 4 ? f16_to_f32((u16)(word >> 16)) : 0.0f;
     }
@@ -86,9 +95,12 @@ struct SplitRows {
 // Q8_0: 32 int8 a step; the 8 q at 8q in one 8-byte load. Scale word: f16 d.
 struct WQ8_0 : SplitRows<32, 2> {
     static constexpr bool split = false, scaled = true, has_min = false;
-    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
-        if (!row) { frag_zero(f); return; }
-        uint2 v = *(const uint2*)(values(row, k0 >> 5) + 8 * q);
+    static constexpr int unroll = 8;
+    using Raw = uint2;
+    static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
+        return *(const uint2*)(values(row, s) + 8 * q);
+    }
+    static __device__ __forceinline__ void unpack(const Raw& v, int s, Frag& f) {
         #pragma unroll
         for (int i = 0; i < 2; i++) {
             u32 word = i ? v.y : v.x;
@@ -117,19 +129,23 @@ __device__ __forceinline__ void frag_nibbles(u32 v, u32 fifth, int bias, Frag& f
 // both mmas' k. Scale word: f16 d.
 struct WQ4_0 : SplitRows<16, 2> {
     static constexpr bool split = true, scaled = true, has_min = false;
-    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
-        if (!row) { frag_zero(f); return; }
-        frag_nibbles(*(const u32*)(values(row, k0 >> 5) + 4 * q), 0u, -8, f);
+    static constexpr int unroll = 16;
+    using Raw = u32;
+    static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
+        return *(const u32*)(values(row, s) + 4 * q);
     }
+    static __device__ __forceinline__ void unpack(const Raw& v, int s, Frag& f) { frag_nibbles(v, 0u, -8, f); }
 };
 
 // Q4_1: nibbles as Q4_0; value d q + m. Scale word: f16 d, then f16 m.
 struct WQ4_1 : SplitRows<16, 4> {
     static constexpr bool split = true, scaled = true, has_min = true;
-    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
-        if (!row) { frag_zero(f); return; }
-        frag_nibbles(*(const u32*)(values(row, k0 >> 5) + 4 * q), 0u, 0, f);
+    static constexpr int unroll = 8;
+    using Raw = u32;
+    static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
+        return *(const u32*)(values(row, s) + 4 * q);
     }
+    static __device__ __forceinline__ void unpack(const Raw& v, int s, Frag& f) { frag_nibbles(v, 0u, 0, f); }
 };
 
 // Q4_K and Q5_K as the GPU keeps them (common.cuh k_head): STEP bytes a step (its nibbles
@@ -140,18 +156,24 @@ struct WQ4_1 : SplitRows<16, 4> {
 template <int STEP>
 struct KQuantRows {
     static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;
+    static constexpr int unroll = 4;
     static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + STEP * s; }
     static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
         return k_head<STEP>(row, K, s >> 3);
     }
     static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) { return nullptr; }
-    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
-        if (!row) { frag_zero(f); return; }
-        int s = k0 >> 5;
-        float sc, mn;
-        k_scale_min(scales(row, K, s), s & 7, &sc, &mn);
+    struct Raw {
+        u32 v, fifth;   // the lane's 4 bytes of nibbles; Q5_K's byte of fifth bits
+        KHead head;     // the words of its block's head that the step's scale and min need
+    };
+    static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
         const u8* rec = values(row, s);
-        frag_nibbles(*(const u32*)(rec + 4 * q), STEP == 20 ? (u32)rec[16 + q] : 0u, 0, f);
+        return {*(const u32*)(rec + 4 * q), STEP == 20 ? (u32)rec[16 + q] : 0u, k_head_load(scales(row, K, s), s & 7)};
+    }
+    static __device__ __forceinline__ void unpack(const Raw& r, int s, Frag& f) {
+        float sc, mn;
+        k_head_scale_min(r.head, s & 7, &sc, &mn);
+        frag_nibbles(r.v, r.fifth, 0, f);
         f.sc[0] = f.sc[1] = sc;
         f.mn[0] = f.mn[1] = -mn;
     }
@@ -165,22 +187,37 @@ struct WQ5_K : KQuantRows<20> {};   // 176 bytes / 256
 // (each mma's 16 k share one), then the block's f16 d.
 struct WQ6_K : SplitRows<24, 2> {
     static constexpr bool split = true, scaled = true, has_min = false;
+    static constexpr int unroll = 8;
     static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) {
         return q6_k_d(row, K, s >> 3);
     }
-    static __device__ __forceinline__ u32 scale_word(const u8* row, int K, int s) {
-        return (u32)(*(const u16*)scales(row, K, s)) | ((u32)(*(const u16*)scale_tail(row, K, s)) << 16);
+    // the step's two int8 scales and the block's f16 d, kept apart until set_scales: a
+    // word made of them as they were loaded had ptxas wait for the loads before it issued
+    // the weights' (two shuffles a step instead of one)
+    struct ScaleRaw {
+        u32 sc, d;
+    };
+    static __device__ __forceinline__ ScaleRaw scale_load(const u8* row, int K, int s) {
+        return {(u32)(*(const u16*)scales(row, K, s)), (u32)(*(const u16*)scale_tail(row, K, s))};
     }
-    static __device__ __forceinline__ void set_scales(u32 word, Frag& f) {
-        float d = f16_to_f32((u16)(word >> 16));
-        f.sc[0] = d * (float)(i8)(word & 0xffu);
-        f.sc[1] = d * (float)(i8)((word >> 8) & 0xffu);
+    static __device__ __forceinline__ ScaleRaw scale_shfl(const ScaleRaw& r, int src) {
+        return {__shfl_sync(0xffffffffu, r.sc, src), __shfl_sync(0xffffffffu, r.d, src)};
+    }
+    static __device__ __forceinline__ void set_scales(const ScaleRaw& r, Frag& f) {
+        float d = f16_to_f32((u16)r.d);
+        f.sc[0] = d * (float)(i8)(r.sc & 0xffu);
+        f.sc[1] = d * (float)(i8)((r.sc >> 8) & 0xffu);
         f.mn[0] = f.mn[1] = 0.0f;
     }
-    static __device__ __forceinline__ void frag(const u8* row, int K, int k0, int q, Frag& f) {
-        if (!row) { frag_zero(f); return; }
-        const u8* rec = values(row, k0 >> 5);
-        u32 v = *(const u32*)(rec + 4 * q), h = *(const u16*)(rec + 16 + 2 * q);
+    struct Raw {
+        u32 v, h;   // the lane's 4 bytes of nibbles and its u16 of high bit pairs
+    };
+    static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
+        const u8* rec = values(row, s);
+        return {*(const u32*)(rec + 4 * q), (u32)(*(const u16*)(rec + 16 + 2 * q))};
+    }
+    static __device__ __forceinline__ void unpack(const Raw& r, int s, Frag& f) {
+        u32 v = r.v, h = r.h;
         #pragma unroll
         for (int m = 0; m < 2; m++) {   // the two mmas: k 4q + i (low nibbles), 16 + 4q + i (high)
             int e[4];
@@ -240,6 +277,12 @@ __device__ __forceinline__ void step_products(float* c1, float* c2, const u32* a
     mma_bf16_16816(c2, a2, bl2);
 }
 
+// A type's ScaleRaw, or a word for the types without scale words (never loaded).
+template <class WT, bool HAS>
+struct ScaleRawOf { using type = u32; };
+template <class WT>
+struct ScaleRawOf<WT, true> { using type = typename WT::ScaleRaw; };
+
 // This warp's share of RT tiles: for tile r, rows ra[r] (slot g) and rb[r] (slot g + 8)
 // of this lane against tokens 0 .. T-1 of X (rows of K floats), over its steps of K, into
 // acc[r]. The activations of a step are read once for the RT tiles (a block of RT tiles
@@ -253,7 +296,10 @@ template <class WT, int RT>
 __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* rb, const float* __restrict__ X,
                                          const float* __restrict__ g, int T, int K,
                                          float (&acc)[RT][MMV_TOKENS / 8][4], float (&ss)[MMV_TOKENS / 8]) {
-    constexpr int U = MMV_UNROLL / RT;   // steps loaded ahead: the same bytes in flight for any RT
+    // steps whose loads are in flight at once: with one tile the type's (more for the types
+    // of fewer bytes a step), with RT tiles MMV_UNROLL / RT (the same bytes for any RT)
+    constexpr int U = RT == 1 ? WT::unroll : MMV_UNROLL / RT;
+    constexpr int SW = (U + 3) / 4;   // scale words a lane loads for a row
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, q = lane & 3;
     int tiles = (T + 7) >> 3;
     #pragma unroll
@@ -270,48 +316,66 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
     // product, so enough bytes are in flight at batch 1 (the steps, and so the order of
     // the sums, are those of a one-step loop)
     for (int s0 = warp; s0 < steps; s0 += U * MMV_WARPS) {
-      Frag fas[U][RT], fbs[U][RT];
-      // Split rows (Q8_0, Q4_0, Q4_1, Q6_K): lane q loads its rows' scale word of step
-      // s0 + q MMV_WARPS (q < U) and the four lanes of a row pass them round: one load of a
-      // row's scales for U steps, not U (U = 1, four tiles: each step's own load)
-      u32 das[RT], dbs[RT];
+      // Split rows (Q8_0, Q4_0, Q4_1, Q6_K): lane q loads its rows' scale words of steps
+      // s0 + (q + 4 i) MMV_WARPS (q + 4 i < U) and the four lanes of a row pass them round
+      // below: a lane's load a row for up to four steps (U = 1, four tiles: each lane its
+      // own step's, below)
+      using ScaleRaw = typename ScaleRawOf<WT, WT::scale_words>::type;
+      ScaleRaw das[RT][SW], dbs[RT][SW];
       if constexpr (WT::scale_words && U > 1) {
-        int sq = s0 + q * MMV_WARPS;
-        bool mine = q < U && sq < steps;
         #pragma unroll
-        for (int r = 0; r < RT; r++) {
-            das[r] = mine && ra[r] ? WT::scale_word(ra[r], K, sq) : 0u;
-            dbs[r] = mine && rb[r] ? WT::scale_word(rb[r], K, sq) : 0u;
-        }
-      }
-      #pragma unroll
-      for (int u = 0; u < U; u++) {
-        int s = s0 + u * MMV_WARPS;
-        if (s < steps) {   // (the same s for the whole warp: the shuffles below see every lane)
+        for (int i = 0; i < SW; i++) {
+            int sq = s0 + (q + 4 * i) * MMV_WARPS;
+            bool mine = q + 4 * i < U && sq < steps;
             #pragma unroll
             for (int r = 0; r < RT; r++) {
-                WT::frag(ra[r], K, s << 5, q, fas[u][r]);
-                WT::frag(rb[r], K, s << 5, q, fbs[u][r]);
-                if constexpr (WT::scale_words) {
-                    u32 da, db;
-                    if constexpr (U > 1) {
-                        da = __shfl_sync(0xffffffffu, das[r], (lane & ~3) | u);
-                        db = __shfl_sync(0xffffffffu, dbs[r], (lane & ~3) | u);
-                    } else {
-                        da = ra[r] ? WT::scale_word(ra[r], K, s) : 0u;
-                        db = rb[r] ? WT::scale_word(rb[r], K, s) : 0u;
-                    }
-                    WT::set_scales(da, fas[u][r]);   // (a row of none: scale 0, min 0)
-                    WT::set_scales(db, fbs[u][r]);
-                }
+                das[r][i] = mine && ra[r] ? WT::scale_load(ra[r], K, sq) : ScaleRaw{};
+                dbs[r][i] = mine && rb[r] ? WT::scale_load(rb[r], K, sq) : ScaleRaw{};
             }
         }
       }
+      // every load of the U steps first, nothing of them used until all are issued (four
+      // tiles of a scaled type: each tile's as it is used, which their registers need)
+      constexpr bool ahead = U > 1 || !WT::scale_words;
+      typename WT::Raw was[U][RT], wbs[U][RT];
+      #pragma unroll
+      for (int u = 0; u < (ahead ? U : 0); u++) {
+        int s = s0 + u * MMV_WARPS;
+        #pragma unroll
+        for (int r = 0; r < RT; r++) {
+            was[u][r] = s < steps && ra[r] ? WT::load(ra[r], K, s, q) : typename WT::Raw{};
+            wbs[u][r] = s < steps && rb[r] ? WT::load(rb[r], K, s, q) : typename WT::Raw{};
+        }
+      }
       #pragma unroll
       for (int u = 0; u < U; u++) {
         int s = s0 + u * MMV_WARPS;
-        if (s >= steps) break;
+        if (s >= steps) break;   // (the same s for the whole warp: the shuffles below see every lane)
         int k0 = s << 5;
+        Frag fas[RT], fbs[RT];
+        #pragma unroll
+        for (int r = 0; r < RT; r++) {
+            if constexpr (!ahead) {
+                was[u][r] = ra[r] ? WT::load(ra[r], K, s, q) : typename WT::Raw{};
+                wbs[u][r] = rb[r] ? WT::load(rb[r], K, s, q) : typename WT::Raw{};
+            }
+            // (a row of none, past the matrix's end, unpacks zero bytes: its slot's sums,
+            // which an mma keeps apart from the other slots', are never stored)
+            WT::unpack(was[u][r], s, fas[r]);
+            WT::unpack(wbs[u][r], s, fbs[r]);
+            if constexpr (WT::scale_words) {
+                ScaleRaw da, db;
+                if constexpr (U > 1) {
+                    da = WT::scale_shfl(das[r][u >> 2], (lane & ~3) | (u & 3));
+                    db = WT::scale_shfl(dbs[r][u >> 2], (lane & ~3) | (u & 3));
+                } else {
+                    da = ra[r] ? WT::scale_load(ra[r], K, s) : ScaleRaw{};
+                    db = rb[r] ? WT::scale_load(rb[r], K, s) : ScaleRaw{};
+                }
+                WT::set_scales(da, fas[r]);   // (a row of none: scale 0, min 0)
+                WT::set_scales(db, fbs[r]);
+            }
+        }
         #pragma unroll
         for (int j = 0; j < MMV_TOKENS / 8; j++) {
             if (j >= tiles) break;
@@ -325,8 +389,8 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
             const u32 bh2[2] = {hi[2], hi[3]}, bl2[2] = {lo[2], lo[3]};
             #pragma unroll
             for (int r = 0; r < RT; r++) {
-                const Frag& fa = fas[u][r];
-                const Frag& fb = fbs[u][r];
+                const Frag& fa = fas[r];
+                const Frag& fb = fbs[r];
                 const u32 a1[4] = {fa.w[0], fb.w[0], fa.w[1], fb.w[1]};
                 const u32 a2[4] = {fa.w[2], fb.w[2], fa.w[3], fb.w[3]};
                 if (!WT::scaled) {
