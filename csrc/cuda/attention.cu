@@ -251,10 +251,15 @@ __device__ __forceinline__ void attn_chunks(
         if (g < groups) {
             for (int d = threadIdx.x - g * hd; d < hd; d += NT) {
                 float acc = 0.0f;
+                // no branch around a key's load: under `if (row >= 0)` ptxas waited for
+                // each value before it asked for the next. A key of none (a padding row)
+                // reads row 0, in bounds, and adds 0 x 0 (acc, never -0, unchanged)
                 #pragma unroll 16
                 for (int i = g; i < n; i += groups) {
                     long long row = sm_row[i];
-                    if (row >= 0) acc = fmaf(sm_w[i], kv_load(v_cache, row + d), acc);
+                    bool key = row >= 0;
+                    float v = kv_load(v_cache, (key ? row : 0) + d);
+                    acc = fmaf(key ? sm_w[i] : 0.0f, key ? v : 0.0f, acc);
                 }
                 sm_o[g * hd + d] = acc;   // g * hd + d < NT when groups > 1, else d < hd
             }
