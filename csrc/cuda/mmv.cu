@@ -57,7 +57,7 @@ struct WBf16 {
     static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
         return *(const uint4*)(values(row, s) + 16 * q);   // 16-byte aligned (K % 32 == 0)
     }
-    static __device__ __forceinline__ void unpack(const Raw& v, int s, Frag& f) {
+    static __device__ __forceinline__ void unpack(const Raw& v, int s, int lane, Frag& f) {
         f.w[0] = v.x; f.w[1] = v.y; f.w[2] = v.z; f.w[3] = v.w;
         f.sc[0] = f.sc[1] = 1.0f;
         f.mn[0] = f.mn[1] = 0.0f;
@@ -100,7 +100,7 @@ struct WQ8_0 : SplitRows<32, 2> {
     static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
         return *(const uint2*)(values(row, s) + 8 * q);
     }
-    static __device__ __forceinline__ void unpack(const Raw& v, int s, Frag& f) {
+    static __device__ __forceinline__ void unpack(const Raw& v, int s, int lane, Frag& f) {
         #pragma unroll
         for (int i = 0; i < 2; i++) {
             u32 word = i ? v.y : v.x;
@@ -134,7 +134,7 @@ struct WQ4_0 : SplitRows<16, 2> {
     static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
         return *(const u32*)(values(row, s) + 4 * q);
     }
-    static __device__ __forceinline__ void unpack(const Raw& v, int s, Frag& f) { frag_nibbles(v, 0u, -8, f); }
+    static __device__ __forceinline__ void unpack(const Raw& v, int s, int lane, Frag& f) { frag_nibbles(v, 0u, -8, f); }
 };
 
 // Q4_1: nibbles as Q4_0; value d q + m. Scale word: f16 d, then f16 m.
@@ -145,7 +145,7 @@ struct WQ4_1 : SplitRows<16, 4> {
     static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
         return *(const u32*)(values(row, s) + 4 * q);
     }
-    static __device__ __forceinline__ void unpack(const Raw& v, int s, Frag& f) { frag_nibbles(v, 0u, 0, f); }
+    static __device__ __forceinline__ void unpack(const Raw& v, int s, int lane, Frag& f) { frag_nibbles(v, 0u, 0, f); }
 };
 
 // Q4_K and Q5_K as the GPU keeps them (common.cuh k_head): STEP bytes a step (its nibbles
@@ -153,33 +153,41 @@ struct WQ4_1 : SplitRows<16, 4> {
 // sub-block s % 8 (scale d sc, min dmin mn: two loads of its block's head, the same for
 // the four lanes of a row; a warp's unrolled steps are in different blocks, so there is
 // nothing to share among them); value d sc q - dmin mn.
-template <int STEP>
+template <int STEP, int UNROLL>
 struct KQuantRows {
     static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;
-    static constexpr int unroll = 4;
+    static constexpr int unroll = UNROLL;
     static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + STEP * s; }
     static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
         return k_head<STEP>(row, K, s >> 3);
     }
     static __device__ __forceinline__ const u8* scale_tail(const u8* row, int K, int s) { return nullptr; }
+    // The four lanes of a row load one word each of the step's 16-byte block head (word q)
+    // and unpack() passes round the three the step needs: a lane keeps one register of
+    // head a step, not three, which lets Q4_K take 8 steps ahead in 128 registers.
     struct Raw {
         u32 v, fifth;   // the lane's 4 bytes of nibbles; Q5_K's byte of fifth bits
-        KHead head;     // the words of its block's head that the step's scale and min need
+        u32 head;       // word q of the block head
     };
     static __device__ __forceinline__ Raw load(const u8* row, int K, int s, int q) {
         const u8* rec = values(row, s);
-        return {*(const u32*)(rec + 4 * q), STEP == 20 ? (u32)rec[16 + q] : 0u, k_head_load(scales(row, K, s), s & 7)};
+        return {*(const u32*)(rec + 4 * q), STEP == 20 ? (u32)rec[16 + q] : 0u, *(const u32*)(scales(row, K, s) + 4 * q)};
     }
-    static __device__ __forceinline__ void unpack(const Raw& r, int s, Frag& f) {
+    static __device__ __forceinline__ void unpack(const Raw& r, int s, int lane, Frag& f) {
+        int quad = lane & ~3;   // (every lane of the warp comes here: the shuffles see them all)
+        KHead h;
+        h.dt.x = __shfl_sync(0xffffffffu, r.head, quad);
+        h.dt.y = __shfl_sync(0xffffffffu, r.head, quad | 1);
+        h.low = __shfl_sync(0xffffffffu, r.head, quad | (2 + ((s & 7) >> 2)));
         float sc, mn;
-        k_head_scale_min(r.head, s & 7, &sc, &mn);
+        k_head_scale_min(h, s & 7, &sc, &mn);
         frag_nibbles(r.v, r.fifth, 0, f);
         f.sc[0] = f.sc[1] = sc;
         f.mn[0] = f.mn[1] = -mn;
     }
 };
-struct WQ4_K : KQuantRows<16> {};   // 144 bytes / 256
-struct WQ5_K : KQuantRows<20> {};   // 176 bytes / 256
+struct WQ4_K : KQuantRows<16, 8> {};   // 144 bytes / 256
+struct WQ5_K : KQuantRows<20, 4> {};   // 176 bytes / 256 (8 steps ahead would take 150 registers)
 
 // Q6_K as the GPU keeps it (common.cuh deq8_q6_k): a step's 24-byte record, lane q's
 // nibbles in bytes 4q .. 4q + 3 (k 4q + i low, 16 + 4q + i high: one 4-byte load) and its
@@ -216,7 +224,7 @@ struct WQ6_K : SplitRows<24, 2> {
         const u8* rec = values(row, s);
         return {*(const u32*)(rec + 4 * q), (u32)(*(const u16*)(rec + 16 + 2 * q))};
     }
-    static __device__ __forceinline__ void unpack(const Raw& r, int s, Frag& f) {
+    static __device__ __forceinline__ void unpack(const Raw& r, int s, int lane, Frag& f) {
         u32 v = r.v, h = r.h;
         #pragma unroll
         for (int m = 0; m < 2; m++) {   // the two mmas: k 4q + i (low nibbles), 16 + 4q + i (high)
@@ -361,8 +369,8 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
             }
             // (a row of none, past the matrix's end, unpacks zero bytes: its slot's sums,
             // which an mma keeps apart from the other slots', are never stored)
-            WT::unpack(was[u][r], s, fas[r]);
-            WT::unpack(wbs[u][r], s, fbs[r]);
+            WT::unpack(was[u][r], s, lane, fas[r]);
+            WT::unpack(wbs[u][r], s, lane, fbs[r]);
             if constexpr (WT::scale_words) {
                 ScaleRaw da, db;
                 if constexpr (U > 1) {
