@@ -578,7 +578,11 @@ __device__ __forceinline__ void attn_prefill_t(
                     #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         int r = i >> 1, key = kb + 8 * j + 2 * q + (i & 1);
-                        bool ok = in[r] && key >= lo[r] && key <= hi_key[r] && table[key / block_size] >= 0;
+                        // the table read whatever the rest says (at min(key, kend), in the
+                        // sequence's table), not after it: eight loads at once, where a load
+                        // behind && was a branch ptxas waited in, one after another
+                        bool listed = table[min(key, kend) / block_size] >= 0;
+                        bool ok = in[r] && key >= lo[r] && key <= hi_key[r] && listed;
                         float x = s[j][i] * scale;
                         if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
                         s[j][i] = ok ? x : ELLM_NEG_INF;
