@@ -81,7 +81,7 @@ def _nvcc_and_ptxas(source: Path, arch: str, out: Path) -> tuple[subprocess.Comp
     nvcc = subprocess.run([NVCC, *nvcc_args, "-o", str(ptx), str(source)], capture_output=True, text=True,
                           timeout=900)
     if nvcc.returncode != 0:
-        return nvcc, "", None
+        return nvcc, "", None, None
     cubin = out / f"{source.stem}-{arch}.cubin"
     ptxas = subprocess.run([PTXAS, *ptxas_args, "-o", str(cubin), str(ptx)], capture_output=True, text=True,
                            timeout=900)
