@@ -221,16 +221,12 @@ __device__ __forceinline__ const u8* k_head(const u8* row, int K, int blk) {
 }
 
 // The words of a block head that sub-block s's scale and min need: d, dmin and the top
-// bits (dt), and the word holding its low bits. Loaded apart from their use, so that a
-// caller may have several heads' loads in flight before it waits for the first.
+// bits (dt), and the word holding its low bits (mmv.cu has a row's lanes load them apart
+// and pass them round).
 struct KHead {
     uint2 dt;
     u32 low;
 };
-
-__device__ __forceinline__ KHead k_head_load(const u8* head, int s) {
-    return {*(const uint2*)head, *(const u32*)(head + 8 + 4 * (s >> 2))};
-}
 
 // Sub-block s's scale and min from those words, times the block's d and dmin.
 __device__ __forceinline__ void k_head_scale_min(const KHead& h, int s, float* scale, float* mn) {
@@ -242,7 +238,10 @@ __device__ __forceinline__ void k_head_scale_min(const KHead& h, int s, float* s
 
 // Sub-block s's scale and min: two loads of the head.
 __device__ __forceinline__ void k_scale_min(const u8* head, int s, float* scale, float* mn) {
-    k_head_scale_min(k_head_load(head, s), s, scale, mn);
+    KHead h;
+    h.dt = *(const uint2*)head;
+    h.low = *(const u32*)(head + 8 + 4 * (s >> 2));
+    k_head_scale_min(h, s, scale, mn);
 }
 
 __device__ __forceinline__ void deq8_q4_k(const u8* row, int K, int k0, float* v) {

@@ -150,9 +150,9 @@ struct WQ4_1 : SplitRows<16, 4> {
 
 // Q4_K and Q5_K as the GPU keeps them (common.cuh k_head): STEP bytes a step (its nibbles
 // as Q4_0's, then Q5_K's 4 bytes of fifth bits), then the block heads. Step s is
-// sub-block s % 8 (scale d sc, min dmin mn: two loads of its block's head, the same for
-// the four lanes of a row; a warp's unrolled steps are in different blocks, so there is
-// nothing to share among them); value d sc q - dmin mn.
+// sub-block s % 8 (scale d sc, min dmin mn, from three words of its block's head; a
+// warp's unrolled steps are in different blocks, so the steps share no head, but the
+// four lanes of a row do: Raw below); value d sc q - dmin mn.
 template <int STEP, int UNROLL>
 struct KQuantRows {
     static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;

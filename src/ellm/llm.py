@@ -476,7 +476,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DEVICES = {"float16": ("cpu",), "bfloat16": ("cuda", "reference")}
 # "auto" by device: float32 elsewhere (every logit as the model computes it). On a GPU
 # the cache is bfloat16, as GPU engines keep it: half the memory and of the bytes decode
-# attention reads, for logits within ~0.4% of the float32 cache's (docs/kv-cache.md).
+# attention reads, for logits within ~0.6% of the float32 cache's (docs/kv-cache.md).
 KV_CACHE_AUTO = {"cuda": "bfloat16"}
 
 
