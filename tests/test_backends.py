@@ -280,6 +280,40 @@ def test_norm_linear_multi_of_mixed_types(ops) -> None:
                 assert np.array_equal(host(ops, o), host(ops, alone[0])), f"T={t} {w.qtype.name}"
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.BF16, GGMLType.F32], ids=lambda t: t.name)
+def test_norm_linear_greedy(ops, qtype) -> None:
+    """A decode step's head with each row's greedy token (cuda: in the product's own
+    launch where mmv.cu takes the type): the logits as the composition gives them, the
+    ids their argmax_rows answer, into the array given."""
+    rng = np.random.default_rng(45)
+    w = synthetic(qtype, 40, 128, rng, bias=True)
+    dw = ops.upload_linear(w)
+    g = rand(rng, 128)
+    for t in FUSED_TOKENS:
+        x = rand(rng, t, 128, scale=2.0)
+        for norm in (g, None):
+            h = x if norm is None else REF.rmsnorm(x, norm, 1e-5)
+            logits, ids = ops.empty((t, 40)), ops.upload(np.full(t, -1, np.int32))
+            got = ops.norm_linear_greedy(ops.upload(x), None if norm is None else ops.upload(norm), 1e-5, dw,
+                                         logits, ids)
+            assert got is ids
+            assert_near(host(ops, logits), REF.linear(h, w), fused_bound(ops, qtype, t), f"T={t}")
+            assert host(ops, ids).tolist() == reference.argmax_ids(host(ops, logits)).tolist(), f"T={t}"
+
+
+def test_argmax_rows(ops) -> None:
+    """Each row's greedy token: the first of equal maxima; NaN and -inf never chosen, a
+    row of nothing else 0; +inf is a value like any other."""
+    inf, nan = np.inf, np.nan
+    rows = np.array([[1, 3, 3, 2], [nan, -1, 5, nan], [-inf, -inf, -inf, -inf], [nan, nan, -inf, nan],
+                     [-2, inf, -inf, inf], [-5, -4, -4, -9]], np.float32)
+    want = [1, 2, 0, 0, 1, 1]
+    assert reference.argmax_ids(rows).tolist() == want
+    assert host(ops, ops.argmax_rows(ops.upload(rows))).tolist() == want
+    out = ops.upload(np.full(len(rows), -1, np.int32))
+    assert ops.argmax_rows(ops.upload(rows), out=out) is out and host(ops, out).tolist() == want
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.BF16], ids=lambda t: t.name)
 def test_norm_linear_glu(ops, act, qtype) -> None:

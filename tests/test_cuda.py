@@ -324,6 +324,51 @@ def test_decode_products_on_fewer_blocks_than_row_groups_are_the_same_bits(ops, 
 
 @needs_gpu
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16], ids=lambda q: q.name)
+def test_a_greedy_head_takes_each_rows_argmax_in_its_own_launch(ops, qtype: GGMLType,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """norm_linear_greedy, a captured decode step's head: on mmv.cu each block takes its
+    tokens' largest (value, first index) as it stores their logits and the last block to
+    finish writes the ids, in the product's one launch (F16, not on mmv.cu: the product,
+    then argmax_rows). The logits are norm_linear_multi's bits and the ids argmax_rows'
+    answer over them: the first of equal maxima (every row is here twice, 16 x 19 + 3 rows
+    apart: in other blocks' groups), NaN and -inf never chosen, a row of nothing else 0;
+    with one block a group and with blocks walking several (the GPU told it has one SM),
+    at 1 to 64 tokens (one, two and, for BF16 and Q8_0, four tiles a group), call after call
+    (the keys and the count of finished blocks left at zero)."""
+    rng = np.random.default_rng(31 + int(qtype))
+    K, half = 256, 16 * 19 + 3
+    one = random_linear(rng, qtype, half, K)
+    bias = rng.standard_normal(half).astype(np.float32)
+    bias[3], bias[7] = np.nan, -np.inf
+    twice = Linear(np.concatenate([one.data, one.data]), qtype, 2 * half, K, bias=np.concatenate([bias, bias]))
+    w = ops.upload_linear(twice)
+    nothing = ops.upload_linear(replace(twice, bias=np.full(2 * half, -np.inf, np.float32)))
+    g = ops.upload(rng.uniform(0.5, 1.5, K).astype(np.float32))
+    fused = ops._mmv(qtype, K)
+    assert fused == (qtype != GGMLType.F16)
+    for loop in (False, True):
+        ops.mmv_loop = loop
+        if loop:
+            monkeypatch.setattr(ops, "num_sms", 1)
+        for t in (1, 5, 17, 33, 64):
+            x = ops.upload(rng.standard_normal((t, K)).astype(np.float32))
+            want = ops.to_host(ops.norm_linear_multi(x, g, 1e-5, [(w, ops.empty((t, 2 * half)))])[0])
+            logits, ids = ops.empty((t, 2 * half)), ops.upload(np.full(t, -1, np.int32))
+            before = ops.launches
+            assert ops.norm_linear_greedy(x, g, 1e-5, w, logits, ids) is ids
+            assert ops.launches - before == (1 if fused else 2)
+            got = ops.to_host(ids)
+            assert np.array_equal(ops.to_host(logits), want, equal_nan=True), (loop, t)
+            assert got.tolist() == R.argmax_ids(want).tolist() == ops.to_host(ops.argmax_rows(logits)).tolist()
+            assert (got < half).all() and not np.isin(got, [3, 7]).any(), got
+            none = ops.norm_linear_greedy(x, None, 1e-5, nothing, logits, ids)
+            assert ops.to_host(none).tolist() == [0] * t
+        monkeypatch.undo()
+    assert ops.mmv_loop
+
+
+@needs_gpu
+@pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16], ids=lambda q: q.name)
 @pytest.mark.parametrize("K", [1024, 96])   # 1024: four steps a warp of mmv.cu; 96: most warps none
 def test_fused_decode_products_with_a_folded_norm_are_batch_invariant(ops, qtype: GGMLType, K: int) -> None:
     """norm + q/k/v and norm + gate/up: a token's rows are the same bits alone, among 15,
@@ -700,8 +745,10 @@ def test_batched_equals_single_and_graphs_equal_eager(smollm2_gguf: Path) -> Non
 def test_a_decode_steps_kernels_are_counted(tiny_models_dir: Path, family: str, per_layer: int,
                                             more: int) -> None:
     """A captured decode step (ops/fused_stack.py). Llama: the embedding, five kernels a
-    layer, the head and the greedy argmax; the first layer's input norm goes into its
-    q/k/v and the final norm into the head (no rmsnorm of their own). Granite: two more
+    layer, the head and the greedy argmax (these models' heads are F32, which mmv.cu does
+    not take: the argmax is a launch of its own; the q8_0 test below counts a head that
+    takes it); the first layer's input norm goes into its q/k/v and the final norm into
+    the head (no rmsnorm of their own). Granite: two more
     a layer (o and down as plain products, each then scaled into the residual by one
     norm_add) and, around the layers, the embedding's scale and the final norm, the
     head's logits scale beside them. Qwen3: one more a layer (q/k/v, then the q/k norms
@@ -730,7 +777,8 @@ def test_a_decode_steps_kernels_are_counted(tiny_models_dir: Path, family: str, 
 def test_a_model_quantized_to_q8_0_at_load_runs_split_rows(tiny_models_dir: Path) -> None:
     """quantize="q8_0" on cuda: the matrices go up as split rows (rows_split), and the
     model gives the CPU's tokens (its own q8_0 weights, f32 activations) and its logits
-    within 1e-4."""
+    within 1e-4. Its captured decode step is the embedding, five kernels a layer and the
+    head, which takes each row's greedy token in its own launch (mmv.cu)."""
     gpu = ellm.load(tiny_models_dir / "llama", device="cuda", quantize="q8_0", max_model_len=256,
                     kv_cache_dtype="float32")
     cpu = ellm.load(tiny_models_dir / "llama", device="cpu", quantize="q8_0", activations="f32", max_model_len=256)
@@ -741,6 +789,9 @@ def test_a_model_quantized_to_q8_0_at_load_runs_split_rows(tiny_models_dir: Path
         ids = np.random.default_rng(8).integers(3, 320, 13).tolist()
         p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         assert gpu.generate(ids, p).token_ids == cpu.generate(ids, p).token_ids
+        assert gpu.model.lm_head.qtype == GGMLType.Q8_0
+        graphs = gpu.engine.runner.executor.graphs
+        assert graphs and {g.kernels for g in graphs.values()} == {5 * len(gpu.model.layers) + 2}
         got, want = gpu.engine.logits(ids)[-1], cpu.engine.logits(ids)[-1]
         assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
     finally:

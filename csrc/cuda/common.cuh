@@ -18,6 +18,25 @@ typedef signed char i8;
 
 #define ELLM_NEG_INF (__int_as_float(0xff800000))
 
+// float -> u32 whose unsigned order is the float order (NaN excluded)
+__device__ __forceinline__ u32 order_key(float f) {
+    u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Greedy choice as a maximum (sample.cu argmax_rows, mmv.cu's greedy head): a logit's key
+// is its order key above the complement of its index, so the largest key is the largest
+// value at its first index; -inf and NaN become 0, never chosen (a row of nothing else
+// gives id 0, as sample_rows does). A maximum of keys is the same in any order.
+__device__ __forceinline__ u64 argmax_key(float v, int i) {
+    if (!(v > ELLM_NEG_INF)) return 0ull;   // -inf, NaN
+    return ((u64)order_key(v) << 32) | (u64)(0xffffffffu - (u32)i);
+}
+
+__device__ __forceinline__ int argmax_id(u64 best) {
+    return best ? (int)(0xffffffffu - (u32)best) : 0;
+}
+
 // Programmatic dependent launch (sm_90+, ops/cuda_pdl.py): inside a captured decode step
 // the next kernel's blocks may be scheduled while this one still runs. Every kernel calls
 // this before it reads or writes global memory (it may prefetch weights into L2 before:

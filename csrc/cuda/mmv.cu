@@ -586,15 +586,24 @@ __device__ __forceinline__ void mmv_groups(int groups, Point point, const float*
 // a block takes RT tiles of 16 of them (a group), or several groups in turn where the grid
 // is smaller. grid at most ceil((N0 + N1 + N2) / (16 RT)), block
 // 32 * MMV_WARPS. T <= MMV_TOKENS, K % 32 == 0.
+// A greedy head (keys not null; one matrix, no add) also gives each token's argmax_rows
+// answer over its row of Y0, in ids (T,): each block keeps its tokens' largest argmax_key
+// in shared memory, adds it to keys (T,) by atomicMax, and the last block to finish (done
+// counts them) turns keys into ids and leaves keys and done at zero for the next launch:
+// the step's argmax needs no launch of its own, nor another pass over the logits.
 template <class WT, int RT>
 __device__ __forceinline__ void mmv3_t(
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
         long long rb0, long long rb1, long long rb2,
         const float* __restrict__ b0, const float* __restrict__ b1, const float* __restrict__ b2,
         float* Y0, float* Y1, float* Y2, const float* __restrict__ X, const float* __restrict__ g,
-        float eps, int T, int K, int N0, int N1, int N2, int add) {
+        float eps, int T, int K, int N0, int N1, int N2, int add,
+        u64* keys, int* done, int* ids) {
     MMV_SHARED
+    __shared__ u64 best[MMV_TOKENS];   // a greedy head's largest key per token, this block's rows
+    __shared__ int last;
     int lane = threadIdx.x & 31, gi = lane >> 2;
+    if (threadIdx.x < MMV_TOKENS) best[threadIdx.x] = 0ull;   // read after mmv_tiles' barriers
     auto row_of = [&](int n) -> const u8* {
         if (n < N0) return W0 + (long long)n * rb0;
         if (n < N0 + N1) return W1 + (long long)(n - N0) * rb1;
@@ -624,7 +633,36 @@ __device__ __forceinline__ void mmv3_t(
             float r2 = bias ? v + bias[n] : v;
             *y = add ? *y + r2 : r2;
         }
+        if (keys) {   // a greedy head: the tile's largest key of each token, into best
+            // the same items on the same threads, so each reads back what it has just stored;
+            // a warp's lanes take the same trips, and a token's 16 their maximum by shuffles
+            for (int base = threadIdx.x & ~31; base < 16 * T; base += blockDim.x) {
+                int it = base + lane, s = it & 15, t = it >> 4, n = n0 + s;
+                u64 key = it < 16 * T && n < N0 ? argmax_key(Y0[(long long)t * N0 + n], n) : 0ull;
+                #pragma unroll
+                for (int o = 8; o > 0; o >>= 1) {
+                    u64 w = __shfl_xor_sync(0xffffffffu, key, o);
+                    key = w > key ? w : key;
+                }
+                if (s == 0 && it < 16 * T && key > best[t]) best[t] = key;   // one lane a token
+            }
+        }
     });
+    if (!keys) return;
+    __syncthreads();   // every tile's best is in
+    if (threadIdx.x < T) atomicMax(keys + threadIdx.x, best[threadIdx.x]);
+    __threadfence();   // this block's keys visible to the last block
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x < T) {
+        volatile u64* k = keys + threadIdx.x;
+        ids[threadIdx.x] = argmax_id(*k);
+        *k = 0ull;   // ready for the next launch
+    }
+    if (threadIdx.x == 0) *done = 0;
 }
 
 // glu's meaning: out (T, F) = act(h Wg^T + bg) * (h Wu^T + bu), h = rmsnorm(X) (g null:
@@ -711,8 +749,9 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv3##sfx##_##name(
         const float* __restrict__ b0, const float* __restrict__ b1,                       \
         const float* __restrict__ b2, float* Y0, float* Y1, float* Y2,                    \
         const float* __restrict__ X, const float* __restrict__ g, float eps,              \
-        int T, int K, int N0, int N1, int N2, int add) {                                  \
-    mmv3_t<WT, RT>(W0, W1, W2, rb0, rb1, rb2, b0, b1, b2, Y0, Y1, Y2, X, g, eps, T, K, N0, N1, N2, add); \
+        int T, int K, int N0, int N1, int N2, int add, u64* keys, int* done, int* ids) {  \
+    mmv3_t<WT, RT>(W0, W1, W2, rb0, rb1, rb2, b0, b1, b2, Y0, Y1, Y2, X, g, eps, T, K, N0, N1, N2, add, \
+                   keys, done, ids);                                                      \
 }                                                                                         \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_glu##sfx##_##name(       \
         const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rbg, long long rbu, \

@@ -12,12 +12,6 @@
 
 #define SAMPLE_THREADS 1024
 
-// float -> u32 whose unsigned order is the float order (NaN excluded)
-__device__ __forceinline__ u32 order_key(float f) {
-    u32 u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 __device__ __forceinline__ float key_float(u32 k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
@@ -219,19 +213,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
 // Greedy rows on many blocks (a row without logit_bias, penalties or logprobs: what
 // sample_rows' greedy branch gives, in a fraction of its time: one block scanning a
 // 128k-entry row alone is the slowest kernel of a small model's step). Each element
-// becomes a 64-bit key, its order key above the complement of its index, so the largest
-// key is the largest value at its first index; -inf and NaN become 0 (never chosen; a
-// row of nothing else gives 0, as sample_rows does). A maximum is the same in any order,
-// so the result does not depend on how the row is cut. grid (chunks, B), block
+// becomes common.cuh's argmax_key, whose maximum is the same in any order, so the result
+// does not depend on how the row is cut (mmv.cu's greedy head takes the same maximum). grid (chunks, B), block
 // ARGMAX_THREADS, chunks = ceil(V / ARGMAX_CHUNK); partial (B, chunks); counters (B,)
 // start at zero and are left at zero (the last block of a row resets its own).
 #define ARGMAX_THREADS 256
 #define ARGMAX_CHUNK (ARGMAX_THREADS * 8)
-
-__device__ __forceinline__ u64 argmax_key(float v, int i) {
-    if (!(v > ELLM_NEG_INF)) return 0ull;   // -inf, NaN
-    return ((u64)order_key(v) << 32) | (u64)(0xffffffffu - (u32)i);
-}
 
 __device__ __forceinline__ u64 block_max_u64(u64 v, u64* sh) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -284,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
     }
     best = block_max_u64(best, sh);
     if (threadIdx.x == 0) {
-        out_ids[b] = best ? (int)(0xffffffffu - (u32)best) : 0;
+        out_ids[b] = argmax_id(best);
         counters[b] = 0;   // ready for the next launch
     }
 }

@@ -328,11 +328,13 @@ class Decoder:
             upload_weights(self.ops, x, memo) for x in (self.embed, self.lm_head, self.norm, self.layers))
 
     def forward(self, batch: Batch, kv: Any, hidden_only: bool = False,
-                ws: Workspace | None = None) -> np.ndarray:
+                ws: Workspace | None = None, greedy_ids: Any = None) -> np.ndarray:
         """-> logits (len(batch.logits_rows), vocab) float32, or with hidden_only the final-
         normed hidden states (len(batch.logits_rows), H): a backend array, a view of the
         workspace `ws` that stays valid until the next forward. The batch's arrays and the
-        KV cache `kv` are the backend's (ops.upload_batch, ops.kv_zeros)."""
+        KV cache `kv` are the backend's (ops.upload_batch, ops.kv_zeros). greedy_ids: a
+        backend int32 array (len(batch.logits_rows),) that also gets each row's greedy
+        token (ops.argmax_rows; a decode step's head may take it in its own launch)."""
         if ws is None:
             ws = self._ws = self._ws or Workspace(self.ops)
         c, ops = self.config, self.ops
@@ -364,7 +366,7 @@ class Decoder:
             # every row gives logits (a decode step): the final norm folded into the head
             logits = ws.get("logits", r, c.vocab_size)
             stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit, slots,
-                      head=(self.lm_head, logits))
+                      head=(self.lm_head, logits, greedy_ids))
             return logits
         if stack is not None:   # every layer in one call, leaving residual and h_buf as the loop does
             stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit, slots)
@@ -382,6 +384,8 @@ class Decoder:
             ops.scale(logits, self.logits_scale)
         if self.final_softcap > 0:
             ops.softcap(logits, self.final_softcap)
+        if greedy_ids is not None:
+            ops.argmax_rows(logits, out=greedy_ids)
         return logits
 
     def _layers_one_by_one(self, ws: Workspace, h: np.ndarray, batch: Batch, kv: Any, proj: np.ndarray,

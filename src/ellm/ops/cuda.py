@@ -302,13 +302,13 @@ class CudaOps:
                 f"a layer's {mem_size(int(np.prod(shape)) * dtype.itemsize)} were asked for); pass a smaller "
                 "kv_cache_tokens or max_model_len, or kv_cache_dtype='bfloat16'") from None
 
-    def _counters(self, size: int, name: str = "attn_counters") -> Any:
-        """Completion counters (attn_decode's per (token, head), argmax_rows' per row):
-        zeroed once, grow-only (the kernels leave them at zero), held by a graph being
-        captured."""
+    def _counters(self, size: int, name: str = "attn_counters", dtype: Any = np.int32) -> Any:
+        """Completion counters (attn_decode's per (token, head), argmax_rows' per row, a
+        greedy head's keys): zeroed once, grow-only (the kernels leave them at zero), held
+        by a graph being captured."""
         buf = self._scratch.get(name)
         if buf is None or buf.size < size:
-            buf = self._scratch[name] = self.cp.zeros(max(size, 1), np.int32)
+            buf = self._scratch[name] = self.cp.zeros(max(size, 1), dtype)
         if self.capture_keep is not None:
             self.capture_keep.append(buf)
         return buf
@@ -738,10 +738,16 @@ class CudaOps:
         return ("x2", 2) if self.mmv_x2 and T > MMV_X2_ABOVE else ("", 1)
 
     def _mmv3(self, x: Any, ws: Sequence[Linear], outs: Sequence[Any], ns: Sequence[int], norm: Any,
-              eps: float, add: bool = False) -> None:
+              eps: float, add: bool = False, greedy: Any = None) -> None:
         """mmv3: up to three matrices (ns[i] == 0: absent) against x (T <= 64 rows, aligned),
-        with the norm folded in (norm not None) or the results added to outs (add)."""
+        with the norm folded in (norm not None) or the results added to outs (add); greedy
+        (int32 (T,), one matrix): each row's argmax_rows answer over its outputs too."""
         T, K = int(x.shape[0]), ws[0].in_features
+        if greedy is None:
+            greedy_args: tuple = (_NULL, _NULL, _NULL)
+        else:
+            greedy_args = (self._counters(GEMM_MIN_TOKENS, "greedy_keys", np.uint64),
+                           self._counters(1, "greedy_done"), greedy)
         datas = [self._weight(w) for w in ws]
         biases = [_NULL if w.bias is None or n == 0 else w.bias for w, n in zip(ws, ns)]
         sfx, rt = self._mmv_tiles(T, ws[0].qtype)
@@ -751,7 +757,7 @@ class CudaOps:
         self._launch(f"mmv3{sfx}_{WEIGHT_TYPES[ws[0].qtype]}", (groups,), (MMV_THREADS,),
                      (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x,
                       _NULL if norm is None else norm, np.float32(eps), np.int32(T), np.int32(K),
-                      *(np.int32(n) for n in ns), np.int32(bool(add))))
+                      *(np.int32(n) for n in ns), np.int32(bool(add)), *greedy_args))
 
     def _normed(self, x: Any, norm: Any, eps: float, out: Any = None) -> Any:
         if norm is None:
@@ -795,6 +801,21 @@ class CudaOps:
                      (*datas, *(np.int64(d.strides[0]) for d in datas), *biases, *outs, x, norm,
                       np.float32(eps), np.int32(T), np.int32(K), *(np.int32(n) for n in ns)))
         return [o for _, o in parts]
+
+    @_on_stream
+    def norm_linear_greedy(self, x: Any, norm: Any, eps: float, w: Linear, logits: Any, ids: Any) -> Any:
+        """norm_linear_multi of one matrix into logits (T, N), and each row's argmax_rows
+        answer into ids (T,) int32: on mmv.cu in the product's own launch (a captured
+        decode step's head: no argmax launch, no second pass over the logits), otherwise
+        argmax_rows after the product."""
+        T, K, N = int(x.shape[0]), w.in_features, w.out_features
+        if (self._fusable(x, [w]) and self._mmv(w.qtype, K) and logits.flags.c_contiguous
+                and tuple(logits.shape) == (T, N) and ids.flags.c_contiguous and tuple(ids.shape) == (T,)
+                and ids.dtype == np.int32):
+            self._mmv3(self._vec_in(x), [w, w, w], [logits, logits, logits], [N, 0, 0], norm, eps, greedy=ids)
+            return ids
+        self.norm_linear_multi(x, norm, eps, ((w, logits),))
+        return self.argmax_rows(logits, out=ids)
 
     @_on_stream
     def norm_linear_glu(self, x: Any, norm: Any, eps: float, gate: Linear, up: Linear, act: str,

@@ -461,11 +461,12 @@ class GraphStep:
             self.graph_ws = Workspace(ops)
             big = BUCKETS[-1]
             warm = cp.asarray(self._host_inputs(None, big))
-            ops.argmax_rows(self.model.forward(self._static_batch(warm, big), self.kv, ws=self.graph_ws))
+            self.model.forward(self._static_batch(warm, big), self.kv, ws=self.graph_ws,
+                               greedy_ids=cp.empty(big, np.int32))
         ints_dev = cp.asarray(self._host_inputs(None, b))
         argmax, sampled = cp.empty(b, np.int32), cp.zeros(b, np.int32)
         static = self._static_batch(ints_dev, b)
-        self.model.forward(static, self.kv, ws=self.graph_ws)   # compiles anything not yet compiled
+        self.model.forward(static, self.kv, ws=self.graph_ws, greedy_ids=argmax)   # compiles what is not yet
         ops.stream.synchronize()
         keep: list[Any] = []
         ops.capture_keep = keep
@@ -476,8 +477,8 @@ class GraphStep:
         try:
             ops.stream.begin_capture()
             try:
-                logits = self.model.forward(static, self.kv, ws=self.graph_ws)
-                ops.argmax_rows(logits, out=argmax)
+                # each row's greedy token in the head's own launch where it can (mmv.cu)
+                logits = self.model.forward(static, self.kv, ws=self.graph_ws, greedy_ids=argmax)
             finally:
                 graph = ops.stream.end_capture()
         finally:

@@ -48,8 +48,9 @@ class FusedLayerStack:
             adapter_slots: Any = None, head: tuple | None = None) -> None:
         """adapter_slots: [lora] always None here (takes_adapters: the decoder runs a batch
         naming adapters layer by layer, ops.lora in between). head: (lm_head, logits (T, V))
-        for a forward whose every row gives logits: the final norm goes into the head's
-        product (norm_linear_multi), and h_buf is left as the last layer left it."""
+        or (lm_head, logits, ids (T,)) for a forward whose every row gives logits: the final
+        norm goes into the head's product (norm_linear_multi; with ids, norm_linear_greedy:
+        each row's greedy token too), and h_buf is left as the last layer left it."""
         if adapter_slots is not None:
             raise ValueError("the fused layer stack runs no LoRA adapters: run such a batch layer by layer")
         ops, eps, residual, h_buf = self.ops, self.eps, self.residual, self.h_buf
@@ -62,8 +63,10 @@ class FusedLayerStack:
             ops.norm_linear_glu(residual, s["pre_mlp_norm"], eps, s["gate"], s["up"], s["act"], out=s["act_out"])
             self._into_residual(s["act_out"], s["down"], s["post_mlp_norm"], s["residual_multiplier"])
         if head is not None:
-            lm_head, logits = head
-            if self.final_norm is not None:
+            lm_head, logits, *ids = head
+            if ids and ids[0] is not None:
+                ops.norm_linear_greedy(residual, self.final_norm, eps, lm_head, logits, ids[0])
+            elif self.final_norm is not None:
                 ops.norm_linear_multi(residual, self.final_norm, eps, ((lm_head, logits),))
             else:
                 ops.linear(residual, lm_head, out=logits)

@@ -366,6 +366,13 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: Seque
     return out
 
 
+def argmax_ids(logits: np.ndarray) -> np.ndarray:
+    """Each row's greedy token (B, V) -> int32 (B,): the first index of its largest value,
+    -inf and NaN never chosen (a row of only those gives 0), as the samplers choose."""
+    x = np.asarray(logits, dtype=np.float32)
+    return np.argmax(np.where(np.isnan(x), -np.inf, x), axis=1).astype(np.int32)
+
+
 def _into(out: np.ndarray | None, value: np.ndarray) -> np.ndarray:
     if out is None:
         return np.ascontiguousarray(value, dtype=np.float32)
@@ -412,6 +419,20 @@ class FusedByComposition:
         backend's own)."""
         h = x if norm is None else self.rmsnorm(x, norm, eps, out=normed)
         return self.linear_multi(h, parts)
+
+    def norm_linear_greedy(self, x: Any, norm: Any, eps: float, w: "Linear", logits: Any, ids: Any) -> Any:
+        """A decode step's head: norm_linear_multi(x, norm, eps, ((w, logits),)), then each
+        row's greedy token into ids (T,) int32 (argmax_rows) -> ids."""
+        self.norm_linear_multi(x, norm, eps, ((w, logits),))
+        return self.argmax_rows(logits, out=ids)
+
+    def argmax_rows(self, logits: Any, out: Any = None) -> Any:
+        """Each row's greedy token (B, V) -> int32 (B,): argmax_ids, into out when given."""
+        ids = argmax_ids(self.to_host(logits))
+        if out is None:
+            return ids
+        out[...] = ids
+        return out
 
     def norm_linear_glu(self, x: Any, norm: Any, eps: float, gate: "Linear", up: "Linear", act: str,
                         out: Any = None) -> Any:
