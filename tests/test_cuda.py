@@ -1329,6 +1329,40 @@ def test_device_sampling_distribution_and_filters(ops) -> None:
         assert np.max(np.abs(freq - q)) < 0.03, (params, freq, q)
 
 
+def _kept_by_filters(row: np.ndarray, params: SamplingParams) -> set[int]:
+    """The tokens min_p, top_k and top_p keep (in that order) at temperature 1, in float64:
+    the k-th largest value and all equal to it; the fewest largest values whose
+    probabilities reach top_p of what is left, and all equal to the last."""
+    x = row.astype(np.float64)
+    keep = x >= x.max() + math.log(params.min_p) if params.min_p > 0 else np.ones(len(x), bool)
+    if 0 < params.top_k <= keep.sum():
+        keep &= x >= np.sort(x[keep])[::-1][params.top_k - 1]
+    if params.top_p < 1.0:
+        vals = np.sort(x[keep])[::-1]
+        cum = np.cumsum(np.exp(vals - x.max()))
+        keep &= x >= vals[int(np.searchsorted(cum, params.top_p * cum[-1]))]
+    return set(np.flatnonzero(keep).tolist())
+
+
+@needs_gpu
+def test_device_top_k_and_top_p_keep_what_their_rules_keep(ops) -> None:
+    """The thresholds of top_k, top_p and min_p on a row of 3,000 (sample.cu: a radix
+    selection over the entries' order keys, 8 bits a pass): the tokens drawn by 400 seeded
+    rows are exactly those the rules keep (_kept_by_filters), among twelve near-equal
+    largest values, some of them equal."""
+    V, n = 3000, 400
+    rng = np.random.default_rng(12)
+    row = rng.standard_normal(V).astype(np.float32)
+    row[rng.choice(V, 12, replace=False)] = 5.0 + np.round(rng.uniform(0.0, 0.3, 12), 1).astype(np.float32)
+    for kw in ({"top_k": 6}, {"top_k": 7}, {"top_p": 0.1}, {"top_p": 0.05}, {"top_k": 9, "top_p": 0.5},
+               {"min_p": 0.9, "top_p": 0.6}):
+        params = SamplingParams(temperature=1.0, seed=21, **kw)
+        samplers = [SequenceSampler(params, [], V, sibling=i) for i in range(n)]
+        drawn = {r.token_id for r in ops.sample(ops.upload(np.tile(row, (n, 1))), samplers)}
+        kept = _kept_by_filters(row, params)
+        assert 1 < len(kept) < 12 and drawn == kept, (kw, sorted(drawn), sorted(kept))
+
+
 @needs_gpu
 def test_device_sampling_is_reproducible_per_seed(ops) -> None:
     V = 1000

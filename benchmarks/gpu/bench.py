@@ -22,7 +22,9 @@ blocks as groups: ELLM_CUDA_MMV_LOOP=0), `ellm cuda graphs two tiles` (mmv.cu's 
 of two tiles above 32 tokens too: ELLM_CUDA_MMV_X4=0), `ellm cuda graphs one tile`
 (one-tile blocks at 17-64 tokens too: ELLM_CUDA_MMV_X2=0), `ellm cuda graphs logprobs`
 (every request asking for 5 top logprobs, taken on the device), `ellm cuda graphs
-logprobs on the host` (the same sampled on the host: ELLM_CUDA_LOGPROBS=0), `ellm cuda graphs f32
+logprobs on the host` (the same sampled on the host: ELLM_CUDA_LOGPROBS=0), `ellm cuda graphs
+sampled` (every request drawing its tokens at temperature 0.8 with top_k 40 and top_p
+0.95: sample.cu's filters, where the others take the greedy argmax), `ellm cuda graphs f32
 gemv` (the same with linear.cu's f32 decode products: ELLM_CUDA_MMV=0), `ellm cuda
 graphs unfused` (one kernel per op), `ellm cuda eager`, `transformers` (bf16,
 `generate(..., cache_implementation="static")`: compiled, CUDA graphs) and `transformers
@@ -147,7 +149,7 @@ def add_rates(out: dict[str, float], wb: float, batches: tuple[int, ...]) -> Non
 def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
                deadline: float, mmv: bool = True, pdl: bool = True, tiles: int = 4,
                overlap: bool = True, loop: bool = True, logprobs: int | None = None,
-               device_logprobs: bool = True) -> dict[str, float]:
+               device_logprobs: bool = True, sampled: bool = False) -> dict[str, float]:
     os.environ["ELLM_CUDA_FUSED"] = "1" if fused else "0"   # all read when the backend is made
     os.environ["ELLM_CUDA_MMV"] = "1" if mmv else "0"
     os.environ["ELLM_CUDA_PDL"] = "1" if pdl else "0"
@@ -174,7 +176,8 @@ def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
         ids = list(RANDOM_PROMPT) if src.random_ids else llm.encode_prompt(PROMPT)
 
         def run(n_seqs: int, n_tokens: int) -> None:
-            p = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True, logprobs=logprobs)
+            draw = dict(temperature=0.8, top_k=40, top_p=0.95, seed=1) if sampled else dict(temperature=0.0)
+            p = SamplingParams(max_tokens=n_tokens, ignore_eos=True, logprobs=logprobs, **draw)
             llm.generate([ids] * n_seqs, p)
 
         run(1, 4)   # compile, capture
@@ -472,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
             record(s, f"ellm {ellm_device} graphs logprobs on the host",
                    lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, logprobs=5,
                                              device_logprobs=False), 0.3)
+    for s in sources:   # every request drawing its tokens (sample.cu's filters) instead of the argmax
+        if (s.name, s.weights) in (("smollm2", "gguf"), ("llama-1b", "bf16 folder"), ("tiny", "bf16 folder")):
+            record(s, f"ellm {ellm_device} graphs sampled",
+                   lambda d, s=s: bench_ellm(s, plans[s.name], ellm_device, True, True, d, sampled=True), 0.3)
     for s in sources:   # round two's f32 decode kernels (ELLM_CUDA_MMV=0) against mmv.cu's
         if not s.quantize:
             record(s, f"ellm {ellm_device} graphs f32 gemv",

@@ -37,6 +37,101 @@ __device__ T block_sum(T v, T* sh) {
     return v;
 }
 
+// Top-k's and top-p's thresholds by radix selection on the entries' order keys, 8 bits a
+// pass from the top (4 passes over the row, where a bisection took one a bit, up to 32):
+// each pass counts the entries whose higher bits are those chosen so far per value of
+// the next 8 bits, or sums their weights exp((x - mx) inv_temp); a warp then finds the
+// bin holding the need-th unit from the top. Counts and weights are integers (a weight
+// in units of 2^-40 of the largest one's), added in any order to the same sum, so a
+// seeded draw does not depend on the threads' timing.
+#define SAMPLE_BINS 256
+#define WEIGHT_UNITS 1099511627776.0f   // 2^40
+
+__device__ __forceinline__ u64 fixed_weight(float v, float mx, float it) {
+    float w = v > ELLM_NEG_INF ? expf((v - mx) * it) : 0.0f;   // <= 1 (v <= mx)
+    return w > 0.0f ? (u64)(w * WEIGHT_UNITS) : 0ull;           // (NaN: none)
+}
+
+// hist[bin] over the entries >= floor_v whose key has `prefix` under `mask`, bin = key
+// bits [shift, shift + 8): their count (!MASS) or fixed_weight sum (MASS). A thread adds a
+// run of its entries in one bin at once: keys crowd into few bins, and the shared
+// counters of one bin serialize every add.
+template <bool MASS>
+__device__ void radix_hist(const float* __restrict__ x, int V, float floor_v, float mx, float it, u32 prefix,
+                           u32 mask, int shift, u64* hist) {
+    for (int j = threadIdx.x; j < SAMPLE_BINS; j += SAMPLE_THREADS) hist[j] = 0ull;
+    __syncthreads();
+    int run_bin = 0;
+    u64 run = 0ull;
+    for (int i = threadIdx.x; i < V; i += SAMPLE_THREADS) {
+        float v = x[i];
+        u32 key = order_key(v);
+        if (!(v >= floor_v) || (key & mask) != prefix) continue;
+        u64 add = MASS ? fixed_weight(v, mx, it) : 1ull;
+        if (!add) continue;
+        int bin = (int)((key >> shift) & 0xffu);
+        if (bin != run_bin) {
+            if (run) atomicAdd(hist + run_bin, run);
+            run_bin = bin;
+            run = 0ull;
+        }
+        run += add;
+    }
+    if (run) atomicAdd(hist + run_bin, run);
+    __syncthreads();
+}
+
+// Warp 0: the bin from the top in which the bins' running sum reaches need (frac > 0:
+// need = frac x the bins' total, at least 1), and what is still needed inside it, into
+// s_bin and s_rem; s_bin -1 where the bins hold less. A lane sums 8 bins (lane 0 the top
+// ones), a scan over the lanes, and the lane whose range crosses need walks its 8.
+__device__ void radix_pick(const u64* hist, u64 need, float frac, int* s_bin, u64* s_rem) {
+    int lane = threadIdx.x & 31;
+    u64 mine = 0ull;
+    for (int j = 0; j < 8; j++) mine += hist[SAMPLE_BINS - 1 - 8 * lane - j];
+    u64 incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+        u64 y = __shfl_sync(0xffffffffu, incl, lane >= o ? lane - o : lane);
+        if (lane >= o) incl += y;
+    }
+    if (frac > 0.0f) {
+        double want = ceil((double)frac * (double)__shfl_sync(0xffffffffu, incl, 31));
+        need = want > 1.0 ? (u64)want : 1ull;
+    }
+    u64 c = incl - mine;   // in the bins above this lane's
+    if (c < need && need <= incl) {
+        int bin = SAMPLE_BINS - 1 - 8 * lane;
+        for (int j = 0; j < 7; j++, bin--) {
+            if (c + hist[bin] >= need) break;
+            c += hist[bin];
+        }
+        *s_bin = bin;
+        *s_rem = need - c;
+    }
+    if (lane == 31 && incl < need) *s_bin = -1;
+}
+
+// The largest key K such that the counted entries (radix_hist's) with keys >= K hold at
+// least need units (frac > 0: frac of all of them); 0 where they hold fewer (no key of
+// a number is 0, so a caller's max with its floor keeps the floor).
+template <bool MASS>
+__device__ u32 radix_select(const float* __restrict__ x, int V, float floor_v, float mx, float it, u64 need,
+                            float frac, u64* hist, int* s_bin, u64* s_rem) {
+    u32 prefix = 0u, mask = 0u;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        radix_hist<MASS>(x, V, floor_v, mx, it, prefix, mask, shift, hist);
+        if (threadIdx.x < 32) radix_pick(hist, need, shift == 24 ? frac : 0.0f, s_bin, s_rem);
+        __syncthreads();
+        int bin = *s_bin;
+        need = *s_rem;
+        __syncthreads();   // read by all before the next pass writes hist, s_bin, s_rem
+        if (bin < 0) return 0u;
+        prefix |= (u32)bin << shift;
+        mask |= 0xffu << shift;
+    }
+    return prefix;
+}
+
 // grid B, block SAMPLE_THREADS. logits are scratch: the penalties are applied in place.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
         float* __restrict__ logits,             // (B, V)
@@ -68,6 +163,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     __shared__ float s_best;
     __shared__ int s_best_id, s_found, s_pending_listed;
     __shared__ float s_prefix[SAMPLE_THREADS];
+    __shared__ u64 s_hist[SAMPLE_BINS];
+    __shared__ u64 s_rem;
+    __shared__ int s_bin;
     int b = blockIdx.x, tid = threadIdx.x;
     float* x = logits + (long long)b * V;
 
@@ -137,38 +235,21 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     // min-p: p_i >= min_p p_max  <=>  x_i >= mx + log(min_p) / inv_temp
     float lo = log_min_p[b] == ELLM_NEG_INF ? ELLM_NEG_INF : mx + log_min_p[b] / it;
     u32 floor_key = order_key(lo);
-    // top-k: the largest key with at least k entries at or above it (bisection on bits)
+    // top-k: the k-th largest key of the entries >= lo (every entry equal to it kept), or
+    // lo where fewer entries are there
     if (k > 0 && k < V) {
-        u32 a = floor_key, c = order_key(mx);
-        while (a < c) {
-            u32 mid = a + (c - a + 1) / 2;
-            float thr = key_float(mid);
-            int n = 0;
-            for (int i = tid; i < V; i += SAMPLE_THREADS) n += x[i] >= thr;
-            n = block_sum<int, SAMPLE_THREADS>(n, shi);
-            if (n >= k) a = mid; else c = mid - 1;
-        }
-        floor_key = a;
+        u32 kth = radix_select<false>(x, V, lo, mx, it, (u64)k, 0.0f, s_hist, &s_bin, &s_rem);
+        floor_key = kth > floor_key ? kth : floor_key;
     }
     float floor_v = key_float(floor_key);
-    float total = 0.0f;
-    for (int i = tid; i < V; i += SAMPLE_THREADS)
-        if (x[i] >= floor_v) total += expf((x[i] - mx) * it);
-    total = block_sum<float, SAMPLE_THREADS>(total, shf);
-    // top-p: the largest threshold whose mass at or above it reaches top_p * total
+    // top-p: the largest key whose entries at or above it hold top_p of the mass >= floor_v
     float tp = top_p[b];
     if (tp > 0.0f && tp < 1.0f) {
-        u32 a = floor_key, c = order_key(mx);
-        float need = tp * total;
-        while (a < c) {
-            u32 mid = a + (c - a + 1) / 2;
-            float thr = key_float(mid), m = 0.0f;
-            for (int i = tid; i < V; i += SAMPLE_THREADS)
-                if (x[i] >= thr) m += expf((x[i] - mx) * it);
-            m = block_sum<float, SAMPLE_THREADS>(m, shf);
-            if (m >= need) a = mid; else c = mid - 1;
-        }
-        floor_v = key_float(a);
+        u32 nucleus = radix_select<true>(x, V, floor_v, mx, it, 1ull, tp, s_hist, &s_bin, &s_rem);
+        u32 top = order_key(mx);
+        nucleus = nucleus < top ? nucleus : top;
+        floor_key = nucleus > floor_key ? nucleus : floor_key;
+        floor_v = key_float(floor_key);
     }
 
     // the draw: contiguous slices per thread, a prefix over the slices, one walk
