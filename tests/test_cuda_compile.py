@@ -151,6 +151,8 @@ def test_nvcc_ptx_without_warnings(source: Path, arch: str, compiled: dict) -> N
         if source.name == "mmv.cu":   # their first weights are on their way while they wait
             unfetched = [k for k, early in _prefetch_before_wait(ptx).items() if not early]
             assert not unfetched, f"mmv kernels without an L2 prefetch before the wait: {unfetched}"
+            unfetched = [k for k, after in _activations_fetched_after_wait(ptx).items() if not after]
+            assert not unfetched, f"mmv kernels without their activations' L1 prefetch: {unfetched}"
     # ptxas assembles it for this architecture without spilling registers to local memory
     # (a spill in a decode kernel costs more than the kernel itself), and says per kernel
     # what it uses (-v): the fused decode kernels keep no stack frame at all
@@ -201,6 +203,17 @@ def _prefetch_before_wait(ptx: str) -> dict[str, bool]:
         body = m.group(2)
         wait, fetch = body.find("griddepcontrol.wait"), body.find("prefetch.global.L2")
         out[m.group(1)] = 0 <= fetch < wait
+    return out
+
+
+def _activations_fetched_after_wait(ptx: str) -> dict[str, bool]:
+    """Per kernel entry: whether a `prefetch.global.L1` (mmv.cu prefetch_activations: what
+    the kernel before wrote) comes after `griddepcontrol.wait`."""
+    out: dict[str, bool] = {}
+    for m in re.finditer(r"\.entry\s+(\w+)(.*?)(?=\.entry\s|\Z)", ptx, re.S):
+        body = m.group(2)
+        wait = body.find("griddepcontrol.wait")
+        out[m.group(1)] = 0 <= wait < body.find("prefetch.global.L1", wait + 1)
     return out
 
 
@@ -300,6 +313,11 @@ def test_dependency_sync_order_sees_a_late_wait() -> None:
                           "{ ld.param.u64 %rd1, [a]; prefetch.global.L2 [%rd1]; griddepcontrol.wait;")
     assert _dependency_sync_order(fetched)["good"] == ""   # a prefetch is no access
     assert _prefetch_before_wait(fetched) == {"good": True, "late": False, "none": False}
+    near = fetched.replace("griddepcontrol.wait;\n    ld.global.f32",
+                           "griddepcontrol.wait; prefetch.global.L1 [%rd1];\n    ld.global.f32")
+    assert _activations_fetched_after_wait(near) == {"good": True, "late": False, "none": False}
+    early = fetched.replace("prefetch.global.L2 [%rd1];", "prefetch.global.L1 [%rd1];")
+    assert _activations_fetched_after_wait(early)["good"] is False
 
 
 def test_sources_paste_the_header_in() -> None:
@@ -384,4 +402,6 @@ def test_nvrtc_compiles(unit: cuda_kernels.KernelUnit, arch: str) -> None:
         if unit[0] == "mmv.cu":
             unfetched = [k for k, early in _prefetch_before_wait(ptx.decode()).items() if not early]
             assert not unfetched, f"mmv kernels without an L2 prefetch before the wait: {unfetched}"
+            unfetched = [k for k, after in _activations_fetched_after_wait(ptx.decode()).items() if not after]
+            assert not unfetched, f"mmv kernels without their activations' L1 prefetch: {unfetched}"
 

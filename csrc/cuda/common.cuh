@@ -62,6 +62,16 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
+// The same into L1 (and L2): for what a kernel reads again soon after, such as a decode
+// product's activations, whose loads wait for the step before. Nothing in a host build.
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
+#else
+    (void)p;
+#endif
+}
+
 #ifdef ELLM_HOST_CUDA   // a host build for checking without a GPU (tests/cuda_host)
 __device__ __forceinline__ float f16_to_f32(u16 h) { return cuda_host_f16_to_f32(h); }
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return cuda_host_bf16_to_f32(h); }

@@ -471,6 +471,23 @@ __device__ __forceinline__ void prefetch_first_steps(const u8* const* ra, const 
     }
 }
 
+// After grid_dependency_sync (X is the kernel before's output): the lines of X's first 8
+// tokens and of the norm weight g that this warp's steps read, into L1. mmv_warp loads a
+// step's activations only after the step before is multiplied (registers hold the
+// weights' loads in flight), so each is a trip to memory in turn: from L2 ~0.2 µs, a
+// round of U steps U of them, longer than the round's weights take to arrive from HBM for
+// the types of 16 steps ahead. Asked for here all at once, they are near when needed.
+__device__ __forceinline__ void prefetch_activations(const float* __restrict__ X, const float* __restrict__ g,
+                                                     int T, int K) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int rows = T < 8 ? T : 8, steps = K >> 5;
+    for (int r = 0; r <= rows; r++) {
+        const float* row = r < rows ? X + (long long)r * K : g;
+        if (!row) break;
+        for (int s = warp + lane * MMV_WARPS; s < steps; s += 32 * MMV_WARPS) prefetch_l1(row + (s << 5));
+    }
+}
+
 // One tile's accumulators into part[warp][slot][token], for the block's ordered sum.
 __device__ __forceinline__ void store_part(const float (&acc)[MMV_TOKENS / 8][4], int T,
                                            float (*part)[16][MMV_TOKENS]) {
@@ -564,6 +581,7 @@ __device__ __forceinline__ void mmv_groups(int groups, Point point, const float*
     point(grp, ra, rbs);
     prefetch_first_steps<WT, RT>(ra, rbs, K);
     grid_dependency_sync();   // what the kernel before wrote is read from here on
+    prefetch_activations(X, g, T, K);
     for (;;) {
         int next = grp + (int)gridDim.x;
         if (next < groups) {
@@ -727,6 +745,7 @@ __device__ __forceinline__ void mmv_qkv_rope_t(ELLM_QKV_ROPE_PARAMS) {
     }
     prefetch_first_steps<WT, RT>(ra, rbs, K);
     grid_dependency_sync();   // what the kernel before wrote is read from here on
+    prefetch_activations(X, g, T, K);
     mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) {
         int task0 = (blockIdx.x * RT + r) * 8;
         for (int it = threadIdx.x; it < 8 * T; it += blockDim.x) {
