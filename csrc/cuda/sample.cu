@@ -162,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     __shared__ int shi[32];
     __shared__ float s_best;
     __shared__ int s_best_id, s_found, s_pending_listed;
-    __shared__ float s_prefix[SAMPLE_THREADS];
+    __shared__ float s_prefix[SAMPLE_THREADS / 32];
     __shared__ u64 s_hist[SAMPLE_BINS];
     __shared__ u64 s_rem;
     __shared__ int s_bin;
@@ -252,37 +252,56 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
         floor_v = key_float(floor_key);
     }
 
-    // the draw: contiguous slices per thread, a prefix over the slices, one walk
-    int per = (V + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
-    int i0 = tid * per, i1 = min(V, i0 + per);
+    // the draw: a warp a contiguous segment of the row, its lanes reading 32 entries at a
+    // time (a thread a contiguous slice made each warp load touch 32 lines), the segments'
+    // sums scanned, and the warp whose segment holds the target walks it 32 entries a step
+    constexpr int WARPS = SAMPLE_THREADS / 32;
+    int warp = tid >> 5, lane = tid & 31;
+    int seg = ((V + WARPS - 1) / WARPS + 31) & ~31;
+    int i0 = min(V, warp * seg), i1 = min(V, i0 + seg);
     float mine = 0.0f;
-    for (int i = i0; i < i1; i++)
+    for (int i = i0 + lane; i < i1; i += 32)
         if (x[i] >= floor_v) mine += expf((x[i] - mx) * it);
-    s_prefix[tid] = mine;
+    for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+    if (lane == 0) s_prefix[warp] = mine;
     if (tid == 0) s_found = 0x7fffffff;
     __syncthreads();
-    for (int off = 1; off < SAMPLE_THREADS; off <<= 1) {   // inclusive scan (Hillis-Steele)
-        float add = tid >= off ? s_prefix[tid - off] : 0.0f;
-        __syncthreads();
-        s_prefix[tid] += add;
-        __syncthreads();
+    if (warp == 0) {   // inclusive scan of the segments' sums
+        float v = s_prefix[lane];
+        for (int o = 1; o < WARPS; o <<= 1) {
+            float y = __shfl_sync(0xffffffffu, v, lane >= o ? lane - o : lane);
+            if (lane >= o) v += y;
+        }
+        s_prefix[lane] = v;
     }
-    float kept = s_prefix[SAMPLE_THREADS - 1];
+    __syncthreads();
+    float kept = s_prefix[WARPS - 1];
     u64 r = splitmix64(seeds[b] ^ splitmix64(steps[b]));
     float target = (float)((double)(r >> 11) * (1.0 / 9007199254740992.0)) * kept;
-    float before = tid ? s_prefix[tid - 1] : 0.0f;
-    if (mine > 0.0f && target >= before && target < before + mine) {
+    float before = warp ? s_prefix[warp - 1] : 0.0f;
+    if (mine > 0.0f && target >= before && target < before + mine) {   // (the same for a warp's lanes)
         float acc = before;
         int pick = -1, last = -1;
-        for (int i = i0; i < i1; i++) {
-            float w = x[i] >= floor_v ? expf((x[i] - mx) * it) : 0.0f;
-            if (w > 0.0f) {   // (an entry of weight 0, -inf or masked, is never drawn)
-                last = i;
-                acc += w;
-                if (target < acc) { pick = i; break; }
+        for (int c = i0; c < i1 && pick < 0; c += 32) {
+            int i = c + lane;
+            float w = i < i1 && x[i] >= floor_v ? expf((x[i] - mx) * it) : 0.0f;
+            float incl = w;   // the chunk's running sum, in index order
+            for (int o = 1; o < 32; o <<= 1) {
+                float y = __shfl_sync(0xffffffffu, incl, lane >= o ? lane - o : lane);
+                if (lane >= o) incl += y;
             }
+            // the first entry of weight > 0 (-inf, masked and filtered ones are never
+            // drawn) whose running sum passes the target; else the chunk's last such entry
+            int first = w > 0.0f && target < acc + incl ? lane : 32, lastw = w > 0.0f ? lane : -1;
+            for (int o = 16; o > 0; o >>= 1) {
+                first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+                lastw = max(lastw, __shfl_xor_sync(0xffffffffu, lastw, o));
+            }
+            if (first < 32) pick = c + first;
+            else if (lastw >= 0) last = c + lastw;
+            acc += __shfl_sync(0xffffffffu, incl, 31);
         }
-        atomicMin(&s_found, pick >= 0 ? pick : last);
+        if (lane == 0) atomicMin(&s_found, pick >= 0 ? pick : last);
     }
     __syncthreads();
     if (tid == 0) {
