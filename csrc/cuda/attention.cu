@@ -340,13 +340,8 @@ extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS, ATTN_MIN_BLOCKS) a
     grid_dependency_sync();                                                               \
     __shared__ int last;                                                                  \
     attn_chunks<KV>(ATTN_PARTIAL_ARGS);                                                   \
-    __threadfence();   /* this block's partials visible to the merging block */           \
-    __syncthreads();                                                                      \
     int* counter = counters + (long long)blockIdx.y * nh + blockIdx.x;                    \
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.z - 1;             \
-    __syncthreads();                                                                      \
-    if (!last) return;                                                                    \
-    __threadfence();                                                                      \
+    if (!last_block_to_finish(counter, (int)gridDim.z, &last)) return;                    \
     attn_merge(blockIdx.x, blockIdx.y, positions, key_limit, part_ml, part_o, nh, hd,     \
                window, chunk, max_chunks, out);                                           \
     if (threadIdx.x == 0) *counter = 0;   /* ready for the next launch (graph replays) */ \

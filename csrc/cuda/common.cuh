@@ -37,6 +37,20 @@ __device__ __forceinline__ int argmax_id(u64 best) {
     return best ? (int)(0xffffffffu - (u32)best) : 0;
 }
 
+// Whether this block is the last of `blocks` to get here, counted in *counter: each
+// block's writes before the call are visible to the last one after it (which is then the
+// one to merge them, and to set *counter back to 0 for the next launch). Every thread of
+// the block calls it; *last is a __shared__ int of the caller's.
+__device__ __forceinline__ bool last_block_to_finish(int* counter, int blocks, int* last) {
+    __threadfence();   // this block's writes visible to the last block
+    __syncthreads();
+    if (threadIdx.x == 0) *last = atomicAdd(counter, 1) == blocks - 1;
+    __syncthreads();
+    if (!*last) return false;
+    __threadfence();
+    return true;
+}
+
 // Programmatic dependent launch (sm_90+, ops/cuda_pdl.py): inside a captured decode step
 // the next kernel's blocks may be scheduled while this one still runs. Every kernel calls
 // this before it reads or writes global memory (it may prefetch weights into L2 before:

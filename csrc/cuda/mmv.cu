@@ -669,12 +669,7 @@ __device__ __forceinline__ void mmv3_t(
     if (!keys) return;
     __syncthreads();   // every tile's best is in
     if (threadIdx.x < T) atomicMax(keys + threadIdx.x, best[threadIdx.x]);
-    __threadfence();   // this block's keys visible to the last block
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block_to_finish(done, (int)gridDim.x, &last)) return;
     if (threadIdx.x < T) {
         volatile u64* k = keys + threadIdx.x;
         ids[threadIdx.x] = argmax_id(*k);

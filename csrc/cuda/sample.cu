@@ -23,6 +23,17 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
     return x ^ (x >> 31);
 }
 
+// A warp's inclusive running sum of v in lane order (every lane takes part).
+template <class T>
+__device__ __forceinline__ T warp_inclusive_sum(T v) {
+    int lane = threadIdx.x & 31;
+    for (int o = 1; o < 32; o <<= 1) {
+        T y = __shfl_sync(0xffffffffu, v, lane >= o ? lane - o : lane);
+        if (lane >= o) v += y;
+    }
+    return v;
+}
+
 // The sum of v over a block of THREADS threads (warps' sums, then the sum of those), in
 // every thread; sh holds THREADS / 32 values.
 template <class T, int THREADS>
@@ -89,11 +100,7 @@ __device__ void radix_pick(const u64* hist, u64 need, float frac, int* s_bin, u6
     int lane = threadIdx.x & 31;
     u64 mine = 0ull;
     for (int j = 0; j < 8; j++) mine += hist[SAMPLE_BINS - 1 - 8 * lane - j];
-    u64 incl = mine;
-    for (int o = 1; o < 32; o <<= 1) {
-        u64 y = __shfl_sync(0xffffffffu, incl, lane >= o ? lane - o : lane);
-        if (lane >= o) incl += y;
-    }
+    u64 incl = warp_inclusive_sum(mine);
     if (frac > 0.0f) {
         double want = ceil((double)frac * (double)__shfl_sync(0xffffffffu, incl, 31));
         need = want > 1.0 ? (u64)want : 1ull;
@@ -256,6 +263,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     // time (a thread a contiguous slice made each warp load touch 32 lines), the segments'
     // sums scanned, and the warp whose segment holds the target walks it 32 entries a step
     constexpr int WARPS = SAMPLE_THREADS / 32;
+    static_assert(WARPS == 32, "one warp scans the segments' sums");
     int warp = tid >> 5, lane = tid & 31;
     int seg = ((V + WARPS - 1) / WARPS + 31) & ~31;
     int i0 = min(V, warp * seg), i1 = min(V, i0 + seg);
@@ -266,14 +274,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     if (lane == 0) s_prefix[warp] = mine;
     if (tid == 0) s_found = 0x7fffffff;
     __syncthreads();
-    if (warp == 0) {   // inclusive scan of the segments' sums
-        float v = s_prefix[lane];
-        for (int o = 1; o < WARPS; o <<= 1) {
-            float y = __shfl_sync(0xffffffffu, v, lane >= o ? lane - o : lane);
-            if (lane >= o) v += y;
-        }
-        s_prefix[lane] = v;
-    }
+    if (warp == 0) s_prefix[lane] = warp_inclusive_sum(s_prefix[lane]);   // the segments' (WARPS = 32)
     __syncthreads();
     float kept = s_prefix[WARPS - 1];
     u64 r = splitmix64(seeds[b] ^ splitmix64(steps[b]));
@@ -285,11 +286,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
         for (int c = i0; c < i1 && pick < 0; c += 32) {
             int i = c + lane;
             float w = i < i1 && x[i] >= floor_v ? expf((x[i] - mx) * it) : 0.0f;
-            float incl = w;   // the chunk's running sum, in index order
-            for (int o = 1; o < 32; o <<= 1) {
-                float y = __shfl_sync(0xffffffffu, incl, lane >= o ? lane - o : lane);
-                if (lane >= o) incl += y;
-            }
+            float incl = warp_inclusive_sum(w);   // the chunk's running sum, in index order
             // the first entry of weight > 0 (-inf, masked and filtered ones are never
             // drawn) whose running sum passes the target; else the chunk's last such entry
             int first = w > 0.0f && target < acc + incl ? lane : 32, lastw = w > 0.0f ? lane : -1;
@@ -355,14 +352,8 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
         best = k > best ? k : best;
     }
     best = block_max_u64(best, sh);
-    if (threadIdx.x == 0) {
-        partial[(long long)b * chunks + c] = best;
-        __threadfence();   // this block's key visible to the row's last block
-        last = atomicAdd(counters + b, 1) == chunks - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (threadIdx.x == 0) partial[(long long)b * chunks + c] = best;
+    if (!last_block_to_finish(counters + b, chunks, &last)) return;
     const volatile u64* row = partial + (long long)b * chunks;
     best = 0ull;
     for (int j = threadIdx.x; j < chunks; j += ARGMAX_THREADS) {
@@ -463,12 +454,8 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) logprob_rows(
     if (tid == 0) {
         part_ms[2 * part] = mx;
         part_ms[2 * part + 1] = (float)total;
-        __threadfence();   // this block's partials visible to the row's last block
-        last = atomicAdd(counters + r, 1) == chunks - 1;
     }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block_to_finish(counters + r, chunks, &last)) return;
 
     // the row: the chunks' maxima and sums merged, then their keys
     const volatile float* ms = part_ms + (long long)r * chunks * 2;
