@@ -62,10 +62,12 @@ def test_every_kernel_file_is_known_to_ops_cuda() -> None:
 
 def _nvcc_and_ptxas(source: Path, arch: str, out: Path) -> tuple[subprocess.CompletedProcess, str,
                                                                    subprocess.CompletedProcess | None,
-                                                                   dict[str, int] | None]:
+                                                                   dict[str, int] | None,
+                                                                   dict[str, list[int]] | None]:
     """nvcc's PTX of one file for one architecture, then ptxas over it (None when nvcc
     failed), and where nvdisasm is found, each kernel's weight loads in flight in ptxas's
-    SASS (_weight_loads_in_flight; None without nvdisasm). What they said of a text they
+    SASS (_weight_loads_in_flight) and its groups of loads (_load_groups; both None
+    without nvdisasm). What they said of a text they
     compiled cleanly before is kept on disk (see _compile_cache), since mmv.cu alone is a
     minute of this machine's two cores."""
     ptx = out / f"{source.stem}-{arch}.ptx"
@@ -74,32 +76,33 @@ def _nvcc_and_ptxas(source: Path, arch: str, out: Path) -> tuple[subprocess.Comp
     kept = _compile_cache(source, nvcc_args, ptxas_args)
     if kept.is_file():
         done = json.loads(kept.read_text())
-        if NVDISASM is None or "in_flight" in done:   # (else kept before nvdisasm was found: again)
+        if NVDISASM is None or "load_groups" in done:   # (else kept before nvdisasm was found: again)
             return (subprocess.CompletedProcess(done["nvcc"][0], 0, done["nvcc"][1], done["nvcc"][2]), done["ptx"],
                     subprocess.CompletedProcess(done["ptxas"][0], 0, done["ptxas"][1], done["ptxas"][2]),
-                    done.get("in_flight"))
+                    done.get("in_flight"), done.get("load_groups"))
     nvcc = subprocess.run([NVCC, *nvcc_args, "-o", str(ptx), str(source)], capture_output=True, text=True,
                           timeout=900)
     if nvcc.returncode != 0:
-        return nvcc, "", None, None
+        return nvcc, "", None, None, None
     cubin = out / f"{source.stem}-{arch}.cubin"
     ptxas = subprocess.run([PTXAS, *ptxas_args, "-o", str(cubin), str(ptx)], capture_output=True, text=True,
                            timeout=900)
-    in_flight = None
+    in_flight = load_groups = None
     if ptxas.returncode == 0 and NVDISASM is not None:
         sass = subprocess.run([NVDISASM, str(cubin)], capture_output=True, text=True, timeout=900)
         assert sass.returncode == 0, sass.stderr
         in_flight = _weight_loads_in_flight(sass.stdout)
+        load_groups = _load_groups(sass.stdout)
     if ptxas.returncode == 0:
         kept.parent.mkdir(parents=True, exist_ok=True)
         tmp = kept.with_suffix(f".{os.getpid()}.tmp")
         done = {"nvcc": [nvcc.args, nvcc.stdout, nvcc.stderr], "ptx": ptx.read_text(),
                 "ptxas": [ptxas.args, ptxas.stdout, ptxas.stderr]}
         if in_flight is not None:
-            done["in_flight"] = in_flight
+            done["in_flight"], done["load_groups"] = in_flight, load_groups
         tmp.write_text(json.dumps(done))
         tmp.replace(kept)
-    return nvcc, ptx.read_text(), ptxas, in_flight
+    return nvcc, ptx.read_text(), ptxas, in_flight, load_groups
 
 
 @functools.cache
@@ -124,10 +127,14 @@ def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     are cores (each nvcc run is one single-threaded compiler: mmv.cu alone takes a minute
     or more), each test waiting for its own pair only."""
     out = tmp_path_factory.mktemp("ptx")
-    mmv = next(src for src in SOURCES if src.name == "mmv.cu")
-    wanted = {(item.callspec.params.get("source", mmv), item.callspec.params["arch"])
+    by_name = {src.name: src for src in SOURCES}
+    # the file each test reads where it has no `source` parameter
+    reads = {"test_nvcc_ptx_without_warnings": None,
+             "test_mmv_kernels_have_their_weight_loads_in_flight_at_once": by_name["mmv.cu"],
+             "test_sampling_passes_keep_a_threads_loads_in_flight": by_name["sample.cu"]}
+    wanted = {(item.callspec.params.get("source", reads[item.originalname]), item.callspec.params["arch"])
               for item in request.session.items if hasattr(item, "callspec") and getattr(item, "originalname", "")
-              in ("test_nvcc_ptx_without_warnings", "test_mmv_kernels_have_their_weight_loads_in_flight_at_once")}
+              in reads}
     # (Linux: the cores this process may use)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     pool = ThreadPoolExecutor(max_workers=max(1, cores or 1))
@@ -139,7 +146,7 @@ def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_nvcc_ptx_without_warnings(source: Path, arch: str, compiled: dict) -> None:
-    proc, ptx, ptxas, _ = compiled[(source.name, arch)].result()
+    proc, ptx, ptxas, *_ = compiled[(source.name, arch)].result()
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "", proc.stderr   # not even a note
     entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
@@ -250,6 +257,37 @@ def _weight_loads_in_flight(sass: str) -> dict[str, int]:
     return out
 
 
+def _sources_read(text: str) -> list[int]:
+    """The registers an instruction reads: its operands after the first (the destination)."""
+    operands = text.split(None, 1)[1] if " " in text else ""
+    if text.startswith("@"):   # a predicate, then the opcode
+        operands = operands.split(None, 1)[1] if " " in operands else ""
+    sources = operands.split(",", 1)[1] if "," in operands else ""
+    return [int(r) for r in re.findall(r"(?<![\w.])R(\d+)", sources)]
+
+
+def _load_groups(sass: str) -> dict[str, list[int]]:
+    """Per kernel of nvdisasm's SASS, in the order of its text: the sizes of its groups of
+    global loads, a group ending at the first instruction that reads a register one of
+    its loads wrote (which waits for it), so a group is what a thread has in flight at
+    once there."""
+    out: dict[str, list[int]] = {}
+    for m in _SASS_KERNEL.finditer(sass):
+        loaded: set[int] = set()
+        count, sizes = 0, []
+        for ins in _SASS_INSTRUCTION.finditer(m.group(2)):
+            load = _SASS_LOAD.match(ins.group(1))
+            if load:
+                count += 1
+                width = 4 if ".128" in load.group(1) else 2 if ".64" in load.group(1) else 1
+                loaded.update(range(int(load.group(2)), int(load.group(2)) + width))
+            elif loaded and any(r in loaded for r in _sources_read(ins.group(1))):
+                sizes.append(count)
+                loaded, count = set(), 0
+        out[m.group(1)] = sizes
+    return out
+
+
 def test_weight_loads_in_flight_stop_at_the_first_use() -> None:
     sass = """//--------------------- .text.ahead --------------------------
 .text.ahead:
@@ -269,6 +307,8 @@ def test_weight_loads_in_flight_stop_at_the_first_use() -> None:
     # R9 (the second word of a 64-bit load) is read after two weight loads; the read-only
     # load and an address's own register are no use of them
     assert _weight_loads_in_flight(sass) == {"ahead": 2, "serial": 1}
+    # every global load counts in a group (the read-only one too); a group never used is none
+    assert _load_groups(sass) == {"ahead": [3], "serial": [1]}
 
 
 # Weight loads a lane has in flight before it waits for the first, in each decode product
@@ -288,7 +328,7 @@ def test_mmv_kernels_have_their_weight_loads_in_flight_at_once(arch: str, compil
     loads ahead before it uses any of them, so that at batch 1 -- where the weights'
     trip from memory is the whole cost -- enough bytes are on their way an SM."""
     mmv = next(src for src in SOURCES if src.name == "mmv.cu")
-    *_, in_flight = compiled[(mmv.name, arch)].result()
+    *_, in_flight, _ = compiled[(mmv.name, arch)].result()
     assert in_flight is not None
     kernels = [k for k in cuda_kernels.KERNELS["mmv.cu"]]
     assert kernels and set(kernels) <= set(in_flight), sorted(set(kernels) - set(in_flight))
@@ -299,6 +339,28 @@ def test_mmv_kernels_have_their_weight_loads_in_flight_at_once(arch: str, compil
         if in_flight[k] < want:
             short[k] = (in_flight[k], want)
     assert not short, f"weight loads in flight (SASS, {arch}) under what the kernel should issue at once: {short}"
+
+
+# sample.cu SAMPLE_AHEAD: the entries a thread of sample_rows loads at once in a pass
+SAMPLE_AHEAD = 8
+
+
+@needs_nvcc
+@pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm: the [test] "
+                                             "extras on Linux x86-64)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampling_passes_keep_a_threads_loads_in_flight(arch: str, compiled: dict) -> None:
+    """ptxas's SASS of sample_rows, one block a row: the grammar mask's pass, the
+    maximum's, the two radix histograms' (top-k's and top-p's, each inlined once), the
+    draw's sums and its walk each issue a batch of SAMPLE_AHEAD loads before using any.
+    Until 2026-12-07 all but the maximum's used each load where it was made: an L2 round
+    trip a thread an entry (or four), ~125 in turn over a 128k-entry row (2 groups of 8
+    or more in the kernel, where there are 7)."""
+    sample = next(src for src in SOURCES if src.name == "sample.cu")
+    *_, groups = compiled[(sample.name, arch)].result()
+    assert groups is not None
+    batches = [n for n in groups["sample_rows"] if n >= SAMPLE_AHEAD]
+    assert len(batches) >= 6, f"sample_rows' groups of loads ({arch}): {groups['sample_rows']}"
 
 
 def test_dependency_sync_order_sees_a_late_wait() -> None:

@@ -11,6 +11,12 @@
 #include "common.cuh"
 
 #define SAMPLE_THREADS 1024
+// Entries a thread (a lane, in the draw) loads before it uses any, in each pass over a
+// row (a grammar's mask, top-k's and top-p's radix passes, the draw's sums and walk).
+// One at a time (ptxas issued each load where it was used), every entry cost a thread an
+// L2 round trip: ~125 in turn a pass over a 128k-entry row, ~20 µs at ~300 cycles each,
+// on the one SM the row has. tests/test_cuda_compile.py counts the batches in the SASS.
+#define SAMPLE_AHEAD 8
 
 __device__ __forceinline__ float key_float(u32 k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
@@ -32,6 +38,17 @@ __device__ __forceinline__ T warp_inclusive_sum(T v) {
         if (lane >= o) v += y;
     }
     return v;
+}
+
+// A thread's next N entries of x[0, end): x[i + stride u], NaN past the end
+// (which every pass skips, as it skips a NaN logit: no comparison holds for it)
+template <int N>
+__device__ __forceinline__ void load_ahead(const float* __restrict__ x, int i, int stride, int end, float (&v)[N]) {
+    #pragma unroll
+    for (int u = 0; u < N; u++) {
+        int j = i + stride * u;
+        v[u] = j < end ? x[j] : __uint_as_float(0x7fffffffu);
+    }
 }
 
 // The sum of v over a block of THREADS threads (warps' sums, then the sum of those), in
@@ -74,19 +91,24 @@ __device__ void radix_hist(const float* __restrict__ x, int V, float floor_v, fl
     __syncthreads();
     int run_bin = 0;
     u64 run = 0ull;
-    for (int i = threadIdx.x; i < V; i += SAMPLE_THREADS) {
-        float v = x[i];
-        u32 key = order_key(v);
-        if (!(v >= floor_v) || (key & mask) != prefix) continue;
-        u64 add = MASS ? fixed_weight(v, mx, it) : 1ull;
-        if (!add) continue;
-        int bin = (int)((key >> shift) & 0xffu);
-        if (bin != run_bin) {
-            if (run) atomicAdd(hist + run_bin, run);
-            run_bin = bin;
-            run = 0ull;
+    for (int i0 = threadIdx.x; i0 < V; i0 += SAMPLE_THREADS * SAMPLE_AHEAD) {
+        float ahead[SAMPLE_AHEAD];
+        load_ahead(x, i0, SAMPLE_THREADS, V, ahead);
+        #pragma unroll
+        for (int u = 0; u < SAMPLE_AHEAD; u++) {
+            float v = ahead[u];
+            u32 key = order_key(v);
+            if (!(v >= floor_v) || (key & mask) != prefix) continue;
+            u64 add = MASS ? fixed_weight(v, mx, it) : 1ull;
+            if (!add) continue;
+            int bin = (int)((key >> shift) & 0xffu);
+            if (bin != run_bin) {
+                if (run) atomicAdd(hist + run_bin, run);
+                run_bin = bin;
+                run = 0ull;
+            }
+            run += add;
         }
-        run += add;
     }
     if (run) atomicAdd(hist + run_bin, run);
     __syncthreads();
@@ -140,7 +162,8 @@ __device__ u32 radix_select(const float* __restrict__ x, int V, float floor_v, f
 }
 
 // grid B, block SAMPLE_THREADS. logits are scratch: the penalties are applied in place.
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
+// (a block an SM said: without it ptxas aimed at two, 32 registers a thread, and spilled)
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(
         float* __restrict__ logits,             // (B, V)
         int V,
         const float* __restrict__ inv_temp,     // (B,) 0: greedy
@@ -181,8 +204,19 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     int mask_row = mask_rows ? mask_rows[b] : -1;
     if (mask_row >= 0) {
         const u32* bits = masks + (long long)mask_row * words;
-        for (int i = tid; i < V; i += SAMPLE_THREADS)
-            if ((i >> 5) >= words || !((bits[i >> 5] >> (i & 31)) & 1u)) x[i] = ELLM_NEG_INF;
+        for (int i0 = tid; i0 < V; i0 += SAMPLE_THREADS * SAMPLE_AHEAD) {
+            u32 word[SAMPLE_AHEAD];   // each entry's word, loaded at once (0: past the words)
+            #pragma unroll
+            for (int u = 0; u < SAMPLE_AHEAD; u++) {
+                int i = i0 + SAMPLE_THREADS * u;
+                word[u] = i < V && (i >> 5) < words ? bits[i >> 5] : 0u;
+            }
+            #pragma unroll
+            for (int u = 0; u < SAMPLE_AHEAD; u++) {
+                int i = i0 + SAMPLE_THREADS * u;
+                if (i < V && !((word[u] >> (i & 31)) & 1u)) x[i] = ELLM_NEG_INF;
+            }
+        }
         __syncthreads();
     }
     for (int i = bias_offsets[b] + tid; i < bias_offsets[b + 1]; i += SAMPLE_THREADS)
@@ -212,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     // the maximum and its first index
     float best = ELLM_NEG_INF;
     int best_id = 0x7fffffff;
-    for (int i = tid; i < V; i += SAMPLE_THREADS) {
+    for (int i = tid; i < V; i += SAMPLE_THREADS) {   // (ptxas keeps 16 of these loads in flight)
         float v = x[i];
         if (v > best) { best = v; best_id = i; }
     }
@@ -268,8 +302,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     int seg = ((V + WARPS - 1) / WARPS + 31) & ~31;
     int i0 = min(V, warp * seg), i1 = min(V, i0 + seg);
     float mine = 0.0f;
-    for (int i = i0 + lane; i < i1; i += 32)
-        if (x[i] >= floor_v) mine += expf((x[i] - mx) * it);
+    for (int c = i0 + lane; c < i1; c += 32 * SAMPLE_AHEAD) {
+        float ahead[SAMPLE_AHEAD];
+        load_ahead(x, c, 32, i1, ahead);
+        #pragma unroll
+        for (int u = 0; u < SAMPLE_AHEAD; u++)
+            if (ahead[u] >= floor_v) mine += expf((ahead[u] - mx) * it);
+    }
     for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
     if (lane == 0) s_prefix[warp] = mine;
     if (tid == 0) s_found = 0x7fffffff;
@@ -283,20 +322,26 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows(
     if (mine > 0.0f && target >= before && target < before + mine) {   // (the same for a warp's lanes)
         float acc = before;
         int pick = -1, last = -1;
-        for (int c = i0; c < i1 && pick < 0; c += 32) {
-            int i = c + lane;
-            float w = i < i1 && x[i] >= floor_v ? expf((x[i] - mx) * it) : 0.0f;
-            float incl = warp_inclusive_sum(w);   // the chunk's running sum, in index order
-            // the first entry of weight > 0 (-inf, masked and filtered ones are never
-            // drawn) whose running sum passes the target; else the chunk's last such entry
-            int first = w > 0.0f && target < acc + incl ? lane : 32, lastw = w > 0.0f ? lane : -1;
-            for (int o = 16; o > 0; o >>= 1) {
-                first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-                lastw = max(lastw, __shfl_xor_sync(0xffffffffu, lastw, o));
+        for (int c0 = i0; c0 < i1 && pick < 0; c0 += 32 * SAMPLE_AHEAD) {
+            float ahead[SAMPLE_AHEAD];
+            load_ahead(x, c0 + lane, 32, i1, ahead);
+            #pragma unroll
+            for (int u = 0; u < SAMPLE_AHEAD; u++) {
+                if (pick >= 0) break;   // (the same for a warp's lanes)
+                int c = c0 + 32 * u;
+                float w = ahead[u] >= floor_v ? expf((ahead[u] - mx) * it) : 0.0f;
+                float incl = warp_inclusive_sum(w);   // the chunk's running sum, in index order
+                // the first entry of weight > 0 (-inf, masked and filtered ones are never
+                // drawn) whose running sum passes the target; else the chunk's last such entry
+                int first = w > 0.0f && target < acc + incl ? lane : 32, lastw = w > 0.0f ? lane : -1;
+                for (int o = 16; o > 0; o >>= 1) {
+                    first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+                    lastw = max(lastw, __shfl_xor_sync(0xffffffffu, lastw, o));
+                }
+                if (first < 32) pick = c + first;
+                else if (lastw >= 0) last = c + lastw;
+                acc += __shfl_sync(0xffffffffu, incl, 31);
             }
-            if (first < 32) pick = c + first;
-            else if (lastw >= 0) last = c + lastw;
-            acc += __shfl_sync(0xffffffffu, incl, 31);
         }
         if (lane == 0) atomicMin(&s_found, pick >= 0 ? pick : last);
     }
