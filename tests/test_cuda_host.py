@@ -86,8 +86,11 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
     """A kernel whose threads wait at barriers of different kinds (its warp's, its block's),
     or at different __syncthreads (an if's two branches; a loop some warps leave before the
     others), or whose lanes meet at different shuffles of a full warp, is reported, naming
-    the lines, not hung or run with the barriers paired wrongly; threads that have
-    returned, and barriers every thread meets, are fine. A Python int as a kernel argument
+    the lines, not hung or run with the barriers paired wrongly, and so is a vector load
+    at an address a GPU would fault on (misaligned); a grid a GPU would not launch and a
+    block over its kernel's __launch_bounds__ are refused; shared memory a block has not
+    written holds NaN bits, not what an earlier block left. Threads that have returned,
+    and barriers every thread meets, are fine. A Python int as a kernel argument
     and a host-side write while a graph is captured are refused."""
     script = textwrap.dedent('''
         import numpy as np, cupy
@@ -122,6 +125,19 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
             extern "C" __global__ void twice(float* x, int n) {
                 int i = blockIdx.x * blockDim.x + threadIdx.x;
                 if (i < n) x[i] *= 2.0f;
+            }
+            extern "C" __global__ void half_written(float* x) {
+                __shared__ float s[64];
+                if (threadIdx.x < 32) s[threadIdx.x] = 1.0f;   // the other half never written
+                __syncthreads();
+                x[blockIdx.x * 64 + threadIdx.x] = s[threadIdx.x];
+            }
+            #define HALF 32
+            extern "C" __global__ void __launch_bounds__(2 * HALF, 1) bounded(float* x) { x[threadIdx.x] += 1.0f; }
+            extern "C" __global__ void vector_load(float* x, int offset) {
+                // a float4 at x + offset: a GPU faults unless the address is a multiple of 16
+                float4 v = *(const float4*)(x + offset + 4 * threadIdx.x);
+                x[32 + threadIdx.x] = v.x + v.y + v.z + v.w;
             }""")
         x = cupy.zeros(64, np.float32)
         try:
@@ -141,6 +157,13 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
             assert "lanes of warp 0 of block (0, 0, 0) meet at different warp exchanges" in str(e), e
             assert str(e).count("__shfl_xor_sync(") == 2, e
             print("split_shuffle reported")
+        mod.get_function("vector_load")((1,), (4,), (x, np.int32(4)))   # 16 bytes in: aligned
+        try:
+            mod.get_function("vector_load")((1,), (4,), (x, np.int32(2)))
+        except RuntimeError as e:
+            assert "misaligned address: an access to 'const struct float4'" in str(e) and "8 bytes past" in str(e), e
+            assert "thread 0 of block (0, 0, 0)" in str(e), e
+            print("misaligned load reported")
         x[...] = 0.0
         mod.get_function("fine")((2,), (64,), (x,))
         assert float(x.get().sum()) == 2 * 3 * 48, x.get()
@@ -151,6 +174,23 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
             print("python int refused")
         mod.get_function("twice")((1,), (64,), (x, np.int32(64)))
         assert float(x.get().sum()) == 128.0
+        y = cupy.zeros(128, np.float32)
+        mod.get_function("half_written")((2,), (64,), (y,))
+        got = y.get().reshape(2, 64)
+        if (got[:, :32] == 1.0).all() and np.isnan(got[:, 32:]).all():   # in both blocks
+            print("unwritten shared memory is garbage")
+        mod.get_function("bounded")((1,), (64,), (y,))
+        try:
+            mod.get_function("bounded")((1,), (65,), (y,))
+        except RuntimeError as e:
+            assert "65 threads a block, more than its __launch_bounds__ of 64" in str(e), e
+            print("block over its bound refused")
+        for grid in ((1, 70000), (0,)):
+            try:
+                mod.get_function("twice")(grid, (64,), (x, np.int32(64)))
+            except RuntimeError as e:
+                assert "65,535" in str(e), e
+                print("grid", grid, "refused")
         s = cupy.cuda.Stream()
         s.begin_capture()
         mod.get_function("twice")((1,), (64,), (x, np.int32(64)))
@@ -168,7 +208,8 @@ def test_the_host_runtime_refuses_what_a_gpu_would_get_wrong() -> None:
     proc = _child(["-c", script], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("deadlock reported", "two_sites reported", "ragged_loop reported", "split_shuffle reported",
-                 "python int refused",
+                 "misaligned load reported", "python int refused", "grid (1, 70000) refused", "grid (0,) refused",
+                 "block over its bound refused", "unwritten shared memory is garbage",
                  "write during capture refused", "graph replayed"):
         assert line in proc.stdout, proc.stdout + proc.stderr
 
@@ -213,6 +254,19 @@ def test_deferred_execution_runs_the_stream_when_the_host_waits() -> None:
             extern "C" __global__ void twice(float* x, int n) {
                 int i = blockIdx.x * blockDim.x + threadIdx.x;
                 if (i < n) x[i] *= 2.0f;
+            }
+            extern "C" __global__ void half_written(float* x) {
+                __shared__ float s[64];
+                if (threadIdx.x < 32) s[threadIdx.x] = 1.0f;   // the other half never written
+                __syncthreads();
+                x[blockIdx.x * 64 + threadIdx.x] = s[threadIdx.x];
+            }
+            #define HALF 32
+            extern "C" __global__ void __launch_bounds__(2 * HALF, 1) bounded(float* x) { x[threadIdx.x] += 1.0f; }
+            extern "C" __global__ void vector_load(float* x, int offset) {
+                // a float4 at x + offset: a GPU faults unless the address is a multiple of 16
+                float4 v = *(const float4*)(x + offset + 4 * threadIdx.x);
+                x[32 + threadIdx.x] = v.x + v.y + v.z + v.w;
             }""")
         twice = mod.get_function("twice")
         x = cupy.zeros(4, np.float32)

@@ -4,7 +4,8 @@
 //
 // A block runs as blockDim fibers on one OS thread, switched cooperatively at every
 // __syncthreads, warp shuffle and mma (each a barrier of its block or warp); blocks run one
-// after another, so `__shared__` (made `static`) is the block's shared memory. The threads
+// after another, so `__shared__` (made `static`) is the block's shared memory (filled with
+// 0xff bytes as each block starts: poison_shared). The threads
 // of a block meeting at a __syncthreads must all have come to the same one (its line of
 // the source), as CUDA requires, and so must a warp's lanes at a shuffle or mma: a GPU may
 // hang or go on with the barriers paired wrongly where they do not, so that is an error
@@ -38,14 +39,25 @@
 #define __global__ __attribute__((visibility("default")))
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static
+// Every __shared__ variable of the module goes in one section, whose bounds the linker
+// gives as __start_ / __stop_ symbols: each block starts with it filled with 0xff bytes
+// (NaN floats, -1 integers), as a GPU's shared memory holds whatever was there before, so
+// a kernel that reads shared memory it has not written computes garbage here too.
+#define __shared__ static __attribute__((section("cuda_host_shared")))
+extern "C" __attribute__((weak)) char __start_cuda_host_shared[], __stop_cuda_host_shared[];
 #define __align__(n) __attribute__((aligned(n)))
+#ifdef CUDA_HOST_SCAN_BOUNDS   // tests/cuda_host/cupy reads each kernel's bound from the preprocessed text
+#define __launch_bounds__(...) cuda_host_launch_bounds(__VA_ARGS__)
+#else
 #define __launch_bounds__(...)
+#endif
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-struct float4 { float x, y, z, w; };
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
+// CUDA's vector types with CUDA's alignment: a GPU faults on a vector load or store at an
+// address that is not a multiple of its size (the cuda_host_misaligned handler below)
+struct __align__(16) float4 { float x, y, z, w; };
+struct __align__(16) uint4 { unsigned x, y, z, w; };
+struct __align__(8) uint2 { unsigned x, y; };
 
 namespace cuda_host {
 
@@ -220,6 +232,13 @@ extern "C" __attribute__((visibility("default"))) const char* cuda_host_error() 
     return cuda_host::launch().error;
 }
 
+// A block's shared memory as it starts on a GPU: not cleared (no sanitizer check: the
+// section's padding between variables is the address sanitizer's)
+__attribute__((no_sanitize_address)) inline void poison_shared() {
+    volatile char* p = __start_cuda_host_shared;
+    for (; p != nullptr && p < (volatile char*)__stop_cuda_host_shared; p++) *p = (char)0xff;
+}
+
 // ELLM_CUDA_HOST_ORDER=reverse: a grid's blocks from the last to the first, and a block's
 // threads likewise. A kernel correct on a GPU gives the same results in either order; one
 // that reads what another thread writes without a barrier between them gives others in
@@ -241,8 +260,15 @@ extern "C" __attribute__((visibility("default"))) int cuda_host_launch(
     L.error[0] = 0;
     L.failed = false;
     unsigned n = bx * by * bz;
-    if (n == 0 || n > 1024 || nargs > 64) {
-        std::snprintf(L.error, sizeof L.error, "block of %u threads or %d arguments", n, nargs);
+    if (n == 0 || n > 1024 || bz > 64 || nargs > 64) {
+        std::snprintf(L.error, sizeof L.error, "block of %u threads (%u, %u, %u) or %d arguments", n, bx, by, bz,
+                      nargs);
+        return -1;
+    }
+    // a GPU refuses these launches ("invalid argument"): grid y and z at most 65,535
+    if (gx == 0 || gy == 0 || gz == 0 || gx > 0x7fffffffu || gy > 65535 || gz > 65535) {
+        std::snprintf(L.error, sizeof L.error, "grid (%u, %u, %u): a GPU takes x up to 2^31 - 1, y and z up to "
+                      "65,535, none 0", gx, gy, gz);
         return -1;
     }
     ffi_type* arg_types[64];
@@ -287,6 +313,7 @@ extern "C" __attribute__((visibility("default"))) int cuda_host_launch(
         const unsigned long long b = reverse ? n_blocks - 1 - i : i;
         const unsigned x = (unsigned)(b % gx), y = (unsigned)(b / gx % gy), z = (unsigned)(b / gx / gy);
         blockIdx = dim3{x, y, z};
+        poison_shared();
         L.block = Group{(int)n, 0, 0};
         for (unsigned w = 0; w < n_warps; w++) warps[w] = Group{(int)std::min(32u, n - 32 * w), 0, 0};
         for (unsigned t = 0; t < n; t++) {
@@ -328,6 +355,49 @@ extern "C" __attribute__((visibility("default"))) int cuda_host_launch(
     _mm_setcsr(csr);
     L.current = nullptr;
     return rc;
+}
+
+// -- misaligned loads and stores --------------------------------------------------------------
+// The kernels are built with -fsanitize=alignment: every load or store through a typed
+// pointer checks that its address is a multiple of the type's alignment (u16 2, u32 and
+// float 4, uint2 8, float4 and uint4 16), and where it is not the compiler calls the
+// handlers below. A GPU stops a kernel there ("misaligned address", which also ends the
+// CUDA context, so every later call of the process fails); here the launch fails, naming
+// the source line, the type and the thread. The handlers' arguments are the sanitizer's
+// (GCC and Clang alike since GCC 8): a source location, the type's descriptor, log2 of the
+// alignment and the kind of access.
+namespace cuda_host {
+struct SanitizerLocation { const char* file; uint32_t line, column; };
+struct SanitizerType { uint16_t kind, info; char name[1]; };
+struct SanitizerMismatch {
+    SanitizerLocation where;
+    const SanitizerType* type;
+    unsigned char log_alignment, access;
+};
+
+inline void misaligned(void* data, void* address) {
+    const SanitizerMismatch& m = *(const SanitizerMismatch*)data;
+    uintptr_t at = (uintptr_t)address, alignment = (uintptr_t)1 << m.log_alignment;
+    if (at % alignment == 0) return;   // the sanitizer also calls for checks this build does not ask for
+    Launch& L = launch();
+    const char* access = m.access == 0 ? "a load of" : m.access == 1 ? "a store to" : "an access to";
+    if (L.current == nullptr) {   // host code outside any launch: not a kernel's fault
+        std::fprintf(stderr, "cuda_host: misaligned address: %s %s at line %u\n", access, m.type->name, m.where.line);
+        std::abort();
+    }
+    std::snprintf(L.error, sizeof L.error,
+                  "misaligned address: %s %s (%u-byte aligned on a GPU) at %p, %u bytes past a multiple, "
+                  "line %u of the source, thread %u of block (%u, %u, %u)", access, m.type->name,
+                  (unsigned)alignment, address, (unsigned)(at % alignment), m.where.line, L.current->tid,
+                  blockIdx.x, blockIdx.y, blockIdx.z);
+    L.failed = true;
+    for (;;) yield();   // never resumed: the launch ends here
+}
+}  // namespace cuda_host
+
+extern "C" void __ubsan_handle_type_mismatch_v1(void* data, void* address) { cuda_host::misaligned(data, address); }
+extern "C" void __ubsan_handle_type_mismatch_v1_abort(void* data, void* address) {
+    cuda_host::misaligned(data, address);
 }
 
 // -- the built-ins ----------------------------------------------------------------------------

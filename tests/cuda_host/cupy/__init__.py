@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -163,35 +164,70 @@ def _cache_dir() -> Path:
     return root
 
 
-def compile_source(code: str) -> Path:
-    """The shared library g++ makes of a kernel source (cached by the text of both)."""
+_BOUNDS_MARK = "cuda_host_launch_bounds("
+_CONSTANT = re.compile(r"[\d\s+\-*/()]+")
+
+
+def launch_bounds(preprocessed: str) -> dict[str, int]:
+    """Each kernel's most threads a block (its __launch_bounds__' first argument), from the
+    source preprocessed with the bound left in the text as cuda_host_launch_bounds(...)."""
+    bounds: dict[str, int] = {}
+    at = preprocessed.find(_BOUNDS_MARK)
+    while at >= 0:
+        i, depth, comma = at + len(_BOUNDS_MARK), 1, -1
+        start = i
+        while depth:   # to the bound's closing parenthesis, noting its first top-level comma
+            c = preprocessed[i]
+            depth += (c == "(") - (c == ")")
+            if c == "," and depth == 1 and comma < 0:
+                comma = i
+            i += 1
+        expr = preprocessed[start:comma if comma >= 0 else i - 1]
+        name = re.match(r"\s*(\w+)\s*\(", preprocessed[i:])
+        if name and _CONSTANT.fullmatch(expr):
+            bounds[name.group(1)] = int(eval(expr, {"__builtins__": {}}))   # digits and arithmetic only
+        at = preprocessed.find(_BOUNDS_MARK, i)
+    return bounds
+
+
+def compile_source(code: str) -> tuple[Path, dict[str, int]]:
+    """The shared library g++ makes of a kernel source, and each kernel's launch bound
+    (cached by the text of both)."""
     header = HEADER.read_text()
     asan = bool(os.environ.get("ELLM_CUDA_HOST_ASAN"))
     key = hashlib.sha256((header + "\0" + code + "\0" + str(asan)).encode()).hexdigest()[:24]
     so = _cache_dir() / f"{key}.so"
-    if so.exists():
-        return so
+    bounds_file = so.with_suffix(".bounds.json")
+    if so.exists() and bounds_file.exists():
+        return so, json.loads(bounds_file.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernels.cu"
         src.write_text(code)
+        scan = subprocess.run(["g++", "-std=c++17", "-E", "-P", "-DCUDA_HOST_SCAN_BOUNDS=1", "-include", str(HEADER),
+                               "-x", "c++", str(src)], capture_output=True, text=True)
+        if scan.returncode:
+            raise RuntimeError(f"g++ could not preprocess the kernels:\n{scan.stderr[-4000:]}")
+        bounds = launch_bounds(scan.stdout)
         out = Path(tmp) / "kernels.so"
         cmd = ["g++", "-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden",
-               "-ffp-contract=off", "-Wno-unknown-pragmas", "-include", str(HEADER), "-x", "c++", str(src),
-               "-o", str(out), "-lffi"]
+               "-ffp-contract=off", "-fsanitize=alignment",   # (cuda_host.h takes the sanitizer's reports)
+               "-Wno-unknown-pragmas", "-include", str(HEADER), "-x", "c++", str(src), "-o", str(out), "-lffi"]
         if asan:
             cmd[1:1] = ["-fsanitize=address", "-fno-omit-frame-pointer"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"g++ could not build the kernels for the host:\n{proc.stderr[-4000:]}")
         os.replace(out, so)
-    return so
+    bounds_file.write_text(json.dumps(bounds))
+    return so, bounds
 
 
 class RawKernel:
-    def __init__(self, lib: ctypes.CDLL, name: str, code: str = "") -> None:
+    def __init__(self, lib: ctypes.CDLL, name: str, code: str = "", max_threads: int = 1024) -> None:
         self.name = name
         self._lib = lib
         self._code = code
+        self.max_threads = max_threads   # its __launch_bounds__, where it has one
         self._fn = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
     def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[Any],
@@ -236,8 +272,9 @@ def _run(kernel: RawKernel, grid: tuple[int, ...], block: tuple[int, ...], packe
     types, slots, _ = packed
     g = (grid + (1, 1, 1))[:3]
     b = (block + (1, 1, 1))[:3]
-    if 0 in g:
-        return
+    if b[0] * b[1] * b[2] > kernel.max_threads:   # a GPU refuses the launch (CUDA_ERROR_INVALID_VALUE)
+        raise RuntimeError(f"{kernel.name} grid {g} block {b}: {b[0] * b[1] * b[2]} threads a block, more than "
+                           f"its __launch_bounds__ of {kernel.max_threads}")
     lib = kernel._lib
     rc = lib.cuda_host_launch(ctypes.c_void_p(kernel._fn), *(ctypes.c_uint(v) for v in g + b),
                               ctypes.c_int(len(types)), ctypes.c_char_p(types), slots)
@@ -254,7 +291,8 @@ def _run(kernel: RawKernel, grid: tuple[int, ...], block: tuple[int, ...], packe
 class RawModule:
     def __init__(self, code: str, options: Sequence[str] = (), **_: Any) -> None:
         self._code = code
-        self._lib = ctypes.CDLL(str(compile_source(code)))
+        so, self._bounds = compile_source(code)
+        self._lib = ctypes.CDLL(str(so))
         self._lib.cuda_host_error.restype = ctypes.c_char_p
         self._lib.cuda_host_launch.restype = ctypes.c_int
         self._kernels: dict[str, RawKernel] = {}
@@ -262,5 +300,5 @@ class RawModule:
     def get_function(self, name: str) -> RawKernel:
         k = self._kernels.get(name)
         if k is None:
-            k = self._kernels[name] = RawKernel(self._lib, name, self._code)
+            k = self._kernels[name] = RawKernel(self._lib, name, self._code, self._bounds.get(name, 1024))
         return k
