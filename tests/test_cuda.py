@@ -1152,10 +1152,12 @@ def test_device_logprobs_are_the_host_samplers(ops) -> None:
     copied before sample_rows changes it: the logprobs are of the raw logits), 0..20 top
     logprobs, rows without logprobs beside them, vocabularies around a chunk of 2,048,
     equal values across chunks, a row mostly -inf; a NaN row or one with +inf gets the
-    host's error in its place, its neighbours unharmed."""
+    host's error in its place, its neighbours unharmed. At 210,001 entries a row of 20
+    logprobs has more chunks' keys (103 x 20) than the last block keeps in registers
+    (sample.cu LOGPROB_HELD: 2,048), which it reads in each round instead."""
     from ellm.engine.sampler import SampleResult
     rng = np.random.default_rng(12)
-    for V in (5, 2048, 2049, 49159):
+    for V in (5, 2048, 2049, 49159, 210001):
         x = (rng.standard_normal((9, V)) * 3).astype(np.float32)
         x[2, V // 3] = x[2, V - 1] = x[2].max() + 1.0   # ties across chunks: the lower index first
         x[5, 3:] = -np.inf                              # fewer finite entries than asked

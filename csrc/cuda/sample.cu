@@ -424,6 +424,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(
 // is equal to another). A NaN anywhere makes the row's maximum NaN (the host refuses the
 // row, as its sampler does).
 #define LOGPROB_MAX 20    // sampling_params.MAX_LOGPROBS
+#define LOGPROB_HELD 8    // a thread's share of the chunks' keys kept in registers by the last block
 #define LOGPROB_HEAD 6    // a record's words before its ids: lse (f64), max, chosen logit, count, chosen id
 
 __device__ __forceinline__ u64 logprob_key(float v, int i) {
@@ -516,11 +517,24 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) logprob_rows(
     }
     s = block_sum<double, ARGMAX_THREADS>(s, shd);
     int* rec = out + (long long)r * (LOGPROB_HEAD + 2 * n);
+    // the chunks' keys, read once into registers where they fit (each of the n rounds
+    // below read them all again from L2, a few loads in turn a round)
+    const int n_keys = chunks * n;
+    const bool held_all = n_keys <= ARGMAX_THREADS * LOGPROB_HELD;
+    u64 held[LOGPROB_HELD];
+#pragma unroll
+    for (int u = 0; u < LOGPROB_HELD; u++) {
+        int j = tid + ARGMAX_THREADS * u;
+        held[u] = held_all && j < n_keys ? keys[j] : 0ull;
+    }
     below = ~0ull;
     int count = 0;
     for (int k = 0; k < n; k++) {
         u64 mine = 0ull;
-        for (int j = tid; j < chunks * n; j += ARGMAX_THREADS) {
+#pragma unroll
+        for (int u = 0; u < LOGPROB_HELD; u++)
+            if (held[u] < below && held[u] > mine) mine = held[u];
+        for (int j = held_all ? n_keys : tid; j < n_keys; j += ARGMAX_THREADS) {   // (where they do not fit)
             u64 q = keys[j];
             if (q < below && q > mine) mine = q;
         }
