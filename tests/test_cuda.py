@@ -1366,6 +1366,24 @@ def test_device_top_k_and_top_p_keep_what_their_rules_keep(ops) -> None:
 
 
 @needs_gpu
+def test_the_draw_walks_a_long_segment_in_rounds(ops) -> None:
+    """A row of 300,001 entries: a segment of the draw (one of 32) is 293 chunks of 32
+    entries, which sample.cu's walk scans in rounds of 256. Four tokens hold all the
+    weight (1 : 2 : 1 : 4), three of them in one segment's first and second round, the
+    fourth in another segment: 64 seeded draws take only those, each of them, and the
+    heaviest most."""
+    V, n, seg = 300001, 64, 9376
+    a, b, c, d = 5 * seg + 32 * 3 + 5, 5 * seg + 32 * 270 + 17, 5 * seg + 32 * 292 + 31, 20 * seg + 100
+    row = np.full(V, -np.inf, np.float32)
+    row[[a, b, c, d]] = np.log(np.array([1.0, 2.0, 1.0, 4.0], np.float32))
+    samplers = [SequenceSampler(SamplingParams(temperature=1.0, seed=5), [], V, sibling=i) for i in range(n)]
+    drawn = [r.token_id for r in ops.sample(ops.upload(np.tile(row, (n, 1))), samplers)]
+    counts = {t: drawn.count(t) for t in (a, b, c, d)}
+    assert sum(counts.values()) == n and min(counts.values()) > 0, counts
+    assert counts[d] == max(counts.values()), counts
+
+
+@needs_gpu
 def test_device_sampling_is_reproducible_per_seed(ops) -> None:
     V = 1000
     row = np.random.default_rng(0).standard_normal(V).astype(np.float32)

@@ -17,6 +17,7 @@
 // L2 round trip: ~125 in turn a pass over a 128k-entry row, ~20 µs at ~300 cycles each,
 // on the one SM the row has. tests/test_cuda_compile.py counts the batches in the SASS.
 #define SAMPLE_AHEAD 8
+#define WALK_ROUND (SAMPLE_THREADS / 32 * SAMPLE_AHEAD)   // chunks of 32 entries the draw's walk scans at once
 
 __device__ __forceinline__ float key_float(u32 k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
@@ -196,6 +197,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(
     __shared__ u64 s_hist[SAMPLE_BINS];
     __shared__ u64 s_rem;
     __shared__ int s_bin;
+    __shared__ float s_chunk_sum[WALK_ROUND], s_pick_acc;   // the draw's walk
+    __shared__ int s_chunk_last[WALK_ROUND], s_walk, s_pick_chunk, s_last;
     int b = blockIdx.x, tid = threadIdx.x;
     float* x = logits + (long long)b * V;
 
@@ -295,7 +298,10 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(
 
     // the draw: a warp a contiguous segment of the row, its lanes reading 32 entries at a
     // time (a thread a contiguous slice made each warp load touch 32 lines), the segments'
-    // sums scanned, and the warp whose segment holds the target walks it 32 entries a step
+    // sums scanned; the segment that holds the target is walked 32 entries (a chunk) at a
+    // time, as one warp would: the first entry of weight > 0 whose running sum passes the
+    // target (-inf, masked and filtered entries are never drawn), else the segment's last
+    // entry of weight > 0
     constexpr int WARPS = SAMPLE_THREADS / 32;
     static_assert(WARPS == 32, "one warp scans the segments' sums");
     int warp = tid >> 5, lane = tid & 31;
@@ -311,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(
     }
     for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
     if (lane == 0) s_prefix[warp] = mine;
-    if (tid == 0) s_found = 0x7fffffff;
+    if (tid == 0) { s_found = 0x7fffffff; s_walk = WARPS; s_pick_chunk = -1; s_last = -1; }
     __syncthreads();
     if (warp == 0) s_prefix[lane] = warp_inclusive_sum(s_prefix[lane]);   // the segments' (WARPS = 32)
     __syncthreads();
@@ -319,31 +325,63 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(
     u64 r = splitmix64(seeds[b] ^ splitmix64(steps[b]));
     float target = (float)((double)(r >> 11) * (1.0 / 9007199254740992.0)) * kept;
     float before = warp ? s_prefix[warp - 1] : 0.0f;
-    if (mine > 0.0f && target >= before && target < before + mine) {   // (the same for a warp's lanes)
-        float acc = before;
-        int pick = -1, last = -1;
-        for (int c0 = i0; c0 < i1 && pick < 0; c0 += 32 * SAMPLE_AHEAD) {
+    // the first segment whose range holds the target (rounding may make two overlap, or
+    // leave the target in none: then the maximum's index)
+    if (lane == 0 && mine > 0.0f && target >= before && target < before + mine) atomicMin(&s_walk, warp);
+    __syncthreads();
+    const int walked = s_walk;
+    if (walked < WARPS) {
+        // the walk's running sum is sequential (before + the chunks' sums in turn, each a
+        // warp scan's last lane), so it is kept: each warp scans chunks of the segment at
+        // once (SAMPLE_AHEAD each, a round of WARPS x SAMPLE_AHEAD), thread 0 adds their
+        // sums in turn to the chunk where the target is passed, and warp 0 finds the entry
+        // in it by the same scan (a warp walking the segment alone took ~125 chunks in turn
+        // at a 128k vocabulary, a dozen shuffles' latency each)
+        const int w0 = min(V, walked * seg), w1 = min(V, w0 + seg);
+        const int chunks = (w1 - w0 + 31) / 32;
+        float acc = warp ? 0.0f : (walked ? s_prefix[walked - 1] : 0.0f);   // thread 0's
+        for (int r0 = 0; r0 < chunks; r0 += WALK_ROUND) {
             float ahead[SAMPLE_AHEAD];
-            load_ahead(x, c0 + lane, 32, i1, ahead);
+            load_ahead(x, w0 + 32 * (r0 + warp * SAMPLE_AHEAD) + lane, 32, w1, ahead);
             #pragma unroll
             for (int u = 0; u < SAMPLE_AHEAD; u++) {
-                if (pick >= 0) break;   // (the same for a warp's lanes)
-                int c = c0 + 32 * u;
                 float w = ahead[u] >= floor_v ? expf((ahead[u] - mx) * it) : 0.0f;
-                float incl = warp_inclusive_sum(w);   // the chunk's running sum, in index order
-                // the first entry of weight > 0 (-inf, masked and filtered ones are never
-                // drawn) whose running sum passes the target; else the chunk's last such entry
-                int first = w > 0.0f && target < acc + incl ? lane : 32, lastw = w > 0.0f ? lane : -1;
-                for (int o = 16; o > 0; o >>= 1) {
-                    first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-                    lastw = max(lastw, __shfl_xor_sync(0xffffffffu, lastw, o));
-                }
-                if (first < 32) pick = c + first;
-                else if (lastw >= 0) last = c + lastw;
-                acc += __shfl_sync(0xffffffffu, incl, 31);
+                float incl = warp_inclusive_sum(w);
+                int lastw = w > 0.0f ? lane : -1;
+                for (int o = 16; o > 0; o >>= 1) lastw = max(lastw, __shfl_xor_sync(0xffffffffu, lastw, o));
+                if (lane == 31) s_chunk_sum[warp * SAMPLE_AHEAD + u] = incl;
+                if (lane == 0) s_chunk_last[warp * SAMPLE_AHEAD + u] = lastw;
             }
+            __syncthreads();
+            if (tid == 0) {
+                for (int j = 0; j < WALK_ROUND && r0 + j < chunks; j++) {
+                    if (s_chunk_last[j] >= 0) {
+                        if (target < acc + s_chunk_sum[j]) {   // an entry of this chunk passes it
+                            s_pick_chunk = r0 + j;
+                            s_pick_acc = acc;
+                            break;
+                        }
+                        s_last = w0 + 32 * (r0 + j) + s_chunk_last[j];
+                    }
+                    acc += s_chunk_sum[j];
+                }
+            }
+            __syncthreads();
+            if (s_pick_chunk >= 0) break;   // (the same for every thread)
         }
-        if (lane == 0) atomicMin(&s_found, pick >= 0 ? pick : last);
+        if (warp == 0) {
+            int pick = s_last;
+            if (s_pick_chunk >= 0) {
+                int c = w0 + 32 * s_pick_chunk, i = c + lane;
+                float v = i < w1 ? x[i] : __uint_as_float(0x7fffffffu);
+                float w = v >= floor_v ? expf((v - mx) * it) : 0.0f;
+                float incl = warp_inclusive_sum(w);
+                int first = w > 0.0f && target < s_pick_acc + incl ? lane : 32;
+                for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+                pick = c + first;
+            }
+            if (lane == 0) s_found = pick;
+        }
     }
     __syncthreads();
     if (tid == 0) {
