@@ -1,7 +1,7 @@
-// Decode products on the tensor cores: up to MMV_TOKENS tokens against BF16 or quantized
-// weight rows, each weight read once whatever the batch. The same meanings as linear.cu's
-// gemv / nmv3 / glu / gemv_add / qkv_rope (ops/reference.py), which keep serving F32 and
-// F16 weights and K not a multiple of 32.
+// Decode products on the tensor cores: up to MMV_TOKENS tokens against BF16, F16 or
+// quantized weight rows, each weight read once whatever the batch. The same meanings as
+// linear.cu's gemv / nmv3 / glu / gemv_add / qkv_rope (ops/reference.py), which keep
+// serving F32 weights and K not a multiple of 32.
 //
 // A block takes a tile of 16 weight rows (slots 0..15) and every token; its MMV_WARPS warps
 // split K in steps of 32 (warp w takes steps w, w + MMV_WARPS, ...), each step two
@@ -9,8 +9,10 @@
 //
 // Exactness. Activations are split into two bfloat16 terms, x = hi + lo (hi = bf16(x),
 // lo = bf16(x - hi): 16 significant bits), and both go through the tensor cores, so the
-// products lose ~2^-17 of x rather than bf16's 2^-9. BF16 weights are exact bf16; a
-// quantized block goes in as its integers (exact in bf16: |q| <= 32 or int8) and its f32
+// products lose ~2^-17 of x rather than bf16's 2^-9. BF16 weights are exact bf16; an F16
+// weight (11 significant bits) goes in as two bf16 terms as well, hi + lo, exactly, so an
+// F16 step takes four products where a BF16 one takes two; a quantized block goes in as
+// its integers (exact in bf16: |q| <= 32 or int8) and its f32
 // scale multiplies the step's sum afterwards; a block min multiplies the step's sum of x
 // (an mma against ones). f32 accumulation.
 //
@@ -34,6 +36,7 @@
 
 struct Frag {
     u32 w[4];      // the A words of this lane's row for the step (bf16 pairs, low half first)
+    u32 wl[4];     // F16: the words of the weights' lo terms (w: their hi terms)
     float sc[2];   // the scale of the first / second mma's k (quantized types; 0: no row)
     float mn[2];   // the added constant per element of each (types with a min)
 };
@@ -51,6 +54,7 @@ __device__ __forceinline__ u32 pack_int_pair(int a, int b) {
 // BF16 rows: 16 bytes at 32 s + 8q.
 struct WBf16 {
     static constexpr bool split = false, scaled = false, has_min = false, rows_split = false, scale_words = false;
+    static constexpr bool two_terms = false;
     using Raw = uint4;
     static constexpr int unroll = 4;
     static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + 64 * s; }
@@ -59,6 +63,21 @@ struct WBf16 {
     }
     static __device__ __forceinline__ void unpack(const Raw& v, int s, int lane, Frag& f) {
         f.w[0] = v.x; f.w[1] = v.y; f.w[2] = v.z; f.w[3] = v.w;
+        f.sc[0] = f.sc[1] = 1.0f;
+        f.mn[0] = f.mn[1] = 0.0f;
+    }
+};
+
+// F16 rows: as BF16's (16 bytes at 32 s + 8q), each pair of halves made two bf16 pairs,
+// hi = bf16(w) and lo = w - hi: an f16's 11 significant bits fit the two exactly (and its
+// exponents bf16's), so the products are those of the f16 weights.
+struct WF16 : WBf16 {
+    static constexpr bool two_terms = true;
+    static __device__ __forceinline__ void unpack(const Raw& v, int s, int lane, Frag& f) {
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+        #pragma unroll
+        for (int i = 0; i < 4; i++)
+            split_bf16(f16_to_f32((u16)(words[i] & 0xffffu)), f16_to_f32((u16)(words[i] >> 16)), f.w[i], f.wl[i]);
         f.sc[0] = f.sc[1] = 1.0f;
         f.mn[0] = f.mn[1] = 0.0f;
     }
@@ -73,7 +92,7 @@ struct WBf16 {
 // scale_tail: any further scale bytes of a step (Q6_K's block d).
 template <int VB, int SB>
 struct SplitRows {
-    static constexpr bool rows_split = true, scale_words = true;
+    static constexpr bool rows_split = true, scale_words = true, two_terms = false;
     static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + VB * s; }
     static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
         return split_scales(row, K, VB, SB, s);
@@ -156,6 +175,7 @@ struct WQ4_1 : SplitRows<16, 4> {
 template <int STEP, int UNROLL>
 struct KQuantRows {
     static constexpr bool split = true, scaled = true, has_min = true, rows_split = true, scale_words = false;
+    static constexpr bool two_terms = false;
     static constexpr int unroll = UNROLL;
     static __device__ __forceinline__ const u8* values(const u8* row, int s) { return row + STEP * s; }
     static __device__ __forceinline__ const u8* scales(const u8* row, int K, int s) {
@@ -403,6 +423,11 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
                 const u32 a2[4] = {fa.w[2], fb.w[2], fa.w[3], fb.w[3]};
                 if (!WT::scaled) {
                     step_products(acc[r][j], acc[r][j], a1, a2, bh1, bl1, bh2, bl2);
+                    if constexpr (WT::two_terms) {   // the weights' lo terms after their hi terms
+                        const u32 l1[4] = {fa.wl[0], fb.wl[0], fa.wl[1], fb.wl[1]};
+                        const u32 l2[4] = {fa.wl[2], fb.wl[2], fa.wl[3], fb.wl[3]};
+                        step_products(acc[r][j], acc[r][j], l1, l2, bh1, bl1, bh2, bl2);
+                    }
                     continue;
                 }
                 float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -782,12 +807,16 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope##sfx##
     ELLM_MMV_KERNELS_RT(name, WT, , 1)                                                    \
     ELLM_MMV_KERNELS_RT(name, WT, x2, 2)
 // RT = 4 above MMV_X4_ABOVE tokens for the types whose four tiles fit the registers
-// (239-252 of 255; those with a block min or K-quant scales would spill): the activations
+// (239-252 of 255; those with a block min or K-quant scales would spill, F16's two weight
+// terms take 251-255, too near the edge): the activations
 // read a quarter as often as with one tile. Same bits again.
 #define ELLM_MMV_KERNELS_X4(name, WT)                                                     \
     ELLM_MMV_KERNELS(name, WT)                                                            \
     ELLM_MMV_KERNELS_RT(name, WT, x4, 4)
 // by GGML type id: ops/cuda.py compiles one type at a time (common.cuh ELLM_ONLY_TYPE)
+#if ELLM_TYPE_ON(1)
+ELLM_MMV_KERNELS(f16, WF16)
+#endif
 #if ELLM_TYPE_ON(30)
 ELLM_MMV_KERNELS_X4(bf16, WBf16)
 #endif

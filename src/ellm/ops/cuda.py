@@ -45,8 +45,8 @@ GEMM_MIN_TOKENS = 64
 GEMV_TOKENS, GEMV_WARPS = 8, 4          # as in linear.cu
 FUSED_WARPS = 4                         # as in linear.cu (the fused decode kernels)
 # Decode products of these types on the tensor cores (mmv.cu: every weight read once per
-# step, whatever the batch) when K % 32 == 0; F32 and F16 rows stay on linear.cu's kernels.
-MMV_TYPES = frozenset(q for q in WEIGHT_TYPES if q not in (GGMLType.F32, GGMLType.F16))
+# step, whatever the batch) when K % 32 == 0; F32 rows stay on linear.cu's kernels.
+MMV_TYPES = frozenset(q for q in WEIGHT_TYPES if q != GGMLType.F32)
 MMV_ROWS, MMV_TASKS, MMV_THREADS = 16, 8, 256   # rows (tasks) a tile; as in mmv.cu
 # Above this many tokens a block of mmv.cu takes two tiles (the `x2` kernels): it reads the
 # activations once for both, which halves the reads that dominate at 32-64 tokens; at

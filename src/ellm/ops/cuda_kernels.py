@@ -41,7 +41,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "lora.cu": ("lora_shrink_f32", "lora_expand_f32"),
     "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2", "x4")
                     for q, t in WEIGHT_TYPES.items()
-                    if q not in (GGMLType.F32, GGMLType.F16) and (rt != "x4" or q in MMV_X4_TYPES)),
+                    if q != GGMLType.F32 and (rt != "x4" or q in MMV_X4_TYPES)),
 }
 HEADER = "common.cuh"
 # Given to NVRTC through CuPy, which adds the architecture and -ftz=true (denormals flush
