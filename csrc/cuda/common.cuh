@@ -181,22 +181,34 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // a layout is written once (they mirror csrc/quant.c's dq_* block functions).
 // ---------------------------------------------------------------------------------
 
+// The float types' 8 elements as vector loads (16 bytes each): rows of K % 8 == 0
+// elements start 16-byte aligned, as the kernels that call these require. Element by
+// element, ptxas issued 8 loads of 2 or 4 bytes for them.
 __device__ __forceinline__ void deq8_f32(const u8* row, int K, int k0, float* v) {
-    const float* p = (const float*)row + k0;
-    #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = p[i];
+    const float4* p = (const float4*)((const float*)row + k0);
+    float4 a = p[0], b = p[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
 __device__ __forceinline__ void deq8_f16(const u8* row, int K, int k0, float* v) {
-    const u16* p = (const u16*)row + k0;
+    uint4 u = *(const uint4*)((const u16*)row + k0);
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
     #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = f16_to_f32(p[i]);
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = f16_to_f32((u16)(w[i] & 0xffffu));
+        v[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
+    }
 }
 
 __device__ __forceinline__ void deq8_bf16(const u8* row, int K, int k0, float* v) {
-    const u16* p = (const u16*)row + k0;
+    uint4 u = *(const uint4*)((const u16*)row + k0);
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
     #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = bf16_to_f32(p[i]);
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = bf16_to_f32((u16)(w[i] & 0xffffu));
+        v[2 * i + 1] = bf16_to_f32((u16)(w[i] >> 16));
+    }
 }
 
 // Q4_0, Q4_1 and Q8_0 as the GPU keeps them (ops/cuda_kernels.py rows_split): a row's values of

@@ -543,6 +543,8 @@ class CudaOps:
     def embed(self, w: Linear, ids: Any, out: Any = None) -> Any:
         data = self._weight(w)
         T, K = int(ids.shape[0]), w.in_features
+        if K % 8:   # (embed_<type> takes a row 8 elements at a time, 16-byte aligned)
+            raise ValueError(f"embed: hidden size {K} is not a multiple of 8 (the CUDA kernels need it)")
         out = self.cp.empty((T, K), np.float32) if out is None else out
         if T:
             self._launch(f"embed_{WEIGHT_TYPES[w.qtype]}", (T,), (128,),
