@@ -324,6 +324,16 @@ def test_decode_products_on_fewer_blocks_than_row_groups_are_the_same_bits(ops, 
 
 
 @needs_gpu
+@needs_gpu
+def test_embed_refuses_a_hidden_size_not_a_multiple_of_8(ops) -> None:
+    """embed_<type> takes a row 8 elements at a time (F16 / BF16 / F32 in one or two 16-byte
+    loads, aligned when K % 8 == 0): another hidden size is a clear error, not a tail left
+    out or a misaligned load."""
+    w = random_linear(np.random.default_rng(3), GGMLType.F16, 10, 36)
+    with pytest.raises(ValueError, match="hidden size 36 is not a multiple of 8"):
+        ops.embed(ops.upload_linear(w), ops.upload(np.array([1], np.int32)))
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16, GGMLType.F32],
                          ids=lambda q: q.name)
 def test_a_greedy_head_takes_each_rows_argmax_in_its_own_launch(ops, qtype: GGMLType,
