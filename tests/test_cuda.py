@@ -324,7 +324,6 @@ def test_decode_products_on_fewer_blocks_than_row_groups_are_the_same_bits(ops, 
 
 
 @needs_gpu
-@needs_gpu
 def test_embed_refuses_a_hidden_size_not_a_multiple_of_8(ops) -> None:
     """embed_<type> takes a row 8 elements at a time (F16 / BF16 / F32 in one or two 16-byte
     loads, aligned when K % 8 == 0): another hidden size is a clear error, not a tail left
@@ -334,6 +333,7 @@ def test_embed_refuses_a_hidden_size_not_a_multiple_of_8(ops) -> None:
         ops.embed(ops.upload_linear(w), ops.upload(np.array([1], np.int32)))
 
 
+@needs_gpu
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16, GGMLType.F32],
                          ids=lambda q: q.name)
 def test_a_greedy_head_takes_each_rows_argmax_in_its_own_launch(ops, qtype: GGMLType,
