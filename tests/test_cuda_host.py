@@ -254,19 +254,6 @@ def test_deferred_execution_runs_the_stream_when_the_host_waits() -> None:
             extern "C" __global__ void twice(float* x, int n) {
                 int i = blockIdx.x * blockDim.x + threadIdx.x;
                 if (i < n) x[i] *= 2.0f;
-            }
-            extern "C" __global__ void half_written(float* x) {
-                __shared__ float s[64];
-                if (threadIdx.x < 32) s[threadIdx.x] = 1.0f;   // the other half never written
-                __syncthreads();
-                x[blockIdx.x * 64 + threadIdx.x] = s[threadIdx.x];
-            }
-            #define HALF 32
-            extern "C" __global__ void __launch_bounds__(2 * HALF, 1) bounded(float* x) { x[threadIdx.x] += 1.0f; }
-            extern "C" __global__ void vector_load(float* x, int offset) {
-                // a float4 at x + offset: a GPU faults unless the address is a multiple of 16
-                float4 v = *(const float4*)(x + offset + 4 * threadIdx.x);
-                x[32 + threadIdx.x] = v.x + v.y + v.z + v.w;
             }""")
         twice = mod.get_function("twice")
         x = cupy.zeros(4, np.float32)
