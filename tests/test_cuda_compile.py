@@ -243,18 +243,18 @@ def _weight_loads_in_flight(sass: str) -> dict[str, int]:
             load = _SASS_LOAD.match(text)
             if load and "CONSTANT" not in load.group(1):
                 count += 1
-                width = 4 if ".128" in load.group(1) else 2 if ".64" in load.group(1) else 1
-                loaded.update(range(int(load.group(2)), int(load.group(2)) + width))
+                loaded.update(_loaded_registers(load))
                 continue
-            # the sources: an instruction's operands after its first (the destination)
-            operands = text.split(None, 1)[1] if " " in text else ""
-            if text.startswith("@"):   # a predicate, then the opcode
-                operands = operands.split(None, 1)[1] if " " in operands else ""
-            sources = operands.split(",", 1)[1] if "," in operands else ""
-            if loaded and any(int(r) in loaded for r in re.findall(r"(?<![\w.])R(\d+)", sources)):
+            if loaded and any(r in loaded for r in _sources_read(text)):
                 break
         out[m.group(1)] = count
     return out
+
+
+def _loaded_registers(load: re.Match) -> range:
+    """The registers a global load (_SASS_LOAD's match) writes: 1, 2 or 4 from its first."""
+    width = 4 if ".128" in load.group(1) else 2 if ".64" in load.group(1) else 1
+    return range(int(load.group(2)), int(load.group(2)) + width)
 
 
 def _sources_read(text: str) -> list[int]:
@@ -279,8 +279,7 @@ def _load_groups(sass: str) -> dict[str, list[int]]:
             load = _SASS_LOAD.match(ins.group(1))
             if load:
                 count += 1
-                width = 4 if ".128" in load.group(1) else 2 if ".64" in load.group(1) else 1
-                loaded.update(range(int(load.group(2)), int(load.group(2)) + width))
+                loaded.update(_loaded_registers(load))
             elif loaded and any(r in loaded for r in _sources_read(ins.group(1))):
                 sizes.append(count)
                 loaded, count = set(), 0

@@ -191,25 +191,21 @@ __device__ __forceinline__ void deq8_f32(const u8* row, int K, int k0, float* v)
     v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-__device__ __forceinline__ void deq8_f16(const u8* row, int K, int k0, float* v) {
+// F16 (BF = false) or BF16 rows: the 8 halves of one 16-byte load
+template <bool BF>
+__device__ __forceinline__ void deq8_halves(const u8* row, int k0, float* v) {
     uint4 u = *(const uint4*)((const u16*)row + k0);
     const u32 w[4] = {u.x, u.y, u.z, u.w};
     #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[2 * i] = f16_to_f32((u16)(w[i] & 0xffffu));
-        v[2 * i + 1] = f16_to_f32((u16)(w[i] >> 16));
+    for (int i = 0; i < 8; i++) {
+        u16 h = (u16)(i & 1 ? w[i >> 1] >> 16 : w[i >> 1] & 0xffffu);
+        v[i] = BF ? bf16_to_f32(h) : f16_to_f32(h);
     }
 }
 
-__device__ __forceinline__ void deq8_bf16(const u8* row, int K, int k0, float* v) {
-    uint4 u = *(const uint4*)((const u16*)row + k0);
-    const u32 w[4] = {u.x, u.y, u.z, u.w};
-    #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[2 * i] = bf16_to_f32((u16)(w[i] & 0xffffu));
-        v[2 * i + 1] = bf16_to_f32((u16)(w[i] >> 16));
-    }
-}
+__device__ __forceinline__ void deq8_f16(const u8* row, int K, int k0, float* v) { deq8_halves<false>(row, k0, v); }
+
+__device__ __forceinline__ void deq8_bf16(const u8* row, int K, int k0, float* v) { deq8_halves<true>(row, k0, v); }
 
 // Q4_0, Q4_1 and Q8_0 as the GPU keeps them (ops/cuda_kernels.py rows_split): a row's values of
 // every block first (16 bytes of nibbles a block of 32 for Q4_0 / Q4_1, 32 int8 for Q8_0),

@@ -52,6 +52,12 @@ __device__ __forceinline__ void load_ahead(const float* __restrict__ x, int i, i
     }
 }
 
+// An entry's weight in the draw: exp((v - mx) inv_temp) at or above the filters' floor,
+// else 0 (NaN included)
+__device__ __forceinline__ float draw_weight(float v, float floor_v, float mx, float it) {
+    return v >= floor_v ? expf((v - mx) * it) : 0.0f;
+}
+
 // The sum of v over a block of THREADS threads (warps' sums, then the sum of those), in
 // every thread; sh holds THREADS / 32 values.
 template <class T, int THREADS>
@@ -313,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(
         load_ahead(x, c, 32, i1, ahead);
         #pragma unroll
         for (int u = 0; u < SAMPLE_AHEAD; u++)
-            if (ahead[u] >= floor_v) mine += expf((ahead[u] - mx) * it);
+            mine += draw_weight(ahead[u], floor_v, mx, it);
     }
     for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
     if (lane == 0) s_prefix[warp] = mine;
@@ -345,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(
             load_ahead(x, w0 + 32 * (r0 + warp * SAMPLE_AHEAD) + lane, 32, w1, ahead);
             #pragma unroll
             for (int u = 0; u < SAMPLE_AHEAD; u++) {
-                float w = ahead[u] >= floor_v ? expf((ahead[u] - mx) * it) : 0.0f;
+                float w = draw_weight(ahead[u], floor_v, mx, it);
                 float incl = warp_inclusive_sum(w);
                 int lastw = w > 0.0f ? lane : -1;
                 for (int o = 16; o > 0; o >>= 1) lastw = max(lastw, __shfl_xor_sync(0xffffffffu, lastw, o));
@@ -374,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(
             if (s_pick_chunk >= 0) {
                 int c = w0 + 32 * s_pick_chunk, i = c + lane;
                 float v = i < w1 ? x[i] : __uint_as_float(0x7fffffffu);
-                float w = v >= floor_v ? expf((v - mx) * it) : 0.0f;
+                float w = draw_weight(v, floor_v, mx, it);
                 float incl = warp_inclusive_sum(w);
                 int first = w > 0.0f && target < s_pick_acc + incl ? lane : 32;
                 for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
