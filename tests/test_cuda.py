@@ -285,6 +285,84 @@ def test_decode_products_are_batch_invariant(ops, qtype: GGMLType) -> None:
         assert np.array_equal(ops.to_host(ops.linear(ops.upload(x[:n]), w)), full[:n])
 
 
+def random_experts(rng: np.random.Generator, gate_type: GGMLType, down_type: GGMLType, E: int, H: int,
+                   F: int) -> R.Experts:
+    """E SwiGLU experts of random weights: gate and up (F, H) of one type, down (H, F) of another."""
+    return R.Experts([random_linear(rng, gate_type, F, H) for _ in range(E)],
+                     [random_linear(rng, gate_type, F, H) for _ in range(E)],
+                     [random_linear(rng, down_type, H, F) for _ in range(E)])
+
+
+MOE_TYPES = [(GGMLType.BF16, GGMLType.BF16), (GGMLType.F16, GGMLType.Q8_0), (GGMLType.Q4_K, GGMLType.Q6_K),
+             (GGMLType.Q4_0, GGMLType.Q4_1), (GGMLType.Q5_K, GGMLType.Q8_0)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("types", MOE_TYPES, ids=lambda t: f"{t[0].name}-{t[1].name}")
+def test_moe_on_the_device_matches_reference(ops, types: tuple[GGMLType, GGMLType]) -> None:
+    """A mixture-of-experts block of up to 64 tokens stays on the device (moe_route, moe.cu,
+    moe_combine): within 1e-9 of the reference for 1, 5 and 64 tokens and both routings
+    (renormalised or not), each token's row the same bits alone as in the batch; 70
+    tokens take the host's routing."""
+    rng = np.random.default_rng(int(types[0]) * 100 + int(types[1]))
+    E, H, F = 9, 256, 512
+    experts = random_experts(rng, *types, E, H, F)
+    router = random_linear(rng, GGMLType.F32, E, H)
+    dexperts = R.Experts(*([ops.upload_linear(m) for m in ms] for ms in (experts.gate, experts.up, experts.down)))
+    drouter = ops.upload_linear(router)
+    assert ops._expert_tables(dexperts) is not None   # (the device path is taken)
+    x = (rng.standard_normal((70, H)) * 0.02).astype(np.float32)   # (the K-quants' random rows are large)
+    for T, k, norm in ((1, 3, True), (5, 2, False), (64, 4, True), (70, 3, True)):
+        want = ReferenceOps().moe(x[:T], router, experts, k, norm)
+        got = ops.to_host(ops.moe(ops.upload(x[:T]), drouter, dexperts, k, norm))
+        assert nmse(got, want) <= 1e-9, (T, k, norm, nmse(got, want))
+        if T <= 64:
+            for t in (0, T // 2, T - 1):
+                alone = ops.to_host(ops.moe(ops.upload(x[t:t + 1]), drouter, dexperts, k, norm))
+                assert np.array_equal(alone[0], got[t]), (T, t)
+
+
+@needs_gpu
+def test_moe_routing_on_the_device(ops) -> None:
+    """moe_route against reference.moe_route: the same experts in the same order (most
+    probable first, ties to the lower id), their weights within f32 rounding; every entry
+    laid out by expert, the experts in ascending id, a token's entries in ascending expert
+    id. Ties (equal logits) and an expert nobody picks included."""
+    rng = np.random.default_rng(4)
+    T, E, k = 7, 40, 5
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    logits[1, [3, 17, 30]] = 2.5          # three tied experts, two of which are taken
+    logits[:, 11] = -30.0                 # never chosen
+    n, nslots = T * k, min(E, T * k)
+    outs = {name: ops.upload(np.full(size, -7, np.int32)) for name, size in
+            (("ids", n), ("slots", nslots), ("starts", nslots + 1), ("rows", n), ("pos", n))}
+    wts, wpos = ops.upload(np.zeros(n, np.float32)), ops.upload(np.zeros(n, np.float32))
+    for norm in (False, True):
+        ops._launch("moe_route_f32", (1,), (256,),
+                    (ops.upload(logits), outs["ids"], wts, outs["slots"], outs["starts"], outs["rows"], outs["pos"],
+                     wpos, np.int32(T), np.int32(E), np.int32(k), np.int32(nslots), np.int32(norm)))
+        got = {name: ops.to_host(a) for name, a in outs.items()}
+        want_ids, want_w = R.moe_route(logits, k, norm)
+        ids, w = got["ids"].reshape(T, k), ops.to_host(wts).reshape(T, k)
+        assert np.array_equal(ids, want_ids) and ids[1, :2].tolist() == [3, 17] and 11 not in ids
+        np.testing.assert_allclose(w, want_w, rtol=1e-6)
+        chosen = sorted(set(ids.ravel().tolist()))
+        used = len(chosen)
+        assert got["slots"][:used].tolist() == chosen and (got["slots"][used:] == -1).all()
+        counts = [int((ids == e).sum()) for e in chosen]
+        assert got["starts"][:used].tolist() == np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        assert (got["starts"][used:] == n).all()
+        rows = got["rows"]
+        for s, e in enumerate(chosen):   # an expert's entries: its tokens, in order
+            first = got["starts"][s]
+            assert rows[first:first + counts[s]].tolist() == np.nonzero((ids == e).any(1))[0].tolist()
+        pos, wp = got["pos"].reshape(T, k), ops.to_host(wpos).reshape(T, k)
+        for t in range(T):
+            assert (np.diff(pos[t]) > 0).all() and (rows[pos[t]] == t).all()
+            order = np.argsort(ids[t])
+            assert np.array_equal(wp[t], w[t][order])
+
+
 @needs_gpu
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda q: q.name)
 def test_decode_products_on_fewer_blocks_than_row_groups_are_the_same_bits(ops, qtype: GGMLType,
@@ -805,6 +883,30 @@ def test_a_model_quantized_to_q8_0_at_load_runs_split_rows(tiny_models_dir: Path
         assert gpu.model.lm_head.qtype == GGMLType.Q8_0
         graphs = gpu.engine.runner.executor.graphs
         assert graphs and {g.kernels for g in graphs.values()} == {5 * len(gpu.model.layers) + 2}
+        got, want = gpu.engine.logits(ids)[-1], cpu.engine.logits(ids)[-1]
+        assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
+    finally:
+        gpu.close(), cpu.close()
+
+
+@needs_gpu
+def test_a_mixture_of_experts_model_decodes_on_the_device(tiny_models_dir: Path) -> None:
+    """Qwen3-MoE (a dense layer among MoE ones) quantized to q8_0 at load: its decode steps
+    route and run the experts on the device (moe_route, moe.cu), so they are captured as
+    graphs (a step that copied the routing back could not be), and give the CPU's tokens
+    (its own q8_0 weights, f32 activations) and its logits within 1e-4."""
+    folder = tiny_models_dir / "qwen3_moe_mixed"
+    gpu = ellm.load(folder, device="cuda", quantize="q8_0", max_model_len=256, kv_cache_dtype="float32")
+    cpu = ellm.load(folder, device="cpu", quantize="q8_0", activations="f32", max_model_len=256)
+    try:
+        moe = gpu.model.layers[0].mlp
+        assert moe.experts.gate[0].qtype == GGMLType.Q8_0
+        ids = np.random.default_rng(9).integers(3, 320, 11).tolist()
+        p = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        assert gpu.generate(ids, p).token_ids == cpu.generate(ids, p).token_ids
+        executor = gpu.engine.runner.executor
+        assert executor.graphs and executor.stats["replays"] >= 8 and executor.use_graphs
+        assert gpu.model.ops._expert_tables(moe.experts) is not None
         got, want = gpu.engine.logits(ids)[-1], cpu.engine.logits(ids)[-1]
         assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
     finally:

@@ -36,7 +36,10 @@ ARCHS = ("sm_80", "sm_90")
 PTXAS = (shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")) if NVCC else None
 # the kernels of the fused decode path (ops/fused_stack.py through ops/cuda.py) and the
 # tensor-core prefill attention: no stack frame at all
-FUSED_DECODE_KERNELS = ("nmv3_", "glu_", "gemv_add_", "qkv_rope_", "attn_decode", "mmv", "attn_prefill")
+FUSED_DECODE_KERNELS = ("nmv3_", "glu_", "gemv_add_", "qkv_rope_", "attn_decode", "mmv", "attn_prefill", "moe_glu_",
+                        "moe_down_")
+# the files of mmv.cu's decode products (moe.cu: the same with the expert chosen on the device)
+MMV_FILES = ("mmv.cu", "moe.cu")
 SOURCES = sorted(cuda_kernels.kernel_dir().glob("*.cu"))
 
 
@@ -129,12 +132,14 @@ def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     out = tmp_path_factory.mktemp("ptx")
     by_name = {src.name: src for src in SOURCES}
     # the file each test reads where it has no `source` parameter
-    reads = {"test_nvcc_ptx_without_warnings": None,
-             "test_mmv_kernels_have_their_weight_loads_in_flight_at_once": by_name["mmv.cu"],
-             "test_sampling_passes_keep_a_threads_loads_in_flight": by_name["sample.cu"]}
-    wanted = {(item.callspec.params.get("source", reads[item.originalname]), item.callspec.params["arch"])
+    reads = {"test_nvcc_ptx_without_warnings": [],
+             "test_mmv_kernels_have_their_weight_loads_in_flight_at_once": [by_name[f] for f in MMV_FILES],
+             "test_sampling_passes_keep_a_threads_loads_in_flight": [by_name["sample.cu"]]}
+    wanted = {(src, item.callspec.params["arch"])
               for item in request.session.items if hasattr(item, "callspec") and getattr(item, "originalname", "")
-              in reads}
+              in reads
+              for src in ([item.callspec.params["source"]] if "source" in item.callspec.params
+                          else reads[item.originalname])}
     # (Linux: the cores this process may use)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     pool = ThreadPoolExecutor(max_workers=max(1, cores or 1))
@@ -158,6 +163,7 @@ def test_nvcc_ptx_without_warnings(source: Path, arch: str, compiled: dict) -> N
         if source.name == "mmv.cu":   # their first weights are on their way while they wait
             unfetched = [k for k, early in _prefetch_before_wait(ptx).items() if not early]
             assert not unfetched, f"mmv kernels without an L2 prefetch before the wait: {unfetched}"
+        if source.name in MMV_FILES:   # (moe.cu's learn their expert only after the wait)
             unfetched = [k for k, after in _activations_fetched_after_wait(ptx).items() if not after]
             assert not unfetched, f"mmv kernels without their activations' L1 prefetch: {unfetched}"
     # ptxas assembles it for this architecture without spilling registers to local memory
@@ -169,7 +175,7 @@ def test_nvcc_ptx_without_warnings(source: Path, arch: str, compiled: dict) -> N
     assert all(k in frames for k in fused), f"ptxas -v said nothing of {[k for k in fused if k not in frames]}"
     assert not [k for k in fused if frames[k] != "0"], \
         f"stack frames in {[(k, frames[k]) for k in fused if frames[k] != '0']} ({arch})"
-    if source.name == "mmv.cu":   # one tile's kernels: two blocks of 256 threads an SM (MMV3_RESIDENT)
+    if source.name in MMV_FILES:   # one tile's kernels: two blocks of 256 threads an SM (MMV3_RESIDENT)
         used = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", ptxas.stdout + ptxas.stderr,
                                re.S))
         one_tile = [k for k in cuda_kernels.KERNELS[source.name] if not re.match(r"\w+x[24]_", k)]
@@ -316,6 +322,8 @@ def test_weight_loads_in_flight_stop_at_the_first_use() -> None:
 # MMV_UNROLL = 4 tile-steps. Until 2026-12-07 every quantized type's loads were each
 # used at once (2-5 in flight: a lane waited for each 4 or 8 bytes of weights in turn).
 MMV_LOADS_AHEAD = {"bf16": 8, "f16": 8, "q4_0": 32, "q4_1": 16, "q8_0": 16, "q4_k": 16, "q5_k": 8, "q6_k": 16}
+# moe.cu's, where they differ: half the steps ahead for Q4_0 (moe.cu Ahead)
+MOE_LOADS_AHEAD = dict(MMV_LOADS_AHEAD, q4_0=16)
 
 
 @needs_nvcc
@@ -323,20 +331,20 @@ MMV_LOADS_AHEAD = {"bf16": 8, "f16": 8, "q4_0": 32, "q4_1": 16, "q8_0": 16, "q4_
                                              "extras on Linux x86-64)")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mmv_kernels_have_their_weight_loads_in_flight_at_once(arch: str, compiled: dict) -> None:
-    """ptxas's SASS of every mmv.cu kernel: a warp issues the weight loads of the steps it
-    loads ahead before it uses any of them, so that at batch 1 -- where the weights'
-    trip from memory is the whole cost -- enough bytes are on their way an SM."""
-    mmv = next(src for src in SOURCES if src.name == "mmv.cu")
-    *_, in_flight, _ = compiled[(mmv.name, arch)].result()
-    assert in_flight is not None
-    kernels = [k for k in cuda_kernels.KERNELS["mmv.cu"]]
-    assert kernels and set(kernels) <= set(in_flight), sorted(set(kernels) - set(in_flight))
+    """ptxas's SASS of every mmv.cu and moe.cu kernel: a warp issues the weight loads of the
+    steps it loads ahead before it uses any of them, so that at batch 1 -- where the
+    weights' trip from memory is the whole cost -- enough bytes are on their way an SM."""
     short = {}
-    for k in kernels:
-        tiles, wtype = re.match(r"(?:mmv3|mmv_glu|mmv_qkv_rope)(x[24])?_(\w+)", k).groups()
-        want = 8 if tiles else MMV_LOADS_AHEAD[wtype]
-        if in_flight[k] < want:
-            short[k] = (in_flight[k], want)
+    for file in MMV_FILES:
+        *_, in_flight, _ = compiled[(file, arch)].result()
+        assert in_flight is not None
+        kernels = list(cuda_kernels.KERNELS[file])
+        assert kernels and set(kernels) <= set(in_flight), sorted(set(kernels) - set(in_flight))
+        for k in kernels:
+            tiles, wtype = re.match(r"(?:mmv3|mmv_glu|mmv_qkv_rope|moe_glu|moe_down)(x[24])?_(\w+)", k).groups()
+            want = 8 if tiles else (MOE_LOADS_AHEAD if file == "moe.cu" else MMV_LOADS_AHEAD)[wtype]
+            if in_flight[k] < want:
+                short[k] = (in_flight[k], want)
     assert not short, f"weight loads in flight (SASS, {arch}) under what the kernel should issue at once: {short}"
 
 
@@ -463,6 +471,7 @@ def test_nvrtc_compiles(unit: cuda_kernels.KernelUnit, arch: str) -> None:
         if unit[0] == "mmv.cu":
             unfetched = [k for k, early in _prefetch_before_wait(ptx.decode()).items() if not early]
             assert not unfetched, f"mmv kernels without an L2 prefetch before the wait: {unfetched}"
+        if unit[0] in MMV_FILES:
             unfetched = [k for k, after in _activations_fetched_after_wait(ptx.decode()).items() if not after]
             assert not unfetched, f"mmv kernels without their activations' L1 prefetch: {unfetched}"
 

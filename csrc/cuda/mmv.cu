@@ -813,7 +813,9 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS) mmv_qkv_rope##sfx##
 #define ELLM_MMV_KERNELS_X4(name, WT)                                                     \
     ELLM_MMV_KERNELS(name, WT)                                                            \
     ELLM_MMV_KERNELS_RT(name, WT, x4, 4)
-// by GGML type id: ops/cuda.py compiles one type at a time (common.cuh ELLM_ONLY_TYPE)
+// by GGML type id: ops/cuda.py compiles one type at a time (common.cuh ELLM_ONLY_TYPE);
+// moe.cu includes this file for its device functions alone (ELLM_MMV_DEVICE_ONLY)
+#ifndef ELLM_MMV_DEVICE_ONLY
 #if ELLM_TYPE_ON(1)
 ELLM_MMV_KERNELS(f16, WF16)
 #endif
@@ -838,3 +840,4 @@ ELLM_MMV_KERNELS(q5_k, WQ5_K)
 #if ELLM_TYPE_ON(14)
 ELLM_MMV_KERNELS(q6_k, WQ6_K)
 #endif
+#endif   // ELLM_MMV_DEVICE_ONLY

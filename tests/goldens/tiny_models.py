@@ -60,9 +60,10 @@ CONFIGS = {
     "qwen3_moe": lambda: tf.Qwen3MoeConfig(**WIDE, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
                                            norm_topk_prob=True),
     # the same with a dense MLP on layer 2 and no renormalisation (llama.cpp's converter
-    # cannot write a dense layer into a qwen3moe GGUF)
+    # cannot write a dense layer into a qwen3moe GGUF); experts 64 wide, which the GPU's
+    # decode kernels take (a multiple of 32: tests/test_cuda.py)
     "qwen3_moe_mixed": lambda: tf.Qwen3MoeConfig(**WIDE, num_experts=8, num_experts_per_tok=2,
-                                                 moe_intermediate_size=48, mlp_only_layers=[2]),
+                                                 moe_intermediate_size=64, mlp_only_layers=[2]),
 }
 CLASSES = {"gemma3_text": tf.Gemma3ForCausalLM}
 NEW_FAMILIES = ("qwen2", "qwen3", "mistral", "smollm3", "olmo2", "granite", "phi3", "qwen3_moe",

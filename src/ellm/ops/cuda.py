@@ -21,7 +21,7 @@ import math
 import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, NamedTuple, Sequence
 
 import numpy as np
 
@@ -95,7 +95,25 @@ FA_WIDE_WARPS = 2       # attn_prefill_wide's (Q of 32 rows x 256 dims fills the
 # key and value itself, as until 2026-12-06 (the device check's comparison; the same bits)
 FA_WARPS_ENV = "ELLM_CUDA_FA_WARPS"
 ELEMENTWISE_THREADS = 256
+MOE_ROUTE_THREADS, MOE_EXPERTS_MAX = 256, 4096   # as in elementwise.cu
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
+
+class ExpertTables(NamedTuple):
+    """A mixture-of-experts layer's matrices as moe.cu reads them: per projection its first
+    expert's matrix (the base) and a device table of each expert's offset from it in bytes
+    (int64), one row stride for gate and up and one for down, the kernels' type names and
+    the shape."""
+    gate: tuple[Any, Any]
+    up: tuple[Any, Any]
+    down: tuple[Any, Any]
+    gate_up_stride: int
+    down_stride: int
+    gate_type: str
+    down_type: str
+    num_experts: int
+    hidden: int
+    ffn: int
+
 
 # cuBLAS (cublasGemmEx, the API's constants) for prefill products: bf16 inputs, f32
 # accumulation and output, as gemm_<type> means, near the tensor cores' peak
@@ -168,11 +186,15 @@ class CudaOps:
         # per SequenceSampler: its seed and the draws made so far (device sampling)
         self._rng_state: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
         self._split_buffer = np.empty(0, np.uint8)   # host memory upload_linear splits rows in
+        # id(Experts) -> (the Experts, its device tables or None: _expert_tables), the
+        # Experts held so its id cannot be reused
+        self._expert_tables_of: dict[int, tuple[Experts, ExpertTables | None]] = {}
         self.compile_kernels()
 
     # -- kernels -----------------------------------------------------------------------
 
-    def compile_kernels(self, files: Sequence[str] = LOAD_KERNEL_FILES) -> None:
+    def compile_kernels(self, files: Sequence[str] = LOAD_KERNEL_FILES,
+                        qtypes: Collection[GGMLType] | None = None) -> None:
         """Compiles the kernel files every model needs now (lora.cu when an adapter first
         asks), so that a CuPy which cannot compile them (no NVRTC, one built for another
         CUDA) fails the load, saying what to do, rather than the first request. CuPy
@@ -180,7 +202,8 @@ class CudaOps:
         (KERNEL_UNITS: linear.cu and mmv.cu a weight type each, the other files whole)
         compile side by side (CuPy calls NVRTC without the GIL), so a first load waits
         for the longest of them, not for their sum; one that fails so is tried once more
-        alone before the load fails."""
+        alone before the load fails. qtypes: only those types' units of typed files (the
+        experts' types of moe.cu)."""
         first_kernel = {u: name for name, u in reversed(KERNEL_UNITS.items())}
 
         def compile_unit(unit: KernelUnit) -> Exception | None:
@@ -193,7 +216,7 @@ class CudaOps:
                 return e
 
         from .._native import _kernels   # the CPUs this process may use (affinity), as the thread pool counts
-        units = kernel_units(files)
+        units = [u for u in kernel_units(files) if qtypes is None or u[1] is None or u[1] in qtypes]
         workers = max(1, min(len(units), _kernels.cpu_count()))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ellm-nvrtc") as pool:
             failures = list(pool.map(compile_unit, units))
@@ -615,18 +638,22 @@ class CudaOps:
     @_on_stream
     def moe(self, x: Any, router: Linear, experts: Experts, top_k: int, norm_topk_prob: bool,
             out: Any = None) -> Any:
-        """x (T, H) -> (T, H): router logits on the device, the routing on the host
-        (reference.moe_route on the (T, E) logits: a copy back, so a step with MoE layers
-        is not captured as a graph and runs eagerly), then per chosen expert one batched
-        SwiGLU MLP over its tokens, added into their rows in ascending expert id. Correct,
-        not fast: no grouped-expert kernel yet."""
+        """x (T, H) -> (T, H): router logits on the device; then, for up to 64 tokens (a
+        decode step) whose experts mmv.cu can read, everything on the device (_moe_device:
+        no copy back, so such steps are captured as graphs), else the routing on the host
+        (reference.moe_route on a copy of the (T, E) logits) and per chosen expert one
+        batched SwiGLU MLP over its tokens, added into their rows in ascending expert id."""
         from .reference import moe_route
         cp = self.cp
         T, H = int(x.shape[0]), int(x.shape[1])
         out = cp.empty((T, H), np.float32) if out is None else out
-        out.fill(0)
         if T == 0:
             return out
+        tables = self._expert_tables(experts) if T <= GEMM_MIN_TOKENS else None
+        if tables is not None and out.flags.c_contiguous:
+            return self._moe_device(cp.ascontiguousarray(x, dtype=np.float32), router, tables, top_k,
+                                    norm_topk_prob, out)
+        out.fill(0)
         ids, weights = moe_route(self.to_host(self.linear(x, router)), top_k, norm_topk_prob)
         for e in np.unique(ids).tolist():
             rows, slot = np.nonzero(ids == e)          # rows ascend; a token picks e once
@@ -638,6 +665,64 @@ class CudaOps:
             h = self.linear(self.swiglu(gate, up), experts.down[e])
             self._launch("scatter_add_rows_f32", (len(rows),), (256,),
                          (out, rows_d, cp.asarray(weights[rows, slot].astype(np.float32)), h, np.int32(H)))
+        return out
+
+    def _expert_tables(self, experts: Experts) -> ExpertTables | None:
+        """The device tables moe.cu reads a layer's experts through, made (and moe.cu's
+        units of their types compiled) on the layer's first step; None where mmv.cu cannot
+        read them (F32, a width not a multiple of 32, gate and up of two types,
+        ELLM_CUDA_MMV=0)."""
+        hit = self._expert_tables_of.get(id(experts))
+        if hit is not None and hit[0] is experts:
+            return hit[1]
+        g, u, d = experts.gate[0], experts.up[0], experts.down[0]
+        tables = None
+        if (self._mmv(g.qtype, g.in_features) and self._mmv(d.qtype, d.in_features) and u.qtype == g.qtype
+                and experts.num_experts <= MOE_EXPERTS_MAX):
+            datas = [[self._weight(w) for w in ws] for ws in (experts.gate, experts.up, experts.down)]
+            strides = [{int(m.strides[0]) for m in ms} for ms in datas]
+            if strides[0] == strides[1] and all(len(st) == 1 for st in strides):
+                self.compile_kernels(("moe.cu",), {g.qtype, d.qtype})
+                at = [(ms[0], self.cp.asarray(np.array([m.data.ptr - ms[0].data.ptr for m in ms], np.int64)))
+                      for ms in datas]
+                tables = ExpertTables(at[0], at[1], at[2], gate_up_stride=strides[0].pop(),
+                                      down_stride=strides[2].pop(), gate_type=WEIGHT_TYPES[g.qtype],
+                                      down_type=WEIGHT_TYPES[d.qtype], num_experts=experts.num_experts,
+                                      hidden=g.in_features, ffn=g.out_features)
+        self._expert_tables_of[id(experts)] = (experts, tables)
+        return tables
+
+    def _moe_device(self, x: Any, router: Linear, tb: ExpertTables, top_k: int, norm: bool, out: Any) -> Any:
+        """The MoE block for T <= 64 tokens without leaving the device: the router's
+        product, moe_route (each token's experts, the entries laid out by expert), the
+        entries' rows gathered, moe.cu's gate/up and down products (each chosen expert's
+        rows read once for all of its tokens) and moe_combine (each token's sum in
+        ascending expert id). Every token's result is its own: the same bits in any batch."""
+        T, H, E, F, k = int(x.shape[0]), tb.hidden, tb.num_experts, tb.ffn, top_k
+        n, nslots = T * k, min(tb.num_experts, T * k)
+        logits = self.linear(x, router, out=self.scratch("moe_logits", T * E).reshape(T, E))
+        ints = self.scratch("moe_ints", 4 * n + 2 * nslots + 1, np.int32)
+        ids, rows, pos = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
+        slots, starts = ints[3 * n:3 * n + nslots], ints[3 * n + nslots:3 * n + 2 * nslots + 1]
+        floats = self.scratch("moe_weights", 2 * n)
+        wts, wpos = floats[:n], floats[n:]
+        self._launch("moe_route_f32", (1,), (MOE_ROUTE_THREADS,),
+                     (logits, ids, wts, slots, starts, rows, pos, wpos, np.int32(T), np.int32(E), np.int32(k),
+                      np.int32(nslots), np.int32(bool(norm))))
+        xg = self.gather_rows(x, rows, out=self.scratch("moe_x", n * H).reshape(n, H))
+        hg = self.scratch("moe_h", n * F)
+        yg = self.scratch("moe_y", n * H)
+        for name, groups, args in (
+                (f"moe_glu_{tb.gate_type}", ceil_div(F, MMV_TASKS),
+                 (tb.gate[0], tb.up[0], tb.gate[1], tb.up[1], np.int64(tb.gate_up_stride), slots, starts, xg, hg,
+                  np.int32(H), np.int32(F))),
+                (f"moe_down_{tb.down_type}", ceil_div(H, MMV_ROWS),
+                 (*tb.down, np.int64(tb.down_stride), slots, starts, hg, yg, np.int32(F), np.int32(H)))):
+            if self.mmv_loop:   # the resident blocks shared among the slots, each walking its groups
+                groups = min(groups, max(1, MMV3_RESIDENT[1] * self.num_sms // nslots))
+            self._launch(name, (groups, nslots), (MMV_THREADS,), args)
+        self._launch("moe_combine_f32", (T,), (ELEMENTWISE_THREADS,),
+                     (out, yg, pos, wpos, np.int32(k), np.int32(H)))
         return out
 
     # -- attention -----------------------------------------------------------------------

@@ -31,7 +31,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                               "qkv_rope", "dequant_bf16") for t in WEIGHT_TYPES.values()),
     "elementwise.cu": ("rmsnorm_f32", "add_rmsnorm_f32", "norm_add_f32", "swiglu_f32", "geglu_f32",
                        "softcap_f32", "scale_f32", "add_f32", "gather_rows_f32", "scatter_rows_f32",
-                       "scatter_add_rows_f32", "to_bf16_f32", "add_bias_rows_f32"),
+                       "scatter_add_rows_f32", "to_bf16_f32", "add_bias_rows_f32", "moe_route_f32",
+                       "moe_combine_f32"),
     "attention.cu": ("rope_kv_write", "attn_partial", "attn_combine", "attn_decode",
                      "rope_kv_write_bf16", "attn_partial_bf16", "attn_decode_bf16",
                      "qk_norm_rope_kv_write", "qk_norm_rope_kv_write_bf16",
@@ -42,6 +43,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "mmv.cu": tuple(f"{op}{rt}_{t}" for op in ("mmv3", "mmv_glu", "mmv_qkv_rope") for rt in ("", "x2", "x4")
                     for q, t in WEIGHT_TYPES.items()
                     if q != GGMLType.F32 and (rt != "x4" or q in MMV_X4_TYPES)),
+    # mmv.cu's products with the expert chosen on the device (includes mmv.cu)
+    "moe.cu": tuple(f"{op}_{t}" for op in ("moe_glu", "moe_down") for q, t in WEIGHT_TYPES.items()
+                    if q != GGMLType.F32),
 }
 HEADER = "common.cuh"
 # Given to NVRTC through CuPy, which adds the architecture and -ftz=true (denormals flush
@@ -92,21 +96,22 @@ def kernel_dir() -> Path:
 
 
 def kernel_source(name: str) -> str:
-    """The text of csrc/cuda/<name> with common.cuh pasted in place of its #include, so
-    the source CuPy hashes for its cache covers the header too."""
+    """The text of csrc/cuda/<name> with each file it #includes (common.cuh; moe.cu's
+    mmv.cu) pasted in place, so that NVRTC needs no include path and the source CuPy
+    hashes for its cache covers them too."""
     folder = kernel_dir()
-    header = (folder / HEADER).read_text()
     text = (folder / name).read_text()
-    return re.sub(r'#include\s+"common\.cuh"', lambda _: header, text)
+    return re.sub(r'#include\s+"([\w.]+)"', lambda m: kernel_source(m.group(1)), text)
 
 
-# the kernel files a load compiles (lora.cu waits for the first adapter)
-LOAD_KERNEL_FILES = tuple(name for name in KERNELS if name != "lora.cu")
+# the kernel files a load compiles (lora.cu waits for the first adapter, moe.cu for the
+# first mixture-of-experts step: one weight type's unit)
+LOAD_KERNEL_FILES = tuple(name for name in KERNELS if name not in ("lora.cu", "moe.cu"))
 # Files compiled one weight type at a time (common.cuh ELLM_ONLY_TYPE): a unit of
 # compilation is (file, the type of its kernels' name suffix), or (file, None) for the
 # others. mmv.cu's types take NVRTC ~5 s each where the whole file takes ~40 s, and the
 # units of a load compile side by side (compile_kernels).
-TYPED_FILES = ("linear.cu", "mmv.cu")
+TYPED_FILES = ("linear.cu", "mmv.cu", "moe.cu")
 KernelUnit = tuple[str, "GGMLType | None"]
 
 

@@ -1,0 +1,92 @@
+// The experts' products of a mixture-of-experts layer on the tensor cores (decode steps:
+// ops/cuda.py CudaOps.moe), mmv.cu's products with the expert chosen on the device.
+//
+// elementwise.cu's moe_route has laid the step's (token, expert) entries out by expert:
+// slot s of blockIdx.y holds expert slots[s] (-1: no expert, the block returns), whose
+// entries are starts[s] .. starts[s + 1] - 1, and X holds each entry's row in that order
+// (its token's activations, gathered). A block of slot s reads its expert's rows once for
+// all of that expert's tokens, as mmv.cu's kernels read a matrix once for every token, and
+// writes the entries' rows of the result. Experts nobody chose are never read.
+//
+// Each token's sums are those of mmv.cu with that token alone (its column only; the order
+// fixed by K), so a token's result does not depend on the batch. One tile a block: an
+// expert has a few tokens of a step (T k / E on average), where more tiles gain nothing.
+// An expert's matrix is found as a projection's base address (a kernel parameter) plus the
+// expert's offset from it in bytes (a table of E, each matrix of one type and row stride):
+// an address loaded whole from a table would be a generic one to the compiler, whose loads
+// are neither global (LDG) nor issued ahead of their use.
+#define ELLM_MMV_DEVICE_ONLY
+#include "mmv.cu"
+
+// The slot's expert (or -1) and its entries [p0, p0 + n). Reads what moe_route wrote: after
+// the wait for the kernel before.
+__device__ __forceinline__ int moe_slot(const int* __restrict__ slots, const int* __restrict__ starts, int& p0,
+                                        int& n) {
+    grid_dependency_sync();
+    int s = (int)blockIdx.y, e = slots[s];
+    p0 = starts[s];
+    n = starts[s + 1] - p0;
+    return e;
+}
+
+// gate/up and SiLU of each entry: out (T k, F) in entry order, mmv_glu's meaning (no norm,
+// no bias). grid (groups, slots), block 32 * MMV_WARPS; K % 32 == 0.
+// down of each entry: y (T k, N), mmv3's meaning with one matrix. Likewise.
+#define ELLM_MOE_KERNELS(name, WT)                                                        \
+extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS, 2) moe_glu_##name(           \
+        const u8* __restrict__ gate, const u8* __restrict__ up,                           \
+        const long long* __restrict__ gate_at, const long long* __restrict__ up_at, long long rb, \
+        const int* __restrict__ slots, const int* __restrict__ starts,                    \
+        const float* __restrict__ X, float* __restrict__ out, int K, int F) {             \
+    int p0, n, e = moe_slot(slots, starts, p0, n);                                        \
+    if (e < 0) return;                                                                    \
+    mmv_glu_t<WT, 1>(gate + gate_at[e], up + up_at[e], rb, rb, nullptr, nullptr,          \
+                     X + (long long)p0 * K, nullptr, 0.0f, out + (long long)p0 * F, n, K, F, 0); \
+}                                                                                         \
+extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS, 2) moe_down_##name(          \
+        const u8* __restrict__ down, const long long* __restrict__ down_at, long long rb, \
+        const int* __restrict__ slots, const int* __restrict__ starts,                    \
+        const float* __restrict__ X, float* __restrict__ y, int K, int N) {               \
+    int p0, n, e = moe_slot(slots, starts, p0, n);                                        \
+    if (e < 0) return;                                                                    \
+    const u8* W = down + down_at[e];                                                      \
+    float* Y = y + (long long)p0 * N;                                                     \
+    mmv3_t<WT, 1>(W, W, W, rb, rb, rb, nullptr, nullptr, nullptr, Y, Y, Y,                \
+                  X + (long long)p0 * K, nullptr, 0.0f, n, K, N, 0, 0, 0, nullptr, nullptr, nullptr); \
+}
+
+// A type loading U steps ahead with one tile instead of its own count. moe.cu's kernels hold
+// the expert's addresses, its entries' first row and their count in registers where mmv.cu's
+// read them from the kernel's parameters: within two blocks an SM (128 registers), Q4_0's 16
+// steps ahead would spill (20-136 bytes), so it takes 8 here (20 loads a lane in flight).
+template <class WT, int U>
+struct Ahead : WT {
+    static constexpr int unroll = U;
+};
+
+// by GGML type id, as mmv.cu (one type a compile: common.cuh ELLM_ONLY_TYPE)
+#if ELLM_TYPE_ON(1)
+ELLM_MOE_KERNELS(f16, WF16)
+#endif
+#if ELLM_TYPE_ON(30)
+ELLM_MOE_KERNELS(bf16, WBf16)
+#endif
+#if ELLM_TYPE_ON(2)
+using WQ4_0_8 = Ahead<WQ4_0, 8>;
+ELLM_MOE_KERNELS(q4_0, WQ4_0_8)
+#endif
+#if ELLM_TYPE_ON(3)
+ELLM_MOE_KERNELS(q4_1, WQ4_1)
+#endif
+#if ELLM_TYPE_ON(8)
+ELLM_MOE_KERNELS(q8_0, WQ8_0)
+#endif
+#if ELLM_TYPE_ON(12)
+ELLM_MOE_KERNELS(q4_k, WQ4_K)
+#endif
+#if ELLM_TYPE_ON(13)
+ELLM_MOE_KERNELS(q5_k, WQ5_K)
+#endif
+#if ELLM_TYPE_ON(14)
+ELLM_MOE_KERNELS(q6_k, WQ6_K)
+#endif
