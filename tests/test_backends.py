@@ -531,6 +531,31 @@ def test_moe(ops) -> None:
     assert_near(host(ops, got), want, 1e-6, "moe")
 
 
+def test_norm_moe_add(ops) -> None:
+    """residual += moe(rmsnorm(residual)), in place: every backend against the reference's
+    composition, with BF16 experts 64 and 96 wide (cuda: on the device, the norm folded
+    into the router's and gate/up's products, the add into the sum) and F32 ones (cuda:
+    routed on the host), for 1 and 5 tokens."""
+    rng = np.random.default_rng(29)
+    E, H, F = 5, 64, 96
+
+    def lin(n: int, k: int, qtype: GGMLType) -> Linear:
+        w = rand(rng, n, k, scale=0.2)
+        return Linear(w if qtype == GGMLType.F32 else (w.view(np.uint32) >> 16).astype(np.uint16), qtype, n, k, "e")
+    for qtype in (GGMLType.BF16, GGMLType.F32):
+        experts = Experts([lin(F, H, qtype) for _ in range(E)], [lin(F, H, qtype) for _ in range(E)],
+                          [lin(H, F, qtype) for _ in range(E)])
+        router, norm = lin(E, H, GGMLType.F32), (1 + 0.2 * rng.standard_normal(H)).astype(np.float32)
+        dexperts = Experts(*([ops.upload_linear(m) for m in ms] for ms in (experts.gate, experts.up, experts.down)))
+        for T in (1, 5):
+            res = rand(rng, T, H)
+            want = REF.norm_moe_add(res.copy(), norm, 1e-6, router, experts, 2, True)
+            d = ops.upload(res)
+            got = ops.norm_moe_add(d, ops.upload(norm), 1e-6, ops.upload_linear(router), dexperts, 2, True)
+            assert_near(host(ops, got), want, 1e-6, f"norm_moe_add {qtype.name} T={T}")
+            assert_near(host(ops, d), want, 1e-6, "in place")
+
+
 # ===================================== memory methods =====================================
 
 def _mapping_of(addr: int) -> tuple[str, int]:
@@ -693,8 +718,8 @@ def test_fused_layer_stack_matches_the_layer_loop(model, smollm2_gguf, gemma3_gg
         got, want = _logits_on(gemma3_gguf, _FusedCpu(activations="f32")), _logits_on(gemma3_gguf, plain)
     for g, w, what in zip(got, want, ("prefill", "decode")):
         assert_near(g, w, 1e-6, f"{model} {what}")
-    stack = _FusedCpu(activations="f32").layer_stack([{"act": "silu", "next_norm": None}], 1, 1, None, None, None,
-                                                     1e-6)
+    stack = _FusedCpu(activations="f32").layer_stack([{"act": "silu", "next_norm": None, "moe": None}], 1, 1, None,
+                                                     None, None, 1e-6)
     assert isinstance(stack, FusedLayerStack)
     # [lora] a batch naming adapters runs layer by layer (the decoder asks takes_adapters)
     assert stack.takes_adapters is False

@@ -338,10 +338,12 @@ def test_moe_routing_on_the_device(ops) -> None:
             (("ids", n), ("slots", nslots), ("starts", nslots + 1), ("rows", n), ("pos", n))}
     wts, wpos = ops.upload(np.zeros(n, np.float32)), ops.upload(np.zeros(n, np.float32))
     for norm in (False, True):
-        ops._launch("moe_route_f32", (1,), (256,),
+        done = ops._counters(1, "moe_done")
+        ops._launch("moe_route_f32", (T,), (32,),
                     (ops.upload(logits), outs["ids"], wts, outs["slots"], outs["starts"], outs["rows"], outs["pos"],
-                     wpos, np.int32(T), np.int32(E), np.int32(k), np.int32(nslots), np.int32(norm)))
+                     wpos, done, np.int32(T), np.int32(E), np.int32(k), np.int32(nslots), np.int32(norm)))
         got = {name: ops.to_host(a) for name, a in outs.items()}
+        assert ops.to_host(done)[0] == 0   # the last block left the counter for the next launch
         want_ids, want_w = R.moe_route(logits, k, norm)
         ids, w = got["ids"].reshape(T, k), ops.to_host(wts).reshape(T, k)
         assert np.array_equal(ids, want_ids) and ids[1, :2].tolist() == [3, 17] and 11 not in ids
@@ -894,7 +896,10 @@ def test_a_mixture_of_experts_model_decodes_on_the_device(tiny_models_dir: Path)
     """Qwen3-MoE (a dense layer among MoE ones) quantized to q8_0 at load: its decode steps
     route and run the experts on the device (moe_route, moe.cu), so they are captured as
     graphs (a step that copied the routing back could not be), and give the CPU's tokens
-    (its own q8_0 weights, f32 activations) and its logits within 1e-4."""
+    (its own q8_0 weights, f32 activations) and its logits within 1e-4. The layer stack
+    takes the MoE layers: ten kernels each (q/k/v, the q/k norms with RoPE and the KV
+    write, attention, o + residual, the router with the norm folded in, routing, the
+    rows gathered, gate/up, down, the sum into the residual), six the dense one."""
     folder = tiny_models_dir / "qwen3_moe_mixed"
     gpu = ellm.load(folder, device="cuda", quantize="q8_0", max_model_len=256, kv_cache_dtype="float32")
     cpu = ellm.load(folder, device="cpu", quantize="q8_0", activations="f32", max_model_len=256)
@@ -906,6 +911,9 @@ def test_a_mixture_of_experts_model_decodes_on_the_device(tiny_models_dir: Path)
         assert gpu.generate(ids, p).token_ids == cpu.generate(ids, p).token_ids
         executor = gpu.engine.runner.executor
         assert executor.graphs and executor.stats["replays"] >= 8 and executor.use_graphs
+        moe_layers = sum(hasattr(layer.mlp, "experts") for layer in gpu.model.layers)
+        assert moe_layers == 3
+        assert {g.kernels for g in executor.graphs.values()} == {10 * moe_layers + 6 + 2}
         assert gpu.model.ops._expert_tables(moe.experts) is not None
         got, want = gpu.engine.logits(ids)[-1], cpu.engine.logits(ids)[-1]
         assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))

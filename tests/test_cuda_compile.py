@@ -322,8 +322,8 @@ def test_weight_loads_in_flight_stop_at_the_first_use() -> None:
 # MMV_UNROLL = 4 tile-steps. Until 2026-12-07 every quantized type's loads were each
 # used at once (2-5 in flight: a lane waited for each 4 or 8 bytes of weights in turn).
 MMV_LOADS_AHEAD = {"bf16": 8, "f16": 8, "q4_0": 32, "q4_1": 16, "q8_0": 16, "q4_k": 16, "q5_k": 8, "q6_k": 16}
-# moe.cu's, where they differ: half the steps ahead for Q4_0 (moe.cu Ahead)
-MOE_LOADS_AHEAD = dict(MMV_LOADS_AHEAD, q4_0=16)
+# moe.cu's, where they differ: half the steps ahead for Q4_0 and Q4_K (moe.cu Ahead)
+MOE_LOADS_AHEAD = dict(MMV_LOADS_AHEAD, q4_0=16, q4_k=8)
 
 
 @needs_nvcc

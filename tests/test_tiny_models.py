@@ -60,10 +60,20 @@ def tiny_dir(tiny_models_dir: Path) -> Path:
 
 
 def _ops(device: str):
-    """The backend `device`; "opaque": the cpu backend behind arrays NumPy cannot read."""
+    """The backend `device`; "opaque": the cpu backend behind arrays NumPy cannot read;
+    "fused": the cpu backend (f32 activations) running every layer through
+    ops/fused_stack.py, the fused ops as their compositions (the plan cuda runs)."""
     if device == "opaque":
         from opaque_ops import OpaqueOps
         return OpaqueOps(get_ops("cpu"))
+    if device == "fused":
+        from ellm.ops.cpu import CpuOps
+        from ellm.ops.fused_stack import fused_layer_stack
+
+        class FusedCpu(CpuOps):
+            def layer_stack(self, specs, t, hidden, residual, proj, h_buf, eps):   # noqa: ANN001, ANN201
+                return fused_layer_stack(self, specs, t, hidden, residual, proj, h_buf, eps)
+        return FusedCpu(activations="f32")
     return ops_or_skip(device)
 
 
@@ -125,7 +135,7 @@ def _assert_close_relative(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-@pytest.mark.parametrize("device", ["cpu", "reference", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", "reference", "cuda", "fused"])
 @pytest.mark.parametrize("chunks", [[40], CHUNKS], ids=["one-pass", "chunked+decode"])
 def test_family_matches_transformers(tiny_dir, arch, device, chunks) -> None:
     want = np.load(tiny_dir / arch / "logits.npy")

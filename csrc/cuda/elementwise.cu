@@ -168,96 +168,100 @@ extern "C" __global__ void scatter_rows_f32(float* __restrict__ x,             /
 // bits in a batch of 1 or of 64.
 // ---------------------------------------------------------------------------------
 
-#define MOE_ROUTE_THREADS 256
+#define MOE_ROUTE_THREADS 32    // a warp a token
 #define MOE_EXPERTS_MAX 4096   // = models/qwen3_moe.py's bound on num_experts
+#define MOE_ENTRIES_MAX 4096   // 64 tokens x at most 64 experts each (qwen3_moe.py's bound on k)
 
-// Softmax over each token's E router logits, its k most probable experts (most probable
-// first, ties to the lower id: a key of probability over the complement of the id, so
-// no two keys tie) and their probabilities (divided by their sum in that order when
-// norm), into ids and wts (T, k); a warp a token, the softmax's sum in an order fixed by
-// E. Then the entries by expert: slots = the chosen experts in ascending id (-1 past
-// their count), starts (slots + 1) the first entry of each in that order (the rest T k),
-// rows (T k) each entry's token, tokens in order within an expert; and per token its k
-// entries in ascending expert id: at (T, k) in pos, their weights in wpos. grid 1,
-// block MOE_ROUTE_THREADS; T k <= 64 * 64, E <= MOE_EXPERTS_MAX, slots = min(E, T k).
+// Block t: softmax over token t's E router logits, its k most probable experts (most
+// probable first, ties to the lower id: a key of probability over the complement of the
+// id, so no two keys tie) and their probabilities (divided by their sum in that order
+// when norm), into ids and wts (T, k); the softmax's sum in an order fixed by E. The last
+// block to finish (done: a counter it leaves at 0) then lays the entries out by expert:
+// slots = the chosen experts in ascending id (-1 past their count), starts (slots + 1) the
+// first entry of each in that order (the rest T k), rows (T k) each entry's token, tokens
+// in order within an expert; and per token its k entries in ascending expert id: at (T, k)
+// in pos, their weights in wpos. grid T, block MOE_ROUTE_THREADS; T k <= 64 * 64,
+// E <= MOE_EXPERTS_MAX, nslots = min(E, T k).
 extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_f32(
         const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ wts,
         int* __restrict__ slots, int* __restrict__ starts, int* __restrict__ rows,
-        int* __restrict__ pos, float* __restrict__ wpos, int T, int E, int k, int nslots, int norm) {
+        int* __restrict__ pos, float* __restrict__ wpos, int* done, int T, int E, int k, int nslots,
+        int norm) {
     __shared__ int at[MOE_EXPERTS_MAX];   // an expert's entry count, then its next entry
+    __shared__ int chose[MOE_ENTRIES_MAX];   // the last block's copy of ids
+    __shared__ int last;
     grid_dependency_sync();
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int t = warp; t < T; t += MOE_ROUTE_THREADS / 32) {
-        const float* l = logits + (long long)t * E;
-        float mx = ELLM_NEG_INF;
-        for (int i = lane; i < E; i += 32) mx = fmaxf(mx, l[i]);
-        mx = warp_max(mx);
-        float sum = 0.0f;
-        for (int i = lane; i < E; i += 32) sum += expf(l[i] - mx);
-        sum = warp_sum(sum);   // a butterfly: the same bits in every lane
-        u64 below = ~0ull;     // the previous choice's key
-        float chosen = 0.0f;
-        for (int j = 0; j < k; j++) {
-            u64 best = 0ull;
-            for (int i = lane; i < E; i += 32) {
-                float p = expf(l[i] - mx) / sum;
-                u64 key = ((u64)(p == p ? order_key(p) : 0u) << 32) | (u64)(0xffffffffu - (u32)i);
-                if (key < below && key > best) best = key;
-            }
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                u64 w = __shfl_xor_sync(0xffffffffu, best, o);
-                best = w > best ? w : best;
-            }
-            below = best;
-            int e = (int)(0xffffffffu - (u32)best);
-            float p = expf(l[e] - mx) / sum;   // the bits its key was made of
-            chosen += p;
-            if (lane == 0) { ids[t * k + j] = e; wts[t * k + j] = p; }
+    int lane = threadIdx.x, t = blockIdx.x;
+    const float* l = logits + (long long)t * E;
+    float mx = ELLM_NEG_INF;
+    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, l[i]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int i = lane; i < E; i += 32) sum += expf(l[i] - mx);
+    sum = warp_sum(sum);   // a butterfly: the same bits in every lane
+    u64 below = ~0ull;     // the previous choice's key
+    float chosen = 0.0f;
+    for (int j = 0; j < k; j++) {
+        u64 best = 0ull;
+        for (int i = lane; i < E; i += 32) {
+            float p = expf(l[i] - mx) / sum;
+            u64 key = ((u64)(p == p ? order_key(p) : 0u) << 32) | (u64)(0xffffffffu - (u32)i);
+            if (key < below && key > best) best = key;
         }
-        if (norm && lane == 0)
-            for (int j = 0; j < k; j++) wts[t * k + j] = wts[t * k + j] / chosen;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            u64 w = __shfl_xor_sync(0xffffffffu, best, o);
+            best = w > best ? w : best;
+        }
+        below = best;
+        int e = (int)(0xffffffffu - (u32)best);
+        float p = expf(l[e] - mx) / sum;   // the bits its key was made of
+        chosen += p;
+        if (lane == 0) { ids[t * k + j] = e; wts[t * k + j] = p; }
     }
-    for (int e = threadIdx.x; e < E; e += MOE_ROUTE_THREADS) at[e] = 0;
-    __syncthreads();   // ids and wts written, counts zeroed
+    if (norm && lane == 0)
+        for (int j = 0; j < k; j++) wts[t * k + j] = wts[t * k + j] / chosen;
+    if (!last_block_to_finish(done, T, &last)) return;
+    // the last block: every token's choices are in
     int n = T * k;
-    for (int q = threadIdx.x; q < n; q += MOE_ROUTE_THREADS) atomicAdd(&at[ids[q]], 1);
+    for (int e = lane; e < E; e += 32) at[e] = 0;
+    for (int q = lane; q < n; q += 32) chose[q] = ids[q];
     __syncthreads();
-    if (warp == 0) {   // the chosen experts in ascending id, each's first entry: a warp's scan
-        int before = 0, used = 0;
-        for (int base = 0; base < E; base += 32) {
-            int e = base + lane, c = e < E ? at[e] : 0;
-            int sc = c, su = c > 0;   // inclusive scans of the counts and of the chosen
-            #pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                int from = lane >= o ? lane - o : lane;
-                int a = __shfl_sync(0xffffffffu, sc, from), b = __shfl_sync(0xffffffffu, su, from);
-                if (lane >= o) { sc += a; su += b; }
-            }
-            if (c > 0) {
-                slots[used + su - 1] = e;
-                starts[used + su - 1] = before + sc - c;
-            }
-            if (e < E) at[e] = before + sc - c;   // its next entry
-            before += __shfl_sync(0xffffffffu, sc, 31);
-            used += __shfl_sync(0xffffffffu, su, 31);
+    for (int q = lane; q < n; q += 32) atomicAdd(&at[chose[q]], 1);
+    __syncthreads();
+    int before = 0, used = 0;   // the chosen experts in ascending id, each's first entry: a scan
+    for (int base = 0; base < E; base += 32) {
+        int e = base + lane, c = e < E ? at[e] : 0;
+        int sc = c, su = c > 0;   // inclusive scans of the counts and of the chosen
+        #pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int from = lane >= o ? lane - o : lane;
+            int a = __shfl_sync(0xffffffffu, sc, from), b = __shfl_sync(0xffffffffu, su, from);
+            if (lane >= o) { sc += a; su += b; }
         }
-        for (int s = used + lane; s < nslots; s += 32) slots[s] = -1;
-        for (int s = used + lane; s <= nslots; s += 32) starts[s] = n;
+        if (c > 0) {
+            slots[used + su - 1] = e;
+            starts[used + su - 1] = before + sc - c;
+        }
+        if (e < E) at[e] = before + sc - c;   // its next entry
+        before += __shfl_sync(0xffffffffu, sc, 31);
+        used += __shfl_sync(0xffffffffu, su, 31);
     }
+    for (int s = used + lane; s < nslots; s += 32) slots[s] = -1;
+    for (int s = used + lane; s <= nslots; s += 32) starts[s] = n;
     __syncthreads();
-    for (int t = 0; t < T; t++) {   // token by token: a token's k experts differ, so no two threads meet
-        if (threadIdx.x < k) {
-            int q = t * k + threadIdx.x, p = at[ids[q]]++;
-            rows[p] = t;
+    for (int u = 0; u < T; u++) {   // token by token: a token's k experts differ, so no two lanes meet
+        for (int j = lane; j < k; j += 32) {
+            int q = u * k + j, p = at[chose[q]]++;
+            rows[p] = u;
             pos[q] = p;
         }
         __syncthreads();
     }
-    for (int t = threadIdx.x; t < T; t += MOE_ROUTE_THREADS) {   // a token's entries by position = by expert id
-        int* ps = pos + t * k;
-        float* ws = wpos + t * k;
-        for (int j = 0; j < k; j++) ws[j] = wts[t * k + j];
+    for (int u = lane; u < T; u += 32) {   // a token's entries by position = by expert id
+        int* ps = pos + u * k;
+        float* ws = wpos + u * k;
+        for (int j = 0; j < k; j++) ws[j] = wts[u * k + j];
         for (int j = 1; j < k; j++) {
             int p = ps[j];
             float w = ws[j];
@@ -267,19 +271,22 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_f32(
             ws[i + 1] = w;
         }
     }
+    if (lane == 0) *done = 0;   // ready for the next launch
 }
 
 // out[t] = the sum over token t's k entries, in ascending expert id (route's pos and
 // wpos), of weight * y[entry] (y: moe.cu's down products, rows in entry order), from 0 as
-// reference.moe_experts adds them. grid T, block 256.
+// reference.moe_experts adds them; with add, out[t] += that sum (the residual's add).
+// grid T, block 256.
 extern "C" __global__ void moe_combine_f32(float* __restrict__ out, const float* __restrict__ y,
                                            const int* __restrict__ pos, const float* __restrict__ wpos,
-                                           int k, int H) {
+                                           int k, int H, int add) {
     grid_dependency_sync();
     int t = blockIdx.x;
     for (int h = threadIdx.x; h < H; h += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc += wpos[t * k + j] * y[(long long)pos[t * k + j] * H + h];
-        out[(long long)t * H + h] = acc;
+        float* o = out + (long long)t * H + h;
+        *o = add ? *o + acc : acc;
     }
 }

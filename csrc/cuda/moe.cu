@@ -29,19 +29,21 @@ __device__ __forceinline__ int moe_slot(const int* __restrict__ slots, const int
     return e;
 }
 
-// gate/up and SiLU of each entry: out (T k, F) in entry order, mmv_glu's meaning (no norm,
-// no bias). grid (groups, slots), block 32 * MMV_WARPS; K % 32 == 0.
+// gate/up and SiLU of each entry: out (T k, F) in entry order, mmv_glu's meaning (no bias;
+// the RMSNorm of weight g folded in, each entry's 1/rms from its own row, or none where g is
+// null). grid (groups, slots), block 32 * MMV_WARPS; K % 32 == 0.
 // down of each entry: y (T k, N), mmv3's meaning with one matrix. Likewise.
 #define ELLM_MOE_KERNELS(name, WT)                                                        \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS, 2) moe_glu_##name(           \
         const u8* __restrict__ gate, const u8* __restrict__ up,                           \
         const long long* __restrict__ gate_at, const long long* __restrict__ up_at, long long rb, \
         const int* __restrict__ slots, const int* __restrict__ starts,                    \
-        const float* __restrict__ X, float* __restrict__ out, int K, int F) {             \
+        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
+        float* __restrict__ out, int K, int F) {                                          \
     int p0, n, e = moe_slot(slots, starts, p0, n);                                        \
     if (e < 0) return;                                                                    \
     mmv_glu_t<WT, 1>(gate + gate_at[e], up + up_at[e], rb, rb, nullptr, nullptr,          \
-                     X + (long long)p0 * K, nullptr, 0.0f, out + (long long)p0 * F, n, K, F, 0); \
+                     X + (long long)p0 * K, g, eps, out + (long long)p0 * F, n, K, F, 0); \
 }                                                                                         \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS, 2) moe_down_##name(          \
         const u8* __restrict__ down, const long long* __restrict__ down_at, long long rb, \
@@ -58,7 +60,8 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS, 2) moe_down_##name(
 // A type loading U steps ahead with one tile instead of its own count. moe.cu's kernels hold
 // the expert's addresses, its entries' first row and their count in registers where mmv.cu's
 // read them from the kernel's parameters: within two blocks an SM (128 registers), Q4_0's 16
-// steps ahead would spill (20-136 bytes), so it takes 8 here (20 loads a lane in flight).
+// steps ahead and Q4_K's 8 would spill (Q4_0 20-136 bytes, Q4_K 16-48 with the folded norm),
+// so they take 8 and 4 here.
 template <class WT, int U>
 struct Ahead : WT {
     static constexpr int unroll = U;
@@ -82,7 +85,8 @@ ELLM_MOE_KERNELS(q4_1, WQ4_1)
 ELLM_MOE_KERNELS(q8_0, WQ8_0)
 #endif
 #if ELLM_TYPE_ON(12)
-ELLM_MOE_KERNELS(q4_k, WQ4_K)
+using WQ4_K_4 = Ahead<WQ4_K, 4>;
+ELLM_MOE_KERNELS(q4_k, WQ4_K_4)
 #endif
 #if ELLM_TYPE_ON(13)
 ELLM_MOE_KERNELS(q5_k, WQ5_K)

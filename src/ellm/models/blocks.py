@@ -424,7 +424,8 @@ class Decoder:
     def _layer_stack(self, ws: Workspace, t: int, kv: Any) -> Any:
         """The backend's one-call runner of every layer (ops.layer_stack) for t rows of ws
         and this KV cache, made once and kept while ws's buffers stay; None where the
-        backend has none or a layer is not the standard attention + MLP pair (MoE)."""
+        backend has none (or takes none of these layers) or a layer is not the standard
+        attention with an MLP or a mixture-of-experts block (one with stack_moe)."""
         make = getattr(self.ops, "layer_stack", None)
         if make is None:
             return None
@@ -435,7 +436,8 @@ class Decoder:
         if ours and (hit[1] == ws.generation or all(ws.holds(v) for v in hit[5])):
             hit[1] = ws.generation   # ws made buffers for something else since (the logits)
             return hit[4]
-        if not all(type(layer.attn) is Attention and type(layer.mlp) is MLP for layer in self.layers):
+        if not all(type(layer.attn) is Attention and (type(layer.mlp) is MLP or hasattr(layer.mlp, "stack_moe"))
+                   for layer in self.layers):
             stack, views = None, []
         else:
             proj, h_buf, residual = _cached_views(self, ws, t, self._make_views)
@@ -460,7 +462,13 @@ class Decoder:
         """What a layer stack needs of one layer: its weights, norms and workspace views."""
         a, m = layer.attn, layer.mlp
         q, k, v, _, _, _, attn, _, _ = _cached_views(a, ws, t, a._make_views)
-        gate, up, _ = _cached_views(m, ws, t, m._make_views)
+        if type(m) is MLP:
+            gate, up, _ = _cached_views(m, ws, t, m._make_views)
+            mlp = dict(gate=m.gate, up=m.up, down=m.down, gate_out=gate, up_out=up,
+                       act_out=gate, act=m.act, moe=None)   # the activation overwrites gate (see MLP)
+        else:   # a mixture-of-experts block: (router, experts, top_k, norm_topk_prob)
+            mlp = dict(gate=None, up=None, down=None, gate_out=None, up_out=None, act_out=None, act=None,
+                       moe=m.stack_moe())
         k_cache, v_cache = kv.layer(i)
         return dict(
             reads_normed=layer.input_norm is not None, input_norm=layer.input_norm, q=a.q, k=a.k, v=a.v, o=a.o,
@@ -472,8 +480,7 @@ class Decoder:
             window=a.window, scale=a.scale, softcap=a.softcap, rope_mscale=a.rope_mscale,
             post_attn_norm=layer.post_attn_norm, post_mlp_norm=layer.post_mlp_norm,
             residual_multiplier=layer.residual_multiplier, pre_mlp_norm=layer.pre_mlp_norm,
-            next_norm=next_norm, gate=m.gate, up=m.up, down=m.down, gate_out=gate, up_out=up,
-            act_out=gate, act=m.act)   # the activation overwrites gate (see MLP)
+            next_norm=next_norm, **mlp)
 
 
 def upload_weights(ops: Any, x: Any, memo: dict[int, Any]) -> Any:

@@ -94,6 +94,10 @@ class MoE:
     top_k: int
     norm_topk_prob: bool
 
+    def stack_moe(self) -> tuple[Linear, Experts, int, bool]:
+        """What a layer stack's norm_moe_add takes of this block (models/blocks.py)."""
+        return self.router, self.experts, self.top_k, self.norm_topk_prob
+
     def __call__(self, ops: Any, ws: Workspace, h: np.ndarray, out: np.ndarray,
                  rec: Any = None, layer: int = 0, lora: Any = None) -> np.ndarray:
         # lora: [lora] experts take no adapter (ellm.lora refuses one that targets them)

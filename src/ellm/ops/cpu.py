@@ -208,8 +208,9 @@ class CpuOps(FusedByComposition, HostMemory):
     def layer_stack(self, specs: list[dict], t: int, hidden: int, residual: np.ndarray, proj: np.ndarray,
                     h: np.ndarray, eps: float) -> _stack.LayerStack | None:
         """Every layer of a forward of t rows as one call into C (Decoder._layer_stack says
-        what specs hold); None with exact activations, whose kernels it does not call."""
-        if self.exact_activations:
+        what specs hold); None with exact activations, whose kernels it does not call, or
+        with mixture-of-experts layers, which it does not run."""
+        if self.exact_activations or any(s["moe"] is not None for s in specs):
             return None
         return _stack.LayerStack(specs, t, hidden, residual, proj, h, eps)
 

@@ -95,7 +95,7 @@ FA_WIDE_WARPS = 2       # attn_prefill_wide's (Q of 32 rows x 256 dims fills the
 # key and value itself, as until 2026-12-06 (the device check's comparison; the same bits)
 FA_WARPS_ENV = "ELLM_CUDA_FA_WARPS"
 ELEMENTWISE_THREADS = 256
-MOE_ROUTE_THREADS, MOE_EXPERTS_MAX = 256, 4096   # as in elementwise.cu
+MOE_ROUTE_THREADS, MOE_EXPERTS_MAX = 32, 4096   # as in elementwise.cu
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
 
 class ExpertTables(NamedTuple):
@@ -651,8 +651,8 @@ class CudaOps:
             return out
         tables = self._expert_tables(experts) if T <= GEMM_MIN_TOKENS else None
         if tables is not None and out.flags.c_contiguous:
-            return self._moe_device(cp.ascontiguousarray(x, dtype=np.float32), router, tables, top_k,
-                                    norm_topk_prob, out)
+            self._moe_device(cp.ascontiguousarray(x, dtype=np.float32), router, tables, top_k, norm_topk_prob, out)
+            return out
         out.fill(0)
         ids, weights = moe_route(self.to_host(self.linear(x, router)), top_k, norm_topk_prob)
         for e in np.unique(ids).tolist():
@@ -666,6 +666,24 @@ class CudaOps:
             self._launch("scatter_add_rows_f32", (len(rows),), (256,),
                          (out, rows_d, cp.asarray(weights[rows, slot].astype(np.float32)), h, np.int32(H)))
         return out
+
+    @_on_stream
+    def norm_moe_add(self, residual: Any, norm: Any, eps: float, router: Linear, experts: Experts, top_k: int,
+                     norm_topk_prob: bool, normed: Any = None, out: Any = None) -> Any:
+        """residual += moe(rmsnorm(residual)) (reference.FusedByComposition): for a decode
+        step on the device (_moe_device) in six launches, the norm folded into the router's
+        and the experts' gate/up products (each token's 1/rms from its own row, as the
+        other folded norms) and the sum added into the residual by moe_combine; otherwise
+        rmsnorm, moe and add."""
+        T = int(residual.shape[0])
+        tables = self._expert_tables(experts) if 0 < T <= GEMM_MIN_TOKENS else None
+        if tables is not None and norm is not None and self._fusable(residual, [router]) \
+                and residual.flags.c_contiguous:
+            self._moe_device(self._vec_in(residual), router, tables, top_k, norm_topk_prob, residual,
+                             norm=norm, eps=eps, add=True)
+            return residual
+        h = residual if norm is None else self.rmsnorm(residual, norm, eps, out=normed)
+        return self.add(residual, self.moe(h, router, experts, top_k, norm_topk_prob, out=out))
 
     def _expert_tables(self, experts: Experts) -> ExpertTables | None:
         """The device tables moe.cu reads a layer's experts through, made (and moe.cu's
@@ -692,38 +710,43 @@ class CudaOps:
         self._expert_tables_of[id(experts)] = (experts, tables)
         return tables
 
-    def _moe_device(self, x: Any, router: Linear, tb: ExpertTables, top_k: int, norm: bool, out: Any) -> Any:
-        """The MoE block for T <= 64 tokens without leaving the device: the router's
-        product, moe_route (each token's experts, the entries laid out by expert), the
-        entries' rows gathered, moe.cu's gate/up and down products (each chosen expert's
-        rows read once for all of its tokens) and moe_combine (each token's sum in
-        ascending expert id). Every token's result is its own: the same bits in any batch."""
+    def _moe_device(self, x: Any, router: Linear, tb: ExpertTables, top_k: int, norm_topk_prob: bool, out: Any,
+                    norm: Any = None, eps: float = 0.0, add: bool = False) -> None:
+        """The MoE block for T <= 64 tokens without leaving the device, into out (or added
+        to it): the router's product, moe_route (each token's experts, the entries laid
+        out by expert), the entries' rows gathered, moe.cu's gate/up and down products
+        (each chosen expert's rows read once for all of its tokens) and moe_combine (each
+        token's sum in ascending expert id); norm: an RMSNorm of x folded into the router's
+        and gate/up's products. Every token's result is its own: the same bits in any batch."""
         T, H, E, F, k = int(x.shape[0]), tb.hidden, tb.num_experts, tb.ffn, top_k
         n, nslots = T * k, min(tb.num_experts, T * k)
-        logits = self.linear(x, router, out=self.scratch("moe_logits", T * E).reshape(T, E))
+        logits = self.scratch("moe_logits", T * E).reshape(T, E)
+        if norm is None:
+            self.linear(x, router, out=logits)
+        else:
+            self.norm_linear_multi(x, norm, eps, ((router, logits),))
         ints = self.scratch("moe_ints", 4 * n + 2 * nslots + 1, np.int32)
         ids, rows, pos = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
         slots, starts = ints[3 * n:3 * n + nslots], ints[3 * n + nslots:3 * n + 2 * nslots + 1]
         floats = self.scratch("moe_weights", 2 * n)
         wts, wpos = floats[:n], floats[n:]
-        self._launch("moe_route_f32", (1,), (MOE_ROUTE_THREADS,),
-                     (logits, ids, wts, slots, starts, rows, pos, wpos, np.int32(T), np.int32(E), np.int32(k),
-                      np.int32(nslots), np.int32(bool(norm))))
+        self._launch("moe_route_f32", (T,), (MOE_ROUTE_THREADS,),
+                     (logits, ids, wts, slots, starts, rows, pos, wpos, self._counters(1, "moe_done"), np.int32(T),
+                      np.int32(E), np.int32(k), np.int32(nslots), np.int32(bool(norm_topk_prob))))
         xg = self.gather_rows(x, rows, out=self.scratch("moe_x", n * H).reshape(n, H))
         hg = self.scratch("moe_h", n * F)
         yg = self.scratch("moe_y", n * H)
         for name, groups, args in (
                 (f"moe_glu_{tb.gate_type}", ceil_div(F, MMV_TASKS),
-                 (tb.gate[0], tb.up[0], tb.gate[1], tb.up[1], np.int64(tb.gate_up_stride), slots, starts, xg, hg,
-                  np.int32(H), np.int32(F))),
+                 (tb.gate[0], tb.up[0], tb.gate[1], tb.up[1], np.int64(tb.gate_up_stride), slots, starts, xg,
+                  _NULL if norm is None else norm, np.float32(eps), hg, np.int32(H), np.int32(F))),
                 (f"moe_down_{tb.down_type}", ceil_div(H, MMV_ROWS),
                  (*tb.down, np.int64(tb.down_stride), slots, starts, hg, yg, np.int32(F), np.int32(H)))):
             if self.mmv_loop:   # the resident blocks shared among the slots, each walking its groups
                 groups = min(groups, max(1, MMV3_RESIDENT[1] * self.num_sms // nslots))
             self._launch(name, (groups, nslots), (MMV_THREADS,), args)
         self._launch("moe_combine_f32", (T,), (ELEMENTWISE_THREADS,),
-                     (out, yg, pos, wpos, np.int32(k), np.int32(H)))
-        return out
+                     (out, yg, pos, wpos, np.int32(k), np.int32(H), np.int32(add)))
 
     # -- attention -----------------------------------------------------------------------
 

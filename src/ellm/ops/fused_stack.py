@@ -21,7 +21,8 @@ in place of ten). Layers that need more take other ops for those pieces: with q/
 RoPE and the KV write) and paged_attention; q/k/v of different weight types take
 norm_linear_multi and rope_attention; a post-block norm or residual multiplier (Gemma 2/3,
 OLMo 2, Granite) makes the block's product a plain one, then norm_add (the norm, the scale
-and the add).
+and the add). A mixture-of-experts block (Qwen3-MoE) is norm_moe_add: its input norm, the
+experts and the residual add (six kernels on cuda for decode, where the loop takes eight).
 
 Only op-set calls: it runs on any backend, so tests/test_backends.py checks it on the
 reference backend against the plain loop.
@@ -60,6 +61,9 @@ class FusedLayerStack:
             self._attention(s, x, norm, eps, positions, seq_ids, block_tables[s["window"]], key_limit)
             self._into_residual(s["attn_out"].reshape(self.t, -1), s["o"], s["post_attn_norm"],
                                 s["residual_multiplier"])
+            if s["moe"] is not None:
+                self._moe(s)
+                continue
             ops.norm_linear_glu(residual, s["pre_mlp_norm"], eps, s["gate"], s["up"], s["act"], out=s["act_out"])
             self._into_residual(s["act_out"], s["down"], s["post_mlp_norm"], s["residual_multiplier"])
         if head is not None:
@@ -104,6 +108,18 @@ class FusedLayerStack:
                            s["interleaved"], s["scale"], s["window"], s["softcap"], out=attn,
                            rope_mscale=s["rope_mscale"], key_limit=key_limit)
 
+    def _moe(self, s: dict) -> None:
+        """The layer's mixture-of-experts block (s["moe"]: router, experts, top_k,
+        norm_topk_prob) from the residual's pre-MLP norm into the residual."""
+        ops, eps = self.ops, self.eps
+        if s["post_mlp_norm"] is None and s["residual_multiplier"] == 1.0:
+            ops.norm_moe_add(self.residual, s["pre_mlp_norm"], eps, *s["moe"], normed=self.h_buf, out=self.proj)
+            return
+        norm = s["pre_mlp_norm"]
+        h = self.residual if norm is None else ops.rmsnorm(self.residual, norm, eps, out=self.h_buf)
+        ops.moe(h, *s["moe"], out=self.proj)
+        ops.norm_add(self.residual, self.proj, s["post_mlp_norm"], eps, s["residual_multiplier"])
+
     def _into_residual(self, x: Any, w: Any, post_norm: Any, multiplier: float) -> None:
         """residual += the block's output x @ W^T, through its post norm and multiplier."""
         ops = self.ops
@@ -118,7 +134,7 @@ def fused_layer_stack(ops: Any, specs: list[dict], t: int, hidden: int, residual
                       h_buf: Any, eps: float) -> FusedLayerStack | None:
     """A FusedLayerStack for these layers, or None (the decoder then runs them one by one)
     when a layer is not the pre-norm attention + gated MLP pair it knows."""
-    if not specs or any(s["act"] not in ("silu", "gelu_tanh") for s in specs):
+    if not specs or any(s["moe"] is None and s["act"] not in ("silu", "gelu_tanh") for s in specs):
         return None
     return FusedLayerStack(ops, specs, t, hidden, residual, proj, h_buf, eps)
 

@@ -411,6 +411,8 @@ class FusedByComposition:
         def scale(self, x: Any, s: float) -> Any: ...
         def add(self, a: Any, b: Any) -> Any: ...
         def to_host(self, x: Any) -> np.ndarray: ...
+        def moe(self, x: Any, router: "Linear", experts: Experts, top_k: int, norm_topk_prob: bool,
+                out: Any = None) -> Any: ...
 
     def norm_linear_multi(self, x: Any, norm: Any, eps: float, parts: Sequence[tuple],
                           normed: Any = None) -> list[Any]:
@@ -448,6 +450,14 @@ class FusedByComposition:
     def linear_add(self, x: Any, w: "Linear", residual: Any) -> Any:
         """residual += x @ W^T (+ bias), in place -> residual."""
         return self.add(residual, self.linear(x, w))
+
+    def norm_moe_add(self, residual: Any, norm: Any, eps: float, router: "Linear", experts: Experts, top_k: int,
+                     norm_topk_prob: bool, normed: Any = None, out: Any = None) -> Any:
+        """residual += moe(rmsnorm(residual, norm, eps)) (norm None: of residual itself), in
+        place -> residual: a mixture-of-experts block with its input norm and residual add.
+        normed, out: where the normed input and the block's output may be kept."""
+        h = residual if norm is None else self.rmsnorm(residual, norm, eps, out=normed)
+        return self.add(residual, self.moe(h, router, experts, top_k, norm_topk_prob, out=out))
 
     def norm_add(self, residual: Any, x: Any, weight: Any, eps: float, scale: float = 1.0) -> Any:
         """residual += scale * rmsnorm(x, weight, eps) (weight None: scale * x), in place ->
