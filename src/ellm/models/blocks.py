@@ -14,7 +14,7 @@ backend once, at load.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -273,10 +273,20 @@ def load_attention(weights: WeightSource, config: ModelConfig, layer: int, **opt
     return Attention(**fields)
 
 
+class SparseBlock(Protocol):
+    """A feed-forward block in MLP's place that a layer stack takes as a mixture of experts
+    (models/qwen3_moe.py MoE): called as MLP is, and saying what norm_moe_add needs of it."""
+
+    def __call__(self, ops: Any, ws: Workspace, h: Any, out: Any, rec: Any = None, layer: int = 0,
+                 lora: Any = None) -> Any: ...
+
+    def stack_moe(self) -> tuple[Linear, Any, int, bool]: ...   # router, Experts, top_k, norm_topk_prob
+
+
 @dataclass
 class DecoderLayer:
     attn: Attention
-    mlp: MLP
+    mlp: MLP | SparseBlock
     input_norm: np.ndarray | None      # (H,) before attention; None: the residual itself goes in (OLMo 2)
     pre_mlp_norm: np.ndarray | None    # (H,) before the MLP; None: the residual itself
     post_attn_norm: np.ndarray | None = None  # (H,) on the attention output (Gemma 2/3, OLMo 2)
@@ -462,7 +472,7 @@ class Decoder:
         """What a layer stack needs of one layer: its weights, norms and workspace views."""
         a, m = layer.attn, layer.mlp
         q, k, v, _, _, _, attn, _, _ = _cached_views(a, ws, t, a._make_views)
-        if type(m) is MLP:
+        if isinstance(m, MLP):
             gate, up, _ = _cached_views(m, ws, t, m._make_views)
             mlp = dict(gate=m.gate, up=m.up, down=m.down, gate_out=gate, up_out=up,
                        act_out=gate, act=m.act, moe=None)   # the activation overwrites gate (see MLP)
