@@ -95,8 +95,9 @@ FA_WIDE_WARPS = 2       # attn_prefill_wide's (Q of 32 rows x 256 dims fills the
 # key and value itself, as until 2026-12-06 (the device check's comparison; the same bits)
 FA_WARPS_ENV = "ELLM_CUDA_FA_WARPS"
 ELEMENTWISE_THREADS = 256
-MOE_ROUTE_THREADS, MOE_EXPERTS_MAX = 32, 4096   # as in elementwise.cu
+MOE_ROUTE_THREADS, MOE_EXPERTS_MAX, MOE_TOP_K_MAX = 32, 4096, 64   # as in elementwise.cu
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
+
 
 class ExpertTables(NamedTuple):
     """A mixture-of-experts layer's matrices as moe.cu reads them: per projection its first
@@ -650,7 +651,7 @@ class CudaOps:
         if T == 0:
             return out
         tables = self._expert_tables(experts) if T <= GEMM_MIN_TOKENS else None
-        if tables is not None and out.flags.c_contiguous:
+        if tables is not None and 0 < top_k <= min(tables.num_experts, MOE_TOP_K_MAX) and out.flags.c_contiguous:
             self._moe_device(cp.ascontiguousarray(x, dtype=np.float32), router, tables, top_k, norm_topk_prob, out)
             return out
         out.fill(0)
@@ -677,8 +678,8 @@ class CudaOps:
         rmsnorm, moe and add."""
         T = int(residual.shape[0])
         tables = self._expert_tables(experts) if 0 < T <= GEMM_MIN_TOKENS else None
-        if tables is not None and norm is not None and self._fusable(residual, [router]) \
-                and residual.flags.c_contiguous:
+        if tables is not None and 0 < top_k <= min(tables.num_experts, MOE_TOP_K_MAX) and norm is not None \
+                and self._fusable(residual, [router]) and residual.flags.c_contiguous:
             self._moe_device(self._vec_in(residual), router, tables, top_k, norm_topk_prob, residual,
                              norm=norm, eps=eps, add=True)
             return residual
