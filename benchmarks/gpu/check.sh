@@ -37,7 +37,7 @@ mkdir -p "$OUT" "$W"
 exec > >(tee -a "$OUT/check.log") 2>&1
 say() { echo "== [$(( $(date +%s) - T0 ))s] $*"; }
 CARRY=.gpu-carry/wheels
-PY=python3
+PY="${CHECK_PY:-python3}"   # (another Python: a rehearsal on a machine without a GPU)
 
 say "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || say "no nvidia-smi"
@@ -70,8 +70,9 @@ SITE="$W/site"
 mkdir -p "$SITE"
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY"/*.whl \
   || { say "FAIL: installing the carried wheels"; exit 2; }
-export PYTHONPATH="$SITE"
-if ! ls "$CARRY"/ellm-*-cp312-*.whl >/dev/null 2>&1; then
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# the distribution is ellm-engine: its wheels are ellm_engine-*.whl
+if ! ls "$CARRY"/ellm_engine-*-cp312-*.whl >/dev/null 2>&1; then
   say "  no ellm wheel for CPython 3.12 was carried: building from source"
   if command -v gcc >/dev/null && command -v cmake >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" . \

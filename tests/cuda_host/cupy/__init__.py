@@ -31,6 +31,7 @@ from . import cuda
 __all__ = ["RawModule", "RawKernel", "ndarray", "asarray", "ascontiguousarray", "asnumpy", "empty",
            "zeros", "cuda", "get_default_memory_pool"]
 
+__version__ = "0+cuda-host"   # (what benchmarks/gpu/check.sh prints of CuPy, in a rehearsal)
 HEADER = Path(__file__).resolve().parents[1] / "cuda_host.h"
 
 
