@@ -304,6 +304,7 @@ def test_moe_on_the_device_matches_reference(ops, types: tuple[GGMLType, GGMLTyp
     moe_combine): within 1e-9 of the reference for 1, 5 and 64 tokens and both routings
     (renormalised or not), each token's row the same bits alone as in the batch; 70
     tokens take the host's routing."""
+    ops.compile_kernels(("moe.cu",))   # every type's unit at once, side by side (NVRTC: seconds each)
     rng = np.random.default_rng(int(types[0]) * 100 + int(types[1]))
     E, H, F = 9, 256, 512
     experts = random_experts(rng, *types, E, H, F)
