@@ -535,7 +535,7 @@ def test_norm_moe_add(ops) -> None:
     """residual += moe(rmsnorm(residual)), in place: every backend against the reference's
     composition, with BF16 experts 64 and 96 wide (cuda: on the device, the norm folded
     into the router's and gate/up's products, the add into the sum) and F32 ones (cuda:
-    routed on the host), for 1 and 5 tokens."""
+    routed on the host), for 1, 5 and 70 tokens (cuda: 64 at a time)."""
     rng = np.random.default_rng(29)
     E, H, F = 5, 64, 96
 
@@ -547,7 +547,7 @@ def test_norm_moe_add(ops) -> None:
                           [lin(H, F, qtype) for _ in range(E)])
         router, norm = lin(E, H, GGMLType.F32), (1 + 0.2 * rng.standard_normal(H)).astype(np.float32)
         dexperts = Experts(*([ops.upload_linear(m) for m in ms] for ms in (experts.gate, experts.up, experts.down)))
-        for T in (1, 5):
+        for T in (1, 5, 70):
             res = rand(rng, T, H)
             want = REF.norm_moe_add(res.copy(), norm, 1e-6, router, experts, 2, True)
             d = ops.upload(res)

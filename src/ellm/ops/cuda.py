@@ -639,9 +639,9 @@ class CudaOps:
     @_on_stream
     def moe(self, x: Any, router: Linear, experts: Experts, top_k: int, norm_topk_prob: bool,
             out: Any = None) -> Any:
-        """x (T, H) -> (T, H): router logits on the device; then, for up to 64 tokens (a
-        decode step) whose experts mmv.cu can read, everything on the device (_moe_device:
-        no copy back, so such steps are captured as graphs), else the routing on the host
+        """x (T, H) -> (T, H): where mmv.cu can read the experts, everything on the device
+        (_moe_device, 64 tokens at a time: no copy back, so decode steps are captured as
+        graphs), else router logits on the device, the routing on the host
         (reference.moe_route on a copy of the (T, E) logits) and per chosen expert one
         batched SwiGLU MLP over its tokens, added into their rows in ascending expert id."""
         from .reference import moe_route
@@ -650,9 +650,12 @@ class CudaOps:
         out = cp.empty((T, H), np.float32) if out is None else out
         if T == 0:
             return out
-        tables = self._expert_tables(experts) if T <= GEMM_MIN_TOKENS else None
+        tables = self._expert_tables(experts)
         if tables is not None and 0 < top_k <= min(tables.num_experts, MOE_TOP_K_MAX) and out.flags.c_contiguous:
-            self._moe_device(cp.ascontiguousarray(x, dtype=np.float32), router, tables, top_k, norm_topk_prob, out)
+            x = cp.ascontiguousarray(x, dtype=np.float32)
+            for c in range(0, T, GEMM_MIN_TOKENS):
+                self._moe_device(x[c:c + GEMM_MIN_TOKENS], router, tables, top_k, norm_topk_prob,
+                                 out[c:c + GEMM_MIN_TOKENS])
             return out
         out.fill(0)
         ids, weights = moe_route(self.to_host(self.linear(x, router)), top_k, norm_topk_prob)
@@ -671,17 +674,19 @@ class CudaOps:
     @_on_stream
     def norm_moe_add(self, residual: Any, norm: Any, eps: float, router: Linear, experts: Experts, top_k: int,
                      norm_topk_prob: bool, normed: Any = None, out: Any = None) -> Any:
-        """residual += moe(rmsnorm(residual)) (reference.FusedByComposition): for a decode
-        step on the device (_moe_device) in six launches, the norm folded into the router's
+        """residual += moe(rmsnorm(residual)) (reference.FusedByComposition): on the device
+        (_moe_device) in six launches every 64 tokens, the norm folded into the router's
         and the experts' gate/up products (each token's 1/rms from its own row, as the
         other folded norms) and the sum added into the residual by moe_combine; otherwise
         rmsnorm, moe and add."""
-        T = int(residual.shape[0])
-        tables = self._expert_tables(experts) if 0 < T <= GEMM_MIN_TOKENS else None
+        T, K = int(residual.shape[0]), int(residual.shape[1])
+        tables = self._expert_tables(experts) if T > 0 else None
         if tables is not None and 0 < top_k <= min(tables.num_experts, MOE_TOP_K_MAX) and norm is not None \
-                and self._fusable(residual, [router]) and residual.flags.c_contiguous:
-            self._moe_device(self._vec_in(residual), router, tables, top_k, norm_topk_prob, residual,
-                             norm=norm, eps=eps, add=True)
+                and K % 8 == 0 and residual.dtype == np.float32 and residual.flags.c_contiguous \
+                and residual.data.ptr % 16 == 0:
+            for c in range(0, T, GEMM_MIN_TOKENS):
+                rows = residual[c:c + GEMM_MIN_TOKENS]
+                self._moe_device(rows, router, tables, top_k, norm_topk_prob, rows, norm=norm, eps=eps, add=True)
             return residual
         h = residual if norm is None else self.rmsnorm(residual, norm, eps, out=normed)
         return self.add(residual, self.moe(h, router, experts, top_k, norm_topk_prob, out=out))
