@@ -170,7 +170,7 @@ extern "C" __global__ void scatter_rows_f32(float* __restrict__ x,             /
 
 #define MOE_ROUTE_THREADS 32    // a warp a token
 #define MOE_EXPERTS_MAX 4096   // = models/qwen3_moe.py's bound on num_experts
-#define MOE_ENTRIES_MAX 4096   // 64 tokens x at most 64 experts each (qwen3_moe.py's bound on k)
+#define MOE_ENTRIES_MAX 4096   // a decode step's 64 tokens x up to 64 experts (qwen3_moe.py's bound on k)
 
 // Block t: softmax over token t's E router logits, its k most probable experts (most
 // probable first, ties to the lower id: a key of probability over the complement of the
@@ -180,7 +180,7 @@ extern "C" __global__ void scatter_rows_f32(float* __restrict__ x,             /
 // slots = the chosen experts in ascending id (-1 past their count), starts (slots + 1) the
 // first entry of each in that order (the rest T k), rows (T k) each entry's token, tokens
 // in order within an expert; and per token its k entries in ascending expert id: at (T, k)
-// in pos, their weights in wpos. grid T, block MOE_ROUTE_THREADS; T k <= 64 * 64,
+// in pos, their weights in wpos. grid T, block MOE_ROUTE_THREADS; T k <= MOE_ENTRIES_MAX,
 // E <= MOE_EXPERTS_MAX, nslots = min(E, T k).
 extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_f32(
         const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ wts,

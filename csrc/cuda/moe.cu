@@ -1,12 +1,13 @@
-// The experts' products of a mixture-of-experts layer on the tensor cores (decode steps:
-// ops/cuda.py CudaOps.moe), mmv.cu's products with the expert chosen on the device.
+// The experts' products of a mixture-of-experts layer on the tensor cores (ops/cuda.py
+// CudaOps.moe), mmv.cu's products with the expert chosen on the device.
 //
 // elementwise.cu's moe_route has laid the step's (token, expert) entries out by expert:
 // slot s of blockIdx.y holds expert slots[s] (-1: no expert, the block returns), whose
 // entries are starts[s] .. starts[s + 1] - 1, and X holds each entry's row in that order
 // (its token's activations, gathered). A block of slot s reads its expert's rows once for
-// all of that expert's tokens, as mmv.cu's kernels read a matrix once for every token, and
-// writes the entries' rows of the result. Experts nobody chose are never read.
+// up to 64 of that expert's tokens (blockIdx.z: which 64; a decode step has no more), as
+// mmv.cu's kernels read a matrix once for every token, and writes the entries' rows of the
+// result. Experts nobody chose are never read.
 //
 // Each token's sums are those of mmv.cu with that token alone (its column only; the order
 // fixed by K), so a token's result does not depend on the batch. One tile a block: an
@@ -18,21 +19,44 @@
 #define ELLM_MMV_DEVICE_ONLY
 #include "mmv.cu"
 
-// The slot's expert (or -1) and its entries [p0, p0 + n). Reads what moe_route wrote: after
-// the wait for the kernel before.
+// The slot's expert and the entries [p0, p0 + n) this block takes: its blockIdx.z-th 64 of
+// the slot's (a prefill may give an expert more than a step's 64), or -1 where there are
+// none. Reads what moe_route wrote: after the wait for the kernel before.
 __device__ __forceinline__ int moe_slot(const int* __restrict__ slots, const int* __restrict__ starts, int& p0,
                                         int& n) {
     grid_dependency_sync();
-    int s = (int)blockIdx.y, e = slots[s];
-    p0 = starts[s];
-    n = starts[s + 1] - p0;
-    return e;
+    int s = (int)blockIdx.y, first = (int)blockIdx.z * MMV_TOKENS;
+    p0 = starts[s] + first;
+    n = min(starts[s + 1] - p0, MMV_TOKENS);
+    return n > 0 ? slots[s] : -1;
+}
+
+// Y (T, N) = X @ W^T for one matrix: mmv3_t's sums (the same bits) without its biases, adds,
+// second and third matrices and greedy head, whose bookkeeping would push the quantized
+// types past 128 registers here.
+template <class WT>
+__device__ __forceinline__ void mmv_one_t(const u8* __restrict__ W, long long rb, const float* __restrict__ X,
+                                          float* __restrict__ Y, int T, int K, int N) {
+    MMV_SHARED
+    int lane = threadIdx.x & 31, gi = lane >> 2;
+    auto point = [&](int grp, const u8* (&a)[1], const u8* (&b)[1]) {
+        int n = grp * 16 + gi;
+        a[0] = n < N ? W + (long long)n * rb : nullptr;
+        b[0] = n + 8 < N ? W + (long long)(n + 8) * rb : nullptr;
+    };
+    mmv_groups<WT, 1>((N + 15) / 16, point, X, nullptr, T, K, part, sq, [&](int grp, int r) {
+        int n0 = grp * 16;
+        for (int it = threadIdx.x; it < 16 * T; it += blockDim.x) {
+            int s = it & 15, t = it >> 4;
+            if (n0 + s < N) Y[(long long)t * N + n0 + s] = tile_sum(part, s, t);
+        }
+    });
 }
 
 // gate/up and SiLU of each entry: out (T k, F) in entry order, mmv_glu's meaning (no bias;
 // the RMSNorm of weight g folded in, each entry's 1/rms from its own row, or none where g is
-// null). grid (groups, slots), block 32 * MMV_WARPS; K % 32 == 0.
-// down of each entry: y (T k, N), mmv3's meaning with one matrix. Likewise.
+// null). grid (groups, slots, ceil(T / 64)), block 32 * MMV_WARPS; K % 32 == 0.
+// down of each entry: y (T k, N), mmv3's meaning with one matrix (mmv_one_t). Likewise.
 #define ELLM_MOE_KERNELS(name, WT)                                                        \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS, 2) moe_glu_##name(           \
         const u8* __restrict__ gate, const u8* __restrict__ up,                           \
@@ -51,10 +75,7 @@ extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS, 2) moe_down_##name(
         const float* __restrict__ X, float* __restrict__ y, int K, int N) {               \
     int p0, n, e = moe_slot(slots, starts, p0, n);                                        \
     if (e < 0) return;                                                                    \
-    const u8* W = down + down_at[e];                                                      \
-    float* Y = y + (long long)p0 * N;                                                     \
-    mmv3_t<WT, 1>(W, W, W, rb, rb, rb, nullptr, nullptr, nullptr, Y, Y, Y,                \
-                  X + (long long)p0 * K, nullptr, 0.0f, n, K, N, 0, 0, 0, nullptr, nullptr, nullptr); \
+    mmv_one_t<WT>(down + down_at[e], rb, X + (long long)p0 * K, y + (long long)p0 * N, n, K, N); \
 }
 
 // A type loading U steps ahead with one tile instead of its own count. moe.cu's kernels hold

@@ -95,7 +95,11 @@ FA_WIDE_WARPS = 2       # attn_prefill_wide's (Q of 32 rows x 256 dims fills the
 # key and value itself, as until 2026-12-06 (the device check's comparison; the same bits)
 FA_WARPS_ENV = "ELLM_CUDA_FA_WARPS"
 ELEMENTWISE_THREADS = 256
-MOE_ROUTE_THREADS, MOE_EXPERTS_MAX, MOE_TOP_K_MAX = 32, 4096, 64   # as in elementwise.cu
+MOE_ROUTE_THREADS, MOE_EXPERTS_MAX, MOE_ENTRIES_MAX, MOE_TOP_K_MAX = 32, 4096, 4096, 64   # as in elementwise.cu
+# At most this much scratch for a mixture-of-experts block's rows (gathered, gate/up and down
+# outputs): a prefill's tokens are routed as many at a time as it and moe_route's layout allow
+# (at least 64), so an expert's rows are read once for all of them (once per 64 of its own)
+MOE_SCRATCH_BYTES = 128 << 20
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
 
 
@@ -640,8 +644,8 @@ class CudaOps:
     def moe(self, x: Any, router: Linear, experts: Experts, top_k: int, norm_topk_prob: bool,
             out: Any = None) -> Any:
         """x (T, H) -> (T, H): where mmv.cu can read the experts, everything on the device
-        (_moe_device, 64 tokens at a time: no copy back, so decode steps are captured as
-        graphs), else router logits on the device, the routing on the host
+        (_moe_device, a prefill's tokens _moe_chunk at a time: no copy back, so decode
+        steps are captured as graphs), else router logits on the device, the routing on the host
         (reference.moe_route on a copy of the (T, E) logits) and per chosen expert one
         batched SwiGLU MLP over its tokens, added into their rows in ascending expert id."""
         from .reference import moe_route
@@ -653,9 +657,9 @@ class CudaOps:
         tables = self._expert_tables(experts)
         if tables is not None and 0 < top_k <= min(tables.num_experts, MOE_TOP_K_MAX) and out.flags.c_contiguous:
             x = cp.ascontiguousarray(x, dtype=np.float32)
-            for c in range(0, T, GEMM_MIN_TOKENS):
-                self._moe_device(x[c:c + GEMM_MIN_TOKENS], router, tables, top_k, norm_topk_prob,
-                                 out[c:c + GEMM_MIN_TOKENS])
+            step = self._moe_chunk(top_k, tables)
+            for c in range(0, T, step):
+                self._moe_device(x[c:c + step], router, tables, top_k, norm_topk_prob, out[c:c + step])
             return out
         out.fill(0)
         ids, weights = moe_route(self.to_host(self.linear(x, router)), top_k, norm_topk_prob)
@@ -675,7 +679,8 @@ class CudaOps:
     def norm_moe_add(self, residual: Any, norm: Any, eps: float, router: Linear, experts: Experts, top_k: int,
                      norm_topk_prob: bool, normed: Any = None, out: Any = None) -> Any:
         """residual += moe(rmsnorm(residual)) (reference.FusedByComposition): on the device
-        (_moe_device) in six launches every 64 tokens, the norm folded into the router's
+        (_moe_device) in six launches (a prefill's: _moe_chunk tokens at a time, the router's
+        product 64 at a time), the norm folded into the router's
         and the experts' gate/up products (each token's 1/rms from its own row, as the
         other folded norms) and the sum added into the residual by moe_combine; otherwise
         rmsnorm, moe and add."""
@@ -684,8 +689,9 @@ class CudaOps:
         if tables is not None and 0 < top_k <= min(tables.num_experts, MOE_TOP_K_MAX) and norm is not None \
                 and K % 8 == 0 and residual.dtype == np.float32 and residual.flags.c_contiguous \
                 and residual.data.ptr % 16 == 0:
-            for c in range(0, T, GEMM_MIN_TOKENS):
-                rows = residual[c:c + GEMM_MIN_TOKENS]
+            step = self._moe_chunk(top_k, tables)
+            for c in range(0, T, step):
+                rows = residual[c:c + step]
                 self._moe_device(rows, router, tables, top_k, norm_topk_prob, rows, norm=norm, eps=eps, add=True)
             return residual
         h = residual if norm is None else self.rmsnorm(residual, norm, eps, out=normed)
@@ -716,21 +722,31 @@ class CudaOps:
         self._expert_tables_of[id(experts)] = (experts, tables)
         return tables
 
+    @staticmethod
+    def _moe_chunk(top_k: int, tb: ExpertTables) -> int:
+        """Tokens _moe_device takes at a time: as many as moe_route's layout (MOE_ENTRIES_MAX
+        entries) and MOE_SCRATCH_BYTES allow, at least a decode step's 64."""
+        per_token = top_k * (2 * tb.hidden + tb.ffn) * 4
+        return max(GEMM_MIN_TOKENS, min(MOE_ENTRIES_MAX // top_k, MOE_SCRATCH_BYTES // per_token))
+
     def _moe_device(self, x: Any, router: Linear, tb: ExpertTables, top_k: int, norm_topk_prob: bool, out: Any,
                     norm: Any = None, eps: float = 0.0, add: bool = False) -> None:
-        """The MoE block for T <= 64 tokens without leaving the device, into out (or added
-        to it): the router's product, moe_route (each token's experts, the entries laid
-        out by expert), the entries' rows gathered, moe.cu's gate/up and down products
-        (each chosen expert's rows read once for all of its tokens) and moe_combine (each
-        token's sum in ascending expert id); norm: an RMSNorm of x folded into the router's
-        and gate/up's products. Every token's result is its own: the same bits in any batch."""
+        """The MoE block for T <= _moe_chunk tokens without leaving the device, into out (or
+        added to it): the router's product (64 tokens at a time: mmv.cu, as in a decode
+        step), moe_route (each token's experts, the entries laid out by expert), the
+        entries' rows gathered, moe.cu's gate/up and down products (each chosen expert's
+        rows read once for up to 64 of its tokens) and moe_combine (each token's sum in
+        ascending expert id); norm: an RMSNorm of x folded into the router's and gate/up's
+        products. Every token's result is its own: the same bits in any batch."""
         T, H, E, F, k = int(x.shape[0]), tb.hidden, tb.num_experts, tb.ffn, top_k
         n, nslots = T * k, min(tb.num_experts, T * k)
         logits = self.scratch("moe_logits", T * E).reshape(T, E)
-        if norm is None:
-            self.linear(x, router, out=logits)
-        else:
-            self.norm_linear_multi(x, norm, eps, ((router, logits),))
+        for c in range(0, T, GEMM_MIN_TOKENS):
+            rows, into = x[c:c + GEMM_MIN_TOKENS], logits[c:c + GEMM_MIN_TOKENS]
+            if norm is None:
+                self.linear(rows, router, out=into)
+            else:
+                self.norm_linear_multi(rows, norm, eps, ((router, into),))
         ints = self.scratch("moe_ints", 4 * n + 2 * nslots + 1, np.int32)
         ids, rows, pos = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
         slots, starts = ints[3 * n:3 * n + nslots], ints[3 * n + nslots:3 * n + 2 * nslots + 1]
@@ -750,7 +766,7 @@ class CudaOps:
                  (*tb.down, np.int64(tb.down_stride), slots, starts, hg, yg, np.int32(F), np.int32(H)))):
             if self.mmv_loop:   # the resident blocks shared among the slots, each walking its groups
                 groups = min(groups, max(1, MMV3_RESIDENT[1] * self.num_sms // nslots))
-            self._launch(name, (groups, nslots), (MMV_THREADS,), args)
+            self._launch(name, (groups, nslots, ceil_div(T, GEMM_MIN_TOKENS)), (MMV_THREADS,), args)
         self._launch("moe_combine_f32", (T,), (ELEMENTWISE_THREADS,),
                      (out, yg, pos, wpos, np.int32(k), np.int32(H), np.int32(add)))
 
