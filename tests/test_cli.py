@@ -78,6 +78,21 @@ def test_run_refuses_bad_combinations(smollm2_gguf: Path) -> None:
     assert small.returncode == 2 and "32" in small.stderr and "Traceback" not in small.stderr
 
 
+def test_run_quantizes_a_folder_at_load(tiny_models_dir: Path) -> None:
+    """--quantize (run, chat, bench, serve): a Hugging Face folder's float weights in q8_0,
+    as ellm.load(quantize=...) makes them; a type it cannot make is refused by name."""
+    folder = tiny_models_dir / "llama"
+    proc = ellm_cli("run", str(folder), "The small model", "--raw", "-n", "6", "-c", "256", "--quantize", "q8_0",
+                    *GREEDY)
+    assert proc.returncode == 0, proc.stderr
+    with ellm.load(str(folder), quantize="q8_0", max_model_len=256, progress=False) as q8:
+        assert q8.model.layers[0].attn.q.qtype.name == "Q8_0"
+        want = q8.generate("The small model", max_tokens=6, temperature=0.0)
+    assert proc.stdout == want.text + "\n"
+    bad = ellm_cli("run", str(folder), "Hi", "--quantize", "q5_0")
+    assert bad.returncode == 2 and "invalid choice: 'q5_0'" in bad.stderr and "q8_0" in bad.stderr
+
+
 # ---------------------------------------------------------------------------------------
 # ellm chat on a pseudo-terminal
 # ---------------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ def _total(text: str, name: str) -> float:
                                            ({"threads_per_replica": 0}, "threads_per_replica"),
                                            ({"router": "random"}, "router"), ({"max_queue": 0}, "max_queue"),
                                            ({"kv_cache_dtype": "bf16"}, "kv_cache_dtype"),
+                                           ({"quantize": "q5_0"}, "quantize"),
                                            ({"speculative_config": {"method": "eagle"}}, "method")])
 def test_build_app_names_the_bad_argument(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from .cli_args import device_arg
+from .cli_args import add_quantize_argument, device_arg
 
 # `ellm chat`'s reply cap (--max-tokens). The default model's replies that end do so in
 # 8-340 tokens (its default, greedy with a repetition penalty of 1.1: 8, 230, 338, 340;
@@ -43,6 +43,7 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
                         "(default auto: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--kv-cache-tokens", type=int, default=0, metavar="N",
                    help="KV cache size in tokens, all sequences together (default: max(ctx size, 16384))")
+    add_quantize_argument(p)
 
 
 def _params(args: argparse.Namespace, llm: Any = None) -> Any:
@@ -72,6 +73,8 @@ def _load(args: argparse.Namespace) -> Any:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if getattr(args, "kv_cache_tokens", 0):
         options["kv_cache_tokens"] = args.kv_cache_tokens
+    if getattr(args, "quantize", None) is not None:
+        options["quantize"] = args.quantize
     return ellm.load(args.model, **options)
 
 
@@ -197,7 +200,7 @@ def _token_counts(text: str) -> tuple[int, ...]:
 def cmd_bench(args: argparse.Namespace) -> int:
     import ellm
     from .bench import run_bench
-    llm = ellm.load(args.model, device=args.device, threads=args.threads)
+    llm = ellm.load(args.model, device=args.device, threads=args.threads, quantize=args.quantize)
     run_bench(llm, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
               contexts=args.contexts)
     return 0
@@ -268,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time decode after prompts of these lengths (e.g. 100,500,1000,2000)")
     b.add_argument("--device", default="cpu", type=device_arg, metavar="{cpu,cuda,reference}")
     b.add_argument("--threads", "-t", type=int, default=None)
+    add_quantize_argument(b)
     b.set_defaults(func=cmd_bench)
     i = sub.add_parser("info", help="version, native kernels chosen, threads; with MODEL, its architecture")
     i.add_argument("model", nargs="?", default=None)

@@ -3,6 +3,7 @@ whether `ellm serve` can have its port, and the NAME=PATH items of --lora-module
 (seconds to minutes) when it is found only afterwards."""
 from __future__ import annotations
 
+import argparse
 import errno
 import socket
 
@@ -74,11 +75,16 @@ def lora_modules(items: list[str] | None) -> dict[str, str]:
     return out
 
 
+def add_quantize_argument(p: argparse.ArgumentParser) -> None:
+    """--quantize: ellm.load's quantize (the same choices), for every command that loads."""
+    from .quantize import QUANTIZE_TYPES
+    p.add_argument("--quantize", default=None, choices=sorted(QUANTIZE_TYPES),
+                   help="quantize a Hugging Face folder's float weights at load (a GGUF keeps its own types)")
+
+
 def device_arg(value: str) -> str:
     """--device: one of ops.DEVICES (also gpu, cuda:0); another GPU ordinal is refused
     with how to pick that GPU (CUDA_VISIBLE_DEVICES)."""
-    import argparse
-
     from .ops import DEVICES, normalize_device
     try:
         device = normalize_device(value)

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from ..cli_args import device_arg
+from ..cli_args import add_quantize_argument, device_arg
 from . import DEFAULT_MAX_QUEUE
 from .hosts import is_loopback, url_host
 
@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default auto: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--kv-cache-tokens", type=int, default=0, metavar="N",
                    help="KV cache size in tokens, all sequences together (default: max(--max-model-len, 16384))")
+    add_quantize_argument(p)
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests queued or running before new ones get 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -121,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
                     max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                     chat_template=args.chat_template, speculative_config=args.speculative_config,
                     kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=args.kv_cache_tokens,
-                    lora_adapters=lora_adapters or None)
+                    lora_adapters=lora_adapters or None, quantize=args.quantize)
     names = args.served_model_name or [args.model if args.model is not None else llm.source]
     app = create_app(llm, served_model_name=names, api_key=api_key, max_queue=args.max_queue,
                      allowed_origins=args.allowed_origins or (), allow_image_urls=args.allow_image_urls,

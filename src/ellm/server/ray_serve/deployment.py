@@ -84,7 +84,7 @@ def build_app(model: str | None = None, *, replicas: int = 2, threads_per_replic
               allowed_origins: Sequence[str] = (), device: str = "cpu", max_model_len: int = 8192,
               max_num_seqs: int = 64, max_batch_tokens: int = 512, chat_template: str | None = None,
               replica_options: dict[str, Any] | None = None, speculative_config: Any = None,
-              kv_cache_dtype: str = "auto") -> Any:
+              kv_cache_dtype: str = "auto", quantize: str | None = None) -> Any:
     """The Serve application: `replicas` EllmReplica deployments of model behind one
     EllmIngress. Run it with serve.run(app, name=..., route_prefix="/"), or compose it.
 
@@ -93,8 +93,8 @@ def build_app(model: str | None = None, *, replicas: int = 2, threads_per_replic
     up), "round-robin", or "pow2" (Serve's default). threads_per_replica: the kernels'
     threads in each replica, also its Ray CPU reservation. replica_options: more
     ray_actor_options for the replicas (e.g. {"resources": {...}}, {"num_gpus": 1}).
-    speculative_config, kv_cache_dtype: as ellm.load's, for every replica (checked here,
-    before any replica starts)."""
+    speculative_config, kv_cache_dtype, quantize: as ellm.load's, for every replica (checked
+    here, before any replica starts)."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
     if threads_per_replica is not None and (isinstance(threads_per_replica, bool)
@@ -109,9 +109,13 @@ def build_app(model: str | None = None, *, replicas: int = 2, threads_per_replic
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                          f"got {kv_cache_dtype!r}")
+    from ...quantize import QUANTIZE_TYPES
+    if quantize is not None and quantize not in QUANTIZE_TYPES:
+        raise ValueError(f"quantize must be None or one of {', '.join(map(repr, sorted(QUANTIZE_TYPES)))}, "
+                         f"got {quantize!r}")
     SpeculativeConfig.parse(speculative_config)   # a bad config fails here, not in every replica
     spec = ModelSpec(model, device, threads_per_replica, max_model_len, max_num_seqs, max_batch_tokens, chat_template,
-                     speculative_config, kv_cache_dtype)
+                     speculative_config, kv_cache_dtype, quantize)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     actor_options = {"num_cpus": threads_per_replica or 1, **(replica_options or {})}
     replica = serve.deployment(

@@ -45,7 +45,8 @@ def serve_forever(args: Any, api_key: str | None) -> int:
                     max_queue=args.max_queue, allowed_origins=args.allowed_origins or (), device=args.device,
                     max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                     max_batch_tokens=args.max_batch_tokens, chat_template=args.chat_template,
-                    speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype)
+                    speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype,
+                    quantize=args.quantize)
     owned = start_ray(args.ray_address, num_cpus=args.replicas * args.threads_per_replica)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

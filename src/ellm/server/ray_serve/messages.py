@@ -28,6 +28,7 @@ class ModelSpec:
     chat_template: str | None = None
     speculative_config: Any = None    # [spec] ellm.load's speculative_config (a dict or its JSON)
     kv_cache_dtype: str = "auto"
+    quantize: str | None = None       # ellm.load's quantize ("q8_0", "q4_0")
 
 
 @dataclass

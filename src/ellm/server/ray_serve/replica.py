@@ -24,7 +24,7 @@ class EllmReplica:
                              threads=spec.threads, max_num_seqs=spec.max_num_seqs,
                              max_batch_tokens=spec.max_batch_tokens, chat_template=spec.chat_template,
                              speculative_config=spec.speculative_config, kv_cache_dtype=spec.kv_cache_dtype,
-                             progress=False)
+                             quantize=spec.quantize, progress=False)
         self.engine = self.llm.async_engine
         self.engine.max_queue = max_queue
         self.engine.start()
