@@ -159,6 +159,25 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+
+// A warp's inclusive running sum of v in lane order (every lane takes part).
+template <class T>
+__device__ __forceinline__ T warp_inclusive_sum(T v) {
+    int lane = threadIdx.x & 31;
+    for (int o = 1; o < 32; o <<= 1) {
+        T y = __shfl_sync(0xffffffffu, v, lane >= o ? lane - o : lane);
+        if (lane >= o) v += y;
+    }
+    return v;
+}
+
 // A row's norm: blocks of NORM_THREADS threads (elementwise.cu's norms, attention.cu's
 // q/k norms: the same sum, in the same order, for a row of the same length).
 #define NORM_THREADS 256

@@ -208,11 +208,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_f32(
             u64 key = ((u64)(p == p ? order_key(p) : 0u) << 32) | (u64)(0xffffffffu - (u32)i);
             if (key < below && key > best) best = key;
         }
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            u64 w = __shfl_xor_sync(0xffffffffu, best, o);
-            best = w > best ? w : best;
-        }
+        best = warp_max_u64(best);
         below = best;
         int e = (int)(0xffffffffu - (u32)best);
         float p = expf(l[e] - mx) / sum;   // the bits its key was made of
@@ -232,13 +228,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_f32(
     int before = 0, used = 0;   // the chosen experts in ascending id, each's first entry: a scan
     for (int base = 0; base < E; base += 32) {
         int e = base + lane, c = e < E ? at[e] : 0;
-        int sc = c, su = c > 0;   // inclusive scans of the counts and of the chosen
-        #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            int from = lane >= o ? lane - o : lane;
-            int a = __shfl_sync(0xffffffffu, sc, from), b = __shfl_sync(0xffffffffu, su, from);
-            if (lane >= o) { sc += a; su += b; }
-        }
+        int sc = warp_inclusive_sum(c), su = warp_inclusive_sum((int)(c > 0));   // of the counts, of the chosen
         if (c > 0) {
             slots[used + su - 1] = e;
             starts[used + su - 1] = before + sc - c;

@@ -30,17 +30,6 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
     return x ^ (x >> 31);
 }
 
-// A warp's inclusive running sum of v in lane order (every lane takes part).
-template <class T>
-__device__ __forceinline__ T warp_inclusive_sum(T v) {
-    int lane = threadIdx.x & 31;
-    for (int o = 1; o < 32; o <<= 1) {
-        T y = __shfl_sync(0xffffffffu, v, lane >= o ? lane - o : lane);
-        if (lane >= o) v += y;
-    }
-    return v;
-}
-
 // A thread's next N entries of x[0, end): x[i + stride u], NaN past the end
 // (which every pass skips, as it skips a NaN logit: no comparison holds for it)
 template <int N>
@@ -408,19 +397,12 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_rows(
 
 __device__ __forceinline__ u64 block_max_u64(u64 v, u64* sh) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        u64 w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = w > v ? w : v;
-    }
+    v = warp_max_u64(v);
     __syncthreads();
     if (lane == 0) sh[warp] = v;
     __syncthreads();
     v = lane < (ARGMAX_THREADS / 32) ? sh[lane] : 0ull;
-    for (int o = 16; o > 0; o >>= 1) {
-        u64 w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = w > v ? w : v;
-    }
-    return v;
+    return warp_max_u64(v);
 }
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(

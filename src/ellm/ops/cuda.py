@@ -644,7 +644,7 @@ class CudaOps:
     def moe(self, x: Any, router: Linear, experts: Experts, top_k: int, norm_topk_prob: bool,
             out: Any = None) -> Any:
         """x (T, H) -> (T, H): where mmv.cu can read the experts, everything on the device
-        (_moe_device, a prefill's tokens _moe_chunk at a time: no copy back, so decode
+        (_moe_device, a prefill's tokens in chunks: no copy back, so decode
         steps are captured as graphs), else router logits on the device, the routing on the host
         (reference.moe_route on a copy of the (T, E) logits) and per chosen expert one
         batched SwiGLU MLP over its tokens, added into their rows in ascending expert id."""
@@ -654,12 +654,9 @@ class CudaOps:
         out = cp.empty((T, H), np.float32) if out is None else out
         if T == 0:
             return out
-        tables = self._expert_tables(experts)
-        if tables is not None and 0 < top_k <= min(tables.num_experts, MOE_TOP_K_MAX) and out.flags.c_contiguous:
-            x = cp.ascontiguousarray(x, dtype=np.float32)
-            step = self._moe_chunk(top_k, tables)
-            for c in range(0, T, step):
-                self._moe_device(x[c:c + step], router, tables, top_k, norm_topk_prob, out[c:c + step])
+        tables = self._moe_tables(experts, top_k)
+        if tables is not None and out.flags.c_contiguous:
+            self._moe_device(cp.ascontiguousarray(x, dtype=np.float32), router, tables, top_k, norm_topk_prob, out)
             return out
         out.fill(0)
         ids, weights = moe_route(self.to_host(self.linear(x, router)), top_k, norm_topk_prob)
@@ -679,20 +676,13 @@ class CudaOps:
     def norm_moe_add(self, residual: Any, norm: Any, eps: float, router: Linear, experts: Experts, top_k: int,
                      norm_topk_prob: bool, normed: Any = None, out: Any = None) -> Any:
         """residual += moe(rmsnorm(residual)) (reference.FusedByComposition): on the device
-        (_moe_device) in six launches (a prefill's: _moe_chunk tokens at a time, the router's
-        product 64 at a time), the norm folded into the router's
+        (_moe_device) in six launches a chunk of tokens, the norm folded into the router's
         and the experts' gate/up products (each token's 1/rms from its own row, as the
         other folded norms) and the sum added into the residual by moe_combine; otherwise
         rmsnorm, moe and add."""
-        T, K = int(residual.shape[0]), int(residual.shape[1])
-        tables = self._expert_tables(experts) if T > 0 else None
-        if tables is not None and 0 < top_k <= min(tables.num_experts, MOE_TOP_K_MAX) and norm is not None \
-                and K % 8 == 0 and residual.dtype == np.float32 and residual.flags.c_contiguous \
-                and residual.data.ptr % 16 == 0:
-            step = self._moe_chunk(top_k, tables)
-            for c in range(0, T, step):
-                rows = residual[c:c + step]
-                self._moe_device(rows, router, tables, top_k, norm_topk_prob, rows, norm=norm, eps=eps, add=True)
+        tables = self._moe_tables(experts, top_k)
+        if tables is not None and norm is not None and residual.flags.c_contiguous:
+            self._moe_device(residual, router, tables, top_k, norm_topk_prob, residual, norm=norm, eps=eps, add=True)
             return residual
         h = residual if norm is None else self.rmsnorm(residual, norm, eps, out=normed)
         return self.add(residual, self.moe(h, router, experts, top_k, norm_topk_prob, out=out))
@@ -722,16 +712,26 @@ class CudaOps:
         self._expert_tables_of[id(experts)] = (experts, tables)
         return tables
 
-    @staticmethod
-    def _moe_chunk(top_k: int, tb: ExpertTables) -> int:
-        """Tokens _moe_device takes at a time: as many as moe_route's layout (MOE_ENTRIES_MAX
-        entries) and MOE_SCRATCH_BYTES allow, at least a decode step's 64."""
-        per_token = top_k * (2 * tb.hidden + tb.ffn) * 4
-        return max(GEMM_MIN_TOKENS, min(MOE_ENTRIES_MAX // top_k, MOE_SCRATCH_BYTES // per_token))
+    def _moe_tables(self, experts: Experts, top_k: int) -> ExpertTables | None:
+        """_expert_tables where moe_route's layout takes top_k experts a token (1 to
+        min(E, 64)), else None."""
+        tb = self._expert_tables(experts)
+        return tb if tb is not None and 0 < top_k <= min(tb.num_experts, MOE_TOP_K_MAX) else None
 
     def _moe_device(self, x: Any, router: Linear, tb: ExpertTables, top_k: int, norm_topk_prob: bool, out: Any,
                     norm: Any = None, eps: float = 0.0, add: bool = False) -> None:
-        """The MoE block for T <= _moe_chunk tokens without leaving the device, into out (or
+        """_moe_rows over x (T, H) in chunks of as many tokens as moe_route's layout
+        (MOE_ENTRIES_MAX entries) and MOE_SCRATCH_BYTES allow, at least a decode step's 64."""
+        if int(x.shape[1]) != tb.hidden:
+            raise ValueError(f"moe: x has {x.shape[1]} columns, the experts take {tb.hidden}")
+        step = max(GEMM_MIN_TOKENS, min(MOE_ENTRIES_MAX // top_k,
+                                        MOE_SCRATCH_BYTES // (top_k * (2 * tb.hidden + tb.ffn) * 4)))
+        for c in range(0, int(x.shape[0]), step):
+            self._moe_rows(x[c:c + step], router, tb, top_k, norm_topk_prob, out[c:c + step], norm, eps, add)
+
+    def _moe_rows(self, x: Any, router: Linear, tb: ExpertTables, top_k: int, norm_topk_prob: bool, out: Any,
+                  norm: Any, eps: float, add: bool) -> None:
+        """The MoE block for one chunk of tokens without leaving the device, into out (or
         added to it): the router's product (64 tokens at a time: mmv.cu, as in a decode
         step), moe_route (each token's experts, the entries laid out by expert), the
         entries' rows gathered, moe.cu's gate/up and down products (each chosen expert's
