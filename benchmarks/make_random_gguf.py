@@ -19,11 +19,17 @@ default benchmarks/.venv-llamacpp, which `vs_llamacpp.py --install-llamacpp` bui
 
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b
     python benchmarks/make_random_gguf.py --shape llama-3-8b --types Q4_K_M --out /data/random
+    python benchmarks/make_random_gguf.py --shape qwen3-30b-a3b --layers 6 --types Q4_K_M
     python benchmarks/vs_llamacpp.py --models ~/.cache/ellm/random/llama-3.2-1b-Q4_K_M.gguf
 
 Costs: the 1B shape writes ~2.5 GB twice (folder and f16) and takes a few minutes;
 the 8B shape ~15 GB of RAM, ~35 GB of disk and ~25 minutes on 2 cores (the folder is
-deleted once the f16 file is written unless --keep-folder).
+deleted once the f16 file is written unless --keep-folder). --layers N keeps the first N
+layers of a shape (the file <shape>-<N>l-<type>.gguf): each layer reads and computes what
+it does in the whole model, so the cost of a layer is the difference of two such files'
+times. Qwen3-30B-A3B's 48 layers would take ~61 GB in bf16; 6 of them take ~8 GB of RAM
+and ~2 minutes. Random routers send tokens to the experts less evenly than trained ones
+(docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -50,6 +56,11 @@ SHAPES: dict[str, dict] = {
     "llama-3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        intermediate_size=14336, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
                        rope_theta=500000.0),
+    # Qwen3-MoE: 8 of 128 experts 768 wide a token (~3.3B of 30.5B weights read a token)
+    "qwen3-30b-a3b": dict(config="Qwen3MoeConfig", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+                          tie_word_embeddings=False, rope_theta=1000000.0),
 }
 # llama-cpp-python's names of the file types it writes (llama_ftype)
 FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
@@ -75,15 +86,19 @@ def default_llamacpp_dir() -> Path:
 
 # -- stage 1: the folder (reference Python) ----------------------------------------------
 
-def make_folder(shape: str, folder: Path, seed: int) -> None:
+def make_folder(shape: str, folder: Path, seed: int, layers: int = 0) -> None:
     import torch
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    config = tf.LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5,
-                            bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    sizes = dict(SHAPES[shape])
+    config_class = getattr(tf, sizes.pop("config", "LlamaConfig"))
+    if layers:
+        sizes["num_hidden_layers"] = layers
+    config = config_class(**sizes, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                          bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
     with torch.device("meta"):
-        model = tf.LlamaForCausalLM(config)
+        model = tf.AutoModelForCausalLM.from_config(config)
     model = model.to(dtype=torch.bfloat16).to_empty(device="cpu")
     if config.tie_word_embeddings:
         model.tie_weights()  # to_empty gave the head storage of its own: one tensor again, as in the real file
@@ -118,7 +133,8 @@ def make_folder(shape: str, folder: Path, seed: int) -> None:
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=specials[0], bos_token=specials[1],
                                       eos_token=specials[2], unk_token=None)
     fast.save_pretrained(folder)
-    (folder / "random_weights.json").write_text(json.dumps({"shape": shape, "seed": seed, "tile": TILE}))
+    (folder / "random_weights.json").write_text(json.dumps({"shape": shape, "layers": config.num_hidden_layers,
+                                                            "seed": seed, "tile": TILE}))
 
 
 # -- stage 2: the f16 GGUF (reference Python, llama.cpp's converter) ------------------------
@@ -178,6 +194,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="output folder (default $ELLM_HOME/random)")
     ap.add_argument("--types", default="Q4_K_M,Q8_0",
                     help=f"quantized files to write, of {','.join(FTYPES)} (empty: stop at f16)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="keep this many of the shape's layers (a file of <shape>-<n>l: each layer times as in the "
+                         "whole model, in a fraction of the disk; 0: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--ref-python", default=str(ROOT / ".venv-ref" / "bin" / "python"),
@@ -193,8 +212,10 @@ def main() -> int:
     ap.add_argument("--dst", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
+    if args.layers < 0:
+        ap.error(f"--layers must be 0 (all) or more, got {args.layers}")
     if args.stage == "folder":
-        make_folder(args.shape, args.dst, args.seed)
+        make_folder(args.shape, args.dst, args.seed, args.layers)
         return 0
     if args.stage == "convert":
         convert(args.src, args.dst, args.llama_cpp_dir)
@@ -210,23 +231,24 @@ def main() -> int:
     out = (args.out or ellm_home() / "random").expanduser()
     out.mkdir(parents=True, exist_ok=True)
     llama_cpp = (args.llama_cpp_dir or default_llamacpp_dir()).expanduser()
-    folder = out / args.shape
-    f16 = out / f"{args.shape}-f16.gguf"
-    if any(not (out / f"{args.shape}-{t}.gguf").exists() for t in types):  # before the long stages
+    name = f"{args.shape}-{args.layers}l" if args.layers else args.shape
+    folder = out / name
+    f16 = out / f"{name}-f16.gguf"
+    if any(not (out / f"{name}-{t}.gguf").exists() for t in types):  # before the long stages
         check_python(args.llamacpp_python, "llama_cpp",
                      "pass --llamacpp-python, or build one with benchmarks/vs_llamacpp.py --install-llamacpp")
     if not f16.exists():
         check_python(args.ref_python, "transformers", "pass --ref-python (torch + transformers)")
         if not (folder / "random_weights.json").exists():
             run_stage(args.ref_python, "--stage", "folder", "--shape", args.shape, "--seed", str(args.seed),
-                      "--dst", str(folder))
+                      "--layers", str(args.layers), "--dst", str(folder))
         run_stage(args.ref_python, "--stage", "convert", "--src", str(folder), "--dst", str(f16),
                   "--llama-cpp-dir", str(llama_cpp))
         if not args.keep_folder:
             shutil.rmtree(folder)
     print(f"{f16} ({f16.stat().st_size / 1e9:.2f} GB)")
     for t in types:
-        dst = out / f"{args.shape}-{t}.gguf"
+        dst = out / f"{name}-{t}.gguf"
         if not dst.exists():
             run_stage(args.llamacpp_python, "--stage", "quantize", "--src", str(f16), "--dst", str(dst),
                       "--types", t, "--threads", str(args.threads))

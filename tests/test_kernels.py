@@ -808,10 +808,10 @@ def test_moe_matches_reference(simd, qtype, layout) -> None:
 
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
 def test_moe_batch_invariant(simd, qtype) -> None:
-    """A token's output is bit-identical alone, in a batch of 300 (past one 256-token pass
+    """A token's output is bit-identical alone, in a batch of 600 (past one 512-token pass
     of the kernel), at another position, in another order, and on 1 / 2 / 3 threads:
     whichever tokens share its experts' groups (16 experts, top 4)."""
-    E, H, F, T, k = 16, 256, 256, 300, 4
+    E, H, F, T, k = 16, 256, 256, 600, 4
     experts = make_experts(qtype, E, H, F, seed=40 + int(qtype))
     router = make_router(E, H, seed=41)
     x = moe_tokens(T, H, seed=42)
