@@ -44,6 +44,37 @@ def test_cached_decode_equals_full_recompute(smollm2) -> None:
         eng.blocks.free(key)
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_last_layer_on_the_logits_rows_alone(name: str, request: pytest.FixtureRequest,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill that wants one row's logits runs its last layer past attention on that
+    row alone (Decoder._last_layer_rows): the same bits as the row of a forward that
+    gives every row's logits, whose last layer takes every row. Gemma 3 has norms after
+    each block and sliding-window layers; the hidden states (hidden_only) likewise."""
+    from ellm.models.blocks import Decoder
+    llm = request.getfixturevalue(name)
+    eng = llm.engine
+    ids = _prompt(llm, 70)
+    calls = []
+    real = Decoder._last_layer_rows
+    monkeypatch.setattr(Decoder, "_last_layer_rows", lambda self, *a: calls.append(1) or real(self, *a))
+    key = "last-rows-check"
+    assert eng.blocks.allocate(key, len(ids))
+    try:
+        tables = {w: np.asarray([eng.blocks.table(key, w)], np.int32) for w in eng.kv.windows}
+        rows = np.array(eng.model.forward(Batch.single(np.asarray(ids), 0, tables, all_logits=True), eng.kv))
+        assert not calls   # every row gives logits: the whole last layer
+        last = np.array(eng.model.forward(Batch.single(np.asarray(ids), 0, tables), eng.kv))
+        assert calls and last.shape == (1, rows.shape[1])
+        np.testing.assert_array_equal(last[0], rows[-1])
+        hidden_all = np.array(eng.model.forward(Batch.single(np.asarray(ids), 0, tables, all_logits=True), eng.kv,
+                                                hidden_only=True))
+        hidden = np.array(eng.model.forward(Batch.single(np.asarray(ids), 0, tables), eng.kv, hidden_only=True))
+        np.testing.assert_array_equal(hidden[0], hidden_all[-1])
+    finally:
+        eng.blocks.free(key)
+
+
 def test_batched_greedy_equals_one_at_a_time(smollm2) -> None:
     prompts = [_prompt(smollm2, n) for n in (5, 23, 61, 140)]
     alone = [smollm2.generate(p, GREEDY).token_ids for p in prompts]

@@ -77,10 +77,12 @@ def _ops(device: str):
     return ops_or_skip(device)
 
 
-def _forward(folder: Path, device: str, chunks: list[int], gguf: Path | None = None) -> np.ndarray:
-    """Logits at every position, feeding the tokens in the given chunk sizes (of the
-    folder's model, or of the GGUF file when one is given), through a model runner whose
-    KV cache (16 blocks of 4) and workspace the backend allocates."""
+def _forward(folder: Path, device: str, chunks: list[int], gguf: Path | None = None,
+             all_logits: bool = True) -> np.ndarray:
+    """Logits at every position (with all_logits False, at each chunk's last), feeding the
+    tokens in the given chunk sizes (of the folder's model, or of the GGUF file when one is
+    given), through a model runner whose KV cache (16 blocks of 4) and workspace the
+    backend allocates."""
     if gguf is None:
         config = config_from_folder(folder)
         weights = SafetensorsWeights(SafetensorsFolder(folder))
@@ -97,7 +99,7 @@ def _forward(folder: Path, device: str, chunks: list[int], gguf: Path | None = N
     for n in chunks:
         blocks.release_out_of_window("s", start)
         tables = {w: np.asarray([blocks.table("s", w)], np.int32) for w in kv.windows}
-        out.append(runner.forward(Batch.single(ids[start:start + n], start, tables, all_logits=True)).copy())
+        out.append(runner.forward(Batch.single(ids[start:start + n], start, tables, all_logits=all_logits)).copy())
         start += n
     return np.concatenate(out)
 
@@ -145,6 +147,21 @@ def test_family_matches_transformers(tiny_dir, arch, device, chunks) -> None:
     top2 = np.sort(want, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 2e-3 * float(np.abs(want).max())
     assert np.array_equal(got.argmax(1)[clear], want.argmax(1)[clear])
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("device", ["cpu", "reference", "cuda", "fused"])
+def test_family_last_rows_alone(tiny_dir, arch, device) -> None:
+    """Chunks asking for their last row's logits alone run the last layer past attention
+    on that row (Decoder._last_layer_rows): the rows of chunks asking for every row's,
+    bit for bit on cpu (its kernels give a row the same bits in any batch)."""
+    every = _forward(tiny_dir / arch, device, CHUNKS)
+    last = _forward(tiny_dir / arch, device, CHUNKS, all_logits=False)
+    want = every[np.cumsum(CHUNKS) - 1]
+    if device == "cpu":
+        assert last.tobytes() == want.tobytes()
+    else:
+        np.testing.assert_allclose(last, want, atol=1e-5 * float(np.abs(want).max()), rtol=0)
 
 
 @pytest.fixture(scope="module")

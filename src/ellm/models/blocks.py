@@ -362,7 +362,13 @@ class Decoder:
         slots = batch.adapter_slots   # [lora] each row's adapter, or None: the base alone
         if slots is not None and self.lora is None:
             raise ValueError("the batch names LoRA adapters, and this model has none attached")
-        stack = self._layer_stack(ws, t, kv) if rec is None else None
+        # Only the rows that give logits (or hidden states) are read after the last layer's
+        # attention (which writes every row's keys and values): with fewer of them than rows
+        # (a prefill), that layer's residual adds, MLP and final norm take those rows alone
+        # (_last_layer_rows). The trace records every row, and adapters go by row: neither.
+        last_rows = r < t and rec is None and slots is None
+        count = len(self.layers) - 1 if last_rows else len(self.layers)   # layers run over every row
+        stack = self._layer_stack(ws, t, kv, count) if rec is None and count else None
         if stack is not None and slots is not None and not getattr(stack, "takes_adapters", True):
             stack = None   # [lora] this backend's stack has no adapter path (ops/fused_stack.py)
         folds = stack is not None and getattr(stack, "folds_norms", False)   # (ops/fused_stack.py)
@@ -378,14 +384,16 @@ class Decoder:
             stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit, slots,
                       head=(self.lm_head, logits, greedy_ids))
             return logits
-        if stack is not None:   # every layer in one call, leaving residual and h_buf as the loop does
+        if stack is not None:   # the layers in one call, leaving residual and h_buf as the loop does
             stack.run(batch.positions, batch.seq_ids, batch.block_tables, batch.key_limit, slots)
-            h = residual if self.norm is None else h_buf
+            h = residual if self._next_norms()[count - 1] is None else h_buf
         else:
-            h = self._layers_one_by_one(ws, h, batch, kv, proj, h_buf, residual, slots)
+            h = self._layers_one_by_one(ws, h, batch, kv, proj, h_buf, residual, slots, count)
+        if last_rows:
+            h = self._last_layer_rows(ws, h, batch, kv, proj, residual)
         if rec is not None:   # [trace]
             rec(None, "final_norm", h)
-        if r != t:
+        if r != t and not last_rows:
             h = ops.gather_rows(h, batch.logits_rows, out=ws.get("rows", r, H))
         if hidden_only:
             return h
@@ -399,13 +407,14 @@ class Decoder:
         return logits
 
     def _layers_one_by_one(self, ws: Workspace, h: np.ndarray, batch: Batch, kv: Any, proj: np.ndarray,
-                           h_buf: np.ndarray, residual: np.ndarray, slots: Any = None) -> np.ndarray:
-        """The layers, each block's ops called from here (and told to the trace recorder).
-        slots: [lora] each row's adapter slot (-1: none), or None."""
+                           h_buf: np.ndarray, residual: np.ndarray, slots: Any = None,
+                           count: int | None = None) -> np.ndarray:
+        """The first `count` layers (all by default), each block's ops called from here (and
+        told to the trace recorder). slots: [lora] each row's adapter slot (-1: none), or None."""
         ops, eps, rec = self.ops, self.config.rms_norm_eps, self.recorder
         lora = None
         # per layer: its norm after each block, and the norm the residual goes through next
-        for i, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms())):
+        for i, (layer, next_norm) in enumerate(zip(self.layers[:count], self._next_norms())):
             if rec is not None and layer.input_norm is not None:   # [trace]
                 rec(i, "attn_norm", h)
             if slots is not None:   # [lora]
@@ -431,28 +440,53 @@ class Decoder:
                 rec(i, "resid_mlp", residual)
         return h
 
-    def _layer_stack(self, ws: Workspace, t: int, kv: Any) -> Any:
-        """The backend's one-call runner of every layer (ops.layer_stack) for t rows of ws
-        and this KV cache, made once and kept while ws's buffers stay; None where the
-        backend has none (or takes none of these layers) or a layer is not the standard
-        attention with an MLP or a mixture-of-experts block (one with stack_moe)."""
+    def _last_layer_rows(self, ws: Workspace, h: np.ndarray, batch: Batch, kv: Any, proj: np.ndarray,
+                         residual: np.ndarray) -> np.ndarray:
+        """The last layer, h its normed input: attention over every row (each row's keys
+        and values go into the cache), then the rest of the layer and the final norm for
+        batch.logits_rows alone (the loop's ops on those rows; each is a row's own) ->
+        their hidden states (r, H), as gather_rows would take them from the whole layer's."""
+        ops, eps = self.ops, self.config.rms_norm_eps
+        i, layer = len(self.layers) - 1, self.layers[-1]
+        r, H = len(batch.logits_rows), self.config.hidden_size
+        layer.attn(ops, ws, h, batch, kv.layer(i), out=proj)
+        res = ops.gather_rows(residual, batch.logits_rows, out=ws.get("last_residual", r, H))
+        part = ops.gather_rows(proj, batch.logits_rows, out=ws.get("last_proj", r, H))
+        if layer.post_attn_norm is not None or layer.residual_multiplier != 1.0:
+            self._block_out(part, layer.post_attn_norm, layer.residual_multiplier)
+        pre_mlp, normed = layer.pre_mlp_norm, ws.get("last_h", r, H)
+        x = ops.add(res, part) if pre_mlp is None else ops.add_rmsnorm(res, part, pre_mlp, eps, out=normed)
+        layer.mlp(ops, ws, x, out=part)
+        if layer.post_mlp_norm is not None or layer.residual_multiplier != 1.0:
+            self._block_out(part, layer.post_mlp_norm, layer.residual_multiplier)
+        final = self._next_norms()[i]
+        return ops.add(res, part) if final is None else ops.add_rmsnorm(res, part, final, eps, out=normed)
+
+    def _layer_stack(self, ws: Workspace, t: int, kv: Any, count: int | None = None) -> Any:
+        """The backend's one-call runner of the first `count` layers (all by default;
+        ops.layer_stack) for t rows of ws and this KV cache, made once and kept while ws's
+        buffers stay; None where the backend has none (or takes none of these layers) or a
+        layer is not the standard attention with an MLP or a mixture-of-experts block (one
+        with stack_moe)."""
         make = getattr(self.ops, "layer_stack", None)
         if make is None:
             return None
+        count = len(self.layers) if count is None else count
         cache = self.__dict__.setdefault("_stacks", {})
-        key = (id(ws), t, id(kv))
+        key = (id(ws), t, id(kv), count)
         hit = cache.get(key)
         ours = hit is not None and hit[0] is ws and hit[2] is kv and hit[3] is self.layers and hit[6] is self.lora
         if ours and (hit[1] == ws.generation or all(ws.holds(v) for v in hit[5])):
             hit[1] = ws.generation   # ws made buffers for something else since (the logits)
             return hit[4]
+        layers = self.layers[:count]
         if not all(type(layer.attn) is Attention and (type(layer.mlp) is MLP or hasattr(layer.mlp, "stack_moe"))
-                   for layer in self.layers):
+                   for layer in layers):
             stack, views = None, []
         else:
             proj, h_buf, residual = _cached_views(self, ws, t, self._make_views)
             specs = [self._layer_spec(ws, t, kv, i, layer, next_norm)
-                     for i, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms()))]
+                     for i, (layer, next_norm) in enumerate(zip(layers, self._next_norms()))]
             if self.lora is not None:   # [lora] the adapters' tables of each layer
                 for spec, tables in zip(specs, self.lora.layers):
                     spec["lora"] = tables
