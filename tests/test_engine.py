@@ -71,6 +71,12 @@ def test_last_layer_on_the_logits_rows_alone(name: str, request: pytest.FixtureR
                                                 hidden_only=True))
         hidden = np.array(eng.model.forward(Batch.single(np.asarray(ids), 0, tables), eng.kv, hidden_only=True))
         np.testing.assert_array_equal(hidden[0], hidden_all[-1])
+        # a chunk in the middle of a prompt wants no row: its keys and values are still written
+        head = Batch.single(np.asarray(ids[:50]), 0, tables)
+        head.logits_rows = np.zeros(0, np.int32)
+        assert np.array(eng.model.forward(head, eng.kv)).shape == (0, rows.shape[1])
+        tail = np.array(eng.model.forward(Batch.single(np.asarray(ids[50:]), 50, tables), eng.kv))
+        np.testing.assert_allclose(tail[0], rows[-1], atol=2e-3, rtol=0)
     finally:
         eng.blocks.free(key)
 

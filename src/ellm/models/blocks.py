@@ -450,6 +450,8 @@ class Decoder:
         i, layer = len(self.layers) - 1, self.layers[-1]
         r, H = len(batch.logits_rows), self.config.hidden_size
         layer.attn(ops, ws, h, batch, kv.layer(i), out=proj)
+        if r == 0:   # a chunk in the middle of a prompt: its keys and values were all it gave
+            return ws.get("last_h", 0, H)
         res = ops.gather_rows(residual, batch.logits_rows, out=ws.get("last_residual", r, H))
         part = ops.gather_rows(proj, batch.logits_rows, out=ws.get("last_proj", r, H))
         if layer.post_attn_norm is not None or layer.residual_multiplier != 1.0:
