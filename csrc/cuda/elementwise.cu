@@ -239,14 +239,21 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_f32(
     }
     for (int s = used + lane; s < nslots; s += 32) slots[s] = -1;
     for (int s = used + lane; s <= nslots; s += 32) starts[s] = n;
-    __syncthreads();
-    for (int u = 0; u < T; u++) {   // token by token: a token's k experts differ, so no two lanes meet
-        for (int j = lane; j < k; j += 32) {
-            int q = u * k + j, p = at[chose[q]]++;
-            rows[p] = u;
+    __syncwarp();
+    // the entries 32 at a time, in order (token by token): an entry goes after its expert's
+    // entries of the rounds before and of the lanes below it with that expert, so each
+    // expert's entries stay in token order; the group's highest lane moves the expert on
+    for (int base = 0; base < n; base += 32) {
+        int q = base + lane, e = q < n ? chose[q] : -1 - lane;   // (a lane past n matches none)
+        unsigned peers = __match_any_sync(0xffffffffu, e);
+        int p = q < n ? at[e] + __popc(peers & ((1u << lane) - 1u)) : 0;
+        __syncwarp();
+        if (q < n) {
+            rows[p] = q / k;
             pos[q] = p;
+            if ((peers >> lane) == 1u) at[e] = p + 1;
         }
-        __syncthreads();
+        __syncwarp();
     }
     for (int u = lane; u < T; u += 32) {   // a token's entries by position = by expert id
         int* ps = pos + u * k;

@@ -445,6 +445,19 @@ template <class T> inline T cuda_host_shfl_sync(unsigned mask, T v, int src_lane
 template <class T> inline T cuda_host_shfl_xor_sync(unsigned mask, T v, int lane_mask, int line) {
     return cuda_host_shfl_sync(mask, v, (int)((cuda_host::launch().current->tid & 31) ^ (unsigned)lane_mask), line);
 }
+// the lanes of the warp whose v equals this lane's (a whole warp, every lane live: the
+// kernels call it so)
+inline unsigned cuda_host_match_any_sync(unsigned mask, int v, int line) {
+    cuda_host::Launch& L = cuda_host::launch();
+    if (mask != 0xffffffffu || L.warps[L.current->tid >> 5].live != 32) std::abort();
+    uint32_t mine[1] = {(uint32_t)v};
+    auto slots = cuda_host::exchange(mine, 1, line);
+    unsigned peers = 0;
+    for (int lane = 0; lane < 32; lane++) peers |= (unsigned)(slots[lane][0] == (uint32_t)v) << lane;
+    return peers;
+}
+#define __match_any_sync(mask, v) cuda_host_match_any_sync(mask, v, __LINE__)
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 #define __shfl_sync(mask, v, src_lane) cuda_host_shfl_sync(mask, v, src_lane, __LINE__)
 #define __shfl_xor_sync(mask, v, lane_mask) cuda_host_shfl_xor_sync(mask, v, lane_mask, __LINE__)
 
