@@ -212,8 +212,9 @@ def main() -> int:
     ap.add_argument("--dst", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    if args.layers < 0:
-        ap.error(f"--layers must be 0 (all) or more, got {args.layers}")
+    if not 0 <= args.layers <= SHAPES[args.shape]["num_hidden_layers"]:
+        ap.error(f"--layers must be 0 (all) to {SHAPES[args.shape]['num_hidden_layers']} for {args.shape}, "
+                 f"got {args.layers}")
     if args.stage == "folder":
         make_folder(args.shape, args.dst, args.seed, args.layers)
         return 0
