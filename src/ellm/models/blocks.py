@@ -435,7 +435,8 @@ class Decoder:
                 self._block_out(proj, layer.post_mlp_norm, layer.residual_multiplier)
             if rec is not None and layer.post_mlp_norm is not None:   # [trace]
                 rec(i, "post_mlp_norm", proj)
-            h = ops.add(residual, proj) if next_norm is None else ops.add_rmsnorm(residual, proj, next_norm, eps, out=h_buf)
+            h = (ops.add(residual, proj) if next_norm is None
+                 else ops.add_rmsnorm(residual, proj, next_norm, eps, out=h_buf))
             if rec is not None:   # [trace]
                 rec(i, "resid_mlp", residual)
         return h
@@ -499,7 +500,8 @@ class Decoder:
                            if spec[name] is not None]}.values())
         if len(cache) >= _VIEW_CACHE_ROWS:
             cache.clear()
-        cache[key] = [ws, ws.generation, kv, self.layers, stack, views, self.lora]   # ws, kv held: their ids stay theirs
+        # ws and kv held: their ids stay theirs
+        cache[key] = [ws, ws.generation, kv, self.layers, stack, views, self.lora]
         return stack
 
     @staticmethod
