@@ -311,8 +311,14 @@ struct ScaleRawOf { using type = u32; };
 template <class WT>
 struct ScaleRawOf<WT, true> { using type = typename WT::ScaleRaw; };
 
+// Which row of X (rows of K floats) token t of a product reads: row t (RowsInOrder), or
+// another (moe.cu: an entry's token).
+struct RowsInOrder {
+    __device__ __forceinline__ int operator()(int t) const { return t; }
+};
+
 // This warp's share of RT tiles: for tile r, rows ra[r] (slot g) and rb[r] (slot g + 8)
-// of this lane against tokens 0 .. T-1 of X (rows of K floats), over its steps of K, into
+// of this lane against tokens 0 .. T-1 of X (token t: row rows(t)), over its steps of K, into
 // acc[r]. The activations of a step are read once for the RT tiles (a block of RT tiles
 // reads X once, not RT times); each tile's accumulator sees the same products in the same
 // order whatever RT is, so its sums are the same bits. With a norm weight g, ss[j] takes
@@ -320,10 +326,11 @@ struct ScaleRawOf<WT, true> { using type = typename WT::ScaleRaw; };
 // own loads with two tiles; with one (whose registers are full during the loop) from a
 // second read of the same steps after it, which the warp's L1 mostly holds. The same
 // sums in the same order either way.
-template <class WT, int RT>
+template <class WT, int RT, class Rows>
 __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* rb, const float* __restrict__ X,
                                          const float* __restrict__ g, int T, int K,
-                                         float (&acc)[RT][MMV_TOKENS / 8][4], float (&ss)[MMV_TOKENS / 8]) {
+                                         float (&acc)[RT][MMV_TOKENS / 8][4], float (&ss)[MMV_TOKENS / 8],
+                                         Rows rows) {
     // steps whose loads are in flight at once: with one tile the type's (more for the types
     // of fewer bytes a step), with RT tiles MMV_UNROLL / RT (the same bytes for any RT)
     constexpr int U = RT == 1 ? WT::unroll : MMV_UNROLL / RT;
@@ -410,7 +417,7 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
             int t = 8 * j + gi;
             u32 hi[4] = {0u, 0u, 0u, 0u}, lo[4] = {0u, 0u, 0u, 0u};
             if (t < T) {
-                float sq = act_frag<WT::split>(X + (long long)t * K, g, k0, q, hi, lo, RT > 1 && g);
+                float sq = act_frag<WT::split>(X + (long long)rows(t) * K, g, k0, q, hi, lo, RT > 1 && g);
                 if (RT > 1 && g) ss[j] += sq;
             }
             const u32 bh1[2] = {hi[0], hi[1]}, bl1[2] = {lo[0], lo[1]};
@@ -458,7 +465,7 @@ __device__ __forceinline__ void mmv_warp(const u8* const* ra, const u8* const* r
             if (t >= T) continue;
             for (int s = warp; s < steps; s += MMV_WARPS) {
                 float x[8];
-                act_load<WT::split>(X + (long long)t * K, s << 5, q, x);
+                act_load<WT::split>(X + (long long)rows(t) * K, s << 5, q, x);
                 ss[j] += sum_sq8(x);
             }
         }
@@ -502,12 +509,13 @@ __device__ __forceinline__ void prefetch_first_steps(const u8* const* ra, const 
 // weights' loads in flight), so each is a trip to memory in turn: from L2 ~0.2 µs, a
 // round of U steps U of them, longer than the round's weights take to arrive from HBM for
 // the types of 16 steps ahead. Asked for here all at once, they are near when needed.
+template <class Rows = RowsInOrder>
 __device__ __forceinline__ void prefetch_activations(const float* __restrict__ X, const float* __restrict__ g,
-                                                     int T, int K) {
+                                                     int T, int K, Rows rows = Rows()) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int rows = T < 8 ? T : 8, steps = K >> 5;
-    for (int r = 0; r <= rows; r++) {
-        const float* row = r < rows ? X + (long long)r * K : g;
+    int first = T < 8 ? T : 8, steps = K >> 5;
+    for (int r = 0; r <= first; r++) {
+        const float* row = r < first ? X + (long long)rows(r) * K : g;
         if (!row) break;
         for (int s = warp + lane * MMV_WARPS; s < steps; s += 32 * MMV_WARPS) prefetch_l1(row + (s << 5));
     }
@@ -572,14 +580,14 @@ __device__ __forceinline__ float token_inv(float (*sq)[MMV_TOKENS], bool norm, i
 // into part and epilogue(r) over them (the block's sums read through tile_sum, the
 // tokens' norms through token_inv). The norm needs no pass of its own over X: its squares
 // come with the products' loads, so a block starts reading weights at once.
-template <class WT, int RT, class Epilogue>
+template <class WT, int RT, class Epilogue, class Rows = RowsInOrder>
 __device__ __forceinline__ void mmv_tiles(const u8* const* ra, const u8* const* rb, const float* __restrict__ X,
                                           const float* __restrict__ g, int T, int K,
                                           float (*part)[16][MMV_TOKENS], float (*sq)[MMV_TOKENS],
-                                          Epilogue epilogue) {
+                                          Epilogue epilogue, Rows rows = Rows()) {
     float acc[RT][MMV_TOKENS / 8][4];
     float ss[MMV_TOKENS / 8];
-    mmv_warp<WT, RT>(ra, rb, X, g, T, K, acc, ss);
+    mmv_warp<WT, RT>(ra, rb, X, g, T, K, acc, ss, rows);
     if (g) store_sq(ss, T, sq);
     #pragma unroll
     for (int r = 0; r < RT; r++) {
@@ -596,17 +604,18 @@ __device__ __forceinline__ void mmv_tiles(const u8* const* ra, const u8* const* 
 // r) is the epilogue of its tile r. The next group's first weights are asked for before
 // this one's are summed and stored, to arrive meanwhile; each group's sums are those of a
 // block of its own.
-template <class WT, int RT, class Point, class Tile>
+template <class WT, int RT, class Point, class Tile, class Rows = RowsInOrder>
 __device__ __forceinline__ void mmv_groups(int groups, Point point, const float* __restrict__ X,
                                            const float* __restrict__ g, int T, int K,
-                                           float (*part)[16][MMV_TOKENS], float (*sq)[MMV_TOKENS], Tile tile) {
+                                           float (*part)[16][MMV_TOKENS], float (*sq)[MMV_TOKENS], Tile tile,
+                                           Rows rows = Rows()) {
     int grp = blockIdx.x;
     const u8* ra[RT];
     const u8* rbs[RT];
     point(grp, ra, rbs);
     prefetch_first_steps<WT, RT>(ra, rbs, K);
     grid_dependency_sync();   // what the kernel before wrote is read from here on
-    prefetch_activations(X, g, T, K);
+    prefetch_activations(X, g, T, K, rows);
     for (;;) {
         int next = grp + (int)gridDim.x;
         if (next < groups) {
@@ -615,7 +624,7 @@ __device__ __forceinline__ void mmv_groups(int groups, Point point, const float*
             point(next, na, nb);
             prefetch_first_steps<WT, RT>(na, nb, K);
         }
-        mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) { tile(grp, r); });
+        mmv_tiles<WT, RT>(ra, rbs, X, g, T, K, part, sq, [&](int r) { tile(grp, r); }, rows);
         if (next >= groups) break;
         grp = next;
         point(grp, ra, rbs);
@@ -704,14 +713,15 @@ __device__ __forceinline__ void mmv3_t(
 }
 
 // glu's meaning: out (T, F) = act(h Wg^T + bg) * (h Wu^T + bu), h = rmsnorm(X) (g null:
-// X). A tile takes 8 outputs: gate rows in slots 0-7, up rows in 8-15; a block RT tiles (a
-// group), or several groups in turn where the grid is smaller, as mmv3_t walks them. grid
-// at most ceil(F / (8 RT)).
-template <class WT, int RT>
+// X; token t's row of X is rows(t)). A tile takes 8 outputs: gate rows in slots 0-7, up
+// rows in 8-15; a block RT tiles (a group), or several groups in turn where the grid is
+// smaller, as mmv3_t walks them. grid at most ceil(F / (8 RT)).
+template <class WT, int RT, class Rows = RowsInOrder>
 __device__ __forceinline__ void mmv_glu_t(
         const u8* __restrict__ Wg, const u8* __restrict__ Wu, long long rbg, long long rbu,
         const float* __restrict__ bg, const float* __restrict__ bu, const float* __restrict__ X,
-        const float* __restrict__ g, float eps, float* __restrict__ out, int T, int K, int F, int act) {
+        const float* __restrict__ g, float eps, float* __restrict__ out, int T, int K, int F, int act,
+        Rows rows = Rows()) {
     MMV_SHARED
     int lane = threadIdx.x & 31;
     // the gate and up rows of group grp this lane reads
@@ -742,7 +752,7 @@ __device__ __forceinline__ void mmv_glu_t(
             }
             out[(long long)t * F + m] = y;
         }
-    });
+    }, rows);
 }
 
 // qkv_rope's meaning (linear.cu): norm + q/k/v + bias + RoPE + the paged KV write, over

@@ -3,8 +3,8 @@
 //
 // elementwise.cu's moe_route has laid the step's (token, expert) entries out by expert:
 // slot s of blockIdx.y holds expert slots[s] (-1: no expert, the block returns), whose
-// entries are starts[s] .. starts[s + 1] - 1, and X holds each entry's row in that order
-// (its token's activations, gathered). A block of slot s reads its expert's rows once for
+// entries are starts[s] .. starts[s + 1] - 1, and rows[p] is entry p's token (its row of
+// the step's activations, which gate/up read in place). A block of slot s reads its expert's rows once for
 // up to 64 of that expert's tokens (blockIdx.z: which 64; a decode step has no more), as
 // mmv.cu's kernels read a matrix once for every token, and writes the entries' rows of the
 // result. Experts nobody chose are never read.
@@ -31,6 +31,13 @@ __device__ __forceinline__ int moe_slot(const int* __restrict__ slots, const int
     return n > 0 ? slots[s] : -1;
 }
 
+// The tokens of a block's entries (moe_glu: its entry t reads row moe_entry_rows[t] of the
+// step's activations), loaded by the block once it knows its entries.
+__shared__ int moe_entry_rows[MMV_TOKENS];
+struct EntryRows {
+    __device__ __forceinline__ int operator()(int t) const { return moe_entry_rows[t]; }
+};
+
 // Y (T, N) = X @ W^T for one matrix: mmv3_t's sums (the same bits) without its biases, adds,
 // second and third matrices and greedy head, whose bookkeeping would push the quantized
 // types past 128 registers here.
@@ -55,19 +62,22 @@ __device__ __forceinline__ void mmv_one_t(const u8* __restrict__ W, long long rb
 
 // gate/up and SiLU of each entry: out (T k, F) in entry order, mmv_glu's meaning (no bias;
 // the RMSNorm of weight g folded in, each entry's 1/rms from its own row, or none where g is
-// null). grid (groups, slots, ceil(T / 64)), block 32 * MMV_WARPS; K % 32 == 0.
+// null) on X (T, K), the tokens' rows (entry p reads row rows[p]: no gathered copy).
+// grid (groups, slots, ceil(T / 64)), block 32 * MMV_WARPS; K % 32 == 0.
 // down of each entry: y (T k, N), mmv3's meaning with one matrix (mmv_one_t). Likewise.
 #define ELLM_MOE_KERNELS(name, WT)                                                        \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS, 2) moe_glu_##name(           \
         const u8* __restrict__ gate, const u8* __restrict__ up,                           \
         const long long* __restrict__ gate_at, const long long* __restrict__ up_at, long long rb, \
         const int* __restrict__ slots, const int* __restrict__ starts,                    \
-        const float* __restrict__ X, const float* __restrict__ g, float eps,              \
-        float* __restrict__ out, int K, int F) {                                          \
+        const int* __restrict__ rows, const float* __restrict__ X,                        \
+        const float* __restrict__ g, float eps, float* __restrict__ out, int K, int F) {  \
     int p0, n, e = moe_slot(slots, starts, p0, n);                                        \
     if (e < 0) return;                                                                    \
+    for (int i = threadIdx.x; i < n; i += blockDim.x) moe_entry_rows[i] = rows[p0 + i];   \
+    __syncthreads();                                                                      \
     mmv_glu_t<WT, 1>(gate + gate_at[e], up + up_at[e], rb, rb, nullptr, nullptr,          \
-                     X + (long long)p0 * K, g, eps, out + (long long)p0 * F, n, K, F, 0); \
+                     X, g, eps, out + (long long)p0 * F, n, K, F, 0, EntryRows());        \
 }                                                                                         \
 extern "C" __global__ void __launch_bounds__(32 * MMV_WARPS, 2) moe_down_##name(          \
         const u8* __restrict__ down, const long long* __restrict__ down_at, long long rb, \

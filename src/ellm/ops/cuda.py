@@ -96,8 +96,8 @@ FA_WIDE_WARPS = 2       # attn_prefill_wide's (Q of 32 rows x 256 dims fills the
 FA_WARPS_ENV = "ELLM_CUDA_FA_WARPS"
 ELEMENTWISE_THREADS = 256
 MOE_ROUTE_THREADS, MOE_EXPERTS_MAX, MOE_ENTRIES_MAX, MOE_TOP_K_MAX = 32, 4096, 4096, 64   # as in elementwise.cu
-# At most this much scratch for a mixture-of-experts block's rows (gathered, gate/up and down
-# outputs): a prefill's tokens are routed as many at a time as it and moe_route's layout allow
+# At most this much scratch for a mixture-of-experts block's rows (its entries' gate/up and
+# down outputs): a prefill's tokens are routed as many at a time as it and moe_route's layout allow
 # (at least 64), so an expert's rows are read once for all of them (once per 64 of its own)
 MOE_SCRATCH_BYTES = 128 << 20
 _NULL = np.uintp(0)                     # a null pointer kernel argument (no bias)
@@ -676,7 +676,7 @@ class CudaOps:
     def norm_moe_add(self, residual: Any, norm: Any, eps: float, router: Linear, experts: Experts, top_k: int,
                      norm_topk_prob: bool, normed: Any = None, out: Any = None) -> Any:
         """residual += moe(rmsnorm(residual)) (reference.FusedByComposition): on the device
-        (_moe_device) in six launches a chunk of tokens, the norm folded into the router's
+        (_moe_device) in five launches a chunk of tokens, the norm folded into the router's
         and the experts' gate/up products (each token's 1/rms from its own row, as the
         other folded norms) and the sum added into the residual by moe_combine; otherwise
         rmsnorm, moe and add."""
@@ -725,7 +725,7 @@ class CudaOps:
         if int(x.shape[1]) != tb.hidden:
             raise ValueError(f"moe: x has {x.shape[1]} columns, the experts take {tb.hidden}")
         step = max(GEMM_MIN_TOKENS, min(MOE_ENTRIES_MAX // top_k,
-                                        MOE_SCRATCH_BYTES // (top_k * (2 * tb.hidden + tb.ffn) * 4)))
+                                        MOE_SCRATCH_BYTES // (top_k * (tb.hidden + tb.ffn) * 4)))
         for c in range(0, int(x.shape[0]), step):
             self._moe_rows(x[c:c + step], router, tb, top_k, norm_topk_prob, out[c:c + step], norm, eps, add)
 
@@ -733,11 +733,11 @@ class CudaOps:
                   norm: Any, eps: float, add: bool) -> None:
         """The MoE block for one chunk of tokens without leaving the device, into out (or
         added to it): the router's product (64 tokens at a time: mmv.cu, as in a decode
-        step), moe_route (each token's experts, the entries laid out by expert), the
-        entries' rows gathered, moe.cu's gate/up and down products (each chosen expert's
-        rows read once for up to 64 of its tokens) and moe_combine (each token's sum in
-        ascending expert id); norm: an RMSNorm of x folded into the router's and gate/up's
-        products. Every token's result is its own: the same bits in any batch."""
+        step), moe_route (each token's experts, the entries laid out by expert), moe.cu's
+        gate/up (each entry reading its token's row of x in place) and down products (each
+        chosen expert's rows read once for up to 64 of its tokens) and moe_combine (each
+        token's sum in ascending expert id); norm: an RMSNorm of x folded into the router's
+        and gate/up's products. Every token's result is its own: the same bits in any batch."""
         T, H, E, F, k = int(x.shape[0]), tb.hidden, tb.num_experts, tb.ffn, top_k
         n, nslots = T * k, min(tb.num_experts, T * k)
         logits = self.scratch("moe_logits", T * E).reshape(T, E)
@@ -755,12 +755,11 @@ class CudaOps:
         self._launch("moe_route_f32", (T,), (MOE_ROUTE_THREADS,),
                      (logits, ids, wts, slots, starts, rows, pos, wpos, self._counters(1, "moe_done"), np.int32(T),
                       np.int32(E), np.int32(k), np.int32(nslots), np.int32(bool(norm_topk_prob))))
-        xg = self.gather_rows(x, rows, out=self.scratch("moe_x", n * H).reshape(n, H))
         hg = self.scratch("moe_h", n * F)
         yg = self.scratch("moe_y", n * H)
         for name, groups, args in (
                 (f"moe_glu_{tb.gate_type}", ceil_div(F, MMV_TASKS),
-                 (tb.gate[0], tb.up[0], tb.gate[1], tb.up[1], np.int64(tb.gate_up_stride), slots, starts, xg,
+                 (tb.gate[0], tb.up[0], tb.gate[1], tb.up[1], np.int64(tb.gate_up_stride), slots, starts, rows, x,
                   _NULL if norm is None else norm, np.float32(eps), hg, np.int32(H), np.int32(F))),
                 (f"moe_down_{tb.down_type}", ceil_div(H, MMV_ROWS),
                  (*tb.down, np.int64(tb.down_stride), slots, starts, hg, yg, np.int32(F), np.int32(H)))):
