@@ -4,10 +4,10 @@
 // elementwise.cu's moe_route has laid the step's (token, expert) entries out by expert:
 // slot s of blockIdx.y holds expert slots[s] (-1: no expert, the block returns), whose
 // entries are starts[s] .. starts[s + 1] - 1, and rows[p] is entry p's token (its row of
-// the step's activations, which gate/up read in place). A block of slot s reads its expert's rows once for
-// up to 64 of that expert's tokens (blockIdx.z: which 64; a decode step has no more), as
-// mmv.cu's kernels read a matrix once for every token, and writes the entries' rows of the
-// result. Experts nobody chose are never read.
+// the step's activations, which gate/up read in place). A block of slot s reads its
+// expert's rows once for up to 64 of that expert's tokens (blockIdx.z: which 64; a decode
+// step has no more), as mmv.cu's kernels read a matrix once for every token, and writes
+// the entries' rows of the result. Experts nobody chose are never read.
 //
 // Each token's sums are those of mmv.cu with that token alone (its column only; the order
 // fixed by K), so a token's result does not depend on the batch. One tile a block: an
