@@ -1,8 +1,8 @@
 /* Mixture-of-experts: routing, grouping tokens per expert, the per-expert SwiGLU
  * matmuls through the linear-layer driver, and the weighted sum per token (moe.h).
  *
- * Tokens go through in chunks of at most CHUNK_TOKENS, so the scratch stays bounded for
- * long prefills; a chunk's tokens are laid out expert after expert (each expert's rows in
+ * Tokens go through in passes (pass_tokens), so the scratch stays bounded for
+ * long prefills; a pass's tokens are laid out expert after expert (each expert's rows in
  * token order), and the experts with rows run as the groups of one ellm_linear_groups
  * call for gate and up (each group's X quantized once) and one for down, so a layer wakes
  * the thread pool a few times, not twice per expert. The outputs are gathered back per
@@ -17,15 +17,28 @@
 #include "quant.h"
 #include "threadpool.h"
 
-/* Tokens per pass: bounds the scratch at CHUNK_TOKENS * k rows of (2 H + 2 F) floats
- * (92 MB on Qwen3-30B-A3B's shape). A pass reads, and the tile kernels unpack, every
- * expert with rows once for that expert's rows of the pass, which at 8 of 128 experts are
- * a sixteenth of its tokens: a whole prefill chunk of the engine (512) in one pass gives
- * each expert ~32 rows where passes of 256 gave ~16. That shape's block (Q4_K_M, 2
- * threads, AMX, tokens spread over the experts as a trained router spreads them) took
- * 132 ms for 512 tokens against 187 in passes of 256; 1,024 tokens in one pass, 218 ms
- * against 273 in two. */
-#define CHUNK_TOKENS 512
+/* Tokens per pass. A pass reads, and the tile kernels unpack, every expert with rows once
+ * for that expert's rows of the pass, which at 8 of 128 experts are a sixteenth of its
+ * tokens: the more a pass takes, the fewer times each expert is unpacked. So a call is one
+ * pass where its scratch (k rows of 2 H + 2 F floats a token) stays within PASS_BYTES, else
+ * passes of equal size within it, never fewer than MIN_PASS_TOKENS.
+ * Qwen3-30B-A3B's shape (Q4_K_M, 2 threads, AMX, tokens spread over the experts as a
+ * trained router spreads them): its block took 512 tokens (the engine's default prefill
+ * chunk, 92 MB of scratch) in 132 ms in one pass against 187 in passes of 256, and 1,024
+ * in 218 ms in one pass against 273 in passes of 512. */
+#define PASS_BYTES ((int64_t)256 << 20)
+#define MIN_PASS_TOKENS 256
+
+/* max_pass > 0: at most that many (the caller's choice, as the tests make passes small). */
+static int64_t pass_tokens(int64_t T, int32_t k, int64_t H, int64_t F, int64_t max_pass) {
+    const int64_t per_token = (int64_t)k * (2 * H + 2 * F) * (int64_t)sizeof(float);
+    int64_t most = per_token > 0 ? PASS_BYTES / per_token : T;
+    if (most < MIN_PASS_TOKENS) most = MIN_PASS_TOKENS;
+    if (max_pass > 0) most = max_pass;
+    if (T <= most) return T;
+    const int64_t passes = (T + most - 1) / most;
+    return (T + passes - 1) / passes;
+}
 #define MAX_TOPK ELLM_MOE_MAX_TOPK
 
 /* ==================================== routing ==================================== */
@@ -89,13 +102,13 @@ static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* Returns 0 on overflow or invalid shapes. */
 static int layout(const ellm_expert_stack *gate, const ellm_expert_stack *up, const ellm_expert_stack *down,
-                  int64_t T, int32_t k, int32_t E, moe_layout *L) {
+                  int64_t T, int32_t k, int32_t E, int64_t max_pass, moe_layout *L) {
     memset(L, 0, sizeof *L);
     if (gate == NULL || up == NULL || down == NULL || T < 0 || k < 1 || E < 1 || E > ELLM_LINEAR_MAX_GROUPS)
         return 0;
     const int64_t H = gate->K, F = gate->N;
     if (H < 0 || F < 0) return 0;
-    const int64_t tc = T < CHUNK_TOKENS ? T : CHUNK_TOKENS, R = tc * k;
+    const int64_t tc = pass_tokens(T, k, H, F, max_pass), R = tc * k;
     if (R > ((int64_t)1 << 40) / (2 * H + 2 * F + 1)) return 0; /* far beyond any real call */
     ellm_linear_part gu[2] = {{gate->qtype, NULL, 0, F, NULL, F, NULL}, {up->qtype, NULL, 0, F, NULL, F, NULL}};
     ellm_linear_part dn[1] = {{down->qtype, NULL, 0, H, NULL, H, NULL}};
@@ -127,9 +140,9 @@ static int layout(const ellm_expert_stack *gate, const ellm_expert_stack *up, co
 }
 
 size_t ellm_moe_scratch_bytes(const ellm_expert_stack *gate, const ellm_expert_stack *up,
-                              const ellm_expert_stack *down, int64_t T, int32_t k, int32_t E) {
+                              const ellm_expert_stack *down, int64_t T, int32_t k, int32_t E, int64_t max_pass) {
     moe_layout L;
-    return layout(gate, up, down, T, k, E, &L) ? L.total : 0;
+    return max_pass >= 0 && layout(gate, up, down, T, k, E, max_pass, &L) ? L.total : 0;
 }
 
 /* ==================================== combine ==================================== */
@@ -174,8 +187,9 @@ static void task_combine(void *p, int64_t t0, int64_t t1, int tid) {
 
 int ellm_moe_experts(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *weights,
                      int32_t k, int32_t E, const ellm_expert_stack *gate, const ellm_expert_stack *up,
-                     const ellm_expert_stack *down, float *out, void *scratch, size_t scratch_bytes) {
-    if (T < 0 || H < 0 || k < 1 || k > MAX_TOPK || E < 1 || k > E) return ELLM_E_SHAPE;
+                     const ellm_expert_stack *down, float *out, void *scratch, size_t scratch_bytes,
+                     int64_t max_pass) {
+    if (T < 0 || H < 0 || k < 1 || k > MAX_TOPK || E < 1 || k > E || max_pass < 0) return ELLM_E_SHAPE;
     if (gate == NULL || up == NULL || down == NULL) return ELLM_E_SHAPE;
     const int64_t F = gate->N;
     int st;
@@ -192,7 +206,7 @@ int ellm_moe_experts(const float *x, int64_t T, int64_t H, const int32_t *ids, c
                 if (ids[t * k + i] == e) return ELLM_E_INDEX; /* an expert twice for one token */
         }
     moe_layout L;
-    if (!layout(gate, up, down, T, k, E, &L)) return ELLM_E_SHAPE;
+    if (!layout(gate, up, down, T, k, E, max_pass, &L)) return ELLM_E_SHAPE;
     if (scratch == NULL || scratch_bytes < L.total || ((uintptr_t)scratch & 63u)) return ELLM_E_SCRATCH;
     uint8_t *base = scratch;
     int32_t *slot = (int32_t *)(base + L.slot);
@@ -205,8 +219,9 @@ int ellm_moe_experts(const float *x, int64_t T, int64_t H, const int32_t *ids, c
     const size_t gu_rb = (size_t)ellm_row_bytes(gate->qtype, H), up_rb = (size_t)ellm_row_bytes(up->qtype, H);
     const size_t dn_rb = (size_t)ellm_row_bytes(down->qtype, F);
 
-    for (int64_t c0 = 0; c0 < T; c0 += CHUNK_TOKENS) {
-        const int64_t tc = T - c0 < CHUNK_TOKENS ? T - c0 : CHUNK_TOKENS;
+    const int64_t pass = pass_tokens(T, k, H, gate->N, max_pass);
+    for (int64_t c0 = 0; c0 < T; c0 += pass) {
+        const int64_t tc = T - c0 < pass ? T - c0 : pass;
         const int32_t *cid = ids + c0 * k;
         /* counting sort of the chunk's (token, choice) pairs by expert, stable in token order */
         memset(offs, 0, sizeof(int64_t) * (size_t)(E + 1));

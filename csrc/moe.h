@@ -36,17 +36,21 @@ typedef struct {
 } ellm_expert_stack;
 
 /* Scratch bytes ellm_moe_experts needs for T tokens with k of E experts each (64-byte
- * aligned); 0 for invalid arguments (ellm_moe_experts then reports them). */
+ * aligned), given the same max_pass; 0 for invalid arguments (ellm_moe_experts then
+ * reports them). */
 size_t ellm_moe_scratch_bytes(const ellm_expert_stack *gate, const ellm_expert_stack *up,
-                              const ellm_expert_stack *down, int64_t T, int32_t k, int32_t E);
+                              const ellm_expert_stack *down, int64_t T, int32_t k, int32_t E, int64_t max_pass);
 
 /* out (T, H) = sum over j < k, in ascending ids[t][j], of
  *     weights[t][j] * down[e] . (silu(gate[e] . x_t) * (up[e] . x_t)),  e = ids[t][j].
  * x (T, H) f32; ids (T, k) in [0, E), distinct within a row; gate, up: (E) x (F, H);
- * down: (E) x (H, F). out must not overlap x. Checks every shape and id before anything
- * runs; returns ELLM_OK or an ellm_status code (quant.h). Safe without the GIL. */
+ * down: (E) x (H, F). out must not overlap x. The tokens go through in passes of at most
+ * max_pass tokens (0: as many as a bound on the scratch allows, moe.c pass_tokens), which
+ * changes no bit of out. Checks every shape and id before anything runs; returns ELLM_OK
+ * or an ellm_status code (quant.h). Safe without the GIL. */
 int ellm_moe_experts(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *weights,
                      int32_t k, int32_t E, const ellm_expert_stack *gate, const ellm_expert_stack *up,
-                     const ellm_expert_stack *down, float *out, void *scratch, size_t scratch_bytes);
+                     const ellm_expert_stack *down, float *out, void *scratch, size_t scratch_bytes,
+                     int64_t max_pass);
 
 #endif

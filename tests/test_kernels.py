@@ -808,10 +808,11 @@ def test_moe_matches_reference(simd, qtype, layout) -> None:
 
 @pytest.mark.parametrize("qtype", [GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
 def test_moe_batch_invariant(simd, qtype) -> None:
-    """A token's output is bit-identical alone, in a batch of 600 (past one 512-token pass
-    of the kernel), at another position, in another order, and on 1 / 2 / 3 threads:
-    whichever tokens share its experts' groups (16 experts, top 4)."""
-    E, H, F, T, k = 16, 256, 256, 600, 4
+    """A token's output is bit-identical alone, in a batch of 300, in passes of 97 tokens
+    (the kernel's passes are as long as its scratch bound allows: all 300 here), at
+    another position, in another order, and on 1 / 2 / 3 threads: whichever tokens share
+    its experts' groups (16 experts, top 4)."""
+    E, H, F, T, k = 16, 256, 256, 300, 4
     experts = make_experts(qtype, E, H, F, seed=40 + int(qtype))
     router = make_router(E, H, seed=41)
     x = moe_tokens(T, H, seed=42)
@@ -819,6 +820,11 @@ def test_moe_batch_invariant(simd, qtype) -> None:
     alone = np.concatenate([ops.moe(x[t:t + 1], router, experts, k, True) for t in range(0, T, 7)])
     together = ops.moe(x, router, experts, k, True)
     assert_bits(together[::7], alone, "batched vs alone")
+    ids, w = np.empty((T, k), np.int32), np.empty((T, k), np.float32)
+    _moe.route(np.ascontiguousarray(ops.linear(x, router)), k, True, ids, w)
+    passes = np.empty_like(together)
+    _moe.experts(x, ids, w, *ops._stacks(experts), passes, max_pass_tokens=97)
+    assert_bits(passes, together, "in passes of 97 tokens")
     perm = np.random.default_rng(43).permutation(T)
     assert_bits(ops.moe(x[perm], router, experts, k, True), together[perm], "rows reordered")
     assert_bits(ops.moe(x[100:117], router, experts, k, True), together[100:117], "a slice")
@@ -856,6 +862,8 @@ def test_moe_rejects_bad_input() -> None:
         _moe.experts(x, np.zeros((3, 2), np.int32), w, gate, up, gate, out)
     with pytest.raises(ValueError, match="out"):
         _moe.experts(x, np.array([[0, 1]] * 3, np.int32), w, gate, up, down, np.empty((3, 63), np.float32))
+    with pytest.raises(ValueError, match="max_pass_tokens"):
+        _moe.experts(x, np.array([[0, 1]] * 3, np.int32), w, gate, up, down, out, max_pass_tokens=-1)
     with pytest.raises(ValueError, match="top_k"):
         _moe.route(np.zeros((3, 4), np.float32), 5, True, np.empty((3, 5), np.int32),
                    np.empty((3, 5), np.float32))

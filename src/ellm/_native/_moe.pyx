@@ -38,12 +38,12 @@ cdef extern from "moe.h":
                        int32_t *ids, float *weights) nogil
     size_t ellm_moe_scratch_bytes(const ellm_expert_stack *gate, const ellm_expert_stack *up,
                                   const ellm_expert_stack *down, int64_t T, int32_t k,
-                                  int32_t E) nogil
+                                  int32_t E, int64_t max_pass) nogil
     int ellm_moe_experts(const float *x, int64_t T, int64_t H, const int32_t *ids,
                          const float *weights, int32_t k, int32_t E,
                          const ellm_expert_stack *gate, const ellm_expert_stack *up,
                          const ellm_expert_stack *down, float *out, void *scratch,
-                         size_t scratch_bytes) nogil
+                         size_t scratch_bytes, int64_t max_pass) nogil
 
 
 # the kernels sort a token's choices on the stack
@@ -157,12 +157,17 @@ def route(const float[:, ::1] logits not None, int top_k, bint norm_topk_prob,
 
 def experts(const float[:, ::1] x not None, const int32_t[:, ::1] ids not None,
             const float[:, ::1] weights not None, ExpertStack gate not None,
-            ExpertStack up not None, ExpertStack down not None, float[:, ::1] out not None) -> None:
+            ExpertStack up not None, ExpertStack down not None, float[:, ::1] out not None,
+            int64_t max_pass_tokens=0) -> None:
     """out (T, H) = sum over each token's experts e = ids[t] (ascending e) of
     weights[t] * down[e] . (silu(gate[e] . x_t) * (up[e] . x_t)).
 
     x (T, H) float32; ids, weights (T, k); gate, up: E matrices (F, H); down: E (H, F).
-    Batch invariant: out[t] depends only on x[t], ids[t], weights[t] and the weights."""
+    Batch invariant: out[t] depends only on x[t], ids[t], weights[t] and the weights.
+    max_pass_tokens: tokens a pass at most (0: as many as the C side's scratch bound
+    allows); the same bits either way."""
+    if max_pass_tokens < 0:
+        raise ValueError(f"moe experts: max_pass_tokens must be 0 or more, got {max_pass_tokens}")
     cdef int64_t T = x.shape[0], H = x.shape[1]
     cdef int E = gate.n_experts
     cdef int64_t k = ids.shape[1]
@@ -189,13 +194,14 @@ def experts(const float[:, ::1] x not None, const int32_t[:, ::1] ids not None,
     if H > 0 and o0 < x1 and x0 < o1:
         raise ValueError("moe experts: out overlaps x")
     cdef ellm_expert_stack g = gate.c_stack(), u = up.c_stack(), d = down.c_stack()
-    cdef size_t need = ellm_moe_scratch_bytes(&g, &u, &d, T, <int32_t>k, E)
+    cdef size_t need = ellm_moe_scratch_bytes(&g, &u, &d, T, <int32_t>k, E, max_pass_tokens)
     cdef _Scratch s = _scratch()
     s.reserve(need)
     cdef int st
     with nogil:
         st = ellm_moe_experts(&x[0, 0] if H else NULL, T, H, &ids[0, 0], &weights[0, 0],
-                              <int32_t>k, E, &g, &u, &d, &out[0, 0] if H else NULL, s.ptr, s.cap)
+                              <int32_t>k, E, &g, &u, &d, &out[0, 0] if H else NULL, s.ptr, s.cap,
+                              max_pass_tokens)
     _raise_status(st, "moe experts")
 
 
