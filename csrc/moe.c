@@ -96,6 +96,7 @@ static int check_stack(const ellm_expert_stack *s, int32_t E, int64_t N, int64_t
 
 typedef struct {
     size_t slot, offs, groups, parts, xg, g, u, y, act, total, act_bytes; /* byte offsets, 64-aligned */
+    int64_t pass;                                                          /* tokens a pass (pass_tokens) */
 } moe_layout;
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -109,6 +110,7 @@ static int layout(const ellm_expert_stack *gate, const ellm_expert_stack *up, co
     const int64_t H = gate->K, F = gate->N;
     if (H < 0 || F < 0) return 0;
     const int64_t tc = pass_tokens(T, k, H, F, max_pass), R = tc * k;
+    L->pass = tc;
     if (R > ((int64_t)1 << 40) / (2 * H + 2 * F + 1)) return 0; /* far beyond any real call */
     ellm_linear_part gu[2] = {{gate->qtype, NULL, 0, F, NULL, F, NULL}, {up->qtype, NULL, 0, F, NULL, F, NULL}};
     ellm_linear_part dn[1] = {{down->qtype, NULL, 0, H, NULL, H, NULL}};
@@ -219,7 +221,7 @@ int ellm_moe_experts(const float *x, int64_t T, int64_t H, const int32_t *ids, c
     const size_t gu_rb = (size_t)ellm_row_bytes(gate->qtype, H), up_rb = (size_t)ellm_row_bytes(up->qtype, H);
     const size_t dn_rb = (size_t)ellm_row_bytes(down->qtype, F);
 
-    const int64_t pass = pass_tokens(T, k, H, gate->N, max_pass);
+    const int64_t pass = L.pass;
     for (int64_t c0 = 0; c0 < T; c0 += pass) {
         const int64_t tc = T - c0 < pass ? T - c0 : pass;
         const int32_t *cid = ids + c0 * k;

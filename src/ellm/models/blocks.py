@@ -411,7 +411,7 @@ class Decoder:
                            count: int | None = None) -> np.ndarray:
         """The first `count` layers (all by default), each block's ops called from here (and
         told to the trace recorder). slots: [lora] each row's adapter slot (-1: none), or None."""
-        ops, eps, rec = self.ops, self.config.rms_norm_eps, self.recorder
+        ops, rec = self.ops, self.recorder
         lora = None
         # per layer: its norm after each block, and the norm the residual goes through next
         for i, (layer, next_norm) in enumerate(zip(self.layers[:count], self._next_norms())):
@@ -420,34 +420,44 @@ class Decoder:
             if slots is not None:   # [lora]
                 lora = (self.lora.layers[i], slots)
             layer.attn(ops, ws, h, batch, kv.layer(i), out=proj, rec=rec, layer=i, lora=lora)
-            if layer.post_attn_norm is not None or layer.residual_multiplier != 1.0:
-                self._block_out(proj, layer.post_attn_norm, layer.residual_multiplier)
-            if rec is not None and layer.post_attn_norm is not None:   # [trace]
-                rec(i, "post_attn_norm", proj)
-            pre_mlp = layer.pre_mlp_norm
-            h = ops.add(residual, proj) if pre_mlp is None else ops.add_rmsnorm(residual, proj, pre_mlp, eps, out=h_buf)
-            if rec is not None:   # [trace]
-                rec(i, "resid_attn", residual)
-                if pre_mlp is not None:
-                    rec(i, "mlp_norm", h)
-            layer.mlp(ops, ws, h, out=proj, rec=rec, layer=i, lora=lora)
-            if layer.post_mlp_norm is not None or layer.residual_multiplier != 1.0:
-                self._block_out(proj, layer.post_mlp_norm, layer.residual_multiplier)
-            if rec is not None and layer.post_mlp_norm is not None:   # [trace]
-                rec(i, "post_mlp_norm", proj)
-            h = (ops.add(residual, proj) if next_norm is None
-                 else ops.add_rmsnorm(residual, proj, next_norm, eps, out=h_buf))
-            if rec is not None:   # [trace]
-                rec(i, "resid_mlp", residual)
+            h = self._after_attention(ws, i, layer, next_norm, residual, proj, h_buf, lora)
+        return h
+
+    def _after_attention(self, ws: Workspace, i: int, layer: DecoderLayer, next_norm: np.ndarray | None,
+                         residual: np.ndarray, proj: np.ndarray, normed: np.ndarray, lora: Any = None) -> np.ndarray:
+        """Layer i past its attention, proj holding the attention's output: the residual
+        adds, the MLP (into proj) and the norm the residual goes through next (into normed)
+        -> the next layer's input. Rows are independent: any subset of a step's rows may be
+        given (_last_layer_rows)."""
+        ops, eps, rec = self.ops, self.config.rms_norm_eps, self.recorder
+        if layer.post_attn_norm is not None or layer.residual_multiplier != 1.0:
+            self._block_out(proj, layer.post_attn_norm, layer.residual_multiplier)
+        if rec is not None and layer.post_attn_norm is not None:   # [trace]
+            rec(i, "post_attn_norm", proj)
+        pre_mlp = layer.pre_mlp_norm
+        h = ops.add(residual, proj) if pre_mlp is None else ops.add_rmsnorm(residual, proj, pre_mlp, eps, out=normed)
+        if rec is not None:   # [trace]
+            rec(i, "resid_attn", residual)
+            if pre_mlp is not None:
+                rec(i, "mlp_norm", h)
+        layer.mlp(ops, ws, h, out=proj, rec=rec, layer=i, lora=lora)
+        if layer.post_mlp_norm is not None or layer.residual_multiplier != 1.0:
+            self._block_out(proj, layer.post_mlp_norm, layer.residual_multiplier)
+        if rec is not None and layer.post_mlp_norm is not None:   # [trace]
+            rec(i, "post_mlp_norm", proj)
+        h = (ops.add(residual, proj) if next_norm is None
+             else ops.add_rmsnorm(residual, proj, next_norm, eps, out=normed))
+        if rec is not None:   # [trace]
+            rec(i, "resid_mlp", residual)
         return h
 
     def _last_layer_rows(self, ws: Workspace, h: np.ndarray, batch: Batch, kv: Any, proj: np.ndarray,
                          residual: np.ndarray) -> np.ndarray:
         """The last layer, h its normed input: attention over every row (each row's keys
-        and values go into the cache), then the rest of the layer and the final norm for
-        batch.logits_rows alone (the loop's ops on those rows; each is a row's own) ->
-        their hidden states (r, H), as gather_rows would take them from the whole layer's."""
-        ops, eps = self.ops, self.config.rms_norm_eps
+        and values go into the cache), then the rest of the layer and the final norm
+        (_after_attention) for batch.logits_rows alone -> their hidden states (r, H), as
+        gather_rows would take them from the whole layer's."""
+        ops = self.ops
         i, layer = len(self.layers) - 1, self.layers[-1]
         r, H = len(batch.logits_rows), self.config.hidden_size
         layer.attn(ops, ws, h, batch, kv.layer(i), out=proj)
@@ -455,15 +465,7 @@ class Decoder:
             return ws.get("last_h", 0, H)
         res = ops.gather_rows(residual, batch.logits_rows, out=ws.get("last_residual", r, H))
         part = ops.gather_rows(proj, batch.logits_rows, out=ws.get("last_proj", r, H))
-        if layer.post_attn_norm is not None or layer.residual_multiplier != 1.0:
-            self._block_out(part, layer.post_attn_norm, layer.residual_multiplier)
-        pre_mlp, normed = layer.pre_mlp_norm, ws.get("last_h", r, H)
-        x = ops.add(res, part) if pre_mlp is None else ops.add_rmsnorm(res, part, pre_mlp, eps, out=normed)
-        layer.mlp(ops, ws, x, out=part)
-        if layer.post_mlp_norm is not None or layer.residual_multiplier != 1.0:
-            self._block_out(part, layer.post_mlp_norm, layer.residual_multiplier)
-        final = self._next_norms()[i]
-        return ops.add(res, part) if final is None else ops.add_rmsnorm(res, part, final, eps, out=normed)
+        return self._after_attention(ws, i, layer, self._next_norms()[i], res, part, ws.get("last_h", r, H))
 
     def _layer_stack(self, ws: Workspace, t: int, kv: Any, count: int | None = None) -> Any:
         """The backend's one-call runner of the first `count` layers (all by default;
