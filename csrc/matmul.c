@@ -803,6 +803,50 @@ static void task_groups(void *ctx, int64_t begin, int64_t end, int thread_id) {
     }
 }
 
+/* Groups of decode-sized calls (a mixture of experts' step: a token or a few per expert)
+ * stream their weights as one decode call does (run_decode_regions): the groups' items,
+ * group after group, cut into one contiguous region of about equal bytes per thread.
+ * Claimed one item at a time from a shared counter instead, the two threads' items
+ * interleave and each thread's software prefetches run past the end of its item into rows
+ * the other thread takes. Qwen3-30B-A3B's Q4_K experts, 2 threads, alternated in one
+ * process, medians of 240 calls: one token 1.19 -> 1.14 ms, four 4.44 -> 4.14 ms.
+ * Returns 0 (nothing run) where a group is not decode-sized. */
+static int run_group_regions(const groups_ctx *G, int64_t items) {
+    const int n = ellm_num_threads();
+    if (n < 2 || n > ELLM_MAX_REGIONS || items < n || items > (int64_t)UINT32_MAX) return 0;
+    uint64_t total = 0;
+    for (int g = 0; g < G->n; g++) {
+        if (G->first[g + 1] == G->first[g]) continue;
+        if (!G->c[g].few) return 0;
+        for (int i = 0; i < G->c[g].n_parts; i++) total += (uint64_t)G->c[g].p[i].N * G->c[g].p[i].row_bytes;
+    }
+    int64_t cuts[ELLM_MAX_REGIONS + 1] = {0};
+    uint64_t base = 0;
+    int g = 0;
+    for (int k = 1; k <= n; k++) {
+        const uint64_t target = total / (uint64_t)n * (uint64_t)k;
+        int64_t end = items;
+        if (k < n) {
+            /* the group holding the target byte, then the item within it */
+            for (;;) {
+                const lin_ctx *c = &G->c[g];
+                uint64_t bytes = 0;
+                if (G->first[g + 1] > G->first[g])
+                    for (int i = 0; i < c->n_parts; i++) bytes += (uint64_t)c->p[i].N * c->p[i].row_bytes;
+                if (target < base + bytes || g == G->n - 1) {
+                    end = G->first[g] + item_at_bytes(c, target - base);
+                    break;
+                }
+                base += bytes;
+                g++;
+            }
+        }
+        cuts[k] = end < cuts[k - 1] ? cuts[k - 1] : end > items ? items : end;
+    }
+    ellm_parallel_for_cut(items, cuts, n, task_groups, (void *)G);
+    return 1;
+}
+
 /* Bytes of lin_ctx + item offsets at the front of the groups scratch. */
 static size_t groups_header_bytes(int n_groups) {
     const size_t b = (size_t)n_groups * sizeof(lin_ctx) + (size_t)(n_groups + 1) * sizeof(int64_t);
@@ -884,7 +928,7 @@ int ellm_linear_groups(const ellm_linear_group *groups, int n_groups, int64_t K,
         if (rows >= 16) ellm_parallel_for(n_groups, 1, task_groups_act, &G);
         else task_groups_act(&G, 0, n_groups, 0);
     }
-    ellm_parallel_for(items, 1, task_groups, &G);
+    if (!run_group_regions(&G, items)) ellm_parallel_for(items, 1, task_groups, &G);
     return ELLM_OK;
 }
 

@@ -501,6 +501,30 @@ INLINE void scale_runs(const int32_t ib[16][16], const int32_t (*sc)[16], int j,
                                                              _mm512_set1_epi32(sc[r][j])));
 }
 
+/* Asks for the weights of the chunk after [r0, +16) x [i0, +AK_CHUNK) into L2 -- the
+ * next blocks of the same rows, or the next row tile's first -- while this one multiplies.
+ * Sixteen rows a row's bytes apart are sixteen short streams, which the hardware
+ * prefetcher picks up late; a call whose weights come from memory (a mixture of experts'
+ * expert, read once per pass for a few dozen tokens) waited on each chunk's loads.
+ * Qwen3-30B-A3B's Q4_K experts at 32 tokens each (512 tokens routed evenly), 2 threads,
+ * alternated in one process: 158.4 -> 151.5 ms a layer; Llama-3.2-1B Q4_K_M prefill@512
+ * 254.7 -> 257.6 tok/s (within the noise). */
+INLINE void prefetch_next_chunk(const uint8_t *w, size_t ws, int bs, int64_t nb, int64_t nr, int64_t r0,
+                                int64_t i0) {
+    int64_t n0 = r0, b0 = i0 + AK_CHUNK;
+    if (b0 >= nb) {
+        n0 = r0 + 16;
+        b0 = 0;
+    }
+    if (n0 >= nr) return;
+    const int64_t rows = nr - n0 < 16 ? nr - n0 : 16;
+    const size_t bytes = (size_t)((nb - b0 < AK_CHUNK ? nb - b0 : AK_CHUNK) * bs);
+    for (int64_t r = 0; r < rows; r++) {
+        const char *p = (const char *)(w + (size_t)(n0 + r) * ws + (size_t)b0 * (size_t)bs);
+        for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+    }
+}
+
 INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr,
                        const uint8_t *x, size_t xs, int64_t nt, float *y, size_t ys) {
     const int q4 = type == ELLM_T_Q4_K;
@@ -525,6 +549,7 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
                     for (int r = 0; r < 16; r++) /* rows past nr repeat the last (never stored) */
                         unpack_k(q4, w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws +
                                          (size_t)(i0 + ii) * (size_t)bs, &wc, ii, r);
+                prefetch_next_chunk(w, ws, bs, nb, nr, r0, i0);
                 for (int g = 0; g < ng; g++) {
                     const ellm_act256x16 *xg = (const ellm_act256x16 *)(x + (size_t)(g0 + g) * xs) + i0;
                     for (int ii = 0; ii < nc; ii++) {

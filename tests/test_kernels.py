@@ -833,6 +833,8 @@ def test_moe_batch_invariant(simd, qtype) -> None:
         for threads in (1, 2, 3):
             K.set_num_threads(threads)
             assert_bits(ops.moe(x[:40], router, experts, k, True), together[:40], f"{threads} threads")
+            # decode-sized: the groups' items cut into one region of weights a thread
+            assert_bits(ops.moe(x[:3], router, experts, k, True), together[:3], f"3 tokens, {threads} threads")
     finally:
         K.set_num_threads(threads0)
 
