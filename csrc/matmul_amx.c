@@ -45,7 +45,8 @@
 #define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
 
 /* A and B tiles for K bytes of depth (a multiple of 4, at most 64): 32 for the 32-element
- * types and Q4_K's 32-runs, 16 for Q6_K's 16-runs. */
+ * types, 16 for Q6_K's 16-runs, 64 for Q4_K (whose kernel uses all eight tiles: at 64
+ * every tile is 16 rows of 64 bytes). */
 static void load_tile_config(int k_bytes) {
     if (ellm_tile_config_held == k_bytes) return;
     tile_config cfg;
@@ -60,6 +61,11 @@ static void load_tile_config(int k_bytes) {
         cfg.rows[c[i]] = 16;
         cfg.colsb[c[i]] = 64;
     }
+    if (k_bytes == 64)
+        for (int t = 6; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
     ellm_tile_load_config(&cfg);
     ellm_tile_config_held = k_bytes;
 }
@@ -428,190 +434,231 @@ DEFINE_QGEMM32_AMX(amx_q5_1, ELLM_T_Q5_1)
 DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
 
 /* ====================================================================================
- * Q4_K and Q6_K: one tile multiply per run of values sharing a scale (Q4_K: 8 runs of 32,
- * K = 32 bytes; Q6_K: 16 runs of 16, K = 16), its exact int32 result scaled by the run's
- * scale in integers and summed over the runs; then per block the float steps of
- * quant_x86.h's qgemmk_tile:
- *   Q4_K  acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
- *   Q6_K  isum -= 32 sum_g sc[g] bsum[g];      acc = fma(float(isum), d d_x, acc)
- * with msum / the Q6_K offset from the per-16 sums of x (integers too).
+ * Q4_K and Q6_K: each weight row as three int8 rows whose tile products with the token's
+ * bytes give the block's integers. A value times its run's scale does not fit a byte, but
+ * it does times a part of that scale:
+ *   Q4_K  q in 0..15, scale sc in 0..63 = 8 sh + sl (sh, sl <= 7: q sh, q sl <= 105), and
+ *         the run's min mn <= 63 in every element of the third row:
+ *           isum = 8 (q sh . x) + (q sl . x) = sum_j sc[j] (q_j . x_j)
+ *           msum = (mn . x)                  = sum_j mn[j] (bsum[2j] + bsum[2j + 1])
+ *           acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
+ *   Q6_K  v = q - 32 in -32..31, scale sc in -128..127 = s0 + 8 s1 + 64 s2 with every
+ *         digit in -3..4 (v s in -128..124):
+ *           isum = (v s0 . x) + 8 (v s1 . x) + 64 (v s2 . x) = sum_g sc[g] ((q_g - 32) . x_g)
+ *           acc = fma(float(isum), d d_x, acc)
+ * Those are quant_x86.h's qgemmk_tile's integers (exact in int32: each chain's sum is at
+ * most 256 * 128 * 127 in size, a block's total under 2^28) and its float steps in its order, with the tokens in the
+ * lanes, so AMX and the AVX-512 level agree bit for bit. A block and token group is 12
+ * tile multiplies of 64 bytes in three chains sharing each activation tile, and a few
+ * vector adds; until 2026-12-07 it was a tile multiply per run (8 of 32 bytes, Q6_K 16
+ * of 16) and a vector multiply per run and row to scale it (128, Q6_K 256), which left
+ * the tile unit idle most of the time. Llama-3.2-1B's matrices, 2 threads, two builds in
+ * turn, GMAC/s at 16 / 128 / 512 tokens: Q4_K 8192x2048 165 / 281 / 300 -> 206 / 442 /
+ * 470, 512x2048 136 / 253 / 268 -> 169 / 379 / 399; Q6_K 2048x8192 155 / 211 / 210 -> 161
+ * / 419 / 422. (Three chains share each activation tile; two token groups sharing each
+ * weight tile with the mins on the vector units instead ran 5-13% slower.)
  * ==================================================================================== */
 
-#define AK_CHUNK 4 /* blocks unpacked per chunk: 16 rows x 256 bytes each */
+#define A3_CHUNK 2 /* blocks unpacked per chunk: 3 x 16 rows x 256 bytes each */
 /* token groups per unpacking of a chunk: all of a 512-token work item, their sums kept in
  * memory between chunks (32 KiB) */
-#define AK_GROUPS 32
+#define A3_GROUPS 32
 
 typedef struct {
-    int8_t q[AK_CHUNK][16][256] __attribute__((aligned(64))); /* values, element order */
-    int32_t sc[AK_CHUNK][16][16];  /* per-run scales */
-    int32_t pair[AK_CHUNK][16][8]; /* int16 pairs for the bsums madd: (mn, mn) / (sc, sc') */
-    float d[AK_CHUNK][16], m[AK_CHUNK][16];
-} wchunkk;
+    int8_t a[A3_CHUNK][3][16][256] __attribute__((aligned(64))); /* the three rows, element order */
+    float d[A3_CHUNK][16], dmin[A3_CHUNK][16];                    /* d, -dmin (Q4_K) */
+} wchunk3;
 
-/* One row's block into the chunk (the unpacking of qgemmk_tile) */
-INLINE void unpack_k(int q4, const uint8_t *b, wchunkk *wc, int ii, int r) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-    int8_t *v = wc->q[ii][r];
-    if (q4) {
-        uint8_t sc[8], mn[8];
-        ellm_unpack_k4_scales(b + 4, sc, mn);
-        /* sc as int32; each min in both halves of an int32 (the madd's pair) */
-        const __m256i sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc));
-        const __m256i mn32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn));
-        _mm256_storeu_si256((__m256i *)wc->sc[ii][r], sc32);
-        _mm256_storeu_si256((__m256i *)wc->pair[ii][r], _mm256_or_si256(mn32, _mm256_slli_epi32(mn32, 16)));
-        wc->d[ii][r] = f16_at(b);
-        wc->m[ii][r] = -f16_at(b + 2);
+/* Bytes times a factor in -3..4 whose products fit a signed byte, 32 at a time: the low
+ * byte of a 16-bit product is the low bytes' product; the high bytes' comes from the
+ * words with their low bytes cleared */
+INLINE __m256i mul_bytes(__m256i v, __m256i f16) {
+    const __m256i hi = _mm256_set1_epi16((short)0xFF00);
+    return _mm256_or_si256(_mm256_andnot_si256(hi, _mm256_mullo_epi16(v, f16)),
+                           _mm256_mullo_epi16(_mm256_and_si256(v, hi), f16));
+}
+
+/* Q4_K block b of one row into the chunk */
+INLINE void unpack3_q4k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    uint8_t sc[8], mn[8];
+    ellm_unpack_k4_scales(b + 4, sc, mn);
+    wc->d[ii][r] = f16_at(b);
+    wc->dmin[ii][r] = -f16_at(b + 2);
+    int8_t *h = wc->a[ii][0][r], *l = wc->a[ii][1][r], *m = wc->a[ii][2][r];
+    for (int c = 0; c < 4; c++) {
+        /* runs 2c (low nibbles) and 2c + 1 (high) */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+        const __m256i q0 = _mm256_and_si256(q, lo4), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+        const int s0 = sc[2 * c], s1 = sc[2 * c + 1];
+        /* values 0..15 times factors 0..7: no 16-bit product carries into the high byte */
+        _mm256_store_si256((__m256i *)(h + 64 * c), _mm256_mullo_epi16(q0, _mm256_set1_epi16((short)(s0 >> 3))));
+        _mm256_store_si256((__m256i *)(h + 64 * c + 32), _mm256_mullo_epi16(q1, _mm256_set1_epi16((short)(s1 >> 3))));
+        _mm256_store_si256((__m256i *)(l + 64 * c), _mm256_mullo_epi16(q0, _mm256_set1_epi16((short)(s0 & 7))));
+        _mm256_store_si256((__m256i *)(l + 64 * c + 32), _mm256_mullo_epi16(q1, _mm256_set1_epi16((short)(s1 & 7))));
+        _mm256_store_si256((__m256i *)(m + 64 * c), _mm256_set1_epi8((char)mn[2 * c]));
+        _mm256_store_si256((__m256i *)(m + 64 * c + 32), _mm256_set1_epi8((char)mn[2 * c + 1]));
+    }
+}
+
+/* Q6_K block b of one row into the chunk */
+INLINE void unpack3_q6k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    /* the 16 scales' digits: sc = s0 + 8 s1 + 64 s2, each in -3..4 */
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc), three = _mm256_set1_epi16(3), seven = _mm256_set1_epi16(7);
+    const __m256i d0 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(sc16, three), seven), three);
+    const __m256i t1 = _mm256_srai_epi16(_mm256_sub_epi16(sc16, d0), 3);
+    const __m256i d1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(t1, three), seven), three);
+    const __m256i d2 = _mm256_srai_epi16(_mm256_sub_epi16(t1, d1), 3);
+    int16_t dig[3][16] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)dig[0], d0);
+    _mm256_store_si256((__m256i *)dig[1], d1);
+    _mm256_store_si256((__m256i *)dig[2], d2);
+    wc->d[ii][r] = f16_at(b + 208);
+    for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        __m256i v[4];
+        v[0] = _mm256_or_si256(_mm256_and_si256(ql0, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
+        v[1] = _mm256_or_si256(_mm256_and_si256(ql1, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
+        v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4), _mm256_and_si256(qh, top2));
+        v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4),
+                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
         for (int c = 0; c < 4; c++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-            _mm256_store_si256((__m256i *)(v + 64 * c), _mm256_and_si256(q, lo4));
-            _mm256_store_si256((__m256i *)(v + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4));
-        }
-    } else {
-        /* the 16 int8 scales as int32, and as int16 (pairs (sc[2k], sc[2k + 1]) in int32 k) */
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-        _mm512_storeu_si512(wc->sc[ii][r], _mm512_cvtepi8_epi32(sc));
-        _mm256_storeu_si256((__m256i *)wc->pair[ii][r], _mm256_cvtepi8_epi16(sc));
-        wc->d[ii][r] = f16_at(b + 208);
-        for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-            int8_t *vh = v + 128 * h;
-            _mm256_store_si256((__m256i *)vh, _mm256_or_si256(_mm256_and_si256(ql0, lo4),
-                                                               _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2)));
-            _mm256_store_si256((__m256i *)(vh + 32), _mm256_or_si256(_mm256_and_si256(ql1, lo4),
-                                                                     _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2)));
-            _mm256_store_si256((__m256i *)(vh + 64),
-                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4),
-                                               _mm256_and_si256(qh, top2)));
-            _mm256_store_si256((__m256i *)(vh + 96),
-                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4),
-                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)));
+            /* elements 128 h + 32 c on: runs 8 h + 2 c (the low 16 bytes) and the next */
+            const __m256i vc = _mm256_sub_epi8(v[c], off);
+            const int g = 8 * h + 2 * c;
+            for (int k = 0; k < 3; k++) {
+                const __m256i f = _mm256_set_m128i(_mm_set1_epi16(dig[k][g + 1]), _mm_set1_epi16(dig[k][g]));
+                _mm256_store_si256((__m256i *)(wc->a[ii][k][r] + 128 * h + 32 * c), mul_bytes(vc, f));
+            }
         }
     }
 }
 
-/* tot[r] += (the tile's row r) * scale[r] */
-INLINE void scale_runs(const int32_t ib[16][16], const int32_t (*sc)[16], int j, __m512i tot[16]) {
-    _Pragma("GCC unroll 16")
-    for (int r = 0; r < 16; r++)
-        tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(_mm512_load_si512(ib[r]),
-                                                             _mm512_set1_epi32(sc[r][j])));
-}
-
-/* Asks for the weights of the chunk after [r0, +16) x [i0, +AK_CHUNK) into L2 -- the
- * next blocks of the same rows, or the next row tile's first -- while this one multiplies.
+/* Asks for the weights of the chunk after [r0, +16) x [i0, +chunk) into L2 -- the next
+ * blocks of the same rows, or the next row tile's first -- while this one multiplies.
  * Sixteen rows a row's bytes apart are sixteen short streams, which the hardware
  * prefetcher picks up late; a call whose weights come from memory (a mixture of experts'
  * expert, read once per pass for a few dozen tokens) waited on each chunk's loads.
  * Qwen3-30B-A3B's Q4_K experts at 32 tokens each (512 tokens routed evenly), 2 threads,
  * alternated in one process: 158.4 -> 151.5 ms a layer; Llama-3.2-1B Q4_K_M prefill@512
- * 254.7 -> 257.6 tok/s (within the noise). */
-INLINE void prefetch_next_chunk(const uint8_t *w, size_t ws, int bs, int64_t nb, int64_t nr, int64_t r0,
-                                int64_t i0) {
-    int64_t n0 = r0, b0 = i0 + AK_CHUNK;
+ * 254.7 -> 257.6 tok/s (within the noise). Measured with the kernel before qgemm3_amx,
+ * which took a run at a time. */
+INLINE void prefetch_next_chunk(const uint8_t *w, size_t ws, int bs, int chunk, int64_t nb, int64_t nr,
+                                int64_t r0, int64_t i0) {
+    int64_t n0 = r0, b0 = i0 + chunk;
     if (b0 >= nb) {
         n0 = r0 + 16;
         b0 = 0;
     }
     if (n0 >= nr) return;
     const int64_t rows = nr - n0 < 16 ? nr - n0 : 16;
-    const size_t bytes = (size_t)((nb - b0 < AK_CHUNK ? nb - b0 : AK_CHUNK) * bs);
+    const size_t bytes = (size_t)((nb - b0 < chunk ? nb - b0 : chunk) * bs);
     for (int64_t r = 0; r < rows; r++) {
         const char *p = (const char *)(w + (size_t)(n0 + r) * ws + (size_t)b0 * (size_t)bs);
         for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
     }
 }
 
-INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr,
-                       const uint8_t *x, size_t xs, int64_t nt, float *y, size_t ys) {
+/* The tiles at K = 64 (every one 16 x 64 bytes): the three weight rows' A tiles, two
+ * activation tiles taken in turn, the three sums */
+#define T3_A0 0
+#define T3_X0 1
+#define T3_C0 2
+#define T3_A1 3
+#define T3_X1 4
+#define T3_C1 5
+#define T3_A2 6
+#define T3_C2 7
+/* Step kk of 4 (64 bytes of K) of one block: the activations' tile into X, each chain's
+ * weights into its A and multiplied */
+#define A3_STEP(X, kk)                                                    \
+    do {                                                                  \
+        TILE_LOAD(X, xq + 1024 * (kk), 64);                               \
+        TILE_LOAD(T3_A0, w0 + 64 * (kk), 256);                            \
+        TILE_DPBSSD(T3_C0, T3_A0, X);                                     \
+        TILE_LOAD(T3_A1, w1 + 64 * (kk), 256);                            \
+        TILE_DPBSSD(T3_C1, T3_A1, X);                                     \
+        TILE_LOAD(T3_A2, w2 + 64 * (kk), 256);                            \
+        TILE_DPBSSD(T3_C2, T3_A2, X);                                     \
+    } while (0)
+
+/* acc[r] (lanes = 16 tokens) += block ii's term for each of the 16 rows, from the three
+ * chains' sums in ib and the block's activation scales dx */
+INLINE void fold3(int q4, const int32_t ib[3][16][16], const wchunk3 *wc, int ii, __m512 dx, __m512 acc[16]) {
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < 16; r++) {
+        const __m512i c0 = _mm512_load_si512(ib[0][r]), c1 = _mm512_load_si512(ib[1][r]);
+        const __m512i c2 = _mm512_load_si512(ib[2][r]);
+        const __m512 ddx = _mm512_mul_ps(_mm512_set1_ps(wc->d[ii][r]), dx);
+        if (q4) {
+            const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(c0, 3), c1);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ddx, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), _mm512_mul_ps(_mm512_set1_ps(wc->dmin[ii][r]), dx), acc[r]);
+        } else {
+            const __m512i isum = _mm512_add_epi32(c0, _mm512_add_epi32(_mm512_slli_epi32(c1, 3), _mm512_slli_epi32(c2, 6)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ddx, acc[r]);
+        }
+    }
+}
+
+INLINE void qgemm3_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
+                       size_t xs, int64_t nt, float *y, size_t ys) {
     const int q4 = type == ELLM_T_Q4_K;
     const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
-    const int runs = q4 ? 8 : 16, run_bytes = q4 ? 32 : 16;
-    wchunkk wc;
+    wchunk3 wc;
     int32_t ib[3][16][16] __attribute__((aligned(64)));
-    __m512 acc_mem[AK_GROUPS][16];
+    __m512 acc_mem[A3_GROUPS][16];
     const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
     /* a few groups' activations stay in L1 from one call to the next; more come from L2 */
     const int prefetch = ngroups > A32_GROUPS;
-    load_tile_config(run_bytes);
+    load_tile_config(64);
     for (int64_t r0 = 0; r0 < nr; r0 += 16) {
         const int rows = nr - r0 < 16 ? (int)(nr - r0) : 16;
-        for (int64_t g0 = 0; g0 < ngroups; g0 += AK_GROUPS) {
-            const int ng = ngroups - g0 < AK_GROUPS ? (int)(ngroups - g0) : AK_GROUPS;
+        for (int64_t g0 = 0; g0 < ngroups; g0 += A3_GROUPS) {
+            const int ng = ngroups - g0 < A3_GROUPS ? (int)(ngroups - g0) : A3_GROUPS;
             for (int g = 0; g < ng; g++)
                 for (int r = 0; r < 16; r++) acc_mem[g][r] = _mm512_setzero_ps();
-            for (int64_t i0 = 0; i0 < nb; i0 += AK_CHUNK) {
-                const int nc = nb - i0 < AK_CHUNK ? (int)(nb - i0) : AK_CHUNK;
+            for (int64_t i0 = 0; i0 < nb; i0 += A3_CHUNK) {
+                const int nc = nb - i0 < A3_CHUNK ? (int)(nb - i0) : A3_CHUNK;
                 for (int ii = 0; ii < nc; ii++)
-                    for (int r = 0; r < 16; r++) /* rows past nr repeat the last (never stored) */
-                        unpack_k(q4, w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws +
-                                         (size_t)(i0 + ii) * (size_t)bs, &wc, ii, r);
-                prefetch_next_chunk(w, ws, bs, nb, nr, r0, i0);
+                    for (int r = 0; r < 16; r++) { /* rows past nr repeat the last (never stored) */
+                        const uint8_t *b =
+                            w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws + (size_t)(i0 + ii) * (size_t)bs;
+                        if (q4) unpack3_q4k(b, &wc, ii, r);
+                        else unpack3_q6k(b, &wc, ii, r);
+                    }
+                prefetch_next_chunk(w, ws, bs, A3_CHUNK, nb, nr, r0, i0);
                 for (int g = 0; g < ng; g++) {
                     const ellm_act256x16 *xg = (const ellm_act256x16 *)(x + (size_t)(g0 + g) * xs) + i0;
                     for (int ii = 0; ii < nc; ii++) {
                         /* the next block of this group (or the next group's first), from
                          * L2, asked for while this one multiplies */
-                        const ellm_act256x16 *nx = ii + 1 < nc ? xg + ii + 1
-                                                 : g + 1 < ng ? (const ellm_act256x16 *)(x + (size_t)(g0 + g + 1) * xs) + i0
-                                                              : NULL;
-                        if (nx && prefetch)
-                            for (size_t l = 0; l < sizeof *nx; l += 64) _mm_prefetch((const char *)nx + l, _MM_HINT_T0);
-                        __m512i tot[16];
-                        _Pragma("GCC unroll 16")
-                        for (int r = 0; r < 16; r++) tot[r] = _mm512_setzero_si512();
-                        /* run j: weight bytes [run_bytes j, +run_bytes) of each row; the
-                         * activations' dwords from run_bytes j / 4 on, 64 bytes a dword */
-                        /* run j + 1's multiply is issued before run j's result is
-                         * stored, and run j is scaled one run later (the sum of the
-                         * runs is exact in int32, so only its terms' order is fixed) */
-                        TILE_LOAD(TA0, wc.q[ii][0], 256);
-                        TILE_LOAD(TB0, xg[ii].qs, 64);
-                        TILE_ZERO(TC0);
-                        TILE_DPBSSD(TC0, TA0, TB0);
-                        for (int j = 0; j < runs; j += 2) {
-                            TILE_LOAD(TA1, wc.q[ii][0] + run_bytes * (j + 1), 256);
-                            TILE_LOAD(TB1, xg[ii].qs + 16 * run_bytes * (j + 1), 64);
-                            TILE_ZERO(TC1);
-                            TILE_DPBSSD(TC1, TA1, TB1);
-                            TILE_STORE(TC0, ib[j % 3], 64);
-                            if (j >= 1) scale_runs(ib[(j - 1) % 3], wc.sc[ii], j - 1, tot);
-                            if (j + 2 < runs) {
-                                TILE_LOAD(TA0, wc.q[ii][0] + run_bytes * (j + 2), 256);
-                                TILE_LOAD(TB0, xg[ii].qs + 16 * run_bytes * (j + 2), 64);
-                                TILE_ZERO(TC0);
-                                TILE_DPBSSD(TC0, TA0, TB0);
-                            }
-                            TILE_STORE(TC1, ib[(j + 1) % 3], 64);
-                            scale_runs(ib[j % 3], wc.sc[ii], j, tot);
+                        const ellm_act256x16 *nx =
+                            ii + 1 < nc  ? xg + ii + 1
+                            : g + 1 < ng ? (const ellm_act256x16 *)(x + (size_t)(g0 + g + 1) * xs) + i0
+                                         : NULL;
+                        if (nx && prefetch) {
+                            for (size_t l = 0; l < sizeof nx->qs; l += 64)
+                                _mm_prefetch((const char *)nx->qs + l, _MM_HINT_T0);
+                            _mm_prefetch((const char *)nx->d, _MM_HINT_T0);
                         }
-                        scale_runs(ib[(runs - 1) % 3], wc.sc[ii], runs - 1, tot);
-                        const __m512 dx = _mm512_loadu_ps(xg[ii].d);
-                        __m512i bsum[8];
-                        _Pragma("GCC unroll 8")
-                        for (int k = 0; k < 8; k++) bsum[k] = _mm512_loadu_si512(xg[ii].bsums[k]);
-                        for (int r = 0; r < 16; r++) {
-                            __m512i bsp = _mm512_setzero_si512();
-                            _Pragma("GCC unroll 8")
-                            for (int k = 0; k < 8; k++)
-                                bsp = _mm512_add_epi32(bsp, _mm512_madd_epi16(
-                                    bsum[k], _mm512_set1_epi32(wc.pair[ii][r][k])));
-                            __m512 a = acc_mem[g][r];
-                            if (q4) {
-                                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[r]),
-                                                    _mm512_mul_ps(_mm512_set1_ps(wc.d[ii][r]), dx), a);
-                                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bsp),
-                                                    _mm512_mul_ps(_mm512_set1_ps(wc.m[ii][r]), dx), a);
-                            } else {
-                                const __m512i isum = _mm512_sub_epi32(tot[r], _mm512_slli_epi32(bsp, 5));
-                                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                                    _mm512_mul_ps(_mm512_set1_ps(wc.d[ii][r]), dx), a);
-                            }
-                            acc_mem[g][r] = a;
-                        }
+                        const int8_t *xq = xg[ii].qs;
+                        const int8_t *w0 = wc.a[ii][0][0], *w1 = wc.a[ii][1][0], *w2 = wc.a[ii][2][0];
+                        TILE_ZERO(T3_C0);
+                        TILE_ZERO(T3_C1);
+                        TILE_ZERO(T3_C2);
+                        A3_STEP(T3_X0, 0);
+                        A3_STEP(T3_X1, 1);
+                        A3_STEP(T3_X0, 2);
+                        A3_STEP(T3_X1, 3);
+                        TILE_STORE(T3_C0, ib[0], 64);
+                        TILE_STORE(T3_C1, ib[1], 64);
+                        TILE_STORE(T3_C2, ib[2], 64);
+                        fold3(q4, ib, &wc, ii, _mm512_loadu_ps(xg[ii].d), acc_mem[g]);
                     }
                 }
             }
@@ -626,12 +673,12 @@ INLINE void qgemmk_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
 
 static void amx_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
                      size_t xs, int64_t nt, float *y, size_t ys) {
-    qgemmk_amx(ELLM_T_Q4_K, nb, w, ws, nr, x, xs, nt, y, ys);
+    qgemm3_amx(ELLM_T_Q4_K, nb, w, ws, nr, x, xs, nt, y, ys);
 }
 
 static void amx_q6_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
                      size_t xs, int64_t nt, float *y, size_t ys) {
-    qgemmk_amx(ELLM_T_Q6_K, nb, w, ws, nr, x, xs, nt, y, ys);
+    qgemm3_amx(ELLM_T_Q6_K, nb, w, ws, nr, x, xs, nt, y, ys);
 }
 
 ellm_qgemm_fn ellm_qgemm_amx(int qtype) {

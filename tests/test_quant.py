@@ -462,6 +462,48 @@ def test_kquant_batch_invariant_across_block_chunks(qtype: GGMLType, level: str,
                                      np.random.default_rng(700 + blocks + rows + int(qtype)))
 
 
+def extreme_kquant_rows(qtype: GGMLType, n_rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Q4_K / Q6_K rows whose blocks take the largest values and scales the types hold
+    (Q4_K: q = 15 with scales and mins 63; Q6_K: q = 0 or 63, i.e. -32 or 31, with scales
+    -128 or 127) in every mix, among random blocks: the products the AMX kernels split a
+    scale for (matmul_amx.c) at their ends."""
+    raw = random_rows(qtype, n_rows, k, rng)
+    blocks = raw.reshape(-1, BLOCK_LAYOUT[qtype][1])
+    pick = rng.integers(0, 4, size=len(blocks))
+    for i in np.nonzero(pick > 0)[0]:
+        b = blocks[i]
+        if qtype == GGMLType.Q4_K:
+            b[4:16] = 0xFF                                   # every scale and min 63
+            b[16:] = 0xFF if pick[i] != 2 else rng.integers(0, 256, 128, dtype=np.uint8)
+        else:
+            q = {1: 0x00, 2: 0xFF, 3: None}[int(pick[i])]    # q = 0 (v = -32), 63 (v = 31), random
+            if q is not None:
+                b[0:192] = q
+            b[192:208] = rng.choice(np.array([-128, 127, -125, 124], np.int8), 16).view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_kquant_extremes_batch_invariant(qtype: GGMLType, level: str) -> None:
+    """Blocks at the ends of the types' ranges against activations at +-127 after
+    quantization: each row of a 16-, 40- and 129-token call (the AMX tiles at that level)
+    equals its T=1 result bit for bit, and those equal the scalar level's."""
+    use_level(level)
+    rng = np.random.default_rng(1100 + int(qtype))
+    k = 4 * 256
+    w = extreme_kquant_rows(qtype, 48, k, rng)
+    x = np.where(rng.random((129, k)) < 0.5, -1.0, 1.0).astype(np.float32) * 3.0
+    x[::3] = rng.standard_normal((43, k)).astype(np.float32)
+    alone = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(len(x))])
+    assert np.isfinite(alone).all()
+    for t in (16, 40, 129):
+        assert np.array_equal(linear_rows(x[:t], w, qtype), alone[:t]), f"T={t}"
+    use_level("scalar")
+    scalar = np.concatenate([linear_rows(x[i:i + 1], w, qtype) for i in range(0, len(x), 8)])
+    assert nmse(alone[::8], scalar) < 1e-10
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_linear_into_rows_off_a_cache_line(qtype: GGMLType, level: str) -> None:
