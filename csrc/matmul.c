@@ -834,7 +834,7 @@ static int run_group_regions(const groups_ctx *G, int64_t items) {
                 if (G->first[g + 1] > G->first[g])
                     for (int i = 0; i < c->n_parts; i++) bytes += (uint64_t)c->p[i].N * c->p[i].row_bytes;
                 if (target < base + bytes || g == G->n - 1) {
-                    end = G->first[g] + item_at_bytes(c, target - base);
+                    end = bytes ? G->first[g] + item_at_bytes(c, target - base) : items;
                     break;
                 }
                 base += bytes;
