@@ -434,14 +434,17 @@ DEFINE_QGEMM32_AMX(amx_q5_1, ELLM_T_Q5_1)
 DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
 
 /* ====================================================================================
- * Q4_K and Q6_K: each weight row as three int8 rows whose tile products with the token's
- * bytes give the block's integers. A value times its run's scale does not fit a byte, but
- * it does times a part of that scale:
+ * Q4_K, Q5_K and Q6_K: each weight row as three int8 rows (Q5_K four) whose tile products
+ * with the token's bytes give the block's integers. A value times its run's scale does not
+ * fit a byte, but it does times a part of that scale:
  *   Q4_K  q in 0..15, scale sc in 0..63 = 8 sh + sl (sh, sl <= 7: q sh, q sl <= 105), and
  *         the run's min mn <= 63 in every element of the third row:
  *           isum = 8 (q sh . x) + (q sl . x) = sum_j sc[j] (q_j . x_j)
  *           msum = (mn . x)                  = sum_j mn[j] (bsum[2j] + bsum[2j + 1])
  *           acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
+ *   Q5_K  q in 0..31, sc in 0..63 = s0 + 4 s1 + 16 s2 (digits 0..3: q s <= 93), and the
+ *         mins' row: isum = (q s0 . x) + 4 (q s1 . x) + 16 (q s2 . x), msum and the float
+ *         steps as Q4_K's (quant_x86.h's qdot_k45 sums Q5_K that way in this build)
  *   Q6_K  v = q - 32 in -32..31, scale sc in -128..127 = s0 + 8 s1 + 64 s2 with every
  *         digit in -3..4 (v s in -128..124):
  *           isum = (v s0 . x) + 8 (v s1 . x) + 64 (v s2 . x) = sum_g sc[g] ((q_g - 32) . x_g)
@@ -465,8 +468,8 @@ DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
 #define A3_GROUPS 32
 
 typedef struct {
-    int8_t a[A3_CHUNK][3][16][256] __attribute__((aligned(64))); /* the three rows, element order */
-    float d[A3_CHUNK][16], dmin[A3_CHUNK][16];                    /* d, -dmin (Q4_K) */
+    int8_t a[A3_CHUNK][4][16][256] __attribute__((aligned(64))); /* the rows (Q5_K four), element order */
+    float d[A3_CHUNK][16], dmin[A3_CHUNK][16];                    /* d, -dmin (Q4_K, Q5_K) */
 } wchunk3;
 
 /* Bytes times a factor in -3..4 whose products fit a signed byte, 32 at a time: the low
@@ -538,6 +541,38 @@ INLINE void unpack3_q6k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
     }
 }
 
+/* Bit k of each byte of qh at bit 4 (0x10) of the byte: the 16-bit shifts only move bits
+ * across bytes below bit 4 (left) or above it (right), which the mask drops */
+INLINE __m256i bit_at_0x10(__m256i qh, int k) {
+    return _mm256_and_si256(k <= 4 ? _mm256_slli_epi16(qh, 4 - k) : _mm256_srli_epi16(qh, k - 4),
+                            _mm256_set1_epi8(0x10));
+}
+
+/* Q5_K block b of one row into the chunk: q (0..31) times the scale's three base-4 digits
+ * (q d <= 93), and the mins' row */
+INLINE void unpack4_q5k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    uint8_t sc[8], mn[8];
+    ellm_unpack_k4_scales(b + 4, sc, mn);
+    wc->d[ii][r] = f16_at(b);
+    wc->dmin[ii][r] = -f16_at(b + 2);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
+        const __m256i qv[2] = {_mm256_or_si256(_mm256_and_si256(q, lo4), bit_at_0x10(qh, 2 * c)),
+                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), lo4),
+                                               bit_at_0x10(qh, 2 * c + 1))};
+        for (int h = 0; h < 2; h++) {
+            const int j = 2 * c + h, at = 64 * c + 32 * h;
+            /* values 0..31 times digits 0..3: no 16-bit product carries into the high byte */
+            for (int k = 0; k < 3; k++)
+                _mm256_store_si256((__m256i *)(wc->a[ii][k][r] + at),
+                                   _mm256_mullo_epi16(qv[h], _mm256_set1_epi16((short)((sc[j] >> (2 * k)) & 3))));
+            _mm256_store_si256((__m256i *)(wc->a[ii][3][r] + at), _mm256_set1_epi8((char)mn[j]));
+        }
+    }
+}
+
 /* Asks for the weights of the chunk after [r0, +16) x [i0, +chunk) into L2 -- the next
  * blocks of the same rows, or the next row tile's first -- while this one multiplies.
  * Sixteen rows a row's bytes apart are sixteen short streams, which the hardware
@@ -586,31 +621,54 @@ INLINE void prefetch_next_chunk(const uint8_t *w, size_t ws, int bs, int chunk, 
         TILE_DPBSSD(T3_C2, T3_A2, X);                                     \
     } while (0)
 
-/* acc[r] (lanes = 16 tokens) += block ii's term for each of the 16 rows, from the three
- * chains' sums in ib and the block's activation scales dx */
-INLINE void fold3(int q4, const int32_t ib[3][16][16], const wchunk3 *wc, int ii, __m512 dx, __m512 acc[16]) {
+/* acc[r] (lanes = 16 tokens) += block ii's term for each of the 16 rows, from the chains'
+ * sums in ib and the block's activation scales dx */
+INLINE void fold3(int type, const int32_t ib[4][16][16], const wchunk3 *wc, int ii, __m512 dx, __m512 acc[16]) {
     _Pragma("GCC unroll 4")
     for (int r = 0; r < 16; r++) {
         const __m512i c0 = _mm512_load_si512(ib[0][r]), c1 = _mm512_load_si512(ib[1][r]);
         const __m512i c2 = _mm512_load_si512(ib[2][r]);
         const __m512 ddx = _mm512_mul_ps(_mm512_set1_ps(wc->d[ii][r]), dx);
-        if (q4) {
-            const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(c0, 3), c1);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ddx, acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c2), _mm512_mul_ps(_mm512_set1_ps(wc->dmin[ii][r]), dx), acc[r]);
-        } else {
+        if (type == ELLM_T_Q6_K) {
             const __m512i isum = _mm512_add_epi32(c0, _mm512_add_epi32(_mm512_slli_epi32(c1, 3), _mm512_slli_epi32(c2, 6)));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ddx, acc[r]);
+            continue;
         }
+        __m512i isum, msum;
+        if (type == ELLM_T_Q4_K) {
+            isum = _mm512_add_epi32(_mm512_slli_epi32(c0, 3), c1);
+            msum = c2;
+        } else { /* Q5_K */
+            isum = _mm512_add_epi32(c0, _mm512_add_epi32(_mm512_slli_epi32(c1, 2), _mm512_slli_epi32(c2, 4)));
+            msum = _mm512_load_si512(ib[3][r]);
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ddx, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(_mm512_set1_ps(wc->dmin[ii][r]), dx), acc[r]);
     }
 }
 
+/* Q5_K's four chains: the tiles as A3_STEP's but the A tiles taken in turn, the last sum
+ * in the third A's place */
+#define T4_C2 6
+#define T4_C3 7
+#define A4_STEP(X, kk)                                                    \
+    do {                                                                  \
+        TILE_LOAD(X, xq + 1024 * (kk), 64);                               \
+        TILE_LOAD(T3_A0, w0 + 64 * (kk), 256);                            \
+        TILE_DPBSSD(T3_C0, T3_A0, X);                                     \
+        TILE_LOAD(T3_A1, w1 + 64 * (kk), 256);                            \
+        TILE_DPBSSD(T3_C1, T3_A1, X);                                     \
+        TILE_LOAD(T3_A0, w2 + 64 * (kk), 256);                            \
+        TILE_DPBSSD(T4_C2, T3_A0, X);                                     \
+        TILE_LOAD(T3_A1, w3 + 64 * (kk), 256);                            \
+        TILE_DPBSSD(T4_C3, T3_A1, X);                                     \
+    } while (0)
+
 INLINE void qgemm3_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
                        size_t xs, int64_t nt, float *y, size_t ys) {
-    const int q4 = type == ELLM_T_Q4_K;
-    const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    const int bs = type == ELLM_T_Q4_K ? Q4_K_BYTES : type == ELLM_T_Q5_K ? Q5_K_BYTES : Q6_K_BYTES;
     wchunk3 wc;
-    int32_t ib[3][16][16] __attribute__((aligned(64)));
+    int32_t ib[4][16][16] __attribute__((aligned(64)));
     __m512 acc_mem[A3_GROUPS][16];
     const int64_t ngroups = (nt + ELLM_AMX_TG - 1) / ELLM_AMX_TG;
     /* a few groups' activations stay in L1 from one call to the next; more come from L2 */
@@ -628,7 +686,8 @@ INLINE void qgemm3_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
                     for (int r = 0; r < 16; r++) { /* rows past nr repeat the last (never stored) */
                         const uint8_t *b =
                             w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws + (size_t)(i0 + ii) * (size_t)bs;
-                        if (q4) unpack3_q4k(b, &wc, ii, r);
+                        if (type == ELLM_T_Q4_K) unpack3_q4k(b, &wc, ii, r);
+                        else if (type == ELLM_T_Q5_K) unpack4_q5k(b, &wc, ii, r);
                         else unpack3_q6k(b, &wc, ii, r);
                     }
                 prefetch_next_chunk(w, ws, bs, A3_CHUNK, nb, nr, r0, i0);
@@ -650,15 +709,27 @@ INLINE void qgemm3_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
                         const int8_t *w0 = wc.a[ii][0][0], *w1 = wc.a[ii][1][0], *w2 = wc.a[ii][2][0];
                         TILE_ZERO(T3_C0);
                         TILE_ZERO(T3_C1);
-                        TILE_ZERO(T3_C2);
-                        A3_STEP(T3_X0, 0);
-                        A3_STEP(T3_X1, 1);
-                        A3_STEP(T3_X0, 2);
-                        A3_STEP(T3_X1, 3);
+                        if (type == ELLM_T_Q5_K) {
+                            const int8_t *w3 = wc.a[ii][3][0];
+                            TILE_ZERO(T4_C2);
+                            TILE_ZERO(T4_C3);
+                            A4_STEP(T3_X0, 0);
+                            A4_STEP(T3_X1, 1);
+                            A4_STEP(T3_X0, 2);
+                            A4_STEP(T3_X1, 3);
+                            TILE_STORE(T4_C2, ib[2], 64);
+                            TILE_STORE(T4_C3, ib[3], 64);
+                        } else {
+                            TILE_ZERO(T3_C2);
+                            A3_STEP(T3_X0, 0);
+                            A3_STEP(T3_X1, 1);
+                            A3_STEP(T3_X0, 2);
+                            A3_STEP(T3_X1, 3);
+                            TILE_STORE(T3_C2, ib[2], 64);
+                        }
                         TILE_STORE(T3_C0, ib[0], 64);
                         TILE_STORE(T3_C1, ib[1], 64);
-                        TILE_STORE(T3_C2, ib[2], 64);
-                        fold3(q4, ib, &wc, ii, _mm512_loadu_ps(xg[ii].d), acc_mem[g]);
+                        fold3(type, ib, &wc, ii, _mm512_loadu_ps(xg[ii].d), acc_mem[g]);
                     }
                 }
             }
@@ -676,6 +747,11 @@ static void amx_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const 
     qgemm3_amx(ELLM_T_Q4_K, nb, w, ws, nr, x, xs, nt, y, ys);
 }
 
+static void amx_q5_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
+                     size_t xs, int64_t nt, float *y, size_t ys) {
+    qgemm3_amx(ELLM_T_Q5_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+
 static void amx_q6_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
                      size_t xs, int64_t nt, float *y, size_t ys) {
     qgemm3_amx(ELLM_T_Q6_K, nb, w, ws, nr, x, xs, nt, y, ys);
@@ -689,6 +765,7 @@ ellm_qgemm_fn ellm_qgemm_amx(int qtype) {
     case ELLM_T_Q5_1: return amx_q5_1;
     case ELLM_T_Q8_0: return amx_q8_0;
     case ELLM_T_Q4_K: return amx_q4_k;
+    case ELLM_T_Q5_K: return amx_q5_k;
     case ELLM_T_Q6_K: return amx_q6_k;
     default: return NULL;
     }

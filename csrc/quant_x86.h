@@ -1174,7 +1174,17 @@ INLINE __m256i scale_pair(__m256i half, const int r) {
 
 /* Q4_K / Q5_K: sub-block j of 32 has scale sc[j] and min mn[j]:
  *   dot = d d_x sum_j sc[j] (q_j . x_j)  -  dmin d_x sum_j mn[j] (bsum[2j] + bsum[2j+1])
- * The min term is one madd of the 16 bsums with the mins repeated pairwise. */
+ * The min term is one madd of the 16 bsums with the mins repeated pairwise.
+ * Q4_K reduces each block's sums to integers and adds them in one float chain, the order
+ * of its many-token kernels. Q5_K does the same in the AVX-512 VNNI build, whose row
+ * kernels the AMX level runs beside its Q5_K tiles (matmul_amx.c); the AVX2 build (and
+ * NEON, which gives its bits) keeps 8 float lanes a block, as Q5_K has no many-token
+ * kernel there. */
+#if QX_ZMM
+#define K5_AS_K4 1
+#else
+#define K5_AS_K4 0
+#endif
 KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride,
                      const int nt, float *y, size_t y_stride) {
     const int bs = type == ELLM_T_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
@@ -1219,7 +1229,7 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
             const ellm_act256 *a = (const ellm_act256 *)(x + (size_t)t * x_stride) + i;
             __m256i bsum = _mm256_loadu_si256((const __m256i *)a->bsums);
             __m256i msum = _mm256_madd_epi16(bsum, mins);
-            if (type == ELLM_T_Q4_K) { /* the per-block order of qgemmk_tile (below) */
+            if (type == ELLM_T_Q4_K || K5_AS_K4) { /* the per-block order of qgemmk_tile (below) */
                 /* both horizontal sums at once: (isum, msum) in the low two lanes */
                 __m256i h = _mm256_hadd_epi32(sumi[t], msum);
                 __m128i v = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
@@ -1234,7 +1244,7 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
             acc[t] = _mm256_fmadd_ps(fm, _mm256_set1_ps(-dmin * a->d), acc[t]);
         }
     }
-    for (int t = 0; t < nt; t++) y[t * y_stride] = type == ELLM_T_Q4_K ? accs[t] : hsum8(acc[t]);
+    for (int t = 0; t < nt; t++) y[t * y_stride] = type == ELLM_T_Q4_K || K5_AS_K4 ? accs[t] : hsum8(acc[t]);
 }
 
 /* Q6_K: per 128-half, ql (64 bytes) holds four 32-runs in its low / high nibbles and

@@ -447,7 +447,7 @@ def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str,
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [8, 9, 17])
 @pytest.mark.parametrize("rows", [37, 512])
 def test_kquant_batch_invariant_across_block_chunks(qtype: GGMLType, level: str, blocks: int, rows: int) -> None:
@@ -456,25 +456,27 @@ def test_kquant_batch_invariant_across_block_chunks(qtype: GGMLType, level: str,
     chunks; rows of 8, 9 and 17 blocks, T past one batch, give each row's T=1 bits. 512 rows:
     one pair at a time (two_pairs). At the AVX2 level panels of 16 rows are unpacked 2 blocks
     at a time for up to 16 token groups, taken 4 at a time (QXA_*): 37 rows end in a short
-    panel, odd block counts in a short chunk, T = 16 and 40 in groups left over from the 4s."""
+    panel, odd block counts in a short chunk, T = 16 and 40 in groups left over from the 4s.
+    At the AMX level all three take the tiles from 8 tokens on (matmul_amx.c, chunks of 2
+    blocks); Q5_K has row kernels alone at the other levels."""
     use_level(level)
     assert_prefixes_match_rows_alone(qtype, rows, 256 * blocks, (9, 16, 40, 129, 160),
                                      np.random.default_rng(700 + blocks + rows + int(qtype)))
 
 
 def extreme_kquant_rows(qtype: GGMLType, n_rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Q4_K / Q6_K rows whose blocks take the largest values and scales the types hold
-    (Q4_K: q = 15 with scales and mins 63; Q6_K: q = 0 or 63, i.e. -32 or 31, with scales
-    -128 or 127) in every mix, among random blocks: the products the AMX kernels split a
-    scale for (matmul_amx.c) at their ends."""
+    """Q4_K / Q5_K / Q6_K rows whose blocks take the largest values and scales the types
+    hold (Q4_K: q = 15, Q5_K: q = 31, with scales and mins 63; Q6_K: q = 0 or 63, i.e. -32
+    or 31, with scales -128 or 127) in every mix, among random blocks: the products the
+    AMX kernels split a scale for (matmul_amx.c) at their ends."""
     raw = random_rows(qtype, n_rows, k, rng)
     blocks = raw.reshape(-1, BLOCK_LAYOUT[qtype][1])
     pick = rng.integers(0, 4, size=len(blocks))
     for i in np.nonzero(pick > 0)[0]:
         b = blocks[i]
-        if qtype == GGMLType.Q4_K:
+        if qtype in (GGMLType.Q4_K, GGMLType.Q5_K):
             b[4:16] = 0xFF                                   # every scale and min 63
-            b[16:] = 0xFF if pick[i] != 2 else rng.integers(0, 256, 128, dtype=np.uint8)
+            b[16:] = 0xFF if pick[i] != 2 else rng.integers(0, 256, len(b) - 16, dtype=np.uint8)
         else:
             q = {1: 0x00, 2: 0xFF, 3: None}[int(pick[i])]    # q = 0 (v = -32), 63 (v = 31), random
             if q is not None:
@@ -484,7 +486,7 @@ def extreme_kquant_rows(qtype: GGMLType, n_rows: int, k: int, rng: np.random.Gen
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_kquant_extremes_batch_invariant(qtype: GGMLType, level: str) -> None:
     """Blocks at the ends of the types' ranges against activations at +-127 after
     quantization: each row of a 16-, 40- and 129-token call (the AMX tiles at that level)
