@@ -712,13 +712,19 @@ static int64_t item_at_bytes(const lin_ctx *c, uint64_t target) {
     return c->p[c->n_parts - 1].end_item;
 }
 
+/* The weight bytes a call's parts hold. */
+static uint64_t call_weight_bytes(const lin_ctx *c) {
+    uint64_t total = 0;
+    for (int i = 0; i < c->n_parts; i++) total += (uint64_t)c->p[i].N * c->p[i].row_bytes;
+    return total;
+}
+
 /* Runs a decode-sized call's items in regions; 0 (nothing run) where it does not fit. */
 static int run_decode_regions(const lin_ctx *c, int64_t items) {
     const int n = ellm_num_threads();
     if (n < 2 || n > ELLM_MAX_REGIONS || items < n || items > (int64_t)UINT32_MAX) return 0;
     int64_t cuts[ELLM_MAX_REGIONS + 1] = {0};
-    uint64_t total = 0;
-    for (int i = 0; i < c->n_parts; i++) total += (uint64_t)c->p[i].N * c->p[i].row_bytes;
+    const uint64_t total = call_weight_bytes(c);
     for (int g = 1; g <= n; g++) {
         const int64_t end = g == n ? items : item_at_bytes(c, total / (uint64_t)n * (uint64_t)g);
         cuts[g] = end < cuts[g - 1] ? cuts[g - 1] : end;
@@ -818,7 +824,7 @@ static int run_group_regions(const groups_ctx *G, int64_t items) {
     for (int g = 0; g < G->n; g++) {
         if (G->first[g + 1] == G->first[g]) continue;
         if (!G->c[g].few) return 0;
-        for (int i = 0; i < G->c[g].n_parts; i++) total += (uint64_t)G->c[g].p[i].N * G->c[g].p[i].row_bytes;
+        total += call_weight_bytes(&G->c[g]);
     }
     int64_t cuts[ELLM_MAX_REGIONS + 1] = {0};
     uint64_t base = 0;
@@ -830,9 +836,7 @@ static int run_group_regions(const groups_ctx *G, int64_t items) {
             /* the group holding the target byte, then the item within it */
             for (;;) {
                 const lin_ctx *c = &G->c[g];
-                uint64_t bytes = 0;
-                if (G->first[g + 1] > G->first[g])
-                    for (int i = 0; i < c->n_parts; i++) bytes += (uint64_t)c->p[i].N * c->p[i].row_bytes;
+                const uint64_t bytes = G->first[g + 1] > G->first[g] ? call_weight_bytes(c) : 0;
                 if (target < base + bytes || g == G->n - 1) {
                     end = bytes ? G->first[g] + item_at_bytes(c, target - base) : items;
                     break;

@@ -608,17 +608,21 @@ INLINE void prefetch_next_chunk(const uint8_t *w, size_t ws, int bs, int chunk, 
 #define T3_C1 5
 #define T3_A2 6
 #define T3_C2 7
-/* Step kk of 4 (64 bytes of K) of one block: the activations' tile into X, each chain's
- * weights into its A and multiplied */
+/* One chain's step: its weights' 64 bytes of K into tile A, multiplied by the activation
+ * tile X into its sum C */
+#define CHAIN(A, C, X, wp, kk)                                            \
+    do {                                                                  \
+        TILE_LOAD(A, (wp) + 64 * (kk), 256);                              \
+        TILE_DPBSSD(C, A, X);                                             \
+    } while (0)
+/* Step kk of 4 (64 bytes of K) of one block: the activations' tile into X, then each
+ * chain's step */
 #define A3_STEP(X, kk)                                                    \
     do {                                                                  \
         TILE_LOAD(X, xq + 1024 * (kk), 64);                               \
-        TILE_LOAD(T3_A0, w0 + 64 * (kk), 256);                            \
-        TILE_DPBSSD(T3_C0, T3_A0, X);                                     \
-        TILE_LOAD(T3_A1, w1 + 64 * (kk), 256);                            \
-        TILE_DPBSSD(T3_C1, T3_A1, X);                                     \
-        TILE_LOAD(T3_A2, w2 + 64 * (kk), 256);                            \
-        TILE_DPBSSD(T3_C2, T3_A2, X);                                     \
+        CHAIN(T3_A0, T3_C0, X, w0, kk);                                   \
+        CHAIN(T3_A1, T3_C1, X, w1, kk);                                   \
+        CHAIN(T3_A2, T3_C2, X, w2, kk);                                   \
     } while (0)
 
 /* acc[r] (lanes = 16 tokens) += block ii's term for each of the 16 rows, from the chains'
@@ -654,14 +658,10 @@ INLINE void fold3(int type, const int32_t ib[4][16][16], const wchunk3 *wc, int 
 #define A4_STEP(X, kk)                                                    \
     do {                                                                  \
         TILE_LOAD(X, xq + 1024 * (kk), 64);                               \
-        TILE_LOAD(T3_A0, w0 + 64 * (kk), 256);                            \
-        TILE_DPBSSD(T3_C0, T3_A0, X);                                     \
-        TILE_LOAD(T3_A1, w1 + 64 * (kk), 256);                            \
-        TILE_DPBSSD(T3_C1, T3_A1, X);                                     \
-        TILE_LOAD(T3_A0, w2 + 64 * (kk), 256);                            \
-        TILE_DPBSSD(T4_C2, T3_A0, X);                                     \
-        TILE_LOAD(T3_A1, w3 + 64 * (kk), 256);                            \
-        TILE_DPBSSD(T4_C3, T3_A1, X);                                     \
+        CHAIN(T3_A0, T3_C0, X, w0, kk);                                   \
+        CHAIN(T3_A1, T3_C1, X, w1, kk);                                   \
+        CHAIN(T3_A0, T4_C2, X, w2, kk);                                   \
+        CHAIN(T3_A1, T4_C3, X, w3, kk);                                   \
     } while (0)
 
 INLINE void qgemm3_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
