@@ -65,7 +65,8 @@ SHAPES: dict[str, dict] = {
 # llama-cpp-python's names of the file types it writes (llama_ftype)
 FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
           "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
-          "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+          "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+          "Q3_K_M": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K"}
 TILE = 1_000_003  # values in the random tile (a prime, so rows do not repeat in step)
 TOKENIZER_TEXT = """\
 A model of this shape reads the same number of weight bytes per token as the real one,

@@ -18,6 +18,11 @@ Python with transformers and the folder exists (tests/goldens/make.py --folders 
 
 --contexts 500,2000 adds decode speed after prompts of those lengths (32 new tokens each,
 ellm and llama.cpp): how the cost per token grows with the context.
+
+--simd avx2 compares the two as on a CPU without AVX-512: ellm runs with ELLM_SIMD=avx2 and
+llama.cpp from its own build with this CPU's AVX-512 flags off (--install-llamacpp --simd
+avx2 makes it, in benchmarks/.venv-llamacpp-avx2). --simd avx512 runs ellm without its AMX
+tiles beside the default build (whose AMX path is off, see llamacpp_cmake_args).
 """
 from __future__ import annotations
 
@@ -34,6 +39,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LLAMACPP_VENV = HERE / ".venv-llamacpp"
+# The x86 flags a build for --simd avx2 may use: those of an AVX2 CPU without AVX-512 or
+# AVX-VNNI (Zen 2 and 3, Haswell to Comet Lake), the class ellm's avx2 level is made for
+AVX2_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi2"}
 LLAMACPP_VERSION = "0.3.36"
 TASKS = ("prefill128", "prefill512", "decode128")
 
@@ -203,11 +211,17 @@ def machine_line() -> str:
     return f"CPU: {model}; flags: {' '.join(keys) or '-'}; load average {loadavg():.1f}"
 
 
-def install_llamacpp() -> Path:
-    py = LLAMACPP_VENV / "bin" / "python"
+def llamacpp_venv(simd: str | None) -> Path:
+    return HERE / ".venv-llamacpp-avx2" if simd == "avx2" else LLAMACPP_VENV
+
+
+def install_llamacpp(simd: str | None) -> Path:
+    venv = llamacpp_venv(simd)
+    py = venv / "bin" / "python"
     if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(LLAMACPP_VENV)], check=True)
-    cmake_args = llamacpp_cmake_args(cpu_flags())
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    flags = cpu_flags() & AVX2_FLAGS if simd == "avx2" else cpu_flags()
+    cmake_args = llamacpp_cmake_args(flags)
     print(f"building llama-cpp-python=={LLAMACPP_VERSION} from source (about 15 minutes on 2 cores)"
           f" with CMAKE_ARGS={cmake_args!r} ...")
     # No wheel cache, so an earlier build with other flags is never reused.
@@ -218,8 +232,10 @@ def install_llamacpp() -> Path:
 
 
 def run_worker(python: str, engine: str, model: str, threads: int, ids_file: Path,
-               contexts: list[int]) -> dict:
+               contexts: list[int], simd: str | None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1")
+    if simd:
+        env["ELLM_SIMD"] = simd
     cmd = [python, str(Path(__file__).resolve()), "--worker", engine, "--model", model,
            "--threads", str(threads), "--ids-file", str(ids_file),
            "--contexts", ",".join(map(str, contexts))]
@@ -267,7 +283,7 @@ def bench_model(name: str, args: argparse.Namespace) -> list[str]:
             if loadavg() > args.max_load:
                 print(f"  (load average {loadavg():.1f}: results of this run may be disturbed)")
             res = run_worker(engines[engine][0], engine, engines[engine][1], args.threads, ids_file,
-                             args.contexts)
+                             args.contexts, args.simd)
             results[engine].append(res)
             print(f"  round {r + 1} {engine:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in res.items()),
                   flush=True)
@@ -278,7 +294,8 @@ def bench_model(name: str, args: argparse.Namespace) -> list[str]:
     heads = (["prefill tok/s @128", "prefill tok/s @512", "decode tok/s (128 new)"]
              + [f"decode tok/s at context {c}" for c in args.contexts] + ["peak RSS MB", "first token s"])
     fmt = {"rss_mb": "{:.0f}", "first_token_s": "{:.2f}"}
-    lines = [f"### {label} ({args.threads} threads, medians of {args.rounds} rounds)", "",
+    level = f", ellm at ELLM_SIMD={args.simd}" if args.simd else ""
+    lines = [f"### {label} ({args.threads} threads{level}, medians of {args.rounds} rounds)", "",
              "| engine | " + " | ".join(heads) + " |", "| --- " * (len(heads) + 1) + "|"]
     for e, m in med.items():
         lines.append(f"| {e} | " + " | ".join(fmt.get(k, "{:.1f}").format(m[k]) if k in m else "-" for k in cols)
@@ -316,6 +333,8 @@ def main() -> int:
     ap.add_argument("--max-load", type=float, default=0.5)
     ap.add_argument("--contexts", type=context_list, default=[],
                     help="also time decode after prompts of these lengths, e.g. 500,2000")
+    ap.add_argument("--simd", choices=["avx2", "avx512"], default=None,
+                    help="run ellm at this SIMD level, and llama.cpp built for it (see above)")
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--ids-file", help=argparse.SUPPRESS)
@@ -325,11 +344,12 @@ def main() -> int:
         print(json.dumps(WORKERS[args.worker](args.model, args.threads, ids, args.contexts)))
         return 0
     if args.install_llamacpp:
-        args.llamacpp_python = str(install_llamacpp())
-    elif args.llamacpp_python is None and (LLAMACPP_VENV / "bin" / "python").exists():
-        args.llamacpp_python = str(LLAMACPP_VENV / "bin" / "python")
+        args.llamacpp_python = str(install_llamacpp(args.simd))
+    elif args.llamacpp_python is None and (llamacpp_venv(args.simd) / "bin" / "python").exists():
+        args.llamacpp_python = str(llamacpp_venv(args.simd) / "bin" / "python")
     if args.llamacpp_python is None:
-        print("llama.cpp not found: pass --llamacpp-python or --install-llamacpp; running ellm alone")
+        print("llama.cpp not found: pass --llamacpp-python or --install-llamacpp"
+              f"{' --simd ' + args.simd if args.simd else ''}; running ellm alone")
     print(machine_line())
     report = []
     for name in args.models:

@@ -555,7 +555,7 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
     }
 
     /* Many tokens: a format takes its group layout when every part of it has a qgemm kernel
-     * at the level in force (the 32-element types, Q4_K and Q6_K on x86). The kernels
+     * at the level in force (the 32-element types, Q4_K, Q5_K and Q6_K on x86). The kernels
      * are chosen here once, so a level changed meanwhile cannot split the decision. */
     ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS], qamx[ELLM_LINEAR_MAX_PARTS];
     const int groups = takes_token_groups(T);

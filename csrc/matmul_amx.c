@@ -444,7 +444,7 @@ DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
  *           acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
  *   Q5_K  q in 0..31, sc in 0..63 = s0 + 4 s1 + 16 s2 (digits 0..3: q s <= 93), and the
  *         mins' row: isum = (q s0 . x) + 4 (q s1 . x) + 16 (q s2 . x), msum and the float
- *         steps as Q4_K's (quant_x86.h's qdot_k45 sums Q5_K that way in this build)
+ *         steps as Q4_K's (quant_x86.h sums Q5_K that way at every level)
  *   Q6_K  v = q - 32 in -32..31, scale sc in -128..127 = s0 + 8 s1 + 64 s2 with every
  *         digit in -3..4 (v s in -128..124):
  *           isum = (v s0 . x) + 8 (v s1 . x) + 64 (v s2 . x) = sum_g sc[g] ((q_g - 32) . x_g)

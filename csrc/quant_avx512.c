@@ -41,7 +41,10 @@ ellm_qgemm_fn ellm_qgemm_avx512(int qtype, int vnni) {
     case ELLM_T_Q5_0: return qgemm_q5_0;
     case ELLM_T_Q5_1: return qgemm_q5_1;
     case ELLM_T_Q8_0: return qgemm_q8_0;
+    case ELLM_T_Q2_K: return qgemm_q2_k;
+    case ELLM_T_Q3_K: return qgemm_q3_k;
     case ELLM_T_Q4_K: return qgemm_q4_k;
+    case ELLM_T_Q5_K: return qgemm_q5_k;
     case ELLM_T_Q6_K: return qgemm_q6_k;
     default: return NULL;
     }

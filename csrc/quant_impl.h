@@ -71,7 +71,7 @@ typedef struct {
 } ellm_act32x8;
 _Static_assert(sizeof(ellm_act32x8) == 320, "act32x8 layout");
 
-/* The K-quants' act256 blocks in the same group layout (the Q4_K and Q6_K kernels),
+/* The K-quants' act256 blocks in the same group layout (the Q4_K, Q5_K and Q6_K kernels),
  * with the per-16 sums in pairs so that one madd applies two per-16 factors to 8 tokens */
 typedef struct {
     int8_t qs[256 * ELLM_TG];      /* qs[4 (ELLM_TG m + t) + j] = token t's qs[4 m + j] */

@@ -116,7 +116,7 @@ NEON_QDOT32(qdot_q8_0, ELLM_T_Q8_0, Q8_0_BYTES)
  * K-quants against act256, in the x86 kernels' float order (quant_x86.h):
  *   Q4_K  isum = sum_j sc[j] (q_j . x_j),  msum = sum_j mn[j] (bsum[2j] + bsum[2j+1])
  *         acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
- *   Q5_K  as Q4_K with a fifth bit from qh, but in eight float lanes (row_q5k)
+ *   Q5_K  as Q4_K, with a fifth bit from qh
  *   Q6_K  tot = sum_g sc[g] (q_g . x_g) - 32 sum_g sc[g] bsum[g]   (values stored +32)
  *         acc = fma(float(tot), d d_x, acc)
  * The integer sums are exact, so only these FMAs round, once per block and output.
@@ -133,25 +133,40 @@ NEON_INLINE int32_t dot16(int8x16_t w, int8x16_t x) {
 #endif
 }
 
-NEON_INLINE void row_q4k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt, float *y,
-                         size_t y_stride) {
+/* Q4_K and Q5_K (the fifth bit from qh: bit 2c of qh[l] is the 0x10 bit of element
+ * 64c + l, bit 2c + 1 that of element 64c + 32 + l) */
+NEON_INLINE void row_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
+                         float *y, size_t y_stride) {
     enum { TILE = 4 };
-    const uint8x16_t lo4 = vdupq_n_u8(0x0F);
+    const int q5 = type == ELLM_T_Q5_K;
+    const int bs = q5 ? Q5_K_BYTES : Q4_K_BYTES;
+    const uint8x16_t lo4 = vdupq_n_u8(0x0F), b5 = vdupq_n_u8(0x10);
     for (int64_t t0 = 0; t0 < nt; t0 += TILE) {
         const int n = nt - t0 < TILE ? (int)(nt - t0) : TILE;
         float acc[TILE] = {0};
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *b = w + i * Q4_K_BYTES, *qs = b + 16;
+            const uint8_t *b = w + i * bs, *qs = b + (q5 ? 48 : 16);
             uint8_t sc[8], mn[8];
             ellm_unpack_k4_scales(b + 4, sc, mn);
             const float d = ellm_rd_f16(b), dmin = ellm_rd_f16(b + 2);
+            const uint8x16_t h0 = q5 ? vld1q_u8(b + 16) : vdupq_n_u8(0), h1 = q5 ? vld1q_u8(b + 32) : vdupq_n_u8(0);
             int8x16_t q[4][4]; /* run c: low nibbles (2 halves), high nibbles (2 halves) */
             for (int c = 0; c < 4; c++) {
                 const uint8x16_t v0 = vld1q_u8(qs + 32 * c), v1 = vld1q_u8(qs + 32 * c + 16);
-                q[c][0] = vreinterpretq_s8_u8(vandq_u8(v0, lo4));
-                q[c][1] = vreinterpretq_s8_u8(vandq_u8(v1, lo4));
-                q[c][2] = vreinterpretq_s8_u8(vshrq_n_u8(v0, 4));
-                q[c][3] = vreinterpretq_s8_u8(vshrq_n_u8(v1, 4));
+                uint8x16_t l0 = vandq_u8(v0, lo4), l1 = vandq_u8(v1, lo4);
+                uint8x16_t u0 = vshrq_n_u8(v0, 4), u1 = vshrq_n_u8(v1, 4);
+                if (q5) {
+                    const uint8x16_t m0 = vdupq_n_u8((uint8_t)(1u << (2 * c)));
+                    const uint8x16_t m1 = vdupq_n_u8((uint8_t)(2u << (2 * c)));
+                    l0 = vorrq_u8(l0, vandq_u8(vtstq_u8(h0, m0), b5));
+                    l1 = vorrq_u8(l1, vandq_u8(vtstq_u8(h1, m0), b5));
+                    u0 = vorrq_u8(u0, vandq_u8(vtstq_u8(h0, m1), b5));
+                    u1 = vorrq_u8(u1, vandq_u8(vtstq_u8(h1, m1), b5));
+                }
+                q[c][0] = vreinterpretq_s8_u8(l0);
+                q[c][1] = vreinterpretq_s8_u8(l1);
+                q[c][2] = vreinterpretq_s8_u8(u0);
+                q[c][3] = vreinterpretq_s8_u8(u1);
             }
             for (int t = 0; t < n; t++) {
                 const ellm_act256 *a = (const ellm_act256 *)(x + (size_t)(t0 + t) * x_stride) + i;
@@ -170,87 +185,13 @@ NEON_INLINE void row_q4k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t 
     }
 }
 
-/* The 4 sums of 4 consecutive products of 16 signed bytes: lane k = w[4k..4k+3] . x[4k..4k+3]
- * (exact), the s32 lanes of the x86 maddubs + madd pair and of SDOT alike. */
-NEON_INLINE int32x4_t dot4x4(int8x16_t w, int8x16_t x) {
-#if NEON_SDOT
-    return vdotq_s32(vdupq_n_s32(0), w, x);
-#else
-    const int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(x)));
-    const int32x4_t hi = vpaddlq_s16(vmull_high_s8(w, x));
-    return vpaddq_s32(lo, hi);
-#endif
-}
-
-/* quant_x86.h's hsum8 of eight float lanes (v[0]: lanes 0-3, v[1]: 4-7):
- *   ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
-NEON_INLINE float hsum8_neon(const float32x4_t v[2]) {
-    const float32x4_t s = vaddq_f32(v[0], v[1]);
-    const float s02 = vgetq_lane_f32(s, 0) + vgetq_lane_f32(s, 2);
-    const float s13 = vgetq_lane_f32(s, 1) + vgetq_lane_f32(s, 3);
-    return s02 + s13;
-}
-
-/* Q5_K in the order of quant_x86.h's qdot_k45 (eight float lanes, then its hsum8):
- *   lane k (0..7) isum[k] = sum_j sc[j] (q_j . x_j over bytes 4k..4k+3 of sub-block j's run
- *   of 32), msum[k] = mn[k] (bsum[2k] + bsum[2k+1]);
- *   acc[k] = fma(float(isum[k]), d d_x, acc[k]);  acc[k] = fma(float(msum[k]), -dmin d_x, acc[k])
- *   y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) */
-NEON_INLINE void row_q5k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt, float *y,
-                         size_t y_stride) {
-    enum { TILE = 4 };
-    const uint8x16_t lo4 = vdupq_n_u8(0x0F), b5 = vdupq_n_u8(0x10);
-    for (int64_t t0 = 0; t0 < nt; t0 += TILE) {
-        const int n = nt - t0 < TILE ? (int)(nt - t0) : TILE;
-        float32x4_t acc[TILE][2];
-        for (int t = 0; t < TILE; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0.0f);
-        for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *b = w + i * Q5_K_BYTES, *qh = b + 16, *qs = b + 48;
-            uint8_t sc[8], mn[8];
-            ellm_unpack_k4_scales(b + 4, sc, mn);
-            const float d = ellm_rd_f16(b), dmin = ellm_rd_f16(b + 2);
-            const uint8x16_t h0 = vld1q_u8(qh), h1 = vld1q_u8(qh + 16);
-            int8x16_t q[4][4]; /* run c: elements 64c + 0..15, 16..31 (low nibbles), 32..47, 48..63 */
-            for (int c = 0; c < 4; c++) {
-                const uint8x16_t v0 = vld1q_u8(qs + 32 * c), v1 = vld1q_u8(qs + 32 * c + 16);
-                /* bit 2c of qh[l] is the 0x10 bit of element 64c + l; bit 2c + 1 of 64c + 32 + l */
-                const uint8x16_t m0 = vdupq_n_u8((uint8_t)(1u << (2 * c))), m1 = vdupq_n_u8((uint8_t)(2u << (2 * c)));
-                q[c][0] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v0, lo4), vandq_u8(vtstq_u8(h0, m0), b5)));
-                q[c][1] = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v1, lo4), vandq_u8(vtstq_u8(h1, m0), b5)));
-                q[c][2] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v0, 4), vandq_u8(vtstq_u8(h0, m1), b5)));
-                q[c][3] = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v1, 4), vandq_u8(vtstq_u8(h1, m1), b5)));
-            }
-            for (int t = 0; t < n; t++) {
-                const ellm_act256 *a = (const ellm_act256 *)(x + (size_t)(t0 + t) * x_stride) + i;
-                int32x4_t is0 = vdupq_n_s32(0), is1 = vdupq_n_s32(0); /* lanes 0-3, 4-7 */
-                for (int c = 0; c < 4; c++) {
-                    const int8_t *xq = a->qs + 64 * c;
-                    is0 = vmlaq_n_s32(is0, dot4x4(q[c][0], vld1q_s8(xq)), sc[2 * c]);
-                    is1 = vmlaq_n_s32(is1, dot4x4(q[c][1], vld1q_s8(xq + 16)), sc[2 * c]);
-                    is0 = vmlaq_n_s32(is0, dot4x4(q[c][2], vld1q_s8(xq + 32)), sc[2 * c + 1]);
-                    is1 = vmlaq_n_s32(is1, dot4x4(q[c][3], vld1q_s8(xq + 48)), sc[2 * c + 1]);
-                }
-                int32_t ms[8];
-                for (int k = 0; k < 8; k++) ms[k] = mn[k] * (a->bsums[2 * k] + a->bsums[2 * k + 1]);
-                const float32x4_t dd = vdupq_n_f32(d * a->d), dm = vdupq_n_f32(-dmin * a->d);
-                acc[t][0] = vfmaq_f32(acc[t][0], vcvtq_f32_s32(is0), dd);
-                acc[t][1] = vfmaq_f32(acc[t][1], vcvtq_f32_s32(is1), dd);
-                acc[t][0] = vfmaq_f32(acc[t][0], vcvtq_f32_s32(vld1q_s32(ms)), dm);
-                acc[t][1] = vfmaq_f32(acc[t][1], vcvtq_f32_s32(vld1q_s32(ms + 4)), dm);
-            }
-        }
-        for (int t = 0; t < n; t++) y[(size_t)(t0 + t) * y_stride] = hsum8_neon(acc[t]);
-    }
-}
-
-/* Q2_K / Q3_K in the order of quant_x86.h's qdot_k23 (eight float lanes, then hsum8):
- * per 128-half h, the 32-run s (elements 128h + 32s + l) holds bits 2s, 2s+1 of qs[32h + l]
- * (Q3_K: | 4 where bit 4h+s of hmask[l] is set); groups of 16 g = 8h + 2s (+1).
- *   lane k (0..7) isum[k] = sum_{h,s} sc[g] (run bytes 4k'..4k'+3), k' = k mod 4, g's second
- *   group for k >= 4;  Q2_K msum[k] = mn[2k] bsum[2k] + mn[2k+1] bsum[2k+1];
- *   Q3_K off[k] = 4 (sc[2k] bsum[2k] + sc[2k+1] bsum[2k+1])
- *   Q2_K acc[k] = fma(float(isum[k]), d d_x, acc[k]);  acc[k] = fma(float(msum[k]), -dmin d_x, acc[k])
- *   Q3_K acc[k] = fma(float(isum[k] - off[k]), d d_x, acc[k]) */
+/* Q2_K / Q3_K in the order of quant_x86.h's qdot_k23: per 128-half h, the 32-run s
+ * (elements 128h + 32s + l) holds bits 2s, 2s+1 of qs[32h + l] (Q3_K: | 4 where bit 4h+s
+ * of hmask[l] is set); groups of 16 g = 8h + 2s (+1).
+ *   isum = sum_g sc[g] (q_g . x_g);  Q2_K msum = sum_g mn[g] bsum[g];
+ *   Q3_K off = 4 sum_g sc[g] bsum[g]
+ *   Q2_K acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
+ *   Q3_K acc = fma(float(isum - off), d d_x, acc) */
 NEON_INLINE void row_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride, int64_t nt,
                          float *y, size_t y_stride) {
     enum { TILE = 4 };
@@ -258,8 +199,7 @@ NEON_INLINE void row_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *
     const uint8x16_t three = vdupq_n_u8(3), four = vdupq_n_u8(4);
     for (int64_t t0 = 0; t0 < nt; t0 += TILE) {
         const int n = nt - t0 < TILE ? (int)(nt - t0) : TILE;
-        float32x4_t acc[TILE][2];
-        for (int t = 0; t < TILE; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0.0f);
+        float acc[TILE] = {0};
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = w + i * bs, *qs;
             int8_t sc[16];
@@ -294,32 +234,24 @@ NEON_INLINE void row_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *
             }
             for (int t = 0; t < n; t++) {
                 const ellm_act256 *a = (const ellm_act256 *)(x + (size_t)(t0 + t) * x_stride) + i;
-                int32x4_t is0 = vdupq_n_s32(0), is1 = vdupq_n_s32(0); /* lanes 0-3, 4-7 */
+                int32_t isum = 0, bsum = 0; /* bsum: Q2_K sum_g mn[g] bsum[g], Q3_K sum_g sc[g] bsum[g] */
                 for (int h = 0; h < 2; h++)
                     for (int s = 0; s < 4; s++) {
                         const int8_t *xq = a->qs + 128 * h + 32 * s;
                         const int g = 8 * h + 2 * s;
-                        is0 = vmlaq_n_s32(is0, dot4x4(q[h][s][0], vld1q_s8(xq)), sc[g]);
-                        is1 = vmlaq_n_s32(is1, dot4x4(q[h][s][1], vld1q_s8(xq + 16)), sc[g + 1]);
+                        isum += sc[g] * dot16(q[h][s][0], vld1q_s8(xq));
+                        isum += sc[g + 1] * dot16(q[h][s][1], vld1q_s8(xq + 16));
                     }
-                int32_t lane[8];
-                const float32x4_t dd = vdupq_n_f32(d * a->d);
+                for (int g = 0; g < 16; g++) bsum += (type == ELLM_T_Q2_K ? mn[g] : sc[g]) * a->bsums[g];
                 if (type == ELLM_T_Q2_K) {
-                    for (int k = 0; k < 8; k++) lane[k] = mn[2 * k] * a->bsums[2 * k] + mn[2 * k + 1] * a->bsums[2 * k + 1];
-                    const float32x4_t dm = vdupq_n_f32(-dmin * a->d);
-                    acc[t][0] = vfmaq_f32(acc[t][0], vcvtq_f32_s32(is0), dd);
-                    acc[t][1] = vfmaq_f32(acc[t][1], vcvtq_f32_s32(is1), dd);
-                    acc[t][0] = vfmaq_f32(acc[t][0], vcvtq_f32_s32(vld1q_s32(lane)), dm);
-                    acc[t][1] = vfmaq_f32(acc[t][1], vcvtq_f32_s32(vld1q_s32(lane + 4)), dm);
+                    acc[t] = fmaf((float)isum, d * a->d, acc[t]);
+                    acc[t] = fmaf((float)bsum, -dmin * a->d, acc[t]);
                 } else {
-                    for (int k = 0; k < 8; k++)
-                        lane[k] = 4 * (sc[2 * k] * a->bsums[2 * k] + sc[2 * k + 1] * a->bsums[2 * k + 1]);
-                    acc[t][0] = vfmaq_f32(acc[t][0], vcvtq_f32_s32(vsubq_s32(is0, vld1q_s32(lane))), dd);
-                    acc[t][1] = vfmaq_f32(acc[t][1], vcvtq_f32_s32(vsubq_s32(is1, vld1q_s32(lane + 4))), dd);
+                    acc[t] = fmaf((float)(isum - 4 * bsum), d * a->d, acc[t]);
                 }
             }
         }
-        for (int t = 0; t < n; t++) y[(size_t)(t0 + t) * y_stride] = hsum8_neon(acc[t]);
+        for (int t = 0; t < n; t++) y[(size_t)(t0 + t) * y_stride] = acc[t];
     }
 }
 
@@ -361,7 +293,8 @@ NEON_INLINE void row_q6k(int64_t nb, const uint8_t *w, const uint8_t *x, size_t 
 
 static void qdot_q4_k(int64_t nb, const uint8_t *w, size_t w_stride, int64_t nr, const uint8_t *x, size_t x_stride,
                       int64_t nt, float *y, size_t y_stride) {
-    for (int64_t r = 0; r < nr; r++) row_q4k(nb, w + (size_t)r * w_stride, x, x_stride, nt, y + r, y_stride);
+    for (int64_t r = 0; r < nr; r++)
+        row_k45(ELLM_T_Q4_K, nb, w + (size_t)r * w_stride, x, x_stride, nt, y + r, y_stride);
 }
 static void qdot_q2_k(int64_t nb, const uint8_t *w, size_t w_stride, int64_t nr, const uint8_t *x, size_t x_stride,
                       int64_t nt, float *y, size_t y_stride) {
@@ -375,7 +308,8 @@ static void qdot_q3_k(int64_t nb, const uint8_t *w, size_t w_stride, int64_t nr,
 }
 static void qdot_q5_k(int64_t nb, const uint8_t *w, size_t w_stride, int64_t nr, const uint8_t *x, size_t x_stride,
                       int64_t nt, float *y, size_t y_stride) {
-    for (int64_t r = 0; r < nr; r++) row_q5k(nb, w + (size_t)r * w_stride, x, x_stride, nt, y + r, y_stride);
+    for (int64_t r = 0; r < nr; r++)
+        row_k45(ELLM_T_Q5_K, nb, w + (size_t)r * w_stride, x, x_stride, nt, y + r, y_stride);
 }
 static void qdot_q6_k(int64_t nb, const uint8_t *w, size_t w_stride, int64_t nr, const uint8_t *x, size_t x_stride,
                       int64_t nt, float *y, size_t y_stride) {

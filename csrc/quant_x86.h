@@ -53,13 +53,6 @@ _Static_assert(QX_TILE == 4, "QX_FOR_TOKEN_TILES spells out the cases 1..4");
  * Helpers
  * ==================================================================================== */
 
-INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 INLINE int hsum8_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -77,7 +70,7 @@ INLINE float hmax8(__m256 v) {
 INLINE float f16_at(const uint8_t *p) { return _cvtsh_ss(ellm_rd_u16(p)); }
 
 /* Software prefetch distance of the K-quant decode kernels that read one row at a time
- * (all but Q4_K / Q6_K at one token on AVX2, which read 4: qdot_k_rows):
+ * (all but the K-quants at one token on AVX2, which read 4: qdot_k_rows):
  * a weight row (and the rows after it, which follow it in memory) is fetched this many
  * bytes ahead of the block being read. benchmarks/bench_stream.py: 2 threads read 14.8
  * GB/s with the hardware prefetcher alone and 19.2 with 2048 bytes of software prefetch.
@@ -1172,29 +1165,35 @@ INLINE __m256i scale_pair(__m256i half, const int r) {
                                                       _mm_set1_epi16((short)(0x0100 + 0x0202 * 2 * r))));
 }
 
+/* The K-quants' shapes as the many-token kernels see them: the bytes of a block; runs of
+ * 32 values sharing a scale (Q4_K, Q5_K) or of 16 (Q2_K, Q3_K, Q6_K); a min per run
+ * taken off in a second FMA (Q2_K, Q4_K, Q5_K), or else an offset on every value taken
+ * off the integer sum (Q3_K 4 = 1 << 2, Q6_K 32 = 1 << 5) */
+INLINE int qk_block_bytes(int type) {
+    switch (type) {
+    case ELLM_T_Q2_K: return Q2_K_BYTES;
+    case ELLM_T_Q3_K: return Q3_K_BYTES;
+    case ELLM_T_Q4_K: return Q4_K_BYTES;
+    case ELLM_T_Q5_K: return Q5_K_BYTES;
+    default: return Q6_K_BYTES;
+    }
+}
+INLINE int qk_runs_of_32(int type) { return type == ELLM_T_Q4_K || type == ELLM_T_Q5_K; }
+INLINE int qk_has_mins(int type) { return type != ELLM_T_Q3_K && type != ELLM_T_Q6_K; }
+INLINE int qk_offset_shift(int type) { return type == ELLM_T_Q6_K ? 5 : 2; }
+
 /* Q4_K / Q5_K: sub-block j of 32 has scale sc[j] and min mn[j]:
  *   dot = d d_x sum_j sc[j] (q_j . x_j)  -  dmin d_x sum_j mn[j] (bsum[2j] + bsum[2j+1])
- * The min term is one madd of the 16 bsums with the mins repeated pairwise.
- * Q4_K reduces each block's sums to integers and adds them in one float chain, the order
- * of its many-token kernels. Q5_K does the same in the AVX-512 VNNI build, whose row
- * kernels the AMX level runs beside its Q5_K tiles (matmul_amx.c); the AVX2 build (and
- * NEON, which gives its bits) keeps 8 float lanes a block, as Q5_K has no many-token
- * kernel there. */
-#if QX_ZMM
-#define K5_AS_K4 1
-#else
-#define K5_AS_K4 0
-#endif
+ * The min term is one madd of the 16 bsums with the mins repeated pairwise. Each block's
+ * sums are reduced to integers and added in one float chain per output -- the order of
+ * the many-token kernels (qgemmk_tile, qxa_tile, and matmul_amx.c's tiles) -- so every
+ * token count gives the same bits. */
 KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride,
                      const int nt, float *y, size_t y_stride) {
     const int bs = type == ELLM_T_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[QX_TILE];
-    float accs[QX_TILE]; /* Q4_K: one float chain per output, two FMAs per block */
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        accs[t] = 0.0f;
-    }
+    float accs[QX_TILE]; /* one float chain per output, two FMAs per block */
+    for (int t = 0; t < nt; t++) accs[t] = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * bs;
         prefetch_ahead(b, bs);
@@ -1229,22 +1228,15 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
             const ellm_act256 *a = (const ellm_act256 *)(x + (size_t)t * x_stride) + i;
             __m256i bsum = _mm256_loadu_si256((const __m256i *)a->bsums);
             __m256i msum = _mm256_madd_epi16(bsum, mins);
-            if (type == ELLM_T_Q4_K || K5_AS_K4) { /* the per-block order of qgemmk_tile (below) */
-                /* both horizontal sums at once: (isum, msum) in the low two lanes */
-                __m256i h = _mm256_hadd_epi32(sumi[t], msum);
-                __m128i v = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-                v = _mm_hadd_epi32(v, v);
-                accs[t] = fmaf((float)_mm_cvtsi128_si32(v), d * a->d, accs[t]);
-                accs[t] = fmaf((float)_mm_extract_epi32(v, 1), -dmin * a->d, accs[t]);
-                continue;
-            }
-            __m256 fm = _mm256_cvtepi32_ps(msum);
-            __m256 fs = _mm256_cvtepi32_ps(sumi[t]);
-            acc[t] = _mm256_fmadd_ps(fs, _mm256_set1_ps(d * a->d), acc[t]);
-            acc[t] = _mm256_fmadd_ps(fm, _mm256_set1_ps(-dmin * a->d), acc[t]);
+            /* both horizontal sums at once: (isum, msum) in the low two lanes */
+            __m256i h = _mm256_hadd_epi32(sumi[t], msum);
+            __m128i v = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            v = _mm_hadd_epi32(v, v);
+            accs[t] = fmaf((float)_mm_cvtsi128_si32(v), d * a->d, accs[t]);
+            accs[t] = fmaf((float)_mm_extract_epi32(v, 1), -dmin * a->d, accs[t]);
         }
     }
-    for (int t = 0; t < nt; t++) y[t * y_stride] = type == ELLM_T_Q4_K || K5_AS_K4 ? accs[t] : hsum8(acc[t]);
+    for (int t = 0; t < nt; t++) y[t * y_stride] = accs[t];
 }
 
 /* Q6_K: per 128-half, ql (64 bytes) holds four 32-runs in its low / high nibbles and
@@ -1324,13 +1316,15 @@ INLINE void q3k_scales(const uint8_t *p, int8_t sc[16]) {
  *   dot = d d_x sum_g sc[g] (q_g . x_g)  -  dmin d_x sum_g mn[g] bsum[g]
  * Q3_K: the same 2-bit runs plus a third bit from hmask (bit 4h+s of hmask[l]); the
  * value is (low | third << 2) - 4 with a signed 6-bit scale per 16, so the -4 comes off
- * as 4 sum_g sc[g] bsum[g]. */
+ * as 4 sum_g sc[g] bsum[g]. Each block's sums become integers and are added in one float
+ * chain per output (Q2_K two FMAs as Q4_K, Q3_K one as Q6_K), the order of the
+ * many-token kernels (qgemmk_tile below). */
 KINLINE void qdot_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride,
                       const int nt, float *y, size_t y_stride) {
     const int bs = type == ELLM_T_Q2_K ? Q2_K_BYTES : Q3_K_BYTES;
     const __m256i three = _mm256_set1_epi8(3);
-    __m256 acc[QX_TILE];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    float acc[QX_TILE]; /* one float chain per output: the order of the many-token kernels */
+    for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * bs;
         prefetch_ahead(b, bs);
@@ -1385,27 +1379,28 @@ KINLINE void qdot_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
         for (int t = 0; t < nt; t++) {
             const ellm_act256 *a = (const ellm_act256 *)(x + (size_t)t * x_stride) + i;
             __m256i bsum = _mm256_loadu_si256((const __m256i *)a->bsums);
-            if (type == ELLM_T_Q2_K) {
-                __m256 fm = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsum, mins16));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_set1_ps(d * a->d), acc[t]);
-                acc[t] = _mm256_fmadd_ps(fm, _mm256_set1_ps(-dmin * a->d), acc[t]);
+            if (type == ELLM_T_Q2_K) { /* (isum, msum) in the low two lanes, as qdot_k45 */
+                __m256i h = _mm256_hadd_epi32(sumi[t], _mm256_madd_epi16(bsum, mins16));
+                __m128i v = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                v = _mm_hadd_epi32(v, v);
+                acc[t] = fmaf((float)_mm_cvtsi128_si32(v), d * a->d, acc[t]);
+                acc[t] = fmaf((float)_mm_extract_epi32(v, 1), -dmin * a->d, acc[t]);
             } else {
                 __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(bsum, sc16), 2);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[t], off)),
-                                         _mm256_set1_ps(d * a->d), acc[t]);
+                acc[t] = fmaf((float)hsum8_epi32(_mm256_sub_epi32(sumi[t], off)), d * a->d, acc[t]);
             }
         }
     }
-    for (int t = 0; t < nt; t++) y[t * y_stride] = hsum8(acc[t]);
+    for (int t = 0; t < nt; t++) y[t * y_stride] = acc[t];
 }
 
 /* ------------------------------------------------------------------------------------
- * Q4_K and Q6_K decode at one token: QXK_ROWS weight rows side by side (lane r = row r
+ * K-quant decode at one token: QXK_ROWS weight rows side by side (lane r = row r
  * of the float steps). Per block the rows' integer dots are formed as in qdot_k45 /
- * qdot_q6k_body (exact, so their order never shows), the rows' 8-lane partial sums
- * reduced together (one hadd tree for all the rows, in place of one per row), and the
- * float steps -- Q4_K fma(isum, d d_x), then fma(msum, -dmin d_x); Q6_K fma(isum, d d_x)
- * -- run with row r in lane r: the same single-rounding operations per output as the
+ * qdot_k23 / qdot_q6k_body (exact, so their order never shows), the rows' 8-lane partial
+ * sums reduced together (one hadd tree for all the rows, in place of one per row), and the
+ * float steps -- Q2_K, Q4_K, Q5_K fma(isum, d d_x), then fma(msum, -dmin d_x); Q3_K, Q6_K
+ * fma(isum, d d_x) -- run with row r in lane r: the same single-rounding operations per output as the
  * one-row kernels, so the outputs are bit for bit theirs. Row nr - 1 stands in for the
  * rows past nr (computed, never stored), so every load stays inside w.
  *
@@ -1420,7 +1415,11 @@ KINLINE void qdot_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
  * through _quant.linear in cache 1.07-1.13x; Llama-3.2-1B's matrices from DRAM
  * (2048 x 2048, 512 x 2048, 8192 x 2048, 2048 x 8192, 128256 x 2048), medians of
  * alternated calls, 0.96-1.12x, within the noise of that load; Gemma 3 270M decode 1.02x.
- * (The AVX-512 level keeps its one-row kernels: not measured there.)
+ * Q2_K, Q3_K and Q5_K took it when they took Q4_K's one float chain a block (on this
+ * Xeon at ELLM_SIMD=avx2, the 1B Q2_K file's decode: see docs/benchmarks.md).
+ * The AVX-512 level keeps its one-row kernels: on the Xeon (AMX level, 2 threads) this
+ * kernel there took the 1B Q4_K_M file's decode from 29.0-29.8 to 21.3-22.8 tok/s and
+ * the Q2_K file's from 32.5-34.1 to 29.8-31.8.
  * ------------------------------------------------------------------------------------ */
 #define QXK_ROWS 4
 
@@ -1430,19 +1429,25 @@ INLINE __m128i hsum4x8_epi32(const __m256i v[4]) {
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-/* Q4_K block b of one row against the token's act256 block a: *sumi the 8-lane partial
- * sums of sum_j sc[j] (q_j . x_j), *msum those of sum_j mn[j] (bsum[2j] + bsum[2j+1]) */
-KINLINE void k4_block_isums(const uint8_t *b, const ellm_act256 *a, __m256i *sumi, __m256i *msum) {
+/* Q4_K / Q5_K block b of one row against the token's act256 block a: *sumi the 8-lane
+ * partial sums of sum_j sc[j] (q_j . x_j), *msum those of sum_j mn[j] (bsum[2j] + bsum[2j+1]) */
+KINLINE void k4_block_isums(int type, const uint8_t *b, const ellm_act256 *a, __m256i *sumi, __m256i *msum) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     __m256i sc16, mins;
     k4_scales(b + 4, &sc16, &mins);
-    const uint8_t *qs = b + 16;
+    const int q5 = type == ELLM_T_Q5_K;
+    const uint8_t *qs = b + (q5 ? 48 : 16);
+    const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     __m256i acc = _mm256_setzero_si256();
     _Pragma("GCC unroll 4")
     for (int c = 0; c < 4; c++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        const __m256i ql = _mm256_and_si256(q, lo4);
-        const __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+        __m256i ql = _mm256_and_si256(q, lo4);
+        __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+        if (q5) { /* as qdot_k45 */
+            ql = _mm256_or_si256(ql, bit_to_0x10(qh, 2 * c));
+            qhi = _mm256_or_si256(qhi, bit_to_0x10(qh, 2 * c + 1));
+        }
         const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * 2 * c)));
         const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
         const __m256i p0 = _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(a->qs + 64 * c)));
@@ -1485,10 +1490,73 @@ KINLINE __m256i q6k_block_isum(const uint8_t *b, const ellm_act256 *a) {
     return _mm256_sub_epi32(sumi, _mm256_slli_epi32(off, 5));
 }
 
+/* Q2_K / Q3_K block b of one row against the token's act256 block a, as qdot_k23 forms
+ * them: *sumi the 8-lane partial sums of sum_g sc[g] (q_g . x_g) (Q3_K less its offset,
+ * 4 sum_g sc[g] bsum[g]), *msum (Q2_K) those of sum_g mn[g] bsum[g] */
+KINLINE void k23_block_isums(int type, const uint8_t *b, const ellm_act256 *a, __m256i *sumi, __m256i *msum) {
+    const __m256i three = _mm256_set1_epi8(3);
+    const int q3 = type == ELLM_T_Q3_K;
+    int8_t sc[16];
+    __m256i hm = _mm256_setzero_si256();
+    if (q3) {
+        q3k_scales(b + 96, sc);
+        hm = _mm256_loadu_si256((const __m256i *)b);
+    } else {
+        _mm_storeu_si128((__m128i *)sc, _mm_and_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(0x0F)));
+    }
+    const uint8_t *qs = b + (q3 ? 32 : 16);
+    __m256i sch[2];
+    scales16_halves(sc, sch);
+    __m256i acc = _mm256_setzero_si256();
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < 2; h++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+        __m256i q[4];
+        _Pragma("GCC unroll 4")
+        for (int s = 0; s < 4; s++) {
+            q[s] = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), three);
+            if (q3) {
+                const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + s)));
+                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                q[s] = _mm256_or_si256(q[s], _mm256_and_si256(set, _mm256_set1_epi8(4)));
+            }
+        }
+        _Pragma("GCC unroll 2")
+        for (int s = 0; s < 4; s += 2) {
+            const __m256i s0 = scale_pair(sch[h], s), s1 = scale_pair(sch[h], s + 1);
+            const __m256i p0 = _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(a->qs + 128 * h + 32 * s)));
+            const __m256i p1 =
+                _mm256_maddubs_epi16(q[s + 1], _mm256_loadu_si256((const __m256i *)(a->qs + 128 * h + 32 * s + 32)));
+            acc = _mm256_add_epi32(acc, DOT2_S16(p0, s0, p1, s1));
+        }
+    }
+    const __m256i bsum = _mm256_loadu_si256((const __m256i *)a->bsums);
+    if (q3) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        *sumi = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_madd_epi16(bsum, sc16), 2));
+        *msum = _mm256_setzero_si256();
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)b);
+        const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+        *sumi = acc;
+        *msum = _mm256_madd_epi16(bsum, mins16);
+    }
+}
+
+/* Every K-quant: d (and dmin, the f16 after it) at this offset of a block */
+INLINE int qk_d_offset(int type) {
+    switch (type) {
+    case ELLM_T_Q2_K: return 80;
+    case ELLM_T_Q3_K: return 108;
+    case ELLM_T_Q6_K: return 208;
+    default: return 0;
+    }
+}
+
 KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x,
                          float *y) {
-    const int q4 = type == ELLM_T_Q4_K;
-    const size_t bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    const size_t bs = (size_t)qk_block_bytes(type);
+    const int d_at = qk_d_offset(type);
     const uint8_t *wr[QXK_ROWS];
     _Pragma("GCC unroll 4")
     for (int r = 0; r < QXK_ROWS; r++) wr[r] = w + (size_t)(r < nr ? r : nr - 1) * ws;
@@ -1501,13 +1569,14 @@ KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int 
         const ellm_act256 *a = x + i;
         const __m128 ad = _mm_set1_ps(a->d);
         __m256i is[QXK_ROWS];
-        if (q4) {
+        if (qk_has_mins(type)) {
             __m256i ms[QXK_ROWS];
             uint32_t dm[QXK_ROWS]; /* (d, dmin) of each row */
             _Pragma("GCC unroll 4")
             for (int r = 0; r < QXK_ROWS; r++) {
-                k4_block_isums(wr[r] + off, a, &is[r], &ms[r]);
-                dm[r] = ellm_rd_u32(wr[r] + off);
+                if (type == ELLM_T_Q2_K) k23_block_isums(type, wr[r] + off, a, &is[r], &ms[r]);
+                else k4_block_isums(type, wr[r] + off, a, &is[r], &ms[r]);
+                dm[r] = ellm_rd_u32(wr[r] + off + d_at);
             }
             /* halves d0 dmin0 d1 dmin1 ... -> d0..d3 | dmin0..dmin3 */
             const __m256 f = _mm256_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]));
@@ -1518,11 +1587,15 @@ KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int 
             acc = _mm_fmadd_ps(msum, _mm_mul_ps(_mm_xor_ps(dmin, _mm_set1_ps(-0.0f)), ad), acc);
         } else {
             _Pragma("GCC unroll 4")
-            for (int r = 0; r < QXK_ROWS; r++) is[r] = q6k_block_isum(wr[r] + off, a);
-            const __m128 d = _mm_cvtph_ps(_mm_setr_epi16((short)ellm_rd_u16(wr[0] + off + 208),
-                                                         (short)ellm_rd_u16(wr[1] + off + 208),
-                                                         (short)ellm_rd_u16(wr[2] + off + 208),
-                                                         (short)ellm_rd_u16(wr[3] + off + 208), 0, 0, 0, 0));
+            for (int r = 0; r < QXK_ROWS; r++) {
+                __m256i unused;
+                if (type == ELLM_T_Q3_K) k23_block_isums(type, wr[r] + off, a, &is[r], &unused);
+                else is[r] = q6k_block_isum(wr[r] + off, a);
+            }
+            const __m128 d = _mm_cvtph_ps(_mm_setr_epi16((short)ellm_rd_u16(wr[0] + off + d_at),
+                                                         (short)ellm_rd_u16(wr[1] + off + d_at),
+                                                         (short)ellm_rd_u16(wr[2] + off + d_at),
+                                                         (short)ellm_rd_u16(wr[3] + off + d_at), 0, 0, 0, 0));
             acc = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(is)), _mm_mul_ps(d, ad), acc);
         }
     }
@@ -1598,8 +1671,8 @@ KINLINE void qdot_k4_rows_t2(int64_t nb, const uint8_t *w, size_t ws, int nr, co
     }
 }
 
-/* Q4_K / Q6_K: one token in row tiles (qdot_k_rows); several: Q4_K in row tiles, tokens in
- * pairs (qdot_k4_rows_t2) and an odd last one alone; Q6_K row by row as DEFINE_QDOT */
+/* The K-quants: one token in row tiles (qdot_k_rows); several: Q4_K in row tiles, tokens in
+ * pairs (qdot_k4_rows_t2) and an odd last one alone; the others row by row as DEFINE_QDOT */
 #define DEFINE_QDOT_K_ROWS(name, body_fn, TYPE)                                              \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
@@ -1627,14 +1700,17 @@ KINLINE void qdot_k4_rows_t2(int64_t nb, const uint8_t *w, size_t ws, int nr, co
             QX_FOR_TOKEN_TILES(nt, x, xs, y + r, ys, body_fn, TYPE, nb, w + (size_t)r * ws)  \
     }
 
+#if QX_ZMM
 DEFINE_QDOT(qdot_q2_k, qdot_k23, ELLM_T_Q2_K)
 DEFINE_QDOT(qdot_q3_k, qdot_k23, ELLM_T_Q3_K)
-DEFINE_QDOT(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
-#if QX_ZMM
 DEFINE_QDOT(qdot_q4_k, qdot_k45, ELLM_T_Q4_K)
+DEFINE_QDOT(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
 DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
 #else
+DEFINE_QDOT_K_ROWS(qdot_q2_k, qdot_k23, ELLM_T_Q2_K)
+DEFINE_QDOT_K_ROWS(qdot_q3_k, qdot_k23, ELLM_T_Q3_K)
 DEFINE_QDOT_K_ROWS(qdot_q4_k, qdot_k45, ELLM_T_Q4_K)
+DEFINE_QDOT_K_ROWS(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
 DEFINE_QDOT_K_ROWS(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
 #endif
 
@@ -1689,11 +1765,12 @@ KFUNC void qdot_q8_0(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const 
 #endif
 
 /* ====================================================================================
- * Q4_K and Q6_K, many tokens: R weight rows against NG groups of ELLM_TG tokens (lane t =
- * token t), activations in the ellm_act256x8 layout, as qgemm32 does for the 32-element
- * types. Per block and output the integer sums are exact and the float steps are those
- * of qdot_k45 / qdot_q6k_body for these two types:
+ * Q4_K, Q5_K and Q6_K, many tokens: R weight rows against NG groups of ELLM_TG tokens
+ * (lane t = token t), activations in the ellm_act256x8 layout, as qgemm32 does for the
+ * 32-element types. Per block and output the integer sums are exact and the float steps
+ * are those of qdot_k45 / qdot_q6k_body:
  *   Q4_K  isum = sum_j sc[j] (q_j . x_j),  msum = sum_j mn[j] (bsum[2j] + bsum[2j+1])
+ *         (Q5_K the same, with q_j in 0..31)
  *         acc = fma(float(isum), d d_x, acc);  acc = fma(float(msum), -dmin d_x, acc)
  *   Q6_K  isum = sum_g sc[g] (q_g . x_g) - 32 sum_g sc[g] bsum[g]
  *         acc = fma(float(isum), d d_x, acc)
@@ -1703,18 +1780,19 @@ KFUNC void qdot_q8_0(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const 
 /* Blocks unpacked ahead per register tile (256 value bytes per row and block) */
 #define QXK_CHUNK 2
 
-/* One Q4_K (q4) or Q6_K block b of a row, unpacked for the broadcast loads: its 256
- * values as unsigned bytes (v, 32-aligned), the per-run scales (sc: Q4_K 8, Q6_K 16), the
- * int16 pairs for the bsums madd (pk: Q4_K (mn, mn), Q6_K (sc, sc')), d and (Q4_K) -dmin
+/* One Q4_K, Q5_K or Q6_K block b of a row, unpacked for the broadcast loads: its 256
+ * values as unsigned bytes (v, 32-aligned), the per-run scales (sc: Q4_K / Q5_K 8, Q6_K
+ * 16), the int16 pairs for the bsums madd (pk: Q4_K / Q5_K (mn, mn), Q6_K (sc, sc')), d
+ * and (Q4_K / Q5_K) -dmin
  * (*m). The same block `ahead` bytes on is asked for into L2, as block32_scales does
  * (Q4_K / Q6_K 65536x1024 at T=16 from DRAM, one thread: 171 -> 174, 195 -> 206 GFLOP/s). */
-INLINE void qgemmk_unpack_block(int q4, const uint8_t *b, size_t ahead, uint8_t *v, int32_t *sc,
+INLINE void qgemmk_unpack_block(int type, const uint8_t *b, size_t ahead, uint8_t *v, int32_t *sc,
                                 int32_t *pk, float *d, float *m) {
-    const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    const int bs = qk_block_bytes(type);
     const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
     for (int o = 0; o < bs; o += 64)
         _mm_prefetch((const char *)((uintptr_t)b + ahead + (size_t)o), _MM_HINT_T1);
-    if (q4) {
+    if (qk_runs_of_32(type)) { /* Q4_K, Q5_K: one head; Q5_K's fifth bits as qdot_k45 takes them */
         uint8_t s6[8], mn[8];
         ellm_unpack_k4_scales(b + 4, s6, mn);
         for (int j = 0; j < 8; j++) {
@@ -1723,10 +1801,51 @@ INLINE void qgemmk_unpack_block(int q4, const uint8_t *b, size_t ahead, uint8_t 
         }
         *d = f16_at(b);
         *m = -f16_at(b + 2);
+        const int q5 = type == ELLM_T_Q5_K;
+        const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        const uint8_t *qs = b + (q5 ? 48 : 16);
         for (int c = 0; c < 4; c++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-            _mm256_store_si256((__m256i *)(v + 64 * c), _mm256_and_si256(q, lo4));
-            _mm256_store_si256((__m256i *)(v + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(q, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+            if (q5) {
+                lo = _mm256_or_si256(lo, bit_to_0x10(qh, 2 * c));
+                hi = _mm256_or_si256(hi, bit_to_0x10(qh, 2 * c + 1));
+            }
+            _mm256_store_si256((__m256i *)(v + 64 * c), lo);
+            _mm256_store_si256((__m256i *)(v + 64 * c + 32), hi);
+        }
+    } else if (type != ELLM_T_Q6_K) { /* Q2_K, Q3_K: runs of 32 from qs[32h + l] at shift 2s */
+        const int q3 = type == ELLM_T_Q3_K;
+        int8_t s8[16];
+        if (q3) {
+            q3k_scales(b + 96, s8); /* signed; the -4 on every value is an offset */
+            for (int k = 0; k < 8; k++)
+                pk[k] = (int32_t)((uint32_t)(uint16_t)(int16_t)s8[2 * k] |
+                                  ((uint32_t)(uint16_t)(int16_t)s8[2 * k + 1] << 16));
+            *d = f16_at(b + 108);
+            *m = 0.0f;
+        } else {
+            for (int g = 0; g < 16; g++) s8[g] = (int8_t)(b[g] & 15);
+            for (int k = 0; k < 8; k++) /* the mins (high nibbles) in pairs */
+                pk[k] = (int32_t)((uint32_t)(b[2 * k] >> 4) | ((uint32_t)(b[2 * k + 1] >> 4) << 16));
+            *d = f16_at(b + 80);
+            *m = -f16_at(b + 82);
+        }
+        for (int g = 0; g < 16; g++) sc[g] = s8[g];
+        const __m256i three = _mm256_set1_epi8(3);
+        const __m256i hm = q3 ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+        const uint8_t *qs = b + (q3 ? 32 : 16);
+        for (int h = 0; h < 2; h++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+            for (int r = 0; r < 4; r++) { /* as qdot_k23 */
+                __m256i q = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * r), three);
+                if (q3) {
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + r)));
+                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                    q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+                }
+                _mm256_store_si256((__m256i *)(v + 128 * h + 32 * r), q);
+            }
         }
     } else {
         const int8_t *s8 = (const int8_t *)(b + 192);
@@ -1760,10 +1879,9 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
                          const ellm_act256x8 *xg, size_t xgs, const int n0, const int n1, float *y,
                          size_t ys) {
     const ellm_act256x8 *xg1 = (const ellm_act256x8 *)((const uint8_t *)xg + xgs);
-    const int q4 = type == ELLM_T_Q4_K;
-    const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
-    /* runs of dwords sharing one scale: Q4_K 8 runs of 8 (32 values), Q6_K 16 of 4 */
-    const int nrun = q4 ? 8 : 16, rdw = q4 ? 8 : 4;
+    const int bs = qk_block_bytes(type);
+    /* runs of dwords sharing one scale: Q4_K / Q5_K 8 runs of 8 (32 values), the others 16 of 4 */
+    const int nrun = qk_runs_of_32(type) ? 8 : 16, rdw = qk_runs_of_32(type) ? 8 : 4;
     __m256 acc[4][2];
     uint8_t wbuf[QXK_CHUNK][4][256] __attribute__((aligned(32)));
     int32_t sbuf[QXK_CHUNK][4][16]; /* the per-run scales */
@@ -1778,7 +1896,7 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
         for (int ii = 0; ii < nc; ii++) {
             for (int r = 0; r < R; r++) {
                 const uint8_t *b = w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs;
-                qgemmk_unpack_block(q4, b, (size_t)(QX_PREFETCH_TILES * R) * ws, wbuf[ii][r], sbuf[ii][r],
+                qgemmk_unpack_block(type, b, (size_t)(QX_PREFETCH_TILES * R) * ws, wbuf[ii][r], sbuf[ii][r],
                                     pbuf[ii][r], &dbuf[ii][r], &mbuf[ii][r]);
             }
         }
@@ -1829,13 +1947,14 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
                         bsp = _mm256_add_epi32(
                             bsp, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)g[gi]->bsums[k]),
                                                    _mm256_set1_epi32(pbuf[ii][r][k])));
-                    if (q4) {
+                    if (qk_has_mins(type)) {
                         acc[r][gi] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r][gi]),
                                                      _mm256_mul_ps(_mm256_set1_ps(dbuf[ii][r]), dx), acc[r][gi]);
                         acc[r][gi] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bsp),
                                                      _mm256_mul_ps(_mm256_set1_ps(mbuf[ii][r]), dx), acc[r][gi]);
                     } else {
-                        const __m256i isum = _mm256_sub_epi32(tot[r][gi], _mm256_slli_epi32(bsp, 5));
+                        const __m256i isum =
+                            _mm256_sub_epi32(tot[r][gi], _mm256_slli_epi32(bsp, qk_offset_shift(type)));
                         acc[r][gi] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
                                                      _mm256_mul_ps(_mm256_set1_ps(dbuf[ii][r]), dx), acc[r][gi]);
                     }
@@ -1872,7 +1991,7 @@ KINLINE void qgemmk_tile(int type, const int R, const int NG, int64_t nb, const 
 
 #if QX_ZMM
 /* ------------------------------------------------------------------------------------
- * Q4_K and Q6_K with two token groups in the lanes of one 512-bit register (a pair: the
+ * Q4_K, Q5_K and Q6_K with two token groups in the lanes of one 512-bit register (a pair: the
  * group at xa in lanes 0-7, the one xgs bytes on in lanes 8-15), as qgemm32z does for the
  * 32-element types: each chunk of a row tile's blocks unpacked once for up to
  * QXK_BATCH_PAIRS pairs, two pairs per weight broadcast where the output rows allow it.
@@ -1891,8 +2010,7 @@ typedef struct {
  * first at xa, the second at xb. */
 KINLINE void qgemmkz_blocks(int type, const int R, const int NP, int64_t nb, const qxk_zblock *zb,
                             const ellm_act256x8 *xa, const ellm_act256x8 *xb, size_t xgs, __m512 *acc) {
-    const int q4 = type == ELLM_T_Q4_K;
-    const int nrun = q4 ? 8 : 16, rdw = q4 ? 8 : 4;
+    const int nrun = qk_runs_of_32(type) ? 8 : 16, rdw = qk_runs_of_32(type) ? 8 : 4;
     const ellm_act256x8 *first[2] = {xa, xb};
     for (int64_t ii = 0; ii < nb; ii++) {
         const ellm_act256x8 *a0[2], *a1[2];
@@ -1945,11 +2063,12 @@ KINLINE void qgemmkz_blocks(int type, const int R, const int NP, int64_t nb, con
                         qx_pair_epi8((const int8_t *)a0[pp]->bsums[k], (const int8_t *)a1[pp]->bsums[k]),
                         _mm512_set1_epi32(zb[ii].pk[r][k])));
                 __m512 *a = &acc[pp * QX_ZROWS + r];
-                if (q4) {
+                if (qk_has_mins(type)) {
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[pp][r]), _mm512_mul_ps(_mm512_set1_ps(zb[ii].d[r]), dx), *a);
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bsp), _mm512_mul_ps(_mm512_set1_ps(zb[ii].m[r]), dx), *a);
                 } else {
-                    const __m512i isum = _mm512_sub_epi32(tot[pp][r], _mm512_slli_epi32(bsp, 5));
+                    const __m512i isum =
+                        _mm512_sub_epi32(tot[pp][r], _mm512_slli_epi32(bsp, qk_offset_shift(type)));
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(zb[ii].d[r]), dx), *a);
                 }
             }
@@ -1967,8 +2086,7 @@ KINLINE void qgemmkz_blocks(int type, const int R, const int NP, int64_t nb, con
  * blocks still summed in order into each output. */
 KINLINE void qgemmkz_rows_pairs(int type, const int R, int64_t nb, const uint8_t *w, size_t ws, const uint8_t *x,
                                 size_t xs, int64_t np, int n1_last, float *y, size_t ys) {
-    const int q4 = type == ELLM_T_Q4_K;
-    const int bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    const int bs = qk_block_bytes(type);
     const int two_pairs = ys % 512 != 0; /* as in qgemm32z_rows_pairs */
     qxk_zblock zb[QXK_REUSE_BLOCKS] __attribute__((aligned(64)));
     __m512 acc[QXK_BATCH_PAIRS][QX_ZROWS];
@@ -1982,7 +2100,7 @@ KINLINE void qgemmkz_rows_pairs(int type, const int R, int64_t nb, const uint8_t
             for (int64_t ii = 0; ii < nc; ii++)
                 _Pragma("GCC unroll 4")
                 for (int r = 0; r < R; r++)
-                    qgemmk_unpack_block(q4, w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs,
+                    qgemmk_unpack_block(type, w + (size_t)r * ws + (size_t)(i0 + ii) * (size_t)bs,
                                         (size_t)(QX_PREFETCH_TILES * R) * ws, zb[ii].v[r], zb[ii].sc[r],
                                         zb[ii].pk[r], &zb[ii].d[r], &zb[ii].m[r]);
             __asm__("" : "+m"(zb)); /* read back by broadcast loads, as in qgemm32_tile */
@@ -2044,12 +2162,15 @@ KINLINE void qgemmkz_rows_pairs(int type, const int R, int64_t nb, const uint8_t
         }                                                                                    \
     }
 
+DEFINE_QGEMMK(qgemm_q2_k, ELLM_T_Q2_K)
+DEFINE_QGEMMK(qgemm_q3_k, ELLM_T_Q3_K)
 DEFINE_QGEMMK(qgemm_q4_k, ELLM_T_Q4_K)
+DEFINE_QGEMMK(qgemm_q5_k, ELLM_T_Q5_K)
 DEFINE_QGEMMK(qgemm_q6_k, ELLM_T_Q6_K)
 
 #else /* !QX_VNNI */
 /* ------------------------------------------------------------------------------------
- * Q4_K and Q6_K, many tokens, at the AVX2 level (maddubs into int16, madd into int32).
+ * Q4_K, Q5_K and Q6_K, many tokens, at the AVX2 level (maddubs into int16, madd into int32).
  * A panel of up to QXA_PANEL weight rows is unpacked QXA_CHUNK blocks at a time, once
  * for every token group of the call (up to QXA_GROUPS at once, their float sums waiting
  * in memory between chunks), and each chunk runs against the groups QXA_TG at a time,
@@ -2087,11 +2208,12 @@ typedef struct {
     float d, m;
 } qxa_block;
 
-INLINE void qxa_unpack(int q4, const uint8_t *b, size_t ahead, qxa_block *o) {
+INLINE void qxa_unpack(int type, const uint8_t *b, size_t ahead, qxa_block *o) {
+    const int r32 = qk_runs_of_32(type);
     int32_t sc[16];
-    qgemmk_unpack_block(q4, b, ahead, o->v, sc, o->pk, &o->d, &o->m);
-    for (int j = 0; j < (q4 ? 8 : 16); j++) o->sc[j] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[j] * 0x10001u);
-    if (q4) /* the mins in pairs (mn[2k], mn[2k + 1]), against qxa_min_pairs' sums */
+    qgemmk_unpack_block(type, b, ahead, o->v, sc, o->pk, &o->d, &o->m);
+    for (int j = 0; j < (r32 ? 8 : 16); j++) o->sc[j] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[j] * 0x10001u);
+    if (r32) /* the mins in pairs (mn[2k], mn[2k + 1]), against qxa_min_pairs' sums */
         for (int k = 0; k < 4; k++) o->pk[k] = (int32_t)(((uint32_t)o->pk[2 * k] & 0xFFFFu) | ((uint32_t)o->pk[2 * k + 1] << 16));
 }
 
@@ -2110,11 +2232,13 @@ INLINE void qxa_min_pairs(const ellm_act256x8 *g, __m256i out[4]) {
 /* acc[g][r] (g < NG groups, r < R rows; acc's rows QXA_PANEL vectors apart) += the nc
  * blocks of blk ([nc][QXA_PANEL], this tile's first row at [.][0]) against the groups at
  * xg (the first group's first block of the chunk; the next group xs bytes on) */
-KINLINE void qxa_tile(const int q4, const int R, const int NG, const int nc, const qxa_block *blk,
+KINLINE void qxa_tile(const int type, const int R, const int NG, const int nc, const qxa_block *blk,
                       const ellm_act256x8 *xg, size_t xs, const __m256i *mp, __m256 *acc) {
-    const int nrun = q4 ? 8 : 16, rdw = q4 ? 8 : 4;
-    /* dwords summed in int16 per madd: Q4_K 8 (8 x 2 x 15 x 127), Q6_K 2 (2 x 2 x 63 x 127) */
-    const int G = q4 ? 8 : 2;
+    const int r32 = qk_runs_of_32(type);
+    const int nrun = r32 ? 8 : 16, rdw = r32 ? 8 : 4;
+    /* dwords summed in int16 per madd: Q4_K 8 (8 x 2 x 15 x 127), Q5_K 4 (4 x 2 x 31 x 127),
+     * Q6_K 2 (2 x 2 x 63 x 127), Q2_K and Q3_K a run's 4 (4 x 2 x 7 x 127) */
+    const int G = type == ELLM_T_Q4_K ? 8 : type == ELLM_T_Q6_K ? 2 : 4;
     __m256 a[QXA_TG][QXA_TR];
     _Pragma("GCC unroll 4")
     for (int gi = 0; gi < NG; gi++)
@@ -2164,8 +2288,8 @@ KINLINE void qxa_tile(const int q4, const int R, const int NG, const int nc, con
             for (int r = 0; r < R; r++) bsp[r] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8")
             for (int k = 0; k < 8; k++) {
-                if (q4 && k == 4) break;
-                const __m256i bs = q4 ? mp[(ii * QXA_GROUPS + gi) * 4 + k]
+                if (r32 && k == 4) break;
+                const __m256i bs = r32 ? mp[(ii * QXA_GROUPS + gi) * 4 + k]
                                       : _mm256_load_si256((const __m256i *)x[gi]->bsums[k]);
                 _Pragma("GCC unroll 4")
                 for (int r = 0; r < R; r++)
@@ -2173,13 +2297,14 @@ KINLINE void qxa_tile(const int q4, const int R, const int NG, const int nc, con
             }
             _Pragma("GCC unroll 4")
             for (int r = 0; r < R; r++) {
-                if (q4) {
+                if (qk_has_mins(type)) {
                     a[gi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[gi][r]),
                                                _mm256_mul_ps(_mm256_set1_ps(b[r]->d), dx), a[gi][r]);
                     a[gi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bsp[r]),
                                                _mm256_mul_ps(_mm256_set1_ps(b[r]->m), dx), a[gi][r]);
                 } else {
-                    const __m256i isum = _mm256_sub_epi32(tot[gi][r], _mm256_slli_epi32(bsp[r], 5));
+                    const __m256i isum =
+                        _mm256_sub_epi32(tot[gi][r], _mm256_slli_epi32(bsp[r], qk_offset_shift(type)));
                     a[gi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
                                                _mm256_mul_ps(_mm256_set1_ps(b[r]->d), dx), a[gi][r]);
                 }
@@ -2195,8 +2320,8 @@ KINLINE void qxa_tile(const int q4, const int R, const int NG, const int nc, con
 /* The whole (nr x nt) block: tokens QXA_GROUPS groups at a time, rows a panel at a time */
 KINLINE void qgemmk_avx2(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
                          size_t xs, int64_t nt, float *y, size_t ys) {
-    const int q4 = type == ELLM_T_Q4_K;
-    const size_t bs = q4 ? Q4_K_BYTES : Q6_K_BYTES;
+    const int r32 = qk_runs_of_32(type);
+    const size_t bs = (size_t)qk_block_bytes(type);
     qxa_block blk[QXA_CHUNK][QXA_PANEL];
     __m256 acc[QXA_GROUPS][QXA_PANEL];
     __m256i mp[QXA_CHUNK][QXA_GROUPS][4]; /* Q4_K: qxa_min_pairs of the chunk's blocks */
@@ -2213,9 +2338,9 @@ KINLINE void qgemmk_avx2(int type, int64_t nb, const uint8_t *w, size_t ws, int6
                 const int nc = nb - i0 < QXA_CHUNK ? (int)(nb - i0) : QXA_CHUNK;
                 for (int ii = 0; ii < nc; ii++)
                     for (int r = 0; r < np; r++)
-                        qxa_unpack(q4, wp + (size_t)r * ws + (size_t)(i0 + ii) * bs, (size_t)QXA_PANEL * ws,
+                        qxa_unpack(type, wp + (size_t)r * ws + (size_t)(i0 + ii) * bs, (size_t)QXA_PANEL * ws,
                                    &blk[ii][r]);
-                if (q4)
+                if (r32)
                     for (int ii = 0; ii < nc; ii++)
                         for (int g = 0; g < ng; g++)
                             qxa_min_pairs((const ellm_act256x8 *)(xt + (size_t)g * xs) + i0 + ii, mp[ii][g]);
@@ -2226,8 +2351,8 @@ KINLINE void qgemmk_avx2(int type, int64_t nb, const uint8_t *w, size_t ws, int6
                         const ellm_act256x8 *xg = (const ellm_act256x8 *)(xt + (size_t)gg * xs) + i0;
                         for (int r = 0; r < np; r += QXA_TR) {
                             _Static_assert(QXA_TR == 1, "a panel's rows need no remainder tile");
-                            if (whole) qxa_tile(q4, QXA_TR, QXA_TG, nc, &blk[0][r], xg, xs, mp[0][gg], &acc[gg][r]);
-                            else qxa_tile(q4, QXA_TR, 1, nc, &blk[0][r], xg, xs, mp[0][gg], &acc[gg][r]);
+                            if (whole) qxa_tile(type, QXA_TR, QXA_TG, nc, &blk[0][r], xg, xs, mp[0][gg], &acc[gg][r]);
+                            else qxa_tile(type, QXA_TR, 1, nc, &blk[0][r], xg, xs, mp[0][gg], &acc[gg][r]);
                         }
                     }
                 }
@@ -2248,6 +2373,18 @@ KINLINE void qgemmk_avx2(int type, int64_t nb, const uint8_t *w, size_t ws, int6
 KFUNC void qgemm_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
                       int64_t nt, float *y, size_t ys) {
     qgemmk_avx2(ELLM_T_Q4_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+KFUNC void qgemm_q2_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
+                      int64_t nt, float *y, size_t ys) {
+    qgemmk_avx2(ELLM_T_Q2_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+KFUNC void qgemm_q3_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
+                      int64_t nt, float *y, size_t ys) {
+    qgemmk_avx2(ELLM_T_Q3_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+KFUNC void qgemm_q5_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
+                      int64_t nt, float *y, size_t ys) {
+    qgemmk_avx2(ELLM_T_Q5_K, nb, w, ws, nr, x, xs, nt, y, ys);
 }
 KFUNC void qgemm_q6_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
                       int64_t nt, float *y, size_t ys) {

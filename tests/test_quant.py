@@ -216,6 +216,28 @@ def test_linear_levels_agree(qtype: GGMLType) -> None:
         assert nmse(outs[level], outs["scalar"]) < 1e-10, level
 
 
+@pytest.mark.parametrize("qtype", QK, ids=lambda t: t.name)
+def test_kquant_simd_levels_give_the_same_bits(qtype: GGMLType) -> None:
+    """The K-quants sum each block exactly in integers and take the same float steps at
+    every SIMD level (the AVX2 and VNNI row and token-group kernels, the AMX
+    tiles; NEON is held to AVX2's bits by wheels/cross.sh): T = 1, 3 and 40 give the
+    same bits at each."""
+    simd = [level for level in LEVELS if level != "scalar"]
+    if len(simd) < 2:
+        pytest.skip(f"one SIMD level here ({LEVELS})")
+    rng = np.random.default_rng(31 + int(qtype))
+    k = 3 * 256
+    w = extreme_kquant_rows(qtype, 70, k, rng)
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    outs = {}
+    for level in simd:
+        use_level(level)
+        outs[level] = [linear_rows(x[:t], w, qtype) for t in (1, 3, 40)]
+    for level in simd[1:]:
+        for got, want in zip(outs[level], outs[simd[0]]):
+            np.testing.assert_array_equal(got, want, err_msg=f"{level} vs {simd[0]}, T={len(got)}")
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.Q6_K, GGMLType.BF16],
                          ids=lambda t: t.name)
 def test_linear_threads_agree(qtype: GGMLType) -> None:
@@ -447,7 +469,7 @@ def test_linear_batch_invariant_at_the_unpack_limit(qtype: GGMLType, level: str,
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QK, ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [8, 9, 17])
 @pytest.mark.parametrize("rows", [37, 512])
 def test_kquant_batch_invariant_across_block_chunks(qtype: GGMLType, level: str, blocks: int, rows: int) -> None:
@@ -457,24 +479,37 @@ def test_kquant_batch_invariant_across_block_chunks(qtype: GGMLType, level: str,
     one pair at a time (two_pairs). At the AVX2 level panels of 16 rows are unpacked 2 blocks
     at a time for up to 16 token groups, taken 4 at a time (QXA_*): 37 rows end in a short
     panel, odd block counts in a short chunk, T = 16 and 40 in groups left over from the 4s.
-    At the AMX level all three take the tiles from 8 tokens on (matmul_amx.c, chunks of 2
-    blocks); Q5_K has row kernels alone at the other levels."""
+    Q5_K takes Q4_K's kernels at both levels, its values 0..31 (at AVX2 4 products of a
+    pair summed in int16 before the madd, not 8); Q2_K and Q3_K take Q6_K's runs of 16,
+    Q2_K with Q4_K's mins. At the AMX level Q4_K, Q5_K and Q6_K take the tiles from 8
+    tokens on (matmul_amx.c, chunks of 2 blocks), Q2_K and Q3_K the VNNI kernels."""
     use_level(level)
     assert_prefixes_match_rows_alone(qtype, rows, 256 * blocks, (9, 16, 40, 129, 160),
                                      np.random.default_rng(700 + blocks + rows + int(qtype)))
 
 
 def extreme_kquant_rows(qtype: GGMLType, n_rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Q4_K / Q5_K / Q6_K rows whose blocks take the largest values and scales the types
-    hold (Q4_K: q = 15, Q5_K: q = 31, with scales and mins 63; Q6_K: q = 0 or 63, i.e. -32
-    or 31, with scales -128 or 127) in every mix, among random blocks: the products the
-    AMX kernels split a scale for (matmul_amx.c) at their ends."""
+    """K-quant rows whose blocks take the largest values and scales the types hold (Q4_K:
+    q = 15, Q5_K: q = 31, with scales and mins 63; Q6_K: q = 0 or 63, i.e. -32 or 31, with
+    scales -128 or 127; Q2_K: q = 3 with scales and mins 15; Q3_K: -4 or 3 with scales
+    -32 or 31) in every mix, among random blocks: the products the AMX kernels split a
+    scale for (matmul_amx.c), and the int16 sums of the AVX2 kernels, at their ends."""
     raw = random_rows(qtype, n_rows, k, rng)
     blocks = raw.reshape(-1, BLOCK_LAYOUT[qtype][1])
     pick = rng.integers(0, 4, size=len(blocks))
     for i in np.nonzero(pick > 0)[0]:
         b = blocks[i]
-        if qtype in (GGMLType.Q4_K, GGMLType.Q5_K):
+        if qtype == GGMLType.Q2_K:                           # scales[16] | qs[64] | d | dmin
+            b[0:16] = 0xFF                                   # every scale and min 15
+            b[16:80] = 0xFF if pick[i] != 2 else rng.integers(0, 256, 64, dtype=np.uint8)
+        elif qtype == GGMLType.Q3_K:                         # hmask[32] | qs[64] | scales[12] | d
+            fill = {1: 0x00, 2: 0xFF, 3: None}[int(pick[i])]  # v = -4 with scale -32, 3 with 31
+            if fill is not None:
+                b[0:96] = fill
+                b[96:108] = fill
+            else:
+                b[96:108] = rng.choice(np.array([0x00, 0xFF], np.uint8), 12)
+        elif qtype in (GGMLType.Q4_K, GGMLType.Q5_K):
             b[4:16] = 0xFF                                   # every scale and min 63
             b[16:] = 0xFF if pick[i] != 2 else rng.integers(0, 256, len(b) - 16, dtype=np.uint8)
         else:
@@ -486,7 +521,7 @@ def extreme_kquant_rows(qtype: GGMLType, n_rows: int, k: int, rng: np.random.Gen
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QK, ids=lambda t: t.name)
 def test_kquant_extremes_batch_invariant(qtype: GGMLType, level: str) -> None:
     """Blocks at the ends of the types' ranges against activations at +-127 after
     quantization: each row of a 16-, 40- and 129-token call (the AMX tiles at that level)
@@ -649,15 +684,17 @@ def test_linear_multi_equals_linear(level: str) -> None:
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_linear_multi_mixed_kquant_layouts(level: str) -> None:
-    """Q4_K / Q6_K beside a K-quant without a T > 1 kernel (Q5_K) read the activations
-    in rows, not token groups: still bit-identical to decoding each row alone."""
+    """Every K-quant in one call shares the activations in one layout (token groups on
+    x86, rows on NEON and the scalar level): each part bit-identical to decoding each row
+    alone."""
     use_level(level)
     rng = np.random.default_rng(13)
     k = 768
     ws = [(random_rows(q, n, k, rng), q) for q, n in
-          [(GGMLType.Q4_K, 21), (GGMLType.Q6_K, 13), (GGMLType.Q5_K, 9)]]
-    x = rng.standard_normal((11, k)).astype(np.float32)
-    outs = [np.full((11, w.shape[0]), np.nan, np.float32) for w, _ in ws]
+          [(GGMLType.Q4_K, 21), (GGMLType.Q6_K, 13), (GGMLType.Q3_K, 9), (GGMLType.Q2_K, 7),
+           (GGMLType.Q5_K, 5)]]
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    outs = [np.full((40, w.shape[0]), np.nan, np.float32) for w, _ in ws]
     _quant.linear_multi(x, [(w, int(q), o) for (w, q), o in zip(ws, outs)])
     for (w, q), o in zip(ws, outs):
         alone = np.concatenate([linear_rows(x[i:i + 1], w, q) for i in range(len(x))])
@@ -963,16 +1000,16 @@ def test_amx_equals_vnni_bit_for_bit(qtype: GGMLType) -> None:
         assert nmse(amx, ref) < 1e-10, f"T={t} N={n} K={k}"
 
 
-@pytest.mark.parametrize("with_q5_k", [False, True])
-def test_amx_linear_multi_mixes_tiles_and_vnni(with_q5_k: bool) -> None:
-    """A call with both activation formats on the tiles, or (with Q5_K, which has no AMX
-    kernel) the 256-block format on the VNNI kernels beside the 32-block one on the tiles:
-    each part as at the VNNI level, bit for bit."""
+@pytest.mark.parametrize("with_q3_k", [False, True])
+def test_amx_linear_multi_mixes_tiles_and_vnni(with_q3_k: bool) -> None:
+    """A call with both activation formats on the tiles, or (with Q3_K, which has no
+    many-token kernel) the 256-block format in rows on the VNNI decode kernels beside the
+    32-block one on the tiles: each part as at the VNNI level, bit for bit."""
     needs_amx()
     rng = np.random.default_rng(14)
     k = 512
     parts = [(GGMLType.Q4_1, 40), (GGMLType.Q8_0, 19), (GGMLType.Q5_0, 3), (GGMLType.Q4_K, 21),
-             (GGMLType.Q6_K, 17), (GGMLType.F32, 4)] + ([(GGMLType.Q5_K, 9)] if with_q5_k else [])
+             (GGMLType.Q6_K, 17), (GGMLType.F32, 4)] + ([(GGMLType.Q3_K, 9)] if with_q3_k else [])
     ws = [(random_rows(q, n, k, rng) if q in QUANT else float_weights(q, n, k, rng)[0], q)
           for q, n in parts]
     x = rng.standard_normal((70, k)).astype(np.float32)

@@ -11,7 +11,10 @@ float reference. A wrong kernel gives an RMS error near 100%.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator
@@ -112,6 +115,28 @@ def test_unsupported_level_raises(restore_level: None) -> None:
         with pytest.raises(ValueError, match="not supported"):
             _core.set_simd_level(name)
     assert _core.simd_level() == before
+
+
+def _level_in_a_fresh_process(value: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ELLM_SIMD=value)
+    return subprocess.run([sys.executable, "-c", "import ellm; from ellm._native import _core; "
+                           "print(_core.simd_level())"], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_ellm_simd_environment_variable_picks_the_level() -> None:
+    """ELLM_SIMD=<level> at import runs that level's kernels; a level this CPU cannot run,
+    or a misspelt one, stops the import with an error naming the variable and the levels
+    it can run, not a silent fallback to the best."""
+    lowest = _core.supported_simd_levels()[1] if len(_core.supported_simd_levels()) > 1 else "scalar"
+    for value in ("scalar", lowest):
+        p = _level_in_a_fresh_process(value)
+        assert p.returncode == 0 and p.stdout.strip() == value, p.stderr[-800:]
+    missing = [n for n in ("avx2", "avx512", "amx", "neon") if n not in _core.supported_simd_levels()]
+    for bad in ["avx9", *missing[:1]]:
+        p = _level_in_a_fresh_process(bad)
+        assert p.returncode != 0
+        last = p.stderr.strip().splitlines()[-1]
+        assert f"ELLM_SIMD='{bad}'" in last and ", ".join(_core.supported_simd_levels()) in last, last
 
 
 def test_forcing_a_level_reaches_every_module(restore_level: None) -> None:
