@@ -434,7 +434,7 @@ DEFINE_QGEMM32_AMX(amx_q5_1, ELLM_T_Q5_1)
 DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
 
 /* ====================================================================================
- * Q4_K, Q5_K and Q6_K: each weight row as three int8 rows (Q5_K four) whose tile products
+ * The K-quants: each weight row as three int8 rows (Q5_K four) whose tile products
  * with the token's bytes give the block's integers. A value times its run's scale does not
  * fit a byte, but it does times a part of that scale:
  *   Q4_K  q in 0..15, scale sc in 0..63 = 8 sh + sl (sh, sl <= 7: q sh, q sl <= 105), and
@@ -449,6 +449,10 @@ DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
  *         digit in -3..4 (v s in -128..124):
  *           isum = (v s0 . x) + 8 (v s1 . x) + 64 (v s2 . x) = sum_g sc[g] ((q_g - 32) . x_g)
  *           acc = fma(float(isum), d d_x, acc)
+ *   Q2_K  Q4_K's three rows: q in 0..3 times sc (0..15) = 8 sh + sl, and the mins' row (a
+ *         min per 16); Q4_K's sums and float steps
+ *   Q3_K  Q6_K's three rows: v = q - 4 in -4..3 times the digits of sc in -32..31; Q6_K's
+ *         sums and float step
  * Those are quant_x86.h's qgemmk_tile's integers (exact in int32: each chain's sum is at
  * most 256 * 128 * 127 in size, a block's total under 2^28) and its float steps in its order, with the tokens in the
  * lanes, so AMX and the AVX-512 level agree bit for bit. A block and token group is 12
@@ -469,7 +473,7 @@ DEFINE_QGEMM32_AMX(amx_q8_0, ELLM_T_Q8_0)
 
 typedef struct {
     int8_t a[A3_CHUNK][4][16][256] __attribute__((aligned(64))); /* the rows (Q5_K four), element order */
-    float d[A3_CHUNK][16], dmin[A3_CHUNK][16];                    /* d, -dmin (Q4_K, Q5_K) */
+    float d[A3_CHUNK][16], dmin[A3_CHUNK][16];                    /* d, -dmin (Q2_K, Q4_K, Q5_K) */
 } wchunk3;
 
 /* Bytes times a factor in -3..4 whose products fit a signed byte, 32 at a time: the low
@@ -536,6 +540,67 @@ INLINE void unpack3_q6k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
             for (int k = 0; k < 3; k++) {
                 const __m256i f = _mm256_set_m128i(_mm_set1_epi16(dig[k][g + 1]), _mm_set1_epi16(dig[k][g]));
                 _mm256_store_si256((__m256i *)(wc->a[ii][k][r] + 128 * h + 32 * c), mul_bytes(vc, f));
+            }
+        }
+    }
+}
+
+/* Q2_K block b of one row into the chunk, in Q4_K's three rows: q (0..3) times the scale's
+ * (0..15) two 3-bit halves, and the mins' row (a min per 16 values) */
+INLINE void unpack3_q2k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
+    const __m256i three = _mm256_set1_epi8(3);
+    wc->d[ii][r] = f16_at(b + 80);
+    wc->dmin[ii][r] = -f16_at(b + 82);
+    int8_t *h = wc->a[ii][0][r], *l = wc->a[ii][1][r], *m = wc->a[ii][2][r];
+    for (int half = 0; half < 2; half++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * half));
+        for (int s = 0; s < 4; s++) {
+            /* elements 128 half + 32 s on: groups g (the low 16 bytes) and g + 1 */
+            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), three);
+            const int g = 8 * half + 2 * s, at = 128 * half + 32 * s;
+            const int s0 = b[g] & 15, s1 = b[g + 1] & 15;
+            /* values 0..3 times factors 0..7: no 16-bit product carries into the high byte */
+            const __m256i fh = _mm256_set_m128i(_mm_set1_epi16((short)(s1 >> 3)), _mm_set1_epi16((short)(s0 >> 3)));
+            const __m256i fl = _mm256_set_m128i(_mm_set1_epi16((short)(s1 & 7)), _mm_set1_epi16((short)(s0 & 7)));
+            _mm256_store_si256((__m256i *)(h + at), _mm256_mullo_epi16(q, fh));
+            _mm256_store_si256((__m256i *)(l + at), _mm256_mullo_epi16(q, fl));
+            _mm256_store_si256((__m256i *)(m + at),
+                               _mm256_set_m128i(_mm_set1_epi8((char)(b[g + 1] >> 4)), _mm_set1_epi8((char)(b[g] >> 4))));
+        }
+    }
+}
+
+/* Q3_K block b of one row into the chunk, in Q6_K's three rows: v = q - 4 (-4..3) times
+ * the signed scale's (-32..31) three base-8 digits in -3..4 */
+INLINE void unpack3_q3k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
+    const __m256i three8 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    int8_t sc8[16];
+    ellm_unpack_q3k_scales(b + 96, sc8);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc8));
+    const __m256i three = _mm256_set1_epi16(3), seven = _mm256_set1_epi16(7);
+    const __m256i d0 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(sc16, three), seven), three);
+    const __m256i t1 = _mm256_srai_epi16(_mm256_sub_epi16(sc16, d0), 3);
+    const __m256i d1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(t1, three), seven), three);
+    const __m256i d2 = _mm256_srai_epi16(_mm256_sub_epi16(t1, d1), 3);
+    int16_t dig[3][16] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)dig[0], d0);
+    _mm256_store_si256((__m256i *)dig[1], d1);
+    _mm256_store_si256((__m256i *)dig[2], d2);
+    wc->d[ii][r] = f16_at(b + 108);
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+    for (int half = 0; half < 2; half++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * half));
+        for (int s = 0; s < 4; s++) {
+            /* as quant_x86.h's qdot_k23: the third bit from hmask, set -> +4 */
+            const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * half + s)));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+            const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), three8),
+                                              _mm256_and_si256(set, four));
+            const __m256i v = _mm256_sub_epi8(q, four);
+            const int g = 8 * half + 2 * s;
+            for (int k = 0; k < 3; k++) {
+                const __m256i f = _mm256_set_m128i(_mm_set1_epi16(dig[k][g + 1]), _mm_set1_epi16(dig[k][g]));
+                _mm256_store_si256((__m256i *)(wc->a[ii][k][r] + 128 * half + 32 * s), mul_bytes(v, f));
             }
         }
     }
@@ -633,13 +698,13 @@ INLINE void fold3(int type, const int32_t ib[4][16][16], const wchunk3 *wc, int 
         const __m512i c0 = _mm512_load_si512(ib[0][r]), c1 = _mm512_load_si512(ib[1][r]);
         const __m512i c2 = _mm512_load_si512(ib[2][r]);
         const __m512 ddx = _mm512_mul_ps(_mm512_set1_ps(wc->d[ii][r]), dx);
-        if (type == ELLM_T_Q6_K) {
+        if (type == ELLM_T_Q6_K || type == ELLM_T_Q3_K) {
             const __m512i isum = _mm512_add_epi32(c0, _mm512_add_epi32(_mm512_slli_epi32(c1, 3), _mm512_slli_epi32(c2, 6)));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ddx, acc[r]);
             continue;
         }
         __m512i isum, msum;
-        if (type == ELLM_T_Q4_K) {
+        if (type == ELLM_T_Q4_K || type == ELLM_T_Q2_K) {
             isum = _mm512_add_epi32(_mm512_slli_epi32(c0, 3), c1);
             msum = c2;
         } else { /* Q5_K */
@@ -666,7 +731,11 @@ INLINE void fold3(int type, const int32_t ib[4][16][16], const wchunk3 *wc, int 
 
 INLINE void qgemm3_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
                        size_t xs, int64_t nt, float *y, size_t ys) {
-    const int bs = type == ELLM_T_Q4_K ? Q4_K_BYTES : type == ELLM_T_Q5_K ? Q5_K_BYTES : Q6_K_BYTES;
+    const int bs = type == ELLM_T_Q2_K   ? Q2_K_BYTES
+                   : type == ELLM_T_Q3_K ? Q3_K_BYTES
+                   : type == ELLM_T_Q4_K ? Q4_K_BYTES
+                   : type == ELLM_T_Q5_K ? Q5_K_BYTES
+                                         : Q6_K_BYTES;
     wchunk3 wc;
     int32_t ib[4][16][16] __attribute__((aligned(64)));
     __m512 acc_mem[A3_GROUPS][16];
@@ -688,6 +757,8 @@ INLINE void qgemm3_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
                             w + (size_t)(r0 + (r < rows ? r : rows - 1)) * ws + (size_t)(i0 + ii) * (size_t)bs;
                         if (type == ELLM_T_Q4_K) unpack3_q4k(b, &wc, ii, r);
                         else if (type == ELLM_T_Q5_K) unpack4_q5k(b, &wc, ii, r);
+                        else if (type == ELLM_T_Q2_K) unpack3_q2k(b, &wc, ii, r);
+                        else if (type == ELLM_T_Q3_K) unpack3_q3k(b, &wc, ii, r);
                         else unpack3_q6k(b, &wc, ii, r);
                     }
                 prefetch_next_chunk(w, ws, bs, A3_CHUNK, nb, nr, r0, i0);
@@ -742,6 +813,16 @@ INLINE void qgemm3_amx(int type, int64_t nb, const uint8_t *w, size_t ws, int64_
     }
 }
 
+static void amx_q2_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
+                     size_t xs, int64_t nt, float *y, size_t ys) {
+    qgemm3_amx(ELLM_T_Q2_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+
+static void amx_q3_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
+                     size_t xs, int64_t nt, float *y, size_t ys) {
+    qgemm3_amx(ELLM_T_Q3_K, nb, w, ws, nr, x, xs, nt, y, ys);
+}
+
 static void amx_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,
                      size_t xs, int64_t nt, float *y, size_t ys) {
     qgemm3_amx(ELLM_T_Q4_K, nb, w, ws, nr, x, xs, nt, y, ys);
@@ -764,6 +845,8 @@ ellm_qgemm_fn ellm_qgemm_amx(int qtype) {
     case ELLM_T_Q5_0: return amx_q5_0;
     case ELLM_T_Q5_1: return amx_q5_1;
     case ELLM_T_Q8_0: return amx_q8_0;
+    case ELLM_T_Q2_K: return amx_q2_k;
+    case ELLM_T_Q3_K: return amx_q3_k;
     case ELLM_T_Q4_K: return amx_q4_k;
     case ELLM_T_Q5_K: return amx_q5_k;
     case ELLM_T_Q6_K: return amx_q6_k;

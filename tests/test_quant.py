@@ -481,8 +481,8 @@ def test_kquant_batch_invariant_across_block_chunks(qtype: GGMLType, level: str,
     panel, odd block counts in a short chunk, T = 16 and 40 in groups left over from the 4s.
     Q5_K takes Q4_K's kernels at both levels, its values 0..31 (at AVX2 4 products of a
     pair summed in int16 before the madd, not 8); Q2_K and Q3_K take Q6_K's runs of 16,
-    Q2_K with Q4_K's mins. At the AMX level Q4_K, Q5_K and Q6_K take the tiles from 8
-    tokens on (matmul_amx.c, chunks of 2 blocks), Q2_K and Q3_K the VNNI kernels."""
+    Q2_K with Q4_K's mins. At the AMX level all five take the tiles from 8 tokens on
+    (matmul_amx.c, chunks of 2 blocks)."""
     use_level(level)
     assert_prefixes_match_rows_alone(qtype, rows, 256 * blocks, (9, 16, 40, 129, 160),
                                      np.random.default_rng(700 + blocks + rows + int(qtype)))
@@ -1002,9 +1002,8 @@ def test_amx_equals_vnni_bit_for_bit(qtype: GGMLType) -> None:
 
 @pytest.mark.parametrize("with_q3_k", [False, True])
 def test_amx_linear_multi_mixes_tiles_and_vnni(with_q3_k: bool) -> None:
-    """A call with both activation formats on the tiles, or (with Q3_K, which has no
-    many-token kernel) the 256-block format in rows on the VNNI decode kernels beside the
-    32-block one on the tiles: each part as at the VNNI level, bit for bit."""
+    """A call with both activation formats on the tiles (with Q3_K too, which took the
+    tiles last, in Q6_K's three rows): each part as at the VNNI level, bit for bit."""
     needs_amx()
     rng = np.random.default_rng(14)
     k = 512
