@@ -1524,7 +1524,8 @@ KINLINE void k23_block_isums(int type, const uint8_t *b, const ellm_act256 *a, _
         _Pragma("GCC unroll 2")
         for (int s = 0; s < 4; s += 2) {
             const __m256i s0 = scale_pair(sch[h], s), s1 = scale_pair(sch[h], s + 1);
-            const __m256i p0 = _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(a->qs + 128 * h + 32 * s)));
+            const __m256i p0 =
+                _mm256_maddubs_epi16(q[s], _mm256_loadu_si256((const __m256i *)(a->qs + 128 * h + 32 * s)));
             const __m256i p1 =
                 _mm256_maddubs_epi16(q[s + 1], _mm256_loadu_si256((const __m256i *)(a->qs + 128 * h + 32 * s + 32)));
             acc = _mm256_add_epi32(acc, DOT2_S16(p0, s0, p1, s1));
@@ -1541,6 +1542,44 @@ KINLINE void k23_block_isums(int type, const uint8_t *b, const ellm_act256 *a, _
         *sumi = acc;
         *msum = _mm256_madd_epi16(bsum, mins16);
     }
+}
+
+/* Q2_K / Q3_K, one row at one token, blocks in pairs: the two blocks' partial sums reduced
+ * in one hadd tree, then their float steps in block order as qdot_k23 takes them (the
+ * same bits). The AVX-512 level's decode kernel: reducing each block alone, as qdot_k23
+ * does, cost the 1B Q2_K file's decode on the Xeon (AMX level) 3-10% (alternated builds:
+ * 31.4 / 34.3 / 34.0 / 32.5 -> 34.6 / 35.4 / 35.8 / 34.1 tok/s with pairs); Q3_K_M
+ * within the noise. */
+KINLINE void qdot_k23_one(int type, int64_t nb, const uint8_t *w, const ellm_act256 *x, float *y) {
+    const int bs = type == ELLM_T_Q2_K ? Q2_K_BYTES : Q3_K_BYTES, d_at = type == ELLM_T_Q2_K ? 80 : 108;
+    float acc = 0.0f;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        const uint8_t *b = w + i * bs;
+        prefetch_ahead(b, 2 * bs);
+        __m256i v[4]; /* block i: isum, msum; block i + 1: isum, msum */
+        k23_block_isums(type, b, x + i, &v[0], &v[1]);
+        k23_block_isums(type, b + bs, x + i + 1, &v[2], &v[3]);
+        int32_t s[4];
+        _mm_storeu_si128((__m128i *)s, hsum4x8_epi32(v));
+        for (int j = 0; j < 2; j++) {
+            const uint8_t *bj = b + j * bs;
+            const float ad = x[i + j].d;
+            acc = fmaf((float)s[2 * j], f16_at(bj + d_at) * ad, acc);
+            if (type == ELLM_T_Q2_K) acc = fmaf((float)s[2 * j + 1], -f16_at(bj + d_at + 2) * ad, acc);
+        }
+    }
+    if (i < nb) {
+        const uint8_t *b = w + i * bs;
+        __m256i v[4];
+        k23_block_isums(type, b, x + i, &v[0], &v[1]);
+        v[2] = v[3] = _mm256_setzero_si256();
+        int32_t s[4];
+        _mm_storeu_si128((__m128i *)s, hsum4x8_epi32(v));
+        acc = fmaf((float)s[0], f16_at(b + d_at) * x[i].d, acc);
+        if (type == ELLM_T_Q2_K) acc = fmaf((float)s[1], -f16_at(b + d_at + 2) * x[i].d, acc);
+    }
+    *y = acc;
 }
 
 /* Every K-quant: d (and dmin, the f16 after it) at this offset of a block */
@@ -1701,8 +1740,18 @@ KINLINE void qdot_k4_rows_t2(int64_t nb, const uint8_t *w, size_t ws, int nr, co
     }
 
 #if QX_ZMM
-DEFINE_QDOT(qdot_q2_k, qdot_k23, ELLM_T_Q2_K)
-DEFINE_QDOT(qdot_q3_k, qdot_k23, ELLM_T_Q3_K)
+/* Q2_K / Q3_K: one token a row at a time, blocks in pairs (qdot_k23_one); several as
+ * DEFINE_QDOT */
+#define DEFINE_QDOT_K23(name, TYPE)                                                          \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        for (int64_t r = 0; r < nr; r++) {                                                   \
+            if (nt == 1) qdot_k23_one(TYPE, nb, w + (size_t)r * ws, (const ellm_act256 *)x, y + r); \
+            else QX_FOR_TOKEN_TILES(nt, x, xs, y + r, ys, qdot_k23, TYPE, nb, w + (size_t)r * ws) \
+        }                                                                                    \
+    }
+DEFINE_QDOT_K23(qdot_q2_k, ELLM_T_Q2_K)
+DEFINE_QDOT_K23(qdot_q3_k, ELLM_T_Q3_K)
 DEFINE_QDOT(qdot_q4_k, qdot_k45, ELLM_T_Q4_K)
 DEFINE_QDOT(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
 DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
