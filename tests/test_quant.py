@@ -954,8 +954,7 @@ def test_get_rows_bad_index_raises() -> None:
 
 # the types with AMX kernels (csrc/matmul_amx.c); every other type runs the AVX-512 path
 # at the AMX level, which the level-parametrized tests above cover
-AMX_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-             GGMLType.Q4_K, GGMLType.Q6_K]
+AMX_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, *QK]
 # (T, N, K-blocks): T from 8 (tiles take calls from 8 tokens on, padded to 16), below, at
 # and past 16-token groups and 64-token items, N below and past a 16-row tile, K past one
 # unpacking chunk (32 blocks of 32, 4 blocks of 256)
