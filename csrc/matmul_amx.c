@@ -508,20 +508,24 @@ INLINE void unpack3_q4k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
     }
 }
 
-/* Q6_K block b of one row into the chunk */
-INLINE void unpack3_q6k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
-    /* the 16 scales' digits: sc = s0 + 8 s1 + 64 s2, each in -3..4 */
-    const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-    const __m256i sc16 = _mm256_cvtepi8_epi16(sc), three = _mm256_set1_epi16(3), seven = _mm256_set1_epi16(7);
+/* 16 signed scales (-128..127) -> their digits sc = d0 + 8 d1 + 64 d2, each in -3..4 */
+INLINE void scale_digits8(const int8_t sc[16], int16_t dig[3][16]) {
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    const __m256i three = _mm256_set1_epi16(3), seven = _mm256_set1_epi16(7);
     const __m256i d0 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(sc16, three), seven), three);
     const __m256i t1 = _mm256_srai_epi16(_mm256_sub_epi16(sc16, d0), 3);
     const __m256i d1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(t1, three), seven), three);
     const __m256i d2 = _mm256_srai_epi16(_mm256_sub_epi16(t1, d1), 3);
+    _mm256_storeu_si256((__m256i *)dig[0], d0);
+    _mm256_storeu_si256((__m256i *)dig[1], d1);
+    _mm256_storeu_si256((__m256i *)dig[2], d2);
+}
+
+/* Q6_K block b of one row into the chunk */
+INLINE void unpack3_q6k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
     int16_t dig[3][16] __attribute__((aligned(32)));
-    _mm256_store_si256((__m256i *)dig[0], d0);
-    _mm256_store_si256((__m256i *)dig[1], d1);
-    _mm256_store_si256((__m256i *)dig[2], d2);
+    scale_digits8((const int8_t *)(b + 192), dig);
     wc->d[ii][r] = f16_at(b + 208);
     for (int h = 0; h < 2; h++) {
         const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
@@ -575,17 +579,9 @@ INLINE void unpack3_q2k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
 INLINE void unpack3_q3k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
     const __m256i three8 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     int8_t sc8[16];
-    ellm_unpack_q3k_scales(b + 96, sc8);
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc8));
-    const __m256i three = _mm256_set1_epi16(3), seven = _mm256_set1_epi16(7);
-    const __m256i d0 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(sc16, three), seven), three);
-    const __m256i t1 = _mm256_srai_epi16(_mm256_sub_epi16(sc16, d0), 3);
-    const __m256i d1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(t1, three), seven), three);
-    const __m256i d2 = _mm256_srai_epi16(_mm256_sub_epi16(t1, d1), 3);
     int16_t dig[3][16] __attribute__((aligned(32)));
-    _mm256_store_si256((__m256i *)dig[0], d0);
-    _mm256_store_si256((__m256i *)dig[1], d1);
-    _mm256_store_si256((__m256i *)dig[2], d2);
+    ellm_unpack_q3k_scales(b + 96, sc8);
+    scale_digits8(sc8, dig);
     wc->d[ii][r] = f16_at(b + 108);
     const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
     for (int half = 0; half < 2; half++) {

@@ -1181,6 +1181,15 @@ INLINE int qk_block_bytes(int type) {
 INLINE int qk_runs_of_32(int type) { return type == ELLM_T_Q4_K || type == ELLM_T_Q5_K; }
 INLINE int qk_has_mins(int type) { return type != ELLM_T_Q3_K && type != ELLM_T_Q6_K; }
 INLINE int qk_offset_shift(int type) { return type == ELLM_T_Q6_K ? 5 : 2; }
+/* Every K-quant: d (and dmin, the f16 after it) at this offset of a block */
+INLINE int qk_d_offset(int type) {
+    switch (type) {
+    case ELLM_T_Q2_K: return 80;
+    case ELLM_T_Q3_K: return 108;
+    case ELLM_T_Q6_K: return 208;
+    default: return 0;
+    }
+}
 
 /* Q4_K / Q5_K: sub-block j of 32 has scale sc[j] and min mn[j]:
  *   dot = d d_x sum_j sc[j] (q_j . x_j)  -  dmin d_x sum_j mn[j] (bsum[2j] + bsum[2j+1])
@@ -1311,6 +1320,17 @@ INLINE void q3k_scales(const uint8_t *p, int8_t sc[16]) {
     _mm_storeu_si128((__m128i *)sc, _mm_sub_epi8(_mm_or_si128(lo, h), _mm_set1_epi8(32)));
 }
 
+/* Q2_K / Q3_K run s of 128-half h (elements 128h + 32s + l) from that half's 32 bytes of
+ * qs (qv): bits 2s, 2s+1 of each byte, and for Q3_K its third bit, bit 4h+s of hmask[l]
+ * (hm), as 4 */
+INLINE __m256i k23_run(int q3, __m256i qv, __m256i hm, int h, int s) {
+    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), _mm256_set1_epi8(3));
+    if (!q3) return q;
+    const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + s)));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+    return _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+}
+
 /* Q2_K: per 128-half h, qs[32h .. 32h+31] holds four 32-runs at shifts 0, 2, 4, 6;
  * scale (low nibble) and min (high nibble) per 16:
  *   dot = d d_x sum_g sc[g] (q_g . x_g)  -  dmin d_x sum_g mn[g] bsum[g]
@@ -1322,7 +1342,6 @@ INLINE void q3k_scales(const uint8_t *p, int8_t sc[16]) {
 KINLINE void qdot_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride,
                       const int nt, float *y, size_t y_stride) {
     const int bs = type == ELLM_T_Q2_K ? Q2_K_BYTES : Q3_K_BYTES;
-    const __m256i three = _mm256_set1_epi8(3);
     float acc[QX_TILE]; /* one float chain per output: the order of the many-token kernels */
     for (int t = 0; t < nt; t++) acc[t] = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
@@ -1354,14 +1373,7 @@ KINLINE void qdot_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
         for (int h = 0; h < 2; h++) {
             __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
             __m256i q[4];
-            for (int s = 0; s < 4; s++) {
-                q[s] = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), three);
-                if (type == ELLM_T_Q3_K) {
-                    const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + s)));
-                    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-                    q[s] = _mm256_or_si256(q[s], _mm256_and_si256(set, _mm256_set1_epi8(4)));
-                }
-            }
+            for (int s = 0; s < 4; s++) q[s] = k23_run(type == ELLM_T_Q3_K, qv, hm, h, s);
             for (int s = 0; s < 4; s += 2) {
                 /* groups 8h + 2s .. 8h + 2s + 3 cover runs s, s+1 */
                 const __m256i s0 = scale_pair(sch[h], s), s1 = scale_pair(sch[h], s + 1);
@@ -1494,7 +1506,6 @@ KINLINE __m256i q6k_block_isum(const uint8_t *b, const ellm_act256 *a) {
  * them: *sumi the 8-lane partial sums of sum_g sc[g] (q_g . x_g) (Q3_K less its offset,
  * 4 sum_g sc[g] bsum[g]), *msum (Q2_K) those of sum_g mn[g] bsum[g] */
 KINLINE void k23_block_isums(int type, const uint8_t *b, const ellm_act256 *a, __m256i *sumi, __m256i *msum) {
-    const __m256i three = _mm256_set1_epi8(3);
     const int q3 = type == ELLM_T_Q3_K;
     int8_t sc[16];
     __m256i hm = _mm256_setzero_si256();
@@ -1513,14 +1524,7 @@ KINLINE void k23_block_isums(int type, const uint8_t *b, const ellm_act256 *a, _
         const __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
         __m256i q[4];
         _Pragma("GCC unroll 4")
-        for (int s = 0; s < 4; s++) {
-            q[s] = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * s), three);
-            if (q3) {
-                const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + s)));
-                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-                q[s] = _mm256_or_si256(q[s], _mm256_and_si256(set, _mm256_set1_epi8(4)));
-            }
-        }
+        for (int s = 0; s < 4; s++) q[s] = k23_run(q3, qv, hm, h, s);
         _Pragma("GCC unroll 2")
         for (int s = 0; s < 4; s += 2) {
             const __m256i s0 = scale_pair(sch[h], s), s1 = scale_pair(sch[h], s + 1);
@@ -1551,45 +1555,26 @@ KINLINE void k23_block_isums(int type, const uint8_t *b, const ellm_act256 *a, _
  * 31.4 / 34.3 / 34.0 / 32.5 -> 34.6 / 35.4 / 35.8 / 34.1 tok/s with pairs); Q3_K_M
  * within the noise. */
 KINLINE void qdot_k23_one(int type, int64_t nb, const uint8_t *w, const ellm_act256 *x, float *y) {
-    const int bs = type == ELLM_T_Q2_K ? Q2_K_BYTES : Q3_K_BYTES, d_at = type == ELLM_T_Q2_K ? 80 : 108;
+    const int bs = qk_block_bytes(type), d_at = qk_d_offset(type);
     float acc = 0.0f;
-    int64_t i = 0;
-    for (; i + 2 <= nb; i += 2) {
+    for (int64_t i = 0; i < nb; i += 2) {
+        const int n = nb - i < 2 ? 1 : 2; /* an odd last block alone */
         const uint8_t *b = w + i * bs;
-        prefetch_ahead(b, 2 * bs);
+        prefetch_ahead(b, n * bs);
         __m256i v[4]; /* block i: isum, msum; block i + 1: isum, msum */
         k23_block_isums(type, b, x + i, &v[0], &v[1]);
-        k23_block_isums(type, b + bs, x + i + 1, &v[2], &v[3]);
+        if (n == 2) k23_block_isums(type, b + bs, x + i + 1, &v[2], &v[3]);
+        else v[2] = v[3] = _mm256_setzero_si256();
         int32_t s[4];
         _mm_storeu_si128((__m128i *)s, hsum4x8_epi32(v));
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < n; j++) {
             const uint8_t *bj = b + j * bs;
             const float ad = x[i + j].d;
             acc = fmaf((float)s[2 * j], f16_at(bj + d_at) * ad, acc);
             if (type == ELLM_T_Q2_K) acc = fmaf((float)s[2 * j + 1], -f16_at(bj + d_at + 2) * ad, acc);
         }
     }
-    if (i < nb) {
-        const uint8_t *b = w + i * bs;
-        __m256i v[4];
-        k23_block_isums(type, b, x + i, &v[0], &v[1]);
-        v[2] = v[3] = _mm256_setzero_si256();
-        int32_t s[4];
-        _mm_storeu_si128((__m128i *)s, hsum4x8_epi32(v));
-        acc = fmaf((float)s[0], f16_at(b + d_at) * x[i].d, acc);
-        if (type == ELLM_T_Q2_K) acc = fmaf((float)s[1], -f16_at(b + d_at + 2) * x[i].d, acc);
-    }
     *y = acc;
-}
-
-/* Every K-quant: d (and dmin, the f16 after it) at this offset of a block */
-INLINE int qk_d_offset(int type) {
-    switch (type) {
-    case ELLM_T_Q2_K: return 80;
-    case ELLM_T_Q3_K: return 108;
-    case ELLM_T_Q6_K: return 208;
-    default: return 0;
-    }
 }
 
 KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x,
@@ -1881,20 +1866,12 @@ INLINE void qgemmk_unpack_block(int type, const uint8_t *b, size_t ahead, uint8_
             *m = -f16_at(b + 82);
         }
         for (int g = 0; g < 16; g++) sc[g] = s8[g];
-        const __m256i three = _mm256_set1_epi8(3);
         const __m256i hm = q3 ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
         const uint8_t *qs = b + (q3 ? 32 : 16);
         for (int h = 0; h < 2; h++) {
             const __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
-            for (int r = 0; r < 4; r++) { /* as qdot_k23 */
-                __m256i q = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * r), three);
-                if (q3) {
-                    const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + r)));
-                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-                    q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(4)));
-                }
-                _mm256_store_si256((__m256i *)(v + 128 * h + 32 * r), q);
-            }
+            for (int r = 0; r < 4; r++) /* as qdot_k23 */
+                _mm256_store_si256((__m256i *)(v + 128 * h + 32 * r), k23_run(q3, qv, hm, h, r));
         }
     } else {
         const int8_t *s8 = (const int8_t *)(b + 192);
@@ -2419,26 +2396,16 @@ KINLINE void qgemmk_avx2(int type, int64_t nb, const uint8_t *w, size_t ws, int6
     }
 }
 
-KFUNC void qgemm_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
-                      int64_t nt, float *y, size_t ys) {
-    qgemmk_avx2(ELLM_T_Q4_K, nb, w, ws, nr, x, xs, nt, y, ys);
-}
-KFUNC void qgemm_q2_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
-                      int64_t nt, float *y, size_t ys) {
-    qgemmk_avx2(ELLM_T_Q2_K, nb, w, ws, nr, x, xs, nt, y, ys);
-}
-KFUNC void qgemm_q3_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
-                      int64_t nt, float *y, size_t ys) {
-    qgemmk_avx2(ELLM_T_Q3_K, nb, w, ws, nr, x, xs, nt, y, ys);
-}
-KFUNC void qgemm_q5_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
-                      int64_t nt, float *y, size_t ys) {
-    qgemmk_avx2(ELLM_T_Q5_K, nb, w, ws, nr, x, xs, nt, y, ys);
-}
-KFUNC void qgemm_q6_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs,
-                      int64_t nt, float *y, size_t ys) {
-    qgemmk_avx2(ELLM_T_Q6_K, nb, w, ws, nr, x, xs, nt, y, ys);
-}
+#define DEFINE_QGEMMK_AVX2(name, TYPE)                                                       \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        qgemmk_avx2(TYPE, nb, w, ws, nr, x, xs, nt, y, ys);                                  \
+    }
+DEFINE_QGEMMK_AVX2(qgemm_q2_k, ELLM_T_Q2_K)
+DEFINE_QGEMMK_AVX2(qgemm_q3_k, ELLM_T_Q3_K)
+DEFINE_QGEMMK_AVX2(qgemm_q4_k, ELLM_T_Q4_K)
+DEFINE_QGEMMK_AVX2(qgemm_q5_k, ELLM_T_Q5_K)
+DEFINE_QGEMMK_AVX2(qgemm_q6_k, ELLM_T_Q6_K)
 #endif /* QX_VNNI */
 
 #endif
