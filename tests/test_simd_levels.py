@@ -139,6 +139,35 @@ def test_ellm_simd_environment_variable_picks_the_level() -> None:
         assert f"ELLM_SIMD='{bad}'" in last and ", ".join(_core.supported_simd_levels()) in last, last
 
 
+def test_a_bad_ellm_simd_is_one_line_from_the_cli() -> None:
+    """The `ellm` command (its console script and `python -m ellm`) prints a bad ELLM_SIMD
+    as its other errors, one `error: ...` line and status 2, where `import ellm` in a
+    program raises the ValueError (above)."""
+    script = Path(sys.executable).parent / ("ellm.exe" if os.name == "nt" else "ellm")
+    commands = [[sys.executable, "-m", "ellm", "info"]]
+    if script.exists():
+        commands.append([str(script), "info"])
+    for command in commands:
+        p = subprocess.run(command, env=dict(os.environ, ELLM_SIMD="avx9"), capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 2 and p.stdout == "", (command, p.stdout, p.stderr)
+        assert p.stderr.splitlines() == [p.stderr.strip()] and p.stderr.startswith("error: ELLM_SIMD='avx9'"), \
+            (command, p.stderr)
+
+
+def test_a_bad_ellm_simd_raises_in_a_program_started_with_dash_m(tmp_path: Path) -> None:
+    """Another program started with `python -m` that imports ellm while Python looks for
+    its __main__ gets the ValueError to catch, not the CLI's exit."""
+    package = tmp_path / "uses_ellm"
+    package.mkdir()
+    (package / "__init__.py").write_text("try:\n    import ellm\nexcept ValueError as e:\n"
+                                         "    print('caught', 'ELLM_SIMD' in str(e))\n")
+    (package / "__main__.py").write_text("")
+    env = dict(os.environ, ELLM_SIMD="avx9", PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    p = subprocess.run([sys.executable, "-m", "uses_ellm"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "caught True", (p.stdout, p.stderr)
+
+
 def test_forcing_a_level_reaches_every_module(restore_level: None) -> None:
     for name in _core.supported_simd_levels():
         force_level(name)

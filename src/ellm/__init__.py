@@ -14,11 +14,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from ._native_check import apply_simd_override as _apply_simd_override
-from ._native_check import check_native as _check_native
+from ._native_check import check_startup as _check_startup
 
-_check_native()
-_apply_simd_override()
+_check_startup()
 
 from .engine.async_engine import EngineDeadError  # noqa: E402
 from .engine.engine import RequestError  # noqa: E402
