@@ -14,9 +14,9 @@ decode tok/s (128 greedy tokens after 16), with the ratio last / first interpret
 
 With --kernels it instead times _quant.linear on BF16 weights of the two models' shapes
 (SmolLM2 576x576, 1536x576, 576x1536, head 49152x576; Gemma 3 1024x640, 2048x640,
-640x2048, head 262144x640) at T = 1, 16 and 512 (the heads at 1, SmolLM2's also at 16), one thread, by thread CPU time, the
-levels of --levels alternated in one process (avx512: the FMA kernels main runs; amx: the
-tiles), each figure the best of 5 rounds' medians:
+640x2048, head 262144x640) at T = 1, 16 and 512 (the heads at 1, SmolLM2's also at 16), one
+thread, by thread CPU time, the levels of --levels alternated in one process (avx512: the
+FMA kernels main runs; amx: the tiles), each figure the best of 5 rounds' medians:
 
     python benchmarks/bench_bf16.py --kernels --levels avx512,amx
 

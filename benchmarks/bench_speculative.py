@@ -104,7 +104,9 @@ def bench(args: argparse.Namespace) -> int:
                 agg[label].append(sum(len(o.token_ids) for o in outs) / (CLOCK() - t0))
     st = on.engine.stats
     print(f"model {args.model or 'default'}, {args.threads} threads, speculative_config {json.dumps(spec_cfg)}")
-    print(f"{args.max_tokens} new tokens, greedy, {args.rounds} rounds, medians, EOS {'honoured' if args.eos else 'ignored'}, {'CPU' if args.cpu_time else 'wall'} time; loadavg "
+    eos = 'honoured' if args.eos else 'ignored'
+    clock = 'CPU' if args.cpu_time else 'wall'
+    print(f"{args.max_tokens} new tokens, greedy, {args.rounds} rounds, medians, EOS {eos}, {clock} time; loadavg "
           f"{open('/proc/loadavg').read().split()[0]}")
     print(f"{'prompt':14} {'prompt tok':>10} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7}")
     ratios: dict[str, list[float]] = {"grounded": [], "open": []}

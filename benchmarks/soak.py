@@ -112,7 +112,8 @@ def _constraints(rng: random.Random) -> tuple[dict[str, Any], bool]:
         {"guided_grammar": 'start: "yes" | "no"'},
     ]
     hostile = [
-        {"guided_grammar": "\n".join(["start: r0"] + [f'r{k}: "x" r{k + 1} | "y"' for k in range(3000)] + ['r3000: "z"'])},
+        {"guided_grammar": "\n".join(["start: r0"] + [f'r{k}: "x" r{k + 1} | "y"' for k in range(3000)]
+                                     + ['r3000: "z"'])},
         {"guided_choice": [f"o{k}" for k in range(20_000)]},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
         {"guided_json": "[" * 5000 + "]" * 5000},
@@ -188,7 +189,8 @@ class Soak:
         limits = httpx.Limits(max_connections=4)
         async with httpx.AsyncClient(base_url=self.url, timeout=300, limits=limits) as c:
             while not self.stop.is_set():
-                kinds, weights = ["stream", "cancel", "plain", "hostile", "oversized", "constrained"], [3, 2, 2, 3, 1, 2]
+                kinds = ["stream", "cancel", "plain", "hostile", "oversized", "constrained"]
+                weights = [3, 2, 2, 3, 1, 2]
                 if self.args.vision:
                     kinds, weights = kinds + ["vision"], weights + [2]
                 kind = rng.choices(kinds, weights)[0]
@@ -383,7 +385,8 @@ def main() -> int:
         "error_kinds": dict(Counter(e[:60] for e in soak.errors).most_common(10)), "gauges_after": g,
         "health_ms": {"n": len(h), "p50": round(h[len(h) // 2], 1) if h else None,
                       "p99": round(h[int(len(h) * 0.99)], 1) if h else None, "max": round(h[-1], 1) if h else None},
-        "rss_mb": {"warm_median": rss_warm and round(rss_warm / 1024, 1), "end_median": rss_end and round(rss_end / 1024, 1),
+        "rss_mb": {"warm_median": rss_warm and round(rss_warm / 1024, 1),
+                   "end_median": rss_end and round(rss_end / 1024, 1),
                    "min": rss and round(min(rss) / 1024, 1), "max": rss and round(max(rss) / 1024, 1)},
         "greedy_before": before, "greedy_after": after, "checks": checks,
     }

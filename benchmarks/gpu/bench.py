@@ -214,7 +214,7 @@ def bench_ellm(src: Source, plan: Plan, device: str, graphs: bool, fused: bool,
         return out
     finally:
         llm.close()
-        del llm
+        llm = None  # the engine's last reference (the closures above share the name), before collecting
         gc.collect()
         _free_cupy()
 
@@ -290,7 +290,7 @@ def bench_transformers(src: Source, plan: Plan, device: str, static: bool, deadl
         add_rates(out, wb, plan.batches)
         return out
     finally:
-        del model
+        model = None  # the model's last reference (the closures above share the name), before collecting
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()

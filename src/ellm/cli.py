@@ -21,7 +21,8 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
     """Sampling and loading options. Sampling options left out take the model's defaults
     (its generation_config.json or GGUF general.sampling.*, else ellm's)."""
     shown = "until EOS or the end of the context" if max_tokens is None else str(max_tokens)
-    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens, help=f"most tokens to generate (default: {shown})")
+    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens,
+                   help=f"most tokens to generate (default: {shown})")
     p.add_argument("--temperature", "--temp", type=float, default=None, help="0 = greedy (default: the model's)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)

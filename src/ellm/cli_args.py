@@ -1,6 +1,6 @@
 """What `ellm`'s command line means, checked before a model loads: the words of `ellm run`,
-whether `ellm serve` can have its port, and the NAME=PATH items of --lora-modules. A mistake here costs the user a model load
-(seconds to minutes) when it is found only afterwards."""
+whether `ellm serve` can have its port, and the NAME=PATH items of --lora-modules. A mistake
+here costs the user a model load (seconds to minutes) when it is found only afterwards."""
 from __future__ import annotations
 
 import argparse

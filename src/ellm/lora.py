@@ -252,7 +252,8 @@ def _place(factors: dict[tuple[int, str], LoraFactors], base: list[dict[str, Any
     n = sum(m.out_features for m in mats)
     if a.shape[1] != k or b.shape[0] != n:
         raise FormatError(where, f"lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the base's "
-                                 f"{'+'.join(projs)} matrix ({n}, {k}): expected ({a.shape[0]}, {k}) and ({n}, {a.shape[0]})")
+                                 f"{'+'.join(projs)} matrix ({n}, {k}): expected ({a.shape[0]}, {k}) "
+                                 f"and ({n}, {a.shape[0]})")
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise FormatError(where, "a LoRA factor holds NaN or infinity")
     a32 = np.ascontiguousarray(a, dtype=np.float32)

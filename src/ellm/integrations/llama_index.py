@@ -243,7 +243,8 @@ class EllmLLM(FunctionCallingLLM):
         if not calls and error_on_no_tool_call:
             raise ValueError(f"expected at least one tool call, got none; the reply was: {response.message.content!r}")
         return [ToolSelection(tool_id=b.tool_call_id or "", tool_name=b.tool_name,
-                              tool_kwargs=b.tool_kwargs if isinstance(b.tool_kwargs, dict) else json.loads(b.tool_kwargs))
+                              tool_kwargs=b.tool_kwargs if isinstance(b.tool_kwargs, dict)
+                              else json.loads(b.tool_kwargs))
                 for b in calls]
 
     # -- structured output ------------------------------------------------------------------

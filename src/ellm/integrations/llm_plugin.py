@@ -109,7 +109,8 @@ class _Base:
         sampling = {k: getattr(opts, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                                   "repetition_penalty", "seed", "stop")}
         messages = openai_messages(prompt.messages)
-        prep = _chat.prepare(engine, messages, tools=tools or None, tool_choice=_tool_choice(opts.tool_choice, messages),
+        prep = _chat.prepare(engine, messages, tools=tools or None,
+                             tool_choice=_tool_choice(opts.tool_choice, messages),
                              json_schema=prompt.schema or None, **sampling)
         return engine, prep
 

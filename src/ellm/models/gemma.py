@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ConfigError, GGUFMeta, ModelConfig, check_layer_types, check_window, layer_types_window, rope_inv_freq
+from ..config import (ConfigError, GGUFMeta, ModelConfig, check_layer_types, check_window, layer_types_window,
+                      rope_inv_freq)
 from ..weights import WeightSource
 from .blocks import (Decoder, DecoderLayer, embedding_and_head, load_attention, load_mlp, load_norm,
                      maybe_norm)

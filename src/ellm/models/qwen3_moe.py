@@ -67,7 +67,8 @@ class Args(qwen3.Args):
             raise ConfigError(f"num_experts_per_tok must be between 1 and min(num_experts, 64), "
                               f"got {self.num_experts_per_tok}")
         if not 1 <= self.moe_intermediate_size <= 1 << 20:
-            raise ConfigError(f"moe_intermediate_size must be between 1 and {1 << 20}, got {self.moe_intermediate_size}")
+            raise ConfigError(f"moe_intermediate_size must be between 1 and {1 << 20}, "
+                              f"got {self.moe_intermediate_size}")
         if self.decoder_sparse_step < 1:
             raise ConfigError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         if not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):

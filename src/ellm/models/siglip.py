@@ -136,7 +136,8 @@ class SiglipEncoder:
             q = f"{prefix}encoder.layers.{i}."
             self.layers.append(EncoderLayer(
                 norm1=_layernorm(weights, q + "layer_norm1", D),
-                q=_with_bias(weights, q + "self_attn.q_proj", D, D), k=_with_bias(weights, q + "self_attn.k_proj", D, D),
+                q=_with_bias(weights, q + "self_attn.q_proj", D, D),
+                k=_with_bias(weights, q + "self_attn.k_proj", D, D),
                 v=_with_bias(weights, q + "self_attn.v_proj", D, D),
                 o=_with_bias(weights, q + "self_attn.out_proj", D, D),
                 norm2=_layernorm(weights, q + "layer_norm2", D),

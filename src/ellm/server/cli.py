@@ -85,7 +85,8 @@ def main(args: argparse.Namespace) -> int:
         import prometheus_client  # noqa: F401
         import uvicorn
     except ImportError as e:
-        return _usage_error(f"`ellm serve` needs the server extra ({e.name} is missing): pip install 'ellm-engine[server]'")
+        return _usage_error(f"`ellm serve` needs the server extra ({e.name} is missing): "
+                            "pip install 'ellm-engine[server]'")
     if not 0 < args.port < 65536:
         return _usage_error(f"--port must be in 1..65535, got {args.port}")
     if args.max_queue < 1:

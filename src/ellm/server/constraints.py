@@ -76,7 +76,8 @@ def _structured_outputs(so: Any) -> list[tuple[str, str, Any]]:
             if value is True:
                 found.append(("structured_outputs.json_object", "json_schema", {"type": "object"}))
             elif value not in (None, False):
-                raise ConstraintError("structured_outputs.json_object", "structured_outputs.json_object must be a boolean")
+                raise ConstraintError("structured_outputs.json_object",
+                                      "structured_outputs.json_object must be a boolean")
         elif key in _STRUCTURED_OUTPUTS_OFF:
             allowed = _STRUCTURED_OUTPUTS_OFF[key]
             if allowed is not None and value not in allowed:

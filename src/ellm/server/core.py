@@ -195,7 +195,8 @@ class Server:
         if self.fetcher is not None:
             fetch = self.fetcher.lookup(fetched or {})
         try:
-            return prepare_messages(messages, self.processing, fetch=fetch, model_name=f"the model '{self.cfg.model_name}'")
+            return prepare_messages(messages, self.processing, fetch=fetch,
+                                    model_name=f"the model '{self.cfg.model_name}'")
         except ImageError as e:
             raise APIError(400, str(e), param=e.param or "messages", code="invalid_image") from None
 

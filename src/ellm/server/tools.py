@@ -172,15 +172,18 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text"))
-    raise ToolError("messages", f"message content must be a string or a list of text parts, got {type(content).__name__}")
+        return "".join(p.get("text", "") for p in content
+                       if isinstance(p, dict) and p.get("type") in ("text", "input_text", "output_text"))
+    raise ToolError("messages",
+                    f"message content must be a string or a list of text parts, got {type(content).__name__}")
 
 
 def _call_parts(tc: Any, where: str) -> tuple[str, str, str]:
     """(id, name, arguments JSON text) of an OpenAI tool_calls entry."""
     fn = tc.get("function") if isinstance(tc, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ToolError(where, f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+        raise ToolError(where, f"{where} must be "
+                        "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
     args = fn.get("arguments", "{}")
     if not isinstance(args, str):
         args = json.dumps(args)
@@ -206,7 +209,8 @@ def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for j, tc in enumerate(m["tool_calls"]):
                 cid, name, args = _call_parts(tc, f"messages[{i}].tool_calls[{j}]")
                 names[cid] = name
-                calls.append({"id": cid, "type": "function", "function": {"name": name, "arguments": _loads_or_text(args)}})
+                calls.append({"id": cid, "type": "function",
+                              "function": {"name": name, "arguments": _loads_or_text(args)}})
             m["tool_calls"] = calls
             m["content"] = _text(m.get("content"))
         elif m.get("role") == "tool":

@@ -10,9 +10,10 @@ The model is loaded in float32 with eager attention (a GGUF through gguf_file=, 
 dequantizes every tensor), run once over the ids, and observed only through transformers'
 own module hooks, plus a wrapper around the modeling module's apply_rotary_pos_emb that
 keeps what it returns. With --adapter, peft puts a LoRA adapter's layers into the model
-first (the hooked projections' outputs then include the adapter's products). Every array is saved in transformers' layout, one row per position:
-(T, features) float32 under "<layer>.<op>" (layer "-" for embed / final_norm / logits),
-with op names as in ellm/trace/recorder.py; attn_probs rows are (nh * T).
+first (the hooked projections' outputs then include the adapter's products). Every array is
+saved in transformers' layout, one row per position: (T, features) float32 under
+"<layer>.<op>" (layer "-" for embed / final_norm / logits), with op names as in
+ellm/trace/recorder.py; attn_probs rows are (nh * T).
 """
 from __future__ import annotations
 

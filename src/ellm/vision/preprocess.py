@@ -288,7 +288,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _triple(cfg: Mapping[str, Any], key: str, default: tuple[float, float, float], where: str) -> tuple[float, float, float]:
+def _triple(cfg: Mapping[str, Any], key: str, default: tuple[float, float, float],
+            where: str) -> tuple[float, float, float]:
     v = cfg.get(key)
     if v is None:
         return default

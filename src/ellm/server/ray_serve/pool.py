@@ -74,7 +74,8 @@ class RemoteStream:
                     continue
                 self._finish()
                 raise EngineDeadError(f"the replica serving this request{' ' + self.replica if self.replica else ''} "
-                                      f"died ({type(e).__name__}); the output so far stands, the rest is lost") from None
+                                      f"died ({type(e).__name__}); the output so far stands, "
+                                      "the rest is lost") from None
             except asyncio.CancelledError:
                 self.close()
                 raise
