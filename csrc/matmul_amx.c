@@ -485,66 +485,107 @@ INLINE __m256i mul_bytes(__m256i v, __m256i f16) {
                            _mm256_mullo_epi16(_mm256_and_si256(v, hi), f16));
 }
 
-/* Q4_K block b of one row into the chunk */
+/* Bytes j0 (low 256 bits) and j1 (high) of every 64 bits of v as 16-bit words, each
+ * zero-extended, by one byte shuffle: from 8 bytes broadcast, two runs' factors */
+INLINE __m512i halves_epi16(int w0, int w1) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)w0), _mm256_set1_epi16((short)w1), 1);
+}
+INLINE __m512i words_of_bytes(__m512i v, int j0, int j1) {
+    return _mm512_shuffle_epi8(v, halves_epi16(0x8000 | j0, 0x8000 | j1));
+}
+
+/* Q4_K block b of one row into the chunk: 64 bytes of qs hold runs 2c and 2c + 2 in their
+ * low nibbles and 2c + 1, 2c + 3 in their high ones; their 256-bit halves are put in
+ * element order ([2c | 2c + 1], [2c + 2 | 2c + 3]) and multiplied by two runs' factors at
+ * once, 64 bytes a store. At 16 tokens the unpack was most of the kernel's time; against
+ * the 256-bit one (the scales decoded a byte at a time, a word broadcast per run and
+ * factor, 24 stores a row and block), with unpack3_q6k's likewise: the 1B shape's Q4_K
+ * 8192x2048 at 16 tokens 226 -> 255 GMAC/s and Q6_K 2048x8192 178 -> 245 (2 threads);
+ * that file's batched decode of 16 sequences 134 -> 168 tok/s, of 64 221 -> 264, its
+ * prefill@512 446 -> 477 (medians of 3 alternated rounds, Xeon, load ~2). Same rows. */
 INLINE void unpack3_q4k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    uint8_t sc[8], mn[8];
-    ellm_unpack_k4_scales(b + 4, sc, mn);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    uint64_t sc8, mn8;
+    ellm_k4_scale_words(b + 4, &sc8, &mn8);
+    const __m512i hi3 = _mm512_set1_epi64((long long)((sc8 >> 3) & 0x0707070707070707ull));
+    const __m512i lo3 = _mm512_set1_epi64((long long)(sc8 & 0x0707070707070707ull));
+    const __m512i mns = _mm512_set1_epi64((long long)mn8);
     wc->d[ii][r] = f16_at(b);
     wc->dmin[ii][r] = -f16_at(b + 2);
     int8_t *h = wc->a[ii][0][r], *l = wc->a[ii][1][r], *m = wc->a[ii][2][r];
-    for (int c = 0; c < 4; c++) {
-        /* runs 2c (low nibbles) and 2c + 1 (high) */
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-        const __m256i q0 = _mm256_and_si256(q, lo4), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
-        const int s0 = sc[2 * c], s1 = sc[2 * c + 1];
-        /* values 0..15 times factors 0..7: no 16-bit product carries into the high byte */
-        _mm256_store_si256((__m256i *)(h + 64 * c), _mm256_mullo_epi16(q0, _mm256_set1_epi16((short)(s0 >> 3))));
-        _mm256_store_si256((__m256i *)(h + 64 * c + 32), _mm256_mullo_epi16(q1, _mm256_set1_epi16((short)(s1 >> 3))));
-        _mm256_store_si256((__m256i *)(l + 64 * c), _mm256_mullo_epi16(q0, _mm256_set1_epi16((short)(s0 & 7))));
-        _mm256_store_si256((__m256i *)(l + 64 * c + 32), _mm256_mullo_epi16(q1, _mm256_set1_epi16((short)(s1 & 7))));
-        _mm256_store_si256((__m256i *)(m + 64 * c), _mm256_set1_epi8((char)mn[2 * c]));
-        _mm256_store_si256((__m256i *)(m + 64 * c + 32), _mm256_set1_epi8((char)mn[2 * c + 1]));
+    _Pragma("GCC unroll 2")
+    for (int c = 0; c < 4; c += 2) {
+        const __m512i q = _mm512_loadu_si512((const void *)(b + 16 + 32 * c));
+        const __m512i q0 = _mm512_and_si512(q, lo4), q1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo4);
+        const __m512i v[2] = {_mm512_shuffle_i64x2(q0, q1, 0x44), _mm512_shuffle_i64x2(q0, q1, 0xEE)};
+        _Pragma("GCC unroll 2")
+        for (int k = 0; k < 2; k++) { /* runs 2c + 2k, 2c + 2k + 1: elements 64 (c + k) on */
+            const int j = 2 * c + 2 * k, at = 64 * (c + k);
+            /* values 0..15 times factors 0..7: no 16-bit product carries into the high byte */
+            _mm512_store_si512((void *)(h + at), _mm512_mullo_epi16(v[k], words_of_bytes(hi3, j, j + 1)));
+            _mm512_store_si512((void *)(l + at), _mm512_mullo_epi16(v[k], words_of_bytes(lo3, j, j + 1)));
+            /* the mins' row: min j in every byte of run j (the byte shuffle's index bytes j, j + 1) */
+            _mm512_store_si512((void *)(m + at), _mm512_shuffle_epi8(mns, _mm512_inserti64x4(
+                _mm512_set1_epi8((char)j), _mm256_set1_epi8((char)(j + 1)), 1)));
+        }
     }
 }
 
-/* 16 signed scales (-128..127) -> their digits sc = d0 + 8 d1 + 64 d2, each in -3..4 */
-INLINE void scale_digits8(const int8_t sc[16], int16_t dig[3][16]) {
+/* 16 signed scales (-128..127) -> their digits sc = d0 + 8 d1 + 64 d2, each in -3..4, as
+ * 16 words each */
+INLINE void scale_digit_words(const int8_t sc[16], __m256i d[3]) {
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
     const __m256i three = _mm256_set1_epi16(3), seven = _mm256_set1_epi16(7);
-    const __m256i d0 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(sc16, three), seven), three);
-    const __m256i t1 = _mm256_srai_epi16(_mm256_sub_epi16(sc16, d0), 3);
-    const __m256i d1 = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(t1, three), seven), three);
-    const __m256i d2 = _mm256_srai_epi16(_mm256_sub_epi16(t1, d1), 3);
-    _mm256_storeu_si256((__m256i *)dig[0], d0);
-    _mm256_storeu_si256((__m256i *)dig[1], d1);
-    _mm256_storeu_si256((__m256i *)dig[2], d2);
+    d[0] = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(sc16, three), seven), three);
+    const __m256i t1 = _mm256_srai_epi16(_mm256_sub_epi16(sc16, d[0]), 3);
+    d[1] = _mm256_sub_epi16(_mm256_and_si256(_mm256_add_epi16(t1, three), seven), three);
+    d[2] = _mm256_srai_epi16(_mm256_sub_epi16(t1, d[1]), 3);
+}
+INLINE void scale_digits8(const int8_t sc[16], int16_t dig[3][16]) {
+    __m256i d[3];
+    scale_digit_words(sc, d);
+    for (int k = 0; k < 3; k++) _mm256_storeu_si256((__m256i *)dig[k], d[k]);
 }
 
-/* Q6_K block b of one row into the chunk */
+/* mul_bytes at 512 bits */
+INLINE __m512i mul_bytes512(__m512i v, __m512i f16) {
+    const __m512i hi = _mm512_set1_epi16((short)0xFF00);
+    return _mm512_or_si512(_mm512_andnot_si512(hi, _mm512_mullo_epi16(v, f16)),
+                           _mm512_mullo_epi16(_mm512_and_si512(v, hi), f16));
+}
+
+/* Q6_K block b of one row into the chunk, 64 elements (four groups of 16, one 128-bit lane
+ * each) a register: a half's ql (64 bytes) holds elements 0..63 of the half in its low
+ * nibbles and 64..127 in its high ones, their top two bits in qh at shifts 0, 2 (low)
+ * and 4, 6 (high), for the register's two 32-element runs in turn; each lane's factor is
+ * its group's digit, picked from the 16 digit words by one word permute */
 INLINE void unpack3_q6k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
-    int16_t dig[3][16] __attribute__((aligned(32)));
-    scale_digits8((const int8_t *)(b + 192), dig);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+    __m256i dg[3];
+    scale_digit_words((const int8_t *)(b + 192), dg);
     wc->d[ii][r] = f16_at(b + 208);
+    _Pragma("GCC unroll 2")
     for (int h = 0; h < 2; h++) {
-        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        __m256i v[4];
-        v[0] = _mm256_or_si256(_mm256_and_si256(ql0, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
-        v[1] = _mm256_or_si256(_mm256_and_si256(ql1, lo4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
-        v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), lo4), _mm256_and_si256(qh, top2));
-        v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), lo4),
-                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
-        for (int c = 0; c < 4; c++) {
-            /* elements 128 h + 32 c on: runs 8 h + 2 c (the low 16 bytes) and the next */
-            const __m256i vc = _mm256_sub_epi8(v[c], off);
-            const int g = 8 * h + 2 * c;
-            for (int k = 0; k < 3; k++) {
-                const __m256i f = _mm256_set_m128i(_mm_set1_epi16(dig[k][g + 1]), _mm_set1_epi16(dig[k][g]));
-                _mm256_store_si256((__m256i *)(wc->a[ii][k][r] + 128 * h + 32 * c), mul_bytes(vc, f));
-            }
+        const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * h));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        /* runs 0, 1 of the half: qh bits 0-1 and 2-3 moved to 0x30; runs 2, 3: bits 4-5, 6-7 */
+        const __m512i z[2] = {
+            _mm512_or_si512(_mm512_and_si512(ql, lo4),
+                            _mm512_and_si512(_mm512_sllv_epi16(qh, halves_epi16(4, 2)), top2)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4),
+                            _mm512_and_si512(_mm512_srlv_epi16(qh, halves_epi16(0, 2)), top2))};
+        _Pragma("GCC unroll 2")
+        for (int p = 0; p < 2; p++) { /* elements 128 h + 64 p on: groups g .. g + 3 */
+            const __m512i v = _mm512_sub_epi8(z[p], off);
+            const int g = 8 * h + 4 * p;
+            const __m512i idx = _mm512_set_epi16(g + 3, g + 3, g + 3, g + 3, g + 3, g + 3, g + 3, g + 3,
+                                                 g + 2, g + 2, g + 2, g + 2, g + 2, g + 2, g + 2, g + 2,
+                                                 g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1,
+                                                 g, g, g, g, g, g, g, g);
+            _Pragma("GCC unroll 3")
+            for (int k = 0; k < 3; k++)
+                _mm512_store_si512((void *)(wc->a[ii][k][r] + 128 * h + 64 * p),
+                                   mul_bytes512(v, _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(dg[k]))));
         }
     }
 }

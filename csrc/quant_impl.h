@@ -134,6 +134,18 @@ static inline void ellm_unpack_k4_scales(const uint8_t *s, uint8_t sc[8], uint8_
     }
 }
 
+/* The same, a word at a time: scale j in byte j of *sc8, min j in byte j of *mn8
+ *   sc0..3 = A & 63    sc4..7 = (C & 15) | (A >> 6) << 4
+ *   mn0..3 = B & 63    mn4..7 = (C >> 4) | (B >> 6) << 4     (bytewise, A B C the 3 words) */
+static inline void ellm_k4_scale_words(const uint8_t *s, uint64_t *sc8, uint64_t *mn8) {
+    const uint32_t a = ellm_rd_u32(s), b = ellm_rd_u32(s + 4), c = ellm_rd_u32(s + 8);
+    const uint32_t sc_lo = a & 0x3F3F3F3Fu, mn_lo = b & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+    const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+    *sc8 = ((uint64_t)sc_hi << 32) | sc_lo;
+    *mn8 = ((uint64_t)mn_hi << 32) | mn_lo;
+}
+
 /* Q3_K: 16 six-bit signed scales (stored +32) packed into 12 bytes. */
 static inline void ellm_unpack_q3k_scales(const uint8_t *s, int8_t sc[16]) {
     for (int i = 0; i < 16; i++) {

@@ -1123,21 +1123,13 @@ DEFINE_QGEMM32(qgemm_q8_0, ELLM_T_Q8_0)
  * K-quants (256-blocks against act256)
  * ==================================================================================== */
 
-/* Q4_K / Q5_K scales: 12 bytes = words A, B, C -> 8 six-bit scales and 8 mins:
- *   sc0..3 = A & 63    sc4..7 = (C & 15) | (A >> 6) << 4
- *   mn0..3 = B & 63    mn4..7 = (C >> 4) | (B >> 6) << 4     (bytewise)
+/* Q4_K / Q5_K scales (12 bytes, ellm_k4_scale_words) -> 8 six-bit scales and 8 mins:
  * out: *sc16 = the 8 scales as int16 in both 128-bit lanes (for byte shuffles),
  *      *mins = the 8 mins as int16, each twice: (m0 m0 m1 m1 ... m7 m7). */
 INLINE void k4_scales(const uint8_t *p, __m256i *sc16, __m256i *mins) {
-    uint32_t a, b, c;
-    memcpy(&a, p, 4);
-    memcpy(&b, p + 4, 4);
-    memcpy(&c, p + 8, 4);
-    uint32_t sc_lo = a & 0x3F3F3F3Fu, mn_lo = b & 0x3F3F3F3Fu;
-    uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
-    uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
-    __m128i sc8 = _mm_cvtsi64_si128((long long)(((uint64_t)sc_hi << 32) | sc_lo));
-    __m128i mn8 = _mm_cvtsi64_si128((long long)(((uint64_t)mn_hi << 32) | mn_lo));
+    uint64_t sc, mn;
+    ellm_k4_scale_words(p, &sc, &mn);
+    const __m128i sc8 = _mm_cvtsi64_si128((long long)sc), mn8 = _mm_cvtsi64_si128((long long)mn);
     *sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));
     *mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
 }
