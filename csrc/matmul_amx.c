@@ -494,6 +494,12 @@ INLINE __m512i words_of_bytes(__m512i v, int j0, int j1) {
     return _mm512_shuffle_epi8(v, halves_epi16(0x8000 | j0, 0x8000 | j1));
 }
 
+/* The mins' row of runs j, j + 1 (64 elements): min j in every byte of run j, from the 8
+ * min bytes broadcast */
+INLINE __m512i mins_of_runs(__m512i mns, int j) {
+    return _mm512_shuffle_epi8(mns, _mm512_inserti64x4(_mm512_set1_epi8((char)j), _mm256_set1_epi8((char)(j + 1)), 1));
+}
+
 /* Q4_K block b of one row into the chunk: 64 bytes of qs hold runs 2c and 2c + 2 in their
  * low nibbles and 2c + 1, 2c + 3 in their high ones; their 256-bit halves are put in
  * element order ([2c | 2c + 1], [2c + 2 | 2c + 3]) and multiplied by two runs' factors at
@@ -524,9 +530,7 @@ INLINE void unpack3_q4k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
             /* values 0..15 times factors 0..7: no 16-bit product carries into the high byte */
             _mm512_store_si512((void *)(h + at), _mm512_mullo_epi16(v[k], words_of_bytes(hi3, j, j + 1)));
             _mm512_store_si512((void *)(l + at), _mm512_mullo_epi16(v[k], words_of_bytes(lo3, j, j + 1)));
-            /* the mins' row: min j in every byte of run j (the byte shuffle's index bytes j, j + 1) */
-            _mm512_store_si512((void *)(m + at), _mm512_shuffle_epi8(mns, _mm512_inserti64x4(
-                _mm512_set1_epi8((char)j), _mm256_set1_epi8((char)(j + 1)), 1)));
+            _mm512_store_si512((void *)(m + at), mins_of_runs(mns, j));
         }
     }
 }
@@ -643,34 +647,46 @@ INLINE void unpack3_q3k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
     }
 }
 
-/* Bit k of each byte of qh at bit 4 (0x10) of the byte: the 16-bit shifts only move bits
- * across bytes below bit 4 (left) or above it (right), which the mask drops */
-INLINE __m256i bit_at_0x10(__m256i qh, int k) {
-    return _mm256_and_si256(k <= 4 ? _mm256_slli_epi16(qh, 4 - k) : _mm256_srli_epi16(qh, k - 4),
-                            _mm256_set1_epi8(0x10));
+/* qh's bits k0 (low 256 bits) and k1 (high) of each byte at bit 4 (0x10) of the byte (k0,
+ * k1 both at most 4, or both at least 4): the 16-bit shifts only move bits across bytes
+ * below bit 4 (left) or above it (right), which the mask drops */
+INLINE __m512i bits_at_0x10_512(__m512i qh, int k0, int k1) {
+    const __m512i v = k1 <= 4 ? _mm512_sllv_epi16(qh, halves_epi16(4 - k0, 4 - k1))
+                              : _mm512_srlv_epi16(qh, halves_epi16(k0 - 4, k1 - 4));
+    return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
 }
 
 /* Q5_K block b of one row into the chunk: q (0..31) times the scale's three base-4 digits
- * (q d <= 93), and the mins' row */
+ * (q d <= 93), and the mins' row; the runs as unpack3_q4k takes them, each with its fifth
+ * bit (bit j of qh's byte l for element l of run j). Against the 256-bit unpack: the 1B
+ * shape's Q5_K 8192x2048 at 16 tokens 181-186 -> 210-227 GMAC/s (2 threads); that
+ * Q5_K_M file's batched decode of 16 sequences 131-133 -> 144-155 tok/s (two alternated
+ * rounds, Xeon). */
 INLINE void unpack4_q5k(const uint8_t *b, wchunk3 *wc, int ii, int r) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    uint8_t sc[8], mn[8];
-    ellm_unpack_k4_scales(b + 4, sc, mn);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    uint64_t sc8, mn8;
+    ellm_k4_scale_words(b + 4, &sc8, &mn8);
+    __m512i dig[3];
+    for (int k = 0; k < 3; k++) dig[k] = _mm512_set1_epi64((long long)((sc8 >> (2 * k)) & 0x0303030303030303ull));
+    const __m512i mns = _mm512_set1_epi64((long long)mn8);
     wc->d[ii][r] = f16_at(b);
     wc->dmin[ii][r] = -f16_at(b + 2);
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-    for (int c = 0; c < 4; c++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * c));
-        const __m256i qv[2] = {_mm256_or_si256(_mm256_and_si256(q, lo4), bit_at_0x10(qh, 2 * c)),
-                               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), lo4),
-                                               bit_at_0x10(qh, 2 * c + 1))};
-        for (int h = 0; h < 2; h++) {
-            const int j = 2 * c + h, at = 64 * c + 32 * h;
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+    _Pragma("GCC unroll 2")
+    for (int c = 0; c < 4; c += 2) {
+        const __m512i q = _mm512_loadu_si512((const void *)(b + 48 + 32 * c));
+        const __m512i q0 = _mm512_or_si512(_mm512_and_si512(q, lo4), bits_at_0x10_512(qh, 2 * c, 2 * c + 2));
+        const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 4), lo4),
+                                           bits_at_0x10_512(qh, 2 * c + 1, 2 * c + 3));
+        const __m512i v[2] = {_mm512_shuffle_i64x2(q0, q1, 0x44), _mm512_shuffle_i64x2(q0, q1, 0xEE)};
+        _Pragma("GCC unroll 2")
+        for (int k2 = 0; k2 < 2; k2++) {
+            const int j = 2 * c + 2 * k2, at = 64 * (c + k2);
             /* values 0..31 times digits 0..3: no 16-bit product carries into the high byte */
             for (int k = 0; k < 3; k++)
-                _mm256_store_si256((__m256i *)(wc->a[ii][k][r] + at),
-                                   _mm256_mullo_epi16(qv[h], _mm256_set1_epi16((short)((sc[j] >> (2 * k)) & 3))));
-            _mm256_store_si256((__m256i *)(wc->a[ii][3][r] + at), _mm256_set1_epi8((char)mn[j]));
+                _mm512_store_si512((void *)(wc->a[ii][k][r] + at),
+                                   _mm512_mullo_epi16(v[k2], words_of_bytes(dig[k], j, j + 1)));
+            _mm512_store_si512((void *)(wc->a[ii][3][r] + at), mins_of_runs(mns, j));
         }
     }
 }
