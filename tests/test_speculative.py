@@ -277,6 +277,14 @@ def test_bad_configs_are_clear_errors(bad, message) -> None:
         SpeculativeConfig.parse(bad)
 
 
+def test_a_draft_model_config_made_directly_needs_its_model() -> None:
+    # parse() takes a SpeculativeConfig as it is: without this check load() went on to load
+    # the default model as the draft
+    with pytest.raises(ValueError, match="needs 'model'"):
+        SpeculativeConfig("draft_model", 3)
+    assert SpeculativeConfig.parse(SpeculativeConfig("draft_model", 3, model="x")).model == "x"
+
+
 def test_config_defaults_and_json() -> None:
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     assert (c.prompt_lookup_min, c.prompt_lookup_max, c.adaptive) == (5, 5, True)

@@ -14,7 +14,7 @@ import logging
 import sys
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, Union
@@ -24,7 +24,7 @@ import numpy as np
 from .config import ModelConfig
 from .engine.async_engine import AsyncEngine, BlockingRequestStream, EngineDeadError, FinalOutput, RequestStream
 from .engine.engine import POOLINGS, Engine, EngineConfig
-from .engine.sequence import TokenLogprob
+from .engine.sequence import FinishReason, TokenLogprob
 from .sampling_defaults import SamplingDefaults
 from .sampling_params import SamplingParams
 from .vision.images import DEFAULT_LIMITS, ImageError, ImageLimits, ImageSource
@@ -40,7 +40,7 @@ _Request = tuple[list[int], SamplingParams, Union[list[Any], None]]
 class CompletionOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str | None        # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None         # why, when finish_reason is "error" (a constraint failed)
@@ -71,7 +71,7 @@ def _is_messages(value: Any) -> bool:
                                        and all(isinstance(m, dict) for m in value))
 
 
-def _chat_messages(messages: Any) -> Any:
+def _chat_messages(messages: Any) -> list[dict[str, Any]]:
     """chat()'s conversation: a list of message dicts; a string is taken as one user message
     (the only thing a string can mean there). A lone dict is a TypeError, not guessed at."""
     if isinstance(messages, str):
@@ -500,7 +500,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
          threads: int | None = None, chat_template: str | None = None,
          progress: bool = True, activations: str | None = None, mmproj: str | Path | None = None,
          speculative_config: dict[str, Any] | str | None = None, kv_cache_dtype: str = "auto",
-         kv_cache_tokens: int = 0, lora_adapters: dict[str, str | Path] | None = None) -> LLM:
+         kv_cache_tokens: int = 0, lora_adapters: Mapping[str, str | Path] | None = None) -> LLM:
     """Loads a model from a folder, a .gguf file or a known name (pulled on first use).
 
     max_model_len: prompt + output tokens per sequence (capped by the model's own limit).
@@ -599,6 +599,7 @@ def load(source: str | Path | None = None, device: str = "cpu", *, max_model_len
         attach_adapters(model, lora_adapters)
     draft = None
     if spec is not None and spec.method == "draft_model":  # [spec] the draft: same device, its own file
+        assert spec.model is not None   # SpeculativeConfig refuses a draft_model without one
         draft_llm_parts = _load_draft(spec.model, ops, progress)
         check_same_vocabulary(tokenizer, draft_llm_parts[1])
         draft = draft_llm_parts[0]

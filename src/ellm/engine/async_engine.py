@@ -35,7 +35,7 @@ import numpy as np
 
 from ..sampling_params import SamplingParams
 from .engine import POOLINGS, Engine, RequestError, SequenceError
-from .sequence import RequestOutput, TokenLogprob
+from .sequence import FinishReason, RequestOutput, TokenLogprob
 
 log = logging.getLogger("ellm.engine")
 
@@ -78,7 +78,7 @@ class FinalOutput:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     prompt_token_ids: list[int]
     logprobs: list[TokenLogprob]
     num_cached_tokens: int

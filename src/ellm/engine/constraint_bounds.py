@@ -115,7 +115,8 @@ def _check_ref_cycles(schema: Mapping[str, Any]) -> None:
         if isinstance(defs, Mapping):
             todo.extend(d for d in defs.values() if isinstance(d, Mapping))
     for start in todo:
-        node, seen = start, []
+        node: Any = start
+        seen: list[Mapping[str, Any]] = []
         while isinstance(node, Mapping) and isinstance(node.get("$ref"), str) and set(node) <= plain:
             if any(node is s for s in seen):
                 chain = " -> ".join(s["$ref"] for s in seen)
@@ -217,7 +218,7 @@ def _reference_depth(refs: dict[str, list[str]]) -> int:
     in whatever order its rules are written (the walk starts at the start rule, then at
     rules nothing names, as the compiler does)."""
     named = {child for children in refs.values() for child in children}
-    roots = [r for r in ("start", "root") if r in refs]
+    roots: list[str] = [r for r in ("start", "root") if r in refs]
     roots += [r for r in refs if r not in named] + list(refs)
     entered: set[str] = set()
     deepest = 0

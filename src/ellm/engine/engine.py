@@ -25,7 +25,7 @@ from .kv_cache import BlockManager
 from .runner import ModelRunner, PendingTokens
 from .sampler import SampleResult, SequenceSampler, sample_batch
 from .scheduler import Scheduler
-from .sequence import RequestOutput, Sequence, SeqStatus, TokenLogprob
+from .sequence import FinishReason, RequestOutput, Sequence, SeqStatus, TokenLogprob
 from .stop import StopStringMatcher
 
 
@@ -399,7 +399,8 @@ class Engine:
         token_ids = np.empty(total, np.int32)
         positions = np.empty(total, np.int32)
         seq_ids = np.empty(total, np.int32)
-        rows, sampled = [], []
+        rows: list[int] = []
+        sampled: list[Sequence] = []
         spliced: list[tuple[np.ndarray, np.ndarray]] = []   # [vision] (batch rows, image rows)
         limits: list[tuple[np.ndarray, np.ndarray]] = []    # [vision] (batch rows, last key seen)
         t = 0
@@ -779,7 +780,7 @@ class Engine:
         seq.text += text
         seq.pending_text += text
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)

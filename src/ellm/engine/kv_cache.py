@@ -232,7 +232,7 @@ class BlockManager:
         usable = (len(tokens) - 1) // self.block_size
         hashes = self.block_hashes(tokens[:usable * self.block_size], self.block_size, salt)
         self.queries += len(hashes)
-        tables = {w: [] for w in self.windows}
+        tables: dict[int, list[int]] = {w: [] for w in self.windows}
         for h in hashes:
             blocks = self.cached.get(h)
             if blocks is None:

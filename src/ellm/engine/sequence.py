@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..sampling_params import SamplingParams
+
+# why a sequence ended (server.responses.FinishReason adds the API's "tool_calls")
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class SeqStatus(enum.Enum):
@@ -30,7 +33,7 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None            # "stop" | "length" | "abort" | "error" | None
+    finish_reason: FinishReason | None
     prompt_token_ids: list[int]
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -54,7 +57,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0        # tokens whose K/V are in the cache
     num_cached_tokens: int = 0   # prompt tokens served from the prefix cache
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

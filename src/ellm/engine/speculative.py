@@ -31,7 +31,7 @@ batch's current rate. A large batch (a high rate) or a failing proposer gives k 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0
     model: str | None = None
     adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        # parse() passes a SpeculativeConfig through as it is: one made directly is checked
+        # here, or a draft_model without its model would load the default model as the draft
+        if self.method == "draft_model" and not self.model:
+            raise ValueError(f"speculative_config: method 'draft_model' needs 'model' (a path or name), "
+                             f"got {self.model!r}")
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -269,6 +276,16 @@ class Speculator:
             self.draft.release(request_id)
 
 
+@dataclass(eq=False)
+class _Guessing:
+    """A sequence DraftModel.propose is guessing for."""
+    key: str
+    ids: np.ndarray          # its tokens so far
+    k: int                   # guesses wanted
+    done: int                # tokens with K/V in the draft's cache
+    guesses: list[int] = field(default_factory=list)
+
+
 class DraftModel:
     """A second ellm model that guesses greedily, on a small paged KV cache of its own.
 
@@ -321,41 +338,42 @@ class DraftModel:
             if len(ids) + k - 1 > self.max_positions or not self.blocks.allocate(key, len(ids) + k - 1):
                 continue   # no room in the draft's cache now: this sequence does not guess
             self.blocks.release_out_of_window(key, done)
-            live.append([key, ids, k, done, []])
+            live.append(_Guessing(key, ids, k, done))
         # catch up on the tokens not yet seen, a token budget at a time
         pending = list(live)
         while pending:
-            budget, items, finishing = self.max_batch_tokens, [], []
+            budget = self.max_batch_tokens
+            items: list[tuple[str, np.ndarray, int]] = []
+            finishing: list[int] = []
             for st in pending:
-                key, ids, _, done, _ = st
-                n = min(len(ids) - done, budget)
+                n = min(len(st.ids) - st.done, budget)
                 if n <= 0:
                     break
-                items.append((key, ids[done:done + n], done))
-                st[3] = done + n
+                items.append((st.key, st.ids[st.done:st.done + n], st.done))
+                st.done += n
                 budget -= n
-                if st[3] == len(ids):
+                if st.done == len(st.ids):
                     finishing.append(len(items) - 1)
             logits = self._forward(items, finishing)
             by_key = {items[i][0]: logits[r] for r, i in enumerate(finishing)}
             for st in pending:
-                if st[0] in by_key:
-                    st[4].append(int(np.argmax(by_key[st[0]])))
-            pending = [st for st in pending if st[3] < len(st[1])]
+                if st.key in by_key:
+                    st.guesses.append(int(np.argmax(by_key[st.key])))
+            pending = [st for st in pending if st.done < len(st.ids)]
         # then one token at a time for those that want more
         while True:
-            more = [st for st in live if len(st[4]) < st[2]]
+            more = [st for st in live if len(st.guesses) < st.k]
             if not more:
                 break
-            items = [(st[0], np.asarray(st[4][-1:], np.int32), st[3]) for st in more]
+            items = [(st.key, np.asarray(st.guesses[-1:], np.int32), st.done) for st in more]
             logits = self._forward(items, list(range(len(items))))
             for st, row in zip(more, logits):
-                st[3] += 1
-                st[4].append(int(np.argmax(row)))
+                st.done += 1
+                st.guesses.append(int(np.argmax(row)))
         out = {}
-        for key, _, _, done, guesses in live:
-            self.computed[key] = done
-            out[key] = guesses
+        for st in live:
+            self.computed[st.key] = st.done
+            out[st.key] = st.guesses
         return out
 
     def rollback(self, key: str, num_valid: int) -> None:

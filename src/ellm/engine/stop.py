@@ -17,7 +17,7 @@ class StopStringMatcher:
     """push(text) -> (text safe to emit now, stopped?); flush() at EOS/length returns the
     held-back tail. After a stop, the rest of the text (and any later push) is dropped."""
 
-    def __init__(self, stops: list[str], include_stop_str_in_output: bool = False) -> None:
+    def __init__(self, stops: str | list[str], include_stop_str_in_output: bool = False) -> None:
         if isinstance(stops, str):
             stops = [stops]
         stops = list(stops)

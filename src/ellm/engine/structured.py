@@ -28,7 +28,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -36,10 +36,13 @@ import numpy as np
 
 from .constraint_bounds import CONSTRAINT_FIELDS, MAX_SCHEMA_DEPTH, check_constraint
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions   # a TypedDict of llguidance's stubs only
+
 # JSON is generated compactly, spaced as json.dumps spaces it: a free-whitespace JSON
 # grammar lets a small model emit newlines until max_tokens. A schema's own "x-guidance"
 # options still override these.
-_JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def schema_dict(schema: Any) -> dict[str, Any]:
@@ -295,8 +298,8 @@ class MaskFiller:
     def __init__(self, vocab_size: int) -> None:
         self.words = (int(vocab_size) + 31) // 32
         self._buf = np.empty((0, self.words), np.int32)
-        self._pool: ThreadPoolExecutor | None = None
-        self._executor: llguidance.LLExecutor | None = None
+        # the thread that fills the masks and llguidance's pool it fills them on, made together
+        self._workers: tuple[ThreadPoolExecutor, llguidance.LLExecutor] | None = None
 
     def start(self, states: list[GrammarState | None]) -> PendingMasks | None:
         """Starts filling the masks of the constrained rows; None when there are none (the
@@ -304,17 +307,17 @@ class MaskFiller:
         todo = [(st.matcher, i) for i, st in enumerate(states) if st is not None]
         if not todo:
             return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ellm-grammar-masks")
-            self._executor = llguidance.LLExecutor()
+        if self._workers is None:
+            self._workers = (ThreadPoolExecutor(1, thread_name_prefix="ellm-grammar-masks"), llguidance.LLExecutor())
+        pool, executor = self._workers
         if len(self._buf) < len(states):  # grows by doubling, kept across steps
             self._buf = np.empty((max(len(states), 2 * len(self._buf)), self.words), np.int32)
         buf = self._buf[:len(states)]
         rows: list[np.ndarray | None] = [buf[i] if st is not None else None for i, st in enumerate(states)]
-        future = self._pool.submit(llg_numpy.fill_next_token_bitmask_par, self._executor, todo, buf)
+        future = pool.submit(llg_numpy.fill_next_token_bitmask_par, executor, todo, buf)
         return PendingMasks(future, rows)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._workers is not None:
+            self._workers[0].shutdown(wait=True)
+            self._workers = None
