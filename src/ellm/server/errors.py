@@ -9,7 +9,7 @@ and `refused` (a whole message, with the param and code to report in its context
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic_core import PydanticCustomError
@@ -143,7 +143,7 @@ def _predicate(err: dict[str, Any]) -> str:
     return err.get("msg", "is not valid")
 
 
-def from_validation(errors: Sequence[dict[str, Any]], body_prefix: bool = True) -> APIError:
+def from_validation(errors: Sequence[Mapping[str, Any]], body_prefix: bool = True) -> APIError:
     """The first of pydantic's errors as a 400 (FastAPI's locations start with 'body')."""
     if not errors:
         return APIError(400, "the request is not valid")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineDeadError, QueueFullError, RequestStream
-from ..engine.sequence import RequestOutput, TokenLogprob
+from ..engine.sequence import FinishReason, RequestOutput, TokenLogprob
 from ..sampling_params import SamplingParams
 from . import protocol as P
 from . import responses as R
@@ -29,14 +29,14 @@ from .core import Server
 from .errors import APIError
 from .streaming import merge, sse, unless_disconnected
 
-Outputs = AsyncIterator[tuple[int, RequestOutput]]
+Outputs = AsyncGenerator[tuple[int, RequestOutput], None]   # (closed with aclose())
 
 
 @dataclass
 class Choice:
     """Running totals of one choice while its deltas arrive."""
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     text_offset: int = 0
@@ -153,7 +153,7 @@ async def collect(server: Server, req: P.GenerationRequest, run: Run) -> list[Ch
     except Exception as e:  # noqa: BLE001 - any engine failure becomes an error answer
         return server.engine_error(e)
     finally:
-        await run.outputs.aclose()  # type: ignore[attr-defined]
+        await run.outputs.aclose()
     return choices
 
 
@@ -204,5 +204,5 @@ async def events(server: Server, req: P.GenerationRequest, run: Run, head: dict[
     except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
         yield sse(server.engine_error(e).body())
     finally:
-        await run.outputs.aclose()  # type: ignore[attr-defined]
+        await run.outputs.aclose()
     yield "data: [DONE]\n\n"

@@ -15,7 +15,7 @@ with a 4xx of the same shape.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, field_validator,
@@ -41,14 +41,11 @@ def _integral(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-def _int(**bounds: int) -> Any:
-    """An integer with JSON Schema bounds. (The bounds come before the validator so that
-    pydantic writes them into the schema as minimum / maximum.)"""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral)] if bounds else \
-        Annotated[int, BeforeValidator(_integral)]
-
-
-Int = _int()
+# Integers, with JSON Schema bounds. (The bounds come before the validator so that
+# pydantic writes them into the schema as minimum / maximum.)
+Int = Annotated[int, BeforeValidator(_integral)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+TopK = Annotated[int, Field(ge=-1), BeforeValidator(_integral)]
 # Facts only the running server knows (its vocabulary, model names, embedding size) are
 # marked here and written into /openapi.json by ellm.server.app (served_openapi).
 SERVER_FACT = "x-ellm-fact"
@@ -115,8 +112,12 @@ def _prompt_union(what: str, most: int) -> Any:
                                            f"or an array of arrays of token ids ({what})")]
 
 
-Prompt = _prompt_union("none empty", MAX_PROMPTS)
-EmbeddingInput = _prompt_union("none empty", MAX_EMBED_INPUTS)
+if TYPE_CHECKING:   # what mypy checks the fields as (it cannot read a call as a type)
+    Prompt = Union[str, list[str], list[int], list[list[int]]]
+    EmbeddingInput = Prompt
+else:
+    Prompt = _prompt_union("none empty", MAX_PROMPTS)
+    EmbeddingInput = _prompt_union("none empty", MAX_EMBED_INPUTS)
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
 Stop = Annotated[
@@ -126,8 +127,11 @@ Stop = Annotated[
                   custom_error_type="phrase", custom_error_message="must be a string or an array of strings")]
 
 # logit_bias: JSON object keys are strings, so token ids arrive as decimal strings.
-LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
-                 _bounded(float, LOGIT_BIAS_RANGE[0], LOGIT_BIAS_RANGE[1])]
+if TYPE_CHECKING:
+    LogitBias = dict[str, float]
+else:
+    LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                     _bounded(float, LOGIT_BIAS_RANGE[0], LOGIT_BIAS_RANGE[1])]
 
 
 def _off_only(value: Any, message: str, param: str, schema: dict[str, Any]) -> Any:
@@ -169,7 +173,7 @@ class SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     temperature: _bounded(float, 0.0, 2.0) | None = None  # type: ignore[valid-type]
     top_p: _bounded(float, 0.0, 1.0, lo_open=True) | None = None  # type: ignore[valid-type]
-    top_k: _int(ge=-1) | None = Field(None, description="0 or -1: off")
+    top_k: TopK | None = Field(None, description="0 or -1: off")
     min_p: _bounded(float, 0.0, 1.0) | None = None  # type: ignore[valid-type]
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     frequency_penalty: _bounded(float, *PENALTY_RANGE) | None = None  # type: ignore[valid-type]
@@ -197,12 +201,16 @@ class SamplingFields(_Strict):
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}')
     # vLLM's fields that would change what comes back: refused by name rather than dropped
-    prompt_logprobs: _off_only(None, "'prompt_logprobs' is not supported by this server (the prompt's logprobs "
-                               "are not computed)", "prompt_logprobs", {"type": "null"}) = None
-    use_beam_search: _off_only(False, "'use_beam_search' is not supported by this server (it samples)",
-                               "use_beam_search", {"type": "boolean", "enum": [False]}) = None
-    n_probs: _off_only(0, "llama.cpp's 'n_probs' is not supported; use 'logprobs' (and chat's 'top_logprobs')",
-                       "n_probs", {"type": "integer", "enum": [0]}) = None
+    # (type: ignore: a call as a type, which pydantic reads and mypy cannot, as _bounded's)
+    prompt_logprobs: _off_only(  # type: ignore[valid-type]
+        None, "'prompt_logprobs' is not supported by this server (the prompt's logprobs are not computed)",
+        "prompt_logprobs", {"type": "null"}) = None
+    use_beam_search: _off_only(  # type: ignore[valid-type]
+        False, "'use_beam_search' is not supported by this server (it samples)", "use_beam_search",
+        {"type": "boolean", "enum": [False]}) = None
+    n_probs: _off_only(  # type: ignore[valid-type]
+        0, "llama.cpp's 'n_probs' is not supported; use 'logprobs' (and chat's 'top_logprobs')", "n_probs",
+        {"type": "integer", "enum": [0]}) = None
 
     @model_validator(mode="after")
     def _shared_checks(self) -> SamplingFields:
@@ -239,19 +247,19 @@ class SamplingFields(_Strict):
 # ---------------------------------------------------------------------------------------
 
 # echo with logprobs would mean the prompt's logprobs, which are not computed
-_ECHO_WITHOUT_LOGPROBS = {"if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
-                          "then": {"properties": {"logprobs": {"type": "null"}}}}
+_ECHO_WITHOUT_LOGPROBS: dict[str, Any] = {"if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                                          "then": {"properties": {"logprobs": {"type": "null"}}}}
 
 
 class CompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [_when_set("stream_options", "stream", True),
                                                            _ECHO_WITHOUT_LOGPROBS]})
     prompt: Prompt = Field(description="text, texts, token ids, or arrays of token ids")
-    max_tokens: _int(ge=1) | None = Field(None, description="default 16, as OpenAI's")
+    max_tokens: PositiveInt | None = Field(None, description="default 16, as OpenAI's")
     logprobs: _bounded(int, 0, MAX_LOGPROBS) | None = Field(  # type: ignore[valid-type]
         None, description="top logprobs per generated token")
     echo: bool | None = Field(None, description="the prompt's text before each completion's")
-    suffix: _off_only("", "'suffix' is not supported by this server", "suffix",
+    suffix: _off_only("", "'suffix' is not supported by this server", "suffix",  # type: ignore[valid-type]
                       {"type": "string", "maxLength": 0}) = None
 
     @model_validator(mode="after")
@@ -346,14 +354,16 @@ class ChatMessage(_Strict):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it ({"role", "content"[, "name"]})."""
-        content = self.content
-        if content is None:
+        content: str | list[dict[str, Any]]
+        if self.content is None:
             content = ""
-        elif any(isinstance(part, ImagePart) for part in content):   # [vision] the template sees the parts
+        elif isinstance(self.content, str):
+            content = self.content
+        elif any(isinstance(part, ImagePart) for part in self.content):   # [vision] the template sees the parts
             content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
-                       else {"type": "image_url", "image_url": {"url": part.image_url.url}} for part in content]
-        elif isinstance(content, list):
-            content = "\n".join(part.text for part in content)
+                       else {"type": "image_url", "image_url": {"url": part.image_url.url}} for part in self.content]
+        else:
+            content = "\n".join(part.text for part in self.content if isinstance(part, TextPart))
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
@@ -371,9 +381,8 @@ class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [_when_set("stream_options", "stream", True),
                                                            _when_set("top_logprobs", "logprobs", True)]})
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: _int(ge=1) | None = Field(None, description="deprecated name of "
-                                                                             "max_completion_tokens")
-    max_completion_tokens: _int(ge=1) | None = Field(
+    max_tokens: PositiveInt | None = Field(None, description="deprecated name of max_completion_tokens")
+    max_completion_tokens: PositiveInt | None = Field(
         None, description="default: until EOS or the end of the context")
     logprobs: bool | None = None
     top_logprobs: _bounded(int, 0, MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
@@ -445,7 +454,7 @@ class EmbeddingRequest(_Strict):
     model: ModelName = None
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: the little-endian float32 bytes of each vector")
-    dimensions: _int(ge=1) | None = Field(
+    dimensions: PositiveInt | None = Field(
         None, description="only the model's own embedding size is accepted",
         json_schema_extra={SERVER_FACT: "embedding_size"})
     pooling: Literal["mean", "last", "cls"] = Field("mean", description="ellm: how token states become one vector")

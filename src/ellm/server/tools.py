@@ -132,7 +132,7 @@ def parse_tool_choice(choice: Any, functions: list[Function]) -> tuple[str, str 
 
 def template_takes_tools(template: str | None) -> bool:
     """True when a chat template reads the `tools` variable."""
-    return bool(template) and re.search(r"\btools\b", template) is not None
+    return bool(template and re.search(r"\btools\b", template))
 
 
 def detect_format(template: str | None) -> str:
@@ -442,7 +442,8 @@ def _json_values(text: str, seps: str) -> list[Any] | None:
     """Consecutive JSON values in text separated by any of seps (and whitespace); None
     when anything else is there."""
     dec = json.JSONDecoder()
-    out, i = [], 0
+    out: list[Any] = []
+    i = 0
     while True:
         while i < len(text) and (text[i].isspace() or text[i] in seps):
             i += 1
@@ -455,6 +456,12 @@ def _json_values(text: str, seps: str) -> list[Any] | None:
         out.append(v)
 
 
+def _all_parsed(calls: list[ToolCall | None]) -> list[ToolCall]:
+    """calls when every one parsed (none is None), else []."""
+    parsed = [c for c in calls if c is not None]
+    return parsed if len(parsed) == len(calls) else []
+
+
 def parse_calls(text: str, fmt: str, functions: list[Function] | None = None,
                 cut: bool = False) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) from a model's whole output in format fmt. Calls to functions not
@@ -464,7 +471,9 @@ def parse_calls(text: str, fmt: str, functions: list[Function] | None = None,
     if cut:
         text = _without_cut_call(text, fmt, functions)
     if fmt in ("hermes", "generic"):
-        calls, kept, last = [], [], 0
+        calls: list[ToolCall] = []
+        kept: list[str] = []
+        last = 0
         for start, end, inner in _hermes_blocks(text):
             try:
                 call = _as_call(json.loads(inner), functions, ("arguments", "parameters"))
@@ -483,32 +492,33 @@ def parse_calls(text: str, fmt: str, functions: list[Function] | None = None,
         if body.startswith("<|python_tag|>"):
             body = body[len("<|python_tag|>"):]
         values = _json_values(body, ";") if body.lstrip().startswith("{") else None
-        calls = [_as_call(v, functions, ("parameters", "arguments")) for v in values or []]
-        if values and all(calls):
-            return None, calls  # type: ignore[return-value]
+        parsed = _all_parsed([_as_call(v, functions, ("parameters", "arguments")) for v in values or []])
+        if parsed:
+            return None, parsed
         return (text.strip() or None), []
     if fmt == "mistral":
         head, marker, rest = text.partition("[TOOL_CALLS]")
         if not marker:
             head, rest = "", text  # a constrained turn is the bare array
-        calls: list[ToolCall | None] = []
+        found: list[ToolCall | None] = []
         values = _json_values(rest, "")
         if values and len(values) == 1 and isinstance(values[0], list):
-            calls = [_as_call(v, functions, ("arguments",)) for v in values[0]]
+            found = [_as_call(v, functions, ("arguments",)) for v in values[0]]
         elif marker:  # name[ARGS]{...} per call
             dec, i = json.JSONDecoder(), 0
             while (m := _MISTRAL_ARGS.match(rest, i)):
                 try:
                     args, i = dec.raw_decode(rest, m.end())
                 except json.JSONDecodeError:
-                    calls = []
+                    found = []
                     break
-                calls.append(_as_call({"name": m.group(1), "arguments": args}, functions, ("arguments",)))
+                found.append(_as_call({"name": m.group(1), "arguments": args}, functions, ("arguments",)))
                 i = len(rest) - len(rest[i:].lstrip().removeprefix("[TOOL_CALLS]"))
             if rest[i:].strip():
-                calls = []
-        if calls and all(calls):
-            return (head.strip() or None), calls  # type: ignore[return-value]
+                found = []
+        parsed = _all_parsed(found)
+        if parsed:
+            return (head.strip() or None), parsed
         return (text.strip() or None), []
     raise ValueError(f"unknown tool call format {fmt!r}")
 

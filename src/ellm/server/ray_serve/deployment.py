@@ -47,8 +47,10 @@ def _load_tokenizer(spec: ModelSpec) -> Any:
 class EllmIngress:
     """Serve's HTTP proxy hands every request to this replica's FastAPI app (app.py's)."""
 
-    async def __init__(self, replicas: DeploymentHandle, spec: ModelSpec, served_model_name: Sequence[str] | None,
-                       api_key: str | None, max_queue: int, allowed_origins: Sequence[str]) -> None:
+    # Serve awaits an async constructor, which mypy refuses for any class (it returns a coroutine)
+    async def __init__(self, replicas: DeploymentHandle, spec: ModelSpec,  # type: ignore[misc]
+                       served_model_name: Sequence[str] | None, api_key: str | None, max_queue: int,
+                       allowed_origins: Sequence[str]) -> None:
         # The first describe() waits until a replica is up (Serve queues the call).
         facts = await replicas.describe.remote()
         self.pool = ReplicaPool(replicas, max_queue)

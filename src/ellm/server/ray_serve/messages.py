@@ -10,7 +10,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from ...engine.async_engine import EngineDeadError, EngineSnapshot, QueueFullError
 from ...engine.engine import RequestError, SequenceError
-from ...engine.sequence import TokenLogprob
+from ...engine.sequence import FinishReason, TokenLogprob
 
 # Exceptions that mean "the replica is gone", as opposed to a failure of the request.
 REPLICA_LOST = (ActorDiedError, ActorUnavailableError, RayActorError)
@@ -37,7 +37,7 @@ class Delta:
     new_text: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0
     replica: str = ""                 # set on a request's first delta

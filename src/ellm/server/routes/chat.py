@@ -47,7 +47,8 @@ def chat_body(server: Server, req: P.ChatCompletionRequest, run: G.Run, choices:
         out.append(R.ChatChoice(
             index=i, message=R.AssistantMessage(content=content, tool_calls=[t.to_openai() for t in calls] or None),
             finish_reason="tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
-            logprobs=R.chat_logprobs(c.logprobs, server.token_text) if c.logprobs is not None else None))
+            logprobs=R.ChatLogprobs.model_validate(R.chat_logprobs(c.logprobs, server.token_text))
+            if c.logprobs is not None else None))
     return R.ChatCompletion(id=run.rid, created=R.now(), model=server.reported_model(req.model), choices=out,
                             usage=G.usage(req, run, choices)).model_dump()
 
@@ -85,8 +86,8 @@ def chat_events(server: Server, req: P.ChatCompletionRequest, run: G.Run, plan: 
             pieces = deltas(i, events)
         if lp is not None and not pieces:
             pieces = [{"content": ""}]
-        chunks = [{"index": i, "delta": delta, "logprobs": lp if k == 0 else None, "finish_reason": None}
-                  for k, delta in enumerate(pieces)]
+        chunks: list[dict[str, Any]] = [{"index": i, "delta": delta, "logprobs": lp if k == 0 else None,
+                                         "finish_reason": None} for k, delta in enumerate(pieces)]
         if out.finished:
             reason = "tool_calls" if calls_sent[i] and out.finish_reason == "stop" else out.finish_reason
             chunks.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})

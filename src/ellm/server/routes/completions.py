@@ -35,7 +35,8 @@ def completion_body(server: Server, req: P.CompletionRequest, run: G.Run, choice
                     echoes: list[str]) -> dict[str, Any]:
     text = [R.CompletionChoice(index=i, text=(echoes[i // run.n] if echoes else "") + c.text,
                                finish_reason=c.finish_reason,
-                               logprobs=R.completion_logprobs(c.logprobs, server.token_text, 0)[0]
+                               logprobs=R.CompletionLogprobs.model_validate(
+                                   R.completion_logprobs(c.logprobs, server.token_text, 0)[0])
                                if c.logprobs is not None else None)
             for i, c in enumerate(choices)]
     return R.Completion(id=run.rid, created=R.now(), model=server.reported_model(req.model), choices=text,
