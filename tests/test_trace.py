@@ -301,6 +301,14 @@ def test_bad_reference_and_positions_are_clear_errors(smollm2_gguf: Path, tmp_pa
             os.environ["ELLM_REF_PYTHON"] = env
 
 
+def test_a_recorder_not_started_says_so_at_attention_too() -> None:
+    # attention() read the batch and kept rows unchecked: without start() it failed on None
+    from ellm.trace import Recorder
+    x = np.zeros((1, 1, 4), np.float32)
+    with pytest.raises(RuntimeError, match=r"start\(batch\) was not called"):
+        Recorder().attention(0, x, x[None], x[None], np.zeros((1, 1), np.int32), np.ones(2, np.float32), False, 1.0)
+
+
 # -- tracing off ------------------------------------------------------------------------
 
 

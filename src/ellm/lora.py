@@ -37,8 +37,9 @@ HF_MODULES: dict[str, tuple[str, ...]] = {
 _PEFT_KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight")
 _GGUF_KEY = re.compile(r"(blk\.\d+\.\w+\.weight)\.lora_([ab])")
 # PEFT settings this reader cannot honour; refused rather than ignored
-_REFUSED = {"use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
-            "modules_to_save": (None, []), "lora_bias": (False, None), "target_parameters": (None, [])}
+_REFUSED: dict[str, tuple[Any, Any]] = {
+    "use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
+    "modules_to_save": (None, []), "lora_bias": (False, None), "target_parameters": (None, [])}
 MAX_ADAPTERS = 1024
 # safetensors dtypes -> the factor types the kernels keep
 _FILE_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -297,7 +298,7 @@ def _read_gguf(name: str, path: Path, model: Any) -> LoraAdapter:
         m = _GGUF_KEY.fullmatch(tname)
         hf = gguf_to_hf_name(m.group(1), table) if m else None
         hm = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.weight", hf or "")
-        if m is None or hm is None or hm.group(2) not in HF_MODULES:
+        if m is None or hf is None or hm is None or hm.group(2) not in HF_MODULES:
             raise FormatError(path, f"tensor {tname}: not a LoRA factor of a decoder layer's projection")
         if len(info.shape) != 2:
             raise FormatError(path, f"tensor {tname}: shape {list(info.shape)}, expected a matrix")
@@ -311,6 +312,7 @@ def _read_gguf(name: str, path: Path, model: Any) -> LoraAdapter:
         if set(ab) != {"a", "b"}:
             raise FormatError(where, f"lora_{({'a', 'b'} - set(ab)).pop()} is missing (its pair is there)")
         hm = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.weight", hf)
+        assert hm is not None   # each name in pairs matched it above
         a, b = ab["a"], ab["b"]
         rank = a.shape[0]
         scale = float(alpha) / rank if alpha else 1.0

@@ -156,6 +156,8 @@ class Args(ModelConfig):
 
 
 class Model(Decoder):
+    config: Args   # Decoder's, typed as this family's
+
     def __init__(self, config: Args, weights: WeightSource, ops: Any) -> None:
         c, H, hd = config, config.hidden_size, config.head_dim
         embed, lm_head = embedding_and_head(weights, c)
@@ -178,12 +180,12 @@ class Model(Decoder):
         super().__init__(c, ops, embed, lm_head, layers, load_norm(weights, "model.norm.weight", H, True),
                          embed_scale=float(np.float32(H ** 0.5)), final_softcap=c.final_logit_softcapping or 0.0)
         # [vision] Gemma 3's SigLIP tower and projector, when the file has them
-        self.takes_images = c.vision is not None and VISION_TOWER + "post_layernorm.weight" in weights
+        v = c.vision
+        self.takes_images = v is not None and VISION_TOWER + "post_layernorm.weight" in weights
         # an image's tokens attend to each other both ways (transformers' token_type_ids
         # mask, llama.cpp): the engine gives them Batch.key_limit
         self.bidirectional_images = self.takes_images
-        if self.takes_images:
-            v = c.vision
+        if v is not None and self.takes_images:
             self.tower = SiglipEncoder(v, weights, ops, VISION_TOWER)
             self.soft_norm = load_norm(weights, PROJECTOR + "mm_soft_emb_norm.weight", v.hidden_size, True)
             w = weights.vector(PROJECTOR + "mm_input_projection_weight")        # (D, H)
@@ -196,14 +198,14 @@ class Model(Decoder):
         """[vision] An image (one tile) becomes mm_tokens_per_image tokens."""
         pixels = self.tower.check_pixels(image.pixel_values)
         if len(pixels) != 1:
-            raise ValueError(f"Gemma 3 takes one {self.config.vision.image_size}px tile per image, got {len(pixels)}")
+            raise ValueError(f"Gemma 3 takes one {self.tower.config.image_size}px tile per image, got {len(pixels)}")
         return self.config.mm_tokens_per_image
 
     def encode_images(self, images: list[Any]) -> np.ndarray:
         """[vision] ImageInputs -> (n_images * mm_tokens_per_image, hidden_size) f32: the
         tower's patches average-pooled to a side x side grid (row-major), RMSNorm'd (1 + w),
         projected to the text width."""
-        c, v = self.config, self.config.vision
+        c, v = self.config, self.tower.config
         feats = self.tower(np.concatenate([self.tower.check_pixels(im.pixel_values) for im in images]))
         n, g, D = len(feats), v.patches_per_side, v.hidden_size
         side = int(round(c.mm_tokens_per_image ** 0.5))

@@ -8,7 +8,7 @@ so a GGUF of either is read as Llama, with its Q/K rows permuted for interleaved
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -23,7 +23,7 @@ GGUF_TENSORS: list[tuple[str, str]] = []   # the common names
 class Args(ModelConfig):
     sliding_window: int | None = None      # Mistral only
 
-    gguf_architectures = ("llama",)
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("llama",)   # any number: SmolVLM, a subclass, has none
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -50,6 +50,7 @@ class Args(ModelConfig):
 
     def inv_freq(self, layer: int) -> np.ndarray:
         inv = super().inv_freq(layer)
+        assert self.no_rope_layers is not None   # __post_init__ fills it in
         return inv if self.no_rope_layers[layer] else np.zeros_like(inv)   # zeros: RoPE is the identity
 
     def describe(self) -> dict[str, Any]:

@@ -77,6 +77,7 @@ class Args(llama.Args):
 
 class Model(llama.Model):
     """Llama's forward pass, with `encode_images` for the engine to splice the image rows."""
+    config: Args   # Decoder's, typed as this family's
 
     def __init__(self, config: Args, weights: WeightSource, ops: Any) -> None:
         super().__init__(config, weights, ops)

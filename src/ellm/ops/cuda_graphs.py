@@ -80,6 +80,7 @@ def pack_inputs(batch: Batch | None, b: int, widths: dict[int, int]) -> np.ndarr
     t = 0 if batch is None else len(batch.token_ids)
     chunks = []
     for name, w, n in input_layout(b, widths):
+        a: np.ndarray   # (b, width) for a table, else (b,)
         if name == "table":
             a = np.full((b, widths[w]), -1, np.int32)
             if batch is not None:

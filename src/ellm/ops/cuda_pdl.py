@@ -69,7 +69,7 @@ def kernel_params(name: str, args: Sequence[Any]) -> tuple[Any, list[Any]]:
     return params, values
 
 
-LaunchFn = Callable[[Any, ctypes.c_void_p, Any, ctypes.c_void_p], int]
+LaunchFn = Callable[[Any, ctypes.c_void_p, Any, ctypes.c_void_p | None], int]   # the last: `extra`, NULL
 
 
 class DependentLauncher:

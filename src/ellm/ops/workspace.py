@@ -23,8 +23,7 @@ class Workspace:
         """A float32 (rows, *tail) view of the buffer `name`."""
         buf = self._bufs.get(name)
         if buf is None or buf.shape[0] < rows or tuple(buf.shape[1:]) != tail:
-            same_tail = buf is not None and tuple(buf.shape[1:]) == tail
-            grown = max(rows, 2 * buf.shape[0]) if same_tail else rows
+            grown = max(rows, 2 * buf.shape[0]) if buf is not None and tuple(buf.shape[1:]) == tail else rows
             buf = self.ops.empty((grown, *tail), np.float32)
             self._bufs[name] = buf
             self.generation += 1

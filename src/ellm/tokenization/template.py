@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -181,7 +181,7 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     # (the stock sandbox allows all of them).
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
-    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:  # type: ignore[override]
+    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
@@ -273,11 +273,13 @@ def _format(value: str, *args: Any, **kwargs: Any) -> str:
     return do_format(value, *args, **kwargs)
 
 
+@jinja2.pass_eval_context   # as do_replace and sync_do_join, which these wrap
 def _replace(eval_ctx: Any, s: str, old: str, new: str, count: int | None = None) -> str:
     _check_replace(str(s), str(old), str(new), -1 if count is None else count)
     return do_replace(eval_ctx, s, old, new, count)
 
 
+@jinja2.pass_eval_context
 def _join(eval_ctx: Any, value: Iterable[Any], d: str = "", attribute: Any = None) -> str:
     items = list(value)
     if attribute is None:
@@ -291,13 +293,9 @@ def _batch(value: Iterable[Any], linecount: int, fill_with: Any = None) -> Any:
     return do_batch(value, linecount, fill_with)
 
 
-def _slice(value: Iterable[Any], slices: int, fill_with: Any = None) -> Any:
+def _slice(value: Collection[Any], slices: int, fill_with: Any = None) -> Any:
     _check_width(slices, "slice")
     return sync_do_slice(value, slices, fill_with)
-
-
-for _f, _g in ((_replace, do_replace), (_join, sync_do_join)):
-    _f.jinja_pass_arg = _g.jinja_pass_arg  # type: ignore[attr-defined]  (both take the eval context)
 
 
 class _Namespace(jinja2.utils.Namespace):

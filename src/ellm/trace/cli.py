@@ -81,10 +81,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from .references import ReferenceError
     from .tracer import make_reference, trace
 
-    adapter, adapter_path = traced_adapter(args)   # checked before the model loads
+    adapter, adapter_path = traced_adapter(args)   # checked before the model loads (both None, or both set)
     resolved = hub.resolve(args.model)
     llm = ellm.load(resolved.path, device=args.device, max_num_seqs=1, progress=False,
-                    lora_adapters=None if adapter is None else {adapter: adapter_path})
+                    lora_adapters=None if adapter is None or adapter_path is None else {adapter: adapter_path})
     ids = prompt_ids(llm, args.prompt, args.chat)
     try:
         reference = make_reference(args.reference, resolved.path, args.reference_python, adapter=adapter_path)

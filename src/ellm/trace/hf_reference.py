@@ -178,7 +178,7 @@ class Capture:
             self.put(self.current_layer, "k_rope", _heads_rows(k2))
             return q2, k2
 
-        mod.apply_rotary_pos_emb = recording
+        setattr(mod, "apply_rotary_pos_emb", recording)
         self.restore.append(lambda: setattr(mod, "apply_rotary_pos_emb", original))
 
 
@@ -270,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         model, load_s = models[key]
         store, meta = run(model, ids)
         meta["load_s"] = load_s
-        np.savez(Path(job["out"]), __meta__=np.array(json.dumps(meta)), **store)
+        # (Any: to mypy a name among **arrays could be savez's own allow_pickle)
+        arrays: dict[str, Any] = {"__meta__": np.array(json.dumps(meta)), **store}
+        np.savez(Path(job["out"]), **arrays)
     return 0
 
 

@@ -92,12 +92,16 @@ class Recorder:
         self._kept = pos[self._rows].astype(np.int32)
         self._parts = {}
 
-    def __call__(self, layer: int | None, op: str, x: np.ndarray) -> None:
-        """x (T, ...): one row per token of the batch given to start()."""
+    def _started_rows(self) -> np.ndarray:
         if self._rows is None:
             raise RuntimeError("Recorder.start(batch) was not called before the forward pass")
+        return self._rows
+
+    def __call__(self, layer: int | None, op: str, x: np.ndarray) -> None:
+        """x (T, ...): one row per token of the batch given to start()."""
+        rows = self._started_rows()
         x = self._host(x)
-        self._parts[(layer, op)] = x.reshape(x.shape[0], -1)[self._rows].astype(np.float32, copy=True)
+        self._parts[(layer, op)] = x.reshape(x.shape[0], -1)[rows].astype(np.float32, copy=True)
 
     def attention(self, layer: int, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   block_table: np.ndarray, inv_freq: np.ndarray, interleaved: bool, scale: float,
@@ -107,8 +111,8 @@ class Recorder:
 
         q (T, nh, hd) is q as it went into the kernel (the kernel leaves q unchanged);
         block_table (B, max_blocks) is the window's table given to the kernel."""
+        rows = self._started_rows()
         b = self._batch
-        rows = self._rows
         pos = np.asarray(b.positions)[rows].astype(np.int32)
         nh = q.shape[1]
         q_rope = ref.rope(self._host(q).astype(np.float32)[rows], pos, self._host(inv_freq), interleaved,

@@ -85,7 +85,8 @@ class TransformersReference:
 def prefetch_together(work: Sequence[tuple[TransformersReference, Sequence[Sequence[int]]]]) -> None:
     """Several references' prompts in one transformers process (torch imports once); the
     references must share one Python."""
-    jobs, owners = [], []
+    jobs: list[dict[str, Any]] = []
+    owners: list[tuple[TransformersReference, tuple[int, ...]]] = []
     for ref, prompts in work:
         for ids in dict.fromkeys(tuple(int(t) for t in p) for p in prompts):
             if ids not in ref._runs:

@@ -55,9 +55,9 @@ def weight_class(path: Path) -> str:
         from ..formats.safetensors import SafetensorsFolder
         st = SafetensorsFolder(path)
         for name in st.names():
-            info = st.info(name)
-            if ".layers." in name and len(info.shape) == 2:
-                counts[info.dtype] += 1
+            st_info = st.info(name)
+            if ".layers." in name and len(st_info.shape) == 2:
+                counts[st_info.dtype] += 1
     if not counts:
         raise ValueError(f"{path}: no layer matrices found to tell the weight type")
     return counts.most_common(1)[0][0]

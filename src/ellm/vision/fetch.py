@@ -81,7 +81,7 @@ def _resolve(host: str, port: int, allowed: bool, deadline: float) -> list[str]:
         raise _Refused("the URL's host name does not resolve") from None
     if time.monotonic() > deadline:
         raise TimeoutError
-    addrs = list(dict.fromkeys(info[4][0] for info in infos))
+    addrs = list(dict.fromkeys(str(info[4][0]) for info in infos))   # (an IP address: str)
     if not allowed:
         for a in addrs:
             if not address_is_public(ipaddress.ip_address(a.split("%")[0])):

@@ -29,9 +29,12 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import PIL.Image   # imported where an image is opened: Pillow is the [vision] extra
 
 
 class ImageError(ValueError):
@@ -44,7 +47,7 @@ class ImageError(ValueError):
 
 
 # What callers may hand us as one image.
-ImageSource = Union["PIL.Image.Image", str, os.PathLike, bytes, bytearray, memoryview]  # noqa: F821
+ImageSource = Union["PIL.Image.Image", str, os.PathLike, bytes, bytearray, memoryview]
 
 # Pillow's names of the formats we open. Pillow is told to try only these, so its other
 # plugins (EPS through Ghostscript, PDF-like and exotic formats) never see hostile bytes.

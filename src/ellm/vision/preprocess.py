@@ -265,9 +265,11 @@ def expand_prompt(text: str, processing: Processing, images: Sequence[ImageInput
 VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "gemma3": "gemma3"}
 
 
-def _check_positive(name: str, value: Any) -> None:
+def _check_positive(name: str, value: Any) -> int:
+    """value, once checked to be a positive int."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ProcessorConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
 
 
 def _check_resample(value: Any) -> None:
@@ -315,7 +317,7 @@ def _normalize_from(cfg: Mapping[str, Any], where: str) -> Normalization:
                       image_std=_triple(cfg, "image_std", STANDARD_STD, where))
 
 
-def _edge(cfg: Mapping[str, Any], key: str, where: str, default: int | None) -> int | None:
+def _edge(cfg: Mapping[str, Any], key: str, where: str, default: int) -> int:
     v = cfg.get(key)
     if v is None:
         return default
@@ -345,7 +347,9 @@ def load_processing(folder: str | Path, model_config: Mapping[str, Any] | None =
         pre, pre_path = proc["image_processor"], folder / "processor_config.json"
     where = str(pre_path)
     tok = dict(tokenizer_config) if tokenizer_config is not None else _read_json(folder / "tokenizer_config.json")
-    extra = tok.get("extra_special_tokens") if isinstance(tok.get("extra_special_tokens"), dict) else {}
+    extra = tok.get("extra_special_tokens")
+    if not isinstance(extra, dict):
+        extra = {}
 
     def token(name: str, default: str) -> str:
         v = tok.get(name, extra.get(name, default))
@@ -389,20 +393,18 @@ def processing_from_mmproj(meta: Mapping[str, Any], *, where: str = "mmproj") ->
     ptype = meta.get("clip.projector_type")
     norm = Normalization(image_mean=_triple(meta, "clip.vision.image_mean", STANDARD_MEAN, where),
                       image_std=_triple(meta, "clip.vision.image_std", STANDARD_STD, where))
-    image_size = meta.get("clip.vision.image_size")
-    patch = meta.get("clip.vision.patch_size")
-    _check_positive(f"{where}: clip.vision.image_size", image_size)
-    _check_positive(f"{where}: clip.vision.patch_size", patch)
+    image_size = _check_positive(f"{where}: clip.vision.image_size", meta.get("clip.vision.image_size"))
+    patch = _check_positive(f"{where}: clip.vision.patch_size", meta.get("clip.vision.patch_size"))
     if ptype == "idefics3":
-        scale = meta.get("clip.vision.projector.scale_factor", 2)
-        _check_positive(f"{where}: clip.vision.projector.scale_factor", scale)
+        scale = _check_positive(f"{where}: clip.vision.projector.scale_factor",
+                                meta.get("clip.vision.projector.scale_factor", 2))
         return Idefics3Processing(tile=image_size, size=meta.get("clip.vision.preproc_image_size", 4 * image_size),
                                   image_seq_len=int((image_size // patch) ** 2 / scale ** 2), normalize=norm)
     if ptype == "gemma3":
         # Gemma 3's projector average-pools the patch grid by scale_factor (llama.cpp's
         # default 4: 896 / 14 = 64 patches a side -> 16 x 16 = 256 tokens)
-        pool = meta.get("clip.vision.projector.scale_factor", 4)
-        _check_positive(f"{where}: clip.vision.projector.scale_factor", pool)
+        pool = _check_positive(f"{where}: clip.vision.projector.scale_factor",
+                               meta.get("clip.vision.projector.scale_factor", 4))
         side = image_size // patch // pool
         _check_positive(f"{where}: image tokens a side (image_size / patch_size / scale_factor)", side)
         return Gemma3Processing(size=image_size, normalize=norm, image_seq_len=side * side)

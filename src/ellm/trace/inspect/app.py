@@ -109,6 +109,7 @@ class Inspector:
             except ValueError as e:
                 raise BadRequest(str(e)) from None
             lens = rec.lens
+        assert lens is not None   # asked for (lens_top_k)
         trace_id = secrets.token_hex(8)
         self.traces[trace_id] = rec
         while len(self.traces) > KEEP_TRACES:
