@@ -31,6 +31,10 @@ def _lora_bits(m: np.ndarray, dtype: str) -> np.ndarray:
     return m
 
 
+# an MoE layer's (gate, up, down) pointer tables
+_ExpertStacks = tuple[_moe.ExpertStack, _moe.ExpertStack, _moe.ExpertStack]
+
+
 def _out(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     return np.empty(shape, np.float32) if out is None else out
 
@@ -46,7 +50,7 @@ class CpuOps(FusedByComposition, HostMemory):
     def __init__(self, activations: str = "int8") -> None:
         # id(Experts) -> (the Experts, its (gate, up, down) pointer tables), made once per
         # layer; the Experts is held so its id cannot be reused
-        self._expert_stacks: dict[int, tuple[Experts, tuple[_moe.ExpertStack, ...]]] = {}
+        self._expert_stacks: dict[int, tuple[Experts, _ExpertStacks]] = {}
         # "f32": quantized weights meet unrounded activations (ops.get_ops)
         self.exact_activations = activations == "f32"
         # id(parts tuple) -> (the tuple, its parts as the kernel takes them): the blocks
@@ -195,13 +199,12 @@ class CpuOps(FusedByComposition, HostMemory):
             out[rows] += weights[rows, slot][:, None] * h
         return out
 
-    def _stacks(self, experts: Experts) -> tuple[_moe.ExpertStack, ...]:
+    def _stacks(self, experts: Experts) -> _ExpertStacks:
         hit = self._expert_stacks.get(id(experts))
         if hit is None or hit[0] is not experts:
-            stacks = tuple(_moe.ExpertStack([m.data for m in mats], int(mats[0].qtype),
-                                            mats[0].in_features)
-                           for mats in (experts.gate, experts.up, experts.down))
-            hit = (experts, stacks)
+            gate, up, down = (_moe.ExpertStack([m.data for m in mats], int(mats[0].qtype), mats[0].in_features)
+                              for mats in (experts.gate, experts.up, experts.down))
+            hit = (experts, (gate, up, down))
             self._expert_stacks[id(experts)] = hit
         return hit[1]
 

@@ -1,0 +1,9 @@
+# Types of the compiled module built from _vision.pyx (what each one does is written there).
+import numpy as np
+import numpy.typing as npt
+
+_F32 = npt.NDArray[np.float32]
+
+def layernorm(x: _F32, weight: _F32, bias: _F32, eps: float, out: _F32 | None = None) -> _F32: ...
+def gelu_tanh(x: _F32, out: _F32 | None = None) -> _F32: ...
+def full_attention(q: _F32, k: _F32, v: _F32, seq_len: int, scale: float, out: _F32 | None = None) -> _F32: ...
