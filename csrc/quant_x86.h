@@ -1806,6 +1806,16 @@ KFUNC void qdot_q8_0(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const 
 /* Blocks unpacked ahead per register tile (256 value bytes per row and block) */
 #define QXK_CHUNK 2
 
+/* 16 signed byte scales as 16 dwords (sc) and as 8 dwords of int16 pairs (pk[k] = (s[2k],
+ * s[2k + 1]), the low half first: the bsums madd's operand) */
+INLINE void qk_scale_dwords(__m128i s16, int32_t *sc) {
+    _mm256_storeu_si256((__m256i *)sc, _mm256_cvtepi8_epi32(s16));
+    _mm256_storeu_si256((__m256i *)(sc + 8), _mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8)));
+}
+INLINE void qk_scale_pairs(__m128i s16, int32_t *pk) {
+    _mm256_storeu_si256((__m256i *)pk, _mm256_cvtepi8_epi16(s16));
+}
+
 /* One Q4_K, Q5_K or Q6_K block b of a row, unpacked for the broadcast loads: its 256
  * values as unsigned bytes (v, 32-aligned), the per-run scales (sc: Q4_K / Q5_K 8, Q6_K
  * 16), the int16 pairs for the bsums madd (pk: Q4_K / Q5_K (mn, mn), Q6_K (sc, sc')), d
@@ -1819,12 +1829,11 @@ INLINE void qgemmk_unpack_block(int type, const uint8_t *b, size_t ahead, uint8_
     for (int o = 0; o < bs; o += 64)
         _mm_prefetch((const char *)((uintptr_t)b + ahead + (size_t)o), _MM_HINT_T1);
     if (qk_runs_of_32(type)) { /* Q4_K, Q5_K: one head; Q5_K's fifth bits as qdot_k45 takes them */
-        uint8_t s6[8], mn[8];
-        ellm_unpack_k4_scales(b + 4, s6, mn);
-        for (int j = 0; j < 8; j++) {
-            sc[j] = s6[j];
-            pk[j] = (int32_t)((uint32_t)mn[j] * 0x10001u);
-        }
+        uint64_t s6, mn; /* eight scales and eight mins, a byte each, widened to dwords at once */
+        ellm_k4_scale_words(b + 4, &s6, &mn);
+        const __m256i mnw = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn));
+        _mm256_storeu_si256((__m256i *)sc, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)s6)));
+        _mm256_storeu_si256((__m256i *)pk, _mm256_or_si256(mnw, _mm256_slli_epi32(mnw, 16))); /* (mn, mn) */
         *d = f16_at(b);
         *m = -f16_at(b + 2);
         const int q5 = type == ELLM_T_Q5_K;
@@ -1842,22 +1851,22 @@ INLINE void qgemmk_unpack_block(int type, const uint8_t *b, size_t ahead, uint8_
         }
     } else if (type != ELLM_T_Q6_K) { /* Q2_K, Q3_K: runs of 32 from qs[32h + l] at shift 2s */
         const int q3 = type == ELLM_T_Q3_K;
-        int8_t s8[16];
+        int8_t s8[16] __attribute__((aligned(16)));
+        __m128i s16;
         if (q3) {
             q3k_scales(b + 96, s8); /* signed; the -4 on every value is an offset */
-            for (int k = 0; k < 8; k++)
-                pk[k] = (int32_t)((uint32_t)(uint16_t)(int16_t)s8[2 * k] |
-                                  ((uint32_t)(uint16_t)(int16_t)s8[2 * k + 1] << 16));
+            s16 = _mm_load_si128((const __m128i *)s8);
+            qk_scale_pairs(s16, pk); /* (sc, sc') */
             *d = f16_at(b + 108);
             *m = 0.0f;
         } else {
-            for (int g = 0; g < 16; g++) s8[g] = (int8_t)(b[g] & 15);
-            for (int k = 0; k < 8; k++) /* the mins (high nibbles) in pairs */
-                pk[k] = (int32_t)((uint32_t)(b[2 * k] >> 4) | ((uint32_t)(b[2 * k + 1] >> 4) << 16));
+            const __m128i lo4 = _mm_set1_epi8(0x0F), sm = _mm_loadu_si128((const __m128i *)b);
+            s16 = _mm_and_si128(sm, lo4);
+            qk_scale_pairs(_mm_and_si128(_mm_srli_epi16(sm, 4), lo4), pk); /* the mins (high nibbles) in pairs */
             *d = f16_at(b + 80);
             *m = -f16_at(b + 82);
         }
-        for (int g = 0; g < 16; g++) sc[g] = s8[g];
+        qk_scale_dwords(s16, sc);
         const __m256i hm = q3 ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
         const uint8_t *qs = b + (q3 ? 32 : 16);
         for (int h = 0; h < 2; h++) {
@@ -1866,11 +1875,9 @@ INLINE void qgemmk_unpack_block(int type, const uint8_t *b, size_t ahead, uint8_
                 _mm256_store_si256((__m256i *)(v + 128 * h + 32 * r), k23_run(q3, qv, hm, h, r));
         }
     } else {
-        const int8_t *s8 = (const int8_t *)(b + 192);
-        for (int g = 0; g < 16; g++) sc[g] = s8[g];
-        for (int k = 0; k < 8; k++)
-            pk[k] = (int32_t)((uint32_t)(uint16_t)(int16_t)s8[2 * k] |
-                              ((uint32_t)(uint16_t)(int16_t)s8[2 * k + 1] << 16));
+        const __m128i s16 = _mm_loadu_si128((const __m128i *)(b + 192));
+        qk_scale_dwords(s16, sc);
+        qk_scale_pairs(s16, pk); /* (sc, sc') */
         *d = f16_at(b + 208);
         *m = 0.0f;
         for (int h = 0; h < 2; h++) {
@@ -2230,9 +2237,17 @@ INLINE void qxa_unpack(int type, const uint8_t *b, size_t ahead, qxa_block *o) {
     const int r32 = qk_runs_of_32(type);
     int32_t sc[16];
     qgemmk_unpack_block(type, b, ahead, o->v, sc, o->pk, &o->d, &o->m);
-    for (int j = 0; j < (r32 ? 8 : 16); j++) o->sc[j] = (int32_t)((uint32_t)(uint16_t)(int16_t)sc[j] * 0x10001u);
-    if (r32) /* the mins in pairs (mn[2k], mn[2k + 1]), against qxa_min_pairs' sums */
-        for (int k = 0; k < 4; k++) o->pk[k] = (int32_t)(((uint32_t)o->pk[2 * k] & 0xFFFFu) | ((uint32_t)o->pk[2 * k + 1] << 16));
+    for (int j = 0; j < (r32 ? 8 : 16); j += 8) { /* (sc, sc) */
+        const __m256i s = _mm256_loadu_si256((const __m256i *)(sc + j));
+        _mm256_storeu_si256((__m256i *)(o->sc + j), _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)),
+                                                                     _mm256_slli_epi32(s, 16)));
+    }
+    if (r32) { /* the mins in pairs (mn[2k], mn[2k + 1]), against qxa_min_pairs' sums: the low halves of
+                * the (mn, mn) dwords, packed (mn < 64) */
+        const __m256i mm = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)o->pk), _mm256_set1_epi32(0xFFFF));
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(mm, mm), _MM_SHUFFLE(3, 1, 2, 0));
+        _mm_storeu_si128((__m128i *)o->pk, _mm256_castsi256_si128(p));
+    }
 }
 
 /* Q4_K's min term needs each token's sums of 32 (bsum[2j] + bsum[2j + 1], |.| <= 32 x 127):
