@@ -107,6 +107,14 @@ _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
  * between the two (AMD EPYC Zen 5): T=8 rows 6.0 / 7.7 ms against groups 6.8 / 8.5 (SmolLM2
  * / Gemma 3), T=9 9.0 / 9.6 against 8.8 / 8.5, T=12 9.3 / 10.5 against 7.4 / 7.9. */
 #define FEW_TOKENS_VNNI512 9
+/* K-quant calls there take the groups from 5 tokens: their row kernels sum ~70 GMAC/s a
+ * thread at 2-8 tokens (the 32-element types' ~100), while one group of 8 token lanes,
+ * part-filled, costs what 8 tokens do (Zen 5, one thread, 8192x2048: Q4_K rows at 4 / 7
+ * tokens 68.5 / 69.1 GMAC/s against a group of 8 at 127; Q6_K 76.0 / 74.9 against 119).
+ * 2 threads, N sequences decoding at once (alternated builds, medians of 3), the 1B shape's
+ * Q4_K_M file: N=8 107 -> 175 tok/s; its Q8_0 file at 8 rows 157 against groups 116, so the
+ * 32-element types keep 9. */
+#define FEW_TOKENS_VNNI512_K 5
 /* At the AVX2 level the groups take over from 13 tokens. One step's matmuls (layers and
  * head, q/k/v and gate/up fused as the engine calls them), 2 threads, one process switching
  * between the two, medians of 25 (AMD EPYC Zen 2): SmolLM2 rows / groups T=11 36.5 / 35.0 ms,
@@ -114,19 +122,26 @@ _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
  * 66.2 / 70.0, T=13 73.8 / 69.8, T=14 92.7 / 80.8, T=15 88.1 / 75.9. */
 #define FEW_TOKENS_AVX2 13
 
-/* Whether a call of T tokens uses the group layouts and the qgemm kernels. */
-static int takes_token_groups(int64_t T) {
+/* Whether a call of T tokens uses the group layouts and the qgemm kernels; kquants_only:
+ * every quantized part of it is a K-quant (the 256-element activations). */
+static int takes_token_groups(int64_t T, int kquants_only) {
     const int level = ellm_simd_level();
-    if (ellm_simd_is_avx512(level) && ellm_cpu_has_vnni()) return T >= FEW_TOKENS_VNNI512;
+    if (ellm_simd_is_avx512(level) && ellm_cpu_has_vnni())
+        return T >= (kquants_only ? FEW_TOKENS_VNNI512_K : FEW_TOKENS_VNNI512);
     return T >= (level == ELLM_SIMD_AVX2 ? FEW_TOKENS_AVX2 : FEW_TOKENS);
 }
 /* The AMX tiles take a 16-token group in the time the row-layout kernels take about 8
  * tokens (Q4_1 1536x576, one thread: T=8 0.17 ms on VNNI rows, T=16 0.12-0.15 ms on
  * tiles), so at the AMX level calls from this many tokens on use them, padded to 16 */
 #define AMX_FEW_TOKENS 8
-_Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS && AMX_FEW_TOKENS <= FEW_TOKENS_VNNI512 && AMX_FEW_TOKENS <= FEW_TOKENS_AVX2,
-               "tiles start no later than the token groups, and the scratch (rows padded to 16 "
-               "from AMX_FEW_TOKENS on) has room for the groups");
+_Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS && AMX_FEW_TOKENS <= FEW_TOKENS_VNNI512 &&
+                   AMX_FEW_TOKENS <= FEW_TOKENS_AVX2,
+               "tiles start no later than the token groups of the 32-element types");
+/* From this many tokens on the scratch has room for the group layouts (rows padded to 16) */
+#define GROUP_ROWS_FROM FEW_TOKENS_VNNI512_K
+_Static_assert(GROUP_ROWS_FROM <= AMX_FEW_TOKENS && GROUP_ROWS_FROM <= FEW_TOKENS &&
+                   GROUP_ROWS_FROM <= FEW_TOKENS_VNNI512 && GROUP_ROWS_FROM <= FEW_TOKENS_AVX2,
+               "the scratch of every call that may take token groups or tiles has room for them");
 /* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, which the row kernels fetch
  * ahead in software (quant_x86.h); each thread should stream all the time. The call's
  * parts, one after the other, are cut into items of about the same bytes (1 /
@@ -474,7 +489,7 @@ static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int
         if (!used[f]) continue;
         /* room for the group layout too, which is the rows padded to whole groups
          * (ellm_act32x8 / ellm_act256x8 hold ELLM_TG blocks' bytes, rearranged) */
-        const int64_t rows = T >= AMX_FEW_TOKENS ? (T + ELLM_AMX_TG - 1) / ELLM_AMX_TG * ELLM_AMX_TG : T;
+        const int64_t rows = T >= GROUP_ROWS_FROM ? (T + ELLM_AMX_TG - 1) / ELLM_AMX_TG * ELLM_AMX_TG : T;
         if (stride[f] && (uint64_t)rows > (SIZE_MAX - 64 - at) / stride[f]) return 0;
         at = (at + 63) & ~(size_t)63;
         offset[f] = at;
@@ -558,7 +573,10 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
      * at the level in force (the 32-element types, Q4_K, Q5_K and Q6_K on x86). The kernels
      * are chosen here once, so a level changed meanwhile cannot split the decision. */
     ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS], qamx[ELLM_LINEAR_MAX_PARTS];
-    const int groups = takes_token_groups(T);
+    int kquants_only = 1;
+    for (int i = 0; i < n_parts; i++)
+        if (parts[i].N > 0 && act_index(parts[i].qtype) == 0) kquants_only = 0;
+    const int groups = takes_token_groups(T, kquants_only);
     const int amx_level = T >= AMX_FEW_TOKENS && ellm_simd_level() == ELLM_SIMD_AMX;
     for (int i = 0; i < n_parts; i++) {
         qgemm[i] = groups ? ellm_qgemm_select(parts[i].qtype) : NULL;
