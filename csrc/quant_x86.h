@@ -1729,7 +1729,16 @@ KINLINE void qdot_k4_rows_t2(int64_t nb, const uint8_t *w, size_t ws, int nr, co
     }
 DEFINE_QDOT_K23(qdot_q2_k, ELLM_T_Q2_K)
 DEFINE_QDOT_K23(qdot_q3_k, ELLM_T_Q3_K)
-DEFINE_QDOT(qdot_q4_k, qdot_k45, ELLM_T_Q4_K)
+/* Q4_K: one token a row at a time (a stream from DRAM, as above); 2-4 tokens (fewer than
+ * FEW_TOKENS_VNNI512_K) in the row tiles of the 256-bit level, tokens in pairs, whose float
+ * steps run four rows to a vector where the one-row kernel runs them one output at a time */
+DEFINE_QDOT(qdot_q4_k_rows, qdot_k45, ELLM_T_Q4_K)
+DEFINE_QDOT_K_ROWS(qdot_q4_k_tiles, qdot_k45, ELLM_T_Q4_K)
+KFUNC void qdot_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs, int64_t nt,
+                     float *y, size_t ys) {
+    if (nt == 1) qdot_q4_k_rows(nb, w, ws, nr, x, xs, nt, y, ys);
+    else qdot_q4_k_tiles(nb, w, ws, nr, x, xs, nt, y, ys);
+}
 DEFINE_QDOT(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
 DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
 #else
