@@ -1630,17 +1630,19 @@ _Static_assert(QXK_ROWS == 4, "qdot_k_rows spells out 4 rows");
  * thread, thread CPU time, the Q4_K matrices of 4 layers of the 1B Llama shape (117 MB, on
  * 2 MiB pages), alternated call by call against it, same bits (AMD EPYC Zen 3, load ~5):
  * T=2 13.8 -> 11.2 ms (1.23x), T=3 1.07x, T=4 1.07x, T=8 1.08x, T=15 1.10x; T=1 7.5 ms. */
-KINLINE void qdot_k4_rows_t2(int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x0,
+KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x0,
                              const ellm_act256 *x1, float *y0, float *y1) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const int q5 = type == ELLM_T_Q5_K; /* Q5_K: the fifth bits as k4_block_isums takes them */
+    const size_t bs = (size_t)qk_block_bytes(type);
     const uint8_t *wr[QXK_ROWS];
     _Pragma("GCC unroll 4")
     for (int r = 0; r < QXK_ROWS; r++) wr[r] = w + (size_t)(r < nr ? r : nr - 1) * ws;
     const uintptr_t next = (uintptr_t)w + QXK_ROWS * ws; /* the next rows (an integer: may lie past w) */
     __m128 acc0 = _mm_setzero_ps(), acc1 = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        const size_t off = (size_t)i * Q4_K_BYTES;
-        for (size_t o = QXK_ROWS * off; o < QXK_ROWS * (off + Q4_K_BYTES); o += 64)
+        const size_t off = (size_t)i * bs;
+        for (size_t o = QXK_ROWS * off; o < QXK_ROWS * (off + bs); o += 64)
             _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
         const ellm_act256 *a0 = x0 + i, *a1 = x1 + i;
         __m256i is0[QXK_ROWS], is1[QXK_ROWS], ms0[QXK_ROWS], ms1[QXK_ROWS];
@@ -1651,11 +1653,16 @@ KINLINE void qdot_k4_rows_t2(int64_t nb, const uint8_t *w, size_t ws, int nr, co
             __m256i sc16, mins;
             k4_scales(b + 4, &sc16, &mins);
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
             _Pragma("GCC unroll 4")
             for (int c = 0; c < 4; c++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-                const __m256i ql = _mm256_and_si256(q, lo4);
-                const __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (q5 ? 48 : 16) + 32 * c));
+                __m256i ql = _mm256_and_si256(q, lo4);
+                __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+                if (q5) {
+                    ql = _mm256_or_si256(ql, bit_to_0x10(qh, 2 * c));
+                    qhi = _mm256_or_si256(qhi, bit_to_0x10(qh, 2 * c + 1));
+                }
                 const __m256i sa = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * 2 * c)));
                 const __m256i sb = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
                 s0 = _mm256_add_epi32(s0, DOT2_S16(_mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(a0->qs + 64 * c))), sa,
@@ -1698,12 +1705,12 @@ KINLINE void qdot_k4_rows_t2(int64_t nb, const uint8_t *w, size_t ws, int nr, co
                             (const ellm_act256 *)x, y + r);                                  \
             return;                                                                          \
         }                                                                                    \
-        if (TYPE == ELLM_T_Q4_K) { /* token pairs in row tiles (qdot_k4_rows_t2) */         \
+        if (TYPE == ELLM_T_Q4_K || TYPE == ELLM_T_Q5_K) { /* token pairs in row tiles */   \
             for (int64_t r = 0; r < nr; r += QXK_ROWS) {                                     \
                 const int n4 = nr - r < QXK_ROWS ? (int)(nr - r) : QXK_ROWS;                 \
                 int64_t t = 0;                                                               \
                 for (; t + 2 <= nt; t += 2)                                                  \
-                    qdot_k4_rows_t2(nb, w + (size_t)r * ws, ws, n4, (const ellm_act256 *)(x + (size_t)t * xs), \
+                    qdot_k4_rows_t2(TYPE, nb, w + (size_t)r * ws, ws, n4, (const ellm_act256 *)(x + (size_t)t * xs), \
                                     (const ellm_act256 *)(x + (size_t)(t + 1) * xs), y + (size_t)t * ys + r, \
                                     y + (size_t)(t + 1) * ys + r);                           \
                 if (t < nt)                                                                  \
@@ -1729,17 +1736,20 @@ KINLINE void qdot_k4_rows_t2(int64_t nb, const uint8_t *w, size_t ws, int nr, co
     }
 DEFINE_QDOT_K23(qdot_q2_k, ELLM_T_Q2_K)
 DEFINE_QDOT_K23(qdot_q3_k, ELLM_T_Q3_K)
-/* Q4_K: one token a row at a time (a stream from DRAM, as above); 2-4 tokens (fewer than
- * FEW_TOKENS_VNNI512_K) in the row tiles of the 256-bit level, tokens in pairs, whose float
- * steps run four rows to a vector where the one-row kernel runs them one output at a time */
-DEFINE_QDOT(qdot_q4_k_rows, qdot_k45, ELLM_T_Q4_K)
-DEFINE_QDOT_K_ROWS(qdot_q4_k_tiles, qdot_k45, ELLM_T_Q4_K)
-KFUNC void qdot_q4_k(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x, size_t xs, int64_t nt,
-                     float *y, size_t ys) {
-    if (nt == 1) qdot_q4_k_rows(nb, w, ws, nr, x, xs, nt, y, ys);
-    else qdot_q4_k_tiles(nb, w, ws, nr, x, xs, nt, y, ys);
-}
-DEFINE_QDOT(qdot_q5_k, qdot_k45, ELLM_T_Q5_K)
+/* Q4_K, Q5_K: one token a row at a time (a stream from DRAM, as above); 2-4 tokens (fewer
+ * than FEW_TOKENS_VNNI512_K) in the row tiles of the 256-bit level, tokens in pairs, whose
+ * float steps run four rows to a vector where the one-row kernel runs them one output at a
+ * time */
+#define DEFINE_QDOT_K45(name, TYPE)                                                          \
+    DEFINE_QDOT(name##_rows, qdot_k45, TYPE)                                                 \
+    DEFINE_QDOT_K_ROWS(name##_tiles, qdot_k45, TYPE)                                         \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        if (nt == 1) name##_rows(nb, w, ws, nr, x, xs, nt, y, ys);                           \
+        else name##_tiles(nb, w, ws, nr, x, xs, nt, y, ys);                                  \
+    }
+DEFINE_QDOT_K45(qdot_q4_k, ELLM_T_Q4_K)
+DEFINE_QDOT_K45(qdot_q5_k, ELLM_T_Q5_K)
 DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
 #else
 DEFINE_QDOT_K_ROWS(qdot_q2_k, qdot_k23, ELLM_T_Q2_K)
