@@ -1621,7 +1621,7 @@ KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int 
 }
 _Static_assert(QXK_ROWS == 4, "qdot_k_rows spells out 4 rows");
 
-/* Q4_K at two tokens: the QXK_ROWS rows of qdot_k_rows against tokens x0 and x1 at once.
+/* Q4_K (or Q5_K) at two tokens: the QXK_ROWS rows of qdot_k_rows against tokens x0 and x1 at once.
  * Each row's block is unpacked once (nibbles, scales) for both tokens, and the reductions
  * and float steps run with row r in lane r, per token, as qdot_k_rows does for one: the
  * same exact integer sums and the same roundings in the same order as qdot_k45 and
@@ -1694,8 +1694,9 @@ KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, 
     }
 }
 
-/* The K-quants: one token in row tiles (qdot_k_rows); several: Q4_K in row tiles, tokens in
- * pairs (qdot_k4_rows_t2) and an odd last one alone; the others row by row as DEFINE_QDOT */
+/* The K-quants: one token in row tiles (qdot_k_rows); several: Q4_K and Q5_K in row tiles,
+ * tokens in pairs (qdot_k4_rows_t2) and an odd last one alone; the others row by row as
+ * DEFINE_QDOT */
 #define DEFINE_QDOT_K_ROWS(name, body_fn, TYPE)                                              \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
