@@ -123,7 +123,7 @@ _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
 #define FEW_TOKENS_AVX2 13
 
 /* Whether a call of T tokens uses the group layouts and the qgemm kernels; kquants_only:
- * every quantized part of it is a K-quant (the 256-element activations). */
+ * it has K-quant parts (the 256-element activations) and no 32-element ones. */
 static int takes_token_groups(int64_t T, int kquants_only) {
     const int level = ellm_simd_level();
     if (ellm_simd_is_avx512(level) && ellm_cpu_has_vnni())
@@ -573,10 +573,10 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
      * at the level in force (the 32-element types, Q4_K, Q5_K and Q6_K on x86). The kernels
      * are chosen here once, so a level changed meanwhile cannot split the decision. */
     ellm_qgemm_fn qgemm[ELLM_LINEAR_MAX_PARTS], qamx[ELLM_LINEAR_MAX_PARTS];
-    int kquants_only = 1;
+    int uses_act[N_ACT] = {0, 0}; /* formats of the non-empty parts (float parts have none) */
     for (int i = 0; i < n_parts; i++)
-        if (parts[i].N > 0 && act_index(parts[i].qtype) == 0) kquants_only = 0;
-    const int groups = takes_token_groups(T, kquants_only);
+        if (parts[i].N > 0 && act_index(parts[i].qtype) >= 0) uses_act[act_index(parts[i].qtype)] = 1;
+    const int groups = takes_token_groups(T, uses_act[1] && !uses_act[0]);
     const int amx_level = T >= AMX_FEW_TOKENS && ellm_simd_level() == ELLM_SIMD_AMX;
     for (int i = 0; i < n_parts; i++) {
         qgemm[i] = groups ? ellm_qgemm_select(parts[i].qtype) : NULL;
