@@ -1143,6 +1143,22 @@ INLINE __m256i bit_to_0x10(__m256i v, const int bit) {
     return _mm256_and_si256(v, h);
 }
 
+/* Q4_K / Q5_K block b: its 32 bytes of digits c as two runs of 32 values, *lo (values 64c..)
+ * and *hi (values 64c + 32..), unsigned bytes; Q5_K's fifth bit of value l of those runs is
+ * bit 2c / 2c + 1 of qh[l] */
+INLINE void k45_digits(int type, const uint8_t *b, int c, __m256i *lo, __m256i *hi) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const int q5 = type == ELLM_T_Q5_K;
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (q5 ? 48 : 16) + 32 * c));
+    *lo = _mm256_and_si256(q, lo4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+    if (q5) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        *lo = _mm256_or_si256(*lo, bit_to_0x10(qh, 2 * c));
+        *hi = _mm256_or_si256(*hi, bit_to_0x10(qh, 2 * c + 1));
+    }
+}
+
 /* 16 signed 8-bit scales (one per 16 values) -> per 128-half h, the 8 scales of that
  * half as int16 in both lanes; scale_pair() then broadcasts groups (2r, 2r+1) of a
  * half into the low / high lane, matching a maddubs of a 32-run. */
@@ -1192,7 +1208,6 @@ INLINE int qk_d_offset(int type) {
 KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, size_t x_stride,
                      const int nt, float *y, size_t y_stride) {
     const int bs = type == ELLM_T_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
     float accs[QX_TILE]; /* one float chain per output, two FMAs per block */
     for (int t = 0; t < nt; t++) accs[t] = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
@@ -1201,20 +1216,11 @@ KINLINE void qdot_k45(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
         __m256i sc16, mins;
         k4_scales(b + 4, &sc16, &mins);
         const float d = f16_at(b), dmin = f16_at(b + 2);
-        const uint8_t *qs = b + (type == ELLM_T_Q4_K ? 16 : 48);
-        __m256i qh = _mm256_setzero_si256();
-        if (type == ELLM_T_Q5_K) qh = _mm256_loadu_si256((const __m256i *)(b + 16));
         __m256i sumi[QX_TILE];
         for (int t = 0; t < nt; t++) sumi[t] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i ql = _mm256_and_si256(q, lo4);
-            __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
-            if (type == ELLM_T_Q5_K) {
-                /* bit 2c of qh[l] is the 0x10 bit of element l; bit 2c+1 of element 32+l */
-                ql = _mm256_or_si256(ql, bit_to_0x10(qh, 2 * c));
-                qhi = _mm256_or_si256(qhi, bit_to_0x10(qh, 2 * c + 1));
-            }
+            __m256i ql, qhi;
+            k45_digits(type, b, c, &ql, &qhi);
             /* sub-block scales 2c, 2c+1 broadcast as int16 (bytes 4c.. of sc16) */
             const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * 2 * c)));
             const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
@@ -1436,22 +1442,13 @@ INLINE __m128i hsum4x8_epi32(const __m256i v[4]) {
 /* Q4_K / Q5_K block b of one row against the token's act256 block a: *sumi the 8-lane
  * partial sums of sum_j sc[j] (q_j . x_j), *msum those of sum_j mn[j] (bsum[2j] + bsum[2j+1]) */
 KINLINE void k4_block_isums(int type, const uint8_t *b, const ellm_act256 *a, __m256i *sumi, __m256i *msum) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
     __m256i sc16, mins;
     k4_scales(b + 4, &sc16, &mins);
-    const int q5 = type == ELLM_T_Q5_K;
-    const uint8_t *qs = b + (q5 ? 48 : 16);
-    const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
     __m256i acc = _mm256_setzero_si256();
     _Pragma("GCC unroll 4")
     for (int c = 0; c < 4; c++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i ql = _mm256_and_si256(q, lo4);
-        __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
-        if (q5) { /* as qdot_k45 */
-            ql = _mm256_or_si256(ql, bit_to_0x10(qh, 2 * c));
-            qhi = _mm256_or_si256(qhi, bit_to_0x10(qh, 2 * c + 1));
-        }
+        __m256i ql, qhi;
+        k45_digits(type, b, c, &ql, &qhi);
         const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * 2 * c)));
         const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
         const __m256i p0 = _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(a->qs + 64 * c)));
@@ -1632,8 +1629,6 @@ _Static_assert(QXK_ROWS == 4, "qdot_k_rows spells out 4 rows");
  * T=2 13.8 -> 11.2 ms (1.23x), T=3 1.07x, T=4 1.07x, T=8 1.08x, T=15 1.10x; T=1 7.5 ms. */
 KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x0,
                              const ellm_act256 *x1, float *y0, float *y1) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    const int q5 = type == ELLM_T_Q5_K; /* Q5_K: the fifth bits as k4_block_isums takes them */
     const size_t bs = (size_t)qk_block_bytes(type);
     const uint8_t *wr[QXK_ROWS];
     _Pragma("GCC unroll 4")
@@ -1653,16 +1648,10 @@ KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, 
             __m256i sc16, mins;
             k4_scales(b + 4, &sc16, &mins);
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
             _Pragma("GCC unroll 4")
             for (int c = 0; c < 4; c++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (q5 ? 48 : 16) + 32 * c));
-                __m256i ql = _mm256_and_si256(q, lo4);
-                __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
-                if (q5) {
-                    ql = _mm256_or_si256(ql, bit_to_0x10(qh, 2 * c));
-                    qhi = _mm256_or_si256(qhi, bit_to_0x10(qh, 2 * c + 1));
-                }
+                __m256i ql, qhi;
+                k45_digits(type, b, c, &ql, &qhi);
                 const __m256i sa = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * 2 * c)));
                 const __m256i sb = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * c + 1))));
                 s0 = _mm256_add_epi32(s0, DOT2_S16(_mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(a0->qs + 64 * c))), sa,
@@ -1856,16 +1845,9 @@ INLINE void qgemmk_unpack_block(int type, const uint8_t *b, size_t ahead, uint8_
         _mm256_storeu_si256((__m256i *)pk, _mm256_or_si256(mnw, _mm256_slli_epi32(mnw, 16))); /* (mn, mn) */
         *d = f16_at(b);
         *m = -f16_at(b + 2);
-        const int q5 = type == ELLM_T_Q5_K;
-        const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-        const uint8_t *qs = b + (q5 ? 48 : 16);
         for (int c = 0; c < 4; c++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i lo = _mm256_and_si256(q, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
-            if (q5) {
-                lo = _mm256_or_si256(lo, bit_to_0x10(qh, 2 * c));
-                hi = _mm256_or_si256(hi, bit_to_0x10(qh, 2 * c + 1));
-            }
+            __m256i lo, hi;
+            k45_digits(type, b, c, &lo, &hi);
             _mm256_store_si256((__m256i *)(v + 64 * c), lo);
             _mm256_store_si256((__m256i *)(v + 64 * c + 32), hi);
         }
