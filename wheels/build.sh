@@ -113,12 +113,14 @@ fi
 
 # qemu's user-mode emulator runs the venv's Python as on an Intel Nehalem: x86-64-v2
 # (numpy 2's own baseline, so the oldest CPU the dependencies run on) without AVX.
+# OpenBLAS (numpy's) can pick AVX kernels under qemu-user on some hosts (a Zen 5 one):
+# pinned to the ones a real Nehalem gets (as tests/test_packaging.py does).
 if [[ "$(uname -m)" == x86_64 ]] && command -v qemu-x86_64 >/dev/null; then
     say "on an emulated CPU without AVX (qemu-x86_64 -cpu Nehalem-v1)"
-    qemu-x86_64 -cpu Nehalem-v1 "$VW/python" -m ellm info | tee "$WORK/old-cpu.txt"
+    OPENBLAS_CORETYPE=Nehalem qemu-x86_64 -cpu Nehalem-v1 "$VW/python" -m ellm info | tee "$WORK/old-cpu.txt"
     grep -q "SIMD kernels: scalar (CPU supports: scalar)" "$WORK/old-cpu.txt"
     if [[ "${SKIP_RUN:-0}" != 1 ]]; then
-        qemu-x86_64 -cpu Nehalem-v1 "$VW/python" -m ellm run --max-tokens 8 "Hello"
+        OPENBLAS_CORETYPE=Nehalem qemu-x86_64 -cpu Nehalem-v1 "$VW/python" -m ellm run --max-tokens 8 "Hello"
     fi
 else
     say "emulated CPU without AVX: skipped (x86-64 hosts with qemu-x86_64: apt-get install qemu-user)"
