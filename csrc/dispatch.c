@@ -196,6 +196,7 @@ int ellm_cpu_has_amx_bf16(void) {
 }
 
 static atomic_int is_amd = -1;
+void ellm_cpu_set_amd(int v) { atomic_store(&is_amd, v < 0 ? -1 : v != 0); }
 int ellm_cpu_is_amd(void) {
     int v = atomic_load_explicit(&is_amd, memory_order_relaxed);
     if (v < 0) {

@@ -107,14 +107,14 @@ _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
  * between the two (AMD EPYC Zen 5): T=8 rows 6.0 / 7.7 ms against groups 6.8 / 8.5 (SmolLM2
  * / Gemma 3), T=9 9.0 / 9.6 against 8.8 / 8.5, T=12 9.3 / 10.5 against 7.4 / 7.9. */
 #define FEW_TOKENS_VNNI512 9
-/* K-quant calls there take the groups from 5 tokens: their row kernels sum ~70 GMAC/s a
- * thread at 2-8 tokens (the 32-element types' ~100), while one group of 8 token lanes,
- * part-filled, costs what 8 tokens do (Zen 5, one thread, 8192x2048: Q4_K rows at 4 / 7
- * tokens 68.5 / 69.1 GMAC/s against a group of 8 at 127; Q6_K 76.0 / 74.9 against 119).
- * 2 threads, N sequences decoding at once (alternated builds, medians of 3), the 1B shape's
- * Q4_K_M file: N=8 107 -> 175 tok/s; its Q8_0 file at 8 rows 157 against groups 116, so the
- * 32-element types keep 9. */
-#define FEW_TOKENS_VNNI512_K 5
+/* K-quant calls there take the groups from 8 tokens. Their row kernels (quant_x86.h:
+ * qdot_kz_rows, 512 bits, 4 rows) beat a part-filled group of 8 token lanes, which costs
+ * what 8 tokens do, up to 7 (Zen 5, one thread, 8192x2048, GMAC/s, rows / groups: Q4_K
+ * T=5 103 / 82, 7 113 / 110, 8 116 / 127; Q6_K 5 121 / 78, 7 135 / 106, 8 138 / 123; Q2_K,
+ * Q3_K and Q5_K as Q4_K). From 5 until the 512-bit row kernels: their 256-bit ones summed
+ * ~70 GMAC/s at 2-8 tokens. The 32-element types keep 9 (the 1B shape's Q8_0 file at 8
+ * sequences: rows 157 tok/s, groups 116). */
+#define FEW_TOKENS_VNNI512_K 8
 /* At the AVX2 level the groups take over from 13 tokens. One step's matmuls (layers and
  * head, q/k/v and gate/up fused as the engine calls them), 2 threads, one process switching
  * between the two, medians of 25 (AMD EPYC Zen 2): SmolLM2 rows / groups T=11 36.5 / 35.0 ms,
@@ -162,6 +162,23 @@ _Static_assert(GROUP_ROWS_FROM <= AMX_FEW_TOKENS && GROUP_ROWS_FROM <= FEW_TOKEN
  * A type whose stream variant is NULL at the level keeps its tiles: Q8_0 at AVX2, whose
  * 4-row one-token kernel was faster than the one-row stream at every size tried. */
 #define DECODE_ROW_STREAM_BYTES ((size_t)16 << 20)
+
+/* The row kernel of a part at T tokens: at one token, the one-row variant where it streams
+ * from DRAM faster than the tiles -- the 32-element types' on AMD CPUs past
+ * DECODE_ROW_STREAM_BYTES; the K-quants' (512-bit levels) on other CPUs, at every size: on
+ * the Xeon (AMX level, one thread) a 4-row K-quant tile read DRAM a quarter slower than one
+ * row (8.7 against 11.8 GB/s), its four row streams defeating the hardware prefetcher,
+ * while on Zen 5 the 512-bit 4-row tile reads it faster (Q4_K 8192 x 2048 from 400 MB of
+ * copies, one thread: 56-57 against 46-47 GMAC/s one row at a time). Same bits either way. */
+static ellm_qdot_fn decode_kernel(const ellm_linear_part *q, int64_t T) {
+    const ellm_qdot_fn tiles = ellm_qdot_select(q->qtype);
+    if (T != 1) return tiles;
+    const ellm_qdot_fn one_row = ellm_qdot_stream_select(q->qtype);
+    if (!one_row) return tiles;
+    const int streams = ellm_act_block(q->qtype) == QK256 ? !ellm_cpu_is_amd()
+                                                          : q->w_bytes > DECODE_ROW_STREAM_BYTES && ellm_cpu_is_amd();
+    return streams ? one_row : tiles;
+}
 
 static int64_t decode_item_bytes(size_t call_bytes) {
     size_t b = call_bytes / ((size_t)ellm_num_threads() * DECODE_ITEMS_PER_REGION);
@@ -652,11 +669,7 @@ static int lin_setup(lin_ctx *c, const float *x, int64_t T, int64_t K, const ell
                 p->qgemm = qgemm[i];
                 p->tg = ELLM_TG;
             } else {
-                p->qdot = ellm_qdot_select(q->qtype);
-                if (T == 1 && q->w_bytes > DECODE_ROW_STREAM_BYTES && ellm_cpu_is_amd()) {
-                    const ellm_qdot_fn s = ellm_qdot_stream_select(q->qtype);
-                    if (s) p->qdot = s;
-                }
+                p->qdot = decode_kernel(q, T);
             }
             c->act[f] = ellm_act_select(q->qtype);
         } else if (c->xb && q->qtype == ELLM_T_BF16) { /* [bf16] */

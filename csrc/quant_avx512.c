@@ -52,5 +52,12 @@ ellm_qgemm_fn ellm_qgemm_avx512(int qtype, int vnni) {
 
 ellm_qdot_fn ellm_qdot_stream_avx512(int qtype, int vnni) {
     if (!vnni) return NULL;
-    return qdot_stream_kernel(qtype);
+    switch (qtype) {
+    case ELLM_T_Q2_K: return qdots_q2_k;
+    case ELLM_T_Q3_K: return qdots_q3_k;
+    case ELLM_T_Q4_K: return qdots_q4_k;
+    case ELLM_T_Q5_K: return qdots_q5_k;
+    case ELLM_T_Q6_K: return qdots_q6_k;
+    default: return qdot_stream_kernel(qtype);
+    }
 }

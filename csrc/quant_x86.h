@@ -1427,9 +1427,10 @@ KINLINE void qdot_k23(int type, int64_t nb, const uint8_t *w, const uint8_t *x, 
  * alternated calls, 0.96-1.12x, within the noise of that load; Gemma 3 270M decode 1.02x.
  * Q2_K, Q3_K and Q5_K took it when they took Q4_K's one float chain a block (on this
  * Xeon at ELLM_SIMD=avx2, the 1B Q2_K file's decode: see docs/benchmarks.md).
- * The AVX-512 level keeps its one-row kernels: on the Xeon (AMX level, 2 threads) this
- * kernel there took the 1B Q4_K_M file's decode from 29.0-29.8 to 21.3-22.8 tok/s and
- * the Q2_K file's from 32.5-34.1 to 29.8-31.8.
+ * At the AVX-512 level (QX_ZMM) this kernel at 256 bits took the 1B Q4_K_M file's decode
+ * on the Xeon (AMX level, 2 threads) from 29.0-29.8 to 21.3-22.8 tok/s and the Q2_K
+ * file's from 32.5-34.1 to 29.8-31.8, so that level kept one-row kernels until the
+ * 512-bit form of the 4-row tile below (qdot_kz_rows) beat them on Zen 5.
  * ------------------------------------------------------------------------------------ */
 #define QXK_ROWS 4
 
@@ -1535,35 +1536,6 @@ KINLINE void k23_block_isums(int type, const uint8_t *b, const ellm_act256 *a, _
         *sumi = acc;
         *msum = _mm256_madd_epi16(bsum, mins16);
     }
-}
-
-/* Q2_K / Q3_K, one row at one token, blocks in pairs: the two blocks' partial sums reduced
- * in one hadd tree, then their float steps in block order as qdot_k23 takes them (the
- * same bits). The AVX-512 level's decode kernel: reducing each block alone, as qdot_k23
- * does, cost the 1B Q2_K file's decode on the Xeon (AMX level) 3-10% (alternated builds:
- * 31.4 / 34.3 / 34.0 / 32.5 -> 34.6 / 35.4 / 35.8 / 34.1 tok/s with pairs); Q3_K_M
- * within the noise. */
-KINLINE void qdot_k23_one(int type, int64_t nb, const uint8_t *w, const ellm_act256 *x, float *y) {
-    const int bs = qk_block_bytes(type), d_at = qk_d_offset(type);
-    float acc = 0.0f;
-    for (int64_t i = 0; i < nb; i += 2) {
-        const int n = nb - i < 2 ? 1 : 2; /* an odd last block alone */
-        const uint8_t *b = w + i * bs;
-        prefetch_ahead(b, n * bs);
-        __m256i v[4]; /* block i: isum, msum; block i + 1: isum, msum */
-        k23_block_isums(type, b, x + i, &v[0], &v[1]);
-        if (n == 2) k23_block_isums(type, b + bs, x + i + 1, &v[2], &v[3]);
-        else v[2] = v[3] = _mm256_setzero_si256();
-        int32_t s[4];
-        _mm_storeu_si128((__m128i *)s, hsum4x8_epi32(v));
-        for (int j = 0; j < n; j++) {
-            const uint8_t *bj = b + j * bs;
-            const float ad = x[i + j].d;
-            acc = fmaf((float)s[2 * j], f16_at(bj + d_at) * ad, acc);
-            if (type == ELLM_T_Q2_K) acc = fmaf((float)s[2 * j + 1], -f16_at(bj + d_at + 2) * ad, acc);
-        }
-    }
-    *y = acc;
 }
 
 KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int nr, const ellm_act256 *x,
@@ -1714,33 +1686,263 @@ KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, 
     }
 
 #if QX_ZMM
-/* Q2_K / Q3_K: one token a row at a time, blocks in pairs (qdot_k23_one); several as
- * DEFINE_QDOT */
-#define DEFINE_QDOT_K23(name, TYPE)                                                          \
+/* ------------------------------------------------------------------------------------
+ * K-quant decode at 512 bits (the AVX-512 and AMX levels, 1-4 tokens): a block of one
+ * row unpacked once into four vectors of 64 values in the activation's order (q[k] =
+ * values 64k .. 64k + 63, unsigned bytes) with the int16 scale of each maddubs pair
+ * (s[k]), so a token's block is 4 maddubs + 4 dpwssd where the 256-bit body takes 8 + 4
+ * + 4; then, per 16 values, the factor of the activation's bsums (m: the mins of Q2_K,
+ * Q4_K, Q5_K; -offset x scale of Q3_K and Q6_K, folded into the integer sum by one more
+ * dpwssd). The sums are exact integers, and the float steps are qdot_k_rows', four rows
+ * to a vector, so the bits are those of every other kernel of the level. The rows are
+ * QXK_ROWS side by side with the next ones fetched at their pace, as qdot_k_rows.
+ *
+ * Against the kernels it replaced (one row at a time, a block's float steps one output at
+ * a time at 256 bits; Q4_K / Q5_K at 2-4 tokens qdot_k4_rows_t2), one thread, 8192 x
+ * 2048, GMAC/s by thread CPU time, alternated builds (AMD EPYC Zen 5), same bits:
+ *   in cache, T = 1 / 2 / 4:  Q2_K 54 / 63 / 70 -> 79 / 103 / 124, Q3_K 33 / 47 / 64 ->
+ *     57 / 91 / 112, Q4_K 53 / 83 / 84 -> 69 / 96 / 118, Q5_K 44 / 73 / 75 -> 57 / 85 /
+ *     104, Q6_K 50 / 67 / 78 -> 79 / 109 / 136;
+ *   from DRAM (400 MB of copies), T = 1: Q2_K 50 -> 72, Q3_K 31 -> 54, Q4_K 46 -> 58, Q5_K
+ *     38 -> 50, Q6_K 37 -> 44.
+ * At 5-7 tokens (two passes, the second over rows in L1) they beat the token groups of
+ * the many-token kernels (matmul.c: FEW_TOKENS_VNNI512_K).
+ * ------------------------------------------------------------------------------------ */
+typedef struct {
+    __m512i q[4];
+    __m512i s[4];
+    __m256i m;
+} kz_block;
+
+/* 128-bit lane i of the result: word wi of lane i of v, in all 8 words */
+INLINE __m512i kz_word_per_lane(__m512i v, const int w0, const int w1, const int w2, const int w3) {
+#define KZ_CTRL(wd) ((int)((0x0100 + 0x0202 * (wd)) * 0x10001u))
+    const __m512i ctrl = _mm512_set_epi32(KZ_CTRL(w3), KZ_CTRL(w3), KZ_CTRL(w3), KZ_CTRL(w3), KZ_CTRL(w2),
+                                          KZ_CTRL(w2), KZ_CTRL(w2), KZ_CTRL(w2), KZ_CTRL(w1), KZ_CTRL(w1),
+                                          KZ_CTRL(w1), KZ_CTRL(w1), KZ_CTRL(w0), KZ_CTRL(w0), KZ_CTRL(w0),
+                                          KZ_CTRL(w0));
+#undef KZ_CTRL
+    return _mm512_shuffle_epi8(v, ctrl);
+}
+
+/* per 16-bit element of v: shifted by lo in the low 256 bits and hi in the high 256,
+ * left where the count is positive, right where negative (both one way: compile-time
+ * constants after inlining) */
+INLINE __m512i kz_shift_halves(__m512i v, const int lo, const int hi) {
+    if (lo >= 0 && hi >= 0)
+        return _mm512_sllv_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1));
+    return _mm512_srlv_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)-lo), _mm256_set1_epi16((short)-hi), 1));
+}
+
+INLINE __m512i kz_dup256(const uint8_t *p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* the scales of the four 64-runs of a block with 16 scales of 16 values, sc16 (int16) */
+INLINE void kz_scales16(__m256i sc16, kz_block *z) {
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_broadcast_i32x4(h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
+        z->s[2 * h] = kz_word_per_lane(v, 0, 1, 2, 3);
+        z->s[2 * h + 1] = kz_word_per_lane(v, 4, 5, 6, 7);
+    }
+}
+
+KINLINE void kz_unpack(int type, const uint8_t *b, kz_block *z) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    if (type == ELLM_T_Q4_K || type == ELLM_T_Q5_K) {
+        __m256i sc16, mins;
+        k4_scales(b + 4, &sc16, &mins);
+        const __m512i scz = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
+        const int q5 = type == ELLM_T_Q5_K;
+        const __m512i qh = q5 ? kz_dup256(b + 16) : _mm512_setzero_si512();
+        _Pragma("GCC unroll 4")
+        for (int c = 0; c < 4; c++) {
+            /* the low nibbles are run 2c, the high ones run 2c + 1 */
+            __m512i v = _mm512_and_si512(kz_shift_halves(kz_dup256(b + (q5 ? 48 : 16) + 32 * c), 0, -4), lo4);
+            if (q5) /* bits 2c and 2c + 1 of qh -> 0x10 */
+                v = _mm512_or_si512(v, _mm512_and_si512(kz_shift_halves(qh, 4 - 2 * c, 3 - 2 * c),
+                                                        _mm512_set1_epi8(0x10)));
+            z->q[c] = v;
+            z->s[c] = kz_word_per_lane(scz, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1);
+        }
+        z->m = mins;
+    } else if (type == ELLM_T_Q6_K) {
+        const __m512i top2 = _mm512_set1_epi8(0x30);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * h)); /* runs 0 | 1 (then >> 4: 2 | 3) */
+            const __m512i qh = kz_dup256(b + 128 + 32 * h);
+            z->q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, lo4), _mm512_and_si512(kz_shift_halves(qh, 4, 2), top2));
+            z->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), lo4),
+                                              _mm512_and_si512(kz_shift_halves(qh, 0, -2), top2));
+        }
+        kz_scales16(sc16, z);
+        z->m = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc16, 5)); /* values stored +32 */
+    } else { /* Q2_K, Q3_K: runs s of half h at bits 2s of qs[32h + l]; Q3_K's third bit 4h + s of hmask[l] */
+        const int q3 = type == ELLM_T_Q3_K;
+        const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+        const __m512i hm = q3 ? kz_dup256(b) : _mm512_setzero_si512();
+        const uint8_t *qs = b + (q3 ? 32 : 16);
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < 2; h++) {
+            const __m512i qv = kz_dup256(qs + 32 * h);
+            __m512i q01 = _mm512_and_si512(kz_shift_halves(qv, 0, -2), three);
+            __m512i q23 = _mm512_and_si512(kz_shift_halves(qv, -4, -6), three);
+            if (q3) { /* bit p of hmask -> bit 2 */
+                const int p = 4 * h;
+                q01 = _mm512_or_si512(q01, _mm512_and_si512(kz_shift_halves(hm, 2 - p, 1 - p), four));
+                q23 = _mm512_or_si512(q23, _mm512_and_si512(kz_shift_halves(hm, -p, -1 - p), four));
+            }
+            z->q[2 * h] = q01;
+            z->q[2 * h + 1] = q23;
+        }
+        __m256i sc16;
+        if (q3) {
+            int8_t sc[16];
+            q3k_scales(b + 96, sc);
+            sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+            z->m = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc16, 2)); /* values stored +4 */
+        } else {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)b);
+            sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(0x0F)));
+            z->m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F)));
+        }
+        kz_scales16(sc16, z);
+    }
+}
+
+/* a block of one row against a token's act256 block: the 8-lane partial sums of the block's
+ * isum, and (types with mins) of its msum, as (isum, msum) pairs by one hadd, where types
+ * without mins have the offset taken off */
+KINLINE __m256i kz_block_sums(int type, const kz_block *z, const ellm_act256 *a) {
+    __m512i acc = _mm512_setzero_si512();
+    _Pragma("GCC unroll 4")
+    for (int k = 0; k < 4; k++)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(z->q[k], _mm512_loadu_si512((const void *)(a->qs + 64 * k))),
+                                  z->s[k]);
+    const __m256i is = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+    const __m256i bsum = _mm256_loadu_si256((const __m256i *)a->bsums);
+    if (qk_has_mins(type)) return _mm256_hadd_epi32(is, _mm256_madd_epi16(bsum, z->m));
+    return _mm256_dpwssd_epi32(is, bsum, z->m);
+}
+
+/* QXK_ROWS rows (row nr - 1 standing in for those past nr, never stored) against NT tokens */
+KINLINE void qdot_kz_rows(int type, const int NT, int64_t nb, const uint8_t *w, size_t ws, int nr, const uint8_t *x,
+                          size_t xs, float *y, size_t ys) {
+    const size_t bs = (size_t)qk_block_bytes(type);
+    const int d_at = qk_d_offset(type), mins = qk_has_mins(type);
+    const uint8_t *wr[QXK_ROWS];
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < QXK_ROWS; r++) wr[r] = w + (size_t)(r < nr ? r : nr - 1) * ws;
+    const uintptr_t next = (uintptr_t)w + QXK_ROWS * ws; /* the next rows (an integer: may lie past w) */
+    __m128 acc[QX_TILE];
+    for (int t = 0; t < NT; t++) acc[t] = _mm_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const size_t off = (size_t)i * bs;
+        for (size_t o = QXK_ROWS * off; o < QXK_ROWS * (off + bs); o += 64)
+            _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
+        __m256i pair[QX_TILE][2]; /* per token: rows (0, 1) and (2, 3) by one more hadd */
+        _Pragma("GCC unroll 2")
+        for (int rp = 0; rp < 2; rp++) {
+            __m256i v[2][QX_TILE];
+            _Pragma("GCC unroll 2")
+            for (int j = 0; j < 2; j++) {
+                kz_block z;
+                kz_unpack(type, wr[2 * rp + j] + off, &z);
+                for (int t = 0; t < NT; t++) v[j][t] = kz_block_sums(type, &z, (const ellm_act256 *)(x + (size_t)t * xs) + i);
+            }
+            for (int t = 0; t < NT; t++) pair[t][rp] = _mm256_hadd_epi32(v[0][t], v[1][t]);
+        }
+        if (mins) {
+            uint32_t dm[QXK_ROWS]; /* (d, dmin) of each row */
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < QXK_ROWS; r++) dm[r] = ellm_rd_u32(wr[r] + off + d_at);
+            const __m256 f = _mm256_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]));
+            const __m256 g = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+            const __m128 d = _mm256_castps256_ps128(g), ndmin = _mm_xor_ps(_mm256_extractf128_ps(g, 1), _mm_set1_ps(-0.0f));
+            for (int t = 0; t < NT; t++) {
+                /* pair[t][p] lanes: (isum, msum) of rows 2p, 2p + 1 in each half -> (i0 m0 i1 m1), (i2 m2 i3 m3) */
+                const __m256i h = _mm256_add_epi32(_mm256_permute2x128_si256(pair[t][0], pair[t][1], 0x20),
+                                                   _mm256_permute2x128_si256(pair[t][0], pair[t][1], 0x31));
+                const __m256 s = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
+                const __m128 ad = _mm_set1_ps(((const ellm_act256 *)(x + (size_t)t * xs) + i)->d);
+                acc[t] = _mm_fmadd_ps(_mm256_castps256_ps128(s), _mm_mul_ps(d, ad), acc[t]);
+                acc[t] = _mm_fmadd_ps(_mm256_extractf128_ps(s, 1), _mm_mul_ps(ndmin, ad), acc[t]);
+            }
+        } else {
+            const __m128 d = _mm_cvtph_ps(_mm_setr_epi16((short)ellm_rd_u16(wr[0] + off + d_at),
+                                                         (short)ellm_rd_u16(wr[1] + off + d_at),
+                                                         (short)ellm_rd_u16(wr[2] + off + d_at),
+                                                         (short)ellm_rd_u16(wr[3] + off + d_at), 0, 0, 0, 0));
+            for (int t = 0; t < NT; t++) {
+                const __m256i h = _mm256_hadd_epi32(pair[t][0], pair[t][1]);
+                const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                const __m128 ad = _mm_set1_ps(((const ellm_act256 *)(x + (size_t)t * xs) + i)->d);
+                acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(d, ad), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        float out[QXK_ROWS] __attribute__((aligned(16)));
+        _mm_store_ps(out, acc[t]);
+        for (int r = 0; r < nr; r++) y[(size_t)t * ys + r] = out[r];
+    }
+}
+
+/* One row at one token, a single stream through the weights (fetched QX_PF_BYTES ahead):
+ * the same sums and float steps as qdot_kz_rows, one output at a time */
+KINLINE void qdot_kz_row1(int type, int64_t nb, const uint8_t *w, const ellm_act256 *x, float *y) {
+    const int bs = qk_block_bytes(type), d_at = qk_d_offset(type);
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * bs;
+        prefetch_ahead(b, bs);
+        kz_block z;
+        kz_unpack(type, b, &z);
+        const __m256i v = kz_block_sums(type, &z, x + i);
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        const float ad = x[i].d;
+        if (qk_has_mins(type)) { /* (i i' m m') -> (isum, msum) */
+            s = _mm_hadd_epi32(s, s);
+            acc = fmaf((float)_mm_cvtsi128_si32(s), f16_at(b + d_at) * ad, acc);
+            acc = fmaf((float)_mm_extract_epi32(s, 1), -f16_at(b + d_at + 2) * ad, acc);
+        } else {
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+            acc = fmaf((float)_mm_cvtsi128_si32(s), f16_at(b + d_at) * ad, acc);
+        }
+    }
+    *y = acc;
+}
+
+#define DEFINE_QDOT_KZ_STREAM(name, TYPE)                                                    \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
-        for (int64_t r = 0; r < nr; r++) {                                                   \
-            if (nt == 1) qdot_k23_one(TYPE, nb, w + (size_t)r * ws, (const ellm_act256 *)x, y + r); \
-            else QX_FOR_TOKEN_TILES(nt, x, xs, y + r, ys, qdot_k23, TYPE, nb, w + (size_t)r * ws) \
+        for (int64_t t = 0; t < nt; t++)                                                     \
+            for (int64_t r = 0; r < nr; r++)                                                 \
+                qdot_kz_row1(TYPE, nb, w + (size_t)r * ws, (const ellm_act256 *)(x + (size_t)t * xs), \
+                             y + (size_t)t * ys + (size_t)r);                                \
+    }
+DEFINE_QDOT_KZ_STREAM(qdots_q2_k, ELLM_T_Q2_K)
+DEFINE_QDOT_KZ_STREAM(qdots_q3_k, ELLM_T_Q3_K)
+DEFINE_QDOT_KZ_STREAM(qdots_q4_k, ELLM_T_Q4_K)
+DEFINE_QDOT_KZ_STREAM(qdots_q5_k, ELLM_T_Q5_K)
+DEFINE_QDOT_KZ_STREAM(qdots_q6_k, ELLM_T_Q6_K)
+
+#define DEFINE_QDOT_KZ(name, TYPE)                                                           \
+    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
+                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
+        for (int64_t r = 0; r < nr; r += QXK_ROWS) {                                         \
+            const int n4 = nr - r < QXK_ROWS ? (int)(nr - r) : QXK_ROWS;                     \
+            QX_FOR_TOKEN_TILES(nt, x, xs, y + r, ys, qdot_kz_rows_at, TYPE, nb, w + (size_t)r * ws, ws, n4) \
         }                                                                                    \
     }
-DEFINE_QDOT_K23(qdot_q2_k, ELLM_T_Q2_K)
-DEFINE_QDOT_K23(qdot_q3_k, ELLM_T_Q3_K)
-/* Q4_K, Q5_K: one token a row at a time (a stream from DRAM, as above); 2-4 tokens (fewer
- * than FEW_TOKENS_VNNI512_K) in the row tiles of the 256-bit level, tokens in pairs, whose
- * float steps run four rows to a vector where the one-row kernel runs them one output at a
- * time */
-#define DEFINE_QDOT_K45(name, TYPE)                                                          \
-    DEFINE_QDOT(name##_rows, qdot_k45, TYPE)                                                 \
-    DEFINE_QDOT_K_ROWS(name##_tiles, qdot_k45, TYPE)                                         \
-    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
-                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
-        if (nt == 1) name##_rows(nb, w, ws, nr, x, xs, nt, y, ys);                           \
-        else name##_tiles(nb, w, ws, nr, x, xs, nt, y, ys);                                  \
-    }
-DEFINE_QDOT_K45(qdot_q4_k, ELLM_T_Q4_K)
-DEFINE_QDOT_K45(qdot_q5_k, ELLM_T_Q5_K)
-DEFINE_QDOT(qdot_q6_k, qdot_q6k_body, ELLM_T_Q6_K)
+/* QX_FOR_TOKEN_TILES's argument order */
+#define qdot_kz_rows_at(TYPE, nb, w, ws, n4, xt, xs, n, yt, ys) qdot_kz_rows(TYPE, n, nb, w, ws, n4, xt, xs, yt, ys)
+DEFINE_QDOT_KZ(qdot_q2_k, ELLM_T_Q2_K)
+DEFINE_QDOT_KZ(qdot_q3_k, ELLM_T_Q3_K)
+DEFINE_QDOT_KZ(qdot_q4_k, ELLM_T_Q4_K)
+DEFINE_QDOT_KZ(qdot_q5_k, ELLM_T_Q5_K)
+DEFINE_QDOT_KZ(qdot_q6_k, ELLM_T_Q6_K)
 #else
 DEFINE_QDOT_K_ROWS(qdot_q2_k, qdot_k23, ELLM_T_Q2_K)
 DEFINE_QDOT_K_ROWS(qdot_q3_k, qdot_k23, ELLM_T_Q3_K)

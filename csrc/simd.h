@@ -36,8 +36,11 @@ int ellm_neon_features(void);
 int ellm_neon_set_features(int mask);
 /* AVX-512 VNNI (vpdpbusd) usable: lets the AVX-512 integer dot kernels use it. */
 int ellm_cpu_has_avx512_vnni(void);
-/* An AMD CPU (CPUID vendor "AuthenticAMD"; asked once): decode of a matrix too large for
- * the caches reads it faster one row at a time there (matmul.c). */
+/* An AMD CPU (CPUID vendor "AuthenticAMD"; asked once): picks which decode kernels stream
+ * from DRAM, one row at a time or in row tiles (matmul.c: decode_kernel). */
 int ellm_cpu_is_amd(void);
+/* Tests: v = 0 / 1 answers ellm_cpu_is_amd() so from now on (the kernels of either vendor
+ * run on this CPU, with the same bits); v < 0 asks the CPU again. */
+void ellm_cpu_set_amd(int v);
 
 #endif

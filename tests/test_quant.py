@@ -46,6 +46,13 @@ def use_level(level: str) -> None:
     assert _quant.simd_level() == level
 
 
+@pytest.fixture
+def either_vendor():
+    """Sets which CPU vendor's decode kernels matmul.c takes; asks the CPU again after."""
+    yield _quant.set_cpu_is_amd
+    _quant.set_cpu_is_amd(None)
+
+
 @pytest.fixture(autouse=True)
 def _restore_simd_level():
     before = _quant.simd_level()
@@ -520,13 +527,16 @@ def extreme_kquant_rows(qtype: GGMLType, n_rows: int, k: int, rng: np.random.Gen
     return raw
 
 
+@pytest.mark.parametrize("amd", [True, False], ids=["amd", "other"])
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", QK, ids=lambda t: t.name)
-def test_kquant_extremes_batch_invariant(qtype: GGMLType, level: str) -> None:
+def test_kquant_extremes_batch_invariant(qtype: GGMLType, level: str, amd: bool, either_vendor) -> None:
     """Blocks at the ends of the types' ranges against activations at +-127 after
     quantization: each row of a 16-, 40- and 129-token call (the AMX tiles at that level)
-    equals its T=1 result bit for bit, and those equal the scalar level's."""
+    equals its T=1 result bit for bit, and those equal the scalar level's, with the
+    one-token kernels of either vendor's CPUs."""
     use_level(level)
+    either_vendor(amd)
     rng = np.random.default_rng(1100 + int(qtype))
     k = 4 * 256
     w = extreme_kquant_rows(qtype, 48, k, rng)
@@ -617,14 +627,18 @@ def test_decode_split_is_bit_identical(level: str, exact: bool) -> None:
         _quant.set_num_threads(before)
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_1], ids=lambda t: t.name)
-def test_decode_of_a_matrix_past_the_caches_is_bit_identical(qtype: GGMLType) -> None:
-    """One token against a matrix of more than 16 MiB (a model's head, which on AMD CPUs
-    matmul.c reads one row at a time) gives the bits of the same rows read in the 8-row
-    tiles (two tokens) and of a small slice of them, at 1 and 2 threads."""
-    rng = np.random.default_rng(1701)
+@pytest.mark.parametrize("amd", [True, False], ids=["amd", "other"])
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_1, *QK], ids=lambda t: t.name)
+def test_decode_of_a_matrix_past_the_caches_is_bit_identical(qtype: GGMLType, amd: bool, either_vendor) -> None:
+    """One token against a matrix of more than 16 MiB (a model's head) gives the bits of the
+    same rows at two tokens (the row tiles) and of a small slice of them, at 1 and 2
+    threads, with the kernels either vendor's CPUs take (matmul.c decode_kernel: one row at
+    a time for the 32-element types' large matrices on AMD CPUs, for the K-quants' on
+    others at the 512-bit levels)."""
+    either_vendor(amd)
+    rng = np.random.default_rng(1701 + int(qtype))
     k = 256
-    n = (16 << 20) // (k // 32 * BLOCK_LAYOUT[qtype][1]) + 3
+    n = (16 << 20) // (k // BLOCK_LAYOUT[qtype][0] * BLOCK_LAYOUT[qtype][1]) + 3
     w = random_rows(qtype, n, k, rng)
     assert w.nbytes > 16 << 20
     x = rng.standard_normal((2, k)).astype(np.float32)

@@ -44,6 +44,9 @@ from _csrc cimport (ELLM_LINEAR_MAX_PARTS, ellm_linear, ellm_linear_multi, ellm_
 
 cdef extern from "quant_impl.h":
     int ellm_cpu_has_vnni() nogil
+cdef extern from "simd.h":
+    int ellm_cpu_is_amd() nogil
+    void ellm_cpu_set_amd(int v) nogil
 
 
 cdef extern from "threadpool.h":
@@ -89,6 +92,17 @@ def row_bytes(int qtype, int64_t n) -> int:
 def has_vnni() -> bool:
     """Whether the AVX-512 kernels may use VNNI (vpdpbusd) on this CPU."""
     return bool(ellm_cpu_has_vnni())
+
+
+def cpu_is_amd() -> bool:
+    """Whether decode takes the kernels chosen for AMD CPUs (matmul.c: decode_kernel)."""
+    return bool(ellm_cpu_is_amd())
+
+
+def set_cpu_is_amd(amd) -> None:
+    """Tests: decode takes the kernels chosen for AMD CPUs (True) or for others (False) on
+    this CPU, whichever it is (same bits, other speed); None asks the CPU again."""
+    ellm_cpu_set_amd(-1 if amd is None else int(bool(amd)))
 
 
 # csrc/ is one shared library: the SIMD level is process-wide and _core owns its API.
