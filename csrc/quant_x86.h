@@ -1,8 +1,9 @@
 /* The x86 integer dot kernels, written once and compiled twice: by quant_avx2.c with
  * maddubs + madd, and by quant_avx512.c with the AVX512-VNNI forms (vpdpbusd for
- * u8 x s8 -> s32 in one step, vpdpwssd for s16 x s16 accumulated into s32), at 256 bits:
- * a 32-block is one register, and on CPUs that split 512-bit work in two the wider form
- * buys nothing here.
+ * u8 x s8 -> s32 in one step, vpdpwssd for s16 x s16 accumulated into s32). Their common
+ * form is 256 bits, a 32-block to a register; with QX_ZMM the 512-bit level adds its own
+ * forms where they measured faster (Zen 5: two 512-bit VNNI pipes): 32-element rows in
+ * pairs, the K-quants' decode (qdot_kz_rows) and the token groups in pairs.
  *
  * The includer defines, before including this file:
  *   DOT_US8(u, s)      -> __m256i: 8 lanes of s32, each the sum of 4 products u8 x s8
@@ -14,6 +15,7 @@
  *                        vpdpbusd; 0: maddubs into int16, then madd into int32
  *   QX_ROWS            -> weight rows per register tile of that kernel (registers: 16
  *                        on AVX2, 32 with AVX-512VL)
+ *   QX_GROUPS, QX_ZMM  -> (quant_avx512.c) token groups per pass; 1: the 512-bit forms
  *
  * Weights are made unsigned (nibbles, or |w| with the sign moved onto x for Q8_0); no
  * maddubs pair sum can saturate int16: 2 * 63 * 127 and 2 * 128 * 127 are below 32767.
@@ -359,20 +361,22 @@ KINLINE void qdot32_row1(int type, int64_t nb, const uint8_t *w, const ellm_act3
     *y = has_c ? acc + cor : acc;
 }
 
-#define DEFINE_QDOT32_STREAM(name, TYPE)                                                     \
+/* A decode kernel reading one row at a time (ROW1(TYPE, nb, w, x, y): one row, one token,
+ * x an ACT block array) */
+#define DEFINE_QDOT_STREAM(name, ROW1, ACT, TYPE)                                            \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
         for (int64_t t = 0; t < nt; t++)                                                     \
             for (int64_t r = 0; r < nr; r++)                                                 \
-                qdot32_row1(TYPE, nb, w + (size_t)r * ws, (const ellm_act32 *)(x + (size_t)t * xs), \
-                            y + (size_t)t * ys + (size_t)r);                                 \
+                ROW1(TYPE, nb, w + (size_t)r * ws, (const ACT *)(x + (size_t)t * xs),       \
+                     y + (size_t)t * ys + (size_t)r);                                        \
     }
 
-DEFINE_QDOT32_STREAM(qdots_q4_0, ELLM_T_Q4_0)
-DEFINE_QDOT32_STREAM(qdots_q4_1, ELLM_T_Q4_1)
-DEFINE_QDOT32_STREAM(qdots_q5_0, ELLM_T_Q5_0)
-DEFINE_QDOT32_STREAM(qdots_q5_1, ELLM_T_Q5_1)
-DEFINE_QDOT32_STREAM(qdots_q8_0, ELLM_T_Q8_0)
+DEFINE_QDOT_STREAM(qdots_q4_0, qdot32_row1, ellm_act32, ELLM_T_Q4_0)
+DEFINE_QDOT_STREAM(qdots_q4_1, qdot32_row1, ellm_act32, ELLM_T_Q4_1)
+DEFINE_QDOT_STREAM(qdots_q5_0, qdot32_row1, ellm_act32, ELLM_T_Q5_0)
+DEFINE_QDOT_STREAM(qdots_q5_1, qdot32_row1, ellm_act32, ELLM_T_Q5_1)
+DEFINE_QDOT_STREAM(qdots_q8_0, qdot32_row1, ellm_act32, ELLM_T_Q8_0)
 
 /* This level's one-row decode kernel for qtype (the 32-element types), or NULL. */
 static inline ellm_qdot_fn qdot_stream_kernel(int qtype) {
@@ -1655,9 +1659,9 @@ KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, 
     }
 }
 
-/* The K-quants: one token in row tiles (qdot_k_rows); several: Q4_K and Q5_K in row tiles,
- * tokens in pairs (qdot_k4_rows_t2) and an odd last one alone; the others row by row as
- * DEFINE_QDOT */
+/* The K-quants at 256 bits (the 512-bit levels: qdot_kz_rows below): one token in row
+ * tiles (qdot_k_rows); several: Q4_K and Q5_K in row tiles, tokens in pairs
+ * (qdot_k4_rows_t2) and an odd last one alone; the others row by row as DEFINE_QDOT */
 #define DEFINE_QDOT_K_ROWS(name, body_fn, TYPE)                                              \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
@@ -1725,9 +1729,9 @@ INLINE __m512i kz_word_per_lane(__m512i v, const int w0, const int w1, const int
     return _mm512_shuffle_epi8(v, ctrl);
 }
 
-/* per 16-bit element of v: shifted by lo in the low 256 bits and hi in the high 256,
- * left where the count is positive, right where negative (both one way: compile-time
- * constants after inlining) */
+/* per 16-bit element of v: shifted by lo in the low 256 bits and hi in the high 256 --
+ * left when both counts are >= 0, else right by -lo and -hi, so a count may be zero
+ * beside a negative one but never positive (the callers' counts are constants) */
 INLINE __m512i kz_shift_halves(__m512i v, const int lo, const int hi) {
     if (lo >= 0 && hi >= 0)
         return _mm512_sllv_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1));
@@ -1914,19 +1918,11 @@ KINLINE void qdot_kz_row1(int type, int64_t nb, const uint8_t *w, const ellm_act
     *y = acc;
 }
 
-#define DEFINE_QDOT_KZ_STREAM(name, TYPE)                                                    \
-    KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
-                    size_t xs, int64_t nt, float *y, size_t ys) {                             \
-        for (int64_t t = 0; t < nt; t++)                                                     \
-            for (int64_t r = 0; r < nr; r++)                                                 \
-                qdot_kz_row1(TYPE, nb, w + (size_t)r * ws, (const ellm_act256 *)(x + (size_t)t * xs), \
-                             y + (size_t)t * ys + (size_t)r);                                \
-    }
-DEFINE_QDOT_KZ_STREAM(qdots_q2_k, ELLM_T_Q2_K)
-DEFINE_QDOT_KZ_STREAM(qdots_q3_k, ELLM_T_Q3_K)
-DEFINE_QDOT_KZ_STREAM(qdots_q4_k, ELLM_T_Q4_K)
-DEFINE_QDOT_KZ_STREAM(qdots_q5_k, ELLM_T_Q5_K)
-DEFINE_QDOT_KZ_STREAM(qdots_q6_k, ELLM_T_Q6_K)
+DEFINE_QDOT_STREAM(qdots_q2_k, qdot_kz_row1, ellm_act256, ELLM_T_Q2_K)
+DEFINE_QDOT_STREAM(qdots_q3_k, qdot_kz_row1, ellm_act256, ELLM_T_Q3_K)
+DEFINE_QDOT_STREAM(qdots_q4_k, qdot_kz_row1, ellm_act256, ELLM_T_Q4_K)
+DEFINE_QDOT_STREAM(qdots_q5_k, qdot_kz_row1, ellm_act256, ELLM_T_Q5_K)
+DEFINE_QDOT_STREAM(qdots_q6_k, qdot_kz_row1, ellm_act256, ELLM_T_Q6_K)
 
 #define DEFINE_QDOT_KZ(name, TYPE)                                                           \
     KFUNC void name(int64_t nb, const uint8_t *w, size_t ws, int64_t nr, const uint8_t *x,    \
