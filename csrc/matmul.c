@@ -107,14 +107,17 @@ _Static_assert(sizeof(ellm_act32x8) == ELLM_TG * sizeof(ellm_act32) &&
  * between the two (AMD EPYC Zen 5): T=8 rows 6.0 / 7.7 ms against groups 6.8 / 8.5 (SmolLM2
  * / Gemma 3), T=9 9.0 / 9.6 against 8.8 / 8.5, T=12 9.3 / 10.5 against 7.4 / 7.9. */
 #define FEW_TOKENS_VNNI512 9
-/* K-quant calls there take the groups from 8 tokens. Their row kernels (quant_x86.h:
- * qdot_kz_rows, 512 bits, 4 rows) beat a part-filled group of 8 token lanes, which costs
- * what 8 tokens do, up to 7 (Zen 5, one thread, 8192x2048, GMAC/s, rows / groups: Q4_K
- * T=5 103 / 82, 7 113 / 110, 8 116 / 127; Q6_K 5 121 / 78, 7 135 / 106, 8 138 / 123; Q2_K,
- * Q3_K and Q5_K as Q4_K). From 5 until the 512-bit row kernels: their 256-bit ones summed
- * ~70 GMAC/s at 2-8 tokens. The 32-element types keep 9 (the 1B shape's Q8_0 file at 8
- * sequences: rows 157 tok/s, groups 116). */
-#define FEW_TOKENS_VNNI512_K 8
+/* K-quant calls there take the groups from 12 tokens. Their row kernels (quant_x86.h:
+ * qdot_kz_rows, 512 bits, 4 rows by up to 8 tokens a pass) beat the groups of 8 token
+ * lanes, whose last one, part-filled, costs what a full one does, up to 11 (Zen 5, one
+ * thread, 8192x2048, GMAC/s, rows / groups: Q4_K T=5 121 / 82, 8 124-133 / 127-135, 9
+ * 117-122 / 101-111, 11 122-127 / 122-135, 12 124-128 / 133-147; Q6_K 5 140 / 78, 8
+ * 138-145 / 122-126, 11 138 / 121, 12 143 / 132; Q2_K and Q3_K as Q6_K, Q5_K as Q4_K; the
+ * 1B Q4_K_M file is two thirds Q4_K, a third Q6_K). Before the 512-bit row kernels the
+ * K-quants took the groups from 5: their 256-bit rows summed ~70 GMAC/s at 2-8 tokens.
+ * The 32-element types keep 9 (the 1B shape's Q8_0 file at 8 sequences: rows 157 tok/s,
+ * groups 116). */
+#define FEW_TOKENS_VNNI512_K 12
 /* At the AVX2 level the groups take over from 13 tokens. One step's matmuls (layers and
  * head, q/k/v and gate/up fused as the engine calls them), 2 threads, one process switching
  * between the two, medians of 25 (AMD EPYC Zen 2): SmolLM2 rows / groups T=11 36.5 / 35.0 ms,
@@ -138,9 +141,10 @@ _Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS && AMX_FEW_TOKENS <= FEW_TOKENS_VNNI
                    AMX_FEW_TOKENS <= FEW_TOKENS_AVX2,
                "tiles start no later than the token groups of the 32-element types");
 /* From this many tokens on the scratch has room for the group layouts (rows padded to 16) */
-#define GROUP_ROWS_FROM FEW_TOKENS_VNNI512_K
+#define GROUP_ROWS_FROM AMX_FEW_TOKENS
 _Static_assert(GROUP_ROWS_FROM <= AMX_FEW_TOKENS && GROUP_ROWS_FROM <= FEW_TOKENS &&
-                   GROUP_ROWS_FROM <= FEW_TOKENS_VNNI512 && GROUP_ROWS_FROM <= FEW_TOKENS_AVX2,
+                   GROUP_ROWS_FROM <= FEW_TOKENS_VNNI512 && GROUP_ROWS_FROM <= FEW_TOKENS_VNNI512_K &&
+                   GROUP_ROWS_FROM <= FEW_TOKENS_AVX2,
                "the scratch of every call that may take token groups or tiles has room for them");
 /* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, which the row kernels fetch
  * ahead in software (quant_x86.h); each thread should stream all the time. The call's

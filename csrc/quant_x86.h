@@ -1691,7 +1691,7 @@ KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, 
 
 #if QX_ZMM
 /* ------------------------------------------------------------------------------------
- * K-quant decode at 512 bits (the AVX-512 and AMX levels, 1-4 tokens): a block of one
+ * K-quant decode at 512 bits (the AVX-512 and AMX levels, up to 8 tokens a pass): a block of one
  * row unpacked once into four vectors of 64 values in the activation's order (q[k] =
  * values 64k .. 64k + 63, unsigned bytes) with the int16 scale of each maddubs pair
  * (s[k]), so a token's block is 4 maddubs + 4 dpwssd where the 256-bit body takes 8 + 4
@@ -1709,8 +1709,11 @@ KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, 
  *     104, Q6_K 50 / 67 / 78 -> 79 / 109 / 136;
  *   from DRAM (400 MB of copies), T = 1: Q2_K 50 -> 72, Q3_K 31 -> 54, Q4_K 46 -> 58, Q5_K
  *     38 -> 50, Q6_K 37 -> 44.
- * At 5-7 tokens (two passes, the second over rows in L1) they beat the token groups of
- * the many-token kernels (matmul.c: FEW_TOKENS_VNNI512_K).
+ * Up to 8 tokens share a pass over the rows, so each unpacked block serves them all (one
+ * thread, GMAC/s, tokens in passes of 4 -> 8: Q4_K T=6 112 / 115 -> 122 / 126, T=7 117 ->
+ * 124-133; Q3_K T=6 102-108 -> 133-140, T=8 113-118 -> 142-144; Q6_K T=6 133 -> 143-146);
+ * up to 11 tokens they beat the token groups of the many-token kernels (matmul.c:
+ * FEW_TOKENS_VNNI512_K).
  * ------------------------------------------------------------------------------------ */
 typedef struct {
     __m512i q[4];
@@ -1829,6 +1832,7 @@ KINLINE __m256i kz_block_sums(int type, const kz_block *z, const ellm_act256 *a)
     return _mm256_dpwssd_epi32(is, bsum, z->m);
 }
 
+#define QXZ_TILE 8
 /* QXK_ROWS rows (row nr - 1 standing in for those past nr, never stored) against NT tokens */
 KINLINE void qdot_kz_rows(int type, const int NT, int64_t nb, const uint8_t *w, size_t ws, int nr, const uint8_t *x,
                           size_t xs, float *y, size_t ys) {
@@ -1838,16 +1842,16 @@ KINLINE void qdot_kz_rows(int type, const int NT, int64_t nb, const uint8_t *w, 
     _Pragma("GCC unroll 4")
     for (int r = 0; r < QXK_ROWS; r++) wr[r] = w + (size_t)(r < nr ? r : nr - 1) * ws;
     const uintptr_t next = (uintptr_t)w + QXK_ROWS * ws; /* the next rows (an integer: may lie past w) */
-    __m128 acc[QX_TILE];
+    __m128 acc[QXZ_TILE];
     for (int t = 0; t < NT; t++) acc[t] = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const size_t off = (size_t)i * bs;
         for (size_t o = QXK_ROWS * off; o < QXK_ROWS * (off + bs); o += 64)
             _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
-        __m256i pair[QX_TILE][2]; /* per token: rows (0, 1) and (2, 3) by one more hadd */
+        __m256i pair[QXZ_TILE][2]; /* per token: rows (0, 1) and (2, 3) by one more hadd */
         _Pragma("GCC unroll 2")
         for (int rp = 0; rp < 2; rp++) {
-            __m256i v[2][QX_TILE];
+            __m256i v[2][QXZ_TILE];
             _Pragma("GCC unroll 2")
             for (int j = 0; j < 2; j++) {
                 kz_block z;
@@ -1929,11 +1933,23 @@ DEFINE_QDOT_STREAM(qdots_q6_k, qdot_kz_row1, ellm_act256, ELLM_T_Q6_K)
                     size_t xs, int64_t nt, float *y, size_t ys) {                             \
         for (int64_t r = 0; r < nr; r += QXK_ROWS) {                                         \
             const int n4 = nr - r < QXK_ROWS ? (int)(nr - r) : QXK_ROWS;                     \
-            QX_FOR_TOKEN_TILES(nt, x, xs, y + r, ys, qdot_kz_rows_at, TYPE, nb, w + (size_t)r * ws, ws, n4) \
+            for (int64_t t_ = 0; t_ < nt; t_ += QXZ_TILE) {                                  \
+                const uint8_t *xt_ = x + (size_t)t_ * xs;                                    \
+                float *yt_ = y + (size_t)t_ * ys + r;                                        \
+                const uint8_t *wr_ = w + (size_t)r * ws;                                     \
+                switch (nt - t_ < QXZ_TILE ? nt - t_ : QXZ_TILE) {                           \
+                case 1: qdot_kz_rows(TYPE, 1, nb, wr_, ws, n4, xt_, xs, yt_, ys); break;     \
+                case 2: qdot_kz_rows(TYPE, 2, nb, wr_, ws, n4, xt_, xs, yt_, ys); break;     \
+                case 3: qdot_kz_rows(TYPE, 3, nb, wr_, ws, n4, xt_, xs, yt_, ys); break;     \
+                case 4: qdot_kz_rows(TYPE, 4, nb, wr_, ws, n4, xt_, xs, yt_, ys); break;     \
+                case 5: qdot_kz_rows(TYPE, 5, nb, wr_, ws, n4, xt_, xs, yt_, ys); break;     \
+                case 6: qdot_kz_rows(TYPE, 6, nb, wr_, ws, n4, xt_, xs, yt_, ys); break;     \
+                case 7: qdot_kz_rows(TYPE, 7, nb, wr_, ws, n4, xt_, xs, yt_, ys); break;     \
+                default: qdot_kz_rows(TYPE, 8, nb, wr_, ws, n4, xt_, xs, yt_, ys); break;    \
+                }                                                                            \
+            }                                                                                \
         }                                                                                    \
     }
-/* QX_FOR_TOKEN_TILES's argument order */
-#define qdot_kz_rows_at(TYPE, nb, w, ws, n4, xt, xs, n, yt, ys) qdot_kz_rows(TYPE, n, nb, w, ws, n4, xt, xs, yt, ys)
 DEFINE_QDOT_KZ(qdot_q2_k, ELLM_T_Q2_K)
 DEFINE_QDOT_KZ(qdot_q3_k, ELLM_T_Q3_K)
 DEFINE_QDOT_KZ(qdot_q4_k, ELLM_T_Q4_K)

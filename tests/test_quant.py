@@ -392,9 +392,10 @@ def test_linear_f16_accepts_float16_dtype() -> None:
 # decode = full recompute), so row t of linear(x) must equal linear(x[t:t+1]) bit for bit
 # ------------------------------------------------------------------------------------
 
-# both sides of FEW_TOKENS and of FEW_TOKENS_VNNI512 (matmul.c: 8 rows, 9 groups); 9, 17,
-# 24 and 31 end in a part-filled second group of the two-group tiles (quant_x86.h's QX_GROUPS)
-BATCH_SIZES = (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 24, 31, 64, 129, 512)
+# both sides of FEW_TOKENS, FEW_TOKENS_VNNI512 and FEW_TOKENS_VNNI512_K (matmul.c: rows up
+# to 8 / 11, groups from 9 / 12); 9, 17, 24 and 31 end in a part-filled second group of the
+# two-group tiles (quant_x86.h's QX_GROUPS); 9 and 11 take the K-quant rows in two passes
+BATCH_SIZES = (1, 2, 3, 5, 7, 8, 9, 11, 12, 15, 16, 17, 24, 31, 64, 129, 512)
 
 
 def invariance_case(qtype: GGMLType, rng: np.random.Generator):
