@@ -195,18 +195,23 @@ int ellm_cpu_has_amx_bf16(void) {
     return h;
 }
 
-static atomic_int is_amd = -1;
-void ellm_cpu_set_amd(int v) { atomic_store(&is_amd, v < 0 ? -1 : v != 0); }
-int ellm_cpu_is_amd(void) {
-    int v = atomic_load_explicit(&is_amd, memory_order_relaxed);
+static atomic_int amd_family = -1;
+void ellm_cpu_set_amd_family(int f) { atomic_store(&amd_family, f < 0 ? -1 : f); }
+int ellm_cpu_amd_family(void) {
+    int v = atomic_load_explicit(&amd_family, memory_order_relaxed);
     if (v < 0) {
         v = 0;
 #ifdef ELLM_X86
         unsigned a, b, c, d;
-        /* the vendor string is EBX, EDX, ECX: "Auth" "enti" "cAMD" */
-        if (cpuid(0, 0, &a, &b, &c, &d)) v = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
+        /* the vendor string is EBX, EDX, ECX: "Auth" "enti" "cAMD"; the family is leaf 1's
+         * EAX bits 8-11, plus bits 20-27 when those read 0xF (every AMD CPU since 2011) */
+        if (cpuid(0, 0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u &&
+            cpuid(1, 0, &a, &b, &c, &d)) {
+            const int base = (int)((a >> 8) & 0xF);
+            v = base == 0xF ? base + (int)((a >> 20) & 0xFF) : base;
+        }
 #endif
-        atomic_store(&is_amd, v);
+        atomic_store(&amd_family, v);
     }
     return v;
 }

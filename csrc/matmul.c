@@ -159,28 +159,38 @@ _Static_assert(GROUP_ROWS_FROM <= AMX_FEW_TOKENS && GROUP_ROWS_FROM <= FEW_TOKEN
 #define DECODE_ITEM_MAX_BYTES ((size_t)256 << 10)
 #define DECODE_MIN_ROWS 4
 /* A one-token call on a matrix larger than this (a model's head) reads it from DRAM; on
- * AMD CPUs the kernel variant that reads one row at a time (same results) streams it
- * faster than the 8-row tiles with their software prefetch, on Intel's the tiles do. AMD
- * EPYC, 2 threads: Gemma 3's 178 MB head 7.4-7.7 -> 6.1-6.8 ms, SmolLM2's 30 MB one
- * 1.24-1.33 -> 1.00-1.10 ms; the layers' matrices (under 1 MB) were slower that way.
- * A type whose stream variant is NULL at the level keeps its tiles: Q8_0 at AVX2, whose
- * 4-row one-token kernel was faster than the one-row stream at every size tried. */
+ * AMD CPUs before Zen 5 the kernel variant that reads one row at a time (same results)
+ * streams it faster than the 8-row tiles with their software prefetch, on Intel's and on
+ * Zen 5 the tiles do. AMD EPYC, 2 threads: Gemma 3's 178 MB head 7.4-7.7 -> 6.1-6.8 ms,
+ * SmolLM2's 30 MB one 1.24-1.33 -> 1.00-1.10 ms; the layers' matrices (under 1 MB) were
+ * slower that way. Zen 5 (2 threads, the decode of whole models with one choice and the
+ * other alternated in one process): one row at a time took SmolLM2 from 443 to 413 tok/s,
+ * Gemma 3 270M from 222 to 193, the 1B shape's Q8_0 file (its head and FFN matrices past
+ * this size) from 46 to 36. A type whose stream variant is NULL at the level keeps its
+ * tiles: Q8_0 at AVX2, whose 4-row one-token kernel was faster than the one-row stream at
+ * every size tried. */
 #define DECODE_ROW_STREAM_BYTES ((size_t)16 << 20)
 
+/* AMD's CPU family from Zen 5 on (CPUID family 26) */
+#define AMD_FAMILY_ZEN5 26
+
 /* The row kernel of a part at T tokens: at one token, the one-row variant where it streams
- * from DRAM faster than the tiles -- the 32-element types' on AMD CPUs past
- * DECODE_ROW_STREAM_BYTES; the K-quants' (512-bit levels) on other CPUs, at every size: on
- * the Xeon (AMX level, one thread) a 4-row K-quant tile read DRAM a quarter slower than one
- * row (8.7 against 11.8 GB/s), its four row streams defeating the hardware prefetcher,
- * while on Zen 5 the 512-bit 4-row tile reads it faster (Q4_K 8192 x 2048 from 400 MB of
- * copies, one thread: 56-57 against 46-47 GMAC/s one row at a time). Same bits either way. */
+ * from DRAM faster than the tiles -- the 32-element types' on AMD CPUs before Zen 5 past
+ * DECODE_ROW_STREAM_BYTES; the K-quants' (512-bit levels) on CPUs other than AMD's, at
+ * every size: on the Xeon (AMX level, one thread) a 4-row K-quant tile read DRAM a quarter
+ * slower than one row (8.7 against 11.8 GB/s), its four row streams defeating the hardware
+ * prefetcher, while on Zen 5 the 512-bit 4-row tile reads it faster (Q4_K 8192 x 2048 from
+ * 400 MB of copies, one thread: 56-57 against 46-47 GMAC/s one row at a time). Same bits
+ * either way. */
 static ellm_qdot_fn decode_kernel(const ellm_linear_part *q, int64_t T) {
     const ellm_qdot_fn tiles = ellm_qdot_select(q->qtype);
     if (T != 1) return tiles;
     const ellm_qdot_fn one_row = ellm_qdot_stream_select(q->qtype);
     if (!one_row) return tiles;
-    const int streams = ellm_act_block(q->qtype) == QK256 ? !ellm_cpu_is_amd()
-                                                          : q->w_bytes > DECODE_ROW_STREAM_BYTES && ellm_cpu_is_amd();
+    const int family = ellm_cpu_amd_family();
+    const int streams = ellm_act_block(q->qtype) == QK256
+                            ? family == 0
+                            : q->w_bytes > DECODE_ROW_STREAM_BYTES && family > 0 && family < AMD_FAMILY_ZEN5;
     return streams ? one_row : tiles;
 }
 

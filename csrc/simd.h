@@ -36,11 +36,12 @@ int ellm_neon_features(void);
 int ellm_neon_set_features(int mask);
 /* AVX-512 VNNI (vpdpbusd) usable: lets the AVX-512 integer dot kernels use it. */
 int ellm_cpu_has_avx512_vnni(void);
-/* An AMD CPU (CPUID vendor "AuthenticAMD"; asked once): picks which decode kernels stream
- * from DRAM, one row at a time or in row tiles (matmul.c: decode_kernel). */
-int ellm_cpu_is_amd(void);
-/* Tests: v = 0 / 1 answers ellm_cpu_is_amd() so from now on (the kernels of either vendor
- * run on this CPU, with the same bits); v < 0 asks the CPU again. */
-void ellm_cpu_set_amd(int v);
+/* The CPU family of an AMD CPU (CPUID vendor "AuthenticAMD"; asked once), 0 for any other
+ * vendor: picks which decode kernels stream from DRAM, one row at a time or in row tiles
+ * (matmul.c: decode_kernel). 25 is Zen 3 and Zen 4, 26 Zen 5. */
+int ellm_cpu_amd_family(void);
+/* Tests: f >= 0 answers ellm_cpu_amd_family() so from now on (the kernels chosen for that
+ * CPU run on this one, with the same bits); f < 0 asks the CPU again. */
+void ellm_cpu_set_amd_family(int f);
 
 #endif

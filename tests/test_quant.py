@@ -46,11 +46,17 @@ def use_level(level: str) -> None:
     assert _quant.simd_level() == level
 
 
+# the CPUs whose decode kernels matmul.c's decode_kernel chooses apart: another vendor's,
+# AMD before Zen 5 (family 25), Zen 5 (26)
+CPU_FAMILIES = {"other": 0, "zen4": 25, "zen5": 26}
+
+
 @pytest.fixture
-def either_vendor():
-    """Sets which CPU vendor's decode kernels matmul.c takes; asks the CPU again after."""
-    yield _quant.set_cpu_is_amd
-    _quant.set_cpu_is_amd(None)
+def cpu_family():
+    """Sets which CPU's decode kernels matmul.c takes (a CPU_FAMILIES value); asks the CPU
+    again after."""
+    yield _quant.set_cpu_amd_family
+    _quant.set_cpu_amd_family(None)
 
 
 @pytest.fixture(autouse=True)
@@ -528,16 +534,16 @@ def extreme_kquant_rows(qtype: GGMLType, n_rows: int, k: int, rng: np.random.Gen
     return raw
 
 
-@pytest.mark.parametrize("amd", [True, False], ids=["amd", "other"])
+@pytest.mark.parametrize("cpu", ["other", "zen5"])
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", QK, ids=lambda t: t.name)
-def test_kquant_extremes_batch_invariant(qtype: GGMLType, level: str, amd: bool, either_vendor) -> None:
+def test_kquant_extremes_batch_invariant(qtype: GGMLType, level: str, cpu: str, cpu_family) -> None:
     """Blocks at the ends of the types' ranges against activations at +-127 after
     quantization: each row of a 16-, 40- and 129-token call (the AMX tiles at that level)
     equals its T=1 result bit for bit, and those equal the scalar level's, with the
     one-token kernels of either vendor's CPUs."""
     use_level(level)
-    either_vendor(amd)
+    cpu_family(CPU_FAMILIES[cpu])
     rng = np.random.default_rng(1100 + int(qtype))
     k = 4 * 256
     w = extreme_kquant_rows(qtype, 48, k, rng)
@@ -628,15 +634,15 @@ def test_decode_split_is_bit_identical(level: str, exact: bool) -> None:
         _quant.set_num_threads(before)
 
 
-@pytest.mark.parametrize("amd", [True, False], ids=["amd", "other"])
+@pytest.mark.parametrize("cpu", CPU_FAMILIES)
 @pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_1, *QK], ids=lambda t: t.name)
-def test_decode_of_a_matrix_past_the_caches_is_bit_identical(qtype: GGMLType, amd: bool, either_vendor) -> None:
+def test_decode_of_a_matrix_past_the_caches_is_bit_identical(qtype: GGMLType, cpu: str, cpu_family) -> None:
     """One token against a matrix of more than 16 MiB (a model's head) gives the bits of the
     same rows at two tokens (the row tiles) and of a small slice of them, at 1 and 2
-    threads, with the kernels either vendor's CPUs take (matmul.c decode_kernel: one row at
-    a time for the 32-element types' large matrices on AMD CPUs, for the K-quants' on
-    others at the 512-bit levels)."""
-    either_vendor(amd)
+    threads, with the kernels each kind of CPU takes (matmul.c decode_kernel: one row at a
+    time for the 32-element types' large matrices on AMD CPUs before Zen 5, for the
+    K-quants' on other vendors' at the 512-bit levels)."""
+    cpu_family(CPU_FAMILIES[cpu])
     rng = np.random.default_rng(1701 + int(qtype))
     k = 256
     n = (16 << 20) // (k // BLOCK_LAYOUT[qtype][0] * BLOCK_LAYOUT[qtype][1]) + 3

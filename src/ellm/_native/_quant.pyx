@@ -45,8 +45,8 @@ from _csrc cimport (ELLM_LINEAR_MAX_PARTS, ellm_linear, ellm_linear_multi, ellm_
 cdef extern from "quant_impl.h":
     int ellm_cpu_has_vnni() nogil
 cdef extern from "simd.h":
-    int ellm_cpu_is_amd() nogil
-    void ellm_cpu_set_amd(int v) nogil
+    int ellm_cpu_amd_family() nogil
+    void ellm_cpu_set_amd_family(int f) nogil
 
 
 cdef extern from "threadpool.h":
@@ -94,15 +94,16 @@ def has_vnni() -> bool:
     return bool(ellm_cpu_has_vnni())
 
 
-def cpu_is_amd() -> bool:
-    """Whether decode takes the kernels chosen for AMD CPUs (matmul.c: decode_kernel)."""
-    return bool(ellm_cpu_is_amd())
+def cpu_amd_family() -> int:
+    """The CPU family of an AMD CPU (25: Zen 3 and 4, 26: Zen 5), 0 for other vendors: which
+    decode kernels stream from DRAM (matmul.c: decode_kernel)."""
+    return ellm_cpu_amd_family()
 
 
-def set_cpu_is_amd(amd) -> None:
-    """Tests: decode takes the kernels chosen for AMD CPUs (True) or for others (False) on
-    this CPU, whichever it is (same bits, other speed); None asks the CPU again."""
-    ellm_cpu_set_amd(-1 if amd is None else int(bool(amd)))
+def set_cpu_amd_family(family) -> None:
+    """Tests: decode takes the kernels chosen for an AMD CPU of this family (0: another
+    vendor's) on this CPU, whichever it is (same bits, other speed); None asks the CPU again."""
+    ellm_cpu_set_amd_family(-1 if family is None else int(family))
 
 
 # csrc/ is one shared library: the SIMD level is process-wide and _core owns its API.
