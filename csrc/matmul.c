@@ -138,14 +138,9 @@ static int takes_token_groups(int64_t T, int kquants_only) {
  * tiles), so at the AMX level calls from this many tokens on use them, padded to 16 */
 #define AMX_FEW_TOKENS 8
 _Static_assert(AMX_FEW_TOKENS <= FEW_TOKENS && AMX_FEW_TOKENS <= FEW_TOKENS_VNNI512 &&
-                   AMX_FEW_TOKENS <= FEW_TOKENS_AVX2,
-               "tiles start no later than the token groups of the 32-element types");
-/* From this many tokens on the scratch has room for the group layouts (rows padded to 16) */
-#define GROUP_ROWS_FROM AMX_FEW_TOKENS
-_Static_assert(GROUP_ROWS_FROM <= AMX_FEW_TOKENS && GROUP_ROWS_FROM <= FEW_TOKENS &&
-                   GROUP_ROWS_FROM <= FEW_TOKENS_VNNI512 && GROUP_ROWS_FROM <= FEW_TOKENS_VNNI512_K &&
-                   GROUP_ROWS_FROM <= FEW_TOKENS_AVX2,
-               "the scratch of every call that may take token groups or tiles has room for them");
+                   AMX_FEW_TOKENS <= FEW_TOKENS_VNNI512_K && AMX_FEW_TOKENS <= FEW_TOKENS_AVX2,
+               "tiles start no later than the token groups, and the scratch (rows padded to 16 "
+               "from AMX_FEW_TOKENS on) has room for the groups");
 /* Decode (T < FEW_TOKENS) is a read of the weights from DRAM, which the row kernels fetch
  * ahead in software (quant_x86.h); each thread should stream all the time. The call's
  * parts, one after the other, are cut into items of about the same bytes (1 /
@@ -520,7 +515,7 @@ static int act_layout(const ellm_linear_part *parts, int n_parts, int64_t T, int
         if (!used[f]) continue;
         /* room for the group layout too, which is the rows padded to whole groups
          * (ellm_act32x8 / ellm_act256x8 hold ELLM_TG blocks' bytes, rearranged) */
-        const int64_t rows = T >= GROUP_ROWS_FROM ? (T + ELLM_AMX_TG - 1) / ELLM_AMX_TG * ELLM_AMX_TG : T;
+        const int64_t rows = T >= AMX_FEW_TOKENS ? (T + ELLM_AMX_TG - 1) / ELLM_AMX_TG * ELLM_AMX_TG : T;
         if (stride[f] && (uint64_t)rows > (SIZE_MAX - 64 - at) / stride[f]) return 0;
         at = (at + 63) & ~(size_t)63;
         offset[f] = at;

@@ -1444,6 +1444,26 @@ INLINE __m128i hsum4x8_epi32(const __m256i v[4]) {
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+/* The f16 scales of a block in each of QXK_ROWS rows, lane r = row r: *d (at d_at), and for
+ * types with mins *ndmin = -dmin (the f16 after d) */
+INLINE void qk_rows_scales(const uint8_t *const wr[QXK_ROWS], size_t off, int d_at, int mins, __m128 *d,
+                           __m128 *ndmin) {
+    if (mins) {
+        uint32_t dm[QXK_ROWS]; /* (d, dmin) of each row */
+        for (int r = 0; r < QXK_ROWS; r++) dm[r] = ellm_rd_u32(wr[r] + off + d_at);
+        /* halves d0 dmin0 d1 dmin1 ... -> d0..d3 | dmin0..dmin3 */
+        const __m256 f = _mm256_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]));
+        const __m256 g = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+        *d = _mm256_castps256_ps128(g);
+        *ndmin = _mm_xor_ps(_mm256_extractf128_ps(g, 1), _mm_set1_ps(-0.0f));
+    } else {
+        *d = _mm_cvtph_ps(_mm_setr_epi16((short)ellm_rd_u16(wr[0] + off + d_at), (short)ellm_rd_u16(wr[1] + off + d_at),
+                                         (short)ellm_rd_u16(wr[2] + off + d_at), (short)ellm_rd_u16(wr[3] + off + d_at),
+                                         0, 0, 0, 0));
+        *ndmin = _mm_setzero_ps();
+    }
+}
+
 /* Q4_K / Q5_K block b of one row against the token's act256 block a: *sumi the 8-lane
  * partial sums of sum_j sc[j] (q_j . x_j), *msum those of sum_j mn[j] (bsum[2j] + bsum[2j+1]) */
 KINLINE void k4_block_isums(int type, const uint8_t *b, const ellm_act256 *a, __m256i *sumi, __m256i *msum) {
@@ -1560,20 +1580,16 @@ KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int 
         __m256i is[QXK_ROWS];
         if (qk_has_mins(type)) {
             __m256i ms[QXK_ROWS];
-            uint32_t dm[QXK_ROWS]; /* (d, dmin) of each row */
             _Pragma("GCC unroll 4")
             for (int r = 0; r < QXK_ROWS; r++) {
                 if (type == ELLM_T_Q2_K) k23_block_isums(type, wr[r] + off, a, &is[r], &ms[r]);
                 else k4_block_isums(type, wr[r] + off, a, &is[r], &ms[r]);
-                dm[r] = ellm_rd_u32(wr[r] + off + d_at);
             }
-            /* halves d0 dmin0 d1 dmin1 ... -> d0..d3 | dmin0..dmin3 */
-            const __m256 f = _mm256_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]));
-            const __m256 g = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
-            const __m128 d = _mm256_castps256_ps128(g), dmin = _mm256_extractf128_ps(g, 1);
+            __m128 d, ndmin;
+            qk_rows_scales(wr, off, d_at, 1, &d, &ndmin);
             const __m128 isum = _mm_cvtepi32_ps(hsum4x8_epi32(is)), msum = _mm_cvtepi32_ps(hsum4x8_epi32(ms));
             acc = _mm_fmadd_ps(isum, _mm_mul_ps(d, ad), acc);
-            acc = _mm_fmadd_ps(msum, _mm_mul_ps(_mm_xor_ps(dmin, _mm_set1_ps(-0.0f)), ad), acc);
+            acc = _mm_fmadd_ps(msum, _mm_mul_ps(ndmin, ad), acc);
         } else {
             _Pragma("GCC unroll 4")
             for (int r = 0; r < QXK_ROWS; r++) {
@@ -1581,10 +1597,8 @@ KINLINE void qdot_k_rows(int type, int64_t nb, const uint8_t *w, size_t ws, int 
                 if (type == ELLM_T_Q3_K) k23_block_isums(type, wr[r] + off, a, &is[r], &unused);
                 else is[r] = q6k_block_isum(wr[r] + off, a);
             }
-            const __m128 d = _mm_cvtph_ps(_mm_setr_epi16((short)ellm_rd_u16(wr[0] + off + d_at),
-                                                         (short)ellm_rd_u16(wr[1] + off + d_at),
-                                                         (short)ellm_rd_u16(wr[2] + off + d_at),
-                                                         (short)ellm_rd_u16(wr[3] + off + d_at), 0, 0, 0, 0));
+            __m128 d, unused_ndmin;
+            qk_rows_scales(wr, off, d_at, 0, &d, &unused_ndmin);
             acc = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(is)), _mm_mul_ps(d, ad), acc);
         }
     }
@@ -1617,7 +1631,6 @@ KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, 
             _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
         const ellm_act256 *a0 = x0 + i, *a1 = x1 + i;
         __m256i is0[QXK_ROWS], is1[QXK_ROWS], ms0[QXK_ROWS], ms1[QXK_ROWS];
-        uint32_t dm[QXK_ROWS];
         _Pragma("GCC unroll 4")
         for (int r = 0; r < QXK_ROWS; r++) {
             const uint8_t *b = wr[r] + off;
@@ -1639,11 +1652,9 @@ KINLINE void qdot_k4_rows_t2(int type, int64_t nb, const uint8_t *w, size_t ws, 
             is1[r] = s1;
             ms0[r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a0->bsums), mins);
             ms1[r] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a1->bsums), mins);
-            dm[r] = ellm_rd_u32(b);
         }
-        const __m256 f = _mm256_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]));
-        const __m256 g = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
-        const __m128 d = _mm256_castps256_ps128(g), ndmin = _mm_xor_ps(_mm256_extractf128_ps(g, 1), _mm_set1_ps(-0.0f));
+        __m128 d, ndmin;
+        qk_rows_scales(wr, off, 0, 1, &d, &ndmin);
         const __m128 ad0 = _mm_set1_ps(a0->d), ad1 = _mm_set1_ps(a1->d);
         acc0 = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(is0)), _mm_mul_ps(d, ad0), acc0);
         acc0 = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum4x8_epi32(ms0)), _mm_mul_ps(ndmin, ad0), acc0);
@@ -1860,13 +1871,9 @@ KINLINE void qdot_kz_rows(int type, const int NT, int64_t nb, const uint8_t *w, 
             }
             for (int t = 0; t < NT; t++) pair[t][rp] = _mm256_hadd_epi32(v[0][t], v[1][t]);
         }
+        __m128 d, ndmin;
+        qk_rows_scales(wr, off, d_at, mins, &d, &ndmin);
         if (mins) {
-            uint32_t dm[QXK_ROWS]; /* (d, dmin) of each row */
-            _Pragma("GCC unroll 4")
-            for (int r = 0; r < QXK_ROWS; r++) dm[r] = ellm_rd_u32(wr[r] + off + d_at);
-            const __m256 f = _mm256_cvtph_ps(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]));
-            const __m256 g = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
-            const __m128 d = _mm256_castps256_ps128(g), ndmin = _mm_xor_ps(_mm256_extractf128_ps(g, 1), _mm_set1_ps(-0.0f));
             for (int t = 0; t < NT; t++) {
                 /* pair[t][p] lanes: (isum, msum) of rows 2p, 2p + 1 in each half -> (i0 m0 i1 m1), (i2 m2 i3 m3) */
                 const __m256i h = _mm256_add_epi32(_mm256_permute2x128_si256(pair[t][0], pair[t][1], 0x20),
@@ -1877,10 +1884,6 @@ KINLINE void qdot_kz_rows(int type, const int NT, int64_t nb, const uint8_t *w, 
                 acc[t] = _mm_fmadd_ps(_mm256_extractf128_ps(s, 1), _mm_mul_ps(ndmin, ad), acc[t]);
             }
         } else {
-            const __m128 d = _mm_cvtph_ps(_mm_setr_epi16((short)ellm_rd_u16(wr[0] + off + d_at),
-                                                         (short)ellm_rd_u16(wr[1] + off + d_at),
-                                                         (short)ellm_rd_u16(wr[2] + off + d_at),
-                                                         (short)ellm_rd_u16(wr[3] + off + d_at), 0, 0, 0, 0));
             for (int t = 0; t < NT; t++) {
                 const __m256i h = _mm256_hadd_epi32(pair[t][0], pair[t][1]);
                 const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
